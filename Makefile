@@ -1,0 +1,64 @@
+# The front door: thin targets over the one CMake build (see README.md).
+#   make run        install what is missing, build, plan the embedded default
+#   make test       the same, then every test (unit, engine, CLI, a bounded fuzz run)
+#   make bench      the benchmarks (bench/), figures recorded in docs/PERFORMANCE.md
+#   make test-asan  the suite under AddressSanitizer + UBSan
+#   make test-tsan  the suite under ThreadSanitizer
+#   make format     clang-format over the sources
+#   make fuzz       the config-loader fuzzer for FUZZ_SECONDS (default 60)
+JOBS ?= $(shell nproc)
+BUILD ?= build
+CMAKE_FLAGS ?=
+FUZZ_SECONDS ?= 60
+CTEST = ctest --output-on-failure -j $(JOBS)
+
+.PHONY: all deps build run test bench test-asan test-tsan format fuzz fuzz-smoke clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+
+build: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	./$(BUILD)/bin/spillway plan --model Qwen3-30B-A3B --hardware gh200 \
+	  --micro-batch 2 --seq-len 8192 --ep 8 --dp 8
+
+test: build fuzz-smoke
+	cd $(BUILD) && $(CTEST)
+
+bench: build
+	./$(BUILD)/bin/spillway_bench_plan
+
+test-asan: deps
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSPILLWAY_SANITIZE=address -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(CTEST)
+
+test-tsan: deps
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSPILLWAY_SANITIZE=thread -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF
+	cmake --build build-tsan -j $(JOBS)
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 $(CTEST)
+
+build-fuzz/CMakeCache.txt:
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DSPILLWAY_FUZZ=ON -DSPILLWAY_CUDA=OFF -DSPILLWAY_TESTS=OFF -DSPILLWAY_BENCH=OFF
+
+fuzz: deps build-fuzz/CMakeCache.txt
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_model_config
+	bash scripts/run-fuzz.sh build-fuzz/fuzz_model_config $(FUZZ_SECONDS)
+
+# A bounded fuzz run that is part of `make test` (CI).
+fuzz-smoke:
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=30
+
+format:
+	clang-format -i $$(git ls-files '*.cpp' '*.hpp' '*.cu' '*.cuh')
+
+clean:
+	rm -rf build build-asan build-tsan build-fuzz

@@ -1,0 +1,98 @@
+// Model architectures as the planner and the engines see them, read from Hugging Face
+// config.json files (the dense Llama/Mistral/Qwen2/Qwen3 families, Qwen2-MoE/Qwen3-MoE,
+// Mixtral, DeepSeek-V2/V3 with MLA, GPT-OSS, Grok) or from the embedded catalog.
+//
+// A ModelConfig is a list of decoder layers, each an attention spec and an MLP spec, so
+// that mixed stacks (DeepSeek's first dense layers, GPT-OSS's alternating sliding
+// windows, Qwen's mlp_only_layers) are exact. All sizes are validated at load; every
+// product that could overflow 64 bits is checked (spillway::Error names the fields).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace spillway {
+
+enum class AttentionKind { kGqa, kMla };
+
+struct AttentionSpec {
+  AttentionKind kind = AttentionKind::kGqa;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;       // GQA only (MLA: every head has its own K and V)
+  int64_t qk_head_dim = 0;    // per-head dim of Q and K (MLA: nope + rope)
+  int64_t v_head_dim = 0;     // per-head dim of V and of the core output
+  int64_t q_lora_rank = 0;    // MLA; 0 = Q projected directly from the hidden state
+  int64_t kv_lora_rank = 0;   // MLA
+  int64_t qk_rope_head_dim = 0;  // MLA: the shared rotary key part
+  int64_t sliding_window = 0;    // 0 = full causal attention
+  bool qkv_bias = false;
+  bool o_bias = false;
+  bool qk_norm = false;       // per-head RMSNorm of Q and K (Qwen3)
+  bool sinks = false;         // learned attention sinks, one per head (GPT-OSS)
+  friend bool operator==(const AttentionSpec&, const AttentionSpec&) = default;
+};
+
+enum class MlpKind { kDense, kMoe };
+
+struct MlpSpec {
+  MlpKind kind = MlpKind::kDense;
+  int64_t ffn = 0;             // dense: intermediate size; MoE: per routed expert
+  int64_t experts = 0;         // MoE: routed experts
+  int64_t top_k = 0;           // MoE: routed experts per token
+  int64_t shared_ffn = 0;      // MoE: total width of the shared expert(s), 0 if none
+  bool shared_gate = false;    // MoE: sigmoid gate on the shared expert (Qwen2-MoE)
+  int64_t residual_ffn = 0;    // MoE: a dense MLP beside the experts (Grok), 0 if none
+  bool bias = false;           // biases on the MLP/expert projections (GPT-OSS)
+  bool router_bias = false;    // a bias on the router (GPT-OSS, DeepSeek-V3's correction)
+  // The width a token activates: top_k * ffn + shared_ffn + residual_ffn (dense: ffn).
+  int64_t active_ffn() const;
+  friend bool operator==(const MlpSpec&, const MlpSpec&) = default;
+};
+
+struct LayerSpec {
+  AttentionSpec attn;
+  MlpSpec mlp;
+  // Short block name used in plans: "gqa+dense", "swa+moe", "mla+moe", "gqa+moe+dense".
+  std::string block_name() const;
+  friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
+};
+
+
+struct ModelConfig {
+  std::string name;        // catalog name or the file's stem
+  std::string model_type;  // as in config.json
+  std::string source;      // file path or "catalog:<file>"
+  int64_t hidden = 0;
+  int64_t vocab = 0;
+  bool tied_embeddings = false;
+  std::vector<LayerSpec> layers;
+};
+
+// Parses a Hugging Face config.json. `name` labels the model, `file` is used in messages.
+ModelConfig parse_model_config(const nlohmann::json& config, const std::string& name,
+                               const std::string& file);
+// A catalog name (case-insensitive, e.g. "Qwen3-30B-A3B") or a path to a config.json.
+ModelConfig load_model(const std::string& name_or_path);
+
+struct ModelCatalogEntry {
+  std::string name;
+  std::string file;
+  std::string hf_repo;
+  double published_params_b = 0.0;
+  double published_active_params_b = 0.0;  // 0 when not published
+};
+std::vector<ModelCatalogEntry> model_catalog();
+
+// The model_type values the loader knows.
+const std::vector<std::string>& supported_model_types();
+
+// Parameters of one layer (unsharded), of the whole model (embeddings, final norm and an
+// untied LM head included; multi-token-prediction modules excluded), and per token.
+int64_t layer_parameter_count(const LayerSpec& layer, int64_t hidden);
+int64_t parameter_count(const ModelConfig& model);
+int64_t active_parameter_count(const ModelConfig& model);
+
+}  // namespace spillway

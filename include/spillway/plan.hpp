@@ -1,0 +1,163 @@
+// The planner: for a model, a workload and a hardware profile, decide per layer which
+// saved tensors to keep, offload to host memory or recompute, under the HBM budget and
+// the no-snowball condition with margin, minimizing step time; and say what it costs.
+//
+// Policies per layer (DESIGN sections 2 and 3):
+//   keep       every saved tensor stays in HBM;
+//   recompute  block-type checkpointing: attention recomputed from its input; dense MLP
+//              recomputed from its input; MoE recomputes only the expert GEMMs (router and
+//              dispatch results kept);
+//   offload    as recompute, but the MLP tensors (mlp.gate_out, mlp.up_out, mlp.act) are
+//              offloaded and reloaded instead of recomputed;
+//   selective  a knapsack over the whole layer's tensors: the subset to offload that fits
+//              the forward window, the rest recomputed (block policy) or kept;
+//   hybrid     the GEMM/attention outputs are offloaded (as many as the window holds) and
+//              the cheap element-wise tensors are recomputed from the reloaded ones.
+// The last layer(s) never offload: backward starts there, so there is no window.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "spillway/hardware.hpp"
+#include "spillway/inventory.hpp"
+#include "spillway/model.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway {
+
+enum class Strategy { kAuto, kKeep, kRecompute, kOffload, kSelective, kHybrid };
+enum class Policy { kKeep, kRecompute, kOffload, kSelective, kHybrid };
+enum class Action { kKeep, kOffload, kRecompute };
+
+std::string to_string(Strategy s);
+std::string to_string(Policy p);
+std::string to_string(Action a);
+Strategy parse_strategy(const std::string& s);
+
+// Roofline efficiency factors: the fraction of peak a kernel class reaches.
+// Defaults: GEMMs 0.70 of dense peak, fused attention 0.50, memory-bound kernels 0.80 of
+// HBM bandwidth. All overridable (--gemm-efficiency, --attention-efficiency, --hbm-efficiency).
+struct Efficiency {
+  double gemm = 0.70;
+  double attention = 0.50;
+  double hbm = 0.80;
+};
+
+struct Workload {
+  ShardShape shape;
+  int64_t pp = 1;
+  int64_t dp = 1;
+  int64_t grad_accum = 1;
+};
+
+struct LayerTiming {  // a measured layer (calibration profile)
+  int index = 0;
+  double fwd_ms = 0.0;
+  double bwd_ms = 0.0;
+};
+
+struct PlanRequest {
+  ModelConfig model;
+  HardwareProfile hardware;
+  Workload work;
+  Strategy strategy = Strategy::kAuto;
+  double margin = 0.10;                     // transfers must fit window / (1 + margin)
+  std::optional<double> layer_fwd_ms;       // calibration: the repeating layer's forward
+  std::vector<LayerTiming> profile;         // calibration: measured per-layer times
+  std::optional<double> hbm_budget_gb;      // default: profile HBM minus the reserve
+  std::optional<double> d2h_gbps;           // default: typical measured / gpus_per_link
+  std::optional<double> h2d_gbps;
+  Efficiency efficiency;
+  int keep_last_layers = 1;                 // layers at the end that never offload
+  int prefetch_depth = 1;                   // backward reloads issued this many layers ahead
+};
+
+// The fraction of HBM the default budget leaves for the CUDA context, allocator
+// fragmentation and communication buffers.
+inline constexpr double kHbmReserveFraction = 0.05;
+
+struct TensorPlan {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;
+  int64_t bytes = 0;
+  Action action = Action::kKeep;
+  double recompute_ms = 0.0;   // time of the op that produces it
+  double produced_at_ms = 0.0; // offset in the layer's forward when it exists
+};
+
+struct LayerPlan {
+  int index = 0;
+  std::string block;
+  Policy policy = Policy::kKeep;
+  std::vector<TensorPlan> tensors;
+  int64_t offload_bytes = 0;
+  int64_t kept_bytes = 0;
+  int64_t rematerialized_bytes = 0;  // offloaded + recomputed: live again in its backward
+  double fwd_ms = 0.0;
+  double bwd_ms = 0.0;
+  double recompute_ms = 0.0;
+  double recompute_avoided_ms = 0.0;  // against the block-type recompute policy
+  double d2h_ms = 0.0;                // offload_bytes / D2H bandwidth
+  double window_ms = 0.0;             // from the copy's start to the end of the next forward
+  double margin = 0.0;                // window / d2h - 1 (0 when nothing is offloaded)
+  double h2d_ms = 0.0;
+  double stall_ms = 0.0;              // backward waiting on this layer's reload
+  int64_t backlog_bytes = 0;          // D2H bytes not yet copied when this layer's forward ends
+  bool snowball = false;              // the copy misses its window (with margin)
+};
+
+struct MemoryBreakdown {
+  int64_t weights = 0;
+  int64_t gradients = 0;
+  int64_t optimizer_states = 0;
+  int64_t activations = 0;
+  int64_t in_flight_copies = 0;
+  int64_t total() const {
+    return weights + gradients + optimizer_states + activations + in_flight_copies;
+  }
+};
+
+struct PlanSummary {
+  bool feasible = true;
+  std::vector<std::string> reasons;  // why not, in words and numbers
+  MemoryBreakdown peak;
+  int64_t hbm_budget_bytes = 0;
+  int64_t host_pinned_bytes = 0;
+  double step_ms = 0.0;
+  double recompute_step_ms = 0.0;
+  double keep_step_ms = 0.0;
+  double speedup_vs_recompute = 1.0;
+  double stall_ms = 0.0;
+  double d2h_gbps = 0.0;  // the per-GPU figures used
+  double h2d_gbps = 0.0;
+  double time_scale = 1.0;  // calibration factor applied to modelled times
+  std::string calibration;  // "roofline", "layer-fwd-ms", "profile"
+};
+
+struct Plan {
+  Strategy strategy = Strategy::kAuto;
+  std::vector<LayerPlan> layers;  // this pipeline stage's layers (the first stage)
+  PlanSummary summary;
+  int64_t params_total = 0;
+  int64_t params_per_gpu = 0;
+  int64_t tokens_per_gpu = 0;
+};
+
+// Validates the request (positive sizes, divisibility) and plans. Bad input throws
+// spillway::Error; an infeasible strategy is a value (summary.feasible == false).
+Plan make_plan(const PlanRequest& request);
+
+// Reads a calibration profile (schema spillway.profile/1: {"layers": [{"index", "fwd_ms",
+// "bwd_ms"}]}).
+std::vector<LayerTiming> load_profile(const std::string& path);
+
+// The plan as JSON, schema spillway.plan/1 (docs/plan-schema.md).
+std::string plan_to_json(const Plan& plan, const PlanRequest& request);
+// The human report: a table per layer and the summary.
+std::string format_plan_report(const Plan& plan, const PlanRequest& request);
+
+}  // namespace spillway

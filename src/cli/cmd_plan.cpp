@@ -1,0 +1,42 @@
+// `spillway plan`: what should spill, and what will it cost.
+#include <chrono>
+#include <memory>
+
+#include "cli/commands.hpp"
+#include "cli/plan_flags.hpp"
+#include "spillway/plan.hpp"
+
+namespace spillway::cli {
+
+void add_plan_command(CLI::App& app) {
+  struct State {
+    PlanFlags flags;
+    std::string json_path;
+    bool quiet = false;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan",
+      "Decide per layer what to keep, offload or recompute under the HBM budget and the "
+      "no-snowball condition, and report HBM by category, host memory and step time.\n\n"
+      "Examples:\n"
+      "  spillway plan --model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 8192\n"
+      "  spillway plan --model Llama-3.1-70B --hardware h100-sxm --tp 8 --strategy offload\n"
+      "  spillway plan --model ./config.json --hardware gb200 --layer-fwd-ms 12.5 --json plan.json\n"
+      "Exit status: 0 when the plan is feasible, 3 when it is not (the reasons are printed).");
+  add_plan_flags(*cmd, st->flags);
+  cmd->add_option("--json", st->json_path,
+                  "Write the plan (schema spillway.plan/1, docs/plan-schema.md) to FILE, '-' for "
+                  "stdout")
+      ->group("Output");
+  cmd->add_flag("--quiet", st->quiet, "Do not print the report (with --json FILE)")->group("Output");
+  cmd->callback([st]() {
+    const PlanRequest req = make_request(st->flags);
+    const Plan plan = make_plan(req);
+    if (!st->quiet && st->json_path != "-") write_output("-", format_plan_report(plan, req));
+    if (!st->json_path.empty()) write_output(st->json_path, plan_to_json(plan, req));
+    if (!plan.summary.feasible) throw CLI::RuntimeError(3);
+  });
+}
+
+}  // namespace spillway::cli

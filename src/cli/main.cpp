@@ -1,0 +1,64 @@
+// The spillway command: plan, models, hardware (more engines add subcommands).
+// Exit codes: 0 success, 1 an error in the input or the run (message on stderr), 2 a
+// command-line usage error.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "cli/commands.hpp"
+#include "spillway/error.hpp"
+
+namespace spillway::cli {
+
+void write_output(const std::string& path, const std::string& text) {
+  if (path == "-") {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    return;
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) SPILLWAY_INPUT_ERROR("cannot write '{}': {}", tmp, std::strerror(errno));
+    out << text;
+    out.close();
+    if (!out) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      SPILLWAY_INPUT_ERROR("cannot write '{}'", path);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    SPILLWAY_INPUT_ERROR("cannot write '{}': {}", path, ec.message());
+  }
+}
+
+}  // namespace spillway::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "spillway: move what does not fit in GPU memory into CPU memory, and bring it back in "
+      "time.\n\nStart with:\n  spillway plan --model Qwen3-30B-A3B --hardware gh200 "
+      "--micro-batch 1 --seq-len 8192\n  spillway models      (the model catalog)\n  "
+      "spillway hardware    (the hardware profiles)\n"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "spillway 0.1.0");
+  spillway::cli::add_plan_command(app);
+  spillway::cli::add_models_command(app);
+  spillway::cli::add_hardware_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const spillway::Error& e) {
+    std::fprintf(stderr, "spillway: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "spillway: internal error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,128 @@
+// Shared planning flags -> PlanRequest.
+#include "cli/plan_flags.hpp"
+
+#include <cmath>
+
+#include "spillway/error.hpp"
+
+namespace spillway::cli {
+
+void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
+  cmd.add_option("--model", f.model,
+                 "Catalog name (see `spillway models`) or path to a Hugging Face config.json")
+      ->capture_default_str()
+      ->group("Model and hardware");
+  cmd.add_option("--hardware", f.hardware,
+                 "Catalog profile (see `spillway hardware`) or path to a profile JSON")
+      ->capture_default_str()
+      ->group("Model and hardware");
+  cmd.add_option("--micro-batch", f.micro_batch, "Sequences per micro-batch")->capture_default_str()->group("Workload");
+  cmd.add_option("--seq-len", f.seq_len, "Tokens per sequence")->capture_default_str()->group("Workload");
+  cmd.add_option("--dtype", f.dtype, "Activation dtype: bf16, fp16, fp8, fp32")->capture_default_str()->group("Workload");
+  cmd.add_option("--tp", f.tp, "Tensor-parallel size (with sequence parallelism)")->capture_default_str()->group("Workload");
+  cmd.add_option("--ep", f.ep, "Expert-parallel size")->capture_default_str()->group("Workload");
+  cmd.add_option("--cp", f.cp, "Context-parallel size (splits the sequence)")->capture_default_str()->group("Workload");
+  cmd.add_option("--pp", f.pp, "Pipeline-parallel size (the first 1F1B stage is planned)")->capture_default_str()->group("Workload");
+  cmd.add_option("--dp", f.dp, "Data-parallel size (shards the optimizer states)")->capture_default_str()->group("Workload");
+  cmd.add_option("--grad-accum", f.grad_accum, "Micro-batches per optimizer step")->capture_default_str()->group("Workload");
+  cmd.add_flag("--fused-swiglu", f.fused_swiglu,
+               "SwiGLU backward recomputes silu(g)*u in-kernel: only gate and up outputs are saved")
+      ->group("Workload");
+  cmd.add_option("--strategy", f.strategy,
+                 "auto (fastest feasible mix, layer by layer), keep, recompute, offload, selective, "
+                 "hybrid (applied to every layer, then judged)")
+      ->capture_default_str()
+      ->group("Policy");
+  cmd.add_option("--margin", f.margin,
+                 "Headroom a copy must leave in its window: '10%' or 0.1 (copies share HBM "
+                 "bandwidth with kernels)")
+      ->capture_default_str()
+      ->group("Policy");
+  cmd.add_option("--hbm-budget-gb", f.hbm_budget_gb,
+                 "HBM the plan may use (default: the profile's HBM minus 5% reserve)")
+      ->group("Policy");
+  cmd.add_option("--keep-last", f.keep_last, "Layers at the end that never offload")->capture_default_str()->group("Policy");
+  cmd.add_option("--prefetch-depth", f.prefetch_depth, "Backward reloads issued this many layers ahead")
+      ->capture_default_str()
+      ->group("Policy");
+  cmd.add_option("--d2h-gbps", f.d2h_gbps,
+                 "Device->host GB/s per GPU (default: the profile's typical measured figure, "
+                 "shared by the GPUs on one link; never the nominal peak)")
+      ->group("Link");
+  cmd.add_option("--h2d-gbps", f.h2d_gbps, "Host->device GB/s per GPU (default as --d2h-gbps)")->group("Link");
+  auto* fwd = cmd.add_option("--layer-fwd-ms", f.layer_fwd_ms,
+                             "Calibration: measured forward time of the repeating layer; all "
+                             "modelled times are scaled to it")
+                  ->group("Calibration");
+  cmd.add_option("--profile", f.profile,
+                 "Calibration: JSON with measured per-layer times "
+                 "{\"layers\": [{\"index\", \"fwd_ms\", \"bwd_ms\"}]}")
+      ->excludes(fwd)
+      ->group("Calibration");
+  cmd.add_option("--gemm-efficiency", f.gemm_eff, "Fraction of dense peak reached by GEMMs")
+      ->capture_default_str()
+      ->group("Calibration");
+  cmd.add_option("--attention-efficiency", f.attention_eff, "Fraction of dense peak reached by fused attention")
+      ->capture_default_str()
+      ->group("Calibration");
+  cmd.add_option("--hbm-efficiency", f.hbm_eff, "Fraction of HBM bandwidth reached by memory-bound kernels")
+      ->capture_default_str()
+      ->group("Calibration");
+}
+
+double parse_margin(const std::string& text) {
+  std::string s = text;
+  bool percent = false;
+  if (!s.empty() && s.back() == '%') {
+    percent = true;
+    s.pop_back();
+  }
+  size_t used = 0;
+  double v = 0.0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != s.size() || !std::isfinite(v)) {
+    SPILLWAY_INPUT_ERROR("--margin is '{}'; write a percentage like 10% or a fraction like 0.1", text);
+  }
+  if (percent) v /= 100.0;
+  if (!percent && v > 1.0) {
+    SPILLWAY_INPUT_ERROR("--margin is '{}'; a fraction above 1 is ambiguous: write {}% or {}",
+                         text, text, v / 100.0);
+  }
+  if (v < 0.0 || v > 10.0) {
+    SPILLWAY_INPUT_ERROR("--margin is '{}'; must be between 0% and 1000%", text);
+  }
+  return v;
+}
+
+PlanRequest make_request(const PlanFlags& f) {
+  PlanRequest r;
+  r.work.shape.micro_batch = f.micro_batch;
+  r.work.shape.seq_len = f.seq_len;
+  r.work.shape.dtype = parse_dtype(f.dtype);
+  r.work.shape.tp = f.tp;
+  r.work.shape.ep = f.ep;
+  r.work.shape.cp = f.cp;
+  r.work.shape.fused_swiglu = f.fused_swiglu;
+  r.work.pp = f.pp;
+  r.work.dp = f.dp;
+  r.work.grad_accum = f.grad_accum;
+  r.strategy = parse_strategy(f.strategy);
+  r.margin = parse_margin(f.margin);
+  r.layer_fwd_ms = f.layer_fwd_ms;
+  r.hbm_budget_gb = f.hbm_budget_gb;
+  r.d2h_gbps = f.d2h_gbps;
+  r.h2d_gbps = f.h2d_gbps;
+  r.efficiency = Efficiency{f.gemm_eff, f.attention_eff, f.hbm_eff};
+  r.keep_last_layers = f.keep_last;
+  r.prefetch_depth = f.prefetch_depth;
+  r.model = load_model(f.model);
+  r.hardware = load_hardware(f.hardware);
+  if (!f.profile.empty()) r.profile = load_profile(f.profile);
+  return r;
+}
+
+}  // namespace spillway::cli

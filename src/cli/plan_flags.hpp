@@ -1,0 +1,42 @@
+// The model/hardware/workload/calibration flags shared by every command that plans
+// (plan today; simulate and train reuse them), and their translation to a PlanRequest.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <optional>
+#include <string>
+
+#include "spillway/plan.hpp"
+
+namespace spillway::cli {
+
+struct PlanFlags {
+  std::string model = "Qwen3-30B-A3B";
+  std::string hardware = "gh200";
+  int64_t micro_batch = 1;
+  int64_t seq_len = 4096;
+  std::string dtype = "bf16";
+  int64_t tp = 1, ep = 1, cp = 1, pp = 1, dp = 1;
+  int64_t grad_accum = 1;
+  bool fused_swiglu = false;
+  std::string strategy = "auto";
+  std::string margin = "10%";
+  std::optional<double> layer_fwd_ms;
+  std::string profile;
+  std::optional<double> hbm_budget_gb;
+  std::optional<double> d2h_gbps;
+  std::optional<double> h2d_gbps;
+  double gemm_eff = Efficiency{}.gemm;
+  double attention_eff = Efficiency{}.attention;
+  double hbm_eff = Efficiency{}.hbm;
+  int keep_last = 1;
+  int prefetch_depth = 1;
+};
+
+void add_plan_flags(CLI::App& cmd, PlanFlags& f);
+// Loads the model, the hardware profile and the calibration; validates every value.
+PlanRequest make_request(const PlanFlags& f);
+// "10%" -> 0.10, "0.1" -> 0.10; anything else is an error naming --margin.
+double parse_margin(const std::string& text);
+
+}  // namespace spillway::cli

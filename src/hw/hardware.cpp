@@ -1,0 +1,91 @@
+// Hardware profile loading (schema spillway.hardware/1) with field-by-field validation.
+#include <algorithm>
+#include <filesystem>
+
+#include "core/embedded_data.hpp"
+#include "core/json_io.hpp"
+#include "spillway/error.hpp"
+#include "spillway/hardware.hpp"
+
+namespace spillway {
+
+namespace {
+constexpr const char* kWhat = "hardware profile";
+constexpr const char* kSchema = "spillway.hardware/1";
+}  // namespace
+
+HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::string& file) {
+  JsonObject root(doc, kWhat, file);
+  const std::string schema = root.req_str("schema");
+  if (schema != kSchema) root.fail("schema", fmt::format("is \"{}\"; must be \"{}\"", schema, kSchema));
+  HardwareProfile h;
+  h.source = file;
+  h.name = root.req_str("name");
+  h.description = root.str_or("description", "");
+  h.projected = root.bool_or("projected", false);
+  h.notes = root.str_or("notes", "");
+  const JsonObject gpu = root.req_obj("gpu");
+  h.hbm_gb = gpu.req_num("hbm_gb", 0.001, 1e6);
+  h.hbm_tbps = gpu.req_num("hbm_tbps", 0.001, 1e4);
+  h.sms = static_cast<int>(gpu.req_int("sms", 1, 1 << 20));
+  h.bf16_dense = TFlops(gpu.req_num("bf16_dense_tflops", 0.001, 1e7));
+  h.fp8_dense = TFlops(gpu.num_or("fp8_dense_tflops", h.bf16_dense.value, 0.001, 1e7));
+  const JsonObject link = root.req_obj("host_link");
+  h.link_kind = link.req_str("kind");
+  h.d2h_nominal = GBps(link.req_num("d2h_nominal_gbps", 0.001, 1e6));
+  h.h2d_nominal = GBps(link.req_num("h2d_nominal_gbps", 0.001, 1e6));
+  h.d2h_typical = GBps(link.req_num("d2h_typical_gbps", 0.001, 1e6));
+  h.h2d_typical = GBps(link.req_num("h2d_typical_gbps", 0.001, 1e6));
+  if (h.d2h_typical > h.d2h_nominal) {
+    link.fail("d2h_typical_gbps", fmt::format("is {}; a measured figure cannot exceed \"d2h_nominal_gbps\" ({})",
+                                              h.d2h_typical.value, h.d2h_nominal.value));
+  }
+  if (h.h2d_typical > h.h2d_nominal) {
+    link.fail("h2d_typical_gbps", fmt::format("is {}; a measured figure cannot exceed \"h2d_nominal_gbps\" ({})",
+                                              h.h2d_typical.value, h.h2d_nominal.value));
+  }
+  h.gpus_per_link = static_cast<int>(link.int_or("gpus_per_link", 1, 1, 1024));
+  const JsonObject host = root.req_obj("host");
+  h.host_memory_gb = host.req_num("memory_gb", 0.001, 1e7);
+  h.gpus_per_host_memory = static_cast<int>(host.int_or("gpus_per_host_memory", 1, 1, 1024));
+  for (const JsonObject& m : root.obj_array("mig")) {
+    MigProfile p;
+    p.profile = m.req_str("profile");
+    p.count = static_cast<int>(m.req_int("count", 1, 64));
+    p.hbm_gb = m.req_num("hbm_gb", 0.001, 1e6);
+    p.sms = static_cast<int>(m.req_int("sms", 1, 1 << 20));
+    p.hbm_tbps = m.req_num("hbm_tbps", 0.001, 1e4);
+    h.mig.push_back(std::move(p));
+  }
+  return h;
+}
+
+std::vector<std::string> hardware_names() {
+  std::vector<std::string> out;
+  for (const EmbeddedFile& f : embedded_files()) {
+    if (std::string_view(f.kind) != "hardware") continue;
+    std::string n = f.name;
+    if (n.size() > 5 && n.ends_with(".json")) out.push_back(n.substr(0, n.size() - 5));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+HardwareProfile load_hardware(const std::string& name_or_path) {
+  if (const EmbeddedFile* f = find_embedded("hardware", name_or_path + ".json")) {
+    const std::string label = "data/hardware/" + name_or_path + ".json";
+    return parse_hardware_profile(parse_json_text(f->text, kWhat, label), label);
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(name_or_path, ec)) {
+    std::string names;
+    for (const std::string& n : hardware_names()) names += (names.empty() ? "" : ", ") + n;
+    SPILLWAY_INPUT_ERROR(
+        "hardware: '{}' is neither a catalog profile nor an existing file. Catalog: {} (or pass "
+        "the path of a profile JSON, schema {})",
+        name_or_path, names, kSchema);
+  }
+  return parse_hardware_profile(load_json_file(name_or_path, kWhat), name_or_path);
+}
+
+}  // namespace spillway

@@ -1,0 +1,249 @@
+// Builds the per-layer inventory of ops and saved tensors (see inventory.hpp).
+//
+// FLOP conventions: a GEMM of (M x K) by (K x N) is 2MKN forward and 4MKN backward (data
+// and weight gradients). Core attention (flash style) is 2 * T * keys * heads * (d_qk +
+// d_v) forward and 2.5x that backward (it recomputes the scores). Memory-bound ops are
+// counted by the bytes they read and write; backward moves twice the forward bytes.
+#include "spillway/inventory.hpp"
+
+#include <algorithm>
+
+#include "spillway/error.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway {
+
+int64_t dtype_bytes(DType t) {
+  switch (t) {
+    case DType::kBf16:
+    case DType::kFp16:
+      return 2;
+    case DType::kFp8:
+      return 1;
+    case DType::kFp32:
+      return 4;
+  }
+  return 2;
+}
+
+std::string to_string(DType t) {
+  switch (t) {
+    case DType::kBf16: return "bf16";
+    case DType::kFp16: return "fp16";
+    case DType::kFp8: return "fp8";
+    case DType::kFp32: return "fp32";
+  }
+  return "bf16";
+}
+
+DType parse_dtype(const std::string& s) {
+  if (s == "bf16") return DType::kBf16;
+  if (s == "fp16") return DType::kFp16;
+  if (s == "fp8") return DType::kFp8;
+  if (s == "fp32") return DType::kFp32;
+  SPILLWAY_INPUT_ERROR("--dtype is '{}'; must be one of bf16, fp16, fp8, fp32", s);
+}
+
+double causal_average_keys(int64_t seq_len, int64_t window) {
+  const double s = static_cast<double>(seq_len);
+  if (window <= 0 || window >= seq_len) return (s + 1.0) / 2.0;
+  const double w = static_cast<double>(window);
+  return (w * (w + 1.0) / 2.0 + (s - w) * w) / s;
+}
+
+int LayerInventory::find(const std::string& tensor_name) const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == tensor_name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int64_t LayerInventory::saved_bytes() const {
+  int64_t total = 0;
+  for (const TensorInfo& t : tensors) {
+    if (t.saved) total += t.bytes;
+  }
+  return total;
+}
+
+namespace {
+
+const char* kOverflow = "activation size (micro_batch * seq_len * width * bytes)";
+
+int64_t mul(int64_t a, int64_t b) { return checked_mul(a, b, kOverflow); }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+class Builder {
+ public:
+  explicit Builder(LayerInventory& inv) : inv_(inv) {}
+
+  int tensor(std::string name, int64_t rows, int64_t cols, const char* dtype, int64_t elem,
+             bool saved = true) {
+    TensorInfo t;
+    t.name = std::move(name);
+    t.shape = {rows, cols};
+    t.dtype = dtype;
+    t.bytes = mul(mul(rows, cols), elem);
+    t.saved = saved;
+    inv_.tensors.push_back(std::move(t));
+    return static_cast<int>(inv_.tensors.size() - 1);
+  }
+
+  void op(std::string name, OpKind kind, double flops, int64_t bytes, std::vector<int> in,
+          std::vector<int> out, double bwd_flop_factor = 2.0) {
+    OpCost o;
+    o.name = std::move(name);
+    o.kind = kind;
+    o.fwd_flops = flops;
+    o.fwd_bytes = bytes;
+    o.bwd_flops = flops * bwd_flop_factor;
+    o.bwd_bytes = checked_mul(bytes, 2, kOverflow);
+    o.inputs = std::move(in);
+    o.outputs = std::move(out);
+    const int index = static_cast<int>(inv_.ops.size());
+    for (int t : o.outputs) inv_.tensors[static_cast<size_t>(t)].producer = index;
+    inv_.ops.push_back(std::move(o));
+  }
+
+ private:
+  LayerInventory& inv_;
+};
+
+}  // namespace
+
+LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardShape& sh) {
+  SPILLWAY_CHECK(sh.tp >= 1 && sh.cp >= 1 && sh.ep >= 1 && sh.micro_batch >= 1 && sh.seq_len >= 1,
+                 "shard shape must be positive");
+  LayerInventory inv;
+  Builder b(inv);
+  const int64_t e = dtype_bytes(sh.dtype);
+  const std::string dtype_name = to_string(sh.dtype);
+  const char* dt = dtype_name.c_str();
+  const int64_t tp = sh.tp;
+  const int64_t T = ceil_div(mul(sh.micro_batch, sh.seq_len), sh.cp);  // tokens per GPU
+  const int64_t Tsp = ceil_div(T, tp);                                   // sequence-parallel rows
+  const double Tf = static_cast<double>(T);
+  const double df = static_cast<double>(d);
+  const double tpf = static_cast<double>(tp);
+  const AttentionSpec& a = layer.attn;
+  const MlpSpec& m = layer.mlp;
+
+  auto gemm_bytes = [&](int64_t M, int64_t K, int64_t N, int64_t weight_copies = 1) {
+    // inputs + weights + outputs, per GPU (weights and widths split by tp)
+    return mul(checked_add(checked_add(mul(M, K), mul(mul(K, N), weight_copies), kOverflow),
+                           mul(M, N), kOverflow) / tp, e);
+  };
+
+  // ---- attention -----------------------------------------------------------------
+  const int x = b.tensor("attn.input", Tsp, d, dt, e);
+  const int xn = b.tensor("attn.norm_out", Tsp, d, dt, e);
+  b.op("attn.norm", OpKind::kMemory, 4.0 * Tf * df / tpf, mul(mul(2, Tsp), mul(d, e)), {x}, {xn});
+
+  const int64_t q_width = mul(a.heads, a.qk_head_dim);
+  const int64_t kv_width = a.kind == AttentionKind::kMla
+                               ? mul(a.heads, a.qk_head_dim + a.v_head_dim)
+                               : mul(a.kv_heads, a.qk_head_dim + a.v_head_dim);
+  const int64_t qkv_width = checked_add(q_width, kv_width, kOverflow);
+  const int qkv = b.tensor("attn.qkv_out", T, ceil_div(qkv_width, tp), dt, e);
+  if (a.kind == AttentionKind::kMla) {
+    // Down-projections to the latents, then up-projections to per-head Q, K, V.
+    const int64_t q_rank = a.q_lora_rank;
+    const int64_t kv_in = a.kv_lora_rank + a.qk_rope_head_dim;
+    const int64_t down_n = q_rank + kv_in;
+    const int ql = q_rank > 0 ? b.tensor("attn.q_latent", T, q_rank, dt, e) : -1;
+    const int kvl = b.tensor("attn.kv_latent", T, kv_in, dt, e);
+    std::vector<int> latents = {kvl};
+    if (ql >= 0) latents.push_back(ql);
+    // The latents are computed redundantly on every TP rank (small), hence no /tp on flops.
+    b.op("attn.qkv_down", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(down_n),
+         mul(gemm_bytes(T, d, down_n), tp), {xn}, latents);
+    const int64_t up_k = q_rank > 0 ? q_rank : d;
+    const double up_flops = 2.0 * Tf *
+                            (static_cast<double>(up_k) * static_cast<double>(q_width) +
+                             static_cast<double>(a.kv_lora_rank) *
+                                 static_cast<double>(mul(a.heads, a.qk_head_dim -
+                                                                      a.qk_rope_head_dim +
+                                                                      a.v_head_dim))) /
+                            tpf;
+    std::vector<int> up_in = latents;
+    if (ql < 0) up_in.push_back(xn);
+    b.op("attn.qkv_up", OpKind::kGemm, up_flops, gemm_bytes(T, up_k + a.kv_lora_rank, qkv_width),
+         up_in, {qkv});
+  } else {
+    b.op("attn.qkv", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(qkv_width) / tpf,
+         gemm_bytes(T, d, qkv_width), {xn}, {qkv});
+  }
+
+  const int64_t o_width = mul(a.heads, a.v_head_dim);
+  const int core = b.tensor("attn.out_proj_in", T, ceil_div(o_width, tp), dt, e);
+  const int lse = b.tensor("attn.core_lse", T, ceil_div(a.heads, tp), "fp32", 4);
+  const double keys = causal_average_keys(sh.seq_len, a.sliding_window);
+  const double core_flops = 2.0 * Tf * keys * static_cast<double>(a.heads) *
+                            static_cast<double>(a.qk_head_dim + a.v_head_dim) / tpf;
+  b.op("attn.core", OpKind::kAttention, core_flops,
+       mul(checked_add(qkv_width, o_width, kOverflow), mul(T, e)) / tp, {qkv}, {core, lse}, 2.5);
+
+  const int h = b.tensor("mlp.input", Tsp, d, dt, e);
+  b.op("attn.out_proj", OpKind::kGemm, 2.0 * Tf * static_cast<double>(o_width) * df / tpf,
+       gemm_bytes(T, o_width, d), {core, x}, {h});
+
+  // ---- MLP (dense or MoE) --------------------------------------------------------
+  const int hn = b.tensor("mlp.norm_out", Tsp, d, dt, e);
+  b.op("mlp.norm", OpKind::kMemory, 4.0 * Tf * df / tpf, mul(mul(2, Tsp), mul(d, e)), {h}, {hn});
+
+  const int64_t f_act = m.active_ffn();
+  const int64_t f_cols = ceil_div(f_act, tp);
+  std::vector<int> gate_in = {hn};
+  int topk_w = -1;
+  double proj_flops = 0.0;       // one of gate/up, all parts
+  int64_t proj_bytes = 0;
+  int64_t down_bytes = 0;
+  if (m.kind == MlpKind::kMoe) {
+    const int64_t E = m.experts;
+    const int64_t k = m.top_k;
+    const int probs = b.tensor("moe.router_probs", Tsp, E, "fp32", 4);
+    const int idx = b.tensor("moe.topk_idx", Tsp, k, "int32", 4);
+    topk_w = b.tensor("moe.topk_weights", Tsp, k, "fp32", 4);
+    b.op("moe.router", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(E) / tpf,
+         gemm_bytes(T, d, E), {hn}, {probs, idx, topk_w});
+    const int64_t rows = mul(T, k);  // routed token rows, over all experts
+    const int disp = b.tensor("moe.dispatch_in", ceil_div(rows, tp), d, dt, e);
+    b.op("moe.dispatch", OpKind::kMemory, 0.0, mul(mul(2, ceil_div(rows, tp)), mul(d, e)), {hn, idx},
+         {disp});
+    gate_in = {disp};
+    if (m.shared_ffn > 0 || m.residual_ffn > 0) gate_in.push_back(hn);
+    const int64_t local_experts = ceil_div(E, sh.ep);
+    const double dense_width = static_cast<double>(m.shared_ffn + m.residual_ffn);
+    proj_flops = 2.0 * df *
+                 (static_cast<double>(rows) * static_cast<double>(m.ffn) + Tf * dense_width) / tpf;
+    // Each local expert's weights are read once per projection.
+    proj_bytes = checked_add(gemm_bytes(rows, d, m.ffn, local_experts),
+                             gemm_bytes(T, d, m.shared_ffn + m.residual_ffn), kOverflow);
+    down_bytes = proj_bytes;
+  } else {
+    proj_flops = 2.0 * Tf * df * static_cast<double>(m.ffn) / tpf;
+    proj_bytes = gemm_bytes(T, d, m.ffn);
+    down_bytes = proj_bytes;
+  }
+  const int g = b.tensor("mlp.gate_out", T, f_cols, dt, e);
+  const int u = b.tensor("mlp.up_out", T, f_cols, dt, e);
+  b.op("mlp.gate", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {g});
+  b.op("mlp.up", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {u});
+  const int act = b.tensor("mlp.act", T, f_cols, dt, e, !sh.fused_swiglu);
+  b.op("mlp.act", OpKind::kMemory, 4.0 * Tf * static_cast<double>(f_cols),
+       mul(mul(3, T), mul(f_cols, e)), {g, u}, {act});
+  if (m.kind == MlpKind::kMoe) {
+    const int64_t rows = mul(T, m.top_k);
+    const int eo = b.tensor("moe.expert_out", ceil_div(rows, tp), d, dt, e);
+    const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
+    b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {eo});
+    b.op("moe.combine", OpKind::kMemory, 2.0 * static_cast<double>(rows) * df / tpf,
+         mul(mul(2, ceil_div(rows, tp)), mul(d, e)), {eo, topk_w}, {out});
+  } else {
+    const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
+    b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {out});
+  }
+  return inv;
+}
+
+}  // namespace spillway

@@ -1,0 +1,792 @@
+// The planner: options per layer, a global choice under the HBM budget, and a timeline
+// that judges the choice (snowball, stalls, peak memory, step time).
+//
+// Note [Forward window]: layer l's offloaded tensors are copied by the D2H engine in
+// production order (a tensor can start when its producing op ends and the engine is
+// free, carrying over the previous layer's backlog); they must all be copied by the end
+// of layer l+1's forward, at the bandwidth derated by the margin: bytes / (B / (1 +
+// margin)). This is DESIGN's no-snowball condition V_l / B_d2h <= T_fwd(l+1), extended
+// to tensors produced earlier in the layer (which start earlier: the reason selective
+// offload spreads transfers over the attention and MLP phases).
+//
+// Note [Peak memory]: at the start of backward the device holds every layer's kept
+// tensors (times the micro-batches in flight: pp for the first 1F1B stage), plus either
+// the logits and their gradient (fp32) or, while a layer runs backward, its re-
+// materialized tensors (reloaded + recomputed); plus the copies in flight (the prefetched
+// reloads, prefetch_depth layers, or the D2H backlog if the forward outran the link).
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <map>
+
+#include "core/json_io.hpp"
+#include "plan/cost_model.hpp"
+#include "spillway/error.hpp"
+#include "spillway/plan.hpp"
+
+namespace spillway {
+
+std::string to_string(Strategy s) {
+  switch (s) {
+    case Strategy::kAuto: return "auto";
+    case Strategy::kKeep: return "keep";
+    case Strategy::kRecompute: return "recompute";
+    case Strategy::kOffload: return "offload";
+    case Strategy::kSelective: return "selective";
+    case Strategy::kHybrid: return "hybrid";
+  }
+  return "auto";
+}
+
+std::string to_string(Policy p) {
+  switch (p) {
+    case Policy::kKeep: return "keep";
+    case Policy::kRecompute: return "recompute";
+    case Policy::kOffload: return "offload";
+    case Policy::kSelective: return "selective";
+    case Policy::kHybrid: return "hybrid";
+  }
+  return "keep";
+}
+
+std::string to_string(Action a) {
+  switch (a) {
+    case Action::kKeep: return "keep";
+    case Action::kOffload: return "offload";
+    case Action::kRecompute: return "recompute";
+  }
+  return "keep";
+}
+
+Strategy parse_strategy(const std::string& s) {
+  for (Strategy v : {Strategy::kAuto, Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
+                     Strategy::kSelective, Strategy::kHybrid}) {
+    if (to_string(v) == s) return v;
+  }
+  SPILLWAY_INPUT_ERROR(
+      "--strategy is '{}'; must be one of auto, keep, recompute, offload, selective, hybrid", s);
+}
+
+std::vector<LayerTiming> load_profile(const std::string& path) {
+  const Json doc = load_json_file(path, "profile");
+  JsonObject root(doc, "profile", path);
+  if (root.has("schema") && root.req_str("schema") != "spillway.profile/1") {
+    root.fail("schema", fmt::format("is \"{}\"; must be \"spillway.profile/1\"", root.req_str("schema")));
+  }
+  std::vector<LayerTiming> out;
+  for (const JsonObject& l : root.obj_array("layers")) {
+    LayerTiming t;
+    t.index = static_cast<int>(l.req_int("index", 0, 1000000));
+    t.fwd_ms = l.req_num("fwd_ms", 1e-9, 1e9);
+    t.bwd_ms = l.req_num("bwd_ms", 1e-9, 1e9);
+    out.push_back(t);
+  }
+  if (out.empty()) root.fail("layers", "is missing or empty; give one entry per layer");
+  return out;
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr size_t kMaxKnapsackGroups = 14;
+
+struct Option {
+  Policy policy = Policy::kKeep;
+  std::vector<Action> actions;
+  ActionCost cost;
+};
+
+struct Stage {
+  std::vector<CostedLayer> layers;
+  double d2h_bytes_per_ms = 0.0;  // real per-GPU bandwidth
+  double h2d_bytes_per_ms = 0.0;
+  double margin = 0.1;
+  int64_t mb_inflight = 1;
+  int64_t static_bytes = 0;  // weights + gradients + optimizer states
+  MemoryBreakdown static_mem;
+  int64_t logits_bytes = 0;
+  double head_ms = 0.0;  // LM head + loss, forward and backward
+  int64_t budget = 0;
+  int keep_last = 1;
+  int prefetch = 1;
+};
+
+[[noreturn]] void bad(const std::string& flag, const std::string& value, const std::string& rule) {
+  SPILLWAY_INPUT_ERROR("{} is {}; {}", flag, value, rule);
+}
+
+void validate(const PlanRequest& r) {
+  const ShardShape& s = r.work.shape;
+  auto pos = [](const char* flag, int64_t v) {
+    if (v < 1) bad(flag, std::to_string(v), "must be >= 1");
+  };
+  pos("--micro-batch", s.micro_batch);
+  pos("--seq-len", s.seq_len);
+  pos("--tp", s.tp);
+  pos("--cp", s.cp);
+  pos("--ep", s.ep);
+  pos("--pp", r.work.pp);
+  pos("--dp", r.work.dp);
+  pos("--grad-accum", r.work.grad_accum);
+  (void)checked_mul(s.micro_batch, s.seq_len, "--micro-batch * --seq-len");
+  if (s.seq_len % s.cp != 0) {
+    bad("--cp", std::to_string(s.cp), fmt::format("must divide --seq-len ({})", s.seq_len));
+  }
+  const int64_t layers = static_cast<int64_t>(r.model.layers.size());
+  if (r.work.pp > layers) {
+    bad("--pp", std::to_string(r.work.pp), fmt::format("must be <= the model's layers ({})", layers));
+  }
+  for (const LayerSpec& l : r.model.layers) {
+    if (l.attn.heads % s.tp != 0) {
+      bad("--tp", std::to_string(s.tp),
+          fmt::format("must divide the attention heads ({}) of {}", l.attn.heads, r.model.name));
+    }
+    if (l.mlp.kind == MlpKind::kMoe && l.mlp.experts % s.ep != 0) {
+      bad("--ep", std::to_string(s.ep),
+          fmt::format("must divide the routed experts ({}) of {}", l.mlp.experts, r.model.name));
+    }
+  }
+  if (s.ep > 1 && std::none_of(r.model.layers.begin(), r.model.layers.end(),
+                               [](const LayerSpec& l) { return l.mlp.kind == MlpKind::kMoe; })) {
+    bad("--ep", std::to_string(s.ep), fmt::format("must be 1: {} has no MoE layers", r.model.name));
+  }
+  if (!(r.margin >= 0.0 && r.margin <= 10.0)) bad("--margin", fmt::format("{}", r.margin), "must be in [0, 10] (0.1 = 10%)");
+  auto frac = [](const char* flag, double v) {
+    if (!(v > 0.0 && v <= 1.0)) bad(flag, fmt::format("{}", v), "must be in (0, 1]");
+  };
+  frac("--gemm-efficiency", r.efficiency.gemm);
+  frac("--attention-efficiency", r.efficiency.attention);
+  frac("--hbm-efficiency", r.efficiency.hbm);
+  auto positive = [](const char* flag, const std::optional<double>& v) {
+    if (v && !(*v > 0.0 && std::isfinite(*v))) bad(flag, fmt::format("{}", *v), "must be > 0");
+  };
+  positive("--d2h-gbps", r.d2h_gbps);
+  positive("--h2d-gbps", r.h2d_gbps);
+  positive("--hbm-budget-gb", r.hbm_budget_gb);
+  positive("--layer-fwd-ms", r.layer_fwd_ms);
+  if (r.layer_fwd_ms && !r.profile.empty()) {
+    SPILLWAY_INPUT_ERROR("--layer-fwd-ms and --profile both calibrate layer times; give one");
+  }
+  if (r.keep_last_layers < 1) bad("--keep-last", std::to_string(r.keep_last_layers), "must be >= 1 (the last layer never offloads)");
+  if (r.prefetch_depth < 1) bad("--prefetch-depth", std::to_string(r.prefetch_depth), "must be >= 1");
+}
+
+// Parameters of one layer on one GPU: experts split over ep * tp, the rest over tp.
+int64_t layer_params_per_gpu(const LayerSpec& l, int64_t hidden, const ShardShape& s) {
+  const int64_t all = layer_parameter_count(l, hidden);
+  int64_t experts = 0;
+  if (l.mlp.kind == MlpKind::kMoe) {
+    LayerSpec none = l;
+    none.mlp.experts = 0;
+    experts = all - layer_parameter_count(none, hidden);
+  }
+  return (all - experts) / s.tp + experts / (s.ep * s.tp);
+}
+
+Stage build_stage(const PlanRequest& r, Plan& plan) {
+  const ShardShape& s = r.work.shape;
+  Stage st;
+  const int64_t total_layers = static_cast<int64_t>(r.model.layers.size());
+  const int64_t n = (total_layers + r.work.pp - 1) / r.work.pp;
+  // Cost each distinct layer spec once.
+  std::vector<std::pair<LayerSpec, CostedLayer>> unique;
+  for (int64_t i = 0; i < n; ++i) {
+    const LayerSpec& spec = r.model.layers[static_cast<size_t>(i)];
+    auto it = std::find_if(unique.begin(), unique.end(), [&](const auto& u) { return u.first == spec; });
+    if (it == unique.end()) {
+      unique.emplace_back(spec, cost_layer(spec, r.model.hidden, s, r.hardware, r.efficiency));
+      it = unique.end() - 1;
+    }
+    st.layers.push_back(it->second);
+  }
+
+  // Calibration.
+  plan.summary.calibration = "roofline";
+  if (r.layer_fwd_ms) {
+    // The repeating layer: the spec with the most layers in this stage.
+    size_t best = 0;
+    size_t best_count = 0;
+    for (size_t u = 0; u < unique.size(); ++u) {
+      const size_t count = static_cast<size_t>(std::count_if(
+          st.layers.begin(), st.layers.end(), [&](const CostedLayer& c) { return c.spec == unique[u].first; }));
+      if (count > best_count) {
+        best = u;
+        best_count = count;
+      }
+    }
+    const double factor = *r.layer_fwd_ms / unique[best].second.fwd_ms;
+    for (CostedLayer& c : st.layers) scale_layer(c, factor, factor);
+    plan.summary.time_scale = factor;
+    plan.summary.calibration = "layer-fwd-ms";
+  } else if (!r.profile.empty()) {
+    std::vector<const LayerTiming*> by_index(static_cast<size_t>(n), nullptr);
+    for (const LayerTiming& t : r.profile) {
+      if (t.index >= n) {
+        bad("--profile", fmt::format("layer index {}", t.index),
+            fmt::format("must be < the layers of the first pipeline stage ({})", n));
+      }
+      by_index[static_cast<size_t>(t.index)] = &t;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const LayerTiming* t = by_index[static_cast<size_t>(i)];
+      if (t == nullptr) bad("--profile", "missing layer " + std::to_string(i), "give fwd_ms and bwd_ms for every layer");
+      CostedLayer& c = st.layers[static_cast<size_t>(i)];
+      scale_layer(c, t->fwd_ms / c.fwd_ms, t->bwd_ms / c.bwd_ms);
+    }
+    plan.summary.calibration = "profile";
+  }
+
+  // Link figures: per GPU, sharing the link with the GPUs behind it.
+  const double d2h = r.d2h_gbps ? *r.d2h_gbps : r.hardware.d2h_typical.value / r.hardware.gpus_per_link;
+  const double h2d = r.h2d_gbps ? *r.h2d_gbps : r.hardware.h2d_typical.value / r.hardware.gpus_per_link;
+  plan.summary.d2h_gbps = d2h;
+  plan.summary.h2d_gbps = h2d;
+  st.d2h_bytes_per_ms = d2h * 1e6;
+  st.h2d_bytes_per_ms = h2d * 1e6;
+  st.margin = r.margin;
+  st.mb_inflight = r.work.pp;  // 1F1B: the first stage holds pp micro-batches
+  st.keep_last = r.keep_last_layers;
+  st.prefetch = r.prefetch_depth;
+
+  // Static memory of the first stage.
+  int64_t params = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    params = checked_add(params, layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s),
+                         "parameters per GPU");
+  }
+  const int64_t emb = checked_mul(r.model.vocab, r.model.hidden, "embedding size") / s.tp;
+  params += emb;
+  if (r.work.pp == 1 && !r.model.tied_embeddings) params += emb;
+  plan.params_per_gpu = params;
+  plan.params_total = parameter_count(r.model);
+  const int64_t wbytes = s.dtype == DType::kFp32 ? 4 : 2;
+  st.static_mem.weights = checked_mul(params, wbytes, "weight bytes");
+  st.static_mem.gradients = checked_mul(params, wbytes, "gradient bytes");
+  st.static_mem.optimizer_states = checked_mul(params, 12, "optimizer bytes") / r.work.dp;
+  st.static_bytes = st.static_mem.weights + st.static_mem.gradients + st.static_mem.optimizer_states;
+
+  const int64_t T = s.micro_batch * s.seq_len / s.cp;
+  plan.tokens_per_gpu = T;
+  const int64_t vocab_shard = (r.model.vocab + s.tp - 1) / s.tp;
+  if (r.work.pp == 1) {
+    st.logits_bytes = checked_mul(checked_mul(T, vocab_shard, "logits size"), 8, "logits size");
+  }
+  const double head_flops = 2.0 * static_cast<double>(T) * static_cast<double>(r.model.hidden) *
+                            static_cast<double>(vocab_shard);
+  const int64_t head_bytes = checked_mul(T, vocab_shard, "logits size") * 4;
+  st.head_ms = r.work.pp == 1 ? 3.0 * op_time_ms(OpKind::kGemm, head_flops, head_bytes, r.hardware,
+                                                  s.dtype, r.efficiency) * plan.summary.time_scale
+                              : 0.0;
+
+  const double budget_gb =
+      r.hbm_budget_gb ? *r.hbm_budget_gb : r.hardware.hbm_gb * (1.0 - kHbmReserveFraction);
+  st.budget = static_cast<int64_t>(budget_gb * 1e9);
+  plan.summary.hbm_budget_bytes = st.budget;
+  return st;
+}
+
+// ---- options of one layer ------------------------------------------------------------
+
+Option make_option(const CostedLayer& c, Policy p, std::vector<Action> actions) {
+  Option o;
+  o.policy = p;
+  o.cost = evaluate_actions(c, actions);
+  o.actions = std::move(actions);
+  return o;
+}
+
+bool is_mlp_tensor(const std::string& n) {
+  return n == "mlp.gate_out" || n == "mlp.up_out" || n == "mlp.act";
+}
+
+struct OptionSet {
+  Option keep, recompute, offload, hybrid, selective_recompute, selective_keep;
+  bool can_offload = false;
+};
+
+// Forward deadline of layer l alone (engine free at its start): end of layer l+1.
+double standalone_deadline(const Stage& st, size_t l) {
+  return st.layers[l].fwd_ms + st.layers[l + 1].fwd_ms;
+}
+
+// The bytes layer l may move at the derated rate: in steady state the engine has one
+// next-layer forward per layer (DESIGN: V_l / B_d2h <= T_fwd(l+1)), whatever the
+// production times.
+double standalone_capacity_bytes(const Stage& st, size_t l) {
+  return st.d2h_bytes_per_ms / (1.0 + st.margin) * st.layers[l + 1].fwd_ms;
+}
+
+OptionSet build_options(const Stage& st, size_t l) {
+  const CostedLayer& c = st.layers[l];
+  OptionSet os;
+  const size_t nt = c.inv.tensors.size();
+  os.keep = make_option(c, Policy::kKeep, std::vector<Action>(nt, Action::kKeep));
+  const std::vector<Action> rec = recompute_actions(c);
+  os.recompute = make_option(c, Policy::kRecompute, rec);
+  os.can_offload = l + static_cast<size_t>(st.keep_last) < st.layers.size();
+  if (!os.can_offload) return os;
+
+  std::vector<Action> off = rec;
+  for (size_t i = 0; i < nt; ++i) {
+    if (c.inv.tensors[i].saved && is_mlp_tensor(c.inv.tensors[i].name)) off[i] = Action::kOffload;
+  }
+  os.offload = make_option(c, Policy::kOffload, off);
+
+  const double rate = st.d2h_bytes_per_ms / (1.0 + st.margin);
+  const double deadline = standalone_deadline(st, l);
+  const double capacity = standalone_capacity_bytes(st, l);
+
+  // Hybrid: offload GEMM/attention outputs that the block policy would recompute, most
+  // expensive per byte first, while they fit the window; recompute the cheap rest.
+  {
+    std::vector<size_t> cand;
+    for (size_t i = 0; i < nt; ++i) {
+      const TensorInfo& t = c.inv.tensors[i];
+      if (!t.saved || rec[i] != Action::kRecompute || t.producer < 0 || t.bytes == 0) continue;
+      if (c.inv.ops[static_cast<size_t>(t.producer)].kind == OpKind::kMemory) continue;
+      cand.push_back(i);
+    }
+    std::stable_sort(cand.begin(), cand.end(), [&](size_t a, size_t b) {
+      const auto& ta = c.inv.tensors[a];
+      const auto& tb = c.inv.tensors[b];
+      return c.op_fwd_ms[static_cast<size_t>(ta.producer)] / static_cast<double>(ta.bytes) >
+             c.op_fwd_ms[static_cast<size_t>(tb.producer)] / static_cast<double>(tb.bytes);
+    });
+    std::vector<Action> hyb = rec;
+    for (size_t i : cand) {
+      hyb[i] = Action::kOffload;
+      if (evaluate_actions(c, hyb).offload_bytes > capacity ||
+          copy_finish_ms(c, hyb, rate, 0.0, nullptr) > deadline) {
+        hyb[i] = Action::kRecompute;
+      }
+    }
+    os.hybrid = make_option(c, Policy::kHybrid, hyb);
+  }
+
+  // Selective: an exhaustive knapsack over groups of tensors, a group being the saved
+  // outputs of one op (offloading half of an op's outputs saves no recompute), at most
+  // kMaxKnapsackGroups of the largest; two variants: the rest recomputed by the block
+  // policy (minimize recompute time, then kept bytes) or the rest kept (maximize bytes
+  // offloaded). Both must fit the window (capacity and deadline).
+  {
+    std::vector<std::vector<size_t>> groups;
+    std::vector<int64_t> group_bytes;
+    std::vector<double> group_time;  // production time of the group
+    for (int op = -1; op < static_cast<int>(c.inv.ops.size()); ++op) {
+      std::vector<size_t> g;
+      int64_t bytes = 0;
+      for (size_t i = 0; i < nt; ++i) {
+        const TensorInfo& t = c.inv.tensors[i];
+        if (t.saved && t.producer == op && t.bytes > 0) {
+          g.push_back(i);
+          bytes += t.bytes;
+        }
+      }
+      if (g.empty()) continue;
+      groups.push_back(std::move(g));
+      group_bytes.push_back(bytes);
+      group_time.push_back(c.produced_at_ms[groups.back().front()]);
+    }
+    // Keep the largest groups, in production order.
+    if (groups.size() > kMaxKnapsackGroups) {
+      std::vector<size_t> idx(groups.size());
+      for (size_t k = 0; k < idx.size(); ++k) idx[k] = k;
+      std::stable_sort(idx.begin(), idx.end(), [&](size_t x, size_t y) { return group_bytes[x] > group_bytes[y]; });
+      idx.resize(kMaxKnapsackGroups);
+      std::sort(idx.begin(), idx.end());
+      std::vector<std::vector<size_t>> g2;
+      std::vector<int64_t> b2;
+      std::vector<double> t2;
+      for (size_t k : idx) {
+        g2.push_back(groups[k]);
+        b2.push_back(group_bytes[k]);
+        t2.push_back(group_time[k]);
+      }
+      groups = std::move(g2);
+      group_bytes = std::move(b2);
+      group_time = std::move(t2);
+    }
+
+    Option best_r = os.recompute;
+    best_r.policy = Policy::kSelective;
+    Option best_k = os.keep;
+    best_k.policy = Policy::kSelective;
+    int64_t best_k_bytes = 0;
+    uint32_t best_k_mask = 0;
+    std::vector<Action> trial(nt);
+    const uint32_t limit = 1u << groups.size();
+    for (uint32_t mask = 1; mask < limit; ++mask) {
+      double t = 0.0;
+      int64_t bytes = 0;
+      for (size_t k = 0; k < groups.size(); ++k) {
+        if (!(mask >> k & 1u)) continue;
+        t = std::max(t, group_time[k]) + static_cast<double>(group_bytes[k]) / rate;
+        bytes += group_bytes[k];
+      }
+      if (t > deadline || static_cast<double>(bytes) > capacity) continue;
+      if (bytes > best_k_bytes) {
+        best_k_bytes = bytes;
+        best_k_mask = mask;
+      }
+      trial = rec;
+      for (size_t k = 0; k < groups.size(); ++k) {
+        if (!(mask >> k & 1u)) continue;
+        for (size_t i : groups[k]) trial[i] = Action::kOffload;
+      }
+      const ActionCost ac = evaluate_actions(c, trial);
+      if (!ac.valid) continue;
+      const bool better = ac.recompute_ms < best_r.cost.recompute_ms - 1e-12 ||
+                          (ac.recompute_ms <= best_r.cost.recompute_ms + 1e-12 &&
+                           ac.kept_bytes < best_r.cost.kept_bytes);
+      if (better) {
+        best_r.actions = trial;
+        best_r.cost = ac;
+      }
+    }
+    if (best_k_mask != 0) {
+      std::vector<Action> keep_rest(nt, Action::kKeep);
+      for (size_t k = 0; k < groups.size(); ++k) {
+        if (!(best_k_mask >> k & 1u)) continue;
+        for (size_t i : groups[k]) keep_rest[i] = Action::kOffload;
+      }
+      best_k = make_option(c, Policy::kSelective, std::move(keep_rest));
+    }
+    os.selective_recompute = best_r;
+    os.selective_keep = best_k;
+  }
+  return os;
+}
+
+// ---- the timeline of a choice ----------------------------------------------------------
+
+struct Timeline {
+  std::vector<LayerPlan> layers;
+  double fwd_ms = 0.0;
+  double step_ms = 0.0;  // one micro-batch
+  double stall_ms = 0.0;
+  int64_t max_backlog = 0;
+  MemoryBreakdown peak;
+  int64_t host_pinned = 0;
+  std::vector<size_t> snowball_layers;
+};
+
+// `detail` fills the per-tensor report; the budget search only needs the totals.
+Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
+                      const std::vector<double>& recompute_policy_ms, bool detail) {
+  const size_t n = st.layers.size();
+  Timeline tl;
+  tl.layers.resize(n);
+  std::vector<double> start(n + 1, 0.0);
+  for (size_t l = 0; l < n; ++l) start[l + 1] = start[l] + st.layers[l].fwd_ms;
+  tl.fwd_ms = start[n];
+
+  // Forward D2H: FIFO across layers, once at the real rate (timeline, backlog) and once
+  // derated by the margin (the feasibility judgement). See Note [Forward window].
+  const double rate_real = st.d2h_bytes_per_ms;
+  const double rate_margin = st.d2h_bytes_per_ms / (1.0 + st.margin);
+  double free_real = 0.0;
+  double free_margin = 0.0;
+  std::vector<double> d2h_done(n, 0.0);
+  struct Copy { double produced, begin, end; int64_t bytes; };
+  std::vector<Copy> copies;
+  for (size_t l = 0; l < n; ++l) {
+    const CostedLayer& c = st.layers[l];
+    const Option& o = *choice[l];
+    LayerPlan& lp = tl.layers[l];
+    lp.offload_bytes = o.cost.offload_bytes;
+    if (o.cost.offload_bytes == 0) continue;
+    double first_margin = 0.0;
+    const double fin_margin =
+        copy_finish_ms(c, o.actions, rate_margin, free_margin - start[l], &first_margin) + start[l];
+    free_margin = fin_margin;
+    // Real-rate copies, recorded for the backlog.
+    std::vector<size_t> order;
+    for (size_t i = 0; i < o.actions.size(); ++i) {
+      if (c.inv.tensors[i].saved && o.actions[i] == Action::kOffload) order.push_back(i);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return c.produced_at_ms[a] < c.produced_at_ms[b]; });
+    for (size_t i : order) {
+      const double produced = start[l] + c.produced_at_ms[i];
+      const double b = std::max(free_real, produced);
+      const double e = b + static_cast<double>(c.inv.tensors[i].bytes) / rate_real;
+      copies.push_back({produced, b, e, c.inv.tensors[i].bytes});
+      free_real = e;
+    }
+    d2h_done[l] = free_real;
+    const double deadline = start[std::min(l + 2, n)];
+    lp.d2h_ms = static_cast<double>(o.cost.offload_bytes) / rate_real;
+    lp.window_ms = deadline - (first_margin + start[l]);
+    lp.margin = lp.window_ms / lp.d2h_ms - 1.0;
+    if (fin_margin > deadline + 1e-9) {
+      lp.snowball = true;
+      tl.snowball_layers.push_back(l);
+    }
+  }
+  // Backlog at the end of each layer's forward (real rate): bytes of tensors that exist
+  // but are not yet on the host, counting the unfinished part of a running copy. Copies
+  // are in FIFO order, so production, begin and end times all increase along the list:
+  // at boundary t the pending copies are a contiguous range [done, produced).
+  {
+    size_t done = 0;
+    size_t produced = 0;
+    for (size_t l = 0; l < n; ++l) {
+      const double t = start[l + 1];
+      while (done < copies.size() && copies[done].end <= t) ++done;
+      while (produced < copies.size() && copies[produced].produced <= t) ++produced;
+      double pending = 0.0;
+      for (size_t k = done; k < produced; ++k) {
+        const Copy& cp = copies[k];
+        pending += cp.begin >= t ? static_cast<double>(cp.bytes)
+                                 : static_cast<double>(cp.bytes) * (cp.end - t) / (cp.end - cp.begin);
+      }
+      tl.layers[l].backlog_bytes = static_cast<int64_t>(pending);
+    }
+  }
+  for (const LayerPlan& lp : tl.layers) tl.max_backlog = std::max(tl.max_backlog, lp.backlog_bytes);
+
+  // Backward: layers in reverse; reload of layer l issued when layer l + prefetch starts
+  // its backward (or at the start of backward), never before its offload finished.
+  double t = tl.fwd_ms + st.head_ms;
+  std::vector<double> bwd_start(n, 0.0);
+  double h2d_free = 0.0;
+  std::vector<double> reload_done(n, 0.0);
+  std::vector<char> issued(n, 0);
+  auto issue = [&](size_t l, double now) {
+    if (issued[l] || choice[l]->cost.offload_bytes == 0) return;
+    issued[l] = 1;
+    const double b = std::max({h2d_free, now, d2h_done[l]});
+    h2d_free = b + static_cast<double>(choice[l]->cost.offload_bytes) / st.h2d_bytes_per_ms;
+    reload_done[l] = h2d_free;
+  };
+  for (size_t l = n; l-- > 0;) {
+    // When layer l starts its backward, its own reload (if not yet issued: the first
+    // layers of backward) and those of the next `prefetch` layers are issued.
+    for (size_t k = 0; k <= static_cast<size_t>(st.prefetch) && k <= l; ++k) issue(l - k, t);
+    bwd_start[l] = t;
+    const Option& o = *choice[l];
+    const double ready = o.cost.offload_bytes > 0 ? reload_done[l] : t;
+    const double stall = std::max(0.0, ready - t);
+    LayerPlan& lp = tl.layers[l];
+    lp.stall_ms = stall;
+    lp.h2d_ms = static_cast<double>(o.cost.offload_bytes) / st.h2d_bytes_per_ms;
+    tl.stall_ms += stall;
+    t += stall + o.cost.recompute_ms + st.layers[l].bwd_ms;
+  }
+  tl.step_ms = t;
+
+  // Per-layer report fields and memory (Note [Peak memory]).
+  int64_t kept = 0;
+  int64_t working = 0;
+  int64_t max_offload = 0;
+  for (size_t l = 0; l < n; ++l) {
+    const CostedLayer& c = st.layers[l];
+    const Option& o = *choice[l];
+    LayerPlan& lp = tl.layers[l];
+    lp.index = static_cast<int>(l);
+    lp.block = c.spec.block_name();
+    lp.policy = o.policy;
+    lp.kept_bytes = o.cost.kept_bytes;
+    lp.rematerialized_bytes = o.cost.rematerialized_bytes;
+    lp.fwd_ms = c.fwd_ms;
+    lp.bwd_ms = c.bwd_ms;
+    lp.recompute_ms = o.cost.recompute_ms;
+    lp.recompute_avoided_ms = recompute_policy_ms[l] - o.cost.recompute_ms;
+    for (size_t i = 0; detail && i < c.inv.tensors.size(); ++i) {
+      const TensorInfo& ti = c.inv.tensors[i];
+      if (!ti.saved) continue;
+      TensorPlan tp;
+      tp.name = ti.name;
+      tp.shape = ti.shape;
+      tp.dtype = ti.dtype;
+      tp.bytes = ti.bytes;
+      tp.action = o.actions[i];
+      tp.recompute_ms = ti.producer >= 0 ? c.op_fwd_ms[static_cast<size_t>(ti.producer)] : 0.0;
+      tp.produced_at_ms = c.produced_at_ms[i];
+      lp.tensors.push_back(std::move(tp));
+    }
+    kept += o.cost.kept_bytes;
+    working = std::max(working, o.cost.rematerialized_bytes);
+    max_offload = std::max(max_offload, o.cost.offload_bytes);
+    tl.host_pinned += o.cost.offload_bytes;
+  }
+  tl.host_pinned *= st.mb_inflight;
+  tl.peak = st.static_mem;
+  tl.peak.activations = kept * st.mb_inflight + std::max(working, st.logits_bytes);
+  tl.peak.in_flight_copies = std::max(max_offload * st.prefetch, tl.max_backlog);
+  return tl;
+}
+
+double option_time(const Option& o, const Stage& st, size_t l) {
+  // Recompute plus the reload stall this layer would see behind the next layer's backward.
+  double t = o.cost.recompute_ms;
+  if (o.cost.offload_bytes > 0 && l + 1 < st.layers.size()) {
+    const double h2d = static_cast<double>(o.cost.offload_bytes) / st.h2d_bytes_per_ms;
+    t += std::max(0.0, h2d - st.layers[l + 1].bwd_ms * static_cast<double>(st.prefetch));
+  }
+  return t;
+}
+
+bool fits_window(const Option& o, const Stage& st, size_t l) {
+  if (o.cost.offload_bytes == 0) return true;
+  const double rate = st.d2h_bytes_per_ms / (1.0 + st.margin);
+  return static_cast<double>(o.cost.offload_bytes) <= standalone_capacity_bytes(st, l) * (1 + 1e-12) &&
+         copy_finish_ms(st.layers[l], o.actions, rate, 0.0, nullptr) <= standalone_deadline(st, l) + 1e-9;
+}
+
+}  // namespace
+
+Plan make_plan(const PlanRequest& r) {
+  validate(r);
+  Plan plan;
+  plan.strategy = r.strategy;
+  Stage st = build_stage(r, plan);
+  const size_t n = st.layers.size();
+
+  std::vector<OptionSet> sets;
+  sets.reserve(n);
+  for (size_t l = 0; l < n; ++l) sets.push_back(build_options(st, l));
+  std::vector<double> rec_ms(n);
+  for (size_t l = 0; l < n; ++l) rec_ms[l] = sets[l].recompute.cost.recompute_ms;
+
+  // Allowed options per layer for the strategy.
+  std::vector<std::vector<const Option*>> allowed(n);
+  for (size_t l = 0; l < n; ++l) {
+    OptionSet& os = sets[l];
+    auto& a = allowed[l];
+    switch (r.strategy) {
+      case Strategy::kKeep: a = {&os.keep}; break;
+      case Strategy::kRecompute: a = {&os.recompute}; break;
+      case Strategy::kOffload: a = {os.can_offload ? &os.offload : &os.recompute}; break;
+      case Strategy::kHybrid: a = {os.can_offload ? &os.hybrid : &os.recompute}; break;
+      case Strategy::kSelective:
+        if (os.can_offload) {
+          a = {&os.selective_keep, &os.selective_recompute};
+        } else {
+          a = {&os.recompute};
+        }
+        break;
+      case Strategy::kAuto:
+        a = {&os.keep, &os.recompute};
+        if (os.can_offload) {
+          for (const Option* o : {&os.offload, &os.hybrid, &os.selective_keep, &os.selective_recompute}) {
+            if (fits_window(*o, st, l)) a.push_back(o);
+          }
+        }
+        break;
+    }
+  }
+
+  // Start from the fastest allowed option of each layer, then trade time for memory
+  // (the best time-per-byte move first) until the plan fits the budget.
+  std::vector<const Option*> choice(n);
+  auto pick_fastest = [&](size_t l) {
+    const Option* best = nullptr;
+    for (const Option* o : allowed[l]) {
+      if (best == nullptr || option_time(*o, st, l) < option_time(*best, st, l) - 1e-12 ||
+          (option_time(*o, st, l) <= option_time(*best, st, l) + 1e-12 && o->cost.kept_bytes < best->cost.kept_bytes)) {
+        best = o;
+      }
+    }
+    choice[l] = best;
+  };
+  for (size_t l = 0; l < n; ++l) pick_fastest(l);
+
+  Timeline tl;
+  for (int round = 0; round < 4 * static_cast<int>(n) + 8; ++round) {
+    tl = run_timeline(st, choice, rec_ms, false);
+    while (tl.peak.total() > st.budget) {
+      double best_ratio = kInf;
+      size_t best_l = n;
+      const Option* best_o = nullptr;
+      for (size_t l = 0; l < n; ++l) {
+        const Option* cur = choice[l];
+        for (const Option* o : allowed[l]) {
+          const int64_t saved = cur->cost.kept_bytes - o->cost.kept_bytes;
+          if (saved <= 0) continue;
+          const double dt = option_time(*o, st, l) - option_time(*cur, st, l);
+          const double ratio = dt / static_cast<double>(saved);
+          if (ratio < best_ratio) {
+            best_ratio = ratio;
+            best_l = l;
+            best_o = o;
+          }
+        }
+      }
+      if (best_o == nullptr) break;  // nothing left to trade
+      choice[best_l] = best_o;
+      tl = run_timeline(st, choice, rec_ms, false);
+    }
+    if (r.strategy != Strategy::kAuto || tl.snowball_layers.empty()) break;
+    // Auto: a layer that misses its window once neighbours' copies are counted gives up
+    // its offload for the fastest option that moves fewer bytes.
+    for (size_t l : tl.snowball_layers) {
+      const int64_t cur = choice[l]->cost.offload_bytes;
+      auto& a = allowed[l];
+      a.erase(std::remove_if(a.begin(), a.end(), [&](const Option* o) { return o->cost.offload_bytes >= cur; }), a.end());
+      pick_fastest(l);
+    }
+  }
+
+  // Reference timelines: all recompute and all keep.
+  std::vector<const Option*> all_rec(n);
+  std::vector<const Option*> all_keep(n);
+  for (size_t l = 0; l < n; ++l) {
+    all_rec[l] = &sets[l].recompute;
+    all_keep[l] = &sets[l].keep;
+  }
+  const Timeline rec_tl = run_timeline(st, all_rec, rec_ms, false);
+  const Timeline keep_tl = run_timeline(st, all_keep, rec_ms, false);
+  tl = run_timeline(st, choice, rec_ms, true);
+
+  PlanSummary& s = plan.summary;
+  const double ga = static_cast<double>(r.work.grad_accum);
+  s.step_ms = tl.step_ms * ga;
+  s.recompute_step_ms = rec_tl.step_ms * ga;
+  s.keep_step_ms = keep_tl.step_ms * ga;
+  s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
+  s.stall_ms = tl.stall_ms * ga;
+  s.peak = tl.peak;
+  s.host_pinned_bytes = tl.host_pinned;
+  plan.layers = std::move(tl.layers);
+
+  // Judgement, with the reasons in numbers.
+  const double margin_pct = r.margin * 100.0;
+  size_t listed = 0;
+  for (size_t l : tl.snowball_layers) {
+    const LayerPlan& lp = plan.layers[l];
+    if (listed++ < 5) {
+      s.reasons.push_back(fmt::format(
+          "layer {}: {} at {:.0f} GB/s = {:.1f} ms ({:.1f} ms with the {:.0f}% margin) > {:.1f} ms "
+          "forward window: the D2H copies snowball",
+          l, to_string(Bytes(lp.offload_bytes)), s.d2h_gbps, lp.d2h_ms, lp.d2h_ms * (1.0 + r.margin),
+          margin_pct, lp.window_ms));
+    }
+  }
+  if (tl.snowball_layers.size() > 5) {
+    s.reasons.push_back(fmt::format("... and {} more layers miss their window", tl.snowball_layers.size() - 5));
+  }
+  if (s.peak.total() > st.budget) {
+    s.reasons.push_back(fmt::format(
+        "peak HBM {} > budget {} (weights {}, gradients {}, optimizer states {}, activations {}, "
+        "in-flight copies {})",
+        to_string(Bytes(s.peak.total())), to_string(Bytes(st.budget)), to_string(Bytes(s.peak.weights)),
+        to_string(Bytes(s.peak.gradients)), to_string(Bytes(s.peak.optimizer_states)),
+        to_string(Bytes(s.peak.activations)), to_string(Bytes(s.peak.in_flight_copies))));
+    if (r.strategy == Strategy::kAuto || r.strategy == Strategy::kRecompute) {
+      s.reasons.push_back(fmt::format(
+          "even with every layer recomputed the peak is {}: lower --micro-batch or --seq-len, or "
+          "raise --tp/--pp/--dp/--ep",
+          to_string(Bytes(rec_tl.peak.total()))));
+    }
+  }
+  const double host_gb = r.hardware.host_memory_gb / r.hardware.gpus_per_host_memory;
+  if (static_cast<double>(s.host_pinned_bytes) > host_gb * 1e9) {
+    s.reasons.push_back(fmt::format("pinned host memory {} > {:.0f} GB of host memory per GPU",
+                                    to_string(Bytes(s.host_pinned_bytes)), host_gb));
+  }
+  s.feasible = s.reasons.empty();
+  return plan;
+}
+
+}  // namespace spillway

@@ -1,0 +1,85 @@
+// The human report of a plan: the workload, a table per layer (runs of identical rows
+// shown once with their index range), the summary by memory category, and the reasons
+// when the strategy is infeasible.
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "spillway/plan.hpp"
+
+namespace spillway {
+
+namespace {
+
+std::string gb(int64_t b) { return fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9); }
+
+std::string layer_row(const LayerPlan& l) {
+  const bool off = l.offload_bytes > 0;
+  const std::string margin = off ? fmt::format("{:+.0f}%", l.margin * 100.0) : "-";
+  return fmt::format("{:<14} {:<10} {:>10} {:>8} {:>9} {:>7} {:>9.2f} {:>9.2f}{}", l.block,
+                     to_string(l.policy), off ? gb(l.offload_bytes) : "-",
+                     off ? fmt::format("{:.2f}", l.d2h_ms) : "-",
+                     off ? fmt::format("{:.2f}", l.window_ms) : "-", margin, l.recompute_ms,
+                     l.recompute_avoided_ms, l.snowball ? "  SNOWBALL" : "");
+}
+
+}  // namespace
+
+std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
+  const ShardShape& s = r.work.shape;
+  const PlanSummary& m = plan.summary;
+  std::string out;
+  out += fmt::format("spillway plan: {} on {} (strategy {})\n", r.model.name, r.hardware.name,
+                     to_string(r.strategy));
+  out += fmt::format(
+      "  model     {} layers, hidden {}, {:.1f}B parameters ({:.2f}B on this GPU)\n",
+      r.model.layers.size(), r.model.hidden, static_cast<double>(plan.params_total) / 1e9,
+      static_cast<double>(plan.params_per_gpu) / 1e9);
+  out += fmt::format(
+      "  workload  micro-batch {} x seq {} = {} tokens/GPU, {}, tp {} ep {} cp {} pp {} dp {}, "
+      "grad-accum {}{}\n",
+      s.micro_batch, s.seq_len, plan.tokens_per_gpu, to_string(s.dtype), s.tp, s.ep, s.cp,
+      r.work.pp, r.work.dp, r.work.grad_accum, s.fused_swiglu ? ", fused SwiGLU" : "");
+  out += fmt::format("  link      D2H {:.0f} GB/s, H2D {:.0f} GB/s per GPU ({}); margin {:.0f}%\n",
+                     m.d2h_gbps, m.h2d_gbps,
+                     r.d2h_gbps || r.h2d_gbps
+                         ? "given"
+                         : fmt::format("typical measured, {} GPU(s) per link", r.hardware.gpus_per_link),
+                     r.margin * 100.0);
+  out += fmt::format("  times     {} (gemm {:.2f}, attention {:.2f}, hbm {:.2f} of peak{})\n",
+                     m.calibration, r.efficiency.gemm, r.efficiency.attention, r.efficiency.hbm,
+                     m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
+  if (r.model.layers.size() != plan.layers.size()) {
+    out += fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);
+  }
+  out += "\n";
+  out += fmt::format("{:>7}  {:<14} {:<10} {:>10} {:>8} {:>9} {:>7} {:>9} {:>9}\n", "layer",
+                     "block", "policy", "offload", "D2H ms", "window ms", "margin", "recomp ms",
+                     "avoided");
+  for (size_t i = 0; i < plan.layers.size();) {
+    const std::string row = layer_row(plan.layers[i]);
+    size_t j = i + 1;
+    while (j < plan.layers.size() && layer_row(plan.layers[j]) == row) ++j;
+    const std::string idx = j - i > 1 ? fmt::format("{}-{}", i, j - 1) : std::to_string(i);
+    out += fmt::format("{:>7}  {}\n", idx, row);
+    i = j;
+  }
+  out += "\nsummary\n";
+  out += fmt::format("  feasible       {}\n", m.feasible ? "yes" : "NO");
+  for (const std::string& reason : m.reasons) out += fmt::format("    - {}\n", reason);
+  out += fmt::format("  peak HBM       {} of {} budget\n", gb(m.peak.total()), gb(m.hbm_budget_bytes));
+  out += fmt::format("    weights            {:>10}\n", gb(m.peak.weights));
+  out += fmt::format("    gradients          {:>10}\n", gb(m.peak.gradients));
+  out += fmt::format("    optimizer states   {:>10}\n", gb(m.peak.optimizer_states));
+  out += fmt::format("    activations        {:>10}\n", gb(m.peak.activations));
+  out += fmt::format("    in-flight copies   {:>10}\n", gb(m.peak.in_flight_copies));
+  out += fmt::format("  host pinned    {}\n", gb(m.host_pinned_bytes));
+  out += fmt::format("  step time      {:.1f} ms (all-recompute {:.1f} ms, all-keep {:.1f} ms)\n",
+                     m.step_ms, m.recompute_step_ms, m.keep_step_ms);
+  out += fmt::format("  speedup        {:.3f}x against all-recompute", m.speedup_vs_recompute);
+  if (m.stall_ms > 0.0) out += fmt::format("; {:.1f} ms of backward stalls on reloads", m.stall_ms);
+  out += "\n";
+  return out;
+}
+
+}  // namespace spillway
