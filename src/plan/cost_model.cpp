@@ -72,11 +72,10 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
 
 ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& actions) {
   SPILLWAY_CHECK(actions.size() == c.inv.tensors.size(), "one action per tensor");
-  ActionCost r;
   const size_t n_ops = c.inv.ops.size();
-  std::vector<char> rerun(n_ops, 0);
-  // Seed: producers of recomputed saved tensors; then close over inputs (ops are in
-  // forward order, so walking backwards reaches every input's producer).
+  SPILLWAY_CHECK(n_ops <= 64, "a layer has at most 64 ops ({} here)", n_ops);
+  ActionCost r;
+  uint64_t rerun = 0;  // bit k: op k runs again in backward (Note [Recompute closure])
   for (size_t i = 0; i < actions.size(); ++i) {
     const TensorInfo& t = c.inv.tensors[i];
     if (!t.saved) continue;
@@ -91,22 +90,24 @@ ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& act
         if (t.producer < 0) {
           r.valid = false;  // the layer input cannot be recomputed inside the layer
         } else {
-          rerun[static_cast<size_t>(t.producer)] = 1;
+          rerun |= uint64_t{1} << t.producer;
         }
         break;
     }
   }
+  // Ops are in forward order, so walking backwards reaches every input's producer after
+  // its consumer.
   for (size_t k = n_ops; k-- > 0;) {
-    if (!rerun[k]) continue;
+    if (!(rerun >> k & 1u)) continue;
     for (int in : c.inv.ops[k].inputs) {
       const TensorInfo& t = c.inv.tensors[static_cast<size_t>(in)];
       const bool available = t.saved && actions[static_cast<size_t>(in)] != Action::kRecompute;
       if (available || t.producer < 0) continue;
-      rerun[static_cast<size_t>(t.producer)] = 1;
+      rerun |= uint64_t{1} << t.producer;
     }
   }
   for (size_t k = 0; k < n_ops; ++k) {
-    if (rerun[k]) r.recompute_ms += c.op_fwd_ms[k];
+    if (rerun >> k & 1u) r.recompute_ms += c.op_fwd_ms[k];
   }
   return r;
 }

@@ -317,7 +317,10 @@ double standalone_capacity_bytes(const Stage& st, size_t l) {
   return st.d2h_bytes_per_ms / (1.0 + st.margin) * st.layers[l + 1].fwd_ms;
 }
 
-OptionSet build_options(const Stage& st, size_t l) {
+// Builds the options a strategy can use (the knapsack only where it is needed).
+OptionSet build_options(const Stage& st, size_t l, Strategy strategy) {
+  const bool need_hybrid = strategy == Strategy::kAuto || strategy == Strategy::kHybrid;
+  const bool need_selective = strategy == Strategy::kAuto || strategy == Strategy::kSelective;
   const CostedLayer& c = st.layers[l];
   OptionSet os;
   const size_t nt = c.inv.tensors.size();
@@ -339,7 +342,7 @@ OptionSet build_options(const Stage& st, size_t l) {
 
   // Hybrid: offload GEMM/attention outputs that the block policy would recompute, most
   // expensive per byte first, while they fit the window; recompute the cheap rest.
-  {
+  if (need_hybrid) {
     std::vector<size_t> cand;
     for (size_t i = 0; i < nt; ++i) {
       const TensorInfo& t = c.inv.tensors[i];
@@ -356,7 +359,7 @@ OptionSet build_options(const Stage& st, size_t l) {
     std::vector<Action> hyb = rec;
     for (size_t i : cand) {
       hyb[i] = Action::kOffload;
-      if (evaluate_actions(c, hyb).offload_bytes > capacity ||
+      if (static_cast<double>(evaluate_actions(c, hyb).offload_bytes) > capacity ||
           copy_finish_ms(c, hyb, rate, 0.0, nullptr) > deadline) {
         hyb[i] = Action::kRecompute;
       }
@@ -369,7 +372,7 @@ OptionSet build_options(const Stage& st, size_t l) {
   // kMaxKnapsackGroups of the largest; two variants: the rest recomputed by the block
   // policy (minimize recompute time, then kept bytes) or the rest kept (maximize bytes
   // offloaded). Both must fit the window (capacity and deadline).
-  {
+  if (need_selective) {
     std::vector<std::vector<size_t>> groups;
     std::vector<int64_t> group_bytes;
     std::vector<double> group_time;  // production time of the group
@@ -643,16 +646,40 @@ Plan make_plan(const PlanRequest& r) {
   Stage st = build_stage(r, plan);
   const size_t n = st.layers.size();
 
-  std::vector<OptionSet> sets;
-  sets.reserve(n);
-  for (size_t l = 0; l < n; ++l) sets.push_back(build_options(st, l));
+  // Options depend only on the layer, its forward time, the next layer's and whether it
+  // may offload: identical layers (the common case) share one set.
+  std::vector<OptionSet> unique_sets;
+  std::vector<size_t> first_of_set;
+  std::vector<size_t> set_index(n);
+  unique_sets.reserve(n);
+  for (size_t l = 0; l < n; ++l) {
+    const bool can_offload = l + static_cast<size_t>(st.keep_last) < n;
+    const double next_fwd = l + 1 < n ? st.layers[l + 1].fwd_ms : 0.0;
+    size_t k = 0;
+    for (; k < unique_sets.size(); ++k) {
+      const size_t m = first_of_set[k];
+      const double m_next = m + 1 < n ? st.layers[m + 1].fwd_ms : 0.0;
+      if (st.layers[m].spec == st.layers[l].spec && st.layers[m].fwd_ms == st.layers[l].fwd_ms &&
+          st.layers[m].op_fwd_ms == st.layers[l].op_fwd_ms && m_next == next_fwd &&
+          unique_sets[k].can_offload == can_offload) {
+        break;
+      }
+    }
+    if (k == unique_sets.size()) {
+      unique_sets.push_back(build_options(st, l, r.strategy));
+      first_of_set.push_back(l);
+    }
+    set_index[l] = k;
+  }
+  std::vector<OptionSet*> sets(n);
+  for (size_t l = 0; l < n; ++l) sets[l] = &unique_sets[set_index[l]];
   std::vector<double> rec_ms(n);
-  for (size_t l = 0; l < n; ++l) rec_ms[l] = sets[l].recompute.cost.recompute_ms;
+  for (size_t l = 0; l < n; ++l) rec_ms[l] = sets[l]->recompute.cost.recompute_ms;
 
   // Allowed options per layer for the strategy.
   std::vector<std::vector<const Option*>> allowed(n);
   for (size_t l = 0; l < n; ++l) {
-    OptionSet& os = sets[l];
+    OptionSet& os = *sets[l];
     auto& a = allowed[l];
     switch (r.strategy) {
       case Strategy::kKeep: a = {&os.keep}; break;
@@ -732,8 +759,8 @@ Plan make_plan(const PlanRequest& r) {
   std::vector<const Option*> all_rec(n);
   std::vector<const Option*> all_keep(n);
   for (size_t l = 0; l < n; ++l) {
-    all_rec[l] = &sets[l].recompute;
-    all_keep[l] = &sets[l].keep;
+    all_rec[l] = &sets[l]->recompute;
+    all_keep[l] = &sets[l]->keep;
   }
   const Timeline rec_tl = run_timeline(st, all_rec, rec_ms, false);
   const Timeline keep_tl = run_timeline(st, all_keep, rec_ms, false);
