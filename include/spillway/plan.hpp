@@ -102,7 +102,8 @@ struct LayerPlan {
   double recompute_ms = 0.0;
   double recompute_avoided_ms = 0.0;  // against the block-type recompute policy
   double d2h_ms = 0.0;                // offload_bytes / D2H bandwidth
-  double window_ms = 0.0;             // from the copy's start to the end of the next forward
+  double window_ms = 0.0;             // from its first offloaded tensor to the end of the next forward
+  double late_ms = 0.0;               // how late its last copy ends (with margin and backlog)
   double margin = 0.0;                // window / d2h - 1 (0 when nothing is offloaded)
   double h2d_ms = 0.0;
   double stall_ms = 0.0;              // backward waiting on this layer's reload

@@ -1,6 +1,9 @@
 // `spillway models` and `spillway hardware`: the embedded catalogs.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "cli/commands.hpp"
 #include "device/cuda_probe.hpp"
 #include "spillway/hardware.hpp"
@@ -18,22 +21,19 @@ void add_models_command(CLI::App& app) {
                                   "layers", "params (B)", "published", "active", "blocks");
     for (const ModelCatalogEntry& e : model_catalog()) {
       const ModelConfig m = load_model(e.name);
-      std::string blocks;
-      std::string last;
-      int run = 0;
-      auto flush = [&]() {
-        if (run > 0) blocks += fmt::format("{}{}x{}", blocks.empty() ? "" : " ", run, last);
-      };
+      // Layer counts per block type, in order of first appearance.
+      std::vector<std::pair<std::string, int>> counts;
       for (const LayerSpec& l : m.layers) {
         const std::string b = l.block_name();
-        if (b != last) {
-          flush();
-          last = b;
-          run = 0;
+        auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == b; });
+        if (it == counts.end()) {
+          counts.emplace_back(b, 1);
+        } else {
+          ++it->second;
         }
-        ++run;
       }
-      flush();
+      std::string blocks;
+      for (const auto& [b, n] : counts) blocks += fmt::format("{}{}x {}", blocks.empty() ? "" : ", ", n, b);
       out += fmt::format("{:<18} {:<10} {:>7} {:>11.2f} {:>9.1f} {:>8.2f}  {}\n", e.name,
                          m.model_type, m.layers.size(),
                          static_cast<double>(parameter_count(m)) / 1e9, e.published_params_b,

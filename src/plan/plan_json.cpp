@@ -68,6 +68,7 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                       {"kept_bytes", l.kept_bytes},
                       {"d2h_ms", l.d2h_ms},
                       {"window_ms", l.window_ms},
+                      {"late_ms", l.late_ms},
                       {"margin", l.offload_bytes > 0 ? finite_or_null(l.margin) : Json(nullptr)},
                       {"h2d_ms", l.h2d_ms},
                       {"stall_ms", l.stall_ms},

@@ -519,8 +519,12 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     d2h_done[l] = free_real;
     const double deadline = start[std::min(l + 2, n)];
     lp.d2h_ms = static_cast<double>(o.cost.offload_bytes) / rate_real;
-    lp.window_ms = deadline - (first_margin + start[l]);
+    // The layer's own window: from its first offloaded tensor to the end of the next
+    // forward (what it would have with an idle engine); lateness includes the backlog.
+    lp.window_ms = deadline - (start[l] + c.produced_at_ms[order.front()]);
     lp.margin = lp.window_ms / lp.d2h_ms - 1.0;
+    lp.late_ms = std::max(0.0, fin_margin - deadline);
+    (void)first_margin;
     if (fin_margin > deadline + 1e-9) {
       lp.snowball = true;
       tl.snowball_layers.push_back(l);
@@ -782,16 +786,31 @@ Plan make_plan(const PlanRequest& r) {
   size_t listed = 0;
   for (size_t l : tl.snowball_layers) {
     const LayerPlan& lp = plan.layers[l];
-    if (listed++ < 5) {
+    if (listed++ >= 4) continue;
+    const double need = lp.d2h_ms * (1.0 + r.margin);
+    if (need > lp.window_ms) {
       s.reasons.push_back(fmt::format(
           "layer {}: {} at {:.0f} GB/s = {:.1f} ms ({:.1f} ms with the {:.0f}% margin) > {:.1f} ms "
-          "forward window: the D2H copies snowball",
-          l, to_string(Bytes(lp.offload_bytes)), s.d2h_gbps, lp.d2h_ms, lp.d2h_ms * (1.0 + r.margin),
-          margin_pct, lp.window_ms));
+          "forward window",
+          l, to_string(Bytes(lp.offload_bytes)), s.d2h_gbps, lp.d2h_ms, need, margin_pct,
+          lp.window_ms));
+    } else {
+      s.reasons.push_back(fmt::format(
+          "layer {}: {} would fit its {:.1f} ms window alone, but earlier layers' copies still "
+          "occupy the link: it ends {:.1f} ms late",
+          l, to_string(Bytes(lp.offload_bytes)), lp.window_ms, lp.late_ms));
     }
   }
-  if (tl.snowball_layers.size() > 5) {
-    s.reasons.push_back(fmt::format("... and {} more layers miss their window", tl.snowball_layers.size() - 5));
+  if (tl.snowball_layers.size() > 4) {
+    s.reasons.push_back(fmt::format("... and {} more layers miss their window", tl.snowball_layers.size() - 4));
+  }
+  if (!tl.snowball_layers.empty()) {
+    const LayerPlan& last = plan.layers[n - 1];
+    s.reasons.push_back(fmt::format(
+        "the D2H queue snowballs from layer {}: {} still waiting to be copied when the forward "
+        "ends (largest backlog {})",
+        tl.snowball_layers.front(), to_string(Bytes(last.backlog_bytes)),
+        to_string(Bytes(tl.max_backlog))));
   }
   if (s.peak.total() > st.budget) {
     s.reasons.push_back(fmt::format(

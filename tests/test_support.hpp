@@ -1,0 +1,90 @@
+// Helpers shared by the spillway tests: temporary files that clean up after themselves,
+// and the check that a call fails with spillway::Error (never anything else) whose
+// message holds given substrings.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+#include "spillway/error.hpp"
+
+namespace spillway::testing {
+
+// A fresh directory under the system temp dir, removed (with its contents) on scope exit.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      path_ = std::filesystem::temp_directory_path() /
+              ("spillway-test-" + std::to_string(::getpid()) + "-" + std::to_string(now) + "-" +
+               std::to_string(counter++));
+      std::error_code ec;
+      if (std::filesystem::create_directory(path_, ec)) return;
+    }
+    throw std::runtime_error("cannot create a temporary directory");
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  // Writes `text` to `name` inside the directory and returns the file's path.
+  std::string write(const std::string& name, std::string_view text) const {
+    const std::filesystem::path p = path_ / name;
+    std::filesystem::create_directories(p.parent_path());
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + p.string());
+    return p.string();
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Runs `f`; it must throw spillway::Error. Returns the message (empty when it did not
+// throw Error; the failure is then recorded). Any other exception is a failure too.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const spillway::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected spillway::Error, got another exception: " << e.what();
+    return {};
+  } catch (...) {
+    ADD_FAILURE() << "expected spillway::Error, got a non-std exception";
+    return {};
+  }
+  ADD_FAILURE() << "expected spillway::Error, but the call succeeded";
+  return {};
+}
+
+// `f` throws spillway::Error whose message contains every one of `parts`.
+inline void expect_error(const std::function<void()>& f,
+                         std::initializer_list<std::string_view> parts) {
+  const std::string msg = error_of(f);
+  for (std::string_view p : parts) {
+    EXPECT_NE(msg.find(p), std::string::npos)
+        << "the message should contain [" << p << "]\n  message: " << msg;
+  }
+}
+
+}  // namespace spillway::testing
