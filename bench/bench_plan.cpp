@@ -3,10 +3,10 @@
 //
 // Models: a 96-layer dense model in the shape of GPT-3 175B (hidden 12288, 96 heads) and
 // the 94-layer Qwen3-235B-A22B MoE from the catalog; hardware gh200. "+profile" variants
-// calibrate every layer with a different measured time (no layer shares its options). Before timing, each
-// plan is checked (96 or 94 layers, the last layer not offloaded). Baseline in the same
-// run: costing the layers alone (inventory + roofline, no decision), so the ratio says
-// what the decision itself costs on top of the cost model.
+// calibrate every layer with a different measured time (no layer shares its options). Before
+// timing, each plan is checked (96 or 94 layers, the last layer not offloaded). Baseline in the
+// same run: costing the layers alone (inventory + roofline, no decision), so the ratio says what
+// the decision itself costs on top of the cost model.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -24,7 +24,7 @@ namespace {
 using spillway::PlanRequest;
 using spillway::Strategy;
 
-const std::vector<Strategy> kStrategies = {Strategy::kAuto,    Strategy::kKeep,
+const std::vector<Strategy> kStrategies = {Strategy::kAuto,      Strategy::kKeep,
                                            Strategy::kRecompute, Strategy::kOffload,
                                            Strategy::kSelective, Strategy::kHybrid};
 
@@ -33,10 +33,10 @@ PlanRequest request_for(const std::string& model) {
   const bool profiled = model.ends_with("+profile");
   const std::string base_model = profiled ? model.substr(0, model.size() - 8) : model;
   if (base_model == "dense-96") {
-    const nlohmann::json cfg = {{"model_type", "llama"},       {"hidden_size", 12288},
-                                {"num_hidden_layers", 96},     {"num_attention_heads", 96},
-                                {"num_key_value_heads", 96},   {"intermediate_size", 49152},
-                                {"vocab_size", 50257},         {"tie_word_embeddings", true}};
+    const nlohmann::json cfg = {{"model_type", "llama"},     {"hidden_size", 12288},
+                                {"num_hidden_layers", 96},   {"num_attention_heads", 96},
+                                {"num_key_value_heads", 96}, {"intermediate_size", 49152},
+                                {"vocab_size", 50257},       {"tie_word_embeddings", true}};
     r.model = spillway::parse_model_config(cfg, "dense-96 (GPT-3 175B shape)", "bench");
     r.work.shape.tp = 8;
     r.work.pp = 1;
@@ -79,8 +79,8 @@ void BM_CostOnly(benchmark::State& state, std::string model) {
   const PlanRequest r = request_for(model);
   for (auto _ : state) {
     for (const auto& l : r.model.layers) {
-      benchmark::DoNotOptimize(spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware,
-                                                    r.efficiency));
+      benchmark::DoNotOptimize(
+          spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
     }
   }
   state.SetLabel(model + " cost model only (baseline)");
@@ -91,7 +91,8 @@ double median_ms(const std::function<void()>& f, int reps) {
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
@@ -101,9 +102,11 @@ double median_ms(const std::function<void()>& f, int reps) {
 
 int main(int argc, char** argv) {
   for (const std::string model : {"dense-96", "Qwen3-235B-A22B"}) {
-    benchmark::RegisterBenchmark(("cost_only/" + model).c_str(), BM_CostOnly, model)->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("cost_only/" + model).c_str(), BM_CostOnly, model)
+        ->Unit(benchmark::kMillisecond);
     for (Strategy s : kStrategies) {
-      benchmark::RegisterBenchmark(("plan/" + model + "/" + spillway::to_string(s)).c_str(), BM_Plan, model, s)
+      benchmark::RegisterBenchmark(("plan/" + model + "/" + spillway::to_string(s)).c_str(),
+                                   BM_Plan, model, s)
           ->Unit(benchmark::kMillisecond);
     }
   }
@@ -111,23 +114,31 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
 
-  std::printf("\nsummary (median of 21 runs; target: all six strategies of a 96-layer model < 20 ms)\n");
-  for (const std::string model : {"dense-96", "Qwen3-235B-A22B", "dense-96+profile", "Qwen3-235B-A22B+profile"}) {
+  std::printf(
+      "\nsummary (median of 21 runs; target: all six strategies of a 96-layer model < 20 ms)\n");
+  for (const std::string model :
+       {"dense-96", "Qwen3-235B-A22B", "dense-96+profile", "Qwen3-235B-A22B+profile"}) {
     PlanRequest r = request_for(model);
-    const double base = median_ms([&] {
-      for (const auto& l : r.model.layers) {
-        benchmark::DoNotOptimize(spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
-      }
-    }, 21);
-    const double all = median_ms([&] {
-      for (Strategy s : kStrategies) {
-        r.strategy = s;
-        benchmark::DoNotOptimize(spillway::make_plan(r));
-      }
-    }, 21);
-    std::printf("  %-24s %3zu layers: all strategies %7.2f ms (%.2fx of the 20 ms target); "
-                "cost model alone %6.3f ms, decision overhead %.1fx of it\n",
-                model.c_str(), r.model.layers.size(), all, all / 20.0, base, all / (6.0 * base));
+    const double base = median_ms(
+        [&] {
+          for (const auto& l : r.model.layers) {
+            benchmark::DoNotOptimize(
+                spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
+          }
+        },
+        21);
+    const double all = median_ms(
+        [&] {
+          for (Strategy s : kStrategies) {
+            r.strategy = s;
+            benchmark::DoNotOptimize(spillway::make_plan(r));
+          }
+        },
+        21);
+    std::printf(
+        "  %-24s %3zu layers: all strategies %7.2f ms (%.2fx of the 20 ms target); "
+        "cost model alone %6.3f ms, decision overhead %.1fx of it\n",
+        model.c_str(), r.model.layers.size(), all, all / 20.0, base, all / (6.0 * base));
   }
   return 0;
 }

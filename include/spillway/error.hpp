@@ -31,21 +31,21 @@ void warn_check_failure(const char* expr, const char* file, int line,
 }  // namespace spillway
 
 // Internal invariant: throws spillway::Error naming the expression, file and line.
-#define SPILLWAY_CHECK(cond, ...)                                                          \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      ::spillway::detail::throw_check_failure(#cond, __FILE__, __LINE__,                   \
-                                              ::fmt::format(__VA_ARGS__));                 \
-    }                                                                                      \
+#define SPILLWAY_CHECK(cond, ...)                                          \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      ::spillway::detail::throw_check_failure(#cond, __FILE__, __LINE__,   \
+                                              ::fmt::format(__VA_ARGS__)); \
+    }                                                                      \
   } while (0)
 
 // Same check for destructors and cleanup paths: reports and carries on.
-#define SPILLWAY_CHECK_WARN(cond, ...)                                                     \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      ::spillway::detail::warn_check_failure(#cond, __FILE__, __LINE__,                    \
-                                             ::fmt::format(__VA_ARGS__));                  \
-    }                                                                                      \
+#define SPILLWAY_CHECK_WARN(cond, ...)                                    \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      ::spillway::detail::warn_check_failure(#cond, __FILE__, __LINE__,   \
+                                             ::fmt::format(__VA_ARGS__)); \
+    }                                                                     \
   } while (0)
 
 // Bad user input: throws spillway::Error with exactly the formatted message (no source

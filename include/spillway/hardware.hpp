@@ -4,10 +4,9 @@
 // the binary); users pass their own file with the same schema (spillway.hardware/1).
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "spillway/units.hpp"
 
@@ -24,7 +23,7 @@ struct MigProfile {
 struct HardwareProfile {
   std::string name;
   std::string description;
-  std::string source;     // file path or data/hardware/<name>.json
+  std::string source;      // file path or data/hardware/<name>.json
   bool projected = false;  // figures of an unreleased part
   double hbm_gb = 0.0;
   double hbm_tbps = 0.0;

@@ -36,14 +36,14 @@ struct ShardShape {
 enum class OpKind { kGemm, kAttention, kMemory };
 
 struct OpCost {
-  std::string name;            // "attn.qkv", "mlp.gate", ...
+  std::string name;  // "attn.qkv", "mlp.gate", ...
   OpKind kind = OpKind::kMemory;
   double fwd_flops = 0.0;
-  int64_t fwd_bytes = 0;       // HBM traffic of the forward kernel(s)
+  int64_t fwd_bytes = 0;  // HBM traffic of the forward kernel(s)
   double bwd_flops = 0.0;
   int64_t bwd_bytes = 0;
-  std::vector<int> inputs;     // tensor indices read by the forward op
-  std::vector<int> outputs;    // tensor indices written by the forward op
+  std::vector<int> inputs;   // tensor indices read by the forward op
+  std::vector<int> outputs;  // tensor indices written by the forward op
 };
 
 struct TensorInfo {
@@ -51,12 +51,12 @@ struct TensorInfo {
   std::vector<int64_t> shape;  // per GPU, e.g. {T, f_act / tp}
   std::string dtype;           // "bf16", "fp32", "int32"
   int64_t bytes = 0;
-  bool saved = true;           // false: a transient intermediate (named for dependencies)
-  int producer = -1;           // op index; -1 = the layer input (produced by the layer before)
+  bool saved = true;  // false: a transient intermediate (named for dependencies)
+  int producer = -1;  // op index; -1 = the layer input (produced by the layer before)
 };
 
 struct LayerInventory {
-  std::vector<OpCost> ops;        // forward order
+  std::vector<OpCost> ops;  // forward order
   std::vector<TensorInfo> tensors;
   int find(const std::string& tensor_name) const;  // -1 when absent
   int64_t saved_bytes() const;

@@ -9,10 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 namespace spillway {
 
@@ -21,17 +20,17 @@ enum class AttentionKind { kGqa, kMla };
 struct AttentionSpec {
   AttentionKind kind = AttentionKind::kGqa;
   int64_t heads = 0;
-  int64_t kv_heads = 0;       // GQA only (MLA: every head has its own K and V)
-  int64_t qk_head_dim = 0;    // per-head dim of Q and K (MLA: nope + rope)
-  int64_t v_head_dim = 0;     // per-head dim of V and of the core output
-  int64_t q_lora_rank = 0;    // MLA; 0 = Q projected directly from the hidden state
-  int64_t kv_lora_rank = 0;   // MLA
+  int64_t kv_heads = 0;          // GQA only (MLA: every head has its own K and V)
+  int64_t qk_head_dim = 0;       // per-head dim of Q and K (MLA: nope + rope)
+  int64_t v_head_dim = 0;        // per-head dim of V and of the core output
+  int64_t q_lora_rank = 0;       // MLA; 0 = Q projected directly from the hidden state
+  int64_t kv_lora_rank = 0;      // MLA
   int64_t qk_rope_head_dim = 0;  // MLA: the shared rotary key part
   int64_t sliding_window = 0;    // 0 = full causal attention
   bool qkv_bias = false;
   bool o_bias = false;
-  bool qk_norm = false;       // per-head RMSNorm of Q and K (Qwen3)
-  bool sinks = false;         // learned attention sinks, one per head (GPT-OSS)
+  bool qk_norm = false;  // per-head RMSNorm of Q and K (Qwen3)
+  bool sinks = false;    // learned attention sinks, one per head (GPT-OSS)
   friend bool operator==(const AttentionSpec&, const AttentionSpec&) = default;
 };
 
@@ -39,14 +38,14 @@ enum class MlpKind { kDense, kMoe };
 
 struct MlpSpec {
   MlpKind kind = MlpKind::kDense;
-  int64_t ffn = 0;             // dense: intermediate size; MoE: per routed expert
-  int64_t experts = 0;         // MoE: routed experts
-  int64_t top_k = 0;           // MoE: routed experts per token
-  int64_t shared_ffn = 0;      // MoE: total width of the shared expert(s), 0 if none
-  bool shared_gate = false;    // MoE: sigmoid gate on the shared expert (Qwen2-MoE)
-  int64_t residual_ffn = 0;    // MoE: a dense MLP beside the experts (Grok), 0 if none
-  bool bias = false;           // biases on the MLP/expert projections (GPT-OSS)
-  bool router_bias = false;    // a bias on the router (GPT-OSS, DeepSeek-V3's correction)
+  int64_t ffn = 0;           // dense: intermediate size; MoE: per routed expert
+  int64_t experts = 0;       // MoE: routed experts
+  int64_t top_k = 0;         // MoE: routed experts per token
+  int64_t shared_ffn = 0;    // MoE: total width of the shared expert(s), 0 if none
+  bool shared_gate = false;  // MoE: sigmoid gate on the shared expert (Qwen2-MoE)
+  int64_t residual_ffn = 0;  // MoE: a dense MLP beside the experts (Grok), 0 if none
+  bool bias = false;         // biases on the MLP/expert projections (GPT-OSS)
+  bool router_bias = false;  // a bias on the router (GPT-OSS, DeepSeek-V3's correction)
   // The width a token activates: top_k * ffn + shared_ffn + residual_ffn (dense: ffn).
   int64_t active_ffn() const;
   friend bool operator==(const MlpSpec&, const MlpSpec&) = default;
@@ -59,7 +58,6 @@ struct LayerSpec {
   std::string block_name() const;
   friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
 };
-
 
 struct ModelConfig {
   std::string name;        // catalog name or the file's stem

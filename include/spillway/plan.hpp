@@ -64,15 +64,15 @@ struct PlanRequest {
   HardwareProfile hardware;
   Workload work;
   Strategy strategy = Strategy::kAuto;
-  double margin = 0.10;                     // transfers must fit window / (1 + margin)
-  std::optional<double> layer_fwd_ms;       // calibration: the repeating layer's forward
-  std::vector<LayerTiming> profile;         // calibration: measured per-layer times
-  std::optional<double> hbm_budget_gb;      // default: profile HBM minus the reserve
-  std::optional<double> d2h_gbps;           // default: typical measured / gpus_per_link
+  double margin = 0.10;                 // transfers must fit window / (1 + margin)
+  std::optional<double> layer_fwd_ms;   // calibration: the repeating layer's forward
+  std::vector<LayerTiming> profile;     // calibration: measured per-layer times
+  std::optional<double> hbm_budget_gb;  // default: profile HBM minus the reserve
+  std::optional<double> d2h_gbps;       // default: typical measured / gpus_per_link
   std::optional<double> h2d_gbps;
   Efficiency efficiency;
-  int keep_last_layers = 1;                 // layers at the end that never offload
-  int prefetch_depth = 1;                   // backward reloads issued this many layers ahead
+  int keep_last_layers = 1;  // layers at the end that never offload
+  int prefetch_depth = 1;    // backward reloads issued this many layers ahead
 };
 
 // The fraction of HBM the default budget leaves for the CUDA context, allocator
@@ -85,8 +85,19 @@ struct TensorPlan {
   std::string dtype;
   int64_t bytes = 0;
   Action action = Action::kKeep;
-  double recompute_ms = 0.0;   // time of the op that produces it
-  double produced_at_ms = 0.0; // offset in the layer's forward when it exists
+  double recompute_flops = 0.0;  // FLOPs of the op that produces it
+  double recompute_ms = 0.0;     // time of the op that produces it
+  double produced_at_ms = 0.0;   // offset in the layer's forward when it exists
+};
+
+struct OpPlan {  // one forward op of a layer and its backward
+  std::string name;
+  double fwd_flops = 0.0;
+  int64_t fwd_bytes = 0;  // HBM traffic
+  double bwd_flops = 0.0;
+  int64_t bwd_bytes = 0;
+  double fwd_ms = 0.0;
+  double bwd_ms = 0.0;
 };
 
 struct LayerPlan {
@@ -94,6 +105,11 @@ struct LayerPlan {
   std::string block;
   Policy policy = Policy::kKeep;
   std::vector<TensorPlan> tensors;
+  std::vector<OpPlan> ops;
+  double fwd_flops = 0.0;
+  double bwd_flops = 0.0;
+  int64_t fwd_bytes = 0;  // HBM traffic of the forward
+  int64_t bwd_bytes = 0;
   int64_t offload_bytes = 0;
   int64_t kept_bytes = 0;
   int64_t rematerialized_bytes = 0;  // offloaded + recomputed: live again in its backward
@@ -102,13 +118,13 @@ struct LayerPlan {
   double recompute_ms = 0.0;
   double recompute_avoided_ms = 0.0;  // against the block-type recompute policy
   double d2h_ms = 0.0;                // offload_bytes / D2H bandwidth
-  double window_ms = 0.0;             // from its first offloaded tensor to the end of the next forward
-  double late_ms = 0.0;               // how late its last copy ends (with margin and backlog)
-  double margin = 0.0;                // window / d2h - 1 (0 when nothing is offloaded)
+  double window_ms = 0.0;  // from its first offloaded tensor to the end of the next forward
+  double late_ms = 0.0;    // how late its last copy ends (with margin and backlog)
+  double margin = 0.0;     // window / d2h - 1 (0 when nothing is offloaded)
   double h2d_ms = 0.0;
-  double stall_ms = 0.0;              // backward waiting on this layer's reload
-  int64_t backlog_bytes = 0;          // D2H bytes not yet copied when this layer's forward ends
-  bool snowball = false;              // the copy misses its window (with margin)
+  double stall_ms = 0.0;      // backward waiting on this layer's reload
+  int64_t backlog_bytes = 0;  // D2H bytes not yet copied when this layer's forward ends
+  bool snowball = false;      // the copy misses its window (with margin)
 };
 
 struct MemoryBreakdown {

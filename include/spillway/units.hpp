@@ -23,11 +23,18 @@ struct Bytes {
   static constexpr Bytes from_gb(double gb) { return Bytes(static_cast<int64_t>(gb * 1e9)); }
   constexpr double gb() const { return static_cast<double>(count) / 1e9; }
   constexpr double gib() const { return static_cast<double>(count) / (1024.0 * 1024.0 * 1024.0); }
-  constexpr Bytes& operator+=(Bytes o) { count += o.count; return *this; }
-  constexpr Bytes& operator-=(Bytes o) { count -= o.count; return *this; }
+  constexpr Bytes& operator+=(Bytes o) {
+    count += o.count;
+    return *this;
+  }
+  constexpr Bytes& operator-=(Bytes o) {
+    count -= o.count;
+    return *this;
+  }
   friend constexpr Bytes operator+(Bytes a, Bytes b) { return Bytes(a.count + b.count); }
   friend constexpr Bytes operator-(Bytes a, Bytes b) { return Bytes(a.count - b.count); }
   friend constexpr Bytes operator*(Bytes a, int64_t k) { return Bytes(a.count * k); }
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads the synthesized "< 0"
   friend constexpr auto operator<=>(Bytes, Bytes) = default;
 };
 
@@ -37,11 +44,15 @@ struct Seconds {
   constexpr explicit Seconds(double s) : value(s) {}
   static constexpr Seconds from_ms(double ms) { return Seconds(ms * 1e-3); }
   constexpr double ms() const { return value * 1e3; }
-  constexpr Seconds& operator+=(Seconds o) { value += o.value; return *this; }
+  constexpr Seconds& operator+=(Seconds o) {
+    value += o.value;
+    return *this;
+  }
   friend constexpr Seconds operator+(Seconds a, Seconds b) { return Seconds(a.value + b.value); }
   friend constexpr Seconds operator-(Seconds a, Seconds b) { return Seconds(a.value - b.value); }
   friend constexpr Seconds operator*(Seconds a, double k) { return Seconds(a.value * k); }
   friend constexpr double operator/(Seconds a, Seconds b) { return a.value / b.value; }
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads the synthesized "< 0"
   friend constexpr auto operator<=>(Seconds, Seconds) = default;
 };
 
@@ -53,6 +64,7 @@ struct GBps {
   constexpr double bytes_per_s() const { return value * 1e9; }
   friend constexpr GBps operator*(GBps a, double k) { return GBps(a.value * k); }
   friend constexpr GBps operator/(GBps a, double k) { return GBps(a.value / k); }
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads the synthesized "< 0"
   friend constexpr auto operator<=>(GBps, GBps) = default;
 };
 
@@ -60,9 +72,13 @@ struct Flops {
   double count = 0.0;
   constexpr Flops() = default;
   constexpr explicit Flops(double n) : count(n) {}
-  constexpr Flops& operator+=(Flops o) { count += o.count; return *this; }
+  constexpr Flops& operator+=(Flops o) {
+    count += o.count;
+    return *this;
+  }
   friend constexpr Flops operator+(Flops a, Flops b) { return Flops(a.count + b.count); }
   friend constexpr Flops operator*(Flops a, double k) { return Flops(a.count * k); }
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads the synthesized "< 0"
   friend constexpr auto operator<=>(Flops, Flops) = default;
 };
 
@@ -72,6 +88,7 @@ struct TFlops {
   constexpr TFlops() = default;
   constexpr explicit TFlops(double t) : value(t) {}
   friend constexpr TFlops operator*(TFlops a, double k) { return TFlops(a.value * k); }
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads the synthesized "< 0"
   friend constexpr auto operator<=>(TFlops, TFlops) = default;
 };
 
@@ -81,7 +98,9 @@ constexpr Seconds operator/(Bytes b, GBps bw) {
 constexpr GBps operator/(Bytes b, Seconds t) {
   return GBps(static_cast<double>(b.count) / t.value / 1e9);
 }
-constexpr Seconds operator/(Flops f, TFlops r) { return Seconds(f.count / (r.value * 1e12)); }
+constexpr Seconds operator/(Flops f, TFlops r) {
+  return Seconds(f.count / (r.value * 1e12));
+}
 
 // Human-readable forms used in reports: "4.80 GB", "26.9 ms", "180 GB/s".
 std::string to_string(Bytes b);

@@ -22,14 +22,16 @@ void add_plan_command(CLI::App& app) {
       "Examples:\n"
       "  spillway plan --model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 8192\n"
       "  spillway plan --model Llama-3.1-70B --hardware h100-sxm --tp 8 --strategy offload\n"
-      "  spillway plan --model ./config.json --hardware gb200 --layer-fwd-ms 12.5 --json plan.json\n"
+      "  spillway plan --model ./config.json --hardware gb200 --layer-fwd-ms 12.5 --json "
+      "plan.json\n"
       "Exit status: 0 when the plan is feasible, 3 when it is not (the reasons are printed).");
   add_plan_flags(*cmd, st->flags);
   cmd->add_option("--json", st->json_path,
                   "Write the plan (schema spillway.plan/1, docs/plan-schema.md) to FILE, '-' for "
                   "stdout")
       ->group("Output");
-  cmd->add_flag("--quiet", st->quiet, "Do not print the report (with --json FILE)")->group("Output");
+  cmd->add_flag("--quiet", st->quiet, "Do not print the report (with --json FILE)")
+      ->group("Output");
   cmd->callback([st]() {
     const PlanRequest req = make_request(st->flags);
     const Plan plan = make_plan(req);

@@ -38,7 +38,9 @@ void write_output(const std::string& path, const std::string& text) {
 
 }  // namespace spillway::cli
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
   CLI::App app{
       "spillway: move what does not fit in GPU memory into CPU memory, and bring it back in "
       "time.\n\nStart with:\n  spillway plan --model Qwen3-30B-A3B --hardware gh200 "
@@ -61,4 +63,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (...) {
+    std::fprintf(stderr, "spillway: internal error while setting up the command line\n");
+    return 1;
+  }
 }

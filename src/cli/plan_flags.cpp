@@ -16,21 +16,38 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
                  "Catalog profile (see `spillway hardware`) or path to a profile JSON")
       ->capture_default_str()
       ->group("Model and hardware");
-  cmd.add_option("--micro-batch", f.micro_batch, "Sequences per micro-batch")->capture_default_str()->group("Workload");
-  cmd.add_option("--seq-len", f.seq_len, "Tokens per sequence")->capture_default_str()->group("Workload");
-  cmd.add_option("--dtype", f.dtype, "Activation dtype: bf16, fp16, fp8, fp32")->capture_default_str()->group("Workload");
-  cmd.add_option("--tp", f.tp, "Tensor-parallel size (with sequence parallelism)")->capture_default_str()->group("Workload");
+  cmd.add_option("--micro-batch", f.micro_batch, "Sequences per micro-batch")
+      ->capture_default_str()
+      ->group("Workload");
+  cmd.add_option("--seq-len", f.seq_len, "Tokens per sequence")
+      ->capture_default_str()
+      ->group("Workload");
+  cmd.add_option("--dtype", f.dtype, "Activation dtype: bf16, fp16, fp8, fp32")
+      ->capture_default_str()
+      ->group("Workload");
+  cmd.add_option("--tp", f.tp, "Tensor-parallel size (with sequence parallelism)")
+      ->capture_default_str()
+      ->group("Workload");
   cmd.add_option("--ep", f.ep, "Expert-parallel size")->capture_default_str()->group("Workload");
-  cmd.add_option("--cp", f.cp, "Context-parallel size (splits the sequence)")->capture_default_str()->group("Workload");
-  cmd.add_option("--pp", f.pp, "Pipeline-parallel size (the first 1F1B stage is planned)")->capture_default_str()->group("Workload");
-  cmd.add_option("--dp", f.dp, "Data-parallel size (shards the optimizer states)")->capture_default_str()->group("Workload");
-  cmd.add_option("--grad-accum", f.grad_accum, "Micro-batches per optimizer step")->capture_default_str()->group("Workload");
+  cmd.add_option("--cp", f.cp, "Context-parallel size (splits the sequence)")
+      ->capture_default_str()
+      ->group("Workload");
+  cmd.add_option("--pp", f.pp, "Pipeline-parallel size (the first 1F1B stage is planned)")
+      ->capture_default_str()
+      ->group("Workload");
+  cmd.add_option("--dp", f.dp, "Data-parallel size (shards the optimizer states)")
+      ->capture_default_str()
+      ->group("Workload");
+  cmd.add_option("--grad-accum", f.grad_accum, "Micro-batches per optimizer step")
+      ->capture_default_str()
+      ->group("Workload");
   cmd.add_flag("--fused-swiglu", f.fused_swiglu,
                "SwiGLU backward recomputes silu(g)*u in-kernel: only gate and up outputs are saved")
       ->group("Workload");
-  cmd.add_option("--strategy", f.strategy,
-                 "auto (fastest feasible mix, layer by layer), keep, recompute, offload, selective, "
-                 "hybrid (applied to every layer, then judged)")
+  cmd.add_option(
+         "--strategy", f.strategy,
+         "auto (fastest feasible mix, layer by layer), keep, recompute, offload, selective, "
+         "hybrid (applied to every layer, then judged)")
       ->capture_default_str()
       ->group("Policy");
   cmd.add_option("--margin", f.margin,
@@ -41,15 +58,19 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   cmd.add_option("--hbm-budget-gb", f.hbm_budget_gb,
                  "HBM the plan may use (default: the profile's HBM minus 5% reserve)")
       ->group("Policy");
-  cmd.add_option("--keep-last", f.keep_last, "Layers at the end that never offload")->capture_default_str()->group("Policy");
-  cmd.add_option("--prefetch-depth", f.prefetch_depth, "Backward reloads issued this many layers ahead")
+  cmd.add_option("--keep-last", f.keep_last, "Layers at the end that never offload")
+      ->capture_default_str()
+      ->group("Policy");
+  cmd.add_option("--prefetch-depth", f.prefetch_depth,
+                 "Backward reloads issued this many layers ahead")
       ->capture_default_str()
       ->group("Policy");
   cmd.add_option("--d2h-gbps", f.d2h_gbps,
                  "Device->host GB/s per GPU (default: the profile's typical measured figure, "
                  "shared by the GPUs on one link; never the nominal peak)")
       ->group("Link");
-  cmd.add_option("--h2d-gbps", f.h2d_gbps, "Host->device GB/s per GPU (default as --d2h-gbps)")->group("Link");
+  cmd.add_option("--h2d-gbps", f.h2d_gbps, "Host->device GB/s per GPU (default as --d2h-gbps)")
+      ->group("Link");
   auto* fwd = cmd.add_option("--layer-fwd-ms", f.layer_fwd_ms,
                              "Calibration: measured forward time of the repeating layer; all "
                              "modelled times are scaled to it")
@@ -62,10 +83,12 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   cmd.add_option("--gemm-efficiency", f.gemm_eff, "Fraction of dense peak reached by GEMMs")
       ->capture_default_str()
       ->group("Calibration");
-  cmd.add_option("--attention-efficiency", f.attention_eff, "Fraction of dense peak reached by fused attention")
+  cmd.add_option("--attention-efficiency", f.attention_eff,
+                 "Fraction of dense peak reached by fused attention")
       ->capture_default_str()
       ->group("Calibration");
-  cmd.add_option("--hbm-efficiency", f.hbm_eff, "Fraction of HBM bandwidth reached by memory-bound kernels")
+  cmd.add_option("--hbm-efficiency", f.hbm_eff,
+                 "Fraction of HBM bandwidth reached by memory-bound kernels")
       ->capture_default_str()
       ->group("Calibration");
 }
@@ -85,12 +108,13 @@ double parse_margin(const std::string& text) {
     used = 0;
   }
   if (used == 0 || used != s.size() || !std::isfinite(v)) {
-    SPILLWAY_INPUT_ERROR("--margin is '{}'; write a percentage like 10% or a fraction like 0.1", text);
+    SPILLWAY_INPUT_ERROR("--margin is '{}'; write a percentage like 10% or a fraction like 0.1",
+                         text);
   }
   if (percent) v /= 100.0;
   if (!percent && v > 1.0) {
-    SPILLWAY_INPUT_ERROR("--margin is '{}'; a fraction above 1 is ambiguous: write {}% or {}",
-                         text, text, v / 100.0);
+    SPILLWAY_INPUT_ERROR("--margin is '{}'; a fraction above 1 is ambiguous: write {}% or {}", text,
+                         text, v / 100.0);
   }
   if (v < 0.0 || v > 10.0) {
     SPILLWAY_INPUT_ERROR("--margin is '{}'; must be between 0% and 1000%", text);

@@ -125,8 +125,7 @@ int64_t JsonObject::req_int(std::string_view key, int64_t min, int64_t max) cons
   return to_int(key, at(key), min, max);
 }
 
-int64_t JsonObject::int_or(std::string_view key, int64_t fallback, int64_t min,
-                           int64_t max) const {
+int64_t JsonObject::int_or(std::string_view key, int64_t fallback, int64_t min, int64_t max) const {
   return has(key) ? req_int(key, min, max) : fallback;
 }
 
@@ -150,7 +149,7 @@ std::string JsonObject::req_str(std::string_view key) const {
 }
 
 std::string JsonObject::str_or(std::string_view key, std::string fallback) const {
-  return has(key) ? req_str(key) : fallback;
+  return has(key) ? req_str(key) : std::move(fallback);
 }
 
 bool JsonObject::bool_or(std::string_view key, bool fallback) const {
@@ -174,7 +173,8 @@ std::vector<JsonObject> JsonObject::obj_array(std::string_view key) const {
   out.reserve(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
     const std::string item = fmt::format("{}[{}]", key, i);
-    if (!v[i].is_object()) fail(item, fmt::format("is {}; must be a JSON object", json_value_text(v[i])));
+    if (!v[i].is_object())
+      fail(item, fmt::format("is {}; must be a JSON object", json_value_text(v[i])));
     out.emplace_back(v[i], what_, file_, fmt::format("{}{}.", path_, item));
   }
   return out;
@@ -185,7 +185,8 @@ std::vector<int64_t> JsonObject::int_array_or(std::string_view key, int64_t min,
   std::vector<int64_t> out;
   if (!has(key)) return out;
   const Json& v = at(key);
-  if (!v.is_array()) fail(key, fmt::format("is {}; must be an array of integers", json_value_text(v)));
+  if (!v.is_array())
+    fail(key, fmt::format("is {}; must be an array of integers", json_value_text(v)));
   for (size_t i = 0; i < v.size(); ++i) {
     out.push_back(to_int(fmt::format("{}[{}]", key, i), v[i], min, max));
   }
@@ -196,10 +197,12 @@ std::vector<std::string> JsonObject::str_array_or(std::string_view key) const {
   std::vector<std::string> out;
   if (!has(key)) return out;
   const Json& v = at(key);
-  if (!v.is_array()) fail(key, fmt::format("is {}; must be an array of strings", json_value_text(v)));
+  if (!v.is_array())
+    fail(key, fmt::format("is {}; must be an array of strings", json_value_text(v)));
   for (size_t i = 0; i < v.size(); ++i) {
     if (!v[i].is_string()) {
-      fail(fmt::format("{}[{}]", key, i), fmt::format("is {}; must be a string", json_value_text(v[i])));
+      fail(fmt::format("{}[{}]", key, i),
+           fmt::format("is {}; must be a string", json_value_text(v[i])));
     }
     out.push_back(v[i].get<std::string>());
   }

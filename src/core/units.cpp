@@ -34,6 +34,8 @@ std::string to_string(Seconds s) {
   return fmt::format("{:.1f} ms", s.ms());
 }
 
-std::string to_string(GBps bw) { return fmt::format("{:.0f} GB/s", bw.value); }
+std::string to_string(GBps bw) {
+  return fmt::format("{:.0f} GB/s", bw.value);
+}
 
 }  // namespace spillway

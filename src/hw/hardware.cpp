@@ -1,11 +1,12 @@
 // Hardware profile loading (schema spillway.hardware/1) with field-by-field validation.
+#include "spillway/hardware.hpp"
+
 #include <algorithm>
 #include <filesystem>
 
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
 #include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
 
 namespace spillway {
 
@@ -17,7 +18,8 @@ constexpr const char* kSchema = "spillway.hardware/1";
 HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::string& file) {
   JsonObject root(doc, kWhat, file);
   const std::string schema = root.req_str("schema");
-  if (schema != kSchema) root.fail("schema", fmt::format("is \"{}\"; must be \"{}\"", schema, kSchema));
+  if (schema != kSchema)
+    root.fail("schema", fmt::format("is \"{}\"; must be \"{}\"", schema, kSchema));
   HardwareProfile h;
   h.source = file;
   h.name = root.req_str("name");
@@ -37,12 +39,14 @@ HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::str
   h.d2h_typical = GBps(link.req_num("d2h_typical_gbps", 0.001, 1e6));
   h.h2d_typical = GBps(link.req_num("h2d_typical_gbps", 0.001, 1e6));
   if (h.d2h_typical > h.d2h_nominal) {
-    link.fail("d2h_typical_gbps", fmt::format("is {}; a measured figure cannot exceed \"d2h_nominal_gbps\" ({})",
-                                              h.d2h_typical.value, h.d2h_nominal.value));
+    link.fail("d2h_typical_gbps",
+              fmt::format("is {}; a measured figure cannot exceed \"d2h_nominal_gbps\" ({})",
+                          h.d2h_typical.value, h.d2h_nominal.value));
   }
   if (h.h2d_typical > h.h2d_nominal) {
-    link.fail("h2d_typical_gbps", fmt::format("is {}; a measured figure cannot exceed \"h2d_nominal_gbps\" ({})",
-                                              h.h2d_typical.value, h.h2d_nominal.value));
+    link.fail("h2d_typical_gbps",
+              fmt::format("is {}; a measured figure cannot exceed \"h2d_nominal_gbps\" ({})",
+                          h.h2d_typical.value, h.h2d_nominal.value));
   }
   h.gpus_per_link = static_cast<int>(link.int_or("gpus_per_link", 1, 1, 1024));
   const JsonObject host = root.req_obj("host");

@@ -28,10 +28,14 @@ int64_t dtype_bytes(DType t) {
 
 std::string to_string(DType t) {
   switch (t) {
-    case DType::kBf16: return "bf16";
-    case DType::kFp16: return "fp16";
-    case DType::kFp8: return "fp8";
-    case DType::kFp32: return "fp32";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kFp8:
+      return "fp8";
+    case DType::kFp32:
+      return "fp32";
   }
   return "bf16";
 }
@@ -70,8 +74,12 @@ namespace {
 
 const char* kOverflow = "activation size (micro_batch * seq_len * width * bytes)";
 
-int64_t mul(int64_t a, int64_t b) { return checked_mul(a, b, kOverflow); }
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t mul(int64_t a, int64_t b) {
+  return checked_mul(a, b, kOverflow);
+}
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 class Builder {
  public:
@@ -121,7 +129,7 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   const char* dt = dtype_name.c_str();
   const int64_t tp = sh.tp;
   const int64_t T = ceil_div(mul(sh.micro_batch, sh.seq_len), sh.cp);  // tokens per GPU
-  const int64_t Tsp = ceil_div(T, tp);                                   // sequence-parallel rows
+  const int64_t Tsp = ceil_div(T, tp);                                 // sequence-parallel rows
   const double Tf = static_cast<double>(T);
   const double df = static_cast<double>(d);
   const double tpf = static_cast<double>(tp);
@@ -131,7 +139,9 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   auto gemm_bytes = [&](int64_t M, int64_t K, int64_t N, int64_t weight_copies = 1) {
     // inputs + weights + outputs, per GPU (weights and widths split by tp)
     return mul(checked_add(checked_add(mul(M, K), mul(mul(K, N), weight_copies), kOverflow),
-                           mul(M, N), kOverflow) / tp, e);
+                           mul(M, N), kOverflow) /
+                   tp,
+               e);
   };
 
   // ---- attention -----------------------------------------------------------------
@@ -158,13 +168,12 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     b.op("attn.qkv_down", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(down_n),
          mul(gemm_bytes(T, d, down_n), tp), {xn}, latents);
     const int64_t up_k = q_rank > 0 ? q_rank : d;
-    const double up_flops = 2.0 * Tf *
-                            (static_cast<double>(up_k) * static_cast<double>(q_width) +
-                             static_cast<double>(a.kv_lora_rank) *
-                                 static_cast<double>(mul(a.heads, a.qk_head_dim -
-                                                                      a.qk_rope_head_dim +
-                                                                      a.v_head_dim))) /
-                            tpf;
+    const double up_flops =
+        2.0 * Tf *
+        (static_cast<double>(up_k) * static_cast<double>(q_width) +
+         static_cast<double>(a.kv_lora_rank) *
+             static_cast<double>(mul(a.heads, a.qk_head_dim - a.qk_rope_head_dim + a.v_head_dim))) /
+        tpf;
     std::vector<int> up_in = latents;
     if (ql < 0) up_in.push_back(xn);
     b.op("attn.qkv_up", OpKind::kGemm, up_flops, gemm_bytes(T, up_k + a.kv_lora_rank, qkv_width),
@@ -195,7 +204,7 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   const int64_t f_cols = ceil_div(f_act, tp);
   std::vector<int> gate_in = {hn};
   int topk_w = -1;
-  double proj_flops = 0.0;       // one of gate/up, all parts
+  double proj_flops = 0.0;  // one of gate/up, all parts
   int64_t proj_bytes = 0;
   int64_t down_bytes = 0;
   if (m.kind == MlpKind::kMoe) {
@@ -208,8 +217,8 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
          gemm_bytes(T, d, E), {hn}, {probs, idx, topk_w});
     const int64_t rows = mul(T, k);  // routed token rows, over all experts
     const int disp = b.tensor("moe.dispatch_in", ceil_div(rows, tp), d, dt, e);
-    b.op("moe.dispatch", OpKind::kMemory, 0.0, mul(mul(2, ceil_div(rows, tp)), mul(d, e)), {hn, idx},
-         {disp});
+    b.op("moe.dispatch", OpKind::kMemory, 0.0, mul(mul(2, ceil_div(rows, tp)), mul(d, e)),
+         {hn, idx}, {disp});
     gate_in = {disp};
     if (m.shared_ffn > 0 || m.residual_ffn > 0) gate_in.push_back(hn);
     const int64_t local_experts = ceil_div(E, sh.ep);

@@ -119,8 +119,7 @@ ModelConfig parse_qwen_moe(const JsonObject& c, ModelConfig m, const std::string
   const int64_t step = c.int_or("decoder_sparse_step", 1, 1, kMaxLayers);
   const std::vector<int64_t> dense_only = c.int_array_or("mlp_only_layers", 0, layers - 1);
   const std::set<int64_t> dense_set(dense_only.begin(), dense_only.end());
-  const bool any_dense =
-      !dense_set.empty() || step > 1;  // only then is intermediate_size needed
+  const bool any_dense = !dense_set.empty() || step > 1;  // only then is intermediate_size needed
   MlpSpec dense;
   if (any_dense) dense = dense_mlp(c);
   for (int64_t i = 0; i < layers; ++i) {
@@ -155,7 +154,9 @@ ModelConfig parse_deepseek(const JsonObject& c, ModelConfig m, const std::string
   const int64_t nope = c.req_int("qk_nope_head_dim", 0, kMaxDim);
   a.qk_rope_head_dim = c.req_int("qk_rope_head_dim", 0, kMaxDim);
   a.qk_head_dim = nope + a.qk_rope_head_dim;
-  if (a.qk_head_dim == 0) c.fail("qk_nope_head_dim", "and \"qk_rope_head_dim\" are both 0; the query/key head needs a width");
+  if (a.qk_head_dim == 0)
+    c.fail("qk_nope_head_dim",
+           "and \"qk_rope_head_dim\" are both 0; the query/key head needs a width");
   a.v_head_dim = c.req_int("v_head_dim", 1, kMaxDim);
   a.qkv_bias = c.bool_or("attention_bias", false);
 
@@ -198,8 +199,8 @@ ModelConfig parse_gpt_oss(const JsonObject& c, ModelConfig m) {
   const int64_t window = c.int_or("sliding_window", 0, 0, kMaxDim);
   std::vector<std::string> types = c.str_array_or("layer_types");
   if (!types.empty() && static_cast<int64_t>(types.size()) != layers) {
-    c.fail("layer_types", fmt::format("has {} entries; must have one per layer ({})", types.size(),
-                                      layers));
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
   }
   for (int64_t i = 0; i < layers; ++i) {
     LayerSpec l{a, moe};
@@ -234,7 +235,8 @@ ModelConfig parse_grok(const JsonObject& c, ModelConfig m) {
     if (residual) moe.residual_ffn = c.req_int("intermediate_size", 1, kMaxDim);
   } else {
     moe.ffn = c.req_int("intermediate_size", 1, kMaxDim);
-    if (residual) c.fail("moe_intermediate_size", "is missing; it is required when \"residual_moe\" is true");
+    if (residual)
+      c.fail("moe_intermediate_size", "is missing; it is required when \"residual_moe\" is true");
   }
   m.layers.assign(static_cast<size_t>(layers), LayerSpec{a, moe});
   return m;
@@ -264,14 +266,14 @@ const std::vector<std::string>& supported_model_types() {
 
 int64_t MlpSpec::active_ffn() const {
   if (kind == MlpKind::kDense) return ffn;
-  return checked_add(checked_add(checked_mul(top_k, ffn, "active MLP width"), shared_ffn,
-                                 "active MLP width"),
-                     residual_ffn, "active MLP width");
+  return checked_add(
+      checked_add(checked_mul(top_k, ffn, "active MLP width"), shared_ffn, "active MLP width"),
+      residual_ffn, "active MLP width");
 }
 
-
 std::string LayerSpec::block_name() const {
-  std::string s = attn.kind == AttentionKind::kMla ? "mla" : (attn.sliding_window > 0 ? "swa" : "gqa");
+  std::string s =
+      attn.kind == AttentionKind::kMla ? "mla" : (attn.sliding_window > 0 ? "swa" : "gqa");
   s += mlp.kind == MlpKind::kMoe ? "+moe" : "+dense";
   if (mlp.kind == MlpKind::kMoe && mlp.residual_ffn > 0) s += "+dense";
   return s;
@@ -339,7 +341,8 @@ ModelConfig load_model(const std::string& name_or_path) {
   std::error_code ec;
   if (!std::filesystem::exists(name_or_path, ec)) {
     std::string names;
-    for (const ModelCatalogEntry& e : model_catalog()) names += (names.empty() ? "" : ", ") + e.name;
+    for (const ModelCatalogEntry& e : model_catalog())
+      names += (names.empty() ? "" : ", ") + e.name;
     SPILLWAY_INPUT_ERROR(
         "model: '{}' is neither a catalog model nor an existing file. Catalog: {} (or pass the "
         "path of a Hugging Face config.json)",
@@ -353,25 +356,31 @@ ModelConfig load_model(const std::string& name_or_path) {
 }
 
 int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
-  auto mul = [](int64_t a, int64_t b) { return checked_mul(a, b, "model config: parameter count"); };
-  auto add = [](int64_t a, int64_t b) { return checked_add(a, b, "model config: parameter count"); };
+  auto mul = [](int64_t a, int64_t b) {
+    return checked_mul(a, b, "model config: parameter count");
+  };
+  auto add = [](int64_t a, int64_t b) {
+    return checked_add(a, b, "model config: parameter count");
+  };
   const AttentionSpec& a = l.attn;
   int64_t p = d;  // input RMSNorm
   if (a.kind == AttentionKind::kGqa) {
-    p = add(p, mul(d, mul(a.heads, a.qk_head_dim)));             // q
+    p = add(p, mul(d, mul(a.heads, a.qk_head_dim)));                    // q
     p = add(p, mul(d, mul(a.kv_heads, a.qk_head_dim + a.v_head_dim)));  // k, v
-    if (a.qkv_bias) p = add(p, mul(a.heads, a.qk_head_dim) + mul(a.kv_heads, a.qk_head_dim + a.v_head_dim));
+    if (a.qkv_bias)
+      p = add(p, mul(a.heads, a.qk_head_dim) + mul(a.kv_heads, a.qk_head_dim + a.v_head_dim));
   } else {
     const int64_t q_out = mul(a.heads, a.qk_head_dim);
     if (a.q_lora_rank > 0) {
       p = add(p, add(mul(d, a.q_lora_rank), a.q_lora_rank));  // q_a + its norm
-      p = add(p, mul(a.q_lora_rank, q_out));                   // q_b
+      p = add(p, mul(a.q_lora_rank, q_out));                  // q_b
     } else {
       p = add(p, mul(d, q_out));
     }
     p = add(p, mul(d, a.kv_lora_rank + a.qk_rope_head_dim));  // kv_a
-    p = add(p, a.kv_lora_rank);                                // kv_a norm
-    p = add(p, mul(a.kv_lora_rank, mul(a.heads, a.qk_head_dim - a.qk_rope_head_dim + a.v_head_dim)));
+    p = add(p, a.kv_lora_rank);                               // kv_a norm
+    p = add(p,
+            mul(a.kv_lora_rank, mul(a.heads, a.qk_head_dim - a.qk_rope_head_dim + a.v_head_dim)));
   }
   p = add(p, mul(mul(a.heads, a.v_head_dim), d));  // o
   if (a.o_bias) p = add(p, d);
@@ -400,7 +409,8 @@ int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
 namespace {
 int64_t embedding_parameters(const ModelConfig& m) {
   const int64_t emb = checked_mul(m.vocab, m.hidden, "model config: embedding size");
-  const int64_t both = m.tied_embeddings ? emb : checked_mul(2, emb, "model config: embedding size");
+  const int64_t both =
+      m.tied_embeddings ? emb : checked_mul(2, emb, "model config: embedding size");
   return checked_add(both, m.hidden, "model config: parameter count");  // + final norm
 }
 }  // namespace

@@ -14,8 +14,8 @@
 
 namespace spillway {
 
-double op_time_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw,
-                  DType dtype, const Efficiency& eff) {
+double op_time_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw, DType dtype,
+                  const Efficiency& eff) {
   double peak_tflops = hw.bf16_dense.value;
   if (dtype == DType::kFp8) peak_tflops = hw.fp8_dense.value;
   if (dtype == DType::kFp32) peak_tflops = hw.bf16_dense.value / 2.0;  // TF32 tensor cores
@@ -62,9 +62,9 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
     // Block inputs are the checkpoints; MoE keeps router and dispatch results and the
     // input of the expert GEMMs, recomputing only the expert GEMMs (DESIGN section 3).
     const bool block_input = n == "attn.input" || n == "mlp.input";
-    const bool moe_kept = moe && (n == "mlp.norm_out" || n == "moe.router_probs" ||
-                                  n == "moe.topk_idx" || n == "moe.topk_weights" ||
-                                  n == "moe.dispatch_in");
+    const bool moe_kept =
+        moe && (n == "mlp.norm_out" || n == "moe.router_probs" || n == "moe.topk_idx" ||
+                n == "moe.topk_weights" || n == "moe.dispatch_in");
     if (block_input || moe_kept) a[i] = Action::kKeep;
   }
   return a;
@@ -80,7 +80,9 @@ ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& act
     const TensorInfo& t = c.inv.tensors[i];
     if (!t.saved) continue;
     switch (actions[i]) {
-      case Action::kKeep: r.kept_bytes += t.bytes; break;
+      case Action::kKeep:
+        r.kept_bytes += t.bytes;
+        break;
       case Action::kOffload:
         r.offload_bytes += t.bytes;
         r.rematerialized_bytes += t.bytes;
@@ -112,8 +114,8 @@ ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& act
   return r;
 }
 
-double copy_finish_ms(const CostedLayer& c, const std::vector<Action>& actions,
-                      double bytes_per_ms, double engine_free_ms, double* first_start_ms) {
+double copy_finish_ms(const CostedLayer& c, const std::vector<Action>& actions, double bytes_per_ms,
+                      double engine_free_ms, double* first_start_ms) {
   // Tensors are produced in forward order, so index order is production order except for
   // outputs of one op (same time); a stable pass over producers keeps FIFO order.
   double t = engine_free_ms;
@@ -122,9 +124,8 @@ double copy_finish_ms(const CostedLayer& c, const std::vector<Action>& actions,
   for (size_t i = 0; i < actions.size(); ++i) {
     if (c.inv.tensors[i].saved && actions[i] == Action::kOffload) order.push_back(i);
   }
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return c.produced_at_ms[a] < c.produced_at_ms[b];
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return c.produced_at_ms[a] < c.produced_at_ms[b]; });
   for (size_t i : order) {
     const double start = std::max(t, c.produced_at_ms[i]);
     if (first && first_start_ms != nullptr) *first_start_ms = start;

@@ -21,8 +21,8 @@ struct CostedLayer {
 };
 
 // Roofline time of one op: max(FLOPs / (peak * efficiency), bytes / (HBM * efficiency)).
-double op_time_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw,
-                  DType dtype, const Efficiency& eff);
+double op_time_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw, DType dtype,
+                  const Efficiency& eff);
 
 CostedLayer cost_layer(const LayerSpec& spec, int64_t hidden, const ShardShape& shape,
                        const HardwareProfile& hw, const Efficiency& eff);

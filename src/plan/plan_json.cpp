@@ -9,7 +9,9 @@ namespace spillway {
 
 namespace {
 // JSON has no infinity: a margin with nothing offloaded is written as null.
-Json finite_or_null(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
+Json finite_or_null(double v) {
+  return std::isfinite(v) ? Json(v) : Json(nullptr);
+}
 }  // namespace
 
 std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
@@ -29,11 +31,16 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                    {"d2h_gbps", plan.summary.d2h_gbps},
                    {"h2d_gbps", plan.summary.h2d_gbps},
                    {"hbm_gb", r.hardware.hbm_gb}};
-  j["workload"] = {{"micro_batch", s.micro_batch}, {"seq_len", s.seq_len},
-                   {"dtype", to_string(s.dtype)},   {"tp", s.tp},
-                   {"ep", s.ep},                     {"cp", s.cp},
-                   {"pp", r.work.pp},                {"dp", r.work.dp},
-                   {"grad_accum", r.work.grad_accum}, {"fused_swiglu", s.fused_swiglu},
+  j["workload"] = {{"micro_batch", s.micro_batch},
+                   {"seq_len", s.seq_len},
+                   {"dtype", to_string(s.dtype)},
+                   {"tp", s.tp},
+                   {"ep", s.ep},
+                   {"cp", s.cp},
+                   {"pp", r.work.pp},
+                   {"dp", r.work.dp},
+                   {"grad_accum", r.work.grad_accum},
+                   {"fused_swiglu", s.fused_swiglu},
                    {"tokens_per_gpu", plan.tokens_per_gpu}};
   j["options"] = {{"strategy", to_string(r.strategy)},
                   {"margin", r.margin},
@@ -54,14 +61,29 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                          {"dtype", t.dtype},
                          {"bytes", t.bytes},
                          {"action", to_string(t.action)},
+                         {"recompute_flops", t.recompute_flops},
                          {"recompute_ms", t.recompute_ms},
                          {"produced_at_ms", t.produced_at_ms}});
+    }
+    Json ops = Json::array();
+    for (const OpPlan& o : l.ops) {
+      ops.push_back({{"name", o.name},
+                     {"fwd_flops", o.fwd_flops},
+                     {"fwd_bytes", o.fwd_bytes},
+                     {"bwd_flops", o.bwd_flops},
+                     {"bwd_bytes", o.bwd_bytes},
+                     {"fwd_ms", o.fwd_ms},
+                     {"bwd_ms", o.bwd_ms}});
     }
     layers.push_back({{"index", l.index},
                       {"block", l.block},
                       {"policy", to_string(l.policy)},
                       {"fwd_ms", l.fwd_ms},
                       {"bwd_ms", l.bwd_ms},
+                      {"fwd_flops", l.fwd_flops},
+                      {"bwd_flops", l.bwd_flops},
+                      {"fwd_bytes", l.fwd_bytes},
+                      {"bwd_bytes", l.bwd_bytes},
                       {"recompute_ms", l.recompute_ms},
                       {"recompute_avoided_ms", l.recompute_avoided_ms},
                       {"offload_bytes", l.offload_bytes},
@@ -74,7 +96,8 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                       {"stall_ms", l.stall_ms},
                       {"backlog_bytes", l.backlog_bytes},
                       {"snowball", l.snowball},
-                      {"tensors", tensors}});
+                      {"tensors", tensors},
+                      {"ops", ops}});
   }
   j["layers"] = layers;
   const PlanSummary& m = plan.summary;

@@ -29,32 +29,46 @@ namespace spillway {
 
 std::string to_string(Strategy s) {
   switch (s) {
-    case Strategy::kAuto: return "auto";
-    case Strategy::kKeep: return "keep";
-    case Strategy::kRecompute: return "recompute";
-    case Strategy::kOffload: return "offload";
-    case Strategy::kSelective: return "selective";
-    case Strategy::kHybrid: return "hybrid";
+    case Strategy::kAuto:
+      return "auto";
+    case Strategy::kKeep:
+      return "keep";
+    case Strategy::kRecompute:
+      return "recompute";
+    case Strategy::kOffload:
+      return "offload";
+    case Strategy::kSelective:
+      return "selective";
+    case Strategy::kHybrid:
+      return "hybrid";
   }
   return "auto";
 }
 
 std::string to_string(Policy p) {
   switch (p) {
-    case Policy::kKeep: return "keep";
-    case Policy::kRecompute: return "recompute";
-    case Policy::kOffload: return "offload";
-    case Policy::kSelective: return "selective";
-    case Policy::kHybrid: return "hybrid";
+    case Policy::kKeep:
+      return "keep";
+    case Policy::kRecompute:
+      return "recompute";
+    case Policy::kOffload:
+      return "offload";
+    case Policy::kSelective:
+      return "selective";
+    case Policy::kHybrid:
+      return "hybrid";
   }
   return "keep";
 }
 
 std::string to_string(Action a) {
   switch (a) {
-    case Action::kKeep: return "keep";
-    case Action::kOffload: return "offload";
-    case Action::kRecompute: return "recompute";
+    case Action::kKeep:
+      return "keep";
+    case Action::kOffload:
+      return "offload";
+    case Action::kRecompute:
+      return "recompute";
   }
   return "keep";
 }
@@ -72,7 +86,8 @@ std::vector<LayerTiming> load_profile(const std::string& path) {
   const Json doc = load_json_file(path, "profile");
   JsonObject root(doc, "profile", path);
   if (root.has("schema") && root.req_str("schema") != "spillway.profile/1") {
-    root.fail("schema", fmt::format("is \"{}\"; must be \"spillway.profile/1\"", root.req_str("schema")));
+    root.fail("schema",
+              fmt::format("is \"{}\"; must be \"spillway.profile/1\"", root.req_str("schema")));
   }
   std::vector<LayerTiming> out;
   for (const JsonObject& l : root.obj_array("layers")) {
@@ -135,7 +150,8 @@ void validate(const PlanRequest& r) {
   }
   const int64_t layers = static_cast<int64_t>(r.model.layers.size());
   if (r.work.pp > layers) {
-    bad("--pp", std::to_string(r.work.pp), fmt::format("must be <= the model's layers ({})", layers));
+    bad("--pp", std::to_string(r.work.pp),
+        fmt::format("must be <= the model's layers ({})", layers));
   }
   for (const LayerSpec& l : r.model.layers) {
     if (l.attn.heads % s.tp != 0) {
@@ -151,7 +167,8 @@ void validate(const PlanRequest& r) {
                                [](const LayerSpec& l) { return l.mlp.kind == MlpKind::kMoe; })) {
     bad("--ep", std::to_string(s.ep), fmt::format("must be 1: {} has no MoE layers", r.model.name));
   }
-  if (!(r.margin >= 0.0 && r.margin <= 10.0)) bad("--margin", fmt::format("{}", r.margin), "must be in [0, 10] (0.1 = 10%)");
+  if (!(r.margin >= 0.0 && r.margin <= 10.0))
+    bad("--margin", fmt::format("{}", r.margin), "must be in [0, 10] (0.1 = 10%)");
   auto frac = [](const char* flag, double v) {
     if (!(v > 0.0 && v <= 1.0)) bad(flag, fmt::format("{}", v), "must be in (0, 1]");
   };
@@ -168,8 +185,11 @@ void validate(const PlanRequest& r) {
   if (r.layer_fwd_ms && !r.profile.empty()) {
     SPILLWAY_INPUT_ERROR("--layer-fwd-ms and --profile both calibrate layer times; give one");
   }
-  if (r.keep_last_layers < 1) bad("--keep-last", std::to_string(r.keep_last_layers), "must be >= 1 (the last layer never offloads)");
-  if (r.prefetch_depth < 1) bad("--prefetch-depth", std::to_string(r.prefetch_depth), "must be >= 1");
+  if (r.keep_last_layers < 1)
+    bad("--keep-last", std::to_string(r.keep_last_layers),
+        "must be >= 1 (the last layer never offloads)");
+  if (r.prefetch_depth < 1)
+    bad("--prefetch-depth", std::to_string(r.prefetch_depth), "must be >= 1");
 }
 
 // Parameters of one layer on one GPU: experts split over ep * tp, the rest over tp.
@@ -193,7 +213,8 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   std::vector<std::pair<LayerSpec, CostedLayer>> unique;
   for (int64_t i = 0; i < n; ++i) {
     const LayerSpec& spec = r.model.layers[static_cast<size_t>(i)];
-    auto it = std::find_if(unique.begin(), unique.end(), [&](const auto& u) { return u.first == spec; });
+    auto it =
+        std::find_if(unique.begin(), unique.end(), [&](const auto& u) { return u.first == spec; });
     if (it == unique.end()) {
       unique.emplace_back(spec, cost_layer(spec, r.model.hidden, s, r.hardware, r.efficiency));
       it = unique.end() - 1;
@@ -208,8 +229,9 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
     size_t best = 0;
     size_t best_count = 0;
     for (size_t u = 0; u < unique.size(); ++u) {
-      const size_t count = static_cast<size_t>(std::count_if(
-          st.layers.begin(), st.layers.end(), [&](const CostedLayer& c) { return c.spec == unique[u].first; }));
+      const size_t count = static_cast<size_t>(
+          std::count_if(st.layers.begin(), st.layers.end(),
+                        [&](const CostedLayer& c) { return c.spec == unique[u].first; }));
       if (count > best_count) {
         best = u;
         best_count = count;
@@ -230,7 +252,9 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
     }
     for (int64_t i = 0; i < n; ++i) {
       const LayerTiming* t = by_index[static_cast<size_t>(i)];
-      if (t == nullptr) bad("--profile", "missing layer " + std::to_string(i), "give fwd_ms and bwd_ms for every layer");
+      if (t == nullptr)
+        bad("--profile", "missing layer " + std::to_string(i),
+            "give fwd_ms and bwd_ms for every layer");
       CostedLayer& c = st.layers[static_cast<size_t>(i)];
       scale_layer(c, t->fwd_ms / c.fwd_ms, t->bwd_ms / c.bwd_ms);
     }
@@ -238,8 +262,10 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   }
 
   // Link figures: per GPU, sharing the link with the GPUs behind it.
-  const double d2h = r.d2h_gbps ? *r.d2h_gbps : r.hardware.d2h_typical.value / r.hardware.gpus_per_link;
-  const double h2d = r.h2d_gbps ? *r.h2d_gbps : r.hardware.h2d_typical.value / r.hardware.gpus_per_link;
+  const double d2h =
+      r.d2h_gbps ? *r.d2h_gbps : r.hardware.d2h_typical.value / r.hardware.gpus_per_link;
+  const double h2d =
+      r.h2d_gbps ? *r.h2d_gbps : r.hardware.h2d_typical.value / r.hardware.gpus_per_link;
   plan.summary.d2h_gbps = d2h;
   plan.summary.h2d_gbps = h2d;
   st.d2h_bytes_per_ms = d2h * 1e6;
@@ -252,8 +278,9 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   // Static memory of the first stage.
   int64_t params = 0;
   for (int64_t i = 0; i < n; ++i) {
-    params = checked_add(params, layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s),
-                         "parameters per GPU");
+    params = checked_add(
+        params, layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s),
+        "parameters per GPU");
   }
   const int64_t emb = checked_mul(r.model.vocab, r.model.hidden, "embedding size") / s.tp;
   params += emb;
@@ -264,7 +291,8 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   st.static_mem.weights = checked_mul(params, wbytes, "weight bytes");
   st.static_mem.gradients = checked_mul(params, wbytes, "gradient bytes");
   st.static_mem.optimizer_states = checked_mul(params, 12, "optimizer bytes") / r.work.dp;
-  st.static_bytes = st.static_mem.weights + st.static_mem.gradients + st.static_mem.optimizer_states;
+  st.static_bytes =
+      st.static_mem.weights + st.static_mem.gradients + st.static_mem.optimizer_states;
 
   const int64_t T = s.micro_batch * s.seq_len / s.cp;
   plan.tokens_per_gpu = T;
@@ -275,8 +303,10 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   const double head_flops = 2.0 * static_cast<double>(T) * static_cast<double>(r.model.hidden) *
                             static_cast<double>(vocab_shard);
   const int64_t head_bytes = checked_mul(T, vocab_shard, "logits size") * 4;
-  st.head_ms = r.work.pp == 1 ? 3.0 * op_time_ms(OpKind::kGemm, head_flops, head_bytes, r.hardware,
-                                                  s.dtype, r.efficiency) * plan.summary.time_scale
+  st.head_ms = r.work.pp == 1 ? 3.0 *
+                                    op_time_ms(OpKind::kGemm, head_flops, head_bytes, r.hardware,
+                                               s.dtype, r.efficiency) *
+                                    plan.summary.time_scale
                               : 0.0;
 
   const double budget_gb =
@@ -395,7 +425,8 @@ OptionSet build_options(const Stage& st, size_t l, Strategy strategy) {
     if (groups.size() > kMaxKnapsackGroups) {
       std::vector<size_t> idx(groups.size());
       for (size_t k = 0; k < idx.size(); ++k) idx[k] = k;
-      std::stable_sort(idx.begin(), idx.end(), [&](size_t x, size_t y) { return group_bytes[x] > group_bytes[y]; });
+      std::stable_sort(idx.begin(), idx.end(),
+                       [&](size_t x, size_t y) { return group_bytes[x] > group_bytes[y]; });
       idx.resize(kMaxKnapsackGroups);
       std::sort(idx.begin(), idx.end());
       std::vector<std::vector<size_t>> g2;
@@ -491,7 +522,10 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
   double free_real = 0.0;
   double free_margin = 0.0;
   std::vector<double> d2h_done(n, 0.0);
-  struct Copy { double produced, begin, end; int64_t bytes; };
+  struct Copy {
+    double produced, begin, end;
+    int64_t bytes;
+  };
   std::vector<Copy> copies;
   for (size_t l = 0; l < n; ++l) {
     const CostedLayer& c = st.layers[l];
@@ -508,7 +542,8 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     for (size_t i = 0; i < o.actions.size(); ++i) {
       if (c.inv.tensors[i].saved && o.actions[i] == Action::kOffload) order.push_back(i);
     }
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return c.produced_at_ms[a] < c.produced_at_ms[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return c.produced_at_ms[a] < c.produced_at_ms[b]; });
     for (size_t i : order) {
       const double produced = start[l] + c.produced_at_ms[i];
       const double b = std::max(free_real, produced);
@@ -544,8 +579,9 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       double pending = 0.0;
       for (size_t k = done; k < produced; ++k) {
         const Copy& cp = copies[k];
-        pending += cp.begin >= t ? static_cast<double>(cp.bytes)
-                                 : static_cast<double>(cp.bytes) * (cp.end - t) / (cp.end - cp.begin);
+        pending += cp.begin >= t
+                       ? static_cast<double>(cp.bytes)
+                       : static_cast<double>(cp.bytes) * (cp.end - t) / (cp.end - cp.begin);
       }
       tl.layers[l].backlog_bytes = static_cast<int64_t>(pending);
     }
@@ -597,6 +633,17 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     lp.rematerialized_bytes = o.cost.rematerialized_bytes;
     lp.fwd_ms = c.fwd_ms;
     lp.bwd_ms = c.bwd_ms;
+    for (size_t k = 0; k < c.inv.ops.size(); ++k) {
+      const OpCost& op = c.inv.ops[k];
+      lp.fwd_flops += op.fwd_flops;
+      lp.bwd_flops += op.bwd_flops;
+      lp.fwd_bytes += op.fwd_bytes;
+      lp.bwd_bytes += op.bwd_bytes;
+      if (detail) {
+        lp.ops.push_back({op.name, op.fwd_flops, op.fwd_bytes, op.bwd_flops, op.bwd_bytes,
+                          c.op_fwd_ms[k], c.op_bwd_ms[k]});
+      }
+    }
     lp.recompute_ms = o.cost.recompute_ms;
     lp.recompute_avoided_ms = recompute_policy_ms[l] - o.cost.recompute_ms;
     for (size_t i = 0; detail && i < c.inv.tensors.size(); ++i) {
@@ -609,6 +656,8 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       tp.bytes = ti.bytes;
       tp.action = o.actions[i];
       tp.recompute_ms = ti.producer >= 0 ? c.op_fwd_ms[static_cast<size_t>(ti.producer)] : 0.0;
+      tp.recompute_flops =
+          ti.producer >= 0 ? c.inv.ops[static_cast<size_t>(ti.producer)].fwd_flops : 0.0;
       tp.produced_at_ms = c.produced_at_ms[i];
       lp.tensors.push_back(std::move(tp));
     }
@@ -637,8 +686,10 @@ double option_time(const Option& o, const Stage& st, size_t l) {
 bool fits_window(const Option& o, const Stage& st, size_t l) {
   if (o.cost.offload_bytes == 0) return true;
   const double rate = st.d2h_bytes_per_ms / (1.0 + st.margin);
-  return static_cast<double>(o.cost.offload_bytes) <= standalone_capacity_bytes(st, l) * (1 + 1e-12) &&
-         copy_finish_ms(st.layers[l], o.actions, rate, 0.0, nullptr) <= standalone_deadline(st, l) + 1e-9;
+  return static_cast<double>(o.cost.offload_bytes) <=
+             standalone_capacity_bytes(st, l) * (1 + 1e-12) &&
+         copy_finish_ms(st.layers[l], o.actions, rate, 0.0, nullptr) <=
+             standalone_deadline(st, l) + 1e-9;
 }
 
 }  // namespace
@@ -686,10 +737,18 @@ Plan make_plan(const PlanRequest& r) {
     OptionSet& os = *sets[l];
     auto& a = allowed[l];
     switch (r.strategy) {
-      case Strategy::kKeep: a = {&os.keep}; break;
-      case Strategy::kRecompute: a = {&os.recompute}; break;
-      case Strategy::kOffload: a = {os.can_offload ? &os.offload : &os.recompute}; break;
-      case Strategy::kHybrid: a = {os.can_offload ? &os.hybrid : &os.recompute}; break;
+      case Strategy::kKeep:
+        a = {&os.keep};
+        break;
+      case Strategy::kRecompute:
+        a = {&os.recompute};
+        break;
+      case Strategy::kOffload:
+        a = {os.can_offload ? &os.offload : &os.recompute};
+        break;
+      case Strategy::kHybrid:
+        a = {os.can_offload ? &os.hybrid : &os.recompute};
+        break;
       case Strategy::kSelective:
         if (os.can_offload) {
           a = {&os.selective_keep, &os.selective_recompute};
@@ -700,7 +759,8 @@ Plan make_plan(const PlanRequest& r) {
       case Strategy::kAuto:
         a = {&os.keep, &os.recompute};
         if (os.can_offload) {
-          for (const Option* o : {&os.offload, &os.hybrid, &os.selective_keep, &os.selective_recompute}) {
+          for (const Option* o :
+               {&os.offload, &os.hybrid, &os.selective_keep, &os.selective_recompute}) {
             if (fits_window(*o, st, l)) a.push_back(o);
           }
         }
@@ -715,7 +775,8 @@ Plan make_plan(const PlanRequest& r) {
     const Option* best = nullptr;
     for (const Option* o : allowed[l]) {
       if (best == nullptr || option_time(*o, st, l) < option_time(*best, st, l) - 1e-12 ||
-          (option_time(*o, st, l) <= option_time(*best, st, l) + 1e-12 && o->cost.kept_bytes < best->cost.kept_bytes)) {
+          (option_time(*o, st, l) <= option_time(*best, st, l) + 1e-12 &&
+           o->cost.kept_bytes < best->cost.kept_bytes)) {
         best = o;
       }
     }
@@ -754,7 +815,9 @@ Plan make_plan(const PlanRequest& r) {
     for (size_t l : tl.snowball_layers) {
       const int64_t cur = choice[l]->cost.offload_bytes;
       auto& a = allowed[l];
-      a.erase(std::remove_if(a.begin(), a.end(), [&](const Option* o) { return o->cost.offload_bytes >= cur; }), a.end());
+      a.erase(std::remove_if(a.begin(), a.end(),
+                             [&](const Option* o) { return o->cost.offload_bytes >= cur; }),
+              a.end());
       pick_fastest(l);
     }
   }
@@ -802,7 +865,8 @@ Plan make_plan(const PlanRequest& r) {
     }
   }
   if (tl.snowball_layers.size() > 4) {
-    s.reasons.push_back(fmt::format("... and {} more layers miss their window", tl.snowball_layers.size() - 4));
+    s.reasons.push_back(
+        fmt::format("... and {} more layers miss their window", tl.snowball_layers.size() - 4));
   }
   if (!tl.snowball_layers.empty()) {
     const LayerPlan& last = plan.layers[n - 1];
@@ -816,9 +880,10 @@ Plan make_plan(const PlanRequest& r) {
     s.reasons.push_back(fmt::format(
         "peak HBM {} > budget {} (weights {}, gradients {}, optimizer states {}, activations {}, "
         "in-flight copies {})",
-        to_string(Bytes(s.peak.total())), to_string(Bytes(st.budget)), to_string(Bytes(s.peak.weights)),
-        to_string(Bytes(s.peak.gradients)), to_string(Bytes(s.peak.optimizer_states)),
-        to_string(Bytes(s.peak.activations)), to_string(Bytes(s.peak.in_flight_copies))));
+        to_string(Bytes(s.peak.total())), to_string(Bytes(st.budget)),
+        to_string(Bytes(s.peak.weights)), to_string(Bytes(s.peak.gradients)),
+        to_string(Bytes(s.peak.optimizer_states)), to_string(Bytes(s.peak.activations)),
+        to_string(Bytes(s.peak.in_flight_copies))));
     if (r.strategy == Strategy::kAuto || r.strategy == Strategy::kRecompute) {
       s.reasons.push_back(fmt::format(
           "even with every layer recomputed the peak is {}: lower --micro-batch or --seq-len, or "

@@ -11,7 +11,9 @@ namespace spillway {
 
 namespace {
 
-std::string gb(int64_t b) { return fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9); }
+std::string gb(int64_t b) {
+  return fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9);
+}
 
 std::string layer_row(const LayerPlan& l) {
   const bool off = l.offload_bytes > 0;
@@ -31,10 +33,10 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
   std::string out;
   out += fmt::format("spillway plan: {} on {} (strategy {})\n", r.model.name, r.hardware.name,
                      to_string(r.strategy));
-  out += fmt::format(
-      "  model     {} layers, hidden {}, {:.1f}B parameters ({:.2f}B on this GPU)\n",
-      r.model.layers.size(), r.model.hidden, static_cast<double>(plan.params_total) / 1e9,
-      static_cast<double>(plan.params_per_gpu) / 1e9);
+  out += fmt::format("  model     {} layers, hidden {}, {:.1f}B parameters ({:.2f}B on this GPU)\n",
+                     r.model.layers.size(), r.model.hidden,
+                     static_cast<double>(plan.params_total) / 1e9,
+                     static_cast<double>(plan.params_per_gpu) / 1e9);
   out += fmt::format(
       "  workload  micro-batch {} x seq {} = {} tokens/GPU, {}, tp {} ep {} cp {} pp {} dp {}, "
       "grad-accum {}{}\n",
@@ -42,20 +44,22 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
       r.work.pp, r.work.dp, r.work.grad_accum, s.fused_swiglu ? ", fused SwiGLU" : "");
   out += fmt::format("  link      D2H {:.0f} GB/s, H2D {:.0f} GB/s per GPU ({}); margin {:.0f}%\n",
                      m.d2h_gbps, m.h2d_gbps,
-                     r.d2h_gbps || r.h2d_gbps
-                         ? "given"
-                         : fmt::format("typical measured, {} GPU(s) per link", r.hardware.gpus_per_link),
+                     r.d2h_gbps || r.h2d_gbps ? "given"
+                                              : fmt::format("typical measured, {} GPU(s) per link",
+                                                            r.hardware.gpus_per_link),
                      r.margin * 100.0);
-  out += fmt::format("  times     {} (gemm {:.2f}, attention {:.2f}, hbm {:.2f} of peak{})\n",
-                     m.calibration, r.efficiency.gemm, r.efficiency.attention, r.efficiency.hbm,
-                     m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
+  out +=
+      fmt::format("  times     {} (gemm {:.2f}, attention {:.2f}, hbm {:.2f} of peak{})\n",
+                  m.calibration, r.efficiency.gemm, r.efficiency.attention, r.efficiency.hbm,
+                  m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
   if (r.model.layers.size() != plan.layers.size()) {
-    out += fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);
+    out +=
+        fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);
   }
   out += "\n";
-  out += fmt::format("{:>7}  {:<14} {:<10} {:>10} {:>8} {:>9} {:>7} {:>9} {:>9}\n", "layer",
-                     "block", "policy", "offload", "D2H ms", "window ms", "margin", "recomp ms",
-                     "avoided");
+  out +=
+      fmt::format("{:>7}  {:<14} {:<10} {:>10} {:>8} {:>9} {:>7} {:>9} {:>9}\n", "layer", "block",
+                  "policy", "offload", "D2H ms", "window ms", "margin", "recomp ms", "avoided");
   for (size_t i = 0; i < plan.layers.size();) {
     const std::string row = layer_row(plan.layers[i]);
     size_t j = i + 1;
@@ -67,7 +71,8 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
   out += "\nsummary\n";
   out += fmt::format("  feasible       {}\n", m.feasible ? "yes" : "NO");
   for (const std::string& reason : m.reasons) out += fmt::format("    - {}\n", reason);
-  out += fmt::format("  peak HBM       {} of {} budget\n", gb(m.peak.total()), gb(m.hbm_budget_bytes));
+  out +=
+      fmt::format("  peak HBM       {} of {} budget\n", gb(m.peak.total()), gb(m.hbm_budget_bytes));
   out += fmt::format("    weights            {:>10}\n", gb(m.peak.weights));
   out += fmt::format("    gradients          {:>10}\n", gb(m.peak.gradients));
   out += fmt::format("    optimizer states   {:>10}\n", gb(m.peak.optimizer_states));
