@@ -34,6 +34,8 @@ struct ShardShape {
 };
 
 enum class OpKind { kGemm, kAttention, kMemory };
+std::string to_string(OpKind k);  // "gemm", "attention", "memory"
+OpKind parse_op_kind(const std::string& s);
 
 struct OpCost {
   std::string name;  // "attn.qkv", "mlp.gate", ...

@@ -88,10 +88,12 @@ struct TensorPlan {
   double recompute_flops = 0.0;  // FLOPs of the op that produces it
   double recompute_ms = 0.0;     // time of the op that produces it
   double produced_at_ms = 0.0;   // offset in the layer's forward when it exists
+  int producer = -1;             // index into LayerPlan::ops; -1 = the layer input
 };
 
 struct OpPlan {  // one forward op of a layer and its backward
   std::string name;
+  OpKind kind = OpKind::kMemory;
   double fwd_flops = 0.0;
   int64_t fwd_bytes = 0;  // HBM traffic
   double bwd_flops = 0.0;

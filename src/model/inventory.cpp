@@ -48,6 +48,25 @@ DType parse_dtype(const std::string& s) {
   SPILLWAY_INPUT_ERROR("--dtype is '{}'; must be one of bf16, fp16, fp8, fp32", s);
 }
 
+std::string to_string(OpKind k) {
+  switch (k) {
+    case OpKind::kGemm:
+      return "gemm";
+    case OpKind::kAttention:
+      return "attention";
+    case OpKind::kMemory:
+      return "memory";
+  }
+  return "memory";
+}
+
+OpKind parse_op_kind(const std::string& s) {
+  if (s == "gemm") return OpKind::kGemm;
+  if (s == "attention") return OpKind::kAttention;
+  if (s == "memory") return OpKind::kMemory;
+  SPILLWAY_INPUT_ERROR("op kind is '{}'; must be gemm, attention or memory", s);
+}
+
 double causal_average_keys(int64_t seq_len, int64_t window) {
   const double s = static_cast<double>(seq_len);
   if (window <= 0 || window >= seq_len) return (s + 1.0) / 2.0;

@@ -63,11 +63,13 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                          {"action", to_string(t.action)},
                          {"recompute_flops", t.recompute_flops},
                          {"recompute_ms", t.recompute_ms},
-                         {"produced_at_ms", t.produced_at_ms}});
+                         {"produced_at_ms", t.produced_at_ms},
+                         {"producer", t.producer}});
     }
     Json ops = Json::array();
     for (const OpPlan& o : l.ops) {
       ops.push_back({{"name", o.name},
+                     {"kind", to_string(o.kind)},
                      {"fwd_flops", o.fwd_flops},
                      {"fwd_bytes", o.fwd_bytes},
                      {"bwd_flops", o.bwd_flops},

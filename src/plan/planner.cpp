@@ -640,7 +640,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       lp.fwd_bytes += op.fwd_bytes;
       lp.bwd_bytes += op.bwd_bytes;
       if (detail) {
-        lp.ops.push_back({op.name, op.fwd_flops, op.fwd_bytes, op.bwd_flops, op.bwd_bytes,
+        lp.ops.push_back({op.name, op.kind, op.fwd_flops, op.fwd_bytes, op.bwd_flops, op.bwd_bytes,
                           c.op_fwd_ms[k], c.op_bwd_ms[k]});
       }
     }
@@ -659,6 +659,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       tp.recompute_flops =
           ti.producer >= 0 ? c.inv.ops[static_cast<size_t>(ti.producer)].fwd_flops : 0.0;
       tp.produced_at_ms = c.produced_at_ms[i];
+      tp.producer = ti.producer;
       lp.tensors.push_back(std::move(tp));
     }
     kept += o.cost.kept_bytes;
