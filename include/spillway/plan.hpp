@@ -112,6 +112,7 @@ struct LayerPlan {
   double bwd_flops = 0.0;
   int64_t fwd_bytes = 0;  // HBM traffic of the forward
   int64_t bwd_bytes = 0;
+  int64_t params = 0;  // parameters of the layer on this GPU
   int64_t offload_bytes = 0;
   int64_t kept_bytes = 0;
   int64_t rematerialized_bytes = 0;  // offloaded + recomputed: live again in its backward
@@ -153,8 +154,11 @@ struct PlanSummary {
   double stall_ms = 0.0;
   double d2h_gbps = 0.0;  // the per-GPU figures used
   double h2d_gbps = 0.0;
-  double time_scale = 1.0;  // calibration factor applied to modelled times
-  std::string calibration;  // "roofline", "layer-fwd-ms", "profile"
+  double time_scale = 1.0;   // calibration factor applied to modelled times
+  double head_ms = 0.0;      // LM head and loss, forward + backward, per micro-batch
+  int64_t logits_bytes = 0;  // logits and their gradient (fp32) while the head runs
+  int gpus_per_link = 1;     // from the hardware profile (the simulator's default topology)
+  std::string calibration;   // "roofline", "layer-fwd-ms", "profile"
 };
 
 struct Plan {
@@ -176,6 +180,10 @@ std::vector<LayerTiming> load_profile(const std::string& path);
 
 // The plan as JSON, schema spillway.plan/1 (docs/plan-schema.md).
 std::string plan_to_json(const Plan& plan, const PlanRequest& request);
+// Reads a plan written by plan_to_json back, with the request fields the engines and the
+// simulator need (model and hardware names, HBM bandwidth, workload, prefetch depth).
+// Every field is validated; a plan of another schema version is refused.
+Plan load_plan_json(const std::string& path, PlanRequest* request);
 // The human report: a table per layer and the summary.
 std::string format_plan_report(const Plan& plan, const PlanRequest& request);
 

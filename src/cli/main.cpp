@@ -51,6 +51,7 @@ int run(int argc, char** argv) {
   spillway::cli::add_plan_command(app);
   spillway::cli::add_models_command(app);
   spillway::cli::add_hardware_command(app);
+  spillway::cli::add_simulate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

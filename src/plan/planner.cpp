@@ -125,6 +125,7 @@ struct Stage {
   int64_t budget = 0;
   int keep_last = 1;
   int prefetch = 1;
+  std::vector<int64_t> layer_params;  // per GPU
 };
 
 [[noreturn]] void bad(const std::string& flag, const std::string& value, const std::string& rule) {
@@ -278,6 +279,8 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   // Static memory of the first stage.
   int64_t params = 0;
   for (int64_t i = 0; i < n; ++i) {
+    st.layer_params.push_back(
+        layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s));
     params = checked_add(
         params, layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s),
         "parameters per GPU");
@@ -313,6 +316,9 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
       r.hbm_budget_gb ? *r.hbm_budget_gb : r.hardware.hbm_gb * (1.0 - kHbmReserveFraction);
   st.budget = static_cast<int64_t>(budget_gb * 1e9);
   plan.summary.hbm_budget_bytes = st.budget;
+  plan.summary.head_ms = st.head_ms;
+  plan.summary.logits_bytes = st.logits_bytes;
+  plan.summary.gpus_per_link = r.hardware.gpus_per_link;
   return st;
 }
 
@@ -630,6 +636,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     lp.block = c.spec.block_name();
     lp.policy = o.policy;
     lp.kept_bytes = o.cost.kept_bytes;
+    lp.params = st.layer_params[l];
     lp.rematerialized_bytes = o.cost.rematerialized_bytes;
     lp.fwd_ms = c.fwd_ms;
     lp.bwd_ms = c.bwd_ms;

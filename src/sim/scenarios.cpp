@@ -1,0 +1,591 @@
+// The simulator's scenarios: a training step of a plan, and a weight-streaming pass.
+//
+// Training step, per GPU and micro-batch (grad_accum of them, one after the other):
+//   forward   every op of every layer on the compute stream; an offloaded tensor's D2H
+//             copy is issued when its producing op ends (the layer input when the previous
+//             layer ends); with an in-flight bound, the op after a producer waits until
+//             the copies ahead of the new one have drained below the bound (back-pressure);
+//   head      LM head + loss;
+//   backward  layers in reverse: layer l's reloads (H2D, one per tensor) are issued when
+//             layer l + prefetch_depth starts its backward and never before their D2H
+//             copy ended; the layer's recompute, then its backward, wait for them.
+// Memory (GPU 0): static memory, plus each saved tensor from its production to the end of
+// its layer's backward, except: an offloaded tensor leaves HBM when its D2H copy ends and
+// returns when its reload starts; a recomputed tensor leaves when its layer's forward
+// ends and returns when the recompute starts; the logits live while the head runs.
+#include <algorithm>
+#include <cmath>
+#include <unordered_map>
+
+#include "sim/engine.hpp"
+#include "spillway/error.hpp"
+#include "spillway/sim.hpp"
+
+namespace spillway {
+
+std::string to_string(ResourceKind k) {
+  switch (k) {
+    case ResourceKind::kCompute:
+      return "compute";
+    case ResourceKind::kD2H:
+      return "D2H copy";
+    case ResourceKind::kH2D:
+      return "H2D copy";
+  }
+  return "compute";
+}
+
+std::string to_string(TaskKind k) {
+  switch (k) {
+    case TaskKind::kForward:
+      return "forward";
+    case TaskKind::kBackward:
+      return "backward";
+    case TaskKind::kRecompute:
+      return "recompute";
+    case TaskKind::kHead:
+      return "head";
+    case TaskKind::kD2H:
+      return "d2h";
+    case TaskKind::kH2D:
+      return "h2d";
+  }
+  return "forward";
+}
+
+namespace {
+
+using sim::Engine;
+using sim::Task;
+
+struct Topology {
+  int gpus = 1;
+  int per_link = 1;
+  std::vector<int> compute, d2h, h2d;   // streams per GPU
+  std::vector<int> link_d2h, link_h2d;  // link per GPU
+};
+
+Topology make_topology(Engine& e, int gpus, int per_link, double d2h_bytes_per_ms,
+                       double h2d_bytes_per_ms, double hbm_bytes_per_ms) {
+  Topology t;
+  t.gpus = gpus;
+  t.per_link = per_link;
+  int ld = -1;
+  int lh = -1;
+  for (int g = 0; g < gpus; ++g) {
+    t.compute.push_back(e.add_stream(g, ResourceKind::kCompute));
+    t.d2h.push_back(e.add_stream(g, ResourceKind::kD2H));
+    t.h2d.push_back(e.add_stream(g, ResourceKind::kH2D));
+    if (g % per_link == 0) {
+      ld = e.add_link(d2h_bytes_per_ms);
+      lh = e.add_link(h2d_bytes_per_ms);
+    }
+    t.link_d2h.push_back(ld);
+    t.link_h2d.push_back(lh);
+    e.set_hbm(g, hbm_bytes_per_ms);
+  }
+  return t;
+}
+
+void check_topology(int gpus, int per_link) {
+  if (gpus < 1 || gpus > 1024) SPILLWAY_INPUT_ERROR("--gpus is {}; must be in [1, 1024]", gpus);
+  if (per_link < 1 || gpus % per_link != 0) {
+    SPILLWAY_INPUT_ERROR("--gpus-per-link is {}; must be >= 1 and divide --gpus ({})", per_link,
+                         gpus);
+  }
+}
+
+struct Built {
+  std::vector<std::string> labels;
+  // GPU 0, micro-batch 0 bookkeeping for memory and backlog
+  struct TensorTasks {
+    int layer = 0;
+    int64_t bytes = 0;
+    Action action = Action::kKeep;
+    int produced_by = -1;  // task whose end creates it (-1: start of step)
+    int layer_fwd_end = -1;
+    int d2h = -1;
+    int h2d = -1;
+    int recompute = -1;
+    int backward = -1;
+  };
+  std::vector<TensorTasks> tensors;
+  std::vector<int> layer_last_fwd;          // GPU 0 mb 0
+  std::vector<int> layer_d2h_last;          // GPU 0 mb 0: last D2H task of the layer (-1)
+  std::vector<std::vector<int>> layer_d2h;  // GPU 0 mb 0
+  int head = -1;
+};
+
+int label(Built& b, std::string s) {
+  b.labels.push_back(std::move(s));
+  return static_cast<int>(b.labels.size() - 1);
+}
+
+// Memory curve from (time, delta) events.
+std::vector<MemoryPoint> memory_curve(std::vector<std::pair<double, int64_t>> ev, int64_t base,
+                                      int64_t* peak) {
+  std::stable_sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) {
+    // At equal times, frees before allocations (a buffer is reused the moment it is freed).
+    return a.first < b.first || (a.first == b.first && a.second < b.second);
+  });
+  std::vector<MemoryPoint> out;
+  int64_t cur = base;
+  *peak = base;
+  out.push_back({0.0, base});
+  for (const auto& [t, d] : ev) {
+    cur += d;
+    *peak = std::max(*peak, cur);
+    if (!out.empty() && out.back().t_ms == t) {
+      out.back().bytes = cur;
+    } else {
+      out.push_back({t, cur});
+    }
+  }
+  return out;
+}
+
+void fill_records(const Engine& e, const Built& b, bool keep, SimResult& r) {
+  if (!keep) return;
+  r.tasks.reserve(e.tasks().size());
+  for (const Task& t : e.tasks()) {
+    TaskRecord rec;
+    rec.name = t.label >= 0 ? b.labels[static_cast<size_t>(t.label)] : std::string();
+    rec.kind = t.kind;
+    rec.gpu = t.gpu;
+    rec.layer = t.layer;
+    rec.micro_batch = t.micro_batch;
+    rec.bytes =
+        (t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D) ? static_cast<int64_t>(t.work) : 0;
+    rec.start_ms = t.start_ms;
+    rec.end_ms = t.end_ms;
+    rec.ready_ms = t.ready_ms;
+    r.tasks.push_back(std::move(rec));
+  }
+}
+
+// Stall accounting on GPU 0's compute stream: time its head waited on another stream.
+void compute_stats(const Engine& e, int compute_stream, SimSummary& s) {
+  double prev_end = 0.0;
+  for (const Task& t : e.tasks()) {
+    if (t.stream != compute_stream) continue;
+    const double wait = t.start_ms - prev_end;
+    if (wait > 1e-12) {
+      const bool on_copy =
+          t.last_dep >= 0 && e.tasks()[static_cast<size_t>(t.last_dep)].stream != compute_stream;
+      if (on_copy) {
+        s.stall_ms += wait;
+        if (e.tasks()[static_cast<size_t>(t.last_dep)].kind == TaskKind::kD2H)
+          s.backpressure_ms += wait;
+      }
+    }
+    if (t.kind == TaskKind::kRecompute) {
+      s.recompute_ms += t.end_ms - t.start_ms;
+    } else {
+      s.compute_ms += t.end_ms - t.start_ms;
+    }
+    prev_end = t.end_ms;
+  }
+}
+
+}  // namespace
+
+SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const SimOptions& o) {
+  const int gpus = o.gpus > 0 ? o.gpus : plan.summary.gpus_per_link;
+  const int per_link = o.gpus_per_link > 0 ? o.gpus_per_link : gpus;
+  check_topology(gpus, per_link);
+  if (o.inflight_bound_bytes < 0) SPILLWAY_INPUT_ERROR("--inflight-bound-mb must be >= 0");
+  const int prefetch = o.prefetch_depth > 0 ? o.prefetch_depth : req.prefetch_depth;
+  const int64_t ga = req.work.grad_accum;
+  const size_t n = plan.layers.size();
+  SPILLWAY_CHECK(n > 0, "the plan has no layers");
+
+  // The link's capacity: the plan's per-GPU figure times the GPUs it assumed per link.
+  const double link_d2h = plan.summary.d2h_gbps * plan.summary.gpus_per_link;
+  const double link_h2d = plan.summary.h2d_gbps * plan.summary.gpus_per_link;
+  const double hbm = o.hbm_contention ? req.hardware.hbm_tbps * 1e9 : 0.0;  // bytes per ms
+
+  Engine e;
+  Topology topo = make_topology(e, gpus, per_link, link_d2h * 1e6, link_h2d * 1e6, hbm);
+  Built b;
+  b.layer_last_fwd.assign(n, -1);
+  b.layer_d2h.assign(n, {});
+
+  size_t task_estimate = 0;
+  for (const LayerPlan& l : plan.layers) task_estimate += l.ops.size() + 2 * l.tensors.size() + 2;
+  e.reserve(task_estimate * static_cast<size_t>(gpus * ga) + 8,
+            task_estimate * 3 * static_cast<size_t>(gpus * ga));
+
+  std::unordered_map<int, size_t> tensor_of_d2h;  // GPU 0, micro-batch 0
+  std::vector<size_t> layer_first_tensor;         // GPU 0, micro-batch 0
+  for (int g = 0; g < gpus; ++g) {
+    int prev_compute = -1;  // last task on the compute stream (stream order covers it)
+    for (int64_t mb = 0; mb < ga; ++mb) {
+      const bool track = g == 0 && mb == 0;
+      const int mbi = static_cast<int>(mb);
+      // In-flight accounting for back-pressure: D2H tasks of this GPU in issue order.
+      std::vector<std::pair<int, int64_t>> d2h_issued;
+      size_t drained = 0;  // copies known complete before the next compute op
+      int64_t inflight = 0;
+      std::vector<std::vector<std::pair<int, int>>> layer_tensor_d2h(n);  // (tensor idx, task)
+      std::vector<int> pending_gate;  // D2H task the next compute op must wait for
+      int last_fwd = -1;
+      for (size_t l = 0; l < n; ++l) {
+        const LayerPlan& lp = plan.layers[l];
+        std::vector<int> op_task(lp.ops.size(), -1);
+        const int layer_input_task = last_fwd;
+        // Offload of the layer input: issued at the layer's start.
+        auto issue_d2h = [&](size_t ti, int producer_task) {
+          const TensorPlan& tp = lp.tensors[ti];
+          Task t;
+          t.kind = TaskKind::kD2H;
+          t.gpu = g;
+          t.layer = static_cast<int>(l);
+          t.micro_batch = mbi;
+          t.stream = topo.d2h[static_cast<size_t>(g)];
+          t.link = topo.link_d2h[static_cast<size_t>(g)];
+          t.work = static_cast<double>(tp.bytes);
+          t.label = g == 0 ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
+          const int id = e.add_task(t);
+          if (producer_task >= 0) e.add_dep(id, producer_task);
+          layer_tensor_d2h[l].emplace_back(static_cast<int>(ti), id);
+          if (track) b.layer_d2h[l].push_back(id);
+          // Back-pressure: the next compute op waits for the oldest copies until the bytes
+          // in flight, this copy included, fit the bound.
+          d2h_issued.emplace_back(id, tp.bytes);
+          inflight += tp.bytes;
+          if (o.inflight_bound_bytes > 0) {
+            while (inflight > o.inflight_bound_bytes && drained < d2h_issued.size()) {
+              pending_gate.push_back(d2h_issued[drained].first);
+              inflight -= d2h_issued[drained].second;
+              ++drained;
+            }
+          }
+        };
+        for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
+          if (lp.tensors[ti].producer < 0 && lp.tensors[ti].action == Action::kOffload)
+            issue_d2h(ti, layer_input_task);
+        }
+        for (size_t k = 0; k < lp.ops.size(); ++k) {
+          const OpPlan& op = lp.ops[k];
+          Task t;
+          t.kind = TaskKind::kForward;
+          t.gpu = g;
+          t.layer = static_cast<int>(l);
+          t.micro_batch = mbi;
+          t.stream = topo.compute[static_cast<size_t>(g)];
+          t.memory_bound = op.kind == OpKind::kMemory;
+          t.work = op.fwd_ms;
+          t.label = g == 0 ? label(b, fmt::format("L{} {}", l, op.name)) : -1;
+          const int id = e.add_task(t);
+          for (int gate : pending_gate) e.add_dep(id, gate);
+          pending_gate.clear();
+          op_task[k] = id;
+          prev_compute = id;
+          last_fwd = id;
+          for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
+            if (lp.tensors[ti].producer == static_cast<int>(k) &&
+                lp.tensors[ti].action == Action::kOffload) {
+              issue_d2h(ti, id);
+            }
+          }
+        }
+        if (track) {
+          b.layer_last_fwd[l] = last_fwd;
+          layer_first_tensor.push_back(b.tensors.size());
+          for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
+            const TensorPlan& tp = lp.tensors[ti];
+            Built::TensorTasks tt;
+            tt.layer = static_cast<int>(l);
+            tt.bytes = tp.bytes;
+            tt.action = tp.action;
+            tt.produced_by =
+                tp.producer >= 0 ? op_task[static_cast<size_t>(tp.producer)] : layer_input_task;
+            tt.layer_fwd_end = last_fwd;
+            for (const auto& [tensor, task] : layer_tensor_d2h[l]) {
+              if (tensor == static_cast<int>(ti)) {
+                tt.d2h = task;
+                tensor_of_d2h[task] = b.tensors.size();
+              }
+            }
+            b.tensors.push_back(tt);
+          }
+        }
+      }
+      // Head.
+      Task head;
+      head.kind = TaskKind::kHead;
+      head.gpu = g;
+      head.micro_batch = mbi;
+      head.stream = topo.compute[static_cast<size_t>(g)];
+      head.work = plan.summary.head_ms;
+      head.label = g == 0 ? label(b, "LM head + loss") : -1;
+      const int head_id = e.add_task(head);
+      for (int gate : pending_gate) e.add_dep(head_id, gate);
+      pending_gate.clear();
+      if (track) b.head = head_id;
+      prev_compute = head_id;
+
+      // Backward. bwd_task[l] is layer l's backward; reloads of layer l wait for the end of
+      // the backward of layer l + prefetch + 1 (i.e. the start of l + prefetch).
+      std::vector<int> bwd_task(n, -1);
+      std::vector<std::vector<int>> reloads(n);
+      auto issue_reloads = [&](size_t l, int after) {
+        const LayerPlan& lp = plan.layers[l];
+        for (const auto& [ti, d2h_task] : layer_tensor_d2h[l]) {
+          const TensorPlan& tp = lp.tensors[static_cast<size_t>(ti)];
+          Task t;
+          t.kind = TaskKind::kH2D;
+          t.gpu = g;
+          t.layer = static_cast<int>(l);
+          t.micro_batch = mbi;
+          t.stream = topo.h2d[static_cast<size_t>(g)];
+          t.link = topo.link_h2d[static_cast<size_t>(g)];
+          t.work = static_cast<double>(tp.bytes);
+          t.label = g == 0 ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
+          const int id = e.add_task(t);
+          e.add_dep(id, d2h_task);
+          if (after >= 0) e.add_dep(id, after);
+          reloads[l].push_back(id);
+          if (track) b.tensors[tensor_of_d2h.at(d2h_task)].h2d = id;
+        }
+      };
+      // Reloads due at the start of backward: layers n-1-prefetch .. n-1.
+      for (size_t l = n; l-- > 0;) {
+        if (l + static_cast<size_t>(prefetch) + 1 >= n) issue_reloads(l, head_id);
+      }
+      for (size_t l = n; l-- > 0;) {
+        const LayerPlan& lp = plan.layers[l];
+        int rc = -1;
+        if (lp.recompute_ms > 0.0) {
+          Task t;
+          t.kind = TaskKind::kRecompute;
+          t.gpu = g;
+          t.layer = static_cast<int>(l);
+          t.micro_batch = mbi;
+          t.stream = topo.compute[static_cast<size_t>(g)];
+          t.work = lp.recompute_ms;
+          t.label = g == 0 ? label(b, fmt::format("L{} recompute", l)) : -1;
+          rc = e.add_task(t);
+          for (int r : reloads[l]) e.add_dep(rc, r);
+        }
+        Task t;
+        t.kind = TaskKind::kBackward;
+        t.gpu = g;
+        t.layer = static_cast<int>(l);
+        t.micro_batch = mbi;
+        t.stream = topo.compute[static_cast<size_t>(g)];
+        t.work = lp.bwd_ms;
+        t.label = g == 0 ? label(b, fmt::format("L{} backward", l)) : -1;
+        const int bw = e.add_task(t);
+        for (int r : reloads[l]) e.add_dep(bw, r);
+        bwd_task[l] = bw;
+        prev_compute = bw;
+        if (track) {
+          const size_t end = l + 1 < n ? layer_first_tensor[l + 1] : b.tensors.size();
+          for (size_t k = layer_first_tensor[l]; k < end; ++k) {
+            b.tensors[k].backward = bw;
+            b.tensors[k].recompute = rc;
+          }
+        }
+        // The end of this backward lets layer l - prefetch - 1 reload.
+        if (l >= static_cast<size_t>(prefetch) + 1)
+          issue_reloads(l - static_cast<size_t>(prefetch) - 1, bw);
+      }
+      (void)prev_compute;
+    }
+  }
+
+  e.run();
+
+  SimResult r;
+  r.scenario = "train-step";
+  r.gpus = gpus;
+  r.gpus_per_link = per_link;
+  r.link_d2h_gbps = link_d2h;
+  r.link_h2d_gbps = link_h2d;
+  SimSummary& s = r.summary;
+  s.events = e.events();
+  s.hbm_slowdown = e.worst_hbm_slowdown();
+  s.gpu_step_ms.assign(static_cast<size_t>(gpus), 0.0);
+  for (const Task& t : e.tasks()) {
+    s.gpu_step_ms[static_cast<size_t>(t.gpu)] =
+        std::max(s.gpu_step_ms[static_cast<size_t>(t.gpu)], t.end_ms);
+    if (t.kind == TaskKind::kD2H) s.d2h_bytes += static_cast<int64_t>(t.work);
+    if (t.kind == TaskKind::kH2D) s.h2d_bytes += static_cast<int64_t>(t.work);
+  }
+  s.step_ms = e.makespan_ms();
+  compute_stats(e, topo.compute[0], s);
+  double last_compute = 0.0;
+  for (const Task& t : e.tasks()) {
+    if (t.gpu == 0 && t.stream == topo.compute[0]) last_compute = std::max(last_compute, t.end_ms);
+  }
+  s.exposed_copy_ms = std::max(0.0, s.gpu_step_ms[0] - last_compute);
+  s.idle_ms = std::max(0.0, s.gpu_step_ms[0] - s.compute_ms - s.recompute_ms - s.stall_ms);
+  const double busy_d2h = e.link_busy_ms(topo.link_d2h[0]);
+  const double busy_h2d = e.link_busy_ms(topo.link_h2d[0]);
+  // Achieved bandwidth of the first link: its GPUs' bytes over the time it was busy.
+  int64_t link0_d2h = 0;
+  int64_t link0_h2d = 0;
+  for (const Task& t : e.tasks()) {
+    if (t.link == topo.link_d2h[0]) link0_d2h += static_cast<int64_t>(t.work);
+    if (t.link == topo.link_h2d[0]) link0_h2d += static_cast<int64_t>(t.work);
+  }
+  s.link_d2h_gbps = busy_d2h > 0.0 ? static_cast<double>(link0_d2h) / busy_d2h / 1e6 : 0.0;
+  s.link_h2d_gbps = busy_h2d > 0.0 ? static_cast<double>(link0_h2d) / busy_h2d / 1e6 : 0.0;
+  s.link_gbps_achieved = std::max(s.link_d2h_gbps, s.link_h2d_gbps);
+
+  // Backlog and snowball (GPU 0, micro-batch 0).
+  const std::vector<Task>& tk = e.tasks();
+  r.layer_fwd_end_ms.resize(n);
+  for (size_t l = 0; l < n; ++l)
+    r.layer_fwd_end_ms[l] = tk[static_cast<size_t>(b.layer_last_fwd[l])].end_ms;
+  s.backlog_bytes.assign(n, 0);
+  for (size_t l = 0; l < n; ++l) {
+    const double t = r.layer_fwd_end_ms[l];
+    double pending = 0.0;
+    for (size_t m = 0; m <= l; ++m) {
+      for (int id : b.layer_d2h[m]) {
+        const Task& c = tk[static_cast<size_t>(id)];
+        // Produced (its producing op ended) but not yet copied at t.
+        const double produced = c.last_dep >= 0 ? tk[static_cast<size_t>(c.last_dep)].end_ms : 0.0;
+        if (produced > t + 1e-9 || c.end_ms <= t) continue;
+        pending += c.start_ms >= t ? c.work : c.work * (c.end_ms - t) / (c.end_ms - c.start_ms);
+      }
+    }
+    s.backlog_bytes[l] = static_cast<int64_t>(pending);
+  }
+  // A layer whose copies end after the next layer's forward: the queue carries over and
+  // grows; the first such layer names the snowball.
+  for (size_t l = 0; l + 1 < n; ++l) {
+    if (b.layer_d2h[l].empty()) continue;
+    const double last = tk[static_cast<size_t>(b.layer_d2h[l].back())].end_ms;
+    if (last > r.layer_fwd_end_ms[l + 1] * (1.0 + 1e-9) + 1e-9) {
+      s.snowball = true;
+      s.snowball_first_layer = static_cast<int>(l);
+      break;
+    }
+  }
+
+  // Memory over time (GPU 0; micro-batch 0 drives the shape, later ones repeat it).
+  std::vector<std::pair<double, int64_t>> ev;
+  auto end_of = [&](int id) { return id >= 0 ? tk[static_cast<size_t>(id)].end_ms : 0.0; };
+  auto start_of = [&](int id) { return tk[static_cast<size_t>(id)].start_ms; };
+  for (const Built::TensorTasks& tt : b.tensors) {
+    const double born = end_of(tt.produced_by);
+    const double gone = end_of(tt.backward);
+    ev.emplace_back(born, tt.bytes);
+    switch (tt.action) {
+      case Action::kKeep:
+        ev.emplace_back(gone, -tt.bytes);
+        break;
+      case Action::kOffload:
+        ev.emplace_back(end_of(tt.d2h), -tt.bytes);
+        ev.emplace_back(tt.h2d >= 0 ? start_of(tt.h2d) : gone, tt.bytes);
+        ev.emplace_back(gone, -tt.bytes);
+        break;
+      case Action::kRecompute:
+        ev.emplace_back(end_of(tt.layer_fwd_end), -tt.bytes);
+        ev.emplace_back(tt.recompute >= 0 ? start_of(tt.recompute) : start_of(tt.backward),
+                        tt.bytes);
+        ev.emplace_back(gone, -tt.bytes);
+        break;
+    }
+  }
+  if (b.head >= 0 && plan.summary.logits_bytes > 0) {
+    ev.emplace_back(start_of(b.head), plan.summary.logits_bytes);
+    ev.emplace_back(end_of(b.head), -plan.summary.logits_bytes);
+  }
+  const MemoryBreakdown& pk = plan.summary.peak;
+  const int64_t base = pk.weights + pk.gradients + pk.optimizer_states;
+  r.memory = memory_curve(std::move(ev), base, &s.peak_hbm_bytes);
+  fill_records(e, b, o.keep_tasks, r);
+  return r;
+}
+
+SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
+                                    const StreamOptions& o) {
+  check_topology(o.gpus, o.gpus_per_link);
+  if (o.depth < 1 || o.depth > 64)
+    SPILLWAY_INPUT_ERROR("--prefetch-depth is {}; must be in [1, 64]", o.depth);
+  const size_t n = plan.layers.size();
+  const double link_h2d = plan.summary.h2d_gbps * plan.summary.gpus_per_link;
+  const double link_d2h = plan.summary.d2h_gbps * plan.summary.gpus_per_link;
+  Engine e;
+  Topology topo = make_topology(e, o.gpus, o.gpus_per_link, link_d2h * 1e6, link_h2d * 1e6, 0.0);
+  Built b;
+  const int64_t wbytes = req.work.shape.dtype == DType::kFp32 ? 4 : 2;
+  int64_t max_layer = 0;
+  std::vector<int> copy0(n), comp0(n);
+  for (int g = 0; g < o.gpus; ++g) {
+    std::vector<int> comp(n, -1);
+    for (size_t l = 0; l < n; ++l) {
+      const LayerPlan& lp = plan.layers[l];
+      const int64_t bytes = checked_mul(lp.params, wbytes, "layer weight bytes");
+      max_layer = std::max(max_layer, bytes);
+      Task c;
+      c.kind = TaskKind::kH2D;
+      c.gpu = g;
+      c.layer = static_cast<int>(l);
+      c.stream = topo.h2d[static_cast<size_t>(g)];
+      c.link = topo.link_h2d[static_cast<size_t>(g)];
+      c.work = static_cast<double>(bytes);
+      c.label = g == 0 ? label(b, fmt::format("W{} weights", l)) : -1;
+      const int cid = e.add_task(c);
+      // Buffer reuse: depth + 1 buffers, so layer l's copy waits for layer l - depth - 1.
+      if (l >= static_cast<size_t>(o.depth) + 1)
+        e.add_dep(cid, comp[l - static_cast<size_t>(o.depth) - 1]);
+      Task f;
+      f.kind = TaskKind::kForward;
+      f.gpu = g;
+      f.layer = static_cast<int>(l);
+      f.stream = topo.compute[static_cast<size_t>(g)];
+      f.work = lp.fwd_ms;
+      f.label = g == 0 ? label(b, fmt::format("L{} forward", l)) : -1;
+      comp[l] = e.add_task(f);
+      e.add_dep(comp[l], cid);
+      if (g == 0) {
+        copy0[l] = cid;
+        comp0[l] = comp[l];
+      }
+    }
+  }
+  e.run();
+  SimResult r;
+  r.scenario = "weight-stream";
+  r.gpus = o.gpus;
+  r.gpus_per_link = o.gpus_per_link;
+  r.link_d2h_gbps = link_d2h;
+  r.link_h2d_gbps = link_h2d;
+  SimSummary& s = r.summary;
+  s.events = e.events();
+  s.step_ms = e.makespan_ms();
+  s.gpu_step_ms.assign(static_cast<size_t>(o.gpus), 0.0);
+  for (const Task& t : e.tasks()) {
+    s.gpu_step_ms[static_cast<size_t>(t.gpu)] =
+        std::max(s.gpu_step_ms[static_cast<size_t>(t.gpu)], t.end_ms);
+    if (t.kind == TaskKind::kH2D) s.h2d_bytes += static_cast<int64_t>(t.work);
+  }
+  compute_stats(e, topo.compute[0], s);
+  s.idle_ms = std::max(0.0, s.gpu_step_ms[0] - s.compute_ms - s.stall_ms);
+  const double busy = e.link_busy_ms(topo.link_h2d[0]);
+  int64_t link0 = 0;
+  for (const Task& t : e.tasks()) {
+    if (t.link == topo.link_h2d[0]) link0 += static_cast<int64_t>(t.work);
+  }
+  s.link_h2d_gbps = busy > 0.0 ? static_cast<double>(link0) / busy / 1e6 : 0.0;
+  s.link_gbps_achieved = s.link_h2d_gbps;
+  const std::vector<Task>& tk = e.tasks();
+  r.layer_fwd_end_ms.resize(n);
+  for (size_t l = 0; l < n; ++l) r.layer_fwd_end_ms[l] = tk[static_cast<size_t>(comp0[l])].end_ms;
+  // Memory: static weights are not resident; the d + 1 buffers are allocated once.
+  const int64_t buffers = max_layer * (o.depth + 1);
+  const MemoryBreakdown& pk = plan.summary.peak;
+  std::vector<std::pair<double, int64_t>> ev;
+  (void)pk;
+  r.memory = memory_curve(std::move(ev), buffers, &s.peak_hbm_bytes);
+  r.memory.push_back({s.step_ms, buffers});
+  fill_records(e, b, o.keep_tasks, r);
+  return r;
+}
+
+}  // namespace spillway
