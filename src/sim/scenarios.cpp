@@ -244,7 +244,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           t.stream = topo.d2h[static_cast<size_t>(g)];
           t.link = topo.link_d2h[static_cast<size_t>(g)];
           t.work = static_cast<double>(tp.bytes);
-          t.label = g == 0 ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
+          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
           const int id = e.add_task(t);
           if (producer_task >= 0) e.add_dep(id, producer_task);
           layer_tensor_d2h[l].emplace_back(static_cast<int>(ti), id);
@@ -275,7 +275,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           t.stream = topo.compute[static_cast<size_t>(g)];
           t.memory_bound = op.kind == OpKind::kMemory;
           t.work = op.fwd_ms;
-          t.label = g == 0 ? label(b, fmt::format("L{} {}", l, op.name)) : -1;
+          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} {}", l, op.name)) : -1;
           const int id = e.add_task(t);
           for (int gate : pending_gate) e.add_dep(id, gate);
           pending_gate.clear();
@@ -318,7 +318,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
       head.micro_batch = mbi;
       head.stream = topo.compute[static_cast<size_t>(g)];
       head.work = plan.summary.head_ms;
-      head.label = g == 0 ? label(b, "LM head + loss") : -1;
+      head.label = g == 0 && o.keep_tasks ? label(b, "LM head + loss") : -1;
       const int head_id = e.add_task(head);
       for (int gate : pending_gate) e.add_dep(head_id, gate);
       pending_gate.clear();
@@ -341,7 +341,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           t.stream = topo.h2d[static_cast<size_t>(g)];
           t.link = topo.link_h2d[static_cast<size_t>(g)];
           t.work = static_cast<double>(tp.bytes);
-          t.label = g == 0 ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
+          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
           const int id = e.add_task(t);
           e.add_dep(id, d2h_task);
           if (after >= 0) e.add_dep(id, after);
@@ -364,7 +364,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           t.micro_batch = mbi;
           t.stream = topo.compute[static_cast<size_t>(g)];
           t.work = lp.recompute_ms;
-          t.label = g == 0 ? label(b, fmt::format("L{} recompute", l)) : -1;
+          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} recompute", l)) : -1;
           rc = e.add_task(t);
           for (int r : reloads[l]) e.add_dep(rc, r);
         }
@@ -375,7 +375,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         t.micro_batch = mbi;
         t.stream = topo.compute[static_cast<size_t>(g)];
         t.work = lp.bwd_ms;
-        t.label = g == 0 ? label(b, fmt::format("L{} backward", l)) : -1;
+        t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} backward", l)) : -1;
         const int bw = e.add_task(t);
         for (int r : reloads[l]) e.add_dep(bw, r);
         bwd_task[l] = bw;
@@ -529,7 +529,7 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
       c.stream = topo.h2d[static_cast<size_t>(g)];
       c.link = topo.link_h2d[static_cast<size_t>(g)];
       c.work = static_cast<double>(bytes);
-      c.label = g == 0 ? label(b, fmt::format("W{} weights", l)) : -1;
+      c.label = g == 0 && o.keep_tasks ? label(b, fmt::format("W{} weights", l)) : -1;
       const int cid = e.add_task(c);
       // Buffer reuse: depth + 1 buffers, so layer l's copy waits for layer l - depth - 1.
       if (l >= static_cast<size_t>(o.depth) + 1)
@@ -540,7 +540,7 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
       f.layer = static_cast<int>(l);
       f.stream = topo.compute[static_cast<size_t>(g)];
       f.work = lp.fwd_ms;
-      f.label = g == 0 ? label(b, fmt::format("L{} forward", l)) : -1;
+      f.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} forward", l)) : -1;
       comp[l] = e.add_task(f);
       e.add_dep(comp[l], cid);
       if (g == 0) {
