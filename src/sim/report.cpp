@@ -42,11 +42,9 @@ std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
     const int64_t worst = s.backlog_bytes.empty()
                               ? 0
                               : *std::max_element(s.backlog_bytes.begin(), s.backlog_bytes.end());
-    out += fmt::format("  D2H backlog      largest {:.1f} MB at a layer boundary",
-                       static_cast<double>(worst) / 1e6);
+    out += fmt::format("  D2H backlog      largest {} at a layer boundary", to_string(Bytes(worst)));
     if (!s.backlog_bytes.empty()) {
-      out += fmt::format(", {:.1f} MB when the forward ends",
-                         static_cast<double>(s.backlog_bytes.back()) / 1e6);
+      out += fmt::format(", {} when the forward ends", to_string(Bytes(s.backlog_bytes.back())));
     }
     out += "\n";
     if (s.snowball) {

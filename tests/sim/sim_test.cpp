@@ -1,0 +1,289 @@
+// Simulator tests: agreement with the planner, conservation and ordering invariants,
+// link sharing, back-pressure, memory, and the trace/summary formats.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <cmath>
+#include <random>
+
+#include "plan/plan_helpers.hpp"
+#include "test_support.hpp"
+#include "spillway/sim.hpp"
+
+namespace spillway {
+namespace {
+
+using testing::generous;
+using testing::request;
+
+SimOptions exact() {  // the planner's assumptions: no HBM sharing
+  SimOptions o;
+  o.hbm_contention = false;
+  return o;
+}
+
+// ---- agreement with the planner ---------------------------------------------------------
+
+TEST(SimAgreement, SnowballIffPlannerWindowMissedAndStepTimesAgree) {
+  const unsigned seed = 20261122;
+  std::cout << "seed " << seed << "\n";
+  std::mt19937 rng(seed);
+  const std::vector<std::string> models = {"Qwen3-30B-A3B", "Llama-3.1-8B", "Mixtral-8x7B",
+                                           "GPT-OSS-20B", "Qwen3-14B", "DeepSeek-V3"};
+  const std::vector<std::string> hws = {"gh200", "gb200", "h100-pcie", "h100-sxm"};
+  // Named offload strategies snowball on slow links; auto/selective/hybrid adapt to them.
+  const std::vector<Strategy> strategies = {Strategy::kOffload, Strategy::kOffload, Strategy::kHybrid,
+                                            Strategy::kSelective, Strategy::kAuto};
+  std::uniform_real_distribution<double> log_bw(std::log(1.0), std::log(400.0));
+  auto bw = [&](std::mt19937& g) { return std::exp(log_bw(g)); };
+  int snowballs = 0;
+  int clean = 0;
+  for (int i = 0; i < 80; ++i) {
+    const std::string m = models[rng() % models.size()];
+    PlanRequest r = generous(request(m, hws[rng() % hws.size()], 1 + rng() % 2,
+                                     int64_t{1024} << (rng() % 4), strategies[rng() % strategies.size()]));
+    if (m == "DeepSeek-V3") {
+      r.work.shape.ep = 32;
+      r.work.pp = 4;
+    }
+    r.margin = 0.0;
+    r.d2h_gbps = bw(rng);
+    r.h2d_gbps = bw(rng);
+    const Plan plan = make_plan(r);
+    const SimResult sim = simulate_training_step(plan, r, exact());
+    SCOPED_TRACE(testing::describe(r) + " d2h " + std::to_string(*r.d2h_gbps));
+    // The planner's verdict at margin 0, skipping verdicts within rounding of the window.
+    bool planner = false;
+    bool borderline = false;
+    for (const LayerPlan& l : plan.layers) {
+      planner |= l.snowball;
+      if (l.offload_bytes > 0 && std::abs(l.late_ms) < 1e-6 * std::max(1.0, l.window_ms) && l.snowball) borderline = true;
+    }
+    if (borderline) continue;
+    EXPECT_EQ(sim.summary.snowball, planner);
+    if (planner) {
+      ++snowballs;
+      size_t first = 0;
+      while (!plan.layers[first].snowball) ++first;
+      ASSERT_TRUE(sim.summary.snowball_first_layer.has_value());
+      EXPECT_EQ(*sim.summary.snowball_first_layer, static_cast<int>(first));
+    } else {
+      ++clean;
+      // Where the planner's assumptions hold (no snowball), the step times agree within 5%.
+      EXPECT_NEAR(sim.summary.step_ms, plan.summary.step_ms, 0.05 * plan.summary.step_ms);
+    }
+  }
+  // The sweep must exercise both verdicts, or it proves nothing.
+  EXPECT_GT(snowballs, 5);
+  EXPECT_GT(clean, 5);
+}
+
+// ---- conservation and ordering ---------------------------------------------------------------
+
+TEST(SimInvariants, ConservationOrderingAndBusyTime) {
+  for (Strategy s : {Strategy::kOffload, Strategy::kSelective, Strategy::kRecompute}) {
+    PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, s));
+    r.work.shape.ep = 8;
+    r.work.grad_accum = 2;
+    const Plan plan = make_plan(r);
+    SimOptions o;  // contention on, 2 GPUs per link (the profile's)
+    const SimResult sim = simulate_training_step(plan, r, o);
+    SCOPED_TRACE(to_string(s));
+    int64_t planned = 0;
+    for (const LayerPlan& l : plan.layers) planned += l.offload_bytes;
+    const int64_t expect = planned * sim.gpus * r.work.grad_accum;
+    EXPECT_EQ(sim.summary.d2h_bytes, expect);
+    EXPECT_EQ(sim.summary.h2d_bytes, expect);
+    // Every task ran once, forward in time, after it was ready.
+    std::map<std::pair<int, int>, std::vector<const TaskRecord*>> by_resource;
+    for (const TaskRecord& t : sim.tasks) {
+      EXPECT_GE(t.ready_ms, 0.0);
+      EXPECT_GE(t.start_ms, t.ready_ms - 1e-9);
+      EXPECT_GE(t.end_ms, t.start_ms);
+      EXPECT_LE(t.end_ms, sim.summary.step_ms + 1e-9);
+      const int res = t.kind == TaskKind::kD2H ? 1 : t.kind == TaskKind::kH2D ? 2 : 0;
+      by_resource[{t.gpu, res}].push_back(&t);
+    }
+    // No resource runs two tasks at once; busy time <= makespan.
+    for (auto& [key, tasks] : by_resource) {
+      std::sort(tasks.begin(), tasks.end(), [](auto* a, auto* b) { return a->start_ms < b->start_ms; });
+      double busy = 0.0;
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        busy += tasks[i]->end_ms - tasks[i]->start_ms;
+        if (i > 0) EXPECT_GE(tasks[i]->start_ms, tasks[i - 1]->end_ms - 1e-9);
+      }
+      EXPECT_LE(busy, sim.summary.step_ms + 1e-9);
+    }
+    // A reload never starts before its offload ended.
+    std::map<std::tuple<int, int, int, std::string>, double> d2h_end;
+    for (const TaskRecord& t : sim.tasks) {
+      if (t.kind == TaskKind::kD2H) d2h_end[{t.gpu, t.micro_batch, t.layer, t.name}] = t.end_ms;
+    }
+    for (const TaskRecord& t : sim.tasks) {
+      if (t.kind != TaskKind::kH2D || t.gpu != 0) continue;
+      auto it = d2h_end.find({t.gpu, t.micro_batch, t.layer, t.name});
+      ASSERT_NE(it, d2h_end.end()) << t.name;
+      EXPECT_GE(t.start_ms, it->second - 1e-9) << t.name;
+    }
+    // The memory curve never runs backwards in time, and its peak is what is reported.
+    int64_t peak = 0;
+    for (size_t i = 0; i < sim.memory.size(); ++i) {
+      if (i > 0) EXPECT_GE(sim.memory[i].t_ms, sim.memory[i - 1].t_ms);
+      peak = std::max(peak, sim.memory[i].bytes);
+    }
+    EXPECT_EQ(peak, sim.summary.peak_hbm_bytes);
+    // Split: compute + recompute + stall + idle covers GPU 0's step.
+    EXPECT_NEAR(sim.summary.compute_ms + sim.summary.recompute_ms + sim.summary.stall_ms + sim.summary.idle_ms,
+                sim.summary.gpu_step_ms[0], 1e-6 * sim.summary.gpu_step_ms[0]);
+  }
+}
+
+TEST(SimInvariants, MemoryFallsWithRecomputeAndReturnsToStatic) {
+  PlanRequest keep = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kKeep));
+  PlanRequest rec = keep;
+  rec.strategy = Strategy::kRecompute;
+  const SimResult a = simulate_training_step(make_plan(keep), keep, exact());
+  const Plan prec = make_plan(rec);
+  const SimResult b = simulate_training_step(prec, rec, exact());
+  EXPECT_GT(a.summary.peak_hbm_bytes, b.summary.peak_hbm_bytes);
+  const MemoryBreakdown& pk = prec.summary.peak;
+  // Every activation allocated in the step is freed by its end.
+  EXPECT_EQ(b.memory.back().bytes, pk.weights + pk.gradients + pk.optimizer_states);
+  EXPECT_GT(b.summary.recompute_ms, 0.0);
+  EXPECT_EQ(a.summary.recompute_ms, 0.0);
+}
+
+// ---- shared links ----------------------------------------------------------------------------
+
+TEST(SimLinks, SharedLinkTakesNTimesAsLongOneLinkEachDoesNot) {
+  // Weight streaming with negligible compute: the link is the bottleneck.
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 1, 128, Strategy::kKeep));
+  r.layer_fwd_ms = 0.001;
+  const Plan plan = make_plan(r);
+  StreamOptions one;
+  one.depth = 2;
+  const double t1 = simulate_weight_streaming(plan, r, one).summary.step_ms;
+  for (int n : {2, 4, 8}) {
+    StreamOptions shared = one;
+    shared.gpus = n;
+    shared.gpus_per_link = n;
+    StreamOptions separate = one;
+    separate.gpus = n;
+    separate.gpus_per_link = 1;
+    const SimResult s = simulate_weight_streaming(plan, r, shared);
+    const SimResult p = simulate_weight_streaming(plan, r, separate);
+    EXPECT_NEAR(s.summary.step_ms, n * t1, 0.02 * n * t1) << n << " GPUs on one link";
+    EXPECT_NEAR(p.summary.step_ms, t1, 0.02 * t1) << n << " GPUs, one link each";
+    EXPECT_NEAR(s.summary.link_h2d_gbps, plan.summary.h2d_gbps * plan.summary.gpus_per_link, 0.02 * s.summary.link_h2d_gbps);
+  }
+}
+
+TEST(SimLinks, TwoGpusOnOneLinkSlowTheTrainingStepWhenCopyBound) {
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Strategy::kOffload));
+  r.work.shape.ep = 8;
+  const Plan plan = make_plan(r);
+  SimOptions shared = exact();
+  shared.gpus = 2;
+  shared.gpus_per_link = 2;
+  SimOptions separate = shared;
+  separate.gpus_per_link = 1;
+  const SimResult a = simulate_training_step(plan, r, shared);
+  const SimResult b = simulate_training_step(plan, r, separate);
+  EXPECT_GT(a.summary.step_ms, b.summary.step_ms);
+  EXPECT_GE(a.summary.stall_ms, b.summary.stall_ms);
+}
+
+// ---- back-pressure and HBM sharing -----------------------------------------------------------
+
+TEST(SimBackPressure, InFlightBytesStayWithinTheBoundPlusOneTensor) {
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 2, 4096, Strategy::kOffload));
+  const Plan plan = make_plan(r);
+  int64_t largest = 0;
+  for (const LayerPlan& l : plan.layers) {
+    for (const TensorPlan& t : l.tensors) {
+      if (t.action == Action::kOffload) largest = std::max(largest, t.bytes);
+    }
+  }
+  ASSERT_GT(largest, 0);
+  const int64_t bound = 2 * largest;
+  SimOptions o = exact();
+  o.inflight_bound_bytes = bound;
+  const SimResult sim = simulate_training_step(plan, r, o);
+  EXPECT_GT(sim.summary.backpressure_ms, 0.0);
+  const SimResult unbounded = simulate_training_step(plan, r, exact());
+  EXPECT_EQ(unbounded.summary.backpressure_ms, 0.0);
+  EXPECT_GE(sim.summary.step_ms, unbounded.summary.step_ms - 1e-6);
+  // The backlog at every layer boundary respects the bound (plus the tensor in hand).
+  for (int64_t b : sim.summary.backlog_bytes) EXPECT_LE(b, bound + largest);
+  const int64_t worst = *std::max_element(unbounded.summary.backlog_bytes.begin(), unbounded.summary.backlog_bytes.end());
+  EXPECT_GT(worst, bound + largest) << "the unbounded run must exceed the bound, or the test proves nothing";
+}
+
+TEST(SimHbm, SharingSlowsMemoryBoundWorkNeverSpeedsItUp) {
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "gh200", 2, 8192, Strategy::kOffload));
+  r.work.shape.ep = 8;
+  const Plan plan = make_plan(r);
+  SimOptions on;
+  const SimResult a = simulate_training_step(plan, r, on);
+  const SimResult b = simulate_training_step(plan, r, exact());
+  EXPECT_GT(a.summary.hbm_slowdown, 1.0);
+  EXPECT_EQ(b.summary.hbm_slowdown, 1.0);
+  EXPECT_GE(a.summary.step_ms, b.summary.step_ms);
+}
+
+// ---- formats ---------------------------------------------------------------------------------
+
+TEST(SimFormats, TraceIsChromeJsonWithRequiredFieldsOnEveryEvent) {
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Strategy::kOffload));
+  r.work.shape.ep = 8;
+  const SimResult sim = simulate_training_step(make_plan(r), r, SimOptions{});
+  const nlohmann::json t = nlohmann::json::parse(sim_trace_json(sim));
+  ASSERT_TRUE(t.contains("traceEvents"));
+  size_t complete = 0;
+  for (const auto& e : t["traceEvents"]) {
+    for (const char* f : {"name", "ph", "ts", "pid", "tid"}) EXPECT_TRUE(e.contains(f)) << f << " in " << e.dump();
+    if (e["ph"] == "X") {
+      ++complete;
+      EXPECT_TRUE(e.contains("dur"));
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+      for (const char* f : {"layer", "bytes"}) EXPECT_TRUE(e["args"].contains(f)) << e.dump();
+    }
+  }
+  EXPECT_EQ(complete, sim.tasks.size());
+  const nlohmann::json s = nlohmann::json::parse(sim_summary_json(sim));
+  for (const char* f : {"step_ms", "peak_hbm_bytes", "snowball", "snowball_first_layer", "backlog_bytes",
+                        "stall_ms", "link_gbps_achieved"}) {
+    EXPECT_TRUE(s.contains(f)) << f;
+  }
+  EXPECT_EQ(s["backlog_bytes"].size(), sim.summary.backlog_bytes.size());
+  const std::string svg = sim_plot_svg(sim, "test");
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find("time (ms)"), std::string::npos);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+}
+
+TEST(SimFormats, PlanJsonRoundTripSimulatesTheSame) {
+  PlanRequest r = generous(request("Mixtral-8x7B", "gb200", 1, 4096, Strategy::kAuto));
+  r.work.shape.ep = 8;
+  const Plan plan = make_plan(r);
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "plan.json").string();
+  {
+    std::ofstream out(path);
+    out << plan_to_json(plan, r);
+  }
+  PlanRequest r2;
+  const Plan back = load_plan_json(path, &r2);
+  ASSERT_EQ(back.layers.size(), plan.layers.size());
+  const SimResult a = simulate_training_step(plan, r, exact());
+  const SimResult b = simulate_training_step(back, r2, exact());
+  EXPECT_NEAR(a.summary.step_ms, b.summary.step_ms, 1e-6 * a.summary.step_ms);
+  EXPECT_EQ(a.summary.d2h_bytes, b.summary.d2h_bytes);
+  EXPECT_EQ(a.summary.peak_hbm_bytes, b.summary.peak_hbm_bytes);
+}
+
+}  // namespace
+}  // namespace spillway
