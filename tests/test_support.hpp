@@ -4,10 +4,12 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -85,6 +87,57 @@ inline void expect_error(const std::function<void()>& f,
     EXPECT_NE(msg.find(p), std::string::npos)
         << "the message should contain [" << p << "]\n  message: " << msg;
   }
+}
+
+// Runs `f` in a forked child and returns its verdict: what `f` returned ("" = fine), or
+// how the child died. For inputs whose bug is undefined behaviour: under the sanitizers
+// (make test-asan) the child aborts with a report on stderr and the test can say so
+// instead of taking the whole test binary down.
+inline std::string verdict_in_child(const std::function<std::string()>& f) {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe failed";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  if (pid < 0) return "fork failed";
+  if (pid == 0) {
+    close(fds[0]);
+    std::string v;
+    try {
+      v = f();
+    } catch (const std::exception& e) {
+      v = std::string("threw ") + e.what();
+    } catch (...) {
+      v = "threw a non-std exception";
+    }
+    const char* p = v.data();
+    size_t left = v.size();
+    while (left > 0) {
+      const ssize_t n = write(fds[1], p, left);
+      if (n <= 0) break;
+      p += n;
+      left -= static_cast<size_t>(n);
+    }
+    close(fds[1]);
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string out;
+  char buf[4096];
+  ssize_t n = 0;
+  while ((n = read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFSIGNALED(status)) {
+    return "the call died of signal " + std::to_string(WTERMSIG(status)) +
+           " (a sanitizer report, if any, is above)";
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+    return "the call exited with status " + std::to_string(WEXITSTATUS(status)) +
+           " (a sanitizer report, if any, is above)";
+  }
+  return out;
 }
 
 }  // namespace spillway::testing

@@ -14,9 +14,13 @@ namespace spillway {
 namespace {
 
 template <class A, class B>
-concept Addable = requires(A a, B b) { a + b; };
+concept Addable = requires(A a, B b) {
+  a + b;
+};
 template <class A, class B>
-concept Divisible = requires(A a, B b) { a / b; };
+concept Divisible = requires(A a, B b) {
+  a / b;
+};
 
 // Only the meaningful cross-unit operators exist.
 static_assert(!Addable<Bytes, Seconds>);

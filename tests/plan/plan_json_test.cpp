@@ -1,0 +1,213 @@
+// The plan as JSON (schema spillway.plan/1, docs/plan-schema.md) and the human report:
+// the JSON parses, carries every documented field with its type, agrees with the Plan it
+// was written from, and holds no NaN or infinity.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "core/json_io.hpp"
+#include "plan_helpers.hpp"
+#include "test_support.hpp"
+
+namespace spillway {
+namespace {
+
+using spillway::testing::describe;
+using spillway::testing::generous;
+using spillway::testing::request;
+
+const std::set<std::string> kActions = {"keep", "offload", "recompute"};
+const std::set<std::string> kPolicies = {"keep", "recompute", "offload", "selective", "hybrid"};
+const std::set<std::string> kBlocks = {"gqa+dense", "gqa+moe", "swa+dense",    "swa+moe",
+                                       "mla+dense", "mla+moe", "gqa+moe+dense"};
+
+void expect_fields(const Json& obj, std::initializer_list<const char*> keys,
+                   const std::string& where) {
+  ASSERT_TRUE(obj.is_object()) << where;
+  for (const char* k : keys) EXPECT_TRUE(obj.contains(k)) << where << " lacks \"" << k << "\"";
+}
+
+// Every number in the document is finite: nlohmann writes NaN and infinity as null, so
+// a null is only allowed where the schema says so (layers[].margin).
+void expect_no_null(const Json& j, const std::string& path) {
+  if (j.is_null()) {
+    ADD_FAILURE() << "null at " << path;
+  } else if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (it.key() == "margin" && it->is_null()) continue;
+      expect_no_null(*it, path + "." + it.key());
+    }
+  } else if (j.is_array()) {
+    for (size_t i = 0; i < j.size(); ++i)
+      expect_no_null(j[i], path + "[" + std::to_string(i) + "]");
+  }
+}
+
+void check_plan_json(const PlanRequest& r) {
+  SCOPED_TRACE(describe(r));
+  const Plan p = make_plan(r);
+  const std::string text = plan_to_json(p, r);
+  Json j;
+  ASSERT_NO_THROW(j = Json::parse(text));
+  EXPECT_EQ(j.value("schema", ""), "spillway.plan/1");
+  EXPECT_TRUE(j["generator"].is_string());
+  expect_fields(
+      j, {"schema", "generator", "model", "hardware", "workload", "options", "layers", "summary"},
+      "top level");
+  expect_fields(
+      j["model"],
+      {"name", "model_type", "source", "layers", "hidden_size", "params", "params_per_gpu"},
+      "model");
+  expect_fields(j["hardware"], {"name", "source", "d2h_gbps", "h2d_gbps", "hbm_gb"}, "hardware");
+  expect_fields(j["workload"],
+                {"micro_batch", "seq_len", "dtype", "tp", "ep", "cp", "pp", "dp", "grad_accum",
+                 "fused_swiglu", "tokens_per_gpu"},
+                "workload");
+  expect_fields(j["options"],
+                {"strategy", "margin", "keep_last_layers", "prefetch_depth", "calibration",
+                 "time_scale", "efficiency"},
+                "options");
+  EXPECT_EQ(j["model"]["name"], r.model.name);
+  EXPECT_EQ(j["model"]["params"].get<int64_t>(), p.params_total);
+  EXPECT_EQ(j["options"]["strategy"], to_string(r.strategy));
+  EXPECT_DOUBLE_EQ(j["options"]["margin"].get<double>(), r.margin);
+  EXPECT_EQ(j["workload"]["micro_batch"].get<int64_t>(), r.work.shape.micro_batch);
+  EXPECT_EQ(j["workload"]["tokens_per_gpu"].get<int64_t>(), p.tokens_per_gpu);
+  EXPECT_DOUBLE_EQ(j["hardware"]["d2h_gbps"].get<double>(), p.summary.d2h_gbps);
+
+  const Json& layers = j["layers"];
+  ASSERT_TRUE(layers.is_array());
+  ASSERT_EQ(layers.size(), p.layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Json& l = layers[i];
+    const std::string where = "layers[" + std::to_string(i) + "]";
+    expect_fields(l,
+                  {"index", "block", "policy", "fwd_ms", "bwd_ms", "recompute_ms",
+                   "recompute_avoided_ms", "offload_bytes", "kept_bytes", "d2h_ms", "window_ms",
+                   "margin", "h2d_ms", "stall_ms", "backlog_bytes", "snowball", "tensors"},
+                  where);
+    EXPECT_TRUE(l["index"].is_number_integer()) << where;
+    EXPECT_EQ(l["index"].get<int>(), static_cast<int>(i));
+    EXPECT_TRUE(kBlocks.count(l["block"].get<std::string>())) << where << " " << l["block"];
+    EXPECT_TRUE(kPolicies.count(l["policy"].get<std::string>())) << where << " " << l["policy"];
+    EXPECT_TRUE(l["offload_bytes"].is_number_integer()) << where;
+    EXPECT_TRUE(l["kept_bytes"].is_number_integer()) << where;
+    EXPECT_TRUE(l["d2h_ms"].is_number()) << where;
+    EXPECT_TRUE(l["window_ms"].is_number()) << where;
+    EXPECT_TRUE(l["snowball"].is_boolean()) << where;
+    const int64_t off = l["offload_bytes"].get<int64_t>();
+    EXPECT_EQ(off, p.layers[i].offload_bytes);
+    EXPECT_EQ(l["snowball"].get<bool>(), p.layers[i].snowball);
+    EXPECT_EQ(l["margin"].is_null(), off == 0)
+        << where << ": margin is null iff nothing is offloaded";
+    ASSERT_TRUE(l["tensors"].is_array()) << where;
+    ASSERT_FALSE(l["tensors"].empty()) << where;
+    int64_t offloaded = 0;
+    int64_t kept = 0;
+    std::set<std::string> names;
+    for (const Json& t : l["tensors"]) {
+      expect_fields(t,
+                    {"name", "shape", "dtype", "bytes", "action", "recompute_ms", "produced_at_ms"},
+                    where + ".tensors[]");
+      const std::string name = t["name"].get<std::string>();
+      EXPECT_TRUE(names.insert(name).second) << where << " repeats " << name;
+      EXPECT_TRUE(t["bytes"].is_number_integer()) << name;
+      EXPECT_GT(t["bytes"].get<int64_t>(), 0) << name;
+      ASSERT_TRUE(t["shape"].is_array()) << name;
+      EXPECT_EQ(t["shape"].size(), 2u) << name;
+      const std::string action = t["action"].get<std::string>();
+      EXPECT_TRUE(kActions.count(action)) << name << " " << action;
+      if (action == "offload") offloaded += t["bytes"].get<int64_t>();
+      if (action == "keep") kept += t["bytes"].get<int64_t>();
+    }
+    EXPECT_EQ(offloaded, off) << where << ": offload_bytes is the sum of the offloaded tensors";
+    EXPECT_EQ(kept, l["kept_bytes"].get<int64_t>()) << where;
+  }
+
+  const Json& s = j["summary"];
+  expect_fields(s,
+                {"feasible", "reasons", "peak_hbm_bytes", "hbm_budget_bytes",
+                 "peak_hbm_by_category", "host_pinned_bytes", "step_ms", "recompute_step_ms",
+                 "keep_step_ms", "speedup_vs_recompute", "stall_ms"},
+                "summary");
+  EXPECT_TRUE(s["feasible"].is_boolean());
+  EXPECT_EQ(s["feasible"].get<bool>(), p.summary.feasible);
+  ASSERT_TRUE(s["reasons"].is_array());
+  EXPECT_EQ(s["reasons"].size(), p.summary.reasons.size());
+  EXPECT_EQ(s["feasible"].get<bool>(), s["reasons"].empty());
+  const Json& cat = s["peak_hbm_by_category"];
+  expect_fields(cat,
+                {"weights", "gradients", "optimizer_states", "activations", "in_flight_copies"},
+                "peak_hbm_by_category");
+  int64_t sum = 0;
+  for (const char* k :
+       {"weights", "gradients", "optimizer_states", "activations", "in_flight_copies"}) {
+    EXPECT_TRUE(cat[k].is_number_integer()) << k;
+    sum += cat[k].get<int64_t>();
+  }
+  EXPECT_EQ(s["peak_hbm_bytes"].get<int64_t>(), sum);
+  EXPECT_EQ(s["peak_hbm_bytes"].get<int64_t>(), p.summary.peak.total());
+  EXPECT_DOUBLE_EQ(s["step_ms"].get<double>(), p.summary.step_ms);
+  EXPECT_DOUBLE_EQ(s["speedup_vs_recompute"].get<double>(),
+                   s["recompute_step_ms"].get<double>() / s["step_ms"].get<double>());
+  expect_no_null(j, "$");
+}
+
+TEST(PlanJson, EveryStrategyWritesTheSchema) {
+  for (Strategy s : {Strategy::kAuto, Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
+                     Strategy::kSelective, Strategy::kHybrid}) {
+    check_plan_json(request("Qwen3-30B-A3B", "gh200", 1, 4096, s));
+    check_plan_json(generous(request("Llama-3.1-8B", "h100-sxm", 2, 4096, s)));
+  }
+}
+
+TEST(PlanJson, MixedStacksAndInfeasiblePlans) {
+  PlanRequest ds = request("DeepSeek-V3", "gb200", 1, 4096, Strategy::kAuto);
+  ds.work.pp = 16;
+  ds.work.shape.tp = 8;
+  ds.work.shape.ep = 8;
+  check_plan_json(ds);
+  check_plan_json(request("GPT-OSS-20B", "b200", 1, 8192, Strategy::kSelective));
+  check_plan_json(request("Grok-2", "rubin", 1, 4096, Strategy::kHybrid));
+  PlanRequest slow = generous(request("Mixtral-8x7B", "gh200", 1, 4096, Strategy::kOffload));
+  slow.d2h_gbps = 1.0;  // every offloading layer snowballs
+  check_plan_json(slow);
+  const Plan p = make_plan(slow);
+  EXPECT_FALSE(p.summary.feasible);
+  const Json j = Json::parse(plan_to_json(p, slow));
+  EXPECT_FALSE(j["summary"]["reasons"].empty());
+  EXPECT_TRUE(j["layers"][0]["snowball"].get<bool>());
+}
+
+TEST(PlanJson, FusedPlansHaveNoActTensor) {
+  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  r.work.shape.fused_swiglu = true;
+  check_plan_json(r);
+  const Json j = Json::parse(plan_to_json(make_plan(r), r));
+  EXPECT_TRUE(j["workload"]["fused_swiglu"].get<bool>());
+  for (const Json& l : j["layers"]) {
+    for (const Json& t : l["tensors"]) EXPECT_NE(t["name"], "mlp.act");
+  }
+}
+
+TEST(PlanReport, TableSummaryAndReasons) {
+  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  r.d2h_gbps = 2.0;
+  const Plan p = make_plan(r);
+  const std::string text = format_plan_report(p, r);
+  for (const char* s : {"spillway plan: Llama-3.1-8B on gh200 (strategy offload)", "layer", "block",
+                        "policy", "summary", "feasible", "NO", "SNOWBALL", "peak HBM", "weights",
+                        "activations", "in-flight copies", "step time", "speedup"}) {
+    EXPECT_NE(text.find(s), std::string::npos) << "report lacks [" << s << "]\n" << text;
+  }
+  for (const std::string& reason : p.summary.reasons)
+    EXPECT_NE(text.find(reason), std::string::npos);
+
+  const PlanRequest ok = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute));
+  const std::string ok_text = format_plan_report(make_plan(ok), ok);
+  EXPECT_EQ(ok_text.find("SNOWBALL"), std::string::npos);
+  EXPECT_NE(ok_text.find("yes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace spillway
