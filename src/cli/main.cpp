@@ -55,7 +55,10 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; an infeasible plan exits 3 (a RuntimeError thrown by
+    // the command); every other command-line error is a usage error: 2.
+    const int code = app.exit(e);
+    return code == 0 || code == 3 ? code : 2;
   } catch (const spillway::Error& e) {
     std::fprintf(stderr, "spillway: error: %s\n", e.what());
     return 1;

@@ -39,9 +39,32 @@ Json parse_json_text(std::string_view text, std::string_view what, std::string_v
     const size_t at = e.byte > 0 ? e.byte - 1 : 0;
     auto [line, col] = line_col(text, at);
     std::string detail = e.what();
-    // nlohmann's text starts with "[json.exception.parse_error.101] parse error at ...: ".
-    if (auto pos = detail.rfind(": "); pos != std::string::npos) detail = detail.substr(pos + 2);
+    // nlohmann's text is "[json.exception.parse_error.101] parse error at line L, column C:
+    // <reason>"; the reason may itself hold ": " (it quotes the input), so cut at the first
+    // ": " after the position.
+    if (auto at_pos = detail.find("parse error"); at_pos != std::string::npos) {
+      if (auto pos = detail.find(": ", at_pos); pos != std::string::npos)
+        detail = detail.substr(pos + 2);
+    }
     SPILLWAY_INPUT_ERROR("{}: malformed JSON at line {}, column {}: {}{}", what, line, col, detail,
+                         file_suffix(file));
+  } catch (const Json::exception& e) {
+    // Valid syntax the parser still refuses, e.g. a number beyond double range
+    // ("number overflow parsing '1e400'"): locate the quoted token in the text.
+    const std::string detail = e.what();
+    std::string where;
+    const size_t q1 = detail.find('\'');
+    const size_t q2 = q1 == std::string::npos ? q1 : detail.find('\'', q1 + 1);
+    if (q2 != std::string::npos) {
+      const size_t at = text.find(detail.substr(q1 + 1, q2 - q1 - 1));
+      if (at != std::string_view::npos) {
+        auto [line, col] = line_col(text, at);
+        where = fmt::format(" at line {}, column {}", line, col);
+      }
+    }
+    const size_t cut = detail.find("] ");
+    SPILLWAY_INPUT_ERROR("{}: malformed JSON{}: {}{}", what, where,
+                         cut == std::string::npos ? detail : detail.substr(cut + 2),
                          file_suffix(file));
   }
 }

@@ -84,7 +84,7 @@ int LayerInventory::find(const std::string& tensor_name) const {
 int64_t LayerInventory::saved_bytes() const {
   int64_t total = 0;
   for (const TensorInfo& t : tensors) {
-    if (t.saved) total += t.bytes;
+    if (t.saved) total = checked_add(total, t.bytes, "a layer's saved bytes");
   }
   return total;
 }
@@ -97,7 +97,7 @@ int64_t mul(int64_t a, int64_t b) {
   return checked_mul(a, b, kOverflow);
 }
 int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
+  return a / b + (a % b != 0 ? 1 : 0);  // no a + b - 1: it overflows near INT64_MAX
 }
 
 class Builder {

@@ -260,7 +260,7 @@ ModelConfig parse_grok(const JsonObject& c, ModelConfig m) {
 const std::vector<std::string>& supported_model_types() {
   static const std::vector<std::string> types = {
       "llama",       "mistral",     "qwen2",   "qwen3",  "qwen2_moe", "qwen3_moe", "mixtral",
-      "deepseek_v2", "deepseek_v3", "gpt_oss", "grok-1", "grok-2",    "grok"};
+      "deepseek_v2", "deepseek_v3", "gpt_oss", "grok-1", "grok-2",    "grok",      "git"};
   return types;
 }
 
@@ -305,8 +305,18 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
   } else {
     unknown_type(c, m.model_type);
   }
-  // Validate that the totals fit 64 bits once, here, with a message naming the model.
-  (void)parameter_count(m);
+  // Validate that the totals fit 64 bits once, here, naming the sizes and the file.
+  try {
+    (void)parameter_count(m);
+  } catch (const Error& e) {
+    const LayerSpec& l = m.layers.front();
+    SPILLWAY_INPUT_ERROR(
+        "{}: the parameter count does not fit 64 bits with \"hidden_size\" {}, \"vocab_size\" {}, "
+        "\"num_hidden_layers\" {}, \"intermediate_size\" (or the experts' width) {}, {} experts "
+        "({}){}",
+        kWhat, m.hidden, m.vocab, m.layers.size(), l.mlp.ffn, l.mlp.experts, e.what(),
+        file.empty() ? "" : fmt::format(" (file: {})", file));
+  }
   return m;
 }
 

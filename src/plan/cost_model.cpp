@@ -71,6 +71,7 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
 }
 
 ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& actions) {
+  constexpr const char* kWhat = "plan: a layer's saved bytes";
   SPILLWAY_CHECK(actions.size() == c.inv.tensors.size(), "one action per tensor");
   const size_t n_ops = c.inv.ops.size();
   SPILLWAY_CHECK(n_ops <= 64, "a layer has at most 64 ops ({} here)", n_ops);
@@ -81,14 +82,14 @@ ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& act
     if (!t.saved) continue;
     switch (actions[i]) {
       case Action::kKeep:
-        r.kept_bytes += t.bytes;
+        r.kept_bytes = checked_add(r.kept_bytes, t.bytes, kWhat);
         break;
       case Action::kOffload:
-        r.offload_bytes += t.bytes;
-        r.rematerialized_bytes += t.bytes;
+        r.offload_bytes = checked_add(r.offload_bytes, t.bytes, kWhat);
+        r.rematerialized_bytes = checked_add(r.rematerialized_bytes, t.bytes, kWhat);
         break;
       case Action::kRecompute:
-        r.rematerialized_bytes += t.bytes;
+        r.rematerialized_bytes = checked_add(r.rematerialized_bytes, t.bytes, kWhat);
         if (t.producer < 0) {
           r.valid = false;  // the layer input cannot be recomputed inside the layer
         } else {

@@ -104,6 +104,8 @@ std::vector<LayerTiming> load_profile(const std::string& path) {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr const char* kBytesWhat =
+    "plan: the memory total (micro-batch * seq-len * widths * layers)";
 constexpr size_t kMaxKnapsackGroups = 14;
 
 struct Option {
@@ -305,7 +307,8 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   }
   const double head_flops = 2.0 * static_cast<double>(T) * static_cast<double>(r.model.hidden) *
                             static_cast<double>(vocab_shard);
-  const int64_t head_bytes = checked_mul(T, vocab_shard, "logits size") * 4;
+  const int64_t head_bytes =
+      checked_mul(checked_mul(T, vocab_shard, "logits size"), 4, "logits size");
   st.head_ms = r.work.pp == 1 ? 3.0 *
                                     op_time_ms(OpKind::kGemm, head_flops, head_bytes, r.hardware,
                                                s.dtype, r.efficiency) *
@@ -575,7 +578,12 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
   // but are not yet on the host, counting the unfinished part of a running copy. Copies
   // are in FIFO order, so production, begin and end times all increase along the list:
   // at boundary t the pending copies are a contiguous range [done, produced).
+  // Only the first of them can be running (one engine), so prefix sums give each
+  // boundary in O(1).
   {
+    std::vector<double> prefix(copies.size() + 1, 0.0);
+    for (size_t k = 0; k < copies.size(); ++k)
+      prefix[k + 1] = prefix[k] + static_cast<double>(copies[k].bytes);
     size_t done = 0;
     size_t produced = 0;
     for (size_t l = 0; l < n; ++l) {
@@ -583,11 +591,11 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       while (done < copies.size() && copies[done].end <= t) ++done;
       while (produced < copies.size() && copies[produced].produced <= t) ++produced;
       double pending = 0.0;
-      for (size_t k = done; k < produced; ++k) {
-        const Copy& cp = copies[k];
-        pending += cp.begin >= t
-                       ? static_cast<double>(cp.bytes)
-                       : static_cast<double>(cp.bytes) * (cp.end - t) / (cp.end - cp.begin);
+      if (produced > done) {
+        pending = prefix[produced] - prefix[done];
+        const Copy& cp = copies[done];
+        if (cp.begin < t)
+          pending -= static_cast<double>(cp.bytes) * (t - cp.begin) / (cp.end - cp.begin);
       }
       tl.layers[l].backlog_bytes = static_cast<int64_t>(pending);
     }
@@ -644,8 +652,8 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       const OpCost& op = c.inv.ops[k];
       lp.fwd_flops += op.fwd_flops;
       lp.bwd_flops += op.bwd_flops;
-      lp.fwd_bytes += op.fwd_bytes;
-      lp.bwd_bytes += op.bwd_bytes;
+      lp.fwd_bytes = checked_add(lp.fwd_bytes, op.fwd_bytes, kBytesWhat);
+      lp.bwd_bytes = checked_add(lp.bwd_bytes, op.bwd_bytes, kBytesWhat);
       if (detail) {
         lp.ops.push_back({op.name, op.kind, op.fwd_flops, op.fwd_bytes, op.bwd_flops, op.bwd_bytes,
                           c.op_fwd_ms[k], c.op_bwd_ms[k]});
@@ -669,24 +677,35 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       tp.producer = ti.producer;
       lp.tensors.push_back(std::move(tp));
     }
-    kept += o.cost.kept_bytes;
+    kept = checked_add(kept, o.cost.kept_bytes, kBytesWhat);
     working = std::max(working, o.cost.rematerialized_bytes);
     max_offload = std::max(max_offload, o.cost.offload_bytes);
-    tl.host_pinned += o.cost.offload_bytes;
+    tl.host_pinned = checked_add(tl.host_pinned, o.cost.offload_bytes, kBytesWhat);
   }
-  tl.host_pinned *= st.mb_inflight;
+  tl.host_pinned = checked_mul(tl.host_pinned, st.mb_inflight, kBytesWhat);
   tl.peak = st.static_mem;
-  tl.peak.activations = kept * st.mb_inflight + std::max(working, st.logits_bytes);
-  tl.peak.in_flight_copies = std::max(max_offload * st.prefetch, tl.max_backlog);
+  tl.peak.activations = checked_add(checked_mul(kept, st.mb_inflight, kBytesWhat),
+                                    std::max(working, st.logits_bytes), kBytesWhat);
+  tl.peak.in_flight_copies =
+      std::max(checked_mul(max_offload, st.prefetch, kBytesWhat), tl.max_backlog);
+  // The total must fit too (MemoryBreakdown::total() adds without checks).
+  (void)checked_add(
+      checked_add(checked_add(tl.peak.weights, tl.peak.gradients, kBytesWhat),
+                  checked_add(tl.peak.optimizer_states, tl.peak.activations, kBytesWhat),
+                  kBytesWhat),
+      tl.peak.in_flight_copies, kBytesWhat);
   return tl;
 }
 
 double option_time(const Option& o, const Stage& st, size_t l) {
-  // Recompute plus the reload stall this layer would see behind the next layer's backward.
+  // Recompute plus the reload stall this layer would see behind the next layers' backward
+  // (taken to run the same policy: their recompute counts in the window too).
   double t = o.cost.recompute_ms;
   if (o.cost.offload_bytes > 0 && l + 1 < st.layers.size()) {
     const double h2d = static_cast<double>(o.cost.offload_bytes) / st.h2d_bytes_per_ms;
-    t += std::max(0.0, h2d - st.layers[l + 1].bwd_ms * static_cast<double>(st.prefetch));
+    const double window =
+        (st.layers[l + 1].bwd_ms + o.cost.recompute_ms) * static_cast<double>(st.prefetch);
+    t += std::max(0.0, h2d - window);
   }
   return t;
 }
@@ -828,6 +847,158 @@ Plan make_plan(const PlanRequest& r) {
               a.end());
       pick_fastest(l);
     }
+  }
+
+  // The greedy trades by kept bytes and can miss what the max terms of the peak (in-flight
+  // copies, one layer's re-materialized set) or the host memory decide, and it can stop in
+  // a local optimum. So, when the budget binds, it is one of several starts: the
+  // smallest-memory choice and (for auto and selective, where offloading nothing is a
+  // legitimate outcome) block recompute everywhere; each feasible start is improved by
+  // Note [Budget search] and the fastest result wins.
+  const double host_limit = r.hardware.host_memory_gb / r.hardware.gpus_per_host_memory * 1e9;
+  auto fits = [&](const Timeline& t) {
+    return t.peak.total() <= st.budget && static_cast<double>(t.host_pinned) <= host_limit &&
+           t.snowball_layers.empty();
+  };
+  // Note [Budget search]: take the move that saves the most step time and keeps the plan
+  // feasible, until none is left. A move is screened with an O(1) estimate of the peak (the
+  // kept sum and the two max terms, the layer's own contribution taken out through the top
+  // two values) and confirmed by a timeline; a move the timeline rejects (a snowball, a
+  // real peak over budget) is struck from that layer's options.
+  // `repair` (when the choice does not fit): the move that lowers the estimated peak most
+  // per millisecond it costs; `improve` (when it fits): the move that saves the most time
+  // per byte it adds (moves that add none first), keeping the estimate within the budget.
+  auto search = [&](std::vector<const Option*>& ch, Timeline& t, bool repair) {
+    for (int moves = 0; moves < 8 * static_cast<int>(n) + 16; ++moves) {
+      if (repair && fits(t)) return;
+      int64_t kept = 0;
+      int64_t pinned = 0;
+      int64_t w1 = 0, w2 = 0, f1 = 0, f2 = 0;  // top two re-materialized / offload bytes
+      for (size_t l = 0; l < n; ++l) {
+        const ActionCost& c = ch[l]->cost;
+        kept += c.kept_bytes;
+        pinned += c.offload_bytes;
+        const int64_t w = c.rematerialized_bytes;
+        if (w > w1) {
+          w2 = w1;
+          w1 = w;
+        } else if (w > w2) {
+          w2 = w;
+        }
+        const int64_t f = c.offload_bytes;
+        if (f > f1) {
+          f2 = f1;
+          f1 = f;
+        } else if (f > f2) {
+          f2 = f;
+        }
+      }
+      auto estimate = [&](int64_t k, int64_t w, int64_t f) {
+        return st.static_bytes + k * st.mb_inflight + std::max(w, st.logits_bytes) +
+               f * st.prefetch;
+      };
+      const int64_t peak_now = estimate(kept, w1, f1);
+      double best_score = 0.0;
+      size_t best_l = n;
+      const Option* best_o = nullptr;
+      for (size_t l = 0; l < n; ++l) {
+        const ActionCost& cur = ch[l]->cost;
+        const double t_cur = option_time(*ch[l], st, l);
+        const int64_t w_rest = cur.rematerialized_bytes == w1 ? w2 : w1;
+        const int64_t f_rest = cur.offload_bytes == f1 ? f2 : f1;
+        for (const Option* o : allowed[l]) {
+          if (o == ch[l]) continue;
+          const double gain = t_cur - option_time(*o, st, l);
+          const int64_t peak = estimate(kept - cur.kept_bytes + o->cost.kept_bytes,
+                                        std::max(w_rest, o->cost.rematerialized_bytes),
+                                        std::max(f_rest, o->cost.offload_bytes));
+          const int64_t pin = (pinned - cur.offload_bytes + o->cost.offload_bytes) * st.mb_inflight;
+          const double added = static_cast<double>(peak - peak_now);
+          double score = 0.0;
+          if (repair) {
+            if (added >= 0.0) continue;
+            score = -added / std::max(-gain, 1e-6);
+          } else {
+            if (gain <= 1e-9 || peak > st.budget || static_cast<double>(pin) > host_limit) continue;
+            score = added <= 0.0 ? 1e30 + gain : gain / added;
+          }
+          if (score > best_score) {
+            best_score = score;
+            best_l = l;
+            best_o = o;
+          }
+        }
+      }
+      if (best_o == nullptr) return;
+      const Option* before = ch[best_l];
+      ch[best_l] = best_o;
+      Timeline t2 = run_timeline(st, ch, rec_ms, false);
+      if (repair ? t2.snowball_layers.empty() : fits(t2)) {
+        t = std::move(t2);
+      } else {
+        ch[best_l] = before;
+        auto& a = allowed[best_l];
+        a.erase(std::remove(a.begin(), a.end(), best_o), a.end());
+      }
+    }
+  };
+  // The budget binds when the plan does not fit or some layer runs slower than its fastest
+  // allowed option.
+  bool binds = !fits(tl);
+  for (size_t l = 0; l < n && !binds; ++l) {
+    for (const Option* o : allowed[l]) {
+      if (option_time(*o, st, l) < option_time(*choice[l], st, l) - 1e-9) binds = true;
+    }
+  }
+  if (binds) {
+    std::vector<std::vector<const Option*>> starts;
+    std::vector<const Option*> small(n);
+    for (size_t l = 0; l < n; ++l) {
+      small[l] = allowed[l].front();
+      for (const Option* o : allowed[l]) {
+        const Option* b = small[l];
+        if (o->cost.kept_bytes < b->cost.kept_bytes ||
+            (o->cost.kept_bytes == b->cost.kept_bytes &&
+             o->cost.offload_bytes < b->cost.offload_bytes)) {
+          small[l] = o;
+        }
+      }
+    }
+    starts.push_back(std::move(small));
+    if (r.strategy == Strategy::kAuto || r.strategy == Strategy::kSelective) {
+      std::vector<const Option*> rec(n);
+      for (size_t l = 0; l < n; ++l) rec[l] = &sets[l]->recompute;
+      starts.push_back(std::move(rec));
+    }
+    if (r.strategy == Strategy::kAuto) {
+      // Uniform starts (one policy on every layer that allows it, recompute elsewhere): a
+      // policy that pays only once in the peak (in-flight copies) is reached as a whole.
+      for (Option OptionSet::*member :
+           {&OptionSet::hybrid, &OptionSet::offload, &OptionSet::selective_recompute}) {
+        std::vector<const Option*> uni(n);
+        for (size_t l = 0; l < n; ++l) {
+          const Option* o = &(sets[l]->*member);
+          const bool ok = std::find(allowed[l].begin(), allowed[l].end(), o) != allowed[l].end();
+          uni[l] = ok ? o : &sets[l]->recompute;
+        }
+        starts.push_back(std::move(uni));
+      }
+    }
+    starts.push_back(choice);
+    std::vector<const Option*> best = choice;
+    Timeline best_tl = tl;
+    for (std::vector<const Option*>& start : starts) {
+      Timeline t = run_timeline(st, start, rec_ms, false);
+      if (!fits(t)) search(start, t, true);
+      if (!fits(t)) continue;
+      search(start, t, false);
+      if (!fits(best_tl) || t.step_ms < best_tl.step_ms) {
+        best = start;
+        best_tl = std::move(t);
+      }
+    }
+    choice = std::move(best);
+    tl = std::move(best_tl);
   }
 
   // Reference timelines: all recompute and all keep.

@@ -42,7 +42,8 @@ std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
     const int64_t worst = s.backlog_bytes.empty()
                               ? 0
                               : *std::max_element(s.backlog_bytes.begin(), s.backlog_bytes.end());
-    out += fmt::format("  D2H backlog      largest {} at a layer boundary", to_string(Bytes(worst)));
+    out +=
+        fmt::format("  D2H backlog      largest {} at a layer boundary", to_string(Bytes(worst)));
     if (!s.backlog_bytes.empty()) {
       out += fmt::format(", {} when the forward ends", to_string(Bytes(s.backlog_bytes.back())));
     }

@@ -439,20 +439,37 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   r.layer_fwd_end_ms.resize(n);
   for (size_t l = 0; l < n; ++l)
     r.layer_fwd_end_ms[l] = tk[static_cast<size_t>(b.layer_last_fwd[l])].end_ms;
+  // Produced (the producing op ended) but not yet copied at each boundary t. GPU 0's
+  // first micro-batch's copies run in FIFO order on one engine, so production, start and
+  // end times increase along them: the pending ones are a contiguous range whose first
+  // member alone may be running (counted pro rata); prefix sums make it O(1) per layer.
   s.backlog_bytes.assign(n, 0);
-  for (size_t l = 0; l < n; ++l) {
-    const double t = r.layer_fwd_end_ms[l];
-    double pending = 0.0;
-    for (size_t m = 0; m <= l; ++m) {
-      for (int id : b.layer_d2h[m]) {
-        const Task& c = tk[static_cast<size_t>(id)];
-        // Produced (its producing op ended) but not yet copied at t.
-        const double produced = c.last_dep >= 0 ? tk[static_cast<size_t>(c.last_dep)].end_ms : 0.0;
-        if (produced > t + 1e-9 || c.end_ms <= t) continue;
-        pending += c.start_ms >= t ? c.work : c.work * (c.end_ms - t) / (c.end_ms - c.start_ms);
+  {
+    std::vector<int> order;
+    for (size_t l = 0; l < n; ++l)
+      order.insert(order.end(), b.layer_d2h[l].begin(), b.layer_d2h[l].end());
+    std::vector<double> prefix(order.size() + 1, 0.0);
+    for (size_t k = 0; k < order.size(); ++k)
+      prefix[k + 1] = prefix[k] + tk[static_cast<size_t>(order[k])].work;
+    auto produced_at = [&](const Task& c) {
+      return c.last_dep >= 0 ? tk[static_cast<size_t>(c.last_dep)].end_ms : 0.0;
+    };
+    size_t done = 0;
+    size_t produced = 0;
+    for (size_t l = 0; l < n; ++l) {
+      const double t = r.layer_fwd_end_ms[l];
+      while (done < order.size() && tk[static_cast<size_t>(order[done])].end_ms <= t) ++done;
+      while (produced < order.size() &&
+             produced_at(tk[static_cast<size_t>(order[produced])]) <= t + 1e-9)
+        ++produced;
+      double pending = 0.0;
+      if (produced > done) {
+        pending = prefix[produced] - prefix[done];
+        const Task& c = tk[static_cast<size_t>(order[done])];
+        if (c.start_ms < t) pending -= c.work * (t - c.start_ms) / (c.end_ms - c.start_ms);
       }
+      s.backlog_bytes[l] = static_cast<int64_t>(pending);
     }
-    s.backlog_bytes[l] = static_cast<int64_t>(pending);
   }
   // A layer whose copies end after the next layer's forward: the queue carries over and
   // grows; the first such layer names the snowball.
