@@ -270,6 +270,42 @@ TEST(Cli, UnwritableJsonPathIsAnError) {
   EXPECT_FALSE(std::filesystem::exists(out));
 }
 
+TEST(Cli, SimulateWritesReportTracePlotAndSummary) {
+  TempDir dir;
+  const std::string trace = dir.file("step.json");
+  const std::string plot = dir.file("step.svg");
+  const std::string summary = dir.file("summary.json");
+  const CliRun r =
+      run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --seq-len 4096 --ep 8 "
+          "--strategy offload --trace '" +
+          trace + "' --plot '" + plot + "' --json '" + summary + "'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "step time")) << r.out;
+  EXPECT_TRUE(contains(r.out, "SNOWBALL")) << r.out;
+  const Json t = Json::parse(read_file(trace));
+  EXPECT_GT(t["traceEvents"].size(), 100u);
+  const Json s = Json::parse(read_file(summary));
+  EXPECT_TRUE(s["snowball"].get<bool>());
+  EXPECT_EQ(s["snowball_first_layer"], 0);
+  EXPECT_TRUE(contains(read_file(plot), "</svg>"));
+
+  // A plan JSON replays the same; bad options are usage or input errors.
+  const std::string plan = dir.file("plan.json");
+  ASSERT_EQ(
+      run("plan --model Llama-3.1-8B --hardware gh200 --dp 8 --quiet --json '" + plan + "'").code,
+      0);
+  const CliRun p = run("simulate --plan '" + plan + "' --json -", "2>/dev/null");
+  ASSERT_EQ(p.code, 0) << p.out;
+  EXPECT_FALSE(Json::parse(p.out)["snowball"].get<bool>());
+  EXPECT_EQ(run("simulate --scenario bogus").code, 2);
+  const CliRun g = run("simulate --gpus 3 --gpus-per-link 2");
+  EXPECT_EQ(g.code, 1) << g.out;
+  EXPECT_TRUE(contains(g.out, "--gpus-per-link")) << g.out;
+  const CliRun m = run("simulate --plan '" + dir.file("missing.json") + "'");
+  EXPECT_EQ(m.code, 1) << m.out;
+  EXPECT_TRUE(contains(m.out, "missing.json")) << m.out;
+}
+
 TEST(Cli, ModelFromAConfigFile) {
   TempDir dir;
   const std::string cfg = dir.write("tiny/config.json", R"({

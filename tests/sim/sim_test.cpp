@@ -1,17 +1,18 @@
 // Simulator tests: agreement with the planner, conservation and ordering invariants,
 // link sharing, back-pressure, memory, and the trace/summary formats.
+#include "spillway/sim.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <cmath>
 #include <random>
 
 #include "plan/plan_helpers.hpp"
 #include "test_support.hpp"
-#include "spillway/sim.hpp"
 
 namespace spillway {
 namespace {
@@ -32,19 +33,21 @@ TEST(SimAgreement, SnowballIffPlannerWindowMissedAndStepTimesAgree) {
   std::cout << "seed " << seed << "\n";
   std::mt19937 rng(seed);
   const std::vector<std::string> models = {"Qwen3-30B-A3B", "Llama-3.1-8B", "Mixtral-8x7B",
-                                           "GPT-OSS-20B", "Qwen3-14B", "DeepSeek-V3"};
+                                           "GPT-OSS-20B",   "Qwen3-14B",    "DeepSeek-V3"};
   const std::vector<std::string> hws = {"gh200", "gb200", "h100-pcie", "h100-sxm"};
   // Named offload strategies snowball on slow links; auto/selective/hybrid adapt to them.
-  const std::vector<Strategy> strategies = {Strategy::kOffload, Strategy::kOffload, Strategy::kHybrid,
-                                            Strategy::kSelective, Strategy::kAuto};
+  const std::vector<Strategy> strategies = {Strategy::kOffload, Strategy::kOffload,
+                                            Strategy::kHybrid, Strategy::kSelective,
+                                            Strategy::kAuto};
   std::uniform_real_distribution<double> log_bw(std::log(1.0), std::log(400.0));
   auto bw = [&](std::mt19937& g) { return std::exp(log_bw(g)); };
   int snowballs = 0;
   int clean = 0;
   for (int i = 0; i < 80; ++i) {
     const std::string m = models[rng() % models.size()];
-    PlanRequest r = generous(request(m, hws[rng() % hws.size()], 1 + rng() % 2,
-                                     int64_t{1024} << (rng() % 4), strategies[rng() % strategies.size()]));
+    PlanRequest r =
+        generous(request(m, hws[rng() % hws.size()], 1 + rng() % 2, int64_t{1024} << (rng() % 4),
+                         strategies[rng() % strategies.size()]));
     if (m == "DeepSeek-V3") {
       r.work.shape.ep = 32;
       r.work.pp = 4;
@@ -60,7 +63,9 @@ TEST(SimAgreement, SnowballIffPlannerWindowMissedAndStepTimesAgree) {
     bool borderline = false;
     for (const LayerPlan& l : plan.layers) {
       planner |= l.snowball;
-      if (l.offload_bytes > 0 && std::abs(l.late_ms) < 1e-6 * std::max(1.0, l.window_ms) && l.snowball) borderline = true;
+      if (l.offload_bytes > 0 && std::abs(l.late_ms) < 1e-6 * std::max(1.0, l.window_ms) &&
+          l.snowball)
+        borderline = true;
     }
     if (borderline) continue;
     EXPECT_EQ(sim.summary.snowball, planner);
@@ -109,11 +114,14 @@ TEST(SimInvariants, ConservationOrderingAndBusyTime) {
     }
     // No resource runs two tasks at once; busy time <= makespan.
     for (auto& [key, tasks] : by_resource) {
-      std::sort(tasks.begin(), tasks.end(), [](auto* a, auto* b) { return a->start_ms < b->start_ms; });
+      std::sort(tasks.begin(), tasks.end(),
+                [](auto* a, auto* b) { return a->start_ms < b->start_ms; });
       double busy = 0.0;
       for (size_t i = 0; i < tasks.size(); ++i) {
         busy += tasks[i]->end_ms - tasks[i]->start_ms;
-        if (i > 0) EXPECT_GE(tasks[i]->start_ms, tasks[i - 1]->end_ms - 1e-9);
+        if (i > 0) {
+          EXPECT_GE(tasks[i]->start_ms, tasks[i - 1]->end_ms - 1e-9);
+        }
       }
       EXPECT_LE(busy, sim.summary.step_ms + 1e-9);
     }
@@ -131,12 +139,15 @@ TEST(SimInvariants, ConservationOrderingAndBusyTime) {
     // The memory curve never runs backwards in time, and its peak is what is reported.
     int64_t peak = 0;
     for (size_t i = 0; i < sim.memory.size(); ++i) {
-      if (i > 0) EXPECT_GE(sim.memory[i].t_ms, sim.memory[i - 1].t_ms);
+      if (i > 0) {
+        EXPECT_GE(sim.memory[i].t_ms, sim.memory[i - 1].t_ms);
+      }
       peak = std::max(peak, sim.memory[i].bytes);
     }
     EXPECT_EQ(peak, sim.summary.peak_hbm_bytes);
     // Split: compute + recompute + stall + idle covers GPU 0's step.
-    EXPECT_NEAR(sim.summary.compute_ms + sim.summary.recompute_ms + sim.summary.stall_ms + sim.summary.idle_ms,
+    EXPECT_NEAR(sim.summary.compute_ms + sim.summary.recompute_ms + sim.summary.stall_ms +
+                    sim.summary.idle_ms,
                 sim.summary.gpu_step_ms[0], 1e-6 * sim.summary.gpu_step_ms[0]);
   }
 }
@@ -177,7 +188,8 @@ TEST(SimLinks, SharedLinkTakesNTimesAsLongOneLinkEachDoesNot) {
     const SimResult p = simulate_weight_streaming(plan, r, separate);
     EXPECT_NEAR(s.summary.step_ms, n * t1, 0.02 * n * t1) << n << " GPUs on one link";
     EXPECT_NEAR(p.summary.step_ms, t1, 0.02 * t1) << n << " GPUs, one link each";
-    EXPECT_NEAR(s.summary.link_h2d_gbps, plan.summary.h2d_gbps * plan.summary.gpus_per_link, 0.02 * s.summary.link_h2d_gbps);
+    EXPECT_NEAR(s.summary.link_h2d_gbps, plan.summary.h2d_gbps * plan.summary.gpus_per_link,
+                0.02 * s.summary.link_h2d_gbps);
   }
 }
 
@@ -218,8 +230,10 @@ TEST(SimBackPressure, InFlightBytesStayWithinTheBoundPlusOneTensor) {
   EXPECT_GE(sim.summary.step_ms, unbounded.summary.step_ms - 1e-6);
   // The backlog at every layer boundary respects the bound (plus the tensor in hand).
   for (int64_t b : sim.summary.backlog_bytes) EXPECT_LE(b, bound + largest);
-  const int64_t worst = *std::max_element(unbounded.summary.backlog_bytes.begin(), unbounded.summary.backlog_bytes.end());
-  EXPECT_GT(worst, bound + largest) << "the unbounded run must exceed the bound, or the test proves nothing";
+  const int64_t worst = *std::max_element(unbounded.summary.backlog_bytes.begin(),
+                                          unbounded.summary.backlog_bytes.end());
+  EXPECT_GT(worst, bound + largest)
+      << "the unbounded run must exceed the bound, or the test proves nothing";
 }
 
 TEST(SimHbm, SharingSlowsMemoryBoundWorkNeverSpeedsItUp) {
@@ -244,7 +258,8 @@ TEST(SimFormats, TraceIsChromeJsonWithRequiredFieldsOnEveryEvent) {
   ASSERT_TRUE(t.contains("traceEvents"));
   size_t complete = 0;
   for (const auto& e : t["traceEvents"]) {
-    for (const char* f : {"name", "ph", "ts", "pid", "tid"}) EXPECT_TRUE(e.contains(f)) << f << " in " << e.dump();
+    for (const char* f : {"name", "ph", "ts", "pid", "tid"})
+      EXPECT_TRUE(e.contains(f)) << f << " in " << e.dump();
     if (e["ph"] == "X") {
       ++complete;
       EXPECT_TRUE(e.contains("dur"));
@@ -254,8 +269,8 @@ TEST(SimFormats, TraceIsChromeJsonWithRequiredFieldsOnEveryEvent) {
   }
   EXPECT_EQ(complete, sim.tasks.size());
   const nlohmann::json s = nlohmann::json::parse(sim_summary_json(sim));
-  for (const char* f : {"step_ms", "peak_hbm_bytes", "snowball", "snowball_first_layer", "backlog_bytes",
-                        "stall_ms", "link_gbps_achieved"}) {
+  for (const char* f : {"step_ms", "peak_hbm_bytes", "snowball", "snowball_first_layer",
+                        "backlog_bytes", "stall_ms", "link_gbps_achieved"}) {
     EXPECT_TRUE(s.contains(f)) << f;
   }
   EXPECT_EQ(s["backlog_bytes"].size(), sim.summary.backlog_bytes.size());
