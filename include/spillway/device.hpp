@@ -1,0 +1,107 @@
+// The device layer: one interface for every backend (ggml's backend interface is the
+// model: one line per member, optional members say so). The host backend emulates a GPU
+// (a capacity-limited "device" arena, streams as worker threads, throttled copies) so
+// every engine runs and is tested without one; the CUDA backend implements the same
+// interface over the CUDA runtime.
+//
+// Semantics (the CUDA ones, kept by every backend):
+//   - work on one stream runs in order; different streams run concurrently;
+//   - record(e, s): e completes when all work enqueued on s before the call has run;
+//     wait(s, e): work enqueued on s after the call runs only once e's latest record has
+//     completed (a never-recorded event is complete);
+//   - copy_async and host callbacks are stream work; the host returns at once;
+//   - allocate() failing for lack of memory is an expected outcome (a null pointer and
+//     the reason), never an exception; misuse (an unknown handle) throws spillway::Error;
+//   - free() is not stream-ordered: all work using the memory must be finished (wait on
+//     an event first);
+//   - a host callback must not call the Device (CUDA forbids CUDA calls there) and must
+//     not throw;
+//   - stream order and "returns at once" hold for device, pinned and mapped memory; a
+//     copy from or to pageable (kHost) memory may be synchronous on CUDA.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace spillway {
+
+enum class MemoryKind { kDevice = 0, kPinnedHost = 1, kMappedHost = 2, kHost = 3 };
+inline constexpr int kMemoryKinds = 4;
+std::string to_string(MemoryKind k);
+
+struct MemoryStats {
+  int64_t current[kMemoryKinds] = {};
+  int64_t peak[kMemoryKinds] = {};
+  int64_t allocations[kMemoryKinds] = {};  // successful allocate() calls, ever
+};
+
+struct AllocResult {
+  void* ptr = nullptr;  // null when the memory is not available
+  std::string reason;   // why not, e.g. "device arena: 2.1 GB requested, 0.4 GB free of 8.0 GB"
+  explicit operator bool() const { return ptr != nullptr; }
+};
+
+enum class StreamRole { kCompute, kD2H, kH2D };
+
+// Opaque handles: small integers owned by the device.
+struct Stream {
+  int id = -1;
+};
+struct Event {
+  int id = -1;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // "host (emulated device, 8.0 GB arena)" or "cuda:0 NVIDIA GH200 480GB".
+  virtual std::string name() const = 0;
+  // True for the host backend (device memory is host-addressable).
+  virtual bool emulated() const = 0;
+
+  // Memory of a kind; device memory comes from the device (arena or cudaMallocAsync),
+  // pinned host memory is page-locked (mapped: also addressable by the device).
+  virtual AllocResult allocate(size_t bytes, MemoryKind kind) = 0;
+  // Frees what allocate returned (null is a no-op).
+  virtual void free(void* ptr, MemoryKind kind) = 0;
+  // Current and peak bytes per kind, and the number of allocations.
+  virtual MemoryStats memory_stats() const = 0;
+
+  // A stream for a role (the copy directions get their own engines); priority: lower is
+  // more urgent (optional: backends without priorities ignore it).
+  virtual Stream create_stream(StreamRole role, int priority = 0) = 0;
+  virtual void destroy_stream(Stream s) = 0;
+
+  virtual Event create_event() = 0;
+  virtual void destroy_event(Event e) = 0;
+  virtual void record(Event e, Stream s) = 0;
+  virtual void wait(Stream s, Event e) = 0;
+  virtual bool query(Event e) = 0;
+  virtual void synchronize(Event e) = 0;
+  virtual void synchronize(Stream s) = 0;
+
+  // Copies `bytes` from src to dst in stream order; any direction (the pointers' kinds
+  // are the caller's business, as with cudaMemcpyAsync and cudaMemcpyDefault).
+  virtual void copy_async(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  // Runs fn on a host thread in stream order (the stream waits for it).
+  virtual void host_callback(Stream s, std::function<void()> fn) = 0;
+};
+
+struct HostDeviceOptions {
+  int64_t device_bytes = int64_t{1} << 30;  // capacity of the emulated device memory
+  double d2h_gbps = 0.0;                    // throttle of device->host copies (0 = none)
+  double h2d_gbps = 0.0;                    // throttle of host->device copies (0 = none)
+};
+
+// The emulated device. Throws spillway::Error when the arena cannot be reserved.
+std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options);
+
+// The CUDA device `ordinal`, or null with `why` set when the backend is not compiled or
+// no such device exists (an expected outcome: tests skip on it).
+std::unique_ptr<Device> make_cuda_device(int ordinal, std::string* why);
+
+}  // namespace spillway

@@ -1,0 +1,63 @@
+// The link probe: host<->device copy bandwidth of the backend at hand, per transfer size,
+// from pinned and from pageable host memory, in each direction (the health check to run
+// before a job), beside what a hardware profile expects of the link.
+//
+// Invariants: every size is verified (a pattern round-trips host -> device -> host bit
+// for bit) before it is timed, and a mismatch throws spillway::Error; a size that does
+// not fit the device is skipped and recorded, never thrown; everything allocated is
+// freed on every path; the run stays within about seconds_budget (large sizes get fewer
+// repeats, never fewer than one).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "spillway/device.hpp"
+#include "spillway/hardware.hpp"
+
+namespace spillway {
+
+struct ProbeOptions {
+  std::vector<size_t> sizes = {size_t{64} << 10, size_t{1} << 20, size_t{16} << 20,
+                               size_t{256} << 20};  // bytes per copy
+  int repeats = 5;             // timed copies per point (fewer when the budget is short)
+  bool pageable = true;        // also measure pageable host memory (pinned always)
+  double seconds_budget = 10;  // rough bound on the whole run's wall time
+};
+
+struct ProbePoint {
+  std::string direction;     // "H2D" or "D2H"
+  std::string host_memory;   // "pinned" or "pageable"
+  size_t bytes = 0;          // per copy
+  double gbps_median = 0.0;  // 1 GB/s = 1e9 bytes/s, enqueue to stream synchronize
+  double gbps_best = 0.0;
+  int repeats = 0;  // timed copies (after one warm-up)
+};
+
+// A size (or one host memory kind of it) that could not be measured.
+struct ProbeSkip {
+  size_t bytes = 0;
+  std::string host_memory;  // "pinned" / "pageable", or "" when the device buffer failed
+  std::string reason;       // the allocator's reason
+};
+
+struct ProbeResult {
+  std::string backend;  // Device::name()
+  bool emulated = false;
+  std::vector<ProbePoint> points;  // by size, then host memory, then direction
+  std::vector<ProbeSkip> skipped;
+  std::vector<std::string> notes;  // e.g. a pinned request served by pageable memory
+};
+
+// Measures `dev`. Throws spillway::Error on bad options or when copied bytes differ.
+ProbeResult run_probe(Device& dev, const ProbeOptions& options);
+
+// A table per size and direction: pinned and pageable GB/s (median, best), and when
+// `expected` is given its typical and nominal figures and measured/typical.
+std::string format_probe_report(const ProbeResult& result, const HardwareProfile* expected);
+
+// JSON, schema "spillway.probe/1".
+std::string probe_json(const ProbeResult& result);
+
+}  // namespace spillway

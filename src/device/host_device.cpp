@@ -1,0 +1,399 @@
+// The host backend: an emulated device that moves real bytes with CUDA's ordering rules.
+//
+// - Device memory is one arena of fixed capacity (an HBM budget, enforced and measured).
+// - Each stream is a worker thread running its queue in order; copies on a D2H or H2D
+//   stream may be throttled to a bandwidth: a copy of n bytes takes at least n / B of wall
+//   time (the memcpy, then a sleep until the deadline), so link ratios of real hardware
+//   can be reproduced.
+// - Events are real synchronization objects: record(e, s) bumps e's target and enqueues
+//   "complete up to target" on s; wait(s, e) enqueues "block until e reaches the target it
+//   had when wait was called"; a never-recorded event is complete.
+// Note [Host stream ops]: an op is a small struct (copy, record, wait, callback), so
+// enqueueing a copy allocates nothing but the queue's amortized growth.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "memory/arena.hpp"
+#include "spillway/device.hpp"
+#include "spillway/error.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway {
+
+std::string to_string(MemoryKind k) {
+  switch (k) {
+    case MemoryKind::kDevice:
+      return "device";
+    case MemoryKind::kPinnedHost:
+      return "pinned host";
+    case MemoryKind::kMappedHost:
+      return "mapped host";
+    case MemoryKind::kHost:
+      return "host";
+  }
+  return "device";
+}
+
+namespace {
+
+struct EventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;   // target of the latest record
+  uint64_t completed = 0;  // highest target reached
+};
+
+struct Op {
+  enum Kind { kCopy, kRecord, kWait, kCallback } kind = kCopy;
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t bytes = 0;
+  std::shared_ptr<EventState> event;
+  uint64_t target = 0;
+  std::function<void()> fn;
+};
+
+class HostStream {
+ public:
+  HostStream(StreamRole role, double gbps) : role_(role), gbps_(gbps), worker_([this] { run(); }) {}
+  ~HostStream() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  HostStream(const HostStream&) = delete;
+  HostStream& operator=(const HostStream&) = delete;
+
+  void push(Op op) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(op));
+      ++enqueued_;
+    }
+    cv_.notify_all();
+  }
+
+  void synchronize() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = enqueued_;
+    done_cv_.wait(lock, [&] { return done_ >= target; });
+  }
+
+  StreamRole role() const { return role_; }
+
+ private:
+  void run() {
+    for (;;) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop requested and drained
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      execute(op);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++done_;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  void execute(Op& op) {
+    switch (op.kind) {
+      case Op::kCopy: {
+        const auto start = std::chrono::steady_clock::now();
+        if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
+        if (gbps_ > 0.0) {
+          const auto duration =
+              std::chrono::duration<double>(static_cast<double>(op.bytes) / (gbps_ * 1e9));
+          std::this_thread::sleep_until(
+              start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(duration));
+        }
+        break;
+      }
+      case Op::kRecord: {
+        {
+          std::lock_guard<std::mutex> lock(op.event->mu);
+          op.event->completed = std::max(op.event->completed, op.target);
+        }
+        op.event->cv.notify_all();
+        break;
+      }
+      case Op::kWait: {
+        std::unique_lock<std::mutex> lock(op.event->mu);
+        op.event->cv.wait(lock, [&] { return op.event->completed >= op.target; });
+        break;
+      }
+      case Op::kCallback:
+        op.fn();
+        break;
+    }
+  }
+
+  StreamRole role_;
+  double gbps_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable done_cv_;
+  std::deque<Op> queue_;
+  uint64_t enqueued_ = 0;
+  uint64_t done_ = 0;
+  bool stop_ = false;
+  std::thread worker_;  // last: starts after the members it uses
+};
+
+class HostDevice final : public Device {
+ public:
+  explicit HostDevice(const HostDeviceOptions& o)
+      : options_(o), arena_(static_cast<size_t>(std::max<int64_t>(o.device_bytes, 0))) {
+    if (o.device_bytes <= 0)
+      SPILLWAY_INPUT_ERROR("--device-memory is {} bytes; must be > 0", o.device_bytes);
+    if (o.d2h_gbps < 0.0 || o.h2d_gbps < 0.0)
+      SPILLWAY_INPUT_ERROR("a copy throttle must be >= 0 GB/s");
+    base_ = static_cast<std::byte*>(std::aligned_alloc(Arena::kAlignment, arena_.capacity()));
+    if (base_ == nullptr) {
+      SPILLWAY_INPUT_ERROR("host device: cannot reserve the {} device arena in host memory",
+                           to_string(Bytes(static_cast<int64_t>(arena_.capacity()))));
+    }
+  }
+  ~HostDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(table_mu_);
+      streams_.clear();  // joins the workers
+    }
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    for (auto& [ptr, a] : host_allocs_) std::free(ptr);
+    std::free(base_);
+  }
+
+  std::string name() const override {
+    return "host (emulated device, " + to_string(Bytes(static_cast<int64_t>(arena_.capacity()))) +
+           " arena)";
+  }
+  bool emulated() const override { return true; }
+
+  AllocResult allocate(size_t bytes, MemoryKind kind) override {
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    AllocResult r;
+    if (kind == MemoryKind::kDevice) {
+      const std::optional<size_t> off = arena_.allocate(bytes);
+      if (!off) {
+        r.reason = "device arena: " + to_string(Bytes(static_cast<int64_t>(bytes))) +
+                   " requested, " +
+                   to_string(Bytes(static_cast<int64_t>(arena_.capacity() - arena_.used()))) +
+                   " free of " + to_string(Bytes(static_cast<int64_t>(arena_.capacity()))) +
+                   " (largest free block " +
+                   to_string(Bytes(static_cast<int64_t>(arena_.largest_free()))) + ")";
+        return r;
+      }
+      r.ptr = base_ + *off;
+      account(kind, static_cast<int64_t>(arena_.block_size(*off)));
+      return r;
+    }
+    const size_t rounded = std::max<size_t>((bytes + 4095) / 4096 * 4096, 4096);
+    r.ptr = std::aligned_alloc(4096, rounded);
+    if (r.ptr == nullptr) {
+      r.reason = to_string(kind) + " memory: " + to_string(Bytes(static_cast<int64_t>(bytes))) +
+                 " not available";
+      return r;
+    }
+    host_allocs_.emplace(r.ptr, std::make_pair(kind, rounded));
+    account(kind, static_cast<int64_t>(rounded));
+    return r;
+  }
+
+  void free(void* ptr, MemoryKind kind) override {
+    if (ptr == nullptr) return;
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    if (kind == MemoryKind::kDevice) {
+      auto* p = static_cast<std::byte*>(ptr);
+      SPILLWAY_CHECK(p >= base_ && p < base_ + arena_.capacity(), "free: {} is not device memory",
+                     ptr);
+      const size_t off = static_cast<size_t>(p - base_);
+      const size_t size = arena_.block_size(off);
+      SPILLWAY_CHECK(size > 0, "free: device pointer {} is not allocated", ptr);
+      arena_.free(off);
+      stats_.current[0] -= static_cast<int64_t>(size);
+      return;
+    }
+    auto it = host_allocs_.find(ptr);
+    SPILLWAY_CHECK(it != host_allocs_.end() && it->second.first == kind,
+                   "free: {} is not {} memory", ptr, to_string(kind));
+    stats_.current[static_cast<int>(kind)] -= static_cast<int64_t>(it->second.second);
+    std::free(ptr);
+    host_allocs_.erase(it);
+  }
+
+  MemoryStats memory_stats() const override {
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    return stats_;
+  }
+
+  Stream create_stream(StreamRole role, int /*priority*/) override {
+    const double gbps = role == StreamRole::kD2H   ? options_.d2h_gbps
+                        : role == StreamRole::kH2D ? options_.h2d_gbps
+                                                   : 0.0;
+    std::lock_guard<std::mutex> lock(table_mu_);
+    auto s = std::make_shared<HostStream>(role, gbps);
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (!streams_[i]) {
+        streams_[i] = std::move(s);
+        return Stream{static_cast<int>(i)};
+      }
+    }
+    streams_.push_back(std::move(s));
+    return Stream{static_cast<int>(streams_.size() - 1)};
+  }
+
+  void destroy_stream(Stream s) override {
+    std::shared_ptr<HostStream> victim;
+    {
+      std::lock_guard<std::mutex> lock(table_mu_);
+      victim = std::move(slot(s));
+    }
+    victim->synchronize();  // like cudaStreamDestroy: pending work completes
+  }
+
+  Event create_event() override {
+    std::lock_guard<std::mutex> lock(table_mu_);
+    auto e = std::make_shared<EventState>();
+    for (size_t i = 0; i < events_.size(); ++i) {
+      if (!events_[i]) {
+        events_[i] = std::move(e);
+        return Event{static_cast<int>(i)};
+      }
+    }
+    events_.push_back(std::move(e));
+    return Event{static_cast<int>(events_.size() - 1)};
+  }
+
+  void destroy_event(Event e) override {
+    std::lock_guard<std::mutex> lock(table_mu_);
+    event_slot(e).reset();  // pending ops keep their shared state alive
+  }
+
+  void record(Event e, Stream s) override {
+    auto ev = event(e);
+    Op op;
+    op.kind = Op::kRecord;
+    {
+      std::lock_guard<std::mutex> lock(ev->mu);
+      op.target = ++ev->recorded;
+    }
+    op.event = std::move(ev);
+    stream(s)->push(std::move(op));
+  }
+
+  void wait(Stream s, Event e) override {
+    auto ev = event(e);
+    Op op;
+    op.kind = Op::kWait;
+    {
+      std::lock_guard<std::mutex> lock(ev->mu);
+      op.target = ev->recorded;
+    }
+    if (op.target == 0) return;  // never recorded: complete
+    op.event = std::move(ev);
+    stream(s)->push(std::move(op));
+  }
+
+  bool query(Event e) override {
+    auto ev = event(e);
+    std::lock_guard<std::mutex> lock(ev->mu);
+    return ev->completed >= ev->recorded;
+  }
+
+  void synchronize(Event e) override {
+    auto ev = event(e);
+    std::unique_lock<std::mutex> lock(ev->mu);
+    const uint64_t target = ev->recorded;
+    ev->cv.wait(lock, [&] { return ev->completed >= target; });
+  }
+
+  void synchronize(Stream s) override { stream(s)->synchronize(); }
+
+  void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
+    SPILLWAY_CHECK(bytes == 0 || (dst != nullptr && src != nullptr),
+                   "copy_async: null pointer for {} bytes", bytes);
+    Op op;
+    op.kind = Op::kCopy;
+    op.dst = dst;
+    op.src = src;
+    op.bytes = bytes;
+    stream(s)->push(std::move(op));
+  }
+
+  void host_callback(Stream s, std::function<void()> fn) override {
+    Op op;
+    op.kind = Op::kCallback;
+    op.fn = std::move(fn);
+    stream(s)->push(std::move(op));
+  }
+
+ private:
+  void account(MemoryKind kind, int64_t bytes) {
+    const int k = static_cast<int>(kind);
+    stats_.current[k] += bytes;
+    stats_.peak[k] = std::max(stats_.peak[k], stats_.current[k]);
+    ++stats_.allocations[k];
+  }
+  std::shared_ptr<HostStream>& slot(Stream s) {
+    SPILLWAY_CHECK(s.id >= 0 && static_cast<size_t>(s.id) < streams_.size() &&
+                       streams_[static_cast<size_t>(s.id)],
+                   "unknown or destroyed stream {}", s.id);
+    return streams_[static_cast<size_t>(s.id)];
+  }
+  std::shared_ptr<EventState>& event_slot(Event e) {
+    SPILLWAY_CHECK(e.id >= 0 && static_cast<size_t>(e.id) < events_.size() &&
+                       events_[static_cast<size_t>(e.id)],
+                   "unknown or destroyed event {}", e.id);
+    return events_[static_cast<size_t>(e.id)];
+  }
+  std::shared_ptr<HostStream> stream(Stream s) {
+    std::lock_guard<std::mutex> lock(table_mu_);
+    return slot(s);
+  }
+  std::shared_ptr<EventState> event(Event e) {
+    std::lock_guard<std::mutex> lock(table_mu_);
+    return event_slot(e);
+  }
+
+  HostDeviceOptions options_;
+  mutable std::mutex mem_mu_;
+  Arena arena_;
+  std::byte* base_ = nullptr;
+  std::unordered_map<void*, std::pair<MemoryKind, size_t>> host_allocs_;
+  MemoryStats stats_;
+  std::mutex table_mu_;
+  std::vector<std::shared_ptr<HostStream>> streams_;
+  std::vector<std::shared_ptr<EventState>> events_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options) {
+  return std::make_unique<HostDevice>(options);
+}
+
+#ifndef SPILLWAY_HAVE_CUDA
+std::unique_ptr<Device> make_cuda_device(int /*ordinal*/, std::string* why) {
+  if (why != nullptr) *why = "built without the CUDA backend (SPILLWAY_CUDA=OFF or no nvcc)";
+  return nullptr;
+}
+#endif
+
+}  // namespace spillway

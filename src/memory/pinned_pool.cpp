@@ -1,0 +1,94 @@
+// The pinned host pool (see pinned_pool.hpp).
+#include "memory/pinned_pool.hpp"
+
+#include <numa.h>
+#include <numaif.h>
+#include <sched.h>
+
+#include <algorithm>
+
+#include "spillway/error.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway {
+
+namespace {
+
+// Binds [p, p + bytes) to `node` when the machine has more than one NUMA node.
+bool bind_to_node(void* p, size_t bytes, int node) {
+  if (numa_available() < 0 || numa_num_configured_nodes() <= 1) return false;
+  if (node < 0) node = numa_node_of_cpu(sched_getcpu());
+  if (node < 0) return false;
+  numa_tonode_memory(p, bytes, node);
+  return true;
+}
+
+}  // namespace
+
+PinnedPool::PinnedPool(Device& device, const PinnedPoolOptions& o)
+    : device_(device), kind_(o.kind) {
+  if (o.bytes <= 0) SPILLWAY_INPUT_ERROR("pinned pool: size is {} bytes; must be > 0", o.bytes);
+  if (o.slabs < 1) SPILLWAY_INPUT_ERROR("pinned pool: {} slabs; must be >= 1", o.slabs);
+  const size_t per_slab =
+      (static_cast<size_t>(o.bytes) / static_cast<size_t>(o.slabs) + Arena::kAlignment - 1) /
+      Arena::kAlignment * Arena::kAlignment;
+  for (int i = 0; i < o.slabs; ++i) {
+    auto slab = std::make_unique<Slab>(per_slab);
+    const AllocResult a = device_.allocate(per_slab, kind_);
+    if (!a) {
+      for (auto& s : slabs_) device_.free(s->base, kind_);
+      SPILLWAY_INPUT_ERROR("pinned pool: cannot allocate slab {} of {} ({}): {}", i + 1, o.slabs,
+                           to_string(Bytes(static_cast<int64_t>(per_slab))), a.reason);
+    }
+    slab->base = a.ptr;
+    numa_bound_ = bind_to_node(a.ptr, per_slab, o.numa_node) || numa_bound_;
+    capacity_ += static_cast<int64_t>(slab->arena.capacity());
+    slabs_.push_back(std::move(slab));
+  }
+}
+
+PinnedPool::~PinnedPool() {
+  SPILLWAY_CHECK_WARN(used_ == 0, "pinned pool destroyed with {} bytes still acquired", used_);
+  for (auto& s : slabs_) device_.free(s->base, kind_);
+}
+
+PinnedBlock PinnedPool::acquire(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < slabs_.size(); ++i) {
+    Slab& s = *slabs_[i];
+    const std::optional<size_t> off = s.arena.allocate(bytes);
+    if (!off) continue;
+    used_ += static_cast<int64_t>(s.arena.block_size(*off));
+    peak_ = std::max(peak_, used_);
+    return PinnedBlock{static_cast<std::byte*>(s.base) + *off, bytes, static_cast<int>(i), *off};
+  }
+  ++failed_;
+  return PinnedBlock{};
+}
+
+void PinnedPool::release(const PinnedBlock& b) {
+  if (!b) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  SPILLWAY_CHECK(b.slab >= 0 && static_cast<size_t>(b.slab) < slabs_.size(),
+                 "pinned pool: block from slab {} is not ours", b.slab);
+  Slab& s = *slabs_[static_cast<size_t>(b.slab)];
+  used_ -= static_cast<int64_t>(s.arena.block_size(b.offset));
+  s.arena.free(b.offset);
+}
+
+int64_t PinnedPool::used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return used_;
+}
+
+int64_t PinnedPool::peak_used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+
+int64_t PinnedPool::failed_acquires() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_;
+}
+
+}  // namespace spillway

@@ -1,0 +1,74 @@
+// The pinned host pool: page-locked host memory allocated once, in a few large slabs,
+// and sub-allocated with no system call in steady state (DESIGN section 2: pageable
+// memory makes cudaMemcpyAsync synchronous, and pinning per tensor costs milliseconds).
+//
+// Thread-safe (one mutex around the slabs' arenas; the critical section is a map lookup).
+// Exhaustion is a value: acquire() returns an empty block and the caller applies
+// back-pressure (waits for releases) or falls back (e.g. recompute); it never crashes and
+// never drops data. When libnuma reports more than one node, the slabs are bound to the
+// requested node (the GPU's), else to the node of the calling thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "memory/arena.hpp"
+#include "spillway/device.hpp"
+
+namespace spillway {
+
+struct PinnedBlock {
+  void* ptr = nullptr;
+  size_t bytes = 0;  // as requested
+  int slab = -1;
+  size_t offset = 0;
+  explicit operator bool() const { return ptr != nullptr; }
+};
+
+struct PinnedPoolOptions {
+  int64_t bytes = int64_t{1} << 30;  // total capacity
+  int slabs = 4;                     // allocated up front
+  MemoryKind kind = MemoryKind::kPinnedHost;
+  int numa_node = -1;  // -1: the calling thread's node (only with > 1 node)
+};
+
+class PinnedPool {
+ public:
+  // Allocates every slab now; throws spillway::Error naming the size when the device
+  // cannot provide them.
+  PinnedPool(Device& device, const PinnedPoolOptions& options);
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  // A block of `bytes`, or an empty block when no slab has room right now.
+  PinnedBlock acquire(size_t bytes);
+  void release(const PinnedBlock& block);
+
+  int64_t capacity() const { return capacity_; }
+  int64_t used() const;
+  int64_t peak_used() const;
+  int64_t failed_acquires() const;
+  bool numa_bound() const { return numa_bound_; }
+
+ private:
+  struct Slab {
+    void* base = nullptr;
+    Arena arena;
+    explicit Slab(size_t bytes) : arena(bytes) {}
+  };
+  Device& device_;
+  MemoryKind kind_;
+  int64_t capacity_ = 0;
+  bool numa_bound_ = false;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<Slab>> slabs_;
+  int64_t used_ = 0;
+  int64_t peak_ = 0;
+  int64_t failed_ = 0;
+};
+
+}  // namespace spillway
