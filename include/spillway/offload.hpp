@@ -116,6 +116,8 @@ class OffloadEngine {
   StepTelemetry end_step();
 
   const OffloadPolicy& policy() const { return policy_; }
+  // D2H bytes issued and not yet known complete (as of the last engine call).
+  int64_t inflight_bytes() const;
   Stream d2h_stream() const;
   Stream h2d_stream() const;
 

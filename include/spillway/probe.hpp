@@ -2,6 +2,10 @@
 // from pinned and from pageable host memory, in each direction (the health check to run
 // before a job), beside what a hardware profile expects of the link.
 //
+// A sample is a few back-to-back copies timed from enqueue to stream synchronize (enough
+// to last about 2 ms), so that small sizes measure the link rather than the round trip of
+// one synchronize.
+//
 // Invariants: every size is verified (a pattern round-trips host -> device -> host bit
 // for bit) before it is timed, and a mismatch throws spillway::Error; a size that does
 // not fit the device is skipped and recorded, never thrown; everything allocated is
@@ -21,7 +25,7 @@ namespace spillway {
 struct ProbeOptions {
   std::vector<size_t> sizes = {size_t{64} << 10, size_t{1} << 20, size_t{16} << 20,
                                size_t{256} << 20};  // bytes per copy
-  int repeats = 5;             // timed copies per point (fewer when the budget is short)
+  int repeats = 5;             // timed samples per point (fewer when the budget is short)
   bool pageable = true;        // also measure pageable host memory (pinned always)
   double seconds_budget = 10;  // rough bound on the whole run's wall time
 };
@@ -30,9 +34,10 @@ struct ProbePoint {
   std::string direction;     // "H2D" or "D2H"
   std::string host_memory;   // "pinned" or "pageable"
   size_t bytes = 0;          // per copy
-  double gbps_median = 0.0;  // 1 GB/s = 1e9 bytes/s, enqueue to stream synchronize
+  double gbps_median = 0.0;  // 1 GB/s = 1e9 bytes/s, over samples of back-to-back copies
   double gbps_best = 0.0;
-  int repeats = 0;  // timed copies (after one warm-up)
+  int repeats = 0;            // timed samples (median and best are over these)
+  int copies_per_sample = 1;  // back-to-back copies in one sample (see probe.cpp)
 };
 
 // A size (or one host memory kind of it) that could not be measured.

@@ -1,11 +1,19 @@
 // The link probe (see include/spillway/probe.hpp): for each size, one device buffer; for
 // each host memory kind, one host buffer that first carries a pattern host -> device ->
-// host (poisoned in between, compared bit for bit), then is timed in each direction:
-// one warm-up copy, then `repeats` copies, each from enqueue to stream synchronize.
+// host (poisoned in between, compared bit for bit), then is timed in each direction.
 //
-// Note [Probe budget]: the warm-up copy's time predicts a copy's time; each point gets
-// its share of the time left (time left / points left, so what a small size does not
-// use passes to the large ones) and as many repeats as fit in it, at least one.
+// Note [Probe samples]: a sample is `copies` back-to-back copies of one size on one copy
+// stream, timed from the first enqueue to the stream's synchronize; its bandwidth is
+// copies * bytes / time. One copy per sample would measure the host <-> stream round trip
+// (about 0.1 ms on the host backend, 10 us on CUDA) as much as the link; so after one
+// warm-up copy, `copies` grows from 1 (at least doubling) until a sample lasts
+// kMinSampleS, and the samples of that calibration are discarded. Large sizes take one
+// copy per sample. A slow calibration sample (a busy host) only means fewer copies per
+// sample, never a wrong figure.
+//
+// Note [Probe budget]: each point gets its share of the time left (time left / points
+// left, so what a small size does not use passes to the large ones) and as many samples
+// as fit in it, at least one and at most `repeats`.
 #include "spillway/probe.hpp"
 
 #include <fmt/format.h>
@@ -38,21 +46,23 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Word i of the pattern of `seed` (inverted: its bitwise complement, the poison).
-uint64_t pattern_word(uint64_t seed, size_t i, bool inverted) {
-  const uint64_t w = splitmix64(seed ^ (static_cast<uint64_t>(i) * 0x2545f4914f6cdd1dULL));
-  return inverted ? ~w : w;
+// Word i of the pattern of `seed`: distinct for every word of a buffer (so a misplaced
+// or unwritten block is caught), cheap enough that verifying 256 MiB costs little more
+// than copying it. The poison is the complement: it differs from the pattern in every bit.
+uint64_t pattern_word(uint64_t seed, size_t i) {
+  return (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ULL) ^ seed;
 }
 
-void fill_pattern(void* ptr, size_t bytes, uint64_t seed, bool inverted) {
+void fill_pattern(void* ptr, size_t bytes, uint64_t seed, bool poison) {
   auto* p = static_cast<unsigned char*>(ptr);
+  const uint64_t flip = poison ? ~uint64_t{0} : 0;
   const size_t words = bytes / 8;
   for (size_t i = 0; i < words; ++i) {
-    const uint64_t w = pattern_word(seed, i, inverted);
+    const uint64_t w = pattern_word(seed, i) ^ flip;
     std::memcpy(p + i * 8, &w, 8);
   }
   if (bytes % 8 != 0) {
-    const uint64_t w = pattern_word(seed, words, inverted);
+    const uint64_t w = pattern_word(seed, words) ^ flip;
     std::memcpy(p + words * 8, &w, bytes % 8);
   }
 }
@@ -61,18 +71,24 @@ void fill_pattern(void* ptr, size_t bytes, uint64_t seed, bool inverted) {
 std::optional<size_t> first_mismatch(const void* ptr, size_t bytes, uint64_t seed) {
   const auto* p = static_cast<const unsigned char*>(ptr);
   const size_t words = bytes / 8;
-  for (size_t i = 0; i <= words; ++i) {
-    const size_t n = i < words ? 8 : bytes % 8;
-    if (n == 0) break;
-    const uint64_t w = pattern_word(seed, i, false);
-    if (std::memcmp(p + i * 8, &w, n) != 0) {
-      const auto* e = reinterpret_cast<const unsigned char*>(&w);
-      for (size_t b = 0; b < n; ++b) {
-        if (p[i * 8 + b] != e[b]) return i * 8 + b;
-      }
-    }
+  uint64_t diff = 0;  // branch-free scan of the whole words; located only on failure
+  for (size_t i = 0; i < words; ++i) {
+    uint64_t w = 0;
+    std::memcpy(&w, p + i * 8, 8);
+    diff |= w ^ pattern_word(seed, i);
   }
-  return std::nullopt;
+  uint64_t tail = 0;
+  if (bytes % 8 != 0) tail = pattern_word(seed, words);
+  const auto* tail_bytes = reinterpret_cast<const unsigned char*>(&tail);
+  bool tail_ok = true;
+  for (size_t b = 0; b < bytes % 8; ++b) tail_ok = tail_ok && p[words * 8 + b] == tail_bytes[b];
+  if (diff == 0 && tail_ok) return std::nullopt;
+  for (size_t i = 0; i < bytes; ++i) {
+    uint64_t w = pattern_word(seed, i / 8);
+    const auto* e = reinterpret_cast<const unsigned char*>(&w);
+    if (p[i] != e[i % 8]) return i;
+  }
+  return std::nullopt;  // unreachable: some byte differed
 }
 
 // "64 KiB", "256 MiB", "1000 B".
@@ -134,10 +150,13 @@ class StreamHandle {
   Stream stream_;
 };
 
-// One copy, enqueue to synchronize, in seconds.
-double timed_copy(Device& dev, void* dst, const void* src, size_t bytes, Stream s) {
+constexpr double kMinSampleS = 2e-3;  // Note [Probe samples]
+constexpr int kMaxCopiesPerSample = 4096;
+
+// `copies` copies, first enqueue to synchronize, in seconds.
+double timed_copies(Device& dev, void* dst, const void* src, size_t bytes, int copies, Stream s) {
   const auto t0 = Clock::now();
-  dev.copy_async(dst, src, bytes, s);
+  for (int i = 0; i < copies; ++i) dev.copy_async(dst, src, bytes, s);
   dev.synchronize(s);
   return seconds_since(t0);
 }
@@ -236,18 +255,29 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
         void* dst = to_device ? device.get() : host.get();
         const void* src = to_device ? host.get() : device.get();
         const Stream s = to_device ? h2d.get() : d2h.get();
-        const double warmup_s = timed_copy(dev, dst, src, bytes, s);
+        // Note [Probe samples].
+        timed_copies(dev, dst, src, bytes, 1, s);  // the warm-up: first-touch and wake-up costs
+        int copies = 1;
+        double sample_s = timed_copies(dev, dst, src, bytes, copies, s);
+        while (sample_s < kMinSampleS && copies < kMaxCopiesPerSample) {
+          const double grow =
+              std::clamp(sample_s > 0.0 ? 1.25 * kMinSampleS / sample_s : 16.0, 2.0, 16.0);
+          copies = static_cast<int>(
+              std::min(static_cast<double>(kMaxCopiesPerSample), std::ceil(copies * grow)));
+          sample_s = timed_copies(dev, dst, src, bytes, copies, s);
+        }
         // Note [Probe budget].
         const double left_s = options.seconds_budget - seconds_since(start);
         const double share_s = left_s / static_cast<double>(std::max<size_t>(points_left, 1));
-        const double fit =
-            warmup_s > 0.0 ? std::floor(share_s / warmup_s) : static_cast<double>(options.repeats);
+        const double fit = std::floor(share_s / std::max(sample_s, 1e-9));
         const int repeats =
             static_cast<int>(std::clamp(fit, 1.0, static_cast<double>(options.repeats)));
         std::vector<double> gbps;
         gbps.reserve(static_cast<size_t>(repeats));
-        for (int r = 0; r < repeats; ++r)
-          gbps.push_back(gbps_of(bytes, timed_copy(dev, dst, src, bytes, s)));
+        const size_t sample_bytes = bytes * static_cast<size_t>(copies);
+        for (int r = 0; r < repeats; ++r) {
+          gbps.push_back(gbps_of(sample_bytes, timed_copies(dev, dst, src, bytes, copies, s)));
+        }
         ProbePoint p;
         p.direction = direction;
         p.host_memory = hk.name;
@@ -255,6 +285,7 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
         p.gbps_median = median_of(gbps);
         p.gbps_best = *std::max_element(gbps.begin(), gbps.end());
         p.repeats = repeats;
+        p.copies_per_sample = copies;
         result.points.push_back(std::move(p));
         --points_left;
       }
@@ -264,8 +295,7 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
 }
 
 std::string format_probe_report(const ProbeResult& r, const HardwareProfile* expected) {
-  std::string out = fmt::format("spillway probe: {} ({})\n", r.backend,
-                                r.emulated ? "host backend" : "GPU backend");
+  std::string out = fmt::format("measured: {}\n", r.backend);
   if (r.emulated) {
     out +=
         "this is the host backend (no GPU): the figures are this machine's memcpy bandwidth "
@@ -289,8 +319,8 @@ std::string format_probe_report(const ProbeResult& r, const HardwareProfile* exp
     return p == nullptr ? std::string("-")
                         : fmt::format("{:.2f} ({:.2f})", p->gbps_median, p->gbps_best);
   };
-  out += fmt::format("{:>9}  {:<3}  {:>17}  {:>17}  {:>6}", "size", "dir", "pinned GB/s",
-                     "pageable GB/s", "copies");
+  out += fmt::format("{:>9}  {:<3}  {:>17}  {:>17}  {:>13}", "size", "dir", "pinned GB/s",
+                     "pageable GB/s", "samples");
   if (expected != nullptr) {
     out += fmt::format("  {:>7}  {:>7}  {:>14}", "typical", "nominal", "pinned/typical");
   }
@@ -300,14 +330,15 @@ std::string format_probe_report(const ProbeResult& r, const HardwareProfile* exp
       const ProbePoint* pinned = find_point(r, bytes, direction, "pinned");
       const ProbePoint* pageable = find_point(r, bytes, direction, "pageable");
       if (pinned == nullptr && pageable == nullptr) continue;
-      std::string copies;
-      if (pinned != nullptr && pageable != nullptr && pinned->repeats != pageable->repeats) {
-        copies = fmt::format("{}/{}", pinned->repeats, pageable->repeats);
-      } else {
-        copies = fmt::format("{}", pinned != nullptr ? pinned->repeats : pageable->repeats);
+      const auto samples = [](const ProbePoint* p) {
+        return fmt::format("{}x{}", p->repeats, p->copies_per_sample);
+      };
+      std::string sampled = samples(pinned != nullptr ? pinned : pageable);
+      if (pinned != nullptr && pageable != nullptr && samples(pinned) != samples(pageable)) {
+        sampled += "/" + samples(pageable);
       }
-      out += fmt::format("{:>9}  {:<3}  {:>17}  {:>17}  {:>6}", size_text(bytes), direction,
-                         cell(pinned), cell(pageable), copies);
+      out += fmt::format("{:>9}  {:<3}  {:>17}  {:>17}  {:>13}", size_text(bytes), direction,
+                         cell(pinned), cell(pageable), sampled);
       if (expected != nullptr) {
         const bool h2d = std::strcmp(direction, "H2D") == 0;
         const double typical = h2d ? expected->h2d_typical.value : expected->d2h_typical.value;
@@ -321,9 +352,10 @@ std::string format_probe_report(const ProbeResult& r, const HardwareProfile* exp
     }
   }
   out +=
-      "\nGB/s = 1e9 bytes/s: the median of the timed copies (the best in parentheses), each "
-      "timed from enqueue to stream synchronize after one warm-up copy; every size was "
-      "verified bit for bit before it was timed.\n";
+      "\nGB/s = 1e9 bytes/s, the median over samples (the best in parentheses); samples NxC: N "
+      "samples of C back-to-back copies, each timed from the first enqueue to stream "
+      "synchronize, after warm-up copies. Every size was verified bit for bit before it was "
+      "timed.\n";
   for (const ProbeSkip& s : r.skipped) {
     out += fmt::format("skipped {}{}: {}\n", size_text(s.bytes),
                        s.host_memory.empty() ? "" : " " + s.host_memory, s.reason);
@@ -345,7 +377,8 @@ std::string probe_json(const ProbeResult& r) {
                           {"bytes", p.bytes},
                           {"gbps_median", std::isfinite(p.gbps_median) ? p.gbps_median : 0.0},
                           {"gbps_best", std::isfinite(p.gbps_best) ? p.gbps_best : 0.0},
-                          {"repeats", p.repeats}});
+                          {"repeats", p.repeats},
+                          {"copies_per_sample", p.copies_per_sample}});
   }
   j["points"] = std::move(points);
   Json skipped = Json::array();

@@ -1,0 +1,513 @@
+// The activation offload engine (see include/spillway/offload.hpp for its guarantees).
+//
+// Note [Offload lifecycle]: a tensor's slot lives for one step.
+//   forward   offload(): event P on compute, D2H waits on P, copy device -> pinned, event
+//             D on D2H. poll(): when D completes, the device block returns to the pool.
+//   backward  issue_reload(): H2D waits on D, copy pinned -> device block, event H on H2D;
+//             poll(): when H completes, the pinned block returns to the pool. reload():
+//             compute waits on H, the caller owns the device block, free() gives it back
+//             once compute reaches that point (an event, polled).
+// Everything is polled on the calling thread: host callbacks only record timestamps and
+// checksums, never call the Device (CUDA forbids it). Slots, events and the pending
+// lists are sized at construction: no allocation per tensor in steady state.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+
+#include "memory/pinned_pool.hpp"
+#include "spillway/error.hpp"
+#include "spillway/offload.hpp"
+
+namespace spillway {
+
+bool OffloadPolicy::wants(int layer, std::string_view name) const {
+  if (layer < 0 || static_cast<size_t>(layer) >= layers.size()) return false;
+  const auto& names = layers[static_cast<size_t>(layer)];
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+OffloadPolicy OffloadPolicy::from_plan(const Plan& plan, int prefetch_depth) {
+  OffloadPolicy p;
+  p.prefetch_depth = prefetch_depth;
+  for (const LayerPlan& l : plan.layers) {
+    std::vector<std::string> names;
+    for (const TensorPlan& t : l.tensors) {
+      if (t.action == Action::kOffload) names.push_back(t.name);
+    }
+    p.layers.push_back(std::move(names));
+  }
+  return p;
+}
+
+OffloadPolicy OffloadPolicy::uniform(int layers, std::vector<std::string> names, int keep_last) {
+  OffloadPolicy p;
+  p.layers.resize(static_cast<size_t>(std::max(layers, 0)));
+  for (int l = 0; l + keep_last < layers; ++l) p.layers[static_cast<size_t>(l)] = names;
+  return p;
+}
+
+namespace {
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+uint64_t checksum(const void* p, size_t n) {  // FNV-1a over 8-byte words, then the tail
+  const auto* b = static_cast<const unsigned char*>(p);
+  uint64_t h = 1469598103934665603ULL;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, b + i, 8);
+    h = (h ^ w) * 1099511628211ULL;
+  }
+  for (; i < n; ++i) h = (h ^ b[i]) * 1099511628211ULL;
+  return h;
+}
+
+}  // namespace
+
+struct OffloadEngine::Impl {
+  struct Slot {
+    int layer = -1;
+    std::string name;
+    size_t bytes = 0;
+    DeviceTensor device;  // forward copy, until its D2H is done
+    PinnedBlock pinned;
+    bool kept = false;  // pinned pool full: stayed on the device
+    Event d2h_done{-1};
+    Event h2d_done{-1};
+    bool device_released = false;
+    bool reload_issued = false;
+    bool reload_taken = false;
+    bool pinned_released = false;
+    DeviceTensor reloaded;
+    // written by host callbacks on the copy streams, read after a synchronize
+    uint64_t sum = 0;
+    double d2h_start = 0, d2h_end = 0, h2d_start = 0, h2d_end = 0, compute_reached = 0;
+  };
+
+  Device& dev;
+  Stream compute;
+  Stream d2h;
+  Stream h2d;
+  OffloadOptions opt;
+  PinnedPool pinned;
+  PinnedPool device_pool;
+  std::vector<Slot> slots;
+  size_t slots_used = 0;
+  std::vector<Event> free_events;
+  std::vector<int> d2h_pending;  // slots whose device block is not yet released (FIFO)
+  size_t d2h_head = 0;
+  std::vector<int> h2d_pending;  // slots whose pinned block is not yet released
+  struct Deferred {
+    DeviceTensor t;
+    Event e;
+  };
+  std::vector<Deferred> deferred;  // frees waiting for the compute stream
+  std::vector<std::vector<int>> layer_slots;
+  int64_t inflight = 0;
+  std::atomic<int> verify_failures{0};
+  std::atomic<int> verify_first_slot{-1};
+  StepTelemetry tel;
+  int64_t allocations_at_begin = 0;
+  bool in_step = false;
+
+  Impl(Device& device, Stream compute_stream, const OffloadPolicy& policy, const OffloadOptions& o)
+      : dev(device),
+        compute(compute_stream),
+        d2h(device.create_stream(StreamRole::kD2H)),
+        h2d(device.create_stream(StreamRole::kH2D)),
+        opt(o),
+        pinned(device,
+               PinnedPoolOptions{o.pinned_bytes, o.pinned_slabs, MemoryKind::kPinnedHost, -1}),
+        device_pool(device, PinnedPoolOptions{o.device_pool_bytes, 1, MemoryKind::kDevice, -1}) {
+    if (o.max_tensors < 1)
+      SPILLWAY_INPUT_ERROR("offload: max_tensors is {}; must be >= 1", o.max_tensors);
+    if (o.inflight_bound_bytes < 0)
+      SPILLWAY_INPUT_ERROR("offload: the in-flight bound is {} bytes; must be >= 0",
+                           o.inflight_bound_bytes);
+    const size_t n = static_cast<size_t>(o.max_tensors);
+    slots.resize(n);
+    for (Slot& s : slots) s.name.reserve(32);
+    // Two events per slot plus one per deferred free.
+    free_events.reserve(3 * n);
+    for (size_t i = 0; i < 3 * n; ++i) free_events.push_back(dev.create_event());
+    d2h_pending.reserve(n);
+    h2d_pending.reserve(n);
+    deferred.reserve(n);
+    layer_slots.resize(policy.layers.size());
+    for (auto& v : layer_slots) v.reserve(16);
+    tel.layers.reserve(policy.layers.size());
+  }
+
+  ~Impl() {
+    dev.synchronize(compute);
+    dev.synchronize(d2h);
+    dev.synchronize(h2d);
+    poll();
+    for (Deferred& d : deferred) release_device(d.t);
+    for (size_t i = 0; i < slots_used; ++i) release_slot(slots[i]);
+    for (Event e : free_events) dev.destroy_event(e);
+    dev.destroy_stream(d2h);
+    dev.destroy_stream(h2d);
+  }
+
+  Event take_event() {
+    SPILLWAY_CHECK(!free_events.empty(),
+                   "offload: out of events (raise OffloadOptions::max_tensors)");
+    const Event e = free_events.back();
+    free_events.pop_back();
+    return e;
+  }
+  void give_event(Event& e) {
+    if (e.id >= 0) free_events.push_back(e);
+    e = Event{-1};
+  }
+
+  void release_device(DeviceTensor& t) {
+    if (!t) return;
+    if (t.direct) {
+      dev.free(t.ptr, MemoryKind::kDevice);
+    } else {
+      device_pool.release(PinnedBlock{t.ptr, t.bytes, t.block_slab, t.block_offset});
+    }
+    t = DeviceTensor{};
+  }
+
+  void release_slot(Slot& s) {
+    release_device(s.device);
+    if (s.pinned) pinned.release(s.pinned);
+    s.pinned = PinnedBlock{};
+    give_event(s.d2h_done);
+    give_event(s.h2d_done);
+  }
+
+  // Releases whatever finished: device blocks of completed offloads, pinned blocks of
+  // completed reloads, deferred frees the compute stream has passed.
+  void poll() {
+    while (d2h_head < d2h_pending.size()) {
+      Slot& s = slots[static_cast<size_t>(d2h_pending[d2h_head])];
+      if (!dev.query(s.d2h_done)) break;  // FIFO: later ones cannot be done before
+      inflight -= static_cast<int64_t>(s.bytes);
+      release_device(s.device);
+      s.device_released = true;
+      ++d2h_head;
+    }
+    for (size_t i = 0; i < h2d_pending.size();) {
+      Slot& s = slots[static_cast<size_t>(h2d_pending[i])];
+      if (dev.query(s.h2d_done)) {
+        pinned.release(s.pinned);
+        s.pinned = PinnedBlock{};
+        s.pinned_released = true;
+        h2d_pending[i] = h2d_pending.back();
+        h2d_pending.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    for (size_t i = 0; i < deferred.size();) {
+      if (dev.query(deferred[i].e)) {
+        release_device(deferred[i].t);
+        give_event(deferred[i].e);
+        deferred[i] = deferred.back();
+        deferred.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  DeviceTensor device_block(size_t bytes) {
+    for (;;) {
+      const PinnedBlock b = device_pool.acquire(bytes);
+      if (b) return DeviceTensor{b.ptr, bytes, b.slab, b.offset, false};
+      poll();
+      const PinnedBlock again = device_pool.acquire(bytes);
+      if (again) return DeviceTensor{again.ptr, bytes, again.slab, again.offset, false};
+      // Back-pressure: wait for the oldest pending release, if any.
+      if (!deferred.empty()) {
+        dev.synchronize(deferred.front().e);
+        continue;
+      }
+      if (d2h_head < d2h_pending.size()) {
+        dev.synchronize(slots[static_cast<size_t>(d2h_pending[d2h_head])].d2h_done);
+        continue;
+      }
+      // Fallback: a direct allocation (counted); out of device memory is an error.
+      const AllocResult a = dev.allocate(bytes, MemoryKind::kDevice);
+      if (!a) SPILLWAY_INPUT_ERROR("offload: the device pool is full and {}", a.reason);
+      ++tel.fallback_direct;
+      return DeviceTensor{a.ptr, bytes, -1, 0, true};
+    }
+  }
+
+  Slot& new_slot(int layer, std::string_view name, size_t bytes) {
+    if (slots_used >= slots.size()) {
+      SPILLWAY_INPUT_ERROR("offload: more than {} tensors offloaded in one step; raise max_tensors",
+                           slots.size());
+    }
+    const int id = static_cast<int>(slots_used++);
+    Slot& s = slots[static_cast<size_t>(id)];
+    std::string keep_name = std::move(s.name);  // keeps its capacity: no allocation
+    s = Slot{};
+    s.name = std::move(keep_name);
+    s.layer = layer;
+    s.name.assign(name.data(), name.size());
+    s.bytes = bytes;
+    if (layer >= 0 && static_cast<size_t>(layer) < layer_slots.size())
+      layer_slots[static_cast<size_t>(layer)].push_back(id);
+    return s;
+  }
+
+  void issue_reload(int id) {
+    Slot& s = slots[static_cast<size_t>(id)];
+    if (s.kept || s.reload_issued) return;
+    s.reload_issued = true;
+    s.reloaded = device_block(s.bytes);
+    s.h2d_done = take_event();
+    dev.wait(h2d, s.d2h_done);  // never before the offload finished
+    Slot* sp = &s;
+    if (opt.verify) {
+      dev.host_callback(h2d, [this, sp, id] {
+        if (checksum(sp->pinned.ptr, sp->bytes) != sp->sum) {
+          int expected = -1;
+          verify_first_slot.compare_exchange_strong(expected, id);
+          ++verify_failures;
+        }
+      });
+    }
+    dev.host_callback(h2d, [sp] { sp->h2d_start = now_ms(); });
+    dev.copy_async(s.reloaded.ptr, s.pinned.ptr, s.bytes, h2d);
+    dev.host_callback(h2d, [sp] { sp->h2d_end = now_ms(); });
+    dev.record(s.h2d_done, h2d);
+    h2d_pending.push_back(id);
+  }
+};
+
+OffloadEngine::OffloadEngine(Device& device, Stream compute, OffloadPolicy policy,
+                             OffloadOptions options)
+    : impl_(std::make_unique<Impl>(device, compute, policy, options)), policy_(std::move(policy)) {
+  if (policy_.prefetch_depth < 0)
+    SPILLWAY_INPUT_ERROR("offload: prefetch depth is {}; must be >= 0", policy_.prefetch_depth);
+}
+
+OffloadEngine::~OffloadEngine() = default;
+
+Stream OffloadEngine::d2h_stream() const {
+  return impl_->d2h;
+}
+int64_t OffloadEngine::inflight_bytes() const {
+  return impl_->inflight;
+}
+Stream OffloadEngine::h2d_stream() const {
+  return impl_->h2d;
+}
+
+DeviceTensor OffloadEngine::allocate(size_t bytes) {
+  return impl_->device_block(bytes);
+}
+
+void OffloadEngine::free(DeviceTensor t) {
+  if (!t) return;
+  Impl& m = *impl_;
+  const Event e = m.take_event();
+  m.dev.record(e, m.compute);
+  m.deferred.push_back({t, e});
+  m.poll();
+}
+
+void OffloadEngine::begin_step() {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(!m.in_step, "begin_step() twice without end_step()");
+  m.in_step = true;
+  m.tel = StepTelemetry{};
+  m.tel.layers.clear();
+  for (size_t l = 0; l < policy_.layers.size(); ++l) {
+    LayerTelemetry lt;
+    lt.layer = static_cast<int>(l);
+    m.tel.layers.push_back(lt);
+  }
+  const MemoryStats ms = m.dev.memory_stats();
+  m.allocations_at_begin = 0;
+  for (int k = 0; k < kMemoryKinds; ++k) m.allocations_at_begin += ms.allocations[k];
+}
+
+OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view name) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(m.in_step, "offload() outside begin_step()/end_step()");
+  SPILLWAY_CHECK(t, "offload() of an empty tensor ({} of layer {})", name, layer);
+  m.poll();
+  const int id = static_cast<int>(m.slots_used);
+  Impl::Slot& s = m.new_slot(layer, name, t.bytes);
+  s.device = t;
+  s.pinned = m.pinned.acquire(t.bytes);
+  if (!s.pinned) {
+    // Fallback: the pinned pool is full (its blocks wait for backward): keep it here.
+    s.kept = true;
+    ++m.tel.fallback_kept;
+    return id;
+  }
+  ++m.tel.tensors_offloaded;
+  Event produced = m.take_event();
+  m.dev.record(produced, m.compute);
+  m.dev.wait(m.d2h, produced);
+  m.give_event(produced);  // the wait captured its target: reusable at once
+  s.d2h_done = m.take_event();
+  Impl::Slot* sp = &s;
+  m.dev.host_callback(m.d2h, [sp] { sp->d2h_start = now_ms(); });
+  m.dev.copy_async(s.pinned.ptr, s.device.ptr, s.bytes, m.d2h);
+  const bool verify = m.opt.verify;
+  m.dev.host_callback(m.d2h, [sp, verify] {
+    sp->d2h_end = now_ms();
+    if (verify) sp->sum = checksum(sp->pinned.ptr, sp->bytes);
+  });
+  m.dev.record(s.d2h_done, m.d2h);
+  m.d2h_pending.push_back(id);
+  m.inflight += static_cast<int64_t>(s.bytes);
+  if (layer >= 0 && static_cast<size_t>(layer) < m.tel.layers.size()) {
+    m.tel.layers[static_cast<size_t>(layer)].d2h_bytes += static_cast<int64_t>(s.bytes);
+  }
+  m.tel.d2h_bytes += static_cast<int64_t>(s.bytes);
+  // Back-pressure: no more than the bound in flight, this copy included.
+  if (m.opt.inflight_bound_bytes > 0) {
+    while (m.inflight > m.opt.inflight_bound_bytes && m.d2h_head < m.d2h_pending.size()) {
+      const double t0 = now_ms();
+      m.dev.synchronize(m.slots[static_cast<size_t>(m.d2h_pending[m.d2h_head])].d2h_done);
+      m.poll();
+      m.tel.backpressure_ms += now_ms() - t0;
+    }
+  }
+  return id;
+}
+
+void OffloadEngine::end_forward_layer(int layer) {
+  Impl& m = *impl_;
+  m.poll();
+  if (layer < 0 || static_cast<size_t>(layer) >= m.tel.layers.size()) return;
+  m.tel.layers[static_cast<size_t>(layer)].backlog_bytes = m.inflight;
+  // The previous layer's copies had this layer's forward as their window.
+  if (layer >= 1) {
+    LayerTelemetry& prev = m.tel.layers[static_cast<size_t>(layer - 1)];
+    for (int id : m.layer_slots[static_cast<size_t>(layer - 1)]) {
+      const Impl::Slot& s = m.slots[static_cast<size_t>(id)];
+      if (!s.kept && !s.device_released) prev.late = true;
+    }
+    if (prev.late && !m.tel.snowball) {
+      m.tel.snowball = true;
+      m.tel.snowball_first_layer = layer - 1;
+    }
+  }
+}
+
+void OffloadEngine::prefetch(int layer) {
+  Impl& m = *impl_;
+  m.poll();
+  if (layer < 0 || static_cast<size_t>(layer) >= m.layer_slots.size()) return;
+  for (int id : m.layer_slots[static_cast<size_t>(layer)]) m.issue_reload(id);
+}
+
+DeviceTensor OffloadEngine::reload(OffloadHandle h) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(h >= 0 && static_cast<size_t>(h) < m.slots_used, "reload(): unknown handle {}", h);
+  Impl::Slot& s = m.slots[static_cast<size_t>(h)];
+  SPILLWAY_CHECK(!s.reload_taken, "reload(): handle {} ({} of layer {}) was already reloaded", h,
+                 s.name, s.layer);
+  s.reload_taken = true;
+  if (s.kept) {
+    DeviceTensor t = s.device;
+    s.device = DeviceTensor{};
+    return t;
+  }
+  m.issue_reload(h);
+  Impl::Slot* sp = &s;
+  m.dev.host_callback(m.compute, [sp] { sp->compute_reached = now_ms(); });
+  m.dev.wait(m.compute, s.h2d_done);
+  DeviceTensor t = s.reloaded;
+  s.reloaded = DeviceTensor{};
+  m.poll();
+  return t;
+}
+
+StepTelemetry OffloadEngine::end_step() {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(m.in_step, "end_step() without begin_step()");
+  m.dev.synchronize(m.compute);
+  m.dev.synchronize(m.d2h);
+  m.dev.synchronize(m.h2d);
+  m.poll();
+  StepTelemetry& t = m.tel;
+  double d2h_first = 1e300, d2h_last = 0, h2d_first = 1e300, h2d_last = 0, copy_ms = 0;
+  for (size_t i = 0; i < m.slots_used; ++i) {
+    Impl::Slot& s = m.slots[i];
+    if (s.kept) continue;
+    copy_ms += s.d2h_end - s.d2h_start;
+    d2h_first = std::min(d2h_first, s.d2h_start);
+    d2h_last = std::max(d2h_last, s.d2h_end);
+    if (s.reload_issued) {
+      copy_ms += s.h2d_end - s.h2d_start;
+      h2d_first = std::min(h2d_first, s.h2d_start);
+      h2d_last = std::max(h2d_last, s.h2d_end);
+      t.h2d_bytes += static_cast<int64_t>(s.bytes);
+      const double stall = s.reload_taken && s.compute_reached > 0
+                               ? std::max(0.0, s.h2d_end - s.compute_reached)
+                               : 0.0;
+      t.stall_ms += stall;
+      if (s.layer >= 0 && static_cast<size_t>(s.layer) < t.layers.size()) {
+        LayerTelemetry& lt = t.layers[static_cast<size_t>(s.layer)];
+        lt.h2d_bytes += static_cast<int64_t>(s.bytes);
+        lt.stall_ms += stall;
+      }
+    }
+  }
+  for (LayerTelemetry& lt : t.layers) {
+    double a = 1e300, b = 0, c = 1e300, d = 0;
+    for (int id : m.layer_slots[static_cast<size_t>(lt.layer)]) {
+      const Impl::Slot& s = m.slots[static_cast<size_t>(id)];
+      if (s.kept) continue;
+      a = std::min(a, s.d2h_start);
+      b = std::max(b, s.d2h_end);
+      if (s.reload_issued) {
+        c = std::min(c, s.h2d_start);
+        d = std::max(d, s.h2d_end);
+      }
+    }
+    if (b > a) lt.d2h_gbps = static_cast<double>(lt.d2h_bytes) / ((b - a) * 1e6);
+    if (d > c) lt.h2d_gbps = static_cast<double>(lt.h2d_bytes) / ((d - c) * 1e6);
+  }
+  if (d2h_last > d2h_first)
+    t.d2h_gbps = static_cast<double>(t.d2h_bytes) / ((d2h_last - d2h_first) * 1e6);
+  if (h2d_last > h2d_first)
+    t.h2d_gbps = static_cast<double>(t.h2d_bytes) / ((h2d_last - h2d_first) * 1e6);
+  t.stall_ms += t.backpressure_ms;
+  t.overlap_ratio = copy_ms > 0 ? std::clamp(1.0 - t.stall_ms / copy_ms, 0.0, 1.0) : 1.0;
+  const MemoryStats ms = m.dev.memory_stats();
+  int64_t allocs = 0;
+  for (int k = 0; k < kMemoryKinds; ++k) allocs += ms.allocations[k];
+  t.device_allocations = allocs - m.allocations_at_begin;
+  const int failures = m.verify_failures.exchange(0);
+  std::string failed;
+  if (failures > 0) {
+    const Impl::Slot& s = m.slots[static_cast<size_t>(m.verify_first_slot.load())];
+    failed = fmt::format(
+        "offload verify: {} tensor(s) changed while on the host; first: {} of layer {} ({} bytes)",
+        failures, s.name, s.layer, s.bytes);
+  }
+  // Slots not reloaded this step are dropped here (their pinned blocks return).
+  for (size_t i = 0; i < m.slots_used; ++i) m.release_slot(m.slots[i]);
+  m.slots_used = 0;
+  m.d2h_pending.clear();
+  m.d2h_head = 0;
+  m.h2d_pending.clear();
+  m.inflight = 0;
+  for (auto& v : m.layer_slots) v.clear();
+  m.in_step = false;
+  m.verify_first_slot = -1;
+  if (!failed.empty()) throw Error(failed);
+  return t;
+}
+
+}  // namespace spillway
