@@ -9,8 +9,8 @@
 // Invariants: every size is verified (a pattern round-trips host -> device -> host bit
 // for bit) before it is timed, and a mismatch throws spillway::Error; a size that does
 // not fit the device is skipped and recorded, never thrown; everything allocated is
-// freed on every path; the run stays within about seconds_budget (large sizes get fewer
-// repeats, never fewer than one).
+// freed on every path; the timing stays within about seconds_budget (large sizes get
+// fewer repeats), though the verification and one sample per point are always done.
 #pragma once
 
 #include <cstddef>

@@ -141,7 +141,7 @@ void add_probe_command(CLI::App& app) {
       std::string why;
       dev = make_cuda_device(0, &why);
       if (!dev && st->device == "cuda") SPILLWAY_INPUT_ERROR("--device cuda: {}", why);
-      if (!dev) say(fmt::format("no CUDA device: {}; measuring the host backend\n", why));
+      if (!dev) say(fmt::format("{}; measuring the host backend\n", why));
     }
     if (!dev) {
       if (!(st->device_memory_mb * 1e6 >= 1.0) || st->device_memory_mb * 1e6 > 9e18) {

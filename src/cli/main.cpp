@@ -52,6 +52,7 @@ int run(int argc, char** argv) {
   spillway::cli::add_models_command(app);
   spillway::cli::add_hardware_command(app);
   spillway::cli::add_simulate_command(app);
+  spillway::cli::add_probe_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -115,13 +115,17 @@ class HostStream {
   void execute(Op& op) {
     switch (op.kind) {
       case Op::kCopy: {
+        // The throttle is a schedule, not a per-copy sleep: each copy ends no earlier than
+        // max(its start, the previous copy's deadline) + n / B, so wake-up lateness does
+        // not accumulate over back-to-back copies.
         const auto start = std::chrono::steady_clock::now();
         if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
         if (gbps_ > 0.0) {
-          const auto duration =
-              std::chrono::duration<double>(static_cast<double>(op.bytes) / (gbps_ * 1e9));
-          std::this_thread::sleep_until(
-              start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(duration));
+          const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+              std::chrono::duration<double>(static_cast<double>(op.bytes) / (gbps_ * 1e9)));
+          const auto begin = std::max(start, deadline_);
+          deadline_ = begin + duration;
+          std::this_thread::sleep_until(deadline_);
         }
         break;
       }
@@ -146,6 +150,7 @@ class HostStream {
 
   StreamRole role_;
   double gbps_;
+  std::chrono::steady_clock::time_point deadline_{};  // worker thread only
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable done_cv_;

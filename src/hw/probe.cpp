@@ -7,9 +7,9 @@
 // copies * bytes / time. One copy per sample would measure the host <-> stream round trip
 // (about 0.1 ms on the host backend, 10 us on CUDA) as much as the link; so after one
 // warm-up copy, `copies` grows from 1 (at least doubling) until a sample lasts
-// kMinSampleS, and the samples of that calibration are discarded. Large sizes take one
-// copy per sample. A slow calibration sample (a busy host) only means fewer copies per
-// sample, never a wrong figure.
+// kMinSampleS, both as measured and as the fastest copy seen so far predicts (so that
+// one stalled sample on a busy host does not end it early); the samples of that
+// calibration are discarded. Large sizes take one copy per sample.
 //
 // Note [Probe budget]: each point gets its share of the time left (time left / points
 // left, so what a small size does not use passes to the large ones) and as many samples
@@ -259,12 +259,14 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
         timed_copies(dev, dst, src, bytes, 1, s);  // the warm-up: first-touch and wake-up costs
         int copies = 1;
         double sample_s = timed_copies(dev, dst, src, bytes, copies, s);
-        while (sample_s < kMinSampleS && copies < kMaxCopiesPerSample) {
-          const double grow =
-              std::clamp(sample_s > 0.0 ? 1.25 * kMinSampleS / sample_s : 16.0, 2.0, 16.0);
-          copies = static_cast<int>(
-              std::min(static_cast<double>(kMaxCopiesPerSample), std::ceil(copies * grow)));
+        double copy_s = sample_s;  // the fastest a copy has gone so far
+        while ((sample_s < kMinSampleS || copies * copy_s < kMinSampleS) &&
+               copies < kMaxCopiesPerSample) {
+          const double wanted = std::ceil(1.25 * kMinSampleS / std::max(copy_s, 1e-9));
+          copies = static_cast<int>(std::min({std::clamp(wanted, 2.0 * copies, 16.0 * copies),
+                                              static_cast<double>(kMaxCopiesPerSample)}));
           sample_s = timed_copies(dev, dst, src, bytes, copies, s);
+          copy_s = std::min(copy_s, sample_s / copies);
         }
         // Note [Probe budget].
         const double left_s = options.seconds_budget - seconds_since(start);
