@@ -35,6 +35,7 @@ test: build fuzz-smoke
 bench: build
 	./$(BUILD)/bin/spillway_bench_plan
 	./$(BUILD)/bin/spillway_bench_sim
+	./$(BUILD)/bin/spillway bench offload
 
 test-asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSPILLWAY_SANITIZE=address -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF

@@ -49,6 +49,7 @@ struct EventState {
   std::condition_variable cv;
   uint64_t recorded = 0;   // target of the latest record
   uint64_t completed = 0;  // highest target reached
+  int waiters = 0;         // threads blocked on cv (Note [Host stream wake-ups])
 };
 
 struct Op {
@@ -75,19 +76,25 @@ class HostStream {
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
 
+  // Note [Host stream wake-ups]: the condition variables are signalled only when a thread
+  // sleeps on them, so a busy stream costs a lock and a push per op, no system call.
   void push(Op op) {
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(op));
       ++enqueued_;
+      wake = worker_sleeping_;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_one();
   }
 
   void synchronize() {
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t target = enqueued_;
+    ++sync_waiters_;
     done_cv_.wait(lock, [&] { return done_ >= target; });
+    --sync_waiters_;
   }
 
   StreamRole role() const { return role_; }
@@ -98,17 +105,21 @@ class HostStream {
       Op op;
       {
         std::unique_lock<std::mutex> lock(mu_);
+        worker_sleeping_ = true;
         cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        worker_sleeping_ = false;
         if (queue_.empty()) return;  // stop requested and drained
         op = std::move(queue_.front());
         queue_.pop_front();
       }
       execute(op);
+      bool wake = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         ++done_;
+        wake = sync_waiters_ > 0;
       }
-      done_cv_.notify_all();
+      if (wake) done_cv_.notify_all();
     }
   }
 
@@ -130,16 +141,20 @@ class HostStream {
         break;
       }
       case Op::kRecord: {
+        bool wake = false;
         {
           std::lock_guard<std::mutex> lock(op.event->mu);
           op.event->completed = std::max(op.event->completed, op.target);
+          wake = op.event->waiters > 0;
         }
-        op.event->cv.notify_all();
+        if (wake) op.event->cv.notify_all();
         break;
       }
       case Op::kWait: {
         std::unique_lock<std::mutex> lock(op.event->mu);
+        ++op.event->waiters;
         op.event->cv.wait(lock, [&] { return op.event->completed >= op.target; });
+        --op.event->waiters;
         break;
       }
       case Op::kCallback:
@@ -157,6 +172,8 @@ class HostStream {
   std::deque<Op> queue_;
   uint64_t enqueued_ = 0;
   uint64_t done_ = 0;
+  int sync_waiters_ = 0;
+  bool worker_sleeping_ = false;
   bool stop_ = false;
   std::thread worker_;  // last: starts after the members it uses
 };
@@ -326,7 +343,9 @@ class HostDevice final : public Device {
     auto ev = event(e);
     std::unique_lock<std::mutex> lock(ev->mu);
     const uint64_t target = ev->recorded;
+    ++ev->waiters;
     ev->cv.wait(lock, [&] { return ev->completed >= target; });
+    --ev->waiters;
   }
 
   void synchronize(Stream s) override { stream(s)->synchronize(); }
@@ -368,9 +387,11 @@ class HostDevice final : public Device {
                    "unknown or destroyed event {}", e.id);
     return events_[static_cast<size_t>(e.id)];
   }
-  std::shared_ptr<HostStream> stream(Stream s) {
+  // A raw pointer: using a stream while another thread destroys it is misuse (as in
+  // CUDA), and skipping the reference count keeps an enqueue cheap.
+  HostStream* stream(Stream s) {
     std::lock_guard<std::mutex> lock(table_mu_);
-    return slot(s);
+    return slot(s).get();
   }
   std::shared_ptr<EventState> event(Event e) {
     std::lock_guard<std::mutex> lock(table_mu_);

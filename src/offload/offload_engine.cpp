@@ -102,12 +102,14 @@ struct OffloadEngine::Impl {
   std::vector<Event> free_events;
   std::vector<int> d2h_pending;  // slots whose device block is not yet released (FIFO)
   size_t d2h_head = 0;
-  std::vector<int> h2d_pending;  // slots whose pinned block is not yet released
+  std::vector<int> h2d_pending;  // slots whose pinned block is not yet released (FIFO)
+  size_t h2d_head = 0;
   struct Deferred {
     DeviceTensor t;
     Event e;
   };
-  std::vector<Deferred> deferred;  // frees waiting for the compute stream
+  std::vector<Deferred> deferred;  // frees waiting for the compute stream (FIFO)
+  size_t deferred_head = 0;
   std::vector<std::vector<int>> layer_slots;
   int64_t inflight = 0;
   std::atomic<int> verify_failures{0};
@@ -149,7 +151,7 @@ struct OffloadEngine::Impl {
     dev.synchronize(d2h);
     dev.synchronize(h2d);
     poll();
-    for (Deferred& d : deferred) release_device(d.t);
+    for (size_t i = deferred_head; i < deferred.size(); ++i) release_device(deferred[i].t);
     for (size_t i = 0; i < slots_used; ++i) release_slot(slots[i]);
     for (Event e : free_events) dev.destroy_event(e);
     dev.destroy_stream(d2h);
@@ -180,6 +182,7 @@ struct OffloadEngine::Impl {
 
   void release_slot(Slot& s) {
     release_device(s.device);
+    release_device(s.reloaded);  // prefetched but never taken by reload()
     if (s.pinned) pinned.release(s.pinned);
     s.pinned = PinnedBlock{};
     give_event(s.d2h_done);
@@ -197,27 +200,30 @@ struct OffloadEngine::Impl {
       s.device_released = true;
       ++d2h_head;
     }
-    for (size_t i = 0; i < h2d_pending.size();) {
-      Slot& s = slots[static_cast<size_t>(h2d_pending[i])];
-      if (dev.query(s.h2d_done)) {
-        pinned.release(s.pinned);
-        s.pinned = PinnedBlock{};
-        s.pinned_released = true;
-        h2d_pending[i] = h2d_pending.back();
-        h2d_pending.pop_back();
-      } else {
-        ++i;
-      }
+    // Reloads end in H2D stream order and frees pass in compute stream order: both lists
+    // are FIFO, so each poll stops at the first one not done (O(1) amortized).
+    while (h2d_head < h2d_pending.size()) {
+      Slot& s = slots[static_cast<size_t>(h2d_pending[h2d_head])];
+      if (!dev.query(s.h2d_done)) break;
+      pinned.release(s.pinned);
+      s.pinned = PinnedBlock{};
+      s.pinned_released = true;
+      ++h2d_head;
     }
-    for (size_t i = 0; i < deferred.size();) {
-      if (dev.query(deferred[i].e)) {
-        release_device(deferred[i].t);
-        give_event(deferred[i].e);
-        deferred[i] = deferred.back();
-        deferred.pop_back();
-      } else {
-        ++i;
-      }
+    if (h2d_head == h2d_pending.size()) {
+      h2d_pending.clear();
+      h2d_head = 0;
+    }
+    while (deferred_head < deferred.size()) {
+      Deferred& d = deferred[deferred_head];
+      if (!dev.query(d.e)) break;
+      release_device(d.t);
+      give_event(d.e);
+      ++deferred_head;
+    }
+    if (deferred_head == deferred.size()) {
+      deferred.clear();
+      deferred_head = 0;
     }
   }
 
@@ -228,13 +234,14 @@ struct OffloadEngine::Impl {
       poll();
       const PinnedBlock again = device_pool.acquire(bytes);
       if (again) return DeviceTensor{again.ptr, bytes, again.slab, again.offset, false};
-      // Back-pressure: wait for the oldest pending release, if any.
-      if (!deferred.empty()) {
-        dev.synchronize(deferred.front().e);
-        continue;
-      }
+      // Back-pressure: wait for the oldest offload copy (it frees a block as soon as it
+      // ends), else for the oldest pending free.
       if (d2h_head < d2h_pending.size()) {
         dev.synchronize(slots[static_cast<size_t>(d2h_pending[d2h_head])].d2h_done);
+        continue;
+      }
+      if (deferred_head < deferred.size()) {
+        dev.synchronize(deferred[deferred_head].e);
         continue;
       }
       // Fallback: a direct allocation (counted); out of device memory is an error.
@@ -502,6 +509,7 @@ StepTelemetry OffloadEngine::end_step() {
   m.d2h_pending.clear();
   m.d2h_head = 0;
   m.h2d_pending.clear();
+  m.h2d_head = 0;
   m.inflight = 0;
   for (auto& v : m.layer_slots) v.clear();
   m.in_step = false;

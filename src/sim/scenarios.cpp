@@ -15,6 +15,7 @@
 // ends and returns when the recompute starts; the logits live while the head runs.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <unordered_map>
 
 #include "sim/engine.hpp"
@@ -119,6 +120,22 @@ struct Built {
 int label(Built& b, std::string s) {
   b.labels.push_back(std::move(s));
   return static_cast<int>(b.labels.size() - 1);
+}
+
+// A task of GPU `gpu`, micro-batch `mb`, on `stream` (a copy also names its link); its
+// label is made only when task records are kept, and only for GPU 0.
+Task make_task(TaskKind kind, int gpu, int layer, int mb, int stream, double work, int link,
+               bool labelled, Built& b, const std::function<std::string()>& name) {
+  Task t;
+  t.kind = kind;
+  t.gpu = gpu;
+  t.layer = layer;
+  t.micro_batch = mb;
+  t.stream = stream;
+  t.link = link;
+  t.work = work;
+  t.label = labelled && gpu == 0 ? label(b, name()) : -1;
+  return t;
 }
 
 // Memory curve from (time, delta) events.
@@ -236,16 +253,10 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         // Offload of the layer input: issued at the layer's start.
         auto issue_d2h = [&](size_t ti, int producer_task) {
           const TensorPlan& tp = lp.tensors[ti];
-          Task t;
-          t.kind = TaskKind::kD2H;
-          t.gpu = g;
-          t.layer = static_cast<int>(l);
-          t.micro_batch = mbi;
-          t.stream = topo.d2h[static_cast<size_t>(g)];
-          t.link = topo.link_d2h[static_cast<size_t>(g)];
-          t.work = static_cast<double>(tp.bytes);
-          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
-          const int id = e.add_task(t);
+          const int id = e.add_task(make_task(
+              TaskKind::kD2H, g, static_cast<int>(l), mbi, topo.d2h[static_cast<size_t>(g)],
+              static_cast<double>(tp.bytes), topo.link_d2h[static_cast<size_t>(g)], o.keep_tasks, b,
+              [&] { return fmt::format("L{} {}", l, tp.name); }));
           if (producer_task >= 0) e.add_dep(id, producer_task);
           layer_tensor_d2h[l].emplace_back(static_cast<int>(ti), id);
           if (track) b.layer_d2h[l].push_back(id);
@@ -267,15 +278,10 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         }
         for (size_t k = 0; k < lp.ops.size(); ++k) {
           const OpPlan& op = lp.ops[k];
-          Task t;
-          t.kind = TaskKind::kForward;
-          t.gpu = g;
-          t.layer = static_cast<int>(l);
-          t.micro_batch = mbi;
-          t.stream = topo.compute[static_cast<size_t>(g)];
+          Task t = make_task(TaskKind::kForward, g, static_cast<int>(l), mbi,
+                             topo.compute[static_cast<size_t>(g)], op.fwd_ms, -1, o.keep_tasks, b,
+                             [&] { return fmt::format("L{} {}", l, op.name); });
           t.memory_bound = op.kind == OpKind::kMemory;
-          t.work = op.fwd_ms;
-          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} {}", l, op.name)) : -1;
           const int id = e.add_task(t);
           for (int gate : pending_gate) e.add_dep(id, gate);
           pending_gate.clear();
@@ -312,14 +318,9 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         }
       }
       // Head.
-      Task head;
-      head.kind = TaskKind::kHead;
-      head.gpu = g;
-      head.micro_batch = mbi;
-      head.stream = topo.compute[static_cast<size_t>(g)];
-      head.work = plan.summary.head_ms;
-      head.label = g == 0 && o.keep_tasks ? label(b, "LM head + loss") : -1;
-      const int head_id = e.add_task(head);
+      const int head_id = e.add_task(make_task(
+          TaskKind::kHead, g, -1, mbi, topo.compute[static_cast<size_t>(g)], plan.summary.head_ms,
+          -1, o.keep_tasks, b, [] { return std::string("LM head + loss"); }));
       for (int gate : pending_gate) e.add_dep(head_id, gate);
       pending_gate.clear();
       if (track) b.head = head_id;
@@ -333,16 +334,10 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         const LayerPlan& lp = plan.layers[l];
         for (const auto& [ti, d2h_task] : layer_tensor_d2h[l]) {
           const TensorPlan& tp = lp.tensors[static_cast<size_t>(ti)];
-          Task t;
-          t.kind = TaskKind::kH2D;
-          t.gpu = g;
-          t.layer = static_cast<int>(l);
-          t.micro_batch = mbi;
-          t.stream = topo.h2d[static_cast<size_t>(g)];
-          t.link = topo.link_h2d[static_cast<size_t>(g)];
-          t.work = static_cast<double>(tp.bytes);
-          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} {}", l, tp.name)) : -1;
-          const int id = e.add_task(t);
+          const int id = e.add_task(make_task(
+              TaskKind::kH2D, g, static_cast<int>(l), mbi, topo.h2d[static_cast<size_t>(g)],
+              static_cast<double>(tp.bytes), topo.link_h2d[static_cast<size_t>(g)], o.keep_tasks, b,
+              [&] { return fmt::format("L{} {}", l, tp.name); }));
           e.add_dep(id, d2h_task);
           if (after >= 0) e.add_dep(id, after);
           reloads[l].push_back(id);
@@ -357,26 +352,15 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         const LayerPlan& lp = plan.layers[l];
         int rc = -1;
         if (lp.recompute_ms > 0.0) {
-          Task t;
-          t.kind = TaskKind::kRecompute;
-          t.gpu = g;
-          t.layer = static_cast<int>(l);
-          t.micro_batch = mbi;
-          t.stream = topo.compute[static_cast<size_t>(g)];
-          t.work = lp.recompute_ms;
-          t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} recompute", l)) : -1;
-          rc = e.add_task(t);
+          rc = e.add_task(make_task(TaskKind::kRecompute, g, static_cast<int>(l), mbi,
+                                    topo.compute[static_cast<size_t>(g)], lp.recompute_ms, -1,
+                                    o.keep_tasks, b,
+                                    [&] { return fmt::format("L{} recompute", l); }));
           for (int r : reloads[l]) e.add_dep(rc, r);
         }
-        Task t;
-        t.kind = TaskKind::kBackward;
-        t.gpu = g;
-        t.layer = static_cast<int>(l);
-        t.micro_batch = mbi;
-        t.stream = topo.compute[static_cast<size_t>(g)];
-        t.work = lp.bwd_ms;
-        t.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} backward", l)) : -1;
-        const int bw = e.add_task(t);
+        const int bw = e.add_task(make_task(
+            TaskKind::kBackward, g, static_cast<int>(l), mbi, topo.compute[static_cast<size_t>(g)],
+            lp.bwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} backward", l); }));
         for (int r : reloads[l]) e.add_dep(bw, r);
         bwd_task[l] = bw;
         prev_compute = bw;
@@ -539,26 +523,16 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
       const LayerPlan& lp = plan.layers[l];
       const int64_t bytes = checked_mul(lp.params, wbytes, "layer weight bytes");
       max_layer = std::max(max_layer, bytes);
-      Task c;
-      c.kind = TaskKind::kH2D;
-      c.gpu = g;
-      c.layer = static_cast<int>(l);
-      c.stream = topo.h2d[static_cast<size_t>(g)];
-      c.link = topo.link_h2d[static_cast<size_t>(g)];
-      c.work = static_cast<double>(bytes);
-      c.label = g == 0 && o.keep_tasks ? label(b, fmt::format("W{} weights", l)) : -1;
-      const int cid = e.add_task(c);
+      const int cid = e.add_task(
+          make_task(TaskKind::kH2D, g, static_cast<int>(l), 0, topo.h2d[static_cast<size_t>(g)],
+                    static_cast<double>(bytes), topo.link_h2d[static_cast<size_t>(g)], o.keep_tasks,
+                    b, [&] { return fmt::format("W{} weights", l); }));
       // Buffer reuse: depth + 1 buffers, so layer l's copy waits for layer l - depth - 1.
       if (l >= static_cast<size_t>(o.depth) + 1)
         e.add_dep(cid, comp[l - static_cast<size_t>(o.depth) - 1]);
-      Task f;
-      f.kind = TaskKind::kForward;
-      f.gpu = g;
-      f.layer = static_cast<int>(l);
-      f.stream = topo.compute[static_cast<size_t>(g)];
-      f.work = lp.fwd_ms;
-      f.label = g == 0 && o.keep_tasks ? label(b, fmt::format("L{} forward", l)) : -1;
-      comp[l] = e.add_task(f);
+      comp[l] = e.add_task(make_task(
+          TaskKind::kForward, g, static_cast<int>(l), 0, topo.compute[static_cast<size_t>(g)],
+          lp.fwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} forward", l); }));
       e.add_dep(comp[l], cid);
       if (g == 0) {
         copy0[l] = cid;
