@@ -57,7 +57,7 @@ struct Op {
   void* dst = nullptr;
   const void* src = nullptr;
   size_t bytes = 0;
-  std::shared_ptr<EventState> event;
+  EventState* event = nullptr;  // alive until the device dies (destroyed ones too)
   uint64_t target = 0;
   std::function<void()> fn;
 };
@@ -305,7 +305,8 @@ class HostDevice final : public Device {
 
   void destroy_event(Event e) override {
     std::lock_guard<std::mutex> lock(table_mu_);
-    event_slot(e).reset();  // pending ops keep their shared state alive
+    // Pending ops may still point at it: keep it alive until the device dies.
+    retired_events_.push_back(std::move(event_slot(e)));
   }
 
   void record(Event e, Stream s) override {
@@ -316,7 +317,7 @@ class HostDevice final : public Device {
       std::lock_guard<std::mutex> lock(ev->mu);
       op.target = ++ev->recorded;
     }
-    op.event = std::move(ev);
+    op.event = ev;
     stream(s)->push(std::move(op));
   }
 
@@ -329,7 +330,7 @@ class HostDevice final : public Device {
       op.target = ev->recorded;
     }
     if (op.target == 0) return;  // never recorded: complete
-    op.event = std::move(ev);
+    op.event = ev;
     stream(s)->push(std::move(op));
   }
 
@@ -393,9 +394,9 @@ class HostDevice final : public Device {
     std::lock_guard<std::mutex> lock(table_mu_);
     return slot(s).get();
   }
-  std::shared_ptr<EventState> event(Event e) {
+  EventState* event(Event e) {
     std::lock_guard<std::mutex> lock(table_mu_);
-    return event_slot(e);
+    return event_slot(e).get();
   }
 
   HostDeviceOptions options_;
@@ -407,6 +408,7 @@ class HostDevice final : public Device {
   std::mutex table_mu_;
   std::vector<std::shared_ptr<HostStream>> streams_;
   std::vector<std::shared_ptr<EventState>> events_;
+  std::vector<std::shared_ptr<EventState>> retired_events_;
 };
 
 }  // namespace

@@ -49,18 +49,45 @@ PinnedPool::PinnedPool(Device& device, const PinnedPoolOptions& o)
 
 PinnedPool::~PinnedPool() {
   SPILLWAY_CHECK_WARN(used_ == 0, "pinned pool destroyed with {} bytes still acquired", used_);
+  flush_cache();
   for (auto& s : slabs_) device_.free(s->base, kind_);
+}
+
+namespace {
+size_t rounded(size_t bytes) {
+  return (std::max<size_t>(bytes, 1) + Arena::kAlignment - 1) / Arena::kAlignment *
+         Arena::kAlignment;
+}
+}  // namespace
+
+void PinnedPool::flush_cache() {
+  for (auto& [size, blocks] : cache_) {
+    for (const PinnedBlock& b : blocks) slabs_[static_cast<size_t>(b.slab)]->arena.free(b.offset);
+    blocks.clear();
+  }
 }
 
 PinnedBlock PinnedPool::acquire(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < slabs_.size(); ++i) {
-    Slab& s = *slabs_[i];
-    const std::optional<size_t> off = s.arena.allocate(bytes);
-    if (!off) continue;
-    used_ += static_cast<int64_t>(s.arena.block_size(*off));
+  const size_t size = rounded(bytes);
+  if (auto it = cache_.find(size); it != cache_.end() && !it->second.empty()) {
+    PinnedBlock b = it->second.back();
+    it->second.pop_back();
+    b.bytes = bytes;
+    used_ += static_cast<int64_t>(size);
     peak_ = std::max(peak_, used_);
-    return PinnedBlock{static_cast<std::byte*>(s.base) + *off, bytes, static_cast<int>(i), *off};
+    return b;
+  }
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    for (size_t i = 0; i < slabs_.size(); ++i) {
+      Slab& s = *slabs_[i];
+      const std::optional<size_t> off = s.arena.allocate(bytes);
+      if (!off) continue;
+      used_ += static_cast<int64_t>(size);
+      peak_ = std::max(peak_, used_);
+      return PinnedBlock{static_cast<std::byte*>(s.base) + *off, bytes, static_cast<int>(i), *off};
+    }
+    flush_cache();  // Note [Block cache]: give the arenas everything back, then retry
   }
   ++failed_;
   return PinnedBlock{};
@@ -71,9 +98,9 @@ void PinnedPool::release(const PinnedBlock& b) {
   std::lock_guard<std::mutex> lock(mu_);
   SPILLWAY_CHECK(b.slab >= 0 && static_cast<size_t>(b.slab) < slabs_.size(),
                  "pinned pool: block from slab {} is not ours", b.slab);
-  Slab& s = *slabs_[static_cast<size_t>(b.slab)];
-  used_ -= static_cast<int64_t>(s.arena.block_size(b.offset));
-  s.arena.free(b.offset);
+  const size_t size = rounded(b.bytes);
+  used_ -= static_cast<int64_t>(size);
+  cache_[size].push_back(b);
 }
 
 int64_t PinnedPool::used() const {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "memory/arena.hpp"
@@ -69,6 +70,12 @@ class PinnedPool {
   int64_t used_ = 0;
   int64_t peak_ = 0;
   int64_t failed_ = 0;
+  // Note [Block cache]: released blocks are kept by rounded size and handed out again for
+  // the same size without touching the arenas (no map update, no malloc): a training loop
+  // asks for the same sizes every step. When the arenas cannot serve a request, the cache
+  // goes back to them first (they coalesce) and the request is retried.
+  std::unordered_map<size_t, std::vector<PinnedBlock>> cache_;
+  void flush_cache();
 };
 
 }  // namespace spillway

@@ -85,10 +85,22 @@ struct OffloadEngine::Impl {
     bool reload_taken = false;
     bool pinned_released = false;
     DeviceTensor reloaded;
-    // written by host callbacks on the copy streams, read after a synchronize
-    uint64_t sum = 0;
+    uint64_t sum = 0;  // verify mode: written by a D2H callback, read by an H2D one
+  };
+  // Note [Layer timestamps]: host callbacks take timestamps per layer, not per tensor
+  // (each stream op costs host time): the first copy's start in each direction, the
+  // compute stream reaching the layer's first reload, the end of the reloads issued
+  // together, and (one callback per tensor, since the last copy of a layer is known only
+  // afterwards) the end of each D2H copy. Written by callbacks, read after end_step's
+  // synchronize.
+  struct LayerTimes {
     double d2h_start = 0, d2h_end = 0, h2d_start = 0, h2d_end = 0, compute_reached = 0;
   };
+  struct LayerMarks {  // calling thread only
+    bool d2h_started = false, h2d_started = false, reached = false;
+  };
+  std::vector<LayerTimes> times;
+  std::vector<LayerMarks> marks;
 
   Device& dev;
   Stream compute;
@@ -142,6 +154,8 @@ struct OffloadEngine::Impl {
     h2d_pending.reserve(n);
     deferred.reserve(n);
     layer_slots.resize(policy.layers.size());
+    times.resize(policy.layers.size());
+    marks.resize(policy.layers.size());
     for (auto& v : layer_slots) v.reserve(16);
     tel.layers.reserve(policy.layers.size());
   }
@@ -270,6 +284,18 @@ struct OffloadEngine::Impl {
     return s;
   }
 
+  LayerMarks* layer_marks(int layer) {
+    return layer >= 0 && static_cast<size_t>(layer) < marks.size()
+               ? &marks[static_cast<size_t>(layer)]
+               : nullptr;
+  }
+  // After the reloads issued for `layer`: its last H2D copy's end (Note [Layer timestamps]).
+  void mark_h2d_end(int layer) {
+    if (layer < 0 || static_cast<size_t>(layer) >= times.size()) return;
+    LayerTimes* lt = &times[static_cast<size_t>(layer)];
+    dev.host_callback(h2d, [lt] { lt->h2d_end = now_ms(); });
+  }
+
   void issue_reload(int id) {
     Slot& s = slots[static_cast<size_t>(id)];
     if (s.kept || s.reload_issued) return;
@@ -287,9 +313,12 @@ struct OffloadEngine::Impl {
         }
       });
     }
-    dev.host_callback(h2d, [sp] { sp->h2d_start = now_ms(); });
+    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr && !mk->h2d_started) {
+      mk->h2d_started = true;
+      LayerTimes* lt = &times[static_cast<size_t>(s.layer)];
+      dev.host_callback(h2d, [lt] { lt->h2d_start = now_ms(); });
+    }
     dev.copy_async(s.reloaded.ptr, s.pinned.ptr, s.bytes, h2d);
-    dev.host_callback(h2d, [sp] { sp->h2d_end = now_ms(); });
     dev.record(s.h2d_done, h2d);
     h2d_pending.push_back(id);
   }
@@ -338,6 +367,8 @@ void OffloadEngine::begin_step() {
     lt.layer = static_cast<int>(l);
     m.tel.layers.push_back(lt);
   }
+  std::fill(m.times.begin(), m.times.end(), Impl::LayerTimes{});
+  std::fill(m.marks.begin(), m.marks.end(), Impl::LayerMarks{});
   const MemoryStats ms = m.dev.memory_stats();
   m.allocations_at_begin = 0;
   for (int k = 0; k < kMemoryKinds; ++k) m.allocations_at_begin += ms.allocations[k];
@@ -365,11 +396,20 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
   m.give_event(produced);  // the wait captured its target: reusable at once
   s.d2h_done = m.take_event();
   Impl::Slot* sp = &s;
-  m.dev.host_callback(m.d2h, [sp] { sp->d2h_start = now_ms(); });
+  Impl::LayerTimes* lt = nullptr;
+  if (Impl::LayerMarks* mk = m.layer_marks(layer); mk != nullptr) {
+    lt = &m.times[static_cast<size_t>(layer)];
+    if (!mk->d2h_started) {
+      mk->d2h_started = true;
+      m.dev.host_callback(m.d2h, [lt] { lt->d2h_start = now_ms(); });
+    }
+  }
   m.dev.copy_async(s.pinned.ptr, s.device.ptr, s.bytes, m.d2h);
+  // One callback per offloaded tensor: its copy's end (the layer's last one wins), and
+  // the checksum in verify mode. The forward's end is not a copy's end.
   const bool verify = m.opt.verify;
-  m.dev.host_callback(m.d2h, [sp, verify] {
-    sp->d2h_end = now_ms();
+  m.dev.host_callback(m.d2h, [sp, lt, verify] {
+    if (lt != nullptr) lt->d2h_end = now_ms();
     if (verify) sp->sum = checksum(sp->pinned.ptr, sp->bytes);
   });
   m.dev.record(s.d2h_done, m.d2h);
@@ -414,7 +454,13 @@ void OffloadEngine::prefetch(int layer) {
   Impl& m = *impl_;
   m.poll();
   if (layer < 0 || static_cast<size_t>(layer) >= m.layer_slots.size()) return;
-  for (int id : m.layer_slots[static_cast<size_t>(layer)]) m.issue_reload(id);
+  bool issued = false;
+  for (int id : m.layer_slots[static_cast<size_t>(layer)]) {
+    const Impl::Slot& s = m.slots[static_cast<size_t>(id)];
+    issued = issued || (!s.kept && !s.reload_issued);
+    m.issue_reload(id);
+  }
+  if (issued) m.mark_h2d_end(layer);
 }
 
 DeviceTensor OffloadEngine::reload(OffloadHandle h) {
@@ -429,9 +475,15 @@ DeviceTensor OffloadEngine::reload(OffloadHandle h) {
     s.device = DeviceTensor{};
     return t;
   }
-  m.issue_reload(h);
-  Impl::Slot* sp = &s;
-  m.dev.host_callback(m.compute, [sp] { sp->compute_reached = now_ms(); });
+  if (!s.reload_issued) {
+    m.issue_reload(h);
+    m.mark_h2d_end(s.layer);
+  }
+  if (Impl::LayerMarks* mk = m.layer_marks(s.layer); mk != nullptr && !mk->reached) {
+    mk->reached = true;
+    Impl::LayerTimes* lt = &m.times[static_cast<size_t>(s.layer)];
+    m.dev.host_callback(m.compute, [lt] { lt->compute_reached = now_ms(); });
+  }
   m.dev.wait(m.compute, s.h2d_done);
   DeviceTensor t = s.reloaded;
   s.reloaded = DeviceTensor{};
@@ -447,43 +499,31 @@ StepTelemetry OffloadEngine::end_step() {
   m.dev.synchronize(m.h2d);
   m.poll();
   StepTelemetry& t = m.tel;
-  double d2h_first = 1e300, d2h_last = 0, h2d_first = 1e300, h2d_last = 0, copy_ms = 0;
   for (size_t i = 0; i < m.slots_used; ++i) {
-    Impl::Slot& s = m.slots[i];
-    if (s.kept) continue;
-    copy_ms += s.d2h_end - s.d2h_start;
-    d2h_first = std::min(d2h_first, s.d2h_start);
-    d2h_last = std::max(d2h_last, s.d2h_end);
-    if (s.reload_issued) {
-      copy_ms += s.h2d_end - s.h2d_start;
-      h2d_first = std::min(h2d_first, s.h2d_start);
-      h2d_last = std::max(h2d_last, s.h2d_end);
-      t.h2d_bytes += static_cast<int64_t>(s.bytes);
-      const double stall = s.reload_taken && s.compute_reached > 0
-                               ? std::max(0.0, s.h2d_end - s.compute_reached)
-                               : 0.0;
-      t.stall_ms += stall;
-      if (s.layer >= 0 && static_cast<size_t>(s.layer) < t.layers.size()) {
-        LayerTelemetry& lt = t.layers[static_cast<size_t>(s.layer)];
-        lt.h2d_bytes += static_cast<int64_t>(s.bytes);
-        lt.stall_ms += stall;
-      }
+    const Impl::Slot& s = m.slots[i];
+    if (s.kept || !s.reload_issued) continue;
+    t.h2d_bytes += static_cast<int64_t>(s.bytes);
+    if (s.layer >= 0 && static_cast<size_t>(s.layer) < t.layers.size()) {
+      t.layers[static_cast<size_t>(s.layer)].h2d_bytes += static_cast<int64_t>(s.bytes);
     }
   }
+  double d2h_first = 1e300, d2h_last = 0, h2d_first = 1e300, h2d_last = 0, copy_ms = 0;
   for (LayerTelemetry& lt : t.layers) {
-    double a = 1e300, b = 0, c = 1e300, d = 0;
-    for (int id : m.layer_slots[static_cast<size_t>(lt.layer)]) {
-      const Impl::Slot& s = m.slots[static_cast<size_t>(id)];
-      if (s.kept) continue;
-      a = std::min(a, s.d2h_start);
-      b = std::max(b, s.d2h_end);
-      if (s.reload_issued) {
-        c = std::min(c, s.h2d_start);
-        d = std::max(d, s.h2d_end);
-      }
+    const Impl::LayerTimes& tm = m.times[static_cast<size_t>(lt.layer)];
+    if (tm.d2h_end > tm.d2h_start && tm.d2h_start > 0) {
+      lt.d2h_gbps = static_cast<double>(lt.d2h_bytes) / ((tm.d2h_end - tm.d2h_start) * 1e6);
+      copy_ms += tm.d2h_end - tm.d2h_start;
+      d2h_first = std::min(d2h_first, tm.d2h_start);
+      d2h_last = std::max(d2h_last, tm.d2h_end);
     }
-    if (b > a) lt.d2h_gbps = static_cast<double>(lt.d2h_bytes) / ((b - a) * 1e6);
-    if (d > c) lt.h2d_gbps = static_cast<double>(lt.h2d_bytes) / ((d - c) * 1e6);
+    if (tm.h2d_end > tm.h2d_start && tm.h2d_start > 0) {
+      lt.h2d_gbps = static_cast<double>(lt.h2d_bytes) / ((tm.h2d_end - tm.h2d_start) * 1e6);
+      copy_ms += tm.h2d_end - tm.h2d_start;
+      h2d_first = std::min(h2d_first, tm.h2d_start);
+      h2d_last = std::max(h2d_last, tm.h2d_end);
+      if (tm.compute_reached > 0) lt.stall_ms = std::max(0.0, tm.h2d_end - tm.compute_reached);
+      t.stall_ms += lt.stall_ms;
+    }
   }
   if (d2h_last > d2h_first)
     t.d2h_gbps = static_cast<double>(t.d2h_bytes) / ((d2h_last - d2h_first) * 1e6);
