@@ -37,7 +37,8 @@ struct OffloadPolicy {
   // From a plan (spillway.plan/1): the tensors whose action is "offload".
   static OffloadPolicy from_plan(const Plan& plan, int prefetch_depth);
   // Every layer but the last `keep_last` offloads the named tensors.
-  static OffloadPolicy uniform(int layers, std::vector<std::string> names, int keep_last = 1);
+  static OffloadPolicy uniform(int layers, const std::vector<std::string>& names,
+                               int keep_last = 1);
 };
 
 struct OffloadOptions {

@@ -40,7 +40,8 @@ OffloadPolicy OffloadPolicy::from_plan(const Plan& plan, int prefetch_depth) {
   return p;
 }
 
-OffloadPolicy OffloadPolicy::uniform(int layers, std::vector<std::string> names, int keep_last) {
+OffloadPolicy OffloadPolicy::uniform(int layers, const std::vector<std::string>& names,
+                                     int keep_last) {
   OffloadPolicy p;
   p.layers.resize(static_cast<size_t>(std::max(layers, 0)));
   for (int l = 0; l + keep_last < layers; ++l) p.layers[static_cast<size_t>(l)] = names;
