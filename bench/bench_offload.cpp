@@ -551,8 +551,8 @@ std::string format_offload_bench(const OffloadBenchResult& r) {
       "GB/s: 1e9 bytes copied per second, each byte counted once (the memory traffic, one read "
       "and one write per byte, is twice that). memcpy: std::memcpy of the same {} in {} chunks "
       "between two pre-touched buffers, single thread. offload/reload: the engine's "
-      "StepTelemetry d2h_gbps/h2d_gbps, bytes over the wall time from the step's first copy "
-      "start to its last copy end.\n",
+      "StepTelemetry d2h_gbps/h2d_gbps, bytes over the time the copy engine was busy with "
+      "them (the sum of each layer's first-copy-start to last-copy-end).\n",
       to_string(Bytes(r.bytes_per_step)), size_text(o.tensor_bytes));
   out += fmt::format(
       "overhead: host time inside offload {:.3f} + reload {:.3f} + free {:.3f} + prefetch and "

@@ -76,7 +76,7 @@ struct StepTelemetry {
   std::vector<LayerTelemetry> layers;
   int64_t d2h_bytes = 0;
   int64_t h2d_bytes = 0;
-  double d2h_gbps = 0.0;
+  double d2h_gbps = 0.0;  // achieved: bytes over the sum of the layers' copy times
   double h2d_gbps = 0.0;
   double stall_ms = 0.0;  // reload waits + back-pressure
   double backpressure_ms = 0.0;

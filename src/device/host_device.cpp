@@ -15,7 +15,6 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -62,6 +61,36 @@ struct Op {
   std::function<void()> fn;
 };
 
+// A FIFO of ops in one growable ring: unlike std::deque, which allocates and frees a
+// chunk every few elements, it allocates only when it grows (never in steady state).
+class OpRing {
+ public:
+  bool empty() const { return size_ == 0; }
+  void push(Op op) {
+    if (size_ == ring_.size()) grow();
+    ring_[(head_ + size_) % ring_.size()] = std::move(op);
+    ++size_;
+  }
+  Op pop() {
+    Op op = std::move(ring_[head_]);
+    ring_[head_] = Op{};  // drop what the op held (a callback's captures)
+    head_ = (head_ + 1) % ring_.size();
+    --size_;
+    return op;
+  }
+
+ private:
+  void grow() {
+    std::vector<Op> bigger(std::max<size_t>(64, ring_.size() * 2));
+    for (size_t i = 0; i < size_; ++i) bigger[i] = std::move(ring_[(head_ + i) % ring_.size()]);
+    ring_ = std::move(bigger);
+    head_ = 0;
+  }
+  std::vector<Op> ring_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
+
 class HostStream {
  public:
   HostStream(StreamRole role, double gbps) : role_(role), gbps_(gbps), worker_([this] { run(); }) {}
@@ -82,7 +111,7 @@ class HostStream {
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(op));
+      queue_.push(std::move(op));
       ++enqueued_;
       wake = worker_sleeping_;
     }
@@ -109,8 +138,7 @@ class HostStream {
         cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
         worker_sleeping_ = false;
         if (queue_.empty()) return;  // stop requested and drained
-        op = std::move(queue_.front());
-        queue_.pop_front();
+        op = queue_.pop();
       }
       execute(op);
       bool wake = false;
@@ -169,7 +197,7 @@ class HostStream {
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable done_cv_;
-  std::deque<Op> queue_;
+  OpRing queue_;
   uint64_t enqueued_ = 0;
   uint64_t done_ = 0;
   int sync_waiters_ = 0;

@@ -86,7 +86,8 @@ struct OffloadEngine::Impl {
     bool reload_taken = false;
     bool pinned_released = false;
     DeviceTensor reloaded;
-    uint64_t sum = 0;  // verify mode: written by a D2H callback, read by an H2D one
+    bool verify = false;  // checksum this tensor (OffloadOptions::verify)
+    uint64_t sum = 0;     // verify mode: written by a D2H callback, read by an H2D one
   };
   // Note [Layer timestamps]: host callbacks take timestamps per layer, not per tensor
   // (each stream op costs host time): the first copy's start in each direction, the
@@ -408,10 +409,11 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
   m.dev.copy_async(s.pinned.ptr, s.device.ptr, s.bytes, m.d2h);
   // One callback per offloaded tensor: its copy's end (the layer's last one wins), and
   // the checksum in verify mode. The forward's end is not a copy's end.
-  const bool verify = m.opt.verify;
-  m.dev.host_callback(m.d2h, [sp, lt, verify] {
+  // Two pointers: fits std::function's local buffer, so no allocation per tensor.
+  sp->verify = m.opt.verify;
+  m.dev.host_callback(m.d2h, [sp, lt] {
     if (lt != nullptr) lt->d2h_end = now_ms();
-    if (verify) sp->sum = checksum(sp->pinned.ptr, sp->bytes);
+    if (sp->verify) sp->sum = checksum(sp->pinned.ptr, sp->bytes);
   });
   m.dev.record(s.d2h_done, m.d2h);
   m.d2h_pending.push_back(id);
@@ -508,28 +510,25 @@ StepTelemetry OffloadEngine::end_step() {
       t.layers[static_cast<size_t>(s.layer)].h2d_bytes += static_cast<int64_t>(s.bytes);
     }
   }
-  double d2h_first = 1e300, d2h_last = 0, h2d_first = 1e300, h2d_last = 0, copy_ms = 0;
+  // Achieved bandwidth: bytes over the time the copy engine was busy with them, the sum of
+  // the layers' copy intervals (one stream each way: the intervals do not overlap).
+  double d2h_busy = 0, h2d_busy = 0;
   for (LayerTelemetry& lt : t.layers) {
     const Impl::LayerTimes& tm = m.times[static_cast<size_t>(lt.layer)];
     if (tm.d2h_end > tm.d2h_start && tm.d2h_start > 0) {
       lt.d2h_gbps = static_cast<double>(lt.d2h_bytes) / ((tm.d2h_end - tm.d2h_start) * 1e6);
-      copy_ms += tm.d2h_end - tm.d2h_start;
-      d2h_first = std::min(d2h_first, tm.d2h_start);
-      d2h_last = std::max(d2h_last, tm.d2h_end);
+      d2h_busy += tm.d2h_end - tm.d2h_start;
     }
     if (tm.h2d_end > tm.h2d_start && tm.h2d_start > 0) {
       lt.h2d_gbps = static_cast<double>(lt.h2d_bytes) / ((tm.h2d_end - tm.h2d_start) * 1e6);
-      copy_ms += tm.h2d_end - tm.h2d_start;
-      h2d_first = std::min(h2d_first, tm.h2d_start);
-      h2d_last = std::max(h2d_last, tm.h2d_end);
+      h2d_busy += tm.h2d_end - tm.h2d_start;
       if (tm.compute_reached > 0) lt.stall_ms = std::max(0.0, tm.h2d_end - tm.compute_reached);
       t.stall_ms += lt.stall_ms;
     }
   }
-  if (d2h_last > d2h_first)
-    t.d2h_gbps = static_cast<double>(t.d2h_bytes) / ((d2h_last - d2h_first) * 1e6);
-  if (h2d_last > h2d_first)
-    t.h2d_gbps = static_cast<double>(t.h2d_bytes) / ((h2d_last - h2d_first) * 1e6);
+  if (d2h_busy > 0) t.d2h_gbps = static_cast<double>(t.d2h_bytes) / (d2h_busy * 1e6);
+  if (h2d_busy > 0) t.h2d_gbps = static_cast<double>(t.h2d_bytes) / (h2d_busy * 1e6);
+  const double copy_ms = d2h_busy + h2d_busy;
   t.stall_ms += t.backpressure_ms;
   t.overlap_ratio = copy_ms > 0 ? std::clamp(1.0 - t.stall_ms / copy_ms, 0.0, 1.0) : 1.0;
   const MemoryStats ms = m.dev.memory_stats();
