@@ -122,8 +122,21 @@ struct OffloadEngine::Impl {
     DeviceTensor t;
     Event e;
   };
-  std::vector<Deferred> deferred;  // frees waiting for the compute stream (FIFO)
+  // Note [Batched frees]: free() only queues the block; the next engine call records one
+  // compute event for every block queued since (it covers all compute work enqueued
+  // before it). [deferred_head, deferred_recorded) wait for their event; the rest wait
+  // for one to be recorded. Entries sharing an event are contiguous.
+  std::vector<Deferred> deferred;
   size_t deferred_head = 0;
+  size_t deferred_recorded = 0;
+
+  void record_frees() {
+    if (deferred_recorded == deferred.size()) return;
+    const Event e = take_event();
+    dev.record(e, compute);
+    for (size_t i = deferred_recorded; i < deferred.size(); ++i) deferred[i].e = e;
+    deferred_recorded = deferred.size();
+  }
   std::vector<std::vector<int>> layer_slots;
   int64_t inflight = 0;
   std::atomic<int> verify_failures{0};
@@ -230,16 +243,20 @@ struct OffloadEngine::Impl {
       h2d_pending.clear();
       h2d_head = 0;
     }
-    while (deferred_head < deferred.size()) {
+    record_frees();
+    while (deferred_head < deferred_recorded) {
       Deferred& d = deferred[deferred_head];
       if (!dev.query(d.e)) break;
       release_device(d.t);
-      give_event(d.e);
+      const bool last_of_event =
+          deferred_head + 1 == deferred_recorded || deferred[deferred_head + 1].e.id != d.e.id;
+      if (last_of_event) give_event(d.e);
       ++deferred_head;
     }
     if (deferred_head == deferred.size()) {
       deferred.clear();
       deferred_head = 0;
+      deferred_recorded = 0;
     }
   }
 
@@ -257,6 +274,7 @@ struct OffloadEngine::Impl {
         continue;
       }
       if (deferred_head < deferred.size()) {
+        record_frees();
         dev.synchronize(deferred[deferred_head].e);
         continue;
       }
@@ -352,10 +370,7 @@ DeviceTensor OffloadEngine::allocate(size_t bytes) {
 void OffloadEngine::free(DeviceTensor t) {
   if (!t) return;
   Impl& m = *impl_;
-  const Event e = m.take_event();
-  m.dev.record(e, m.compute);
-  m.deferred.push_back({t, e});
-  m.poll();
+  m.deferred.push_back({t, Event{-1}});  // Note [Batched frees]
 }
 
 void OffloadEngine::begin_step() {
@@ -497,6 +512,7 @@ DeviceTensor OffloadEngine::reload(OffloadHandle h) {
 StepTelemetry OffloadEngine::end_step() {
   Impl& m = *impl_;
   SPILLWAY_CHECK(m.in_step, "end_step() without begin_step()");
+  m.record_frees();  // before the synchronize, so that the step's frees complete with it
   m.dev.synchronize(m.compute);
   m.dev.synchronize(m.d2h);
   m.dev.synchronize(m.h2d);
