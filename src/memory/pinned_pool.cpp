@@ -62,7 +62,11 @@ size_t rounded(size_t bytes) {
 
 void PinnedPool::flush_cache() {
   for (auto& [size, blocks] : cache_) {
-    for (const PinnedBlock& b : blocks) slabs_[static_cast<size_t>(b.slab)]->arena.free(b.offset);
+    for (const PinnedBlock& b : blocks) {
+      Slab& s = *slabs_[static_cast<size_t>(b.slab)];
+      s.cached[b.offset / Arena::kAlignment] = false;
+      s.arena.free(b.offset);
+    }
     blocks.clear();
   }
 }
@@ -72,6 +76,7 @@ PinnedBlock PinnedPool::acquire(size_t bytes) {
   const size_t size = rounded(bytes);
   if (auto it = cache_.find(size); it != cache_.end() && !it->second.empty()) {
     PinnedBlock b = it->second.back();
+    slabs_[static_cast<size_t>(b.slab)]->cached[b.offset / Arena::kAlignment] = false;
     it->second.pop_back();
     b.bytes = bytes;
     used_ += static_cast<int64_t>(size);
@@ -99,7 +104,13 @@ void PinnedPool::release(const PinnedBlock& b) {
   SPILLWAY_CHECK(b.slab >= 0 && static_cast<size_t>(b.slab) < slabs_.size(),
                  "pinned pool: block from slab {} is not ours", b.slab);
   const size_t size = rounded(b.bytes);
+  Slab& s = *slabs_[static_cast<size_t>(b.slab)];
+  SPILLWAY_CHECK(b.offset % Arena::kAlignment == 0 && s.arena.block_size(b.offset) > 0 &&
+                     !s.cached[b.offset / Arena::kAlignment],
+                 "pinned pool: block at offset {} of slab {} released twice or never acquired",
+                 b.offset, b.slab);
   used_ -= static_cast<int64_t>(size);
+  s.cached[b.offset / Arena::kAlignment] = true;
   cache_[size].push_back(b);
 }
 

@@ -59,7 +59,10 @@ class PinnedPool {
   struct Slab {
     void* base = nullptr;
     Arena arena;
-    explicit Slab(size_t bytes) : arena(bytes) {}
+    // One bit per alignment unit: set while a block starting there is in the cache, so a
+    // double release is caught (the arena would have caught it; the cache must too).
+    std::vector<bool> cached;
+    explicit Slab(size_t bytes) : arena(bytes), cached(bytes / Arena::kAlignment + 1, false) {}
   };
   Device& device_;
   MemoryKind kind_;

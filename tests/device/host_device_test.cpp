@@ -220,6 +220,22 @@ TEST(PinnedPool, SubAllocatesOnceReportsExhaustionAndIsThreadSafe) {
   EXPECT_EQ(dev->memory_stats().allocations[1], 2) << "no allocation after construction";
 }
 
+TEST(PinnedPool, ADoubleReleaseIsCaught) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  PinnedPoolOptions o;
+  o.bytes = int64_t{1} << 20;
+  o.slabs = 1;
+  PinnedPool pool(*dev, o);
+  const PinnedBlock b = pool.acquire(4096);
+  ASSERT_TRUE(b);
+  pool.release(b);
+  EXPECT_THROW(pool.release(b), Error);
+  const PinnedBlock again = pool.acquire(4096);  // served from the cache
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again.ptr, b.ptr);
+  pool.release(again);
+}
+
 TEST(PinnedPool, TooLargeForTheDeviceIsAClearError) {
   auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
   PinnedPoolOptions o;
