@@ -542,9 +542,8 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     LayerPlan& lp = tl.layers[l];
     lp.offload_bytes = o.cost.offload_bytes;
     if (o.cost.offload_bytes == 0) continue;
-    double first_margin = 0.0;
     const double fin_margin =
-        copy_finish_ms(c, o.actions, rate_margin, free_margin - start[l], &first_margin) + start[l];
+        copy_finish_ms(c, o.actions, rate_margin, free_margin - start[l], nullptr) + start[l];
     free_margin = fin_margin;
     // Real-rate copies, recorded for the backlog.
     std::vector<size_t> order;
@@ -568,7 +567,6 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     lp.window_ms = deadline - (start[l] + c.produced_at_ms[order.front()]);
     lp.margin = lp.window_ms / lp.d2h_ms - 1.0;
     lp.late_ms = std::max(0.0, fin_margin - deadline);
-    (void)first_margin;
     if (fin_margin > deadline + 1e-9) {
       lp.snowball = true;
       tl.snowball_layers.push_back(l);

@@ -112,7 +112,6 @@ struct Built {
   };
   std::vector<TensorTasks> tensors;
   std::vector<int> layer_last_fwd;          // GPU 0 mb 0
-  std::vector<int> layer_d2h_last;          // GPU 0 mb 0: last D2H task of the layer (-1)
   std::vector<std::vector<int>> layer_d2h;  // GPU 0 mb 0
   int head = -1;
 };
@@ -235,7 +234,6 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   std::unordered_map<int, size_t> tensor_of_d2h;  // GPU 0, micro-batch 0
   std::vector<size_t> layer_first_tensor;         // GPU 0, micro-batch 0
   for (int g = 0; g < gpus; ++g) {
-    int prev_compute = -1;  // last task on the compute stream (stream order covers it)
     for (int64_t mb = 0; mb < ga; ++mb) {
       const bool track = g == 0 && mb == 0;
       const int mbi = static_cast<int>(mb);
@@ -286,7 +284,6 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           for (int gate : pending_gate) e.add_dep(id, gate);
           pending_gate.clear();
           op_task[k] = id;
-          prev_compute = id;
           last_fwd = id;
           for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
             if (lp.tensors[ti].producer == static_cast<int>(k) &&
@@ -324,7 +321,6 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
       for (int gate : pending_gate) e.add_dep(head_id, gate);
       pending_gate.clear();
       if (track) b.head = head_id;
-      prev_compute = head_id;
 
       // Backward. bwd_task[l] is layer l's backward; reloads of layer l wait for the end of
       // the backward of layer l + prefetch + 1 (i.e. the start of l + prefetch).
@@ -363,7 +359,6 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
             lp.bwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} backward", l); }));
         for (int r : reloads[l]) e.add_dep(bw, r);
         bwd_task[l] = bw;
-        prev_compute = bw;
         if (track) {
           const size_t end = l + 1 < n ? layer_first_tensor[l + 1] : b.tensors.size();
           for (size_t k = layer_first_tensor[l]; k < end; ++k) {
@@ -375,7 +370,6 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         if (l >= static_cast<size_t>(prefetch) + 1)
           issue_reloads(l - static_cast<size_t>(prefetch) - 1, bw);
       }
-      (void)prev_compute;
     }
   }
 
@@ -516,7 +510,7 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
   Built b;
   const int64_t wbytes = req.work.shape.dtype == DType::kFp32 ? 4 : 2;
   int64_t max_layer = 0;
-  std::vector<int> copy0(n), comp0(n);
+  std::vector<int> comp0(n);
   for (int g = 0; g < o.gpus; ++g) {
     std::vector<int> comp(n, -1);
     for (size_t l = 0; l < n; ++l) {
@@ -534,10 +528,7 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
           TaskKind::kForward, g, static_cast<int>(l), 0, topo.compute[static_cast<size_t>(g)],
           lp.fwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} forward", l); }));
       e.add_dep(comp[l], cid);
-      if (g == 0) {
-        copy0[l] = cid;
-        comp0[l] = comp[l];
-      }
+      if (g == 0) comp0[l] = comp[l];
     }
   }
   e.run();
@@ -570,9 +561,7 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
   for (size_t l = 0; l < n; ++l) r.layer_fwd_end_ms[l] = tk[static_cast<size_t>(comp0[l])].end_ms;
   // Memory: static weights are not resident; the d + 1 buffers are allocated once.
   const int64_t buffers = max_layer * (o.depth + 1);
-  const MemoryBreakdown& pk = plan.summary.peak;
   std::vector<std::pair<double, int64_t>> ev;
-  (void)pk;
   r.memory = memory_curve(std::move(ev), buffers, &s.peak_hbm_bytes);
   r.memory.push_back({s.step_ms, buffers});
   fill_records(e, b, o.keep_tasks, r);

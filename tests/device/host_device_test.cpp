@@ -152,7 +152,7 @@ TEST(HostDevice, StreamsRunInOrderAndWaitOnEvents) {
   dev->synchronize(a);
   ASSERT_EQ(order.size(), 3u);
   EXPECT_EQ(order[0], 1);  // b waited for a's record
-  EXPECT_FALSE(dev->query(e) == false);
+  EXPECT_TRUE(dev->query(e));
 }
 
 TEST(HostDevice, ThrottledCopiesTakeBytesOverBandwidth) {
