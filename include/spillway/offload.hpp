@@ -108,7 +108,8 @@ class OffloadEngine {
   // ownership of t (released when its copy is done).
   OffloadHandle offload(DeviceTensor t, int layer, std::string_view name);
   void end_forward_layer(int layer);
-  // Backward: issue the reloads of `layer` (normally layer - prefetch_depth ahead).
+  // Backward: issue the reloads of `layer` (normally layer - prefetch_depth ahead), after
+  // those of the layers above it not issued yet (backward needs them first).
   void prefetch(int layer);
   // The tensor back on the device; work enqueued on the compute stream after this call
   // sees its bytes. The caller frees it with free() when its backward is done.

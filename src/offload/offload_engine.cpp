@@ -144,6 +144,7 @@ struct OffloadEngine::Impl {
   StepTelemetry tel;
   int64_t allocations_at_begin = 0;
   bool in_step = false;
+  int issue_cursor = -1;  // prefetch(): the highest layer whose reloads may be unissued
 
   Impl(Device& device, Stream compute_stream, const OffloadPolicy& policy, const OffloadOptions& o)
       : dev(device),
@@ -316,6 +317,17 @@ struct OffloadEngine::Impl {
     dev.host_callback(h2d, [lt] { lt->h2d_end = now_ms(); });
   }
 
+  // Issues every reload of `layer` not issued yet.
+  void issue_layer(int layer) {
+    bool issued = false;
+    for (int id : layer_slots[static_cast<size_t>(layer)]) {
+      const Slot& s = slots[static_cast<size_t>(id)];
+      issued = issued || (!s.kept && !s.reload_issued);
+      issue_reload(id);
+    }
+    if (issued) mark_h2d_end(layer);
+  }
+
   void issue_reload(int id) {
     Slot& s = slots[static_cast<size_t>(id)];
     if (s.kept || s.reload_issued) return;
@@ -377,6 +389,7 @@ void OffloadEngine::begin_step() {
   Impl& m = *impl_;
   SPILLWAY_CHECK(!m.in_step, "begin_step() twice without end_step()");
   m.in_step = true;
+  m.issue_cursor = -1;
   m.tel = StepTelemetry{};
   m.tel.layers.clear();
   for (size_t l = 0; l < policy_.layers.size(); ++l) {
@@ -472,13 +485,12 @@ void OffloadEngine::prefetch(int layer) {
   Impl& m = *impl_;
   m.poll();
   if (layer < 0 || static_cast<size_t>(layer) >= m.layer_slots.size()) return;
-  bool issued = false;
-  for (int id : m.layer_slots[static_cast<size_t>(layer)]) {
-    const Impl::Slot& s = m.slots[static_cast<size_t>(id)];
-    issued = issued || (!s.kept && !s.reload_issued);
-    m.issue_reload(id);
-  }
-  if (issued) m.mark_h2d_end(layer);
+  // Backward needs the layers above `layer` first: their reloads not issued yet go ahead
+  // of it on the H2D stream (the copy order is the order of need, and the first reload
+  // does not start while the last offloads still hold the link).
+  if (m.issue_cursor < 0) m.issue_cursor = static_cast<int>(m.layer_slots.size()) - 1;
+  for (; m.issue_cursor > layer; --m.issue_cursor) m.issue_layer(m.issue_cursor);
+  m.issue_layer(layer);
 }
 
 DeviceTensor OffloadEngine::reload(OffloadHandle h) {

@@ -155,6 +155,52 @@ TEST(HostDevice, StreamsRunInOrderAndWaitOnEvents) {
   EXPECT_TRUE(dev->query(e));
 }
 
+TEST(HostDevice, ARecordOnAnIdleStreamCompletesAtOnce) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  const Stream a = dev->create_stream(StreamRole::kCompute);
+  const Event e = dev->create_event();
+  dev->record(e, a);
+  EXPECT_TRUE(dev->query(e));  // nothing enqueued before it: complete on return
+  std::atomic<bool> open{false};
+  dev->host_callback(a, [&] {
+    while (!open.load()) std::this_thread::yield();
+  });
+  dev->record(e, a);
+  EXPECT_FALSE(dev->query(e));  // behind the gate
+  open = true;
+  dev->synchronize(e);
+  EXPECT_TRUE(dev->query(e));
+}
+
+TEST(HostDevice, AWaitIsReleasedByItsRecordNotByALaterOneOnAnotherStream) {
+  // Note [Event targets]: record #1 on a blocked stream, a wait on it, then record #2 on
+  // an idle stream. #2 completes first; the waiter on #1 must still wait for #1.
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  const Stream a = dev->create_stream(StreamRole::kCompute);
+  const Stream b = dev->create_stream(StreamRole::kCompute);
+  const Stream c = dev->create_stream(StreamRole::kCompute);
+  const Event e = dev->create_event();
+  std::atomic<bool> open{false};
+  std::atomic<bool> a_done{false};
+  std::atomic<bool> b_ran_before_a{false};
+  dev->host_callback(a, [&] {
+    while (!open.load()) std::this_thread::yield();
+    a_done = true;
+  });
+  dev->record(e, a);  // #1, pending
+  dev->wait(b, e);    // waits for #1
+  dev->host_callback(b, [&] { b_ran_before_a = !a_done.load(); });
+  dev->host_callback(c, [] {});
+  dev->record(e, c);  // #2
+  dev->synchronize(c);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // time for a wrong release
+  open = true;
+  dev->synchronize(b);
+  dev->synchronize(a);
+  EXPECT_FALSE(b_ran_before_a.load());
+  EXPECT_TRUE(dev->query(e));
+}
+
 TEST(HostDevice, ThrottledCopiesTakeBytesOverBandwidth) {
   // 40 MB at 2 GB/s: at least 20 ms; unthrottled H2D in the same run much faster.
   auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 2.0, 0.0});

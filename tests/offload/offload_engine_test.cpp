@@ -118,6 +118,76 @@ TEST(OffloadEngine, RoundTripsAreBitwiseEqualWithManyTensorsInFlight) {
   }
 }
 
+// A device that forwards to another and logs the destination of every copy, in the order
+// the copies were enqueued.
+class CopyLog final : public Device {
+ public:
+  explicit CopyLog(Device& d) : d_(d) {}
+  std::vector<void*> dsts;
+  std::string name() const override { return d_.name(); }
+  bool emulated() const override { return d_.emulated(); }
+  AllocResult allocate(size_t bytes, MemoryKind kind) override { return d_.allocate(bytes, kind); }
+  void free(void* ptr, MemoryKind kind) override { d_.free(ptr, kind); }
+  MemoryStats memory_stats() const override { return d_.memory_stats(); }
+  Stream create_stream(StreamRole role, int priority) override {
+    return d_.create_stream(role, priority);
+  }
+  void destroy_stream(Stream s) override { d_.destroy_stream(s); }
+  Event create_event() override { return d_.create_event(); }
+  void destroy_event(Event e) override { d_.destroy_event(e); }
+  void record(Event e, Stream s) override { d_.record(e, s); }
+  void wait(Stream s, Event e) override { d_.wait(s, e); }
+  bool query(Event e) override { return d_.query(e); }
+  void synchronize(Event e) override { d_.synchronize(e); }
+  void synchronize(Stream s) override { d_.synchronize(s); }
+  void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
+    dsts.push_back(dst);
+    d_.copy_async(dst, src, bytes, s);
+  }
+  void host_callback(Stream s, std::function<void()> fn) override {
+    d_.host_callback(s, std::move(fn));
+  }
+
+ private:
+  Device& d_;
+};
+
+TEST(OffloadEngine, PrefetchIssuesTheLayersBackwardNeedsFirst) {
+  // prefetch(l - 1) at the start of layer l's backward, before reload() of layer l: the
+  // reloads of l go to the H2D stream ahead of those of l - 1 (the order of need).
+  Rig r;
+  CopyLog log(*r.dev);
+  OffloadEngine e(log, r.compute, all_names(4), OffloadOptions{});
+  e.begin_step();
+  std::vector<OffloadHandle> h;
+  for (int l = 0; l < 4; ++l) {
+    DeviceTensor t = e.allocate(4096);
+    produce(r, t, static_cast<uint32_t>(l));
+    if (e.wants(l, "mlp.act"))
+      h.push_back(e.offload(t, l, "mlp.act"));
+    else
+      e.free(t);
+    e.end_forward_layer(l);
+  }
+  ASSERT_EQ(h.size(), 3u);  // layers 0..2; the last layer keeps its tensors
+  const size_t forward_copies = log.dsts.size();
+  e.prefetch(1);  // at layer 2's backward: 2 is needed first, then 1
+  std::atomic<int> bad{0};
+  std::vector<void*> reloaded;
+  for (int l = 2; l >= 0; --l) {
+    if (l >= 1) e.prefetch(l - 1);
+    DeviceTensor t = e.reload(h[static_cast<size_t>(l)]);
+    consume(r, t, static_cast<uint32_t>(l), &bad);
+    reloaded.push_back(t.ptr);
+    e.free(t);
+  }
+  e.end_step();
+  EXPECT_EQ(bad.load(), 0);
+  const std::vector<void*> h2d(log.dsts.begin() + static_cast<std::ptrdiff_t>(forward_copies),
+                               log.dsts.end());
+  EXPECT_EQ(h2d, reloaded);  // layer 2, then 1, then 0
+}
+
 TEST(OffloadEngine, ReloadConsumersNeverSeeStaleDataWhenCopiesAreSlowerThanCompute) {
   // 0.5 GB/s copies, near-free compute: every reload is still in flight when its consumer
   // is enqueued; the consumer must wait for it, and the device blocks (recycled from the
