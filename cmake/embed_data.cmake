@@ -1,13 +1,17 @@
-# Generates a C++ file holding every JSON catalog file under DATA_DIR as a string, so the
+# Generates a C++ file holding every JSON catalog file under DATA_DIR (models, hardware,
+# and nn: the reference model's configs) as a string, so the
 # spillway binary carries its catalogs wherever it is run. Invoked by the build (cmake -P).
 file(GLOB model_files ${DATA_DIR}/models/*.json)
 file(GLOB hw_files ${DATA_DIR}/hardware/*.json)
+file(GLOB nn_files ${DATA_DIR}/nn/*.json)
 set(body "")
-foreach(kind models hardware)
+foreach(kind models hardware nn)
   if(kind STREQUAL "models")
     set(files ${model_files})
-  else()
+  elseif(kind STREQUAL "hardware")
     set(files ${hw_files})
+  else()
+    set(files ${nn_files})
   endif()
   list(SORT files)
   foreach(f ${files})

@@ -12,6 +12,7 @@ packages=(
   libgtest-dev libgmock-dev       # tests
   libbenchmark-dev                # benchmarks
   libnuma-dev                     # NUMA-local pinned memory (device layer)
+  libopenblas-dev                 # BLAS for the reference model (src/nn)
   python3                         # test helpers that read JSON output
 )
 

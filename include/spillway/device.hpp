@@ -70,6 +70,8 @@ class Device {
   virtual void free(void* ptr, MemoryKind kind) = 0;
   // Current and peak bytes per kind, and the number of allocations.
   virtual MemoryStats memory_stats() const = 0;
+  // Starts a new peak window: every kind's peak becomes its current bytes.
+  virtual void reset_peaks() = 0;
 
   // A stream for a role (the copy directions get their own engines); priority: lower is
   // more urgent (optional: backends without priorities ignore it).

@@ -13,6 +13,7 @@ void add_hardware_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);
 void add_probe_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_train_command(CLI::App& app);
 
 // Writes `text` to `path` atomically (a temporary file renamed into place), or to stdout
 // when path is "-". A failed write leaves nothing half-written behind.

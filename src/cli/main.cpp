@@ -54,6 +54,7 @@ int run(int argc, char** argv) {
   spillway::cli::add_simulate_command(app);
   spillway::cli::add_probe_command(app);
   spillway::cli::add_bench_command(app);
+  spillway::cli::add_train_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -8,7 +8,7 @@
 namespace spillway {
 
 struct EmbeddedFile {
-  const char* kind;  // "models" or "hardware"
+  const char* kind;  // "models", "hardware" or "nn" (the reference model's configs)
   const char* name;  // file name, e.g. "qwen3-30b-a3b.json"
   const char* text;  // the file's bytes
 };

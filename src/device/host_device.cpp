@@ -326,6 +326,10 @@ class HostDevice final : public Device {
                  " not available";
       return r;
     }
+    // Pinned memory is resident once allocated (cudaHostAlloc locks its pages): touch it
+    // here, so that first-touch page faults do not slow the first copies into it.
+    if (kind == MemoryKind::kPinnedHost || kind == MemoryKind::kMappedHost)
+      std::memset(r.ptr, 0, rounded);
     host_allocs_.emplace(r.ptr, std::make_pair(kind, rounded));
     account(kind, static_cast<int64_t>(rounded));
     return r;
@@ -356,6 +360,11 @@ class HostDevice final : public Device {
   MemoryStats memory_stats() const override {
     std::lock_guard<std::mutex> lock(mem_mu_);
     return stats_;
+  }
+
+  void reset_peaks() override {
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    for (int k = 0; k < kMemoryKinds; ++k) stats_.peak[k] = stats_.current[k];
   }
 
   Stream create_stream(StreamRole role, int /*priority*/) override {

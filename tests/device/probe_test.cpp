@@ -222,6 +222,7 @@ class CorruptingDevice final : public Device {
   }
   void free(void* ptr, MemoryKind kind) override { inner_->free(ptr, kind); }
   MemoryStats memory_stats() const override { return inner_->memory_stats(); }
+  void reset_peaks() override { inner_->reset_peaks(); }
   Stream create_stream(StreamRole role, int priority) override {
     const Stream s = inner_->create_stream(role, priority);
     if (role == StreamRole::kD2H) d2h_.insert(s.id);

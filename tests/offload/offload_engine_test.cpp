@@ -129,6 +129,7 @@ class CopyLog final : public Device {
   AllocResult allocate(size_t bytes, MemoryKind kind) override { return d_.allocate(bytes, kind); }
   void free(void* ptr, MemoryKind kind) override { d_.free(ptr, kind); }
   MemoryStats memory_stats() const override { return d_.memory_stats(); }
+  void reset_peaks() override { d_.reset_peaks(); }
   Stream create_stream(StreamRole role, int priority) override {
     return d_.create_stream(role, priority);
   }

@@ -305,6 +305,11 @@ class CudaDevice final : public Device {
     return stats_;
   }
 
+  void reset_peaks() override {
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    for (int k = 0; k < kMemoryKinds; ++k) stats_.peak[k] = stats_.current[k];
+  }
+
   // The role only documents intent: CUDA picks the copy engine from the direction.
   Stream create_stream(StreamRole /*role*/, int priority) override {
     const int clamped = std::clamp(priority, priority_greatest_, priority_least_);

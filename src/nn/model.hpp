@@ -1,0 +1,110 @@
+// The reference model: a small decoder in the shape of Qwen3-MoE (token embedding,
+// RMSNorm, causal GQA attention with RoPE, SwiGLU MLPs dense in some layers and top-k
+// routed MoE in others, residuals, final norm, LM head, cross-entropy), fp32, trained on
+// the host backend, with every tensor saved for backward explicit and named with the
+// planner's names (docs/plan-schema.md).
+//
+// Note [Saved tensors]: a layer is a fixed list of forward ops over named tensors. At the
+// end of a layer's forward each saved tensor is kept in device memory, handed to the
+// offload engine, or dropped to be recomputed, as the layer's actions say. In backward a
+// tensor is materialized from where it went: kept, reloaded, or recomputed by running
+// its producing op again from its own (materialized) inputs. The ops are deterministic, so
+// a recomputed or reloaded tensor is bitwise the saved one, and loss and gradients are
+// bitwise identical under every policy; tests/nn/model_test.cpp proves it.
+//
+// Memory: parameters, gradients, the AdamW moments, activations and backward temporaries
+// all live in the device's memory (the host backend's arena, whose capacity is the
+// budget), so the arena's peak is the run's peak device memory.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "spillway/device.hpp"
+#include "spillway/model.hpp"
+#include "spillway/offload.hpp"
+#include "spillway/plan.hpp"
+
+namespace spillway::nn {
+
+struct RefConfig {
+  ModelConfig model;  // as parsed by the planner (same config.json fields)
+  int vocab = 256;    // byte-level tokens
+  int hidden = 0;
+  int heads = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+  double rope_theta = 10000.0;
+  double rms_eps = 1e-6;
+  bool norm_topk = true;
+  int layers() const { return static_cast<int>(model.layers.size()); }
+};
+
+// "tiny-moe" (embedded, data/nn/tiny-moe.json) or a path to a config.json of a
+// qwen3_moe / qwen3 / llama-like GQA model. Errors name the field and the value.
+RefConfig load_reference_config(const std::string& name_or_path);
+
+// The saved tensors of layer `layer` in forward order (the planner's names).
+std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer);
+
+// Per layer, per saved tensor: what happens to it (Action::kKeep / kOffload / kRecompute).
+struct MemoryPolicy {
+  std::string name;                          // "keep", "recompute", "plan.json", ...
+  std::vector<std::vector<Action>> actions;  // [layer][saved tensor index]
+  int prefetch_depth = 1;
+  bool any_offload() const;
+};
+
+// The policy of a plan: the actions of its tensors, by name (a missing tensor is kept; a
+// recompute of the layer input, which has no producer in the layer, is refused).
+MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::string& name);
+// Every tensor kept.
+MemoryPolicy keep_policy(const RefConfig& c);
+
+struct StepStats {
+  double loss = 0.0;
+  double step_ms = 0.0;
+  std::vector<double> layer_fwd_ms;  // host time of each layer's forward
+  std::vector<double> layer_bwd_ms;
+  int64_t peak_device_bytes = 0;  // arena peak during the step
+  StepTelemetry offload;          // the engine's telemetry (empty without offload)
+};
+
+class Model {
+ public:
+  // Allocates parameters, gradients and optimizer moments in device memory and
+  // initializes them from `seed` (normal, std 0.02; norms 1). Throws spillway::Error
+  // naming the bytes when the device memory cannot hold them.
+  Model(const RefConfig& config, Device& device, uint64_t seed);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  // One training step on tokens (batch, seq + 1) (inputs and shifted targets): forward,
+  // backward under `policy`, then AdamW with `lr`. lr = 0 skips the update (gradient
+  // tests). The policy's offloads go through `engine` (may be null when it offloads
+  // nothing). Running out of device memory throws spillway::Error naming the policy, the
+  // layer, the tensor and the bytes.
+  StepStats step(const std::vector<int32_t>& tokens, int batch, int seq, const MemoryPolicy& policy,
+                 OffloadEngine* engine, double lr);
+
+  // Parameters and their gradients, flattened in a fixed order (for tests).
+  int64_t parameter_count() const;
+  std::vector<float> parameters() const;
+  std::vector<float> gradients() const;
+  const RefConfig& config() const;
+  // The compute stream an offload engine for this model must be built with.
+  Stream compute_stream() const;
+  // Bytes of the saved tensors of one layer for (batch, seq) (what keep holds per layer).
+  int64_t saved_bytes(int layer, int batch, int seq) const;
+  // Bytes of each saved tensor of one layer, in saved_tensor_names order.
+  std::vector<int64_t> saved_tensor_bytes(int layer, int batch, int seq) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spillway::nn

@@ -1,0 +1,593 @@
+// The reference model's operations (see ops.hpp for each op's contract).
+//
+// Invariants kept here:
+// - Every loop runs in one fixed order and every reduction is sequential, so the same
+//   inputs give the same bits; GEMMs run OpenBLAS on 1 thread (Note [Deterministic GEMM]).
+// - Reductions (norms, softmax sums, dot products of attention) accumulate in double for
+//   both T; T = float then differs from T = double only by the rounding of the stored
+//   values, which is what the float-vs-double tests bound.
+// - Softmax, log-sum-exp and cross-entropy subtract the row maximum before exp.
+// - Scratch lives in thread_local vectors that only grow: no allocation per call once
+//   the largest shape has been seen.
+#include "nn/ops.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "spillway/error.hpp"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace spillway::nn {
+
+namespace {
+
+// Note [Deterministic GEMM]
+// OpenBLAS picks its code path from the shape and the thread count: small-matrix
+// kernels, the single-threaded driver, or the threaded driver that splits the work
+// among threads (and its level-1/2 routines split the summed dimension itself). It
+// promises no bitwise equality across thread counts, and its default thread count is
+// the machine's core count or OPENBLAS_NUM_THREADS. The memory policies (keep,
+// recompute, offload) must give bitwise-equal gradients, and two runs of the same plan
+// must too, so every GEMM runs on 1 thread, set on the first call, unless the caller
+// asks otherwise with set_blas_threads (and then owns the consequence). The reference
+// model is small; one thread costs little. The promise holds for one machine and one
+// OpenBLAS build: another CPU may select another kernel.
+std::once_flag blas_threads_once;
+
+void ensure_blas_threads() {
+  std::call_once(blas_threads_once, [] { openblas_set_num_threads(1); });
+}
+
+// Grows `v` to at least n elements (never shrinks) and returns its data.
+template <class U>
+U* scratch(std::vector<U>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// RoPE angles of one sequence: cos and sin (seq, head_dim / 2), rotate-half pairs
+// (i, i + head_dim / 2), freq_i = theta^(-2i / head_dim), angle = position * freq_i.
+void rope_table(int seq, int head_dim, double theta, double* cos_t, double* sin_t) {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double freq = std::pow(theta, -2.0 * i / head_dim);
+    for (int t = 0; t < seq; ++t) {
+      const double angle = t * freq;
+      cos_t[t * half + i] = std::cos(angle);
+      sin_t[t * half + i] = std::sin(angle);
+    }
+  }
+}
+
+// y (head_dim) = RoPE(x) at the angles cs, sn (head_dim / 2).
+template <class S, class D>
+void rope_rotate(const S* x, D* y, const double* cs, const double* sn, int half) {
+  for (int i = 0; i < half; ++i) {
+    const double x1 = x[i];
+    const double x2 = x[i + half];
+    y[i] = static_cast<D>(x1 * cs[i] - x2 * sn[i]);
+    y[i + half] = static_cast<D>(x1 * sn[i] + x2 * cs[i]);
+  }
+}
+
+// dx (head_dim) = RoPE^T(dy): the rotation is orthogonal, its transpose is the inverse.
+template <class T>
+void rope_unrotate(const double* dy, T* dx, const double* cs, const double* sn, int half) {
+  for (int i = 0; i < half; ++i) {
+    dx[i] = static_cast<T>(dy[i] * cs[i] + dy[i + half] * sn[i]);
+    dx[i + half] = static_cast<T>(-dy[i] * sn[i] + dy[i + half] * cs[i]);
+  }
+}
+
+void check_attention_shape(int heads, int kv_heads, int head_dim) {
+  SPILLWAY_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
+                 "attention: heads ({}) must be a multiple of kv_heads ({})", heads, kv_heads);
+  SPILLWAY_CHECK(head_dim >= 2 && head_dim % 2 == 0,
+                 "attention: head_dim is {}; must be even (rotate-half RoPE)", head_dim);
+}
+
+}  // namespace
+
+void set_blas_threads(int threads) {
+  ensure_blas_threads();
+  openblas_set_num_threads(threads);
+}
+
+// --- GEMM ---------------------------------------------------------------------------
+
+template <class T>
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b,
+          int ldb, T beta, T* c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    // op(A) * op(B) is zero; cblas would reject lda = 0, so scale C here.
+    for (int i = 0; i < m; ++i) {
+      for (int j = 0; j < n; ++j) {
+        T& cij = c[static_cast<size_t>(i) * ldc + j];
+        cij = beta == T(0) ? T(0) : beta * cij;
+      }
+    }
+    return;
+  }
+  ensure_blas_threads();
+  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
+  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>) {
+    cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
+// --- linear -------------------------------------------------------------------------
+
+template <class T>
+void linear_fwd(const T* x, const T* w, T* y, int n, int in, int out) {
+  gemm<T>(false, true, n, out, in, T(1), x, in, w, in, T(0), y, out);
+}
+
+template <class T>
+void linear_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int in, int out,
+                bool accumulate_dx) {
+  if (dx != nullptr) {
+    gemm<T>(false, false, n, in, out, T(1), dy, out, w, in, accumulate_dx ? T(1) : T(0), dx, in);
+  }
+  gemm<T>(true, false, out, in, n, T(1), dy, out, x, in, T(1), dw, in);
+}
+
+// --- RMSNorm ------------------------------------------------------------------------
+
+template <class T>
+void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps) {
+  for (int r = 0; r < n; ++r) {
+    const T* xr = x + static_cast<size_t>(r) * d;
+    T* yr = y + static_cast<size_t>(r) * d;
+    double ss = 0;
+    for (int i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const double inv_rms = 1.0 / std::sqrt(ss / d + eps);
+    for (int i = 0; i < d; ++i) yr[i] = static_cast<T>(xr[i] * inv_rms * w[i]);
+  }
+}
+
+// With s = 1 / rms: y_i = x_i s w_i, ds/dx_j = -s^3 x_j / d, so
+// dx_j = s w_j dy_j - s^3 x_j / d * sum_i (dy_i w_i x_i).
+template <class T>
+void rmsnorm_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int d, double eps) {
+  for (int r = 0; r < n; ++r) {
+    const T* xr = x + static_cast<size_t>(r) * d;
+    const T* dyr = dy + static_cast<size_t>(r) * d;
+    T* dxr = dx + static_cast<size_t>(r) * d;
+    double ss = 0;
+    double dot = 0;
+    for (int i = 0; i < d; ++i) {
+      ss += static_cast<double>(xr[i]) * xr[i];
+      dot += static_cast<double>(dyr[i]) * w[i] * xr[i];
+    }
+    const double s = 1.0 / std::sqrt(ss / d + eps);
+    const double c = s * s * s * dot / d;
+    for (int i = 0; i < d; ++i) {
+      dxr[i] = static_cast<T>(s * w[i] * dyr[i] - c * xr[i]);
+      dw[i] += static_cast<T>(static_cast<double>(dyr[i]) * xr[i] * s);
+    }
+  }
+}
+
+// --- embedding ----------------------------------------------------------------------
+
+template <class T>
+void embedding_fwd(const int32_t* tokens, const T* table, T* out, int n, int d) {
+  for (int t = 0; t < n; ++t) {
+    std::copy_n(table + static_cast<size_t>(tokens[t]) * d, d, out + static_cast<size_t>(t) * d);
+  }
+}
+
+template <class T>
+void embedding_bwd(const int32_t* tokens, const T* dout, T* dtable, int n, int d) {
+  for (int t = 0; t < n; ++t) {
+    T* row = dtable + static_cast<size_t>(tokens[t]) * d;
+    const T* g = dout + static_cast<size_t>(t) * d;
+    for (int i = 0; i < d; ++i) row[i] += g[i];
+  }
+}
+
+// --- attention ----------------------------------------------------------------------
+
+namespace {
+thread_local std::vector<double> tl_rope;  // cos then sin, 2 * (seq, head_dim / 2)
+thread_local std::vector<double> tl_attn;  // rotated q, k and their gradients
+}  // namespace
+
+template <class T>
+void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, int kv_heads,
+                   int head_dim, double rope_theta) {
+  check_attention_shape(heads, kv_heads, head_dim);
+  const int half = head_dim / 2;
+  const int group = heads / kv_heads;
+  const size_t width = static_cast<size_t>(heads + 2 * kv_heads) * head_dim;
+  const size_t out_width = static_cast<size_t>(heads) * head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+
+  const size_t table = static_cast<size_t>(seq) * half;
+  double* cos_t = scratch(tl_rope, 2 * table);
+  double* sin_t = cos_t + table;
+  rope_table(seq, head_dim, rope_theta, cos_t, sin_t);
+
+  const size_t q_size = static_cast<size_t>(seq) * heads * head_dim;
+  const size_t k_size = static_cast<size_t>(seq) * kv_heads * head_dim;
+  double* buf = scratch(tl_attn, q_size + k_size + static_cast<size_t>(seq) + head_dim);
+  double* qr = buf;              // (seq, heads, head_dim) rotated q
+  double* kr = qr + q_size;      // (seq, kv_heads, head_dim) rotated k
+  double* scores = kr + k_size;  // (seq) one query's scaled scores
+  double* acc = scores + seq;    // (head_dim) one query's output
+
+  for (int b = 0; b < batch; ++b) {
+    const T* qkv_b = qkv + static_cast<size_t>(b) * seq * width;
+    for (int t = 0; t < seq; ++t) {
+      const T* row = qkv_b + t * width;
+      for (int h = 0; h < heads; ++h) {
+        rope_rotate(row + h * head_dim, qr + (static_cast<size_t>(t) * heads + h) * head_dim,
+                    cos_t + t * half, sin_t + t * half, half);
+      }
+      for (int j = 0; j < kv_heads; ++j) {
+        rope_rotate(row + (heads + j) * head_dim,
+                    kr + (static_cast<size_t>(t) * kv_heads + j) * head_dim, cos_t + t * half,
+                    sin_t + t * half, half);
+      }
+    }
+    for (int h = 0; h < heads; ++h) {
+      const int kvh = h / group;
+      for (int i = 0; i < seq; ++i) {
+        const double* q = qr + (static_cast<size_t>(i) * heads + h) * head_dim;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int j = 0; j <= i; ++j) {
+          const double* k = kr + (static_cast<size_t>(j) * kv_heads + kvh) * head_dim;
+          double s = 0;
+          for (int c = 0; c < head_dim; ++c) s += q[c] * k[c];
+          scores[j] = s * scale;
+          mx = std::max(mx, scores[j]);
+        }
+        double sum = 0;
+        std::fill_n(acc, head_dim, 0.0);
+        for (int j = 0; j <= i; ++j) {
+          const double p = std::exp(scores[j] - mx);
+          sum += p;
+          const T* v = qkv_b + j * width + static_cast<size_t>(heads + kv_heads + kvh) * head_dim;
+          for (int c = 0; c < head_dim; ++c) acc[c] += p * v[c];
+        }
+        const size_t token = static_cast<size_t>(b) * seq + i;
+        T* o = out + token * out_width + static_cast<size_t>(h) * head_dim;
+        for (int c = 0; c < head_dim; ++c) o[c] = static_cast<T>(acc[c] / sum);
+        lse[token * heads + h] = static_cast<T>(mx + std::log(sum));
+      }
+    }
+  }
+}
+
+// With P = exp(S - lse), dP = dout V^T, D_i = dout_i . out_i = sum_j P_ij dP_ij:
+// dS = P (dP - D), dq_rot = scale dS K_rot, dk_rot = scale dS^T Q_rot, dv = P^T dout;
+// then q and k gradients go back through the inverse rotation.
+template <class T>
+void attention_bwd(const T* qkv, const T* out, const T* lse, const T* dout, T* dqkv, int batch,
+                   int seq, int heads, int kv_heads, int head_dim, double rope_theta) {
+  check_attention_shape(heads, kv_heads, head_dim);
+  const int half = head_dim / 2;
+  const int group = heads / kv_heads;
+  const size_t width = static_cast<size_t>(heads + 2 * kv_heads) * head_dim;
+  const size_t out_width = static_cast<size_t>(heads) * head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+
+  const size_t table = static_cast<size_t>(seq) * half;
+  double* cos_t = scratch(tl_rope, 2 * table);
+  double* sin_t = cos_t + table;
+  rope_table(seq, head_dim, rope_theta, cos_t, sin_t);
+
+  const size_t q_size = static_cast<size_t>(seq) * heads * head_dim;
+  const size_t k_size = static_cast<size_t>(seq) * kv_heads * head_dim;
+  double* buf = scratch(tl_attn, 2 * q_size + 3 * k_size + head_dim);
+  double* qr = buf;              // (seq, heads, head_dim) rotated q
+  double* kr = qr + q_size;      // (seq, kv_heads, head_dim) rotated k
+  double* dqr = kr + k_size;     // (seq, heads, head_dim) gradient of rotated q
+  double* dkr = dqr + q_size;    // (seq, kv_heads, head_dim) gradient of rotated k
+  double* dv = dkr + k_size;     // (seq, kv_heads, head_dim)
+  double* dq_acc = dv + k_size;  // (head_dim)
+
+  for (int b = 0; b < batch; ++b) {
+    const T* qkv_b = qkv + static_cast<size_t>(b) * seq * width;
+    for (int t = 0; t < seq; ++t) {
+      const T* row = qkv_b + t * width;
+      for (int h = 0; h < heads; ++h) {
+        rope_rotate(row + h * head_dim, qr + (static_cast<size_t>(t) * heads + h) * head_dim,
+                    cos_t + t * half, sin_t + t * half, half);
+      }
+      for (int j = 0; j < kv_heads; ++j) {
+        rope_rotate(row + (heads + j) * head_dim,
+                    kr + (static_cast<size_t>(t) * kv_heads + j) * head_dim, cos_t + t * half,
+                    sin_t + t * half, half);
+      }
+    }
+    std::fill_n(dkr, 2 * k_size, 0.0);  // dkr and dv
+
+    for (int h = 0; h < heads; ++h) {
+      const int kvh = h / group;
+      for (int i = 0; i < seq; ++i) {
+        const size_t token = static_cast<size_t>(b) * seq + i;
+        const double* q = qr + (static_cast<size_t>(i) * heads + h) * head_dim;
+        const T* o = out + token * out_width + static_cast<size_t>(h) * head_dim;
+        const T* g = dout + token * out_width + static_cast<size_t>(h) * head_dim;
+        const double l = lse[token * heads + h];
+        double big_d = 0;
+        for (int c = 0; c < head_dim; ++c) big_d += static_cast<double>(g[c]) * o[c];
+        std::fill_n(dq_acc, head_dim, 0.0);
+        for (int j = 0; j <= i; ++j) {
+          const size_t kv_off = (static_cast<size_t>(j) * kv_heads + kvh) * head_dim;
+          const double* k = kr + kv_off;
+          const T* v = qkv_b + j * width + static_cast<size_t>(heads + kv_heads + kvh) * head_dim;
+          double s = 0;
+          double dp = 0;
+          for (int c = 0; c < head_dim; ++c) {
+            s += q[c] * k[c];
+            dp += static_cast<double>(g[c]) * v[c];
+          }
+          const double p = std::exp(s * scale - l);
+          const double ds = p * (dp - big_d) * scale;
+          double* dk = dkr + kv_off;
+          double* dvj = dv + kv_off;
+          for (int c = 0; c < head_dim; ++c) {
+            dq_acc[c] += ds * k[c];
+            dk[c] += ds * q[c];
+            dvj[c] += p * g[c];
+          }
+        }
+        std::copy_n(dq_acc, head_dim, dqr + (static_cast<size_t>(i) * heads + h) * head_dim);
+      }
+    }
+
+    T* dqkv_b = dqkv + static_cast<size_t>(b) * seq * width;
+    for (int t = 0; t < seq; ++t) {
+      T* row = dqkv_b + t * width;
+      for (int h = 0; h < heads; ++h) {
+        rope_unrotate(dqr + (static_cast<size_t>(t) * heads + h) * head_dim, row + h * head_dim,
+                      cos_t + t * half, sin_t + t * half, half);
+      }
+      for (int j = 0; j < kv_heads; ++j) {
+        const size_t kv_off = (static_cast<size_t>(t) * kv_heads + j) * head_dim;
+        rope_unrotate(dkr + kv_off, row + (heads + j) * head_dim, cos_t + t * half,
+                      sin_t + t * half, half);
+        T* dv_out = row + static_cast<size_t>(heads + kv_heads + j) * head_dim;
+        for (int c = 0; c < head_dim; ++c) dv_out[c] = static_cast<T>(dv[kv_off + c]);
+      }
+    }
+  }
+}
+
+// --- SwiGLU -------------------------------------------------------------------------
+
+template <class T>
+void swiglu_fwd(const T* g, const T* u, T* act, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const double x = g[i];
+    act[i] = static_cast<T>(x / (1.0 + std::exp(-x)) * u[i]);
+  }
+}
+
+// silu'(x) = sigmoid(x) (1 + x (1 - sigmoid(x))).
+template <class T>
+void swiglu_bwd(const T* g, const T* u, const T* dact, T* dg, T* du, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const double x = g[i];
+    const double sig = 1.0 / (1.0 + std::exp(-x));
+    dg[i] = static_cast<T>(static_cast<double>(dact[i]) * u[i] * sig * (1.0 + x * (1.0 - sig)));
+    du[i] = static_cast<T>(static_cast<double>(dact[i]) * x * sig);
+  }
+}
+
+// --- softmax ------------------------------------------------------------------------
+
+template <class T>
+void softmax_fwd(const T* logits, T* probs, int n, int e) {
+  for (int r = 0; r < n; ++r) {
+    const T* l = logits + static_cast<size_t>(r) * e;
+    T* p = probs + static_cast<size_t>(r) * e;
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int i = 0; i < e; ++i) mx = std::max(mx, static_cast<double>(l[i]));
+    double sum = 0;
+    for (int i = 0; i < e; ++i) sum += std::exp(l[i] - mx);
+    for (int i = 0; i < e; ++i) p[i] = static_cast<T>(std::exp(l[i] - mx) / sum);
+  }
+}
+
+template <class T>
+void softmax_bwd(const T* probs, const T* dprobs, T* dlogits, int n, int e) {
+  for (int r = 0; r < n; ++r) {
+    const T* p = probs + static_cast<size_t>(r) * e;
+    const T* dp = dprobs + static_cast<size_t>(r) * e;
+    T* dl = dlogits + static_cast<size_t>(r) * e;
+    double dot = 0;
+    for (int i = 0; i < e; ++i) dot += static_cast<double>(p[i]) * dp[i];
+    for (int i = 0; i < e; ++i) dl[i] = static_cast<T>(p[i] * (dp[i] - dot));
+  }
+}
+
+// --- top-k --------------------------------------------------------------------------
+
+template <class T>
+void topk_fwd(const T* probs, int32_t* idx, T* weights, int n, int e, int k, bool norm_topk) {
+  SPILLWAY_CHECK(k >= 1 && k <= e, "topk: k is {}; must be in [1, {}]", k, e);
+  for (int r = 0; r < n; ++r) {
+    const T* p = probs + static_cast<size_t>(r) * e;
+    int32_t* ix = idx + static_cast<size_t>(r) * k;
+    T* wt = weights + static_cast<size_t>(r) * k;
+    for (int s = 0; s < k; ++s) {
+      // The largest not yet chosen; strict > keeps the lower index on ties.
+      int best = -1;
+      for (int x = 0; x < e; ++x) {
+        if (std::find(ix, ix + s, x) != ix + s) continue;
+        if (best < 0 || p[x] > p[best]) best = x;
+      }
+      ix[s] = best;
+    }
+    double sum = 0;
+    for (int s = 0; s < k; ++s) sum += p[ix[s]];
+    for (int s = 0; s < k; ++s) wt[s] = norm_topk ? static_cast<T>(p[ix[s]] / sum) : p[ix[s]];
+  }
+}
+
+// With norm_topk, w_s = p_s / S, S = sum_s p_s: dp_s = (dw_s - sum_j dw_j w_j) / S.
+template <class T>
+void topk_bwd(const T* probs, const int32_t* idx, const T* dweights, T* dprobs, int n, int e, int k,
+              bool norm_topk) {
+  for (int r = 0; r < n; ++r) {
+    const T* p = probs + static_cast<size_t>(r) * e;
+    const int32_t* ix = idx + static_cast<size_t>(r) * k;
+    const T* dw = dweights + static_cast<size_t>(r) * k;
+    T* dp = dprobs + static_cast<size_t>(r) * e;
+    std::fill_n(dp, e, T(0));
+    if (!norm_topk) {
+      for (int s = 0; s < k; ++s) dp[ix[s]] = dw[s];
+      continue;
+    }
+    double sum = 0;
+    for (int s = 0; s < k; ++s) sum += p[ix[s]];
+    double dot = 0;
+    for (int s = 0; s < k; ++s) dot += static_cast<double>(dw[s]) * (p[ix[s]] / sum);
+    for (int s = 0; s < k; ++s) dp[ix[s]] = static_cast<T>((dw[s] - dot) / sum);
+  }
+}
+
+// --- MoE routing --------------------------------------------------------------------
+
+void moe_route(const int32_t* idx, int n, int k, int experts, int32_t* perm, int32_t* offsets) {
+  std::fill_n(offsets, experts + 1, 0);
+  const int assignments = n * k;
+  for (int a = 0; a < assignments; ++a) {
+    SPILLWAY_CHECK(idx[a] >= 0 && idx[a] < experts,
+                   "moe_route: expert index {} (token {}, slot {}) not in [0, {})", idx[a], a / k,
+                   a % k, experts);
+    ++offsets[idx[a] + 1];
+  }
+  for (int x = 0; x < experts; ++x) offsets[x + 1] += offsets[x];
+  // offsets[x] serves as expert x's cursor; afterwards it holds x's end = x + 1's start.
+  for (int a = 0; a < assignments; ++a) perm[offsets[idx[a]]++] = a;
+  for (int x = experts; x > 0; --x) offsets[x] = offsets[x - 1];
+  offsets[0] = 0;
+}
+
+template <class T>
+void moe_dispatch_fwd(const T* x, const int32_t* perm, T* xd, int rows, int k, int d) {
+  for (int r = 0; r < rows; ++r) {
+    std::copy_n(x + static_cast<size_t>(perm[r] / k) * d, d, xd + static_cast<size_t>(r) * d);
+  }
+}
+
+template <class T>
+void moe_dispatch_bwd(const T* dxd, const int32_t* perm, T* dx, int rows, int k, int d) {
+  for (int r = 0; r < rows; ++r) {
+    T* row = dx + static_cast<size_t>(perm[r] / k) * d;
+    const T* g = dxd + static_cast<size_t>(r) * d;
+    for (int i = 0; i < d; ++i) row[i] += g[i];
+  }
+}
+
+template <class T>
+void moe_combine_fwd(const T* residual, const T* eo, const T* weights, const int32_t* inv, T* y,
+                     int n, int k, int d) {
+  for (int t = 0; t < n; ++t) {
+    const T* res = residual + static_cast<size_t>(t) * d;
+    T* yr = y + static_cast<size_t>(t) * d;
+    for (int i = 0; i < d; ++i) {
+      T acc = res[i];
+      for (int s = 0; s < k; ++s) {
+        const size_t a = static_cast<size_t>(t) * k + s;
+        acc += weights[a] * eo[static_cast<size_t>(inv[a]) * d + i];
+      }
+      yr[i] = acc;
+    }
+  }
+}
+
+template <class T>
+void moe_combine_bwd(const T* eo, const T* weights, const int32_t* inv, const T* dy, T* deo,
+                     T* dweights, int n, int k, int d) {
+  for (int t = 0; t < n; ++t) {
+    const T* g = dy + static_cast<size_t>(t) * d;
+    for (int s = 0; s < k; ++s) {
+      const size_t a = static_cast<size_t>(t) * k + s;
+      const T* e = eo + static_cast<size_t>(inv[a]) * d;
+      T* de = deo + static_cast<size_t>(inv[a]) * d;
+      double dot = 0;
+      for (int i = 0; i < d; ++i) {
+        dot += static_cast<double>(g[i]) * e[i];
+        de[i] = weights[a] * g[i];
+      }
+      dweights[a] = static_cast<T>(dot);
+    }
+  }
+}
+
+// --- loss and residual --------------------------------------------------------------
+
+template <class T>
+double cross_entropy(const T* logits, const int32_t* targets, T* dlogits, int n, int v) {
+  double loss = 0;
+  for (int r = 0; r < n; ++r) {
+    const T* l = logits + static_cast<size_t>(r) * v;
+    T* dl = dlogits + static_cast<size_t>(r) * v;
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int i = 0; i < v; ++i) mx = std::max(mx, static_cast<double>(l[i]));
+    double sum = 0;
+    for (int i = 0; i < v; ++i) sum += std::exp(l[i] - mx);
+    const double lse = mx + std::log(sum);
+    loss += lse - l[targets[r]];
+    for (int i = 0; i < v; ++i) {
+      const double p = std::exp(l[i] - lse);
+      dl[i] = static_cast<T>((p - (i == targets[r] ? 1.0 : 0.0)) / n);
+    }
+  }
+  return loss / n;
+}
+
+template <class T>
+void add(const T* a, const T* b, T* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+}
+
+// --- instantiations -----------------------------------------------------------------
+
+#define SPILLWAY_NN_INSTANTIATE(T)                                                                 \
+  template void gemm<T>(bool, bool, int, int, int, T, const T*, int, const T*, int, T, T*, int);   \
+  template void linear_fwd<T>(const T*, const T*, T*, int, int, int);                              \
+  template void linear_bwd<T>(const T*, const T*, const T*, T*, T*, int, int, int, bool);          \
+  template void rmsnorm_fwd<T>(const T*, const T*, T*, int, int, double);                          \
+  template void rmsnorm_bwd<T>(const T*, const T*, const T*, T*, T*, int, int, double);            \
+  template void embedding_fwd<T>(const int32_t*, const T*, T*, int, int);                          \
+  template void embedding_bwd<T>(const int32_t*, const T*, T*, int, int);                          \
+  template void attention_fwd<T>(const T*, T*, T*, int, int, int, int, int, double);               \
+  template void attention_bwd<T>(const T*, const T*, const T*, const T*, T*, int, int, int, int,   \
+                                 int, double);                                                     \
+  template void swiglu_fwd<T>(const T*, const T*, T*, size_t);                                     \
+  template void swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, size_t);                       \
+  template void softmax_fwd<T>(const T*, T*, int, int);                                            \
+  template void softmax_bwd<T>(const T*, const T*, T*, int, int);                                  \
+  template void topk_fwd<T>(const T*, int32_t*, T*, int, int, int, bool);                          \
+  template void topk_bwd<T>(const T*, const int32_t*, const T*, T*, int, int, int, bool);          \
+  template void moe_dispatch_fwd<T>(const T*, const int32_t*, T*, int, int, int);                  \
+  template void moe_dispatch_bwd<T>(const T*, const int32_t*, T*, int, int, int);                  \
+  template void moe_combine_fwd<T>(const T*, const T*, const T*, const int32_t*, T*, int, int,     \
+                                   int);                                                           \
+  template void moe_combine_bwd<T>(const T*, const T*, const int32_t*, const T*, T*, T*, int, int, \
+                                   int);                                                           \
+  template double cross_entropy<T>(const T*, const int32_t*, T*, int, int);                        \
+  template void add<T>(const T*, const T*, T*, size_t);
+
+SPILLWAY_NN_INSTANTIATE(float)
+SPILLWAY_NN_INSTANTIATE(double)
+#undef SPILLWAY_NN_INSTANTIATE
+
+}  // namespace spillway::nn

@@ -1,0 +1,127 @@
+// The reference model's operations: explicit forward and backward for every op, on host
+// memory (the host backend's device memory is host-addressable), in the style of llm.c's
+// train_gpt2.c.
+//
+// Invariants every op keeps:
+// - Row-major buffers; shapes beside each parameter: (rows, cols).
+// - Templates over T = float (training) and T = double (the finite-difference reference
+//   of the same code). GEMMs go through cblas (sgemm / dgemm).
+// - Deterministic: the same inputs give the same bits (fixed loop orders, no atomics,
+//   reductions in one fixed order). Bitwise identity of the gradients across memory
+//   policies (keep, recompute, offload) relies on it: a recomputed tensor equals the
+//   saved one to the bit.
+// - "Overwritten" outputs are fully written (tests poison them first); "accumulated" ones
+//   (+=) are added to, so that parameter gradients sum over layers, experts and tokens.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace spillway::nn {
+
+// C (m, n) = alpha * op(A) * op(B) + beta * C, op(X) = X or X^T; lda/ldb/ldc row strides.
+template <class T>
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda,
+          const T* b, int ldb, T beta, T* c, int ldc);
+
+// y (n, out) = x (n, in) * W^T, W (out, in) as nn.Linear (no bias).
+template <class T>
+void linear_fwd(const T* x, const T* w, T* y, int n, int in, int out);
+// dx (n, in) = dy * W (overwritten, or accumulated when accumulate_dx);
+// dW (out, in) += dy^T * x. dx may be null (no input gradient wanted).
+template <class T>
+void linear_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int in, int out,
+                bool accumulate_dx);
+
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w; x, y (n, d), w (d).
+template <class T>
+void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps);
+// dx (n, d) overwritten; dw (d) accumulated. Recomputes the rms from x.
+template <class T>
+void rmsnorm_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int d, double eps);
+
+// out (n, d) = table[tokens[i]]; table (vocab, d).
+template <class T>
+void embedding_fwd(const int32_t* tokens, const T* table, T* out, int n, int d);
+// dtable (vocab, d) accumulated, rows in token order.
+template <class T>
+void embedding_bwd(const int32_t* tokens, const T* dout, T* dtable, int n, int d);
+
+// Causal grouped-query attention with rotary position embedding.
+// qkv (batch * seq, (heads + 2 * kv_heads) * head_dim): per token the q heads, then the
+// k heads, then the v heads; RoPE (theta, rotate-half convention, position = index within
+// the sequence) is applied to q and k inside the op; q head h reads kv head
+// h / (heads / kv_heads); scale 1 / sqrt(head_dim).
+// out (batch * seq, heads * head_dim) overwritten; lse (batch * seq, heads) overwritten:
+// the log-sum-exp of each query's scaled scores (what a flash-attention backward keeps).
+template <class T>
+void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, int kv_heads,
+                   int head_dim, double rope_theta);
+// dqkv (same shape as qkv) overwritten, from qkv, out, lse and dout (softmax probabilities
+// recomputed from the scores and lse).
+template <class T>
+void attention_bwd(const T* qkv, const T* out, const T* lse, const T* dout, T* dqkv, int batch,
+                   int seq, int heads, int kv_heads, int head_dim, double rope_theta);
+
+// act = silu(g) * u elementwise, n elements.
+template <class T>
+void swiglu_fwd(const T* g, const T* u, T* act, size_t n);
+// dg, du overwritten.
+template <class T>
+void swiglu_bwd(const T* g, const T* u, const T* dact, T* dg, T* du, size_t n);
+
+// Row softmax: probs (n, e) = softmax(logits (n, e)), max-subtracted.
+template <class T>
+void softmax_fwd(const T* logits, T* probs, int n, int e);
+// dlogits (n, e) overwritten.
+template <class T>
+void softmax_bwd(const T* probs, const T* dprobs, T* dlogits, int n, int e);
+
+// Top-k of each row of probs (n, e): idx (n, k) in descending probability (ties: lower
+// expert index first), weights (n, k) = the probs at idx, divided by their sum when
+// norm_topk (Qwen3-MoE's norm_topk_prob).
+template <class T>
+void topk_fwd(const T* probs, int32_t* idx, T* weights, int n, int e, int k, bool norm_topk);
+// dprobs (n, e) overwritten: zero except at idx, where the chain rule through the
+// selection (and the normalization when norm_topk) puts dweights (n, k).
+template <class T>
+void topk_bwd(const T* probs, const int32_t* idx, const T* dweights, T* dprobs, int n, int e,
+              int k, bool norm_topk);
+
+// MoE routing as a counting sort: the n * k assignments (token t, slot s) ordered by
+// expert, then token, then slot. perm (n * k): perm[r] = t * k + s of dispatched row r;
+// offsets (experts + 1): expert x owns rows [offsets[x], offsets[x + 1]). No allocation.
+void moe_route(const int32_t* idx, int n, int k, int experts, int32_t* perm, int32_t* offsets);
+
+// Dispatch: xd (n * k, d) row r = x (n, d) row perm[r] / k.
+template <class T>
+void moe_dispatch_fwd(const T* x, const int32_t* perm, T* xd, int rows, int k, int d);
+// dx (n, d) accumulated: row perm[r] / k += dxd row r, r ascending (deterministic).
+template <class T>
+void moe_dispatch_bwd(const T* dxd, const int32_t* perm, T* dx, int rows, int k, int d);
+
+// Combine: y (n, d) = residual (n, d) + sum over slots s of weights[t, s] * eo row
+// inv[t * k + s], eo (n * k, d) the experts' outputs in dispatched order, inv the inverse
+// of perm (inv[perm[r]] = r). y overwritten; summed over s ascending.
+template <class T>
+void moe_combine_fwd(const T* residual, const T* eo, const T* weights, const int32_t* inv, T* y,
+                     int n, int k, int d);
+// deo (n * k, d) overwritten; dweights (n, k) overwritten; the residual's gradient is dy
+// itself (the caller adds it).
+template <class T>
+void moe_combine_bwd(const T* eo, const T* weights, const int32_t* inv, const T* dy, T* deo,
+                     T* dweights, int n, int k, int d);
+
+// Mean cross-entropy of logits (n, v) against targets (n); dlogits (n, v) overwritten
+// with its gradient ((softmax - onehot) / n). Returns the loss (summed in double).
+template <class T>
+double cross_entropy(const T* logits, const int32_t* targets, T* dlogits, int n, int v);
+
+// Residual add: y (n) = a + b, overwritten (y may alias a).
+template <class T>
+void add(const T* a, const T* b, T* y, size_t n);
+
+// Threads OpenBLAS may use: 1 by default (see Note [Deterministic GEMM] in ops.cpp).
+void set_blas_threads(int threads);
+
+}  // namespace spillway::nn

@@ -1,0 +1,476 @@
+// `spillway train`: see trainer.hpp.
+#include "nn/trainer.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "spillway/device.hpp"
+#include "spillway/error.hpp"
+#include "spillway/offload.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway::nn {
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string mb(int64_t bytes) {
+  return fmt::format("{:.2f}", static_cast<double>(bytes) / 1e6);
+}
+
+void validate(const TrainOptions& o) {
+  auto at_least = [](const char* flag, double v, double lo) {
+    if (!(v >= lo)) SPILLWAY_INPUT_ERROR("{} is {}; must be >= {}", flag, v, lo);
+  };
+  at_least("--steps", o.steps, 1);
+  at_least("--micro-batch", o.micro_batch, 1);
+  at_least("--seq-len", o.seq_len, 2);
+  at_least("--device-memory-mb", o.device_memory_mb, 1);
+  at_least("--d2h-gbps", o.d2h_gbps, 0);
+  at_least("--h2d-gbps", o.h2d_gbps, 0);
+  at_least("--prefetch-depth", o.prefetch_depth, 0);
+  at_least("--keep-last", o.keep_last, 0);
+  at_least("--margin", o.margin, 0);
+  at_least("--lr", o.lr, 0);
+  if (o.seq_len > 4096)
+    SPILLWAY_INPUT_ERROR("--seq-len is {}; the reference model takes <= 4096", o.seq_len);
+  if (o.device_memory_mb > 1e6)
+    SPILLWAY_INPUT_ERROR("--device-memory-mb is {}; must be <= 1000000", o.device_memory_mb);
+  if (o.device != "host") {
+    if (o.device == "cuda")
+      SPILLWAY_INPUT_ERROR(
+          "--device cuda: the reference model's ops are a CPU reference (cblas); it has no CUDA "
+          "kernels yet, so it trains on the host backend only (--device host)");
+    SPILLWAY_INPUT_ERROR("--device is '{}'; must be host or cuda", o.device);
+  }
+}
+
+// The emulated device as a hardware profile, so that the planner can plan for it: HBM =
+// the arena, the link = the throttles (unthrottled: this machine's memcpy speed, ~20 GB/s
+// here); compute is calibrated from measured layer times, so the peak figures only seed
+// the roofline before the calibration scales it.
+HardwareProfile host_profile(const TrainOptions& o) {
+  HardwareProfile hw;
+  hw.name = "host-backend";
+  hw.description = "the host backend: an emulated device in host memory";
+  hw.source = "spillway train";
+  hw.hbm_gb = o.device_memory_mb * 1048576.0 / 1e9;
+  hw.hbm_tbps = 0.02;
+  hw.sms = 1;
+  hw.bf16_dense = TFlops(0.05);
+  hw.fp8_dense = TFlops(0.05);
+  hw.link_kind = "emulated";
+  const double d2h = o.d2h_gbps > 0 ? o.d2h_gbps : 20.0;
+  const double h2d = o.h2d_gbps > 0 ? o.h2d_gbps : 20.0;
+  hw.d2h_nominal = GBps(d2h);
+  hw.d2h_typical = GBps(d2h);
+  hw.h2d_nominal = GBps(h2d);
+  hw.h2d_typical = GBps(h2d);
+  hw.gpus_per_link = 1;
+  hw.host_memory_gb = 16;
+  hw.gpus_per_host_memory = 1;
+  return hw;
+}
+
+PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Strategy s,
+                         std::optional<double> layer_fwd_ms) {
+  PlanRequest r;
+  r.model = c.model;
+  r.hardware = host_profile(o);
+  r.work.shape.micro_batch = o.micro_batch;
+  r.work.shape.seq_len = o.seq_len;
+  r.work.shape.dtype = DType::kFp32;
+  r.strategy = s;
+  r.margin = o.margin;
+  r.layer_fwd_ms = layer_fwd_ms;
+  r.hbm_budget_gb = r.hardware.hbm_gb;
+  r.d2h_gbps = r.hardware.d2h_typical.value;
+  r.h2d_gbps = r.hardware.h2d_typical.value;
+  r.keep_last_layers = o.keep_last;
+  r.prefetch_depth = o.prefetch_depth;
+  return r;
+}
+
+OffloadPolicy offload_policy(const RefConfig& c, const MemoryPolicy& p) {
+  OffloadPolicy op;
+  op.prefetch_depth = p.prefetch_depth;
+  for (int l = 0; l < c.layers(); ++l) {
+    const std::vector<std::string> names = saved_tensor_names(c, l);
+    std::vector<std::string> out;
+    for (size_t i = 0; i < names.size(); ++i)
+      if (p.actions[static_cast<size_t>(l)][i] == Action::kOffload) out.push_back(names[i]);
+    op.layers.push_back(out);
+  }
+  return op;
+}
+
+// Note [Train offload sizing]: the pinned pool holds one step's offloaded tensors; the
+// device pool (the documented staging, part of the device budget) holds the reloads of
+// prefetch_depth + 1 layers (the one in use and those prefetched); in-flight D2H bytes are bounded
+// at one layer's worth, so offload holds at most one layer's offloaded bytes beyond what recompute
+// holds (plus that staging), and a copy engine that cannot keep up stalls compute (counted as
+// back-pressure) instead of holding device memory without limit.
+OffloadOptions offload_options(const Model& m, const MemoryPolicy& p, int batch, int seq) {
+  const RefConfig& c = m.config();
+  int64_t total = 0, layer_max = 0, tensor_max = 0;
+  int tensors = 0;
+  for (int l = 0; l < c.layers(); ++l) {
+    const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, batch, seq);
+    int64_t layer = 0;
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      if (p.actions[static_cast<size_t>(l)][i] != Action::kOffload) continue;
+      const int64_t b = (bytes[i] + 255) / 256 * 256;
+      layer += b;
+      tensor_max = std::max(tensor_max, b);
+      ++tensors;
+    }
+    total += layer;
+    layer_max = std::max(layer_max, layer);
+  }
+  OffloadOptions o;
+  o.pinned_slabs = 2;
+  o.pinned_bytes = total + 2 * tensor_max + 4096;
+  o.device_pool_bytes = (p.prefetch_depth + 1) * layer_max + 2 * tensor_max + 4096;
+  o.inflight_bound_bytes = layer_max;
+  o.max_tensors = tensors + 16;
+  return o;
+}
+
+std::vector<int32_t> batch_tokens(const std::vector<int32_t>& corpus, uint64_t seed, int step,
+                                  int batch, int seq) {
+  std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(step));
+  const size_t span = static_cast<size_t>(seq) + 1;
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(batch) * span);
+  for (int b = 0; b < batch; ++b) {
+    const size_t start = static_cast<size_t>(rng() % (corpus.size() - span + 1));
+    out.insert(out.end(), corpus.begin() + static_cast<std::ptrdiff_t>(start),
+               corpus.begin() + static_cast<std::ptrdiff_t>(start + span));
+  }
+  return out;
+}
+
+std::string count_actions(const MemoryPolicy& p) {
+  int keep = 0, off = 0, rec = 0;
+  for (const auto& l : p.actions)
+    for (Action a : l) (a == Action::kKeep ? keep : a == Action::kOffload ? off : rec)++;
+  return fmt::format("{} kept, {} offloaded, {} recomputed tensors", keep, off, rec);
+}
+
+PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryPolicy& pol,
+                        const std::vector<int32_t>& corpus,
+                        const std::function<void(const std::string&)>& progress) {
+  HostDeviceOptions ho;
+  ho.device_bytes = static_cast<int64_t>(o.device_memory_mb * 1048576.0);
+  ho.d2h_gbps = o.d2h_gbps;
+  ho.h2d_gbps = o.h2d_gbps;
+  std::unique_ptr<Device> dev = make_host_device(ho);
+  PolicyResult r;
+  r.name = pol.name;
+  Model model(c, *dev, o.seed);
+  std::unique_ptr<OffloadEngine> engine;
+  if (pol.any_offload()) {
+    engine = std::make_unique<OffloadEngine>(*dev, model.compute_stream(), offload_policy(c, pol),
+                                             offload_options(model, pol, o.micro_batch, o.seq_len));
+  }
+  std::vector<double> times, stalls;
+  r.layer_fwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
+  r.layer_bwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
+  for (int s = 0; s < o.steps; ++s) {
+    const std::vector<int32_t> tokens = batch_tokens(corpus, o.seed, s, o.micro_batch, o.seq_len);
+    const StepStats st = model.step(tokens, o.micro_batch, o.seq_len, pol, engine.get(), o.lr);
+    StepRecord rec;
+    rec.step = s;
+    rec.loss = st.loss;
+    rec.step_ms = st.step_ms;
+    rec.peak_device_bytes = st.peak_device_bytes;
+    rec.offloaded_bytes = st.offload.d2h_bytes;
+    rec.reloaded_bytes = st.offload.h2d_bytes;
+    rec.stall_ms = st.offload.stall_ms;
+    rec.snowball = st.offload.snowball;
+    rec.snowball_layer = st.offload.snowball_first_layer;
+    r.steps.push_back(rec);
+    if (s > 0 || o.steps == 1) {
+      times.push_back(st.step_ms);
+      stalls.push_back(st.offload.stall_ms);
+      for (int l = 0; l < c.layers(); ++l) {
+        r.layer_fwd_ms[static_cast<size_t>(l)] += st.layer_fwd_ms[static_cast<size_t>(l)];
+        r.layer_bwd_ms[static_cast<size_t>(l)] += st.layer_bwd_ms[static_cast<size_t>(l)];
+      }
+    }
+    r.peak_device_bytes = std::max(r.peak_device_bytes, st.peak_device_bytes);
+    // The summary's verdict is the steady state's: the first step also pays first-touch
+    // page faults (its per-step line still warns).
+    if (rec.snowball && !r.snowball && (s > 0 || o.steps == 1)) {
+      r.snowball = true;
+      r.snowball_layer = rec.snowball_layer;
+    }
+    if (progress) {
+      std::string line = fmt::format(
+          "{:<10} step {:>3}/{}  loss {:.4f}  {:>8.2f} ms  peak {:>7} MB  offloaded {:>6} MB  "
+          "reloaded {:>6} MB  stall {:.2f} ms",
+          pol.name, s + 1, o.steps, st.loss, st.step_ms, mb(st.peak_device_bytes),
+          mb(rec.offloaded_bytes), mb(rec.reloaded_bytes), rec.stall_ms);
+      if (rec.snowball)
+        line += fmt::format(
+            "\n  warning: snowball: layer {}'s copies were not done when the next "
+            "layer's forward ended; the copy queue grows (slower link than the "
+            "plan assumed, or a plan without margin)",
+            rec.snowball_layer.value_or(-1));
+      progress(line);
+    }
+  }
+  const double n = static_cast<double>(times.size());
+  for (double& v : r.layer_fwd_ms) v /= n;
+  for (double& v : r.layer_bwd_ms) v /= n;
+  r.loss = r.steps.back().loss;
+  r.step_ms = median(times);
+  r.stall_ms = median(stalls);
+  r.offloaded_bytes = r.steps.back().offloaded_bytes;
+  r.final_gradients = model.gradients();
+  r.plan_note = count_actions(pol);
+  return r;
+}
+
+double mean_layer_fwd_ms(const PolicyResult& r) {
+  double s = 0;
+  for (double v : r.layer_fwd_ms) s += v;
+  return r.layer_fwd_ms.empty() ? 0.0 : s / static_cast<double>(r.layer_fwd_ms.size());
+}
+
+Strategy strategy_of(const std::string& name) {
+  if (name == "keep") return Strategy::kKeep;
+  if (name == "recompute") return Strategy::kRecompute;
+  if (name == "offload") return Strategy::kOffload;
+  if (name == "selective") return Strategy::kSelective;
+  if (name == "hybrid") return Strategy::kHybrid;
+  if (name == "auto") return Strategy::kAuto;
+  SPILLWAY_INPUT_ERROR(
+      "--policy is '{}'; must be keep, recompute, offload, selective, hybrid, auto or a plan "
+      "JSON file (spillway plan --json)",
+      name);
+}
+
+bool is_plan_path(const std::string& p) {
+  return p.size() > 5 && p.compare(p.size() - 5, 5, ".json") == 0;
+}
+
+// The policy named `name`, planned with the layer time `fwd_ms`; the plan itself in `*plan`.
+MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::string& name,
+                         double fwd_ms, Plan* plan) {
+  if (is_plan_path(name)) {
+    PlanRequest req;
+    *plan = load_plan_json(name, &req);
+    MemoryPolicy p = policy_from_plan(c, *plan, name);
+    p.prefetch_depth = o.prefetch_depth;
+    return p;
+  }
+  const Strategy s = strategy_of(name);
+  *plan = make_plan(plan_request(c, o, s, fwd_ms));
+  if (s == Strategy::kKeep) {
+    MemoryPolicy p = keep_policy(c);
+    p.prefetch_depth = o.prefetch_depth;
+    return p;
+  }
+  if (s == Strategy::kAuto && !plan->summary.feasible) {
+    std::string why;
+    for (const std::string& r : plan->summary.reasons) why += "\n  " + r;
+    SPILLWAY_INPUT_ERROR(
+        "--policy auto: no plan fits {} MiB of device memory at micro-batch {} x seq {}:{}",
+        o.device_memory_mb, o.micro_batch, o.seq_len, why);
+  }
+  MemoryPolicy p = policy_from_plan(c, *plan, name);
+  p.prefetch_depth = o.prefetch_depth;
+  return p;
+}
+
+}  // namespace
+
+std::vector<int32_t> load_corpus(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    SPILLWAY_INPUT_ERROR("--corpus: cannot read '{}' (a text file; byte-level tokens)", path);
+  std::vector<int32_t> out;
+  for (std::istreambuf_iterator<char> it(in), end; it != end; ++it)
+    out.push_back(static_cast<int32_t>(static_cast<unsigned char>(*it)));
+  return out;
+}
+
+TrainReport train(const TrainOptions& o, const std::function<void(const std::string&)>& progress) {
+  validate(o);
+  const RefConfig c = load_reference_config(o.model);
+  TrainReport rep;
+  rep.corpus = o.corpus.empty() ? kDefaultCorpus : o.corpus;
+  const std::vector<int32_t> corpus = load_corpus(rep.corpus);
+  rep.corpus_bytes = static_cast<int64_t>(corpus.size());
+  if (rep.corpus_bytes < o.seq_len + 1)
+    SPILLWAY_INPUT_ERROR("--corpus: '{}' has {} bytes; --seq-len {} needs at least {}", rep.corpus,
+                         corpus.size(), o.seq_len, o.seq_len + 1);
+
+  // Calibration (trainer.hpp): the keep run's layer times under --compare, else two
+  // calibration steps under the recompute policy (it fits where the others fit; its
+  // forward is the same as every policy's), the second one measured.
+  std::vector<std::string> names;
+  if (o.compare) {
+    names = {"keep", "recompute", "offload", "selective", "hybrid", "auto"};
+  } else {
+    names = {o.policy};
+    if (!is_plan_path(o.policy)) strategy_of(o.policy);  // a bad name fails before any work
+  }
+  double fwd_ms = 0;
+  TrainOptions cal = o;
+  cal.steps = 2;
+  cal.lr = 0;
+  if (!o.compare && o.policy != "keep") {
+    Plan plan;
+    const MemoryPolicy rec = make_policy(c, o, "recompute", 1.0, &plan);
+    const PolicyResult r = run_policy(c, cal, rec, corpus, nullptr);
+    fwd_ms = mean_layer_fwd_ms(r);
+  }
+  for (const std::string& name : names) {
+    Plan plan;
+    PolicyResult r;
+    try {
+      const MemoryPolicy pol = make_policy(c, o, name, fwd_ms > 0 ? fwd_ms : 1.0, &plan);
+      r = run_policy(c, o, pol, corpus, progress);
+    } catch (const Error& e) {
+      if (!o.compare) throw;
+      r.name = name;
+      r.error = e.what();  // --compare goes on with the other policies
+      if (progress) progress(fmt::format("{:<10} failed: {}", name, r.error));
+    }
+    if (name == "keep" && r.error.empty()) fwd_ms = mean_layer_fwd_ms(r);
+    if (!is_plan_path(name))
+      plan = make_plan(plan_request(c, o, strategy_of(name), fwd_ms > 0 ? fwd_ms : 1.0));
+    r.predicted_step_ms = plan.summary.step_ms;
+    r.predicted_peak_bytes = plan.summary.peak.total();
+    r.predicted_feasible = plan.summary.feasible;
+    rep.policies.push_back(std::move(r));
+  }
+  const PolicyResult* ref = nullptr;
+  for (const PolicyResult& p : rep.policies) {
+    if (!p.error.empty()) continue;
+    if (ref == nullptr) {
+      ref = &p;
+      continue;
+    }
+    if (p.loss != ref->loss || p.final_gradients.size() != ref->final_gradients.size() ||
+        std::memcmp(p.final_gradients.data(), ref->final_gradients.data(),
+                    p.final_gradients.size() * sizeof(float)) != 0) {
+      rep.losses_identical = false;
+    }
+  }
+  rep.parameters = ref == nullptr ? 0 : static_cast<int64_t>(ref->final_gradients.size());
+  return rep;
+}
+std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
+  std::string out;
+  out += fmt::format(
+      "model {} ({} parameters), micro-batch {} x seq {}, {} steps, seed {}, corpus {} ({} "
+      "bytes, byte-level tokens)\n",
+      o.model, r.parameters, o.micro_batch, o.seq_len, o.steps, o.seed, r.corpus, r.corpus_bytes);
+  out += fmt::format(
+      "device: host backend, {} MiB, copies {} / {}\n\n", o.device_memory_mb,
+      o.d2h_gbps > 0 ? fmt::format("D2H {} GB/s", o.d2h_gbps) : std::string("D2H unthrottled"),
+      o.h2d_gbps > 0 ? fmt::format("H2D {} GB/s", o.h2d_gbps) : std::string("H2D unthrottled"));
+  const PolicyResult* keep = nullptr;
+  const PolicyResult* rec = nullptr;
+  for (const PolicyResult& p : r.policies) {
+    if (p.name == "keep") keep = &p;
+    if (p.name == "recompute") rec = &p;
+  }
+  out += fmt::format(
+      "{:<10} {:>9} {:>10} {:>7} {:>7} {:>9} {:>7} {:>7} {:>10} {:>8} {:>9}  {:>10} {:>10}\n",
+      "policy", "loss", "peak MB", "/keep", "/recomp", "step ms", "/keep", "/recomp", "offload MB",
+      "stall ms", "snowball", "plan MB", "plan ms");
+  for (const PolicyResult& p : r.policies) {
+    auto ratio = [](double a, const PolicyResult* b, bool peak) {
+      if (b == nullptr) return std::string("-");
+      const double den = peak ? static_cast<double>(b->peak_device_bytes) : b->step_ms;
+      return den > 0 ? fmt::format("{:.2f}", a / den) : std::string("-");
+    };
+    out += fmt::format(
+        "{:<10} {:>9.4f} {:>10} {:>7} {:>7} {:>9.2f} {:>7} {:>7} {:>10} {:>8.2f} {:>9}  {:>10} "
+        "{:>10}\n",
+        p.name, p.loss, mb(p.peak_device_bytes),
+        ratio(static_cast<double>(p.peak_device_bytes), keep, true),
+        ratio(static_cast<double>(p.peak_device_bytes), rec, true), p.step_ms,
+        ratio(p.step_ms, keep, false), ratio(p.step_ms, rec, false), mb(p.offloaded_bytes),
+        p.stall_ms,
+        p.snowball ? fmt::format("layer {}", p.snowball_layer.value_or(-1)) : std::string("no"),
+        mb(p.predicted_peak_bytes), fmt::format("{:.2f}", p.predicted_step_ms));
+  }
+  out += "\n";
+  for (const PolicyResult& p : r.policies)
+    out += fmt::format("{:<10} loss {:.4f} -> {:.4f}; {}\n", p.name, p.steps.front().loss, p.loss,
+                       p.plan_note);
+  if (r.policies.size() > 1) {
+    out += r.losses_identical
+               ? "loss and every gradient bitwise identical across the policies\n"
+               : "WARNING: losses or gradients differ across policies (a bug: they must be "
+                 "bitwise identical)\n";
+  }
+  out += fmt::format(
+      "\npeak MB: the device arena's peak during a step (parameters, gradients, AdamW moments, "
+      "activations, backward temporaries, the offload engine's reload staging). step ms: the "
+      "median step after the first. plan: the planner's prediction for the same policy, "
+      "calibrated with the measured mean layer forward time ({}); its peak counts weights, "
+      "gradients, optimizer states and saved activations, not the backward temporaries.\n",
+      o.compare ? "of the keep run" : "of a calibration run");
+  return out;
+}
+
+std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
+  nlohmann::json j;
+  j["schema"] = "spillway.train/1";
+  j["model"] = o.model;
+  j["parameters"] = r.parameters;
+  j["micro_batch"] = o.micro_batch;
+  j["seq_len"] = o.seq_len;
+  j["steps"] = o.steps;
+  j["seed"] = o.seed;
+  j["device_memory_bytes"] = static_cast<int64_t>(o.device_memory_mb * 1048576.0);
+  j["d2h_gbps"] = o.d2h_gbps;
+  j["h2d_gbps"] = o.h2d_gbps;
+  j["corpus"] = r.corpus;
+  j["bitwise_identical"] = r.losses_identical;
+  nlohmann::json arr = nlohmann::json::array();
+  for (const PolicyResult& p : r.policies) {
+    nlohmann::json q;
+    q["name"] = p.name;
+    q["loss"] = p.loss;
+    q["first_loss"] = p.steps.front().loss;
+    q["peak_device_bytes"] = p.peak_device_bytes;
+    q["step_ms"] = p.step_ms;
+    q["offloaded_bytes"] = p.offloaded_bytes;
+    q["stall_ms"] = p.stall_ms;
+    q["snowball"] = p.snowball;
+    q["snowball_layer"] = p.snowball_layer ? nlohmann::json(*p.snowball_layer) : nlohmann::json();
+    q["predicted_step_ms"] = p.predicted_step_ms;
+    q["predicted_peak_bytes"] = p.predicted_peak_bytes;
+    q["predicted_feasible"] = p.predicted_feasible;
+    q["actions"] = p.plan_note;
+    nlohmann::json losses = nlohmann::json::array();
+    for (const StepRecord& s : p.steps) losses.push_back(s.loss);
+    q["losses"] = losses;
+    arr.push_back(q);
+  }
+  j["policies"] = arr;
+  return j.dump(2) + "\n";
+}
+
+}  // namespace spillway::nn

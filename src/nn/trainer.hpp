@@ -1,0 +1,97 @@
+// `spillway train`: the reference model trained end to end under a memory policy (keep,
+// recompute, offload, selective, hybrid, auto, or a plan JSON), on the host backend with
+// optionally throttled copy engines, with per-step figures, and `--compare` runs of every
+// policy on the same seed beside the planner's predictions.
+//
+// Invariants: every policy of one run sees the same initial weights and the same batches
+// (both from --seed), so losses and gradients are bitwise identical across policies
+// (Note [Saved tensors] in model.hpp); the planner is calibrated from measured layer
+// times (the keep run's under --compare, else a calibration step's).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "nn/model.hpp"
+#include "spillway/plan.hpp"
+
+namespace spillway::nn {
+
+struct TrainOptions {
+  std::string model = "tiny-moe";
+  int steps = 20;
+  int micro_batch = 8;
+  int seq_len = 128;
+  std::string policy = "keep";  // keep|recompute|offload|selective|hybrid|auto|PATH.json
+  std::string device = "host";
+  double device_memory_mb = 256;  // the emulated device's capacity (MiB)
+  double d2h_gbps = 0;            // copy throttles (0 = memcpy speed)
+  double h2d_gbps = 0;
+  uint64_t seed = 1;
+  double lr = 3e-3;
+  std::string corpus;  // byte-level text; empty: the default corpus
+  int prefetch_depth = 1;
+  int keep_last = 1;
+  double margin = 0.10;
+  bool compare = false;
+};
+
+// The default corpus: the GNU GPL v3 text every Debian system ships (base-files).
+inline constexpr const char* kDefaultCorpus = "/usr/share/common-licenses/GPL-3";
+
+struct StepRecord {
+  int step = 0;
+  double loss = 0;
+  double step_ms = 0;
+  int64_t peak_device_bytes = 0;
+  int64_t offloaded_bytes = 0;
+  int64_t reloaded_bytes = 0;
+  double stall_ms = 0;
+  bool snowball = false;
+  std::optional<int> snowball_layer;
+};
+
+struct PolicyResult {
+  std::string name;
+  std::vector<StepRecord> steps;
+  double loss = 0;                // of the last step
+  double step_ms = 0;             // median over the steps after the first
+  int64_t peak_device_bytes = 0;  // max over the steps
+  int64_t offloaded_bytes = 0;    // per step (the last)
+  double stall_ms = 0;            // median
+  bool snowball = false;
+  std::optional<int> snowball_layer;
+  std::vector<double> layer_fwd_ms;  // mean over the steps after the first
+  std::vector<double> layer_bwd_ms;
+  // The planner's prediction for this policy (calibrated from measured layer times).
+  double predicted_step_ms = 0;
+  int64_t predicted_peak_bytes = 0;
+  bool predicted_feasible = true;
+  std::string plan_note;               // e.g. "auto chose recompute in 3 layers, offload in 1"
+  std::vector<float> final_gradients;  // of the last step (for identity checks)
+  std::string error;                   // --compare: why this policy could not run
+};
+
+struct TrainReport {
+  std::vector<PolicyResult> policies;
+  std::string corpus;
+  int64_t corpus_bytes = 0;
+  int64_t parameters = 0;
+  bool losses_identical = true;  // across policies (compare)
+};
+
+// Byte-level tokens of a text file; errors name the path.
+std::vector<int32_t> load_corpus(const std::string& path);
+
+// Runs `spillway train`. `progress` receives one line per step (may be empty).
+TrainReport train(const TrainOptions& o, const std::function<void(const std::string&)>& progress);
+
+// The human tables and the JSON (`policies[] {name, loss, peak_device_bytes, step_ms,
+// offloaded_bytes, stall_ms, snowball, ...}`).
+std::string format_train_report(const TrainReport& r, const TrainOptions& o);
+std::string train_report_json(const TrainReport& r, const TrainOptions& o);
+
+}  // namespace spillway::nn

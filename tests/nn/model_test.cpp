@@ -1,0 +1,292 @@
+// The reference model under every memory policy: bitwise-identical loss and gradients
+// (Note [Saved tensors]), peak device memory against keep and recompute, clear errors when
+// the device memory runs out, the loss falling, and the snowball under a slow link with
+// auto avoiding it.
+#include "nn/model.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "nn/trainer.hpp"
+#include "spillway/error.hpp"
+
+namespace spillway::nn {
+namespace {
+
+constexpr int kBatch = 2;
+constexpr int kSeq = 32;
+
+std::vector<int32_t> tokens(uint32_t seed) {
+  std::mt19937 g(seed);
+  std::vector<int32_t> t(static_cast<size_t>(kBatch * (kSeq + 1)));
+  for (int32_t& v : t) v = static_cast<int32_t>(g() % 256);
+  return t;
+}
+
+struct PolicyRun {
+  std::vector<double> losses;
+  std::vector<float> grads;
+  std::vector<float> params;
+  int64_t peak = 0;
+  int64_t pool_bytes = 0;
+  int64_t max_layer_offloaded = 0;
+  StepTelemetry tel;
+};
+
+// Two training steps (the second from weights the first updated) under `p`.
+PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = int64_t{64} << 20) {
+  auto dev = make_host_device(HostDeviceOptions{device_bytes, 0.0, 0.0});
+  Model m(c, *dev, 7);
+  std::unique_ptr<OffloadEngine> engine;
+  PolicyRun r;
+  if (p.any_offload()) {
+    OffloadPolicy op;
+    op.prefetch_depth = p.prefetch_depth;
+    int64_t total = 0;
+    for (int l = 0; l < c.layers(); ++l) {
+      const std::vector<std::string> names = saved_tensor_names(c, l);
+      const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, kBatch, kSeq);
+      std::vector<std::string> go;
+      int64_t layer = 0;
+      for (size_t i = 0; i < names.size(); ++i) {
+        if (p.actions[static_cast<size_t>(l)][i] != Action::kOffload) continue;
+        go.push_back(names[i]);
+        layer += (bytes[i] + 255) / 256 * 256;
+      }
+      total += layer;
+      r.max_layer_offloaded = std::max(r.max_layer_offloaded, layer);
+      op.layers.push_back(go);
+    }
+    OffloadOptions o;
+    o.pinned_bytes = total + (int64_t{1} << 20);
+    o.device_pool_bytes = (p.prefetch_depth + 1) * r.max_layer_offloaded + (int64_t{1} << 18);
+    o.max_tensors = 128;
+    o.inflight_bound_bytes = r.max_layer_offloaded;  // as the trainer sets it
+    r.pool_bytes = o.device_pool_bytes;
+    engine = std::make_unique<OffloadEngine>(*dev, m.compute_stream(), op, o);
+  }
+  for (int s = 0; s < 2; ++s) {
+    const StepStats st =
+        m.step(tokens(100 + static_cast<uint32_t>(s)), kBatch, kSeq, p, engine.get(), 1e-3);
+    r.losses.push_back(st.loss);
+    r.peak = std::max(r.peak, st.peak_device_bytes);
+    r.tel = st.offload;
+  }
+  r.grads = m.gradients();
+  r.params = m.parameters();
+  return r;
+}
+
+MemoryPolicy uniform(const RefConfig& c, Action a, const char* name) {
+  MemoryPolicy p = keep_policy(c);
+  p.name = name;
+  for (auto& l : p.actions) {
+    for (size_t i = 1; i < l.size(); ++i) l[i] = a;  // the layer input stays
+  }
+  return p;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(ReferenceModel, LossAndGradientsAreBitwiseIdenticalUnderEveryPolicy) {
+  const RefConfig c = load_reference_config("tiny-moe");
+  const PolicyRun keep = run(c, keep_policy(c));
+  ASSERT_TRUE(std::isfinite(keep.losses[0]));
+  std::vector<MemoryPolicy> policies = {uniform(c, Action::kRecompute, "recompute-all"),
+                                        uniform(c, Action::kOffload, "offload-all")};
+  // Random mixes, the layer input included (kept or offloaded, never recomputed).
+  const uint32_t seed = 2024;
+  std::cout << "seed " << seed << "\n";
+  std::mt19937 g(seed);
+  for (int k = 0; k < 4; ++k) {
+    MemoryPolicy p = keep_policy(c);
+    p.name = "mix" + std::to_string(k);
+    p.prefetch_depth = k % 3;
+    for (auto& l : p.actions) {
+      for (size_t i = 0; i < l.size(); ++i) {
+        const auto r = g() % 3;
+        l[i] = r == 0 ? Action::kKeep : r == 1 ? Action::kOffload : Action::kRecompute;
+        if (i == 0 && l[i] == Action::kRecompute) l[i] = Action::kOffload;
+      }
+    }
+    policies.push_back(p);
+  }
+  for (const MemoryPolicy& p : policies) {
+    SCOPED_TRACE(p.name);
+    const PolicyRun r = run(c, p);
+    EXPECT_EQ(r.losses, keep.losses);  // exact
+    EXPECT_TRUE(same_bits(r.grads, keep.grads));
+    EXPECT_TRUE(same_bits(r.params, keep.params));
+    if (p.any_offload()) {
+      EXPECT_GT(r.tel.d2h_bytes, 0);
+      EXPECT_EQ(r.tel.d2h_bytes, r.tel.h2d_bytes);
+    }
+  }
+}
+
+TEST(ReferenceModel, RecomputeAndOffloadNeedLessDeviceMemoryThanKeep) {
+  const RefConfig c = load_reference_config("tiny-moe");
+  const PolicyRun keep = run(c, keep_policy(c));
+  const PolicyRun rec = run(c, uniform(c, Action::kRecompute, "recompute-all"));
+  MemoryPolicy off = uniform(c, Action::kRecompute, "offload-mlp");
+  // As the planner's offload policy: the MLP tensors go to the host, the rest recomputes;
+  // the last layer keeps its tensors (no window).
+  for (int l = 0; l + 1 < c.layers(); ++l) {
+    const std::vector<std::string> names = saved_tensor_names(c, l);
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (names[i] == "mlp.gate_out" || names[i] == "mlp.up_out" || names[i] == "mlp.act")
+        off.actions[static_cast<size_t>(l)][i] = Action::kOffload;
+    }
+  }
+  const PolicyRun o = run(c, off);
+  std::cout << "peak bytes: keep " << keep.peak << ", recompute " << rec.peak << ", offload "
+            << o.peak << " (staging pool " << o.pool_bytes << ", largest layer offloaded "
+            << o.max_layer_offloaded << ")\n";
+  EXPECT_LT(rec.peak, keep.peak);
+  EXPECT_LT(o.peak, keep.peak);
+  // Offload holds at most one layer's offloaded bytes in flight beyond recompute, plus
+  // the engine's reload staging (Note [Train offload sizing]).
+  EXPECT_LE(o.peak - rec.peak, o.max_layer_offloaded + o.pool_bytes);
+}
+
+TEST(ReferenceModel, RunningOutOfDeviceMemoryNamesThePolicyAndTheBytes) {
+  const RefConfig c = load_reference_config("tiny-moe");
+  const PolicyRun keep = run(c, keep_policy(c));
+  try {
+    run(c, keep_policy(c), keep.peak - (int64_t{1} << 16));
+    FAIL() << "expected an out-of-memory error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("policy keep"), std::string::npos) << m;
+    EXPECT_NE(m.find("needed"), std::string::npos) << m;
+    EXPECT_NE(m.find("device memory exhausted"), std::string::npos) << m;
+  }
+  // Too small even for the parameters: said as such.
+  try {
+    run(c, keep_policy(c), int64_t{1} << 20);
+    FAIL() << "expected an out-of-memory error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameters"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ReferenceModel, PlansRefusingToRecomputeTheLayerInput) {
+  const RefConfig c = load_reference_config("tiny-moe");
+  Plan plan;
+  for (int l = 0; l < c.layers(); ++l) {
+    LayerPlan lp;
+    lp.index = l;
+    TensorPlan t;
+    t.name = "attn.input";
+    t.action = Action::kRecompute;
+    lp.tensors.push_back(t);
+    plan.layers.push_back(lp);
+  }
+  EXPECT_THROW(policy_from_plan(c, plan, "bad.json"), Error);
+  plan.layers.pop_back();
+  EXPECT_THROW(policy_from_plan(c, plan, "short.json"), Error);
+}
+
+TEST(ReferenceModel, ConfigErrorsNameTheField) {
+  EXPECT_THROW(load_reference_config("/nonexistent/config.json"), Error);
+  try {
+    load_reference_config("/usr/share/common-licenses/GPL-3");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("JSON"), std::string::npos) << e.what();
+  }
+}
+
+TrainOptions small(const std::string& policy) {
+  TrainOptions o;
+  o.policy = policy;
+  o.steps = 3;
+  o.micro_batch = kBatch;
+  o.seq_len = kSeq;
+  o.device_memory_mb = 64;
+  return o;
+}
+
+TEST(Train, TheLossFallsOnTheCorpus) {
+  TrainOptions o = small("keep");
+  o.steps = 25;
+  o.lr = 3e-3;
+  const TrainReport r = train(o, nullptr);
+  ASSERT_EQ(r.policies.size(), 1u);
+  const PolicyResult& p = r.policies[0];
+  ASSERT_EQ(p.steps.size(), 25u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) {
+    first += p.steps[static_cast<size_t>(i)].loss;
+    last += p.steps[static_cast<size_t>(20 + i)].loss;
+  }
+  EXPECT_LT(last, first - 5 * 0.3) << "mean of the last 5 steps vs the first 5";
+}
+
+TEST(Train, CompareRunsEveryPolicyBitwiseIdentically) {
+  TrainOptions o = small("keep");
+  o.compare = true;
+  const TrainReport r = train(o, nullptr);
+  ASSERT_EQ(r.policies.size(), 6u);
+  EXPECT_TRUE(r.losses_identical);
+  for (const PolicyResult& p : r.policies) {
+    SCOPED_TRACE(p.name);
+    EXPECT_TRUE(p.error.empty()) << p.error;
+    EXPECT_GT(p.predicted_peak_bytes, 0);
+    EXPECT_GT(p.predicted_step_ms, 0);
+  }
+  const std::string json = train_report_json(r, o);
+  for (const char* key : {"\"policies\"", "\"name\"", "\"loss\"", "\"peak_device_bytes\"",
+                          "\"step_ms\"", "\"offloaded_bytes\"", "\"stall_ms\"", "\"snowball\""}) {
+    EXPECT_NE(json.find(key), std::string::npos) << key;
+  }
+}
+
+TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {
+  // Each layer offloads ~0.1-0.3 MB; at 0.005 GB/s that is 20-60 ms per layer against a
+  // forward of ~1 ms: the copies cannot keep up.
+  TrainOptions o = small("offload");
+  o.d2h_gbps = 0.005;
+  o.h2d_gbps = 0.005;
+  const TrainReport off = train(o, nullptr);
+  EXPECT_TRUE(off.policies[0].snowball);
+  o.policy = "auto";
+  const TrainReport au = train(o, nullptr);
+  EXPECT_FALSE(au.policies[0].snowball);
+  EXPECT_EQ(au.policies[0].offloaded_bytes, 0) << au.policies[0].plan_note;
+  EXPECT_EQ(au.policies[0].loss, off.policies[0].loss);  // same bits, other policy
+}
+
+TEST(Train, BadOptionsAreClearErrors) {
+  TrainOptions o = small("sideways");
+  EXPECT_THROW(train(o, nullptr), Error);
+  o = small("keep");
+  o.device = "cuda";
+  try {
+    train(o, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--device cuda"), std::string::npos);
+  }
+  o = small("keep");
+  o.steps = 0;
+  EXPECT_THROW(train(o, nullptr), Error);
+  o = small("keep");
+  o.corpus = "/nonexistent";
+  EXPECT_THROW(train(o, nullptr), Error);
+  o = small("auto");
+  o.device_memory_mb = 2;  // below the parameters and optimizer states
+  try {
+    train(o, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    std::cout << e.what() << "\n";
+  }
+}
+
+}  // namespace
+}  // namespace spillway::nn
