@@ -34,8 +34,9 @@ void add_train_command(CLI::App& app) {
       "  spillway plan --model ./config.json --hardware gh200 --json plan.json && "
       "spillway train --model ./config.json --policy plan.json");
   cmd->add_option("--model", o->model,
-                  "tiny-moe (embedded: 4 layers, hidden 64, 8 experts top-2, first layer dense) "
-                  "or a Qwen3-MoE-style config.json (GQA, vocab >= 256)")
+                  "tiny-moe (embedded: 4 layers, hidden 64, 8 experts top-2, first layer dense), "
+                  "small-moe (8 layers, hidden 256, experts of 512), or a Qwen3-MoE-style "
+                  "config.json (GQA, vocab >= 256)")
       ->capture_default_str();
   cmd->add_option("--steps", o->steps, "Training steps per policy")->capture_default_str();
   cmd->add_option("--micro-batch", o->micro_batch, "Sequences per step")->capture_default_str();

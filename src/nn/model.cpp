@@ -86,16 +86,17 @@ std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer) {
 RefConfig load_reference_config(const std::string& name_or_path) {
   std::string text;
   std::string file = name_or_path;
-  if (name_or_path == "tiny-moe") {
-    const EmbeddedFile* f = find_embedded("nn", "tiny-moe.json");
-    SPILLWAY_CHECK(f != nullptr, "the embedded tiny-moe config is missing");
-    text = f->text;
-    file = "data/nn/tiny-moe.json";
+  const EmbeddedFile* embedded = find_embedded("nn", name_or_path + ".json");
+  if (embedded != nullptr) {
+    text = embedded->text;
+    file = "data/nn/" + name_or_path + ".json";
   } else {
     std::ifstream in(name_or_path);
     if (!in)
-      SPILLWAY_INPUT_ERROR("--model: '{}' is neither tiny-moe nor a readable config.json",
-                           name_or_path);
+      SPILLWAY_INPUT_ERROR(
+          "--model: '{}' is neither an embedded reference model (tiny-moe, small-moe) nor a "
+          "readable config.json",
+          name_or_path);
     std::stringstream ss;
     ss << in.rdbuf();
     text = ss.str();
@@ -107,7 +108,7 @@ RefConfig load_reference_config(const std::string& name_or_path) {
     SPILLWAY_INPUT_ERROR("model config: not valid JSON ({}) (file: {})", e.what(), file);
   }
   RefConfig c;
-  const std::string stem = name_or_path == "tiny-moe" ? "tiny-moe" : file;
+  const std::string stem = embedded != nullptr ? name_or_path : file;
   c.model = parse_model_config(j, stem, file);
   c.hidden = to_int(c.model.hidden, "hidden_size");
   if (c.model.vocab < 256)

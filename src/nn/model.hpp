@@ -42,8 +42,9 @@ struct RefConfig {
   int layers() const { return static_cast<int>(model.layers.size()); }
 };
 
-// "tiny-moe" (embedded, data/nn/tiny-moe.json) or a path to a config.json of a
-// qwen3_moe / qwen3 / llama-like GQA model. Errors name the field and the value.
+// An embedded reference config (data/nn/: "tiny-moe" for tests and the default run,
+// "small-moe" for the benchmark) or a path to a config.json of a qwen3_moe / qwen3 /
+// llama-like GQA model. Errors name the field and the value.
 RefConfig load_reference_config(const std::string& name_or_path);
 
 // The saved tensors of layer `layer` in forward order (the planner's names).
