@@ -27,6 +27,11 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+// "524288 bytes (0.50 MiB)": exact, and in the unit of --device-memory-mb.
+std::string size_text(size_t bytes) {
+  return fmt::format("{} bytes ({:.2f} MiB)", bytes, static_cast<double>(bytes) / 1048576.0);
+}
+
 int to_int(int64_t v, const char* field) {
   if (v <= 0 || v > (int64_t{1} << 24))
     SPILLWAY_INPUT_ERROR("reference model: {} is {}; must be in [1, 2^24]", field, v);
@@ -222,7 +227,8 @@ struct Model::Impl {
     where_phase = phase;
   }
   std::string where() const {
-    if (where_layer < 0) return fmt::format("{} {}", where_phase, where_what);
+    if (where_layer < 0)
+      return fmt::format("{} {}", where_phase, where_what).substr(where_phase[0] == '\0' ? 1 : 0);
     return fmt::format("at layer {} {} ({})", where_layer, where_what, where_phase);
   }
 
@@ -247,9 +253,8 @@ struct Model::Impl {
       throw Error(fmt::format(
           "{}device memory exhausted {}: {} needed, {} in use ({}); raise --device-memory-mb or "
           "use a policy that keeps less (--policy auto finds one that fits)",
-          policy_name.empty() ? "" : "policy " + policy_name + ": ", where(),
-          to_string(Bytes(static_cast<int64_t>(bytes))), to_string(Bytes(ms.current[0])),
-          r.reason));
+          policy_name.empty() ? "" : "policy " + policy_name + ": ", where(), size_text(bytes),
+          size_text(static_cast<size_t>(ms.current[0])), r.reason));
     }
     return r.ptr;
   }

@@ -55,6 +55,7 @@ struct MemoryPolicy {
   std::string name;                          // "keep", "recompute", "plan.json", ...
   std::vector<std::vector<Action>> actions;  // [layer][saved tensor index]
   int prefetch_depth = 1;
+  std::string note;  // how it was chosen (auto), for reports
   bool any_offload() const;
 };
 

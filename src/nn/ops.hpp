@@ -21,8 +21,8 @@ namespace spillway::nn {
 
 // C (m, n) = alpha * op(A) * op(B) + beta * C, op(X) = X or X^T; lda/ldb/ldc row strides.
 template <class T>
-void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda,
-          const T* b, int ldb, T beta, T* c, int ldc);
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b,
+          int ldb, T beta, T* c, int ldc);
 
 // y (n, out) = x (n, in) * W^T, W (out, in) as nn.Linear (no bias).
 template <class T>
@@ -85,8 +85,8 @@ void topk_fwd(const T* probs, int32_t* idx, T* weights, int n, int e, int k, boo
 // dprobs (n, e) overwritten: zero except at idx, where the chain rule through the
 // selection (and the normalization when norm_topk) puts dweights (n, k).
 template <class T>
-void topk_bwd(const T* probs, const int32_t* idx, const T* dweights, T* dprobs, int n, int e,
-              int k, bool norm_topk);
+void topk_bwd(const T* probs, const int32_t* idx, const T* dweights, T* dprobs, int n, int e, int k,
+              bool norm_topk);
 
 // MoE routing as a counting sort: the n * k assignments (token t, slot s) ordered by
 // expert, then token, then slot. perm (n * k): perm[r] = t * k + s of dispatched row r;

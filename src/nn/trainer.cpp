@@ -243,6 +243,7 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
   r.offloaded_bytes = r.steps.back().offloaded_bytes;
   r.final_gradients = model.gradients();
   r.plan_note = count_actions(pol);
+  if (!pol.note.empty()) r.plan_note += "; " + pol.note;
   return r;
 }
 
@@ -271,7 +272,7 @@ bool is_plan_path(const std::string& p) {
 
 // The policy named `name`, planned with the layer time `fwd_ms`; the plan itself in `*plan`.
 MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::string& name,
-                         double fwd_ms, Plan* plan) {
+                         double fwd_ms, const std::vector<int32_t>& corpus, Plan* plan) {
   if (is_plan_path(name)) {
     PlanRequest req;
     *plan = load_plan_json(name, &req);
@@ -280,22 +281,70 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
     return p;
   }
   const Strategy s = strategy_of(name);
-  *plan = make_plan(plan_request(c, o, s, fwd_ms));
+  PlanRequest req = plan_request(c, o, s, fwd_ms);
+  *plan = make_plan(req);
   if (s == Strategy::kKeep) {
     MemoryPolicy p = keep_policy(c);
     p.prefetch_depth = o.prefetch_depth;
     return p;
   }
-  if (s == Strategy::kAuto && !plan->summary.feasible) {
-    std::string why;
-    for (const std::string& r : plan->summary.reasons) why += "\n  " + r;
-    SPILLWAY_INPUT_ERROR(
-        "--policy auto: no plan fits {} MiB of device memory at micro-batch {} x seq {}:{}",
-        o.device_memory_mb, o.micro_batch, o.seq_len, why);
+  if (s != Strategy::kAuto) {
+    MemoryPolicy p = policy_from_plan(c, *plan, name);
+    p.prefetch_depth = o.prefetch_depth;
+    return p;
   }
-  MemoryPolicy p = policy_from_plan(c, *plan, name);
-  p.prefetch_depth = o.prefetch_depth;
-  return p;
+  // Note [Auto fits the arena]: the planner's peak leaves out what only the runtime has
+  // (backward temporaries, the engine's reload staging, the arena's alignment), so auto
+  // measures its plan: one step without update on an arena large enough, and when the
+  // measured peak exceeds this arena (less 2% for fragmentation), it plans again with
+  // the budget lowered by the excess.
+  const int64_t arena = static_cast<int64_t>(o.device_memory_mb * 1048576.0 * 0.98);
+  TrainOptions probe = o;
+  probe.steps = 1;
+  probe.lr = 0;
+  probe.device_memory_mb = o.device_memory_mb * 4 + 64;
+  auto fits = [&](const MemoryPolicy& p) {
+    return run_policy(c, probe, p, corpus, nullptr).peak_device_bytes <= arena;
+  };
+  double budget_gb = *req.hbm_budget_gb;
+  for (int attempt = 0; attempt < 4 && plan->summary.feasible; ++attempt) {
+    MemoryPolicy p = policy_from_plan(c, *plan, name);
+    p.prefetch_depth = o.prefetch_depth;
+    const PolicyResult r = run_policy(c, probe, p, corpus, nullptr);
+    if (r.peak_device_bytes <= arena) {
+      p.note = fmt::format("the planner's fastest plan for a budget of {:.1f} MB", budget_gb * 1e3);
+      return p;
+    }
+    budget_gb -= static_cast<double>(r.peak_device_bytes - arena) * 1.02 / 1e9;
+    if (budget_gb <= 0) break;
+    req.hbm_budget_gb = budget_gb;
+    *plan = make_plan(req);
+  }
+  // The named strategies, fastest first by the planner's step time: the first that fits.
+  std::vector<std::pair<Plan, Strategy>> named;
+  for (Strategy t :
+       {Strategy::kSelective, Strategy::kHybrid, Strategy::kOffload, Strategy::kRecompute}) {
+    PlanRequest rq = plan_request(c, o, t, fwd_ms);
+    rq.hbm_budget_gb = 1e6;  // judged by measurement, not by the planner's peak
+    named.emplace_back(make_plan(rq), t);
+  }
+  std::stable_sort(named.begin(), named.end(), [](const auto& x, const auto& y) {
+    return x.first.summary.step_ms < y.first.summary.step_ms;
+  });
+  for (const auto& [pl, t] : named) {
+    MemoryPolicy p = policy_from_plan(c, pl, name);
+    p.prefetch_depth = o.prefetch_depth;
+    if (fits(p)) {
+      *plan = pl;
+      p.note = fmt::format("the {} plan, the fastest whose measured peak fits", to_string(t));
+      return p;
+    }
+  }
+  SPILLWAY_INPUT_ERROR(
+      "--policy auto: no plan fits {} MiB of device memory at micro-batch {} x seq {}: even "
+      "the recompute policy's measured peak exceeds it; raise --device-memory-mb or lower "
+      "--micro-batch or --seq-len",
+      o.device_memory_mb, o.micro_batch, o.seq_len);
 }
 
 }  // namespace
@@ -335,17 +384,18 @@ TrainReport train(const TrainOptions& o, const std::function<void(const std::str
   TrainOptions cal = o;
   cal.steps = 2;
   cal.lr = 0;
-  if (!o.compare && o.policy != "keep") {
+  cal.device_memory_mb = o.device_memory_mb * 4 + 64;  // timing only: never the limit
+  auto calibrate = [&] {
     Plan plan;
-    const MemoryPolicy rec = make_policy(c, o, "recompute", 1.0, &plan);
-    const PolicyResult r = run_policy(c, cal, rec, corpus, nullptr);
-    fwd_ms = mean_layer_fwd_ms(r);
-  }
+    const MemoryPolicy rec = make_policy(c, o, "recompute", 1.0, corpus, &plan);
+    fwd_ms = mean_layer_fwd_ms(run_policy(c, cal, rec, corpus, nullptr));
+  };
   for (const std::string& name : names) {
     Plan plan;
     PolicyResult r;
     try {
-      const MemoryPolicy pol = make_policy(c, o, name, fwd_ms > 0 ? fwd_ms : 1.0, &plan);
+      if (name != "keep" && fwd_ms <= 0) calibrate();  // no keep run (or it failed)
+      const MemoryPolicy pol = make_policy(c, o, name, fwd_ms > 0 ? fwd_ms : 1.0, corpus, &plan);
       r = run_policy(c, o, pol, corpus, progress);
     } catch (const Error& e) {
       if (!o.compare) throw;
@@ -354,8 +404,10 @@ TrainReport train(const TrainOptions& o, const std::function<void(const std::str
       if (progress) progress(fmt::format("{:<10} failed: {}", name, r.error));
     }
     if (name == "keep" && r.error.empty()) fwd_ms = mean_layer_fwd_ms(r);
-    if (!is_plan_path(name))
-      plan = make_plan(plan_request(c, o, strategy_of(name), fwd_ms > 0 ? fwd_ms : 1.0));
+    // keep ran before its own calibration: its prediction is planned now; the others
+    // were planned with the calibrated time (auto: with the budget that fits).
+    if (name == "keep")
+      plan = make_plan(plan_request(c, o, Strategy::kKeep, fwd_ms > 0 ? fwd_ms : 1.0));
     r.predicted_step_ms = plan.summary.step_ms;
     r.predicted_peak_bytes = plan.summary.peak.total();
     r.predicted_feasible = plan.summary.feasible;
@@ -398,6 +450,10 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
       "policy", "loss", "peak MB", "/keep", "/recomp", "step ms", "/keep", "/recomp", "offload MB",
       "stall ms", "snowball", "plan MB", "plan ms");
   for (const PolicyResult& p : r.policies) {
+    if (!p.error.empty()) {
+      out += fmt::format("{:<10} could not run: {}\n", p.name, p.error);
+      continue;
+    }
     auto ratio = [](double a, const PolicyResult* b, bool peak) {
       if (b == nullptr) return std::string("-");
       const double den = peak ? static_cast<double>(b->peak_device_bytes) : b->step_ms;
@@ -415,9 +471,11 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
         mb(p.predicted_peak_bytes), fmt::format("{:.2f}", p.predicted_step_ms));
   }
   out += "\n";
-  for (const PolicyResult& p : r.policies)
-    out += fmt::format("{:<10} loss {:.4f} -> {:.4f}; {}\n", p.name, p.steps.front().loss, p.loss,
-                       p.plan_note);
+  for (const PolicyResult& p : r.policies) {
+    if (p.error.empty())
+      out += fmt::format("{:<10} loss {:.4f} -> {:.4f}; {}\n", p.name, p.steps.front().loss, p.loss,
+                         p.plan_note);
+  }
   if (r.policies.size() > 1) {
     out += r.losses_identical
                ? "loss and every gradient bitwise identical across the policies\n"
@@ -452,6 +510,11 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
   for (const PolicyResult& p : r.policies) {
     nlohmann::json q;
     q["name"] = p.name;
+    if (!p.error.empty()) {
+      q["error"] = p.error;  // --compare: this policy could not run
+      arr.push_back(q);
+      continue;
+    }
     q["loss"] = p.loss;
     q["first_loss"] = p.steps.front().loss;
     q["peak_device_bytes"] = p.peak_device_bytes;
