@@ -3,9 +3,10 @@
 // Invariants kept here:
 // - Every loop runs in one fixed order and every reduction is sequential, so the same
 //   inputs give the same bits; GEMMs run OpenBLAS on 1 thread (Note [Deterministic GEMM]).
-// - Reductions (norms, softmax sums, dot products of attention) accumulate in double for
-//   both T; T = float then differs from T = double only by the rounding of the stored
-//   values, which is what the float-vs-double tests bound.
+// - Reductions (norms, softmax sums) accumulate in double for both T; T = float then
+//   differs from T = double only by the rounding of the stored values, which is what the
+//   float-vs-double tests bound. GEMMs, and so attention's scores, probabilities and
+//   their gradients (Note [Attention blocks]), sum in T.
 // - Softmax, log-sum-exp and cross-entropy subtract the row maximum before exp.
 // - Scratch lives in thread_local vectors that only grow: no allocation per call once
 //   the largest shape has been seen.
@@ -52,37 +53,59 @@ U* scratch(std::vector<U>& v, size_t n) {
   return v.data();
 }
 
-// RoPE angles of one sequence: cos and sin (seq, head_dim / 2), rotate-half pairs
-// (i, i + head_dim / 2), freq_i = theta^(-2i / head_dim), angle = position * freq_i.
-void rope_table(int seq, int head_dim, double theta, double* cos_t, double* sin_t) {
+// RoPE angles: cos and sin (seq, head_dim / 2), rotate-half pairs (i, i + head_dim / 2),
+// freq_i = theta^(-2i / head_dim), angle = position * freq_i, in double.
+struct RopeTable {
+  int seq = 0;
+  int head_dim = 0;
+  double theta = 0;
+  std::vector<double> cos_t, sin_t;  // (seq, head_dim / 2)
+};
+
+// This thread's table for at least `seq` positions. Entry (t, i) depends on t, i,
+// head_dim and theta alone, so a kept table gives the same bits as a fresh one; it is
+// rebuilt when head_dim or theta change or seq grows.
+const RopeTable& rope_table(int seq, int head_dim, double theta) {
+  thread_local RopeTable table;
+  if (table.seq >= seq && table.head_dim == head_dim && table.theta == theta) return table;
   const int half = head_dim / 2;
+  const size_t size = static_cast<size_t>(seq) * half;
+  table.cos_t.resize(size);
+  table.sin_t.resize(size);
   for (int i = 0; i < half; ++i) {
     const double freq = std::pow(theta, -2.0 * i / head_dim);
     for (int t = 0; t < seq; ++t) {
       const double angle = t * freq;
-      cos_t[t * half + i] = std::cos(angle);
-      sin_t[t * half + i] = std::sin(angle);
+      table.cos_t[static_cast<size_t>(t) * half + i] = std::cos(angle);
+      table.sin_t[static_cast<size_t>(t) * half + i] = std::sin(angle);
     }
   }
+  table.seq = seq;
+  table.head_dim = head_dim;
+  table.theta = theta;
+  return table;
 }
 
-// y (head_dim) = RoPE(x) at the angles cs, sn (head_dim / 2).
+// y (head_dim) = RoPE(x) * scale at the angles cs, sn (head_dim / 2), rounded once.
 template <class S, class D>
-void rope_rotate(const S* x, D* y, const double* cs, const double* sn, int half) {
+void rope_rotate(const S* x, D* y, const double* cs, const double* sn, int half, double scale) {
   for (int i = 0; i < half; ++i) {
     const double x1 = x[i];
     const double x2 = x[i + half];
-    y[i] = static_cast<D>(x1 * cs[i] - x2 * sn[i]);
-    y[i + half] = static_cast<D>(x1 * sn[i] + x2 * cs[i]);
+    y[i] = static_cast<D>((x1 * cs[i] - x2 * sn[i]) * scale);
+    y[i + half] = static_cast<D>((x1 * sn[i] + x2 * cs[i]) * scale);
   }
 }
 
-// dx (head_dim) = RoPE^T(dy): the rotation is orthogonal, its transpose is the inverse.
-template <class T>
-void rope_unrotate(const double* dy, T* dx, const double* cs, const double* sn, int half) {
+// dx (head_dim) = RoPE^T(dy) * scale: the rotation is orthogonal, its transpose is the
+// inverse.
+template <class S, class D>
+void rope_unrotate(const S* dy, D* dx, const double* cs, const double* sn, int half, double scale) {
   for (int i = 0; i < half; ++i) {
-    dx[i] = static_cast<T>(dy[i] * cs[i] + dy[i + half] * sn[i]);
-    dx[i + half] = static_cast<T>(-dy[i] * sn[i] + dy[i + half] * cs[i]);
+    const double y1 = dy[i];
+    const double y2 = dy[i + half];
+    dx[i] = static_cast<D>((y1 * cs[i] + y2 * sn[i]) * scale);
+    dx[i + half] = static_cast<D>((-y1 * sn[i] + y2 * cs[i]) * scale);
   }
 }
 
@@ -200,71 +223,106 @@ void embedding_bwd(const int32_t* tokens, const T* dout, T* dtable, int n, int d
 // --- attention ----------------------------------------------------------------------
 
 namespace {
-thread_local std::vector<double> tl_rope;  // cos then sin, 2 * (seq, head_dim / 2)
-thread_local std::vector<double> tl_attn;  // rotated q, k and their gradients
+
+// Note [Attention blocks]
+// Per (batch, head), the queries are taken in row blocks of kAttnBlock: block [i0, i1)
+// needs the keys [0, i1) only (causal), so S = Q K^T, O = P V and the backward's products
+// are GEMMs of (i1 - i0) x i1 x head_dim that skip the masked blocks above the diagonal.
+// Inside a diagonal block the masked entries of P and dS are written as exact zeros and
+// take part in the GEMMs. Block bounds depend on seq alone, and the key and value
+// gradients are summed head by head of the kv group, block by block within a head, both
+// ascending: one fixed reduction order. T = float keeps S, P, dP and dS in float (each
+// GEMM sums head_dim or i1 float products in single precision; the softmax sums and
+// D = rowsum(dO * O) are double); the float-vs-double test bound (2e-5) holds.
+constexpr int kAttnBlock = 64;
+
+// The attention scratch of one T: rotated q and k, gradients, one row block of scores.
+template <class T>
+std::vector<T>& attention_scratch() {
+  thread_local std::vector<T> v;
+  return v;
+}
+
+// qs (heads, seq, head_dim) = RoPE(q) * scale, kr (kv_heads, seq, head_dim) = RoPE(k) of
+// the sequence qkv_b (seq, width). Folding the scale into q (in double, before the one
+// rounding to T) makes Qs K^T the scaled scores.
+template <class T>
+void rotate_qk(const T* qkv_b, T* qs, T* kr, int seq, int heads, int kv_heads, int head_dim,
+               const RopeTable& rope, double scale) {
+  const int half = head_dim / 2;
+  const size_t width = static_cast<size_t>(heads + 2 * kv_heads) * head_dim;
+  for (int t = 0; t < seq; ++t) {
+    const T* row = qkv_b + t * width;
+    const double* cs = rope.cos_t.data() + static_cast<size_t>(t) * half;
+    const double* sn = rope.sin_t.data() + static_cast<size_t>(t) * half;
+    for (int h = 0; h < heads; ++h) {
+      rope_rotate(row + h * head_dim, qs + (static_cast<size_t>(h) * seq + t) * head_dim, cs, sn,
+                  half, scale);
+    }
+    for (int j = 0; j < kv_heads; ++j) {
+      rope_rotate(row + (heads + j) * head_dim, kr + (static_cast<size_t>(j) * seq + t) * head_dim,
+                  cs, sn, half, 1.0);
+    }
+  }
+}
+
+// x[j] = exp(x[j] - shift) for j < n.
+template <class T>
+void exp_shifted(T* x, int n, T shift) {
+  for (int j = 0; j < n; ++j) x[j] = std::exp(x[j] - shift);
+}
+
 }  // namespace
 
 template <class T>
 void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, int kv_heads,
                    int head_dim, double rope_theta) {
   check_attention_shape(heads, kv_heads, head_dim);
-  const int half = head_dim / 2;
+  if (batch <= 0 || seq <= 0) return;
   const int group = heads / kv_heads;
-  const size_t width = static_cast<size_t>(heads + 2 * kv_heads) * head_dim;
-  const size_t out_width = static_cast<size_t>(heads) * head_dim;
+  const int width = (heads + 2 * kv_heads) * head_dim;
+  const int out_width = heads * head_dim;
+  const size_t hd = static_cast<size_t>(head_dim);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const RopeTable& rope = rope_table(seq, head_dim, rope_theta);
 
-  const size_t table = static_cast<size_t>(seq) * half;
-  double* cos_t = scratch(tl_rope, 2 * table);
-  double* sin_t = cos_t + table;
-  rope_table(seq, head_dim, rope_theta, cos_t, sin_t);
+  const size_t q_size = static_cast<size_t>(seq) * heads * hd;
+  const size_t k_size = static_cast<size_t>(seq) * kv_heads * hd;
+  const int block = std::min(kAttnBlock, seq);
+  T* buf = scratch(attention_scratch<T>(), q_size + k_size + static_cast<size_t>(block) * seq);
+  T* qs = buf;             // (heads, seq, head_dim) rotated, scaled q
+  T* kr = qs + q_size;     // (kv_heads, seq, head_dim) rotated k
+  T* probs = kr + k_size;  // (rows, cols) one row block's scores, then probabilities
 
-  const size_t q_size = static_cast<size_t>(seq) * heads * head_dim;
-  const size_t k_size = static_cast<size_t>(seq) * kv_heads * head_dim;
-  double* buf = scratch(tl_attn, q_size + k_size + static_cast<size_t>(seq) + head_dim);
-  double* qr = buf;              // (seq, heads, head_dim) rotated q
-  double* kr = qr + q_size;      // (seq, kv_heads, head_dim) rotated k
-  double* scores = kr + k_size;  // (seq) one query's scaled scores
-  double* acc = scores + seq;    // (head_dim) one query's output
-
+  // Note [Attention blocks]
   for (int b = 0; b < batch; ++b) {
-    const T* qkv_b = qkv + static_cast<size_t>(b) * seq * width;
-    for (int t = 0; t < seq; ++t) {
-      const T* row = qkv_b + t * width;
-      for (int h = 0; h < heads; ++h) {
-        rope_rotate(row + h * head_dim, qr + (static_cast<size_t>(t) * heads + h) * head_dim,
-                    cos_t + t * half, sin_t + t * half, half);
-      }
-      for (int j = 0; j < kv_heads; ++j) {
-        rope_rotate(row + (heads + j) * head_dim,
-                    kr + (static_cast<size_t>(t) * kv_heads + j) * head_dim, cos_t + t * half,
-                    sin_t + t * half, half);
-      }
-    }
+    const size_t token0 = static_cast<size_t>(b) * seq;
+    const T* qkv_b = qkv + token0 * width;
+    rotate_qk(qkv_b, qs, kr, seq, heads, kv_heads, head_dim, rope, scale);
     for (int h = 0; h < heads; ++h) {
       const int kvh = h / group;
-      for (int i = 0; i < seq; ++i) {
-        const double* q = qr + (static_cast<size_t>(i) * heads + h) * head_dim;
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int j = 0; j <= i; ++j) {
-          const double* k = kr + (static_cast<size_t>(j) * kv_heads + kvh) * head_dim;
-          double s = 0;
-          for (int c = 0; c < head_dim; ++c) s += q[c] * k[c];
-          scores[j] = s * scale;
-          mx = std::max(mx, scores[j]);
+      const T* qh = qs + static_cast<size_t>(h) * seq * hd;
+      const T* kh = kr + static_cast<size_t>(kvh) * seq * hd;
+      const T* vh = qkv_b + static_cast<size_t>(heads + kv_heads + kvh) * hd;  // ld width
+      for (int i0 = 0; i0 < seq; i0 += block) {
+        const int rows = std::min(block, seq - i0);
+        const int cols = i0 + rows;
+        gemm<T>(false, true, rows, cols, head_dim, T(1), qh + i0 * hd, head_dim, kh, head_dim, T(0),
+                probs, cols);
+        for (int r = 0; r < rows; ++r) {
+          const int n = i0 + r + 1;  // keys 0 .. i
+          T* p = probs + static_cast<size_t>(r) * cols;
+          const T mx = *std::max_element(p, p + n);
+          exp_shifted(p, n, mx);
+          double sum = 0;
+          for (int j = 0; j < n; ++j) sum += p[j];
+          const double inv = 1.0 / sum;
+          for (int j = 0; j < n; ++j) p[j] = static_cast<T>(p[j] * inv);
+          std::fill(p + n, p + cols, T(0));
+          lse[(token0 + i0 + r) * heads + h] = static_cast<T>(mx + std::log(sum));
         }
-        double sum = 0;
-        std::fill_n(acc, head_dim, 0.0);
-        for (int j = 0; j <= i; ++j) {
-          const double p = std::exp(scores[j] - mx);
-          sum += p;
-          const T* v = qkv_b + j * width + static_cast<size_t>(heads + kv_heads + kvh) * head_dim;
-          for (int c = 0; c < head_dim; ++c) acc[c] += p * v[c];
-        }
-        const size_t token = static_cast<size_t>(b) * seq + i;
-        T* o = out + token * out_width + static_cast<size_t>(h) * head_dim;
-        for (int c = 0; c < head_dim; ++c) o[c] = static_cast<T>(acc[c] / sum);
-        lse[token * heads + h] = static_cast<T>(mx + std::log(sum));
+        gemm<T>(false, false, rows, head_dim, cols, T(1), probs, cols, vh, width, T(0),
+                out + (token0 + i0) * out_width + h * hd, out_width);
       }
     }
   }
@@ -272,96 +330,95 @@ void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, 
 
 // With P = exp(S - lse), dP = dout V^T, D_i = dout_i . out_i = sum_j P_ij dP_ij:
 // dS = P (dP - D), dq_rot = scale dS K_rot, dk_rot = scale dS^T Q_rot, dv = P^T dout;
-// then q and k gradients go back through the inverse rotation.
+// then q and k gradients go back through the inverse rotation. S = Qs K^T with the
+// scale folded into Qs, so dk_rot = dS^T Qs and dq_rot takes the scale when unrotated.
 template <class T>
 void attention_bwd(const T* qkv, const T* out, const T* lse, const T* dout, T* dqkv, int batch,
                    int seq, int heads, int kv_heads, int head_dim, double rope_theta) {
   check_attention_shape(heads, kv_heads, head_dim);
+  if (batch <= 0 || seq <= 0) return;
   const int half = head_dim / 2;
   const int group = heads / kv_heads;
-  const size_t width = static_cast<size_t>(heads + 2 * kv_heads) * head_dim;
-  const size_t out_width = static_cast<size_t>(heads) * head_dim;
+  const int width = (heads + 2 * kv_heads) * head_dim;
+  const int out_width = heads * head_dim;
+  const size_t hd = static_cast<size_t>(head_dim);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const RopeTable& rope = rope_table(seq, head_dim, rope_theta);
 
-  const size_t table = static_cast<size_t>(seq) * half;
-  double* cos_t = scratch(tl_rope, 2 * table);
-  double* sin_t = cos_t + table;
-  rope_table(seq, head_dim, rope_theta, cos_t, sin_t);
+  const size_t q_size = static_cast<size_t>(seq) * heads * hd;
+  const size_t k_size = static_cast<size_t>(seq) * kv_heads * hd;
+  const int block = std::min(kAttnBlock, seq);
+  const size_t block_size = static_cast<size_t>(block) * seq;
+  T* buf = scratch(attention_scratch<T>(),
+                   q_size + 3 * k_size + static_cast<size_t>(seq) * hd + 2 * block_size);
+  T* qs = buf;                  // (heads, seq, head_dim) rotated, scaled q
+  T* kr = qs + q_size;          // (kv_heads, seq, head_dim) rotated k
+  T* dk = kr + k_size;          // (kv_heads, seq, head_dim) gradient of rotated k
+  T* dv = dk + k_size;          // (kv_heads, seq, head_dim)
+  T* dq = dv + k_size;          // (seq, head_dim) one head's gradient of rotated q
+  T* probs = dq + seq * hd;     // (rows, cols) one row block's scores, then P
+  T* dsc = probs + block_size;  // (rows, cols) one row block's dP, then dS
 
-  const size_t q_size = static_cast<size_t>(seq) * heads * head_dim;
-  const size_t k_size = static_cast<size_t>(seq) * kv_heads * head_dim;
-  double* buf = scratch(tl_attn, 2 * q_size + 3 * k_size + head_dim);
-  double* qr = buf;              // (seq, heads, head_dim) rotated q
-  double* kr = qr + q_size;      // (seq, kv_heads, head_dim) rotated k
-  double* dqr = kr + k_size;     // (seq, heads, head_dim) gradient of rotated q
-  double* dkr = dqr + q_size;    // (seq, kv_heads, head_dim) gradient of rotated k
-  double* dv = dkr + k_size;     // (seq, kv_heads, head_dim)
-  double* dq_acc = dv + k_size;  // (head_dim)
-
+  // Note [Attention blocks]
   for (int b = 0; b < batch; ++b) {
-    const T* qkv_b = qkv + static_cast<size_t>(b) * seq * width;
-    for (int t = 0; t < seq; ++t) {
-      const T* row = qkv_b + t * width;
-      for (int h = 0; h < heads; ++h) {
-        rope_rotate(row + h * head_dim, qr + (static_cast<size_t>(t) * heads + h) * head_dim,
-                    cos_t + t * half, sin_t + t * half, half);
-      }
-      for (int j = 0; j < kv_heads; ++j) {
-        rope_rotate(row + (heads + j) * head_dim,
-                    kr + (static_cast<size_t>(t) * kv_heads + j) * head_dim, cos_t + t * half,
-                    sin_t + t * half, half);
-      }
-    }
-    std::fill_n(dkr, 2 * k_size, 0.0);  // dkr and dv
-
+    const size_t token0 = static_cast<size_t>(b) * seq;
+    const T* qkv_b = qkv + token0 * width;
+    T* dqkv_b = dqkv + token0 * width;
+    rotate_qk(qkv_b, qs, kr, seq, heads, kv_heads, head_dim, rope, scale);
+    std::fill_n(dk, 2 * k_size, T(0));  // dk and dv
     for (int h = 0; h < heads; ++h) {
       const int kvh = h / group;
-      for (int i = 0; i < seq; ++i) {
-        const size_t token = static_cast<size_t>(b) * seq + i;
-        const double* q = qr + (static_cast<size_t>(i) * heads + h) * head_dim;
-        const T* o = out + token * out_width + static_cast<size_t>(h) * head_dim;
-        const T* g = dout + token * out_width + static_cast<size_t>(h) * head_dim;
-        const double l = lse[token * heads + h];
-        double big_d = 0;
-        for (int c = 0; c < head_dim; ++c) big_d += static_cast<double>(g[c]) * o[c];
-        std::fill_n(dq_acc, head_dim, 0.0);
-        for (int j = 0; j <= i; ++j) {
-          const size_t kv_off = (static_cast<size_t>(j) * kv_heads + kvh) * head_dim;
-          const double* k = kr + kv_off;
-          const T* v = qkv_b + j * width + static_cast<size_t>(heads + kv_heads + kvh) * head_dim;
-          double s = 0;
-          double dp = 0;
-          for (int c = 0; c < head_dim; ++c) {
-            s += q[c] * k[c];
-            dp += static_cast<double>(g[c]) * v[c];
+      const T* qh = qs + static_cast<size_t>(h) * seq * hd;
+      const T* kh = kr + static_cast<size_t>(kvh) * seq * hd;
+      const T* vh = qkv_b + static_cast<size_t>(heads + kv_heads + kvh) * hd;  // ld width
+      const T* oh = out + token0 * out_width + h * hd;                         // ld out_width
+      const T* gh = dout + token0 * out_width + h * hd;                        // ld out_width
+      T* dkh = dk + static_cast<size_t>(kvh) * seq * hd;
+      T* dvh = dv + static_cast<size_t>(kvh) * seq * hd;
+      for (int i0 = 0; i0 < seq; i0 += block) {
+        const int rows = std::min(block, seq - i0);
+        const int cols = i0 + rows;
+        gemm<T>(false, true, rows, cols, head_dim, T(1), qh + i0 * hd, head_dim, kh, head_dim, T(0),
+                probs, cols);
+        gemm<T>(false, true, rows, cols, head_dim, T(1), gh + i0 * out_width, out_width, vh, width,
+                T(0), dsc, cols);
+        for (int r = 0; r < rows; ++r) {
+          const int n = i0 + r + 1;  // keys 0 .. i
+          const size_t token = token0 + i0 + r;
+          const T* o = oh + (i0 + r) * out_width;
+          const T* g = gh + (i0 + r) * out_width;
+          double big_d = 0;
+          for (int c = 0; c < head_dim; ++c) big_d += static_cast<double>(g[c]) * o[c];
+          T* p = probs + static_cast<size_t>(r) * cols;
+          T* ds = dsc + static_cast<size_t>(r) * cols;
+          exp_shifted(p, n, lse[token * heads + h]);
+          for (int j = 0; j < n; ++j) {
+            ds[j] = static_cast<T>(static_cast<double>(p[j]) * (ds[j] - big_d));
           }
-          const double p = std::exp(s * scale - l);
-          const double ds = p * (dp - big_d) * scale;
-          double* dk = dkr + kv_off;
-          double* dvj = dv + kv_off;
-          for (int c = 0; c < head_dim; ++c) {
-            dq_acc[c] += ds * k[c];
-            dk[c] += ds * q[c];
-            dvj[c] += p * g[c];
-          }
+          std::fill(p + n, p + cols, T(0));
+          std::fill(ds + n, ds + cols, T(0));
         }
-        std::copy_n(dq_acc, head_dim, dqr + (static_cast<size_t>(i) * heads + h) * head_dim);
+        gemm<T>(false, false, rows, head_dim, cols, T(1), dsc, cols, kh, head_dim, T(0),
+                dq + i0 * hd, head_dim);
+        gemm<T>(true, false, cols, head_dim, rows, T(1), dsc, cols, qh + i0 * hd, head_dim, T(1),
+                dkh, head_dim);
+        gemm<T>(true, false, cols, head_dim, rows, T(1), probs, cols, gh + i0 * out_width,
+                out_width, T(1), dvh, head_dim);
+      }
+      for (int t = 0; t < seq; ++t) {
+        rope_unrotate(dq + t * hd, dqkv_b + t * width + h * hd,
+                      rope.cos_t.data() + static_cast<size_t>(t) * half,
+                      rope.sin_t.data() + static_cast<size_t>(t) * half, half, scale);
       }
     }
-
-    T* dqkv_b = dqkv + static_cast<size_t>(b) * seq * width;
     for (int t = 0; t < seq; ++t) {
       T* row = dqkv_b + t * width;
-      for (int h = 0; h < heads; ++h) {
-        rope_unrotate(dqr + (static_cast<size_t>(t) * heads + h) * head_dim, row + h * head_dim,
-                      cos_t + t * half, sin_t + t * half, half);
-      }
+      const double* cs = rope.cos_t.data() + static_cast<size_t>(t) * half;
+      const double* sn = rope.sin_t.data() + static_cast<size_t>(t) * half;
       for (int j = 0; j < kv_heads; ++j) {
-        const size_t kv_off = (static_cast<size_t>(t) * kv_heads + j) * head_dim;
-        rope_unrotate(dkr + kv_off, row + (heads + j) * head_dim, cos_t + t * half,
-                      sin_t + t * half, half);
-        T* dv_out = row + static_cast<size_t>(heads + kv_heads + j) * head_dim;
-        for (int c = 0; c < head_dim; ++c) dv_out[c] = static_cast<T>(dv[kv_off + c]);
+        const size_t kv_off = (static_cast<size_t>(j) * seq + t) * hd;
+        rope_unrotate(dk + kv_off, row + (heads + j) * head_dim, cs, sn, half, 1.0);
+        std::copy_n(dv + kv_off, head_dim, row + (heads + kv_heads + j) * head_dim);
       }
     }
   }
@@ -390,16 +447,24 @@ void swiglu_bwd(const T* g, const T* u, const T* dact, T* dg, T* du, size_t n) {
 
 // --- softmax ------------------------------------------------------------------------
 
+namespace {
+thread_local std::vector<double> tl_softmax;  // (e) one row's exponentials
+}  // namespace
+
 template <class T>
 void softmax_fwd(const T* logits, T* probs, int n, int e) {
+  double* ex = scratch(tl_softmax, static_cast<size_t>(std::max(e, 0)));
   for (int r = 0; r < n; ++r) {
     const T* l = logits + static_cast<size_t>(r) * e;
     T* p = probs + static_cast<size_t>(r) * e;
     double mx = -std::numeric_limits<double>::infinity();
     for (int i = 0; i < e; ++i) mx = std::max(mx, static_cast<double>(l[i]));
     double sum = 0;
-    for (int i = 0; i < e; ++i) sum += std::exp(l[i] - mx);
-    for (int i = 0; i < e; ++i) p[i] = static_cast<T>(std::exp(l[i] - mx) / sum);
+    for (int i = 0; i < e; ++i) {
+      ex[i] = std::exp(l[i] - mx);
+      sum += ex[i];
+    }
+    for (int i = 0; i < e; ++i) p[i] = static_cast<T>(ex[i] / sum);
   }
 }
 

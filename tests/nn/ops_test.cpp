@@ -43,8 +43,10 @@ using Outs = std::vector<std::vector<T>>;
 constexpr double kFdEps = 1e-6;
 constexpr double kFdTol = 1e-6;
 // Float vs double: |f - d| <= tol * max(1, max |d| over the output). The ops accumulate
-// reductions in double and round once, so the error is a few float ulps of the stored
-// inputs and intermediates (GEMMs sum k <= 32 float products): 2e-5 unless a case says.
+// reductions in double and round once, except GEMMs (and attention, whose scores,
+// probabilities and gradients are float GEMMs summing head_dim or up to seq float
+// products), so the error is a few float ulps of the stored inputs and intermediates
+// times the square root of the summed terms at most: 2e-5 unless a case says.
 constexpr double kFloatTol = 2e-5;
 constexpr double kPrefill = 0.5;
 
@@ -428,8 +430,9 @@ void attention_reference(const AttnShape& s, const Vec& qkv, Vec& out, Vec& lse)
 
 TEST(NnOps, AttentionMatchesReference) {
   auto rng = make_rng();
+  // seq 150 spans several row blocks of the implementation, the last one partial.
   for (const AttnShape s : {AttnShape{2, 17, 4, 2, 8, 10000.0}, AttnShape{1, 33, 3, 1, 16, 500.0},
-                            AttnShape{3, 9, 2, 2, 4, 10.0}}) {
+                            AttnShape{3, 9, 2, 2, 4, 10.0}, AttnShape{2, 150, 4, 2, 8, 10000.0}}) {
     SCOPED_TRACE("heads " + std::to_string(s.heads) + " kv_heads " + std::to_string(s.kv_heads));
     const Vec qkv = randn(rng, sz(s.batch * s.seq * s.width()));
     Vec out_ref, lse_ref;
@@ -444,8 +447,11 @@ TEST(NnOps, AttentionMatchesReference) {
 
 TEST(NnOps, AttentionGradients) {
   auto rng = make_rng();
-  for (const AttnShape s : {AttnShape{2, 6, 4, 2, 4, 100.0}, AttnShape{1, 5, 2, 2, 6, 10.0},
-                            AttnShape{1, 5, 3, 1, 4, 10000.0}}) {
+  // seq 70 spans two row blocks of the implementation (keys and values gather gradients
+  // from both).
+  for (const AttnShape s :
+       {AttnShape{2, 6, 4, 2, 4, 100.0}, AttnShape{1, 5, 2, 2, 6, 10.0},
+        AttnShape{1, 5, 3, 1, 4, 10000.0}, AttnShape{1, 70, 2, 1, 4, 10000.0}}) {
     SCOPED_TRACE("heads " + std::to_string(s.heads) + " kv_heads " + std::to_string(s.kv_heads));
     const size_t tokens = sz(s.batch * s.seq);
     Case c;
