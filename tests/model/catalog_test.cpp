@@ -83,7 +83,7 @@ TEST(ModelCatalog, LookupIsCaseInsensitiveAndByFileName) {
 TEST(ModelCatalog, EmbeddedCopiesMatchDataDirectory) {
   const std::filesystem::path data(SPILLWAY_DATA_DIR);
   size_t on_disk = 0;
-  for (const char* kind : {"models", "hardware"}) {
+  for (const char* kind : {"models", "hardware", "nn"}) {
     for (const auto& f : std::filesystem::directory_iterator(data / kind)) {
       if (f.path().extension() != ".json") continue;
       ++on_disk;
