@@ -61,6 +61,12 @@ struct DeviceTensor {
 
 using OffloadHandle = int;
 
+// When an offloaded tensor's device memory goes back (Note [Offload hold]).
+enum class OffloadHold {
+  kUntilCopied,    // as soon as its D2H copy is done: the caller no longer reads it
+  kUntilLayerEnd,  // also not before end_forward_layer(layer): the forward still reads it
+};
+
 struct LayerTelemetry {
   int layer = 0;
   int64_t d2h_bytes = 0;
@@ -105,8 +111,10 @@ class OffloadEngine {
   void begin_step();
   bool wants(int layer, std::string_view name) const { return policy_.wants(layer, name); }
   // Forward: call after the work producing `t` is enqueued on the compute stream. Takes
-  // ownership of t (released when its copy is done).
-  OffloadHandle offload(DeviceTensor t, int layer, std::string_view name);
+  // ownership of t (released when its copy is done, and with kUntilLayerEnd not before
+  // end_forward_layer(layer), so that the rest of the layer may still read it).
+  OffloadHandle offload(DeviceTensor t, int layer, std::string_view name,
+                        OffloadHold hold = OffloadHold::kUntilCopied);
   void end_forward_layer(int layer);
   // Backward: issue the reloads of `layer` (normally layer - prefetch_depth ahead), after
   // those of the layers above it not issued yet (backward needs them first).

@@ -497,9 +497,30 @@ struct Model::Impl {
       saved[layer][s].action = policy.actions[static_cast<size_t>(layer)][static_cast<size_t>(s)];
     saved[layer][kInput].p = x;
     saved[layer][kInput].bytes = slot_bytes(layer, kInput, T);
+    // Note [Saved tensors]: an offloaded tensor goes to the engine as soon as its producer
+    // has run (its copy overlaps the rest of this layer's forward and the next one, the
+    // window the planner assumes); the engine keeps its device memory until this layer's
+    // forward ends (OffloadHold::kUntilLayerEnd), since the forward still reads it.
+    auto hand_over = [&] {
+      for (int s = 0; s < n_slots; ++s) {
+        Saved& sv = saved[layer][s];
+        if (sv.action != Action::kOffload || sv.p == nullptr || sv.handle >= 0) continue;
+        SPILLWAY_CHECK(engine != nullptr, "policy {} offloads but no engine was given",
+                       policy.name);
+        DeviceTensor t;
+        t.ptr = sv.p;
+        t.bytes = sv.bytes;
+        t.direct = true;
+        sv.handle = engine->offload(t, layer, L.moe ? kMoeNames[s] : kDenseNames[s],
+                                    OffloadHold::kUntilLayerEnd);
+      }
+    };
     at(layer, "", "forward");
+    hand_over();
     for (int s = 1; s < n_slots; ++s) {
-      if (saved[layer][s].p == nullptr) produce(layer, s, batch, seq);
+      if (saved[layer][s].p != nullptr) continue;
+      produce(layer, s, batch, seq);
+      hand_over();
     }
     at(layer, "output", "forward");
     float* y = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(d));
@@ -511,18 +532,9 @@ struct Model::Impl {
       linear_fwd(F(layer, kDenseAct), w + L.w2, y, T, L.ffn, d);
       add(F(layer, kMid), y, y, static_cast<size_t>(T) * static_cast<size_t>(d));
     }
-    // Note [Saved tensors]: each one now kept, offloaded or dropped, in forward order.
-    const std::vector<std::string> names = saved_tensor_names(c, layer);
     for (int s = 0; s < n_slots; ++s) {
       Saved& sv = saved[layer][s];
       if (sv.action == Action::kOffload) {
-        SPILLWAY_CHECK(engine != nullptr, "policy {} offloads but no engine was given",
-                       policy.name);
-        DeviceTensor t;
-        t.ptr = sv.p;
-        t.bytes = sv.bytes;
-        t.direct = true;
-        sv.handle = engine->offload(t, layer, names[static_cast<size_t>(s)]);
         sv.p = nullptr;  // the engine owns it now
       } else if (sv.action == Action::kRecompute) {
         release(sv.p);

@@ -4,9 +4,10 @@
 // the host backend, with every tensor saved for backward explicit and named with the
 // planner's names (docs/plan-schema.md).
 //
-// Note [Saved tensors]: a layer is a fixed list of forward ops over named tensors. At the
-// end of a layer's forward each saved tensor is kept in device memory, handed to the
-// offload engine, or dropped to be recomputed, as the layer's actions say. In backward a
+// Note [Saved tensors]: a layer is a fixed list of forward ops over named tensors. Each
+// saved tensor is kept in device memory, handed to the offload engine as soon as its
+// producer has run (its device memory held until the layer's forward ends), or dropped at
+// the end of the layer's forward to be recomputed, as the layer's actions say. In backward a
 // tensor is materialized from where it went: kept, reloaded, or recomputed by running
 // its producing op again from its own (materialized) inputs. The ops are deterministic, so
 // a recomputed or reloaded tensor is bitwise the saved one, and loss and gradients are

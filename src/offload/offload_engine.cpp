@@ -82,6 +82,8 @@ struct OffloadEngine::Impl {
     Event d2h_done{-1};
     Event h2d_done{-1};
     bool device_released = false;
+    bool hold = false;    // OffloadHold::kUntilLayerEnd: released at end_forward_layer at most
+    bool copied = false;  // its D2H copy is known complete
     bool reload_issued = false;
     bool reload_taken = false;
     bool pinned_released = false;
@@ -99,7 +101,7 @@ struct OffloadEngine::Impl {
     double d2h_start = 0, d2h_end = 0, h2d_start = 0, h2d_end = 0, compute_reached = 0;
   };
   struct LayerMarks {  // calling thread only
-    bool d2h_started = false, h2d_started = false, reached = false;
+    bool d2h_started = false, h2d_started = false, reached = false, forward_ended = false;
   };
   std::vector<LayerTimes> times;
   std::vector<LayerMarks> marks;
@@ -226,8 +228,8 @@ struct OffloadEngine::Impl {
       Slot& s = slots[static_cast<size_t>(d2h_pending[d2h_head])];
       if (!dev.query(s.d2h_done)) break;  // FIFO: later ones cannot be done before
       inflight -= static_cast<int64_t>(s.bytes);
-      release_device(s.device);
-      s.device_released = true;
+      s.copied = true;
+      if (!s.hold || forward_ended(s.layer)) release_copied(s);
       ++d2h_head;
     }
     // Reloads end in H2D stream order and frees pass in compute stream order: both lists
@@ -303,6 +305,18 @@ struct OffloadEngine::Impl {
     if (layer >= 0 && static_cast<size_t>(layer) < layer_slots.size())
       layer_slots[static_cast<size_t>(layer)].push_back(id);
     return s;
+  }
+
+  // Note [Offload hold]: a tensor offloaded with OffloadHold::kUntilLayerEnd is still read
+  // by its layer's forward after its copy starts, so its device memory goes back when
+  // both its copy is done and its layer's forward has ended, whichever is later.
+  bool forward_ended(int layer) {
+    const LayerMarks* mk = layer_marks(layer);
+    return mk == nullptr || mk->forward_ended;
+  }
+  void release_copied(Slot& s) {
+    release_device(s.device);
+    s.device_released = true;
   }
 
   LayerMarks* layer_marks(int layer) {
@@ -404,7 +418,8 @@ void OffloadEngine::begin_step() {
   for (int k = 0; k < kMemoryKinds; ++k) m.allocations_at_begin += ms.allocations[k];
 }
 
-OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view name) {
+OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view name,
+                                     OffloadHold hold) {
   Impl& m = *impl_;
   SPILLWAY_CHECK(m.in_step, "offload() outside begin_step()/end_step()");
   SPILLWAY_CHECK(t, "offload() of an empty tensor ({} of layer {})", name, layer);
@@ -412,6 +427,7 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
   const int id = static_cast<int>(m.slots_used);
   Impl::Slot& s = m.new_slot(layer, name, t.bytes);
   s.device = t;
+  s.hold = hold == OffloadHold::kUntilLayerEnd;
   s.pinned = m.pinned.acquire(t.bytes);
   if (!s.pinned) {
     // Fallback: the pinned pool is full (its blocks wait for backward): keep it here.
@@ -464,6 +480,13 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
 
 void OffloadEngine::end_forward_layer(int layer) {
   Impl& m = *impl_;
+  if (Impl::LayerMarks* mk = m.layer_marks(layer); mk != nullptr) {
+    mk->forward_ended = true;  // Note [Offload hold]
+    for (int id : m.layer_slots[static_cast<size_t>(layer)]) {
+      Impl::Slot& s = m.slots[static_cast<size_t>(id)];
+      if (s.copied && !s.device_released) m.release_copied(s);
+    }
+  }
   m.poll();
   if (layer < 0 || static_cast<size_t>(layer) >= m.tel.layers.size()) return;
   m.tel.layers[static_cast<size_t>(layer)].backlog_bytes = m.inflight;

@@ -189,6 +189,51 @@ TEST(OffloadEngine, PrefetchIssuesTheLayersBackwardNeedsFirst) {
   EXPECT_EQ(h2d, reloaded);  // layer 2, then 1, then 0
 }
 
+TEST(OffloadEngine, AHeldTensorStaysOnTheDeviceUntilItsLayerEnds) {
+  // Note [Offload hold]: with kUntilLayerEnd the forward may still read the tensor after
+  // offload(): its device memory goes back only once the copy is done and the layer ended.
+  Rig r;
+  OffloadOptions o;
+  o.pinned_bytes = int64_t{16} << 20;
+  o.device_pool_bytes = int64_t{16} << 20;
+  OffloadEngine e(*r.dev, r.compute, all_names(3), o);
+  e.begin_step();
+  const size_t bytes = size_t{1} << 20;
+  auto direct = [&] {
+    DeviceTensor t;
+    t.ptr = r.dev->allocate(bytes, MemoryKind::kDevice).ptr;
+    EXPECT_NE(t.ptr, nullptr);
+    t.bytes = bytes;
+    t.direct = true;
+    return t;
+  };
+  const int64_t before = r.dev->memory_stats().current[0];
+  DeviceTensor held = direct();
+  DeviceTensor plain = direct();
+  produce(r, held, 1);
+  produce(r, plain, 2);
+  const OffloadHandle h = e.offload(held, 0, "mlp.act", OffloadHold::kUntilLayerEnd);
+  const OffloadHandle p = e.offload(plain, 0, "mlp.up_out");
+  r.dev->synchronize(e.d2h_stream());  // both copies done
+  e.prefetch(-1);                      // any engine call polls
+  EXPECT_EQ(r.dev->memory_stats().current[0] - before, static_cast<int64_t>(bytes))
+      << "the plain tensor goes back, the held one stays";
+  std::atomic<int> bad{0};
+  consume(r, held, 1, &bad);  // the forward still reads it: intact
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(bad.load(), 0);
+  e.end_forward_layer(0);
+  EXPECT_EQ(r.dev->memory_stats().current[0], before);
+  const DeviceTensor a = e.reload(h);
+  const DeviceTensor b = e.reload(p);
+  consume(r, a, 1, &bad);
+  consume(r, b, 2, &bad);
+  e.free(a);
+  e.free(b);
+  e.end_step();
+  EXPECT_EQ(bad.load(), 0);
+}
+
 TEST(OffloadEngine, ReloadConsumersNeverSeeStaleDataWhenCopiesAreSlowerThanCompute) {
   // 0.5 GB/s copies, near-free compute: every reload is still in flight when its consumer
   // is enqueued; the consumer must wait for it, and the device blocks (recycled from the
