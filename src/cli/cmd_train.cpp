@@ -71,6 +71,9 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--margin", o->margin, "Planner headroom a copy must leave in its window")
       ->capture_default_str();
+  cmd->add_flag("--fused-swiglu", o->fused_swiglu,
+                "The fused SwiGLU variant: the MLP saves only its gate and up outputs and the "
+                "backward recomputes mlp.act (every policy, and the planner, see it so)");
   cmd->add_option("--json", *json, "Write the per-policy figures as JSON to FILE ('-' for stdout)");
   cmd->add_flag("--quiet", *quiet, "No per-step lines");
   cmd->callback([o, json, quiet] {

@@ -176,6 +176,10 @@ MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::s
   p.name = name;
   for (int l = 0; l < c.layers(); ++l) {
     const std::vector<std::string> names = saved_tensor_names(c, l);
+    // A tensor the plan does not save (mlp.act under a fused SwiGLU backward) is
+    // recomputed from its inputs in backward; the layer input always exists.
+    for (size_t i = 1; i < names.size(); ++i)
+      p.actions[static_cast<size_t>(l)][i] = Action::kRecompute;
     for (const TensorPlan& t : plan.layers[static_cast<size_t>(l)].tensors) {
       const auto it = std::find(names.begin(), names.end(), t.name);
       if (it == names.end()) continue;  // a tensor this model does not save

@@ -60,8 +60,9 @@ struct MemoryPolicy {
   bool any_offload() const;
 };
 
-// The policy of a plan: the actions of its tensors, by name (a missing tensor is kept; a
-// recompute of the layer input, which has no producer in the layer, is refused).
+// The policy of a plan: the actions of its tensors, by name (a tensor the plan does not
+// save, as mlp.act under a fused SwiGLU backward, is recomputed; a recompute of the layer
+// input, which has no producer in the layer, is refused).
 MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::string& name);
 // Every tensor kept.
 MemoryPolicy keep_policy(const RefConfig& c);

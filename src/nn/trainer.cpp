@@ -94,6 +94,7 @@ PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Strategy s,
   r.work.shape.micro_batch = o.micro_batch;
   r.work.shape.seq_len = o.seq_len;
   r.work.shape.dtype = DType::kFp32;
+  r.work.shape.fused_swiglu = o.fused_swiglu;
   r.strategy = s;
   r.margin = o.margin;
   r.layer_fwd_ms = layer_fwd_ms;
@@ -283,8 +284,8 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
   const Strategy s = strategy_of(name);
   PlanRequest req = plan_request(c, o, s, fwd_ms);
   *plan = make_plan(req);
-  if (s == Strategy::kKeep) {
-    MemoryPolicy p = keep_policy(c);
+  if (s == Strategy::kKeep) {  // every tensor the plan saves (all but mlp.act when fused)
+    MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
     return p;
   }

@@ -37,6 +37,7 @@ struct TrainOptions {
   int keep_last = 1;
   double margin = 0.10;
   bool compare = false;
+  bool fused_swiglu = false;  // the SwiGLU backward recomputes mlp.act: only gate and up saved
 };
 
 // The default corpus: the GNU GPL v3 text every Debian system ships (base-files).

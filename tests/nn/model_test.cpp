@@ -18,9 +18,9 @@ namespace {
 constexpr int kBatch = 2;
 constexpr int kSeq = 32;
 
-std::vector<int32_t> tokens(uint32_t seed) {
+std::vector<int32_t> tokens(uint32_t seed, int batch = kBatch, int seq = kSeq) {
   std::mt19937 g(seed);
-  std::vector<int32_t> t(static_cast<size_t>(kBatch * (kSeq + 1)));
+  std::vector<int32_t> t(static_cast<size_t>(batch * (seq + 1)));
   for (int32_t& v : t) v = static_cast<int32_t>(g() % 256);
   return t;
 }
@@ -36,7 +36,8 @@ struct PolicyRun {
 };
 
 // Two training steps (the second from weights the first updated) under `p`.
-PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = int64_t{64} << 20) {
+PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = int64_t{64} << 20,
+              int batch = kBatch, int seq = kSeq) {
   auto dev = make_host_device(HostDeviceOptions{device_bytes, 0.0, 0.0});
   Model m(c, *dev, 7);
   std::unique_ptr<OffloadEngine> engine;
@@ -47,7 +48,7 @@ PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = 
     int64_t total = 0;
     for (int l = 0; l < c.layers(); ++l) {
       const std::vector<std::string> names = saved_tensor_names(c, l);
-      const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, kBatch, kSeq);
+      const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, batch, seq);
       std::vector<std::string> go;
       int64_t layer = 0;
       for (size_t i = 0; i < names.size(); ++i) {
@@ -68,8 +69,8 @@ PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = 
     engine = std::make_unique<OffloadEngine>(*dev, m.compute_stream(), op, o);
   }
   for (int s = 0; s < 2; ++s) {
-    const StepStats st =
-        m.step(tokens(100 + static_cast<uint32_t>(s)), kBatch, kSeq, p, engine.get(), 1e-3);
+    const StepStats st = m.step(tokens(100 + static_cast<uint32_t>(s), batch, seq), batch, seq, p,
+                                engine.get(), 1e-3);
     r.losses.push_back(st.loss);
     r.peak = std::max(r.peak, st.peak_device_bytes);
     r.tel = st.offload;
@@ -129,9 +130,12 @@ TEST(ReferenceModel, LossAndGradientsAreBitwiseIdenticalUnderEveryPolicy) {
 }
 
 TEST(ReferenceModel, RecomputeAndOffloadNeedLessDeviceMemoryThanKeep) {
+  // 8 x 128 tokens: activations outweigh the parameters and optimizer states, as in
+  // real training.
   const RefConfig c = load_reference_config("tiny-moe");
-  const PolicyRun keep = run(c, keep_policy(c));
-  const PolicyRun rec = run(c, uniform(c, Action::kRecompute, "recompute-all"));
+  const int64_t arena = int64_t{64} << 20;
+  const PolicyRun keep = run(c, keep_policy(c), arena, 8, 128);
+  const PolicyRun rec = run(c, uniform(c, Action::kRecompute, "recompute-all"), arena, 8, 128);
   MemoryPolicy off = uniform(c, Action::kRecompute, "offload-mlp");
   // As the planner's offload policy: the MLP tensors go to the host, the rest recomputes;
   // the last layer keeps its tensors (no window).
@@ -142,12 +146,12 @@ TEST(ReferenceModel, RecomputeAndOffloadNeedLessDeviceMemoryThanKeep) {
         off.actions[static_cast<size_t>(l)][i] = Action::kOffload;
     }
   }
-  const PolicyRun o = run(c, off);
+  const PolicyRun o = run(c, off, arena, 8, 128);
   std::cout << "peak bytes: keep " << keep.peak << ", recompute " << rec.peak << ", offload "
             << o.peak << " (staging pool " << o.pool_bytes << ", largest layer offloaded "
             << o.max_layer_offloaded << ")\n";
-  EXPECT_LT(rec.peak, keep.peak);
-  EXPECT_LT(o.peak, keep.peak);
+  EXPECT_LT(rec.peak, keep.peak * 7 / 10);
+  EXPECT_LT(o.peak, keep.peak * 85 / 100);
   // Offload holds at most one layer's offloaded bytes in flight beyond recompute, plus
   // the engine's reload staging (Note [Train offload sizing]).
   EXPECT_LE(o.peak - rec.peak, o.max_layer_offloaded + o.pool_bytes);
@@ -259,6 +263,19 @@ TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {
   EXPECT_FALSE(au.policies[0].snowball);
   EXPECT_EQ(au.policies[0].offloaded_bytes, 0) << au.policies[0].plan_note;
   EXPECT_EQ(au.policies[0].loss, off.policies[0].loss);  // same bits, other policy
+}
+
+TEST(Train, FusedSwigluSavesOnlyGateAndUpAndChangesNoBit) {
+  TrainOptions o = small("keep");
+  const TrainReport plain = train(o, nullptr);
+  o.fused_swiglu = true;
+  const TrainReport fused = train(o, nullptr);
+  EXPECT_EQ(fused.policies[0].loss, plain.policies[0].loss);
+  EXPECT_EQ(fused.policies[0].final_gradients, plain.policies[0].final_gradients);
+  // mlp.act of each of the 4 layers is recomputed, everything else kept.
+  EXPECT_NE(fused.policies[0].plan_note.find("4 recomputed"), std::string::npos)
+      << fused.policies[0].plan_note;
+  EXPECT_LT(fused.policies[0].peak_device_bytes, plain.policies[0].peak_device_bytes);
 }
 
 TEST(Train, BadOptionsAreClearErrors) {
