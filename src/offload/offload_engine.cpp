@@ -94,9 +94,9 @@ struct OffloadEngine::Impl {
   // Note [Layer timestamps]: host callbacks take timestamps per layer, not per tensor
   // (each stream op costs host time): the first copy's start in each direction, the
   // compute stream reaching the layer's first reload, the end of the reloads issued
-  // together, and (one callback per tensor, since the last copy of a layer is known only
-  // afterwards) the end of each D2H copy. Written by callbacks, read after end_step's
-  // synchronize.
+  // together, and the end of the layer's D2H copies (a callback queued by
+  // end_forward_layer, after the layer's last copy). Written by callbacks, read after
+  // end_step's synchronize.
   struct LayerTimes {
     double d2h_start = 0, d2h_end = 0, h2d_start = 0, h2d_end = 0, compute_reached = 0;
   };
@@ -451,14 +451,12 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
     }
   }
   m.dev.copy_async(s.pinned.ptr, s.device.ptr, s.bytes, m.d2h);
-  // One callback per offloaded tensor: its copy's end (the layer's last one wins), and
-  // the checksum in verify mode. The forward's end is not a copy's end.
+  // Verify mode: the checksum of what landed on the host, right after its copy. (The
+  // layer's copy end is stamped once, by end_forward_layer: Note [Layer timestamps].)
   // Two pointers: fits std::function's local buffer, so no allocation per tensor.
   sp->verify = m.opt.verify;
-  m.dev.host_callback(m.d2h, [sp, lt] {
-    if (lt != nullptr) lt->d2h_end = now_ms();
-    if (sp->verify) sp->sum = checksum(sp->pinned.ptr, sp->bytes);
-  });
+  if (sp->verify)
+    m.dev.host_callback(m.d2h, [sp] { sp->sum = checksum(sp->pinned.ptr, sp->bytes); });
   m.dev.record(s.d2h_done, m.d2h);
   m.d2h_pending.push_back(id);
   m.inflight += static_cast<int64_t>(s.bytes);
@@ -481,6 +479,11 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
 void OffloadEngine::end_forward_layer(int layer) {
   Impl& m = *impl_;
   if (Impl::LayerMarks* mk = m.layer_marks(layer); mk != nullptr) {
+    if (mk->d2h_started && !mk->forward_ended) {
+      // After the layer's last copy in stream order: its end (Note [Layer timestamps]).
+      Impl::LayerTimes* lt = &m.times[static_cast<size_t>(layer)];
+      m.dev.host_callback(m.d2h, [lt] { lt->d2h_end = now_ms(); });
+    }
     mk->forward_ended = true;  // Note [Offload hold]
     for (int id : m.layer_slots[static_cast<size_t>(layer)]) {
       Impl::Slot& s = m.slots[static_cast<size_t>(id)];
