@@ -316,6 +316,7 @@ class HostDevice final : public Device {
         return r;
       }
       r.ptr = base_ + *off;
+      make_resident(*off, arena_.block_size(*off));
       account(kind, static_cast<int64_t>(arena_.block_size(*off)));
       return r;
     }
@@ -326,10 +327,6 @@ class HostDevice final : public Device {
                  " not available";
       return r;
     }
-    // Pinned memory is resident once allocated (cudaHostAlloc locks its pages): touch it
-    // here, so that first-touch page faults do not slow the first copies into it.
-    if (kind == MemoryKind::kPinnedHost || kind == MemoryKind::kMappedHost)
-      std::memset(r.ptr, 0, rounded);
     host_allocs_.emplace(r.ptr, std::make_pair(kind, rounded));
     account(kind, static_cast<int64_t>(rounded));
     return r;
@@ -504,6 +501,22 @@ class HostDevice final : public Device {
   mutable std::mutex mem_mu_;
   Arena arena_;
   std::byte* base_ = nullptr;
+  // Note [Resident arena]: GPU memory is resident once allocated; host memory is not
+  // until first touched, and a first-touch page fault costs far more than the copy of
+  // the page. So the arena's 2 MiB granules are touched when an allocation first covers
+  // them (never again: a touched granule may hold live data), and copies into device
+  // memory run at memory speed from the first step, not at page-fault speed.
+  std::vector<bool> resident_;
+  void make_resident(size_t off, size_t bytes) {
+    constexpr size_t kGranule = size_t{2} << 20;
+    if (resident_.empty()) resident_.assign(arena_.capacity() / kGranule + 1, false);
+    for (size_t g = off / kGranule; g <= (off + bytes - 1) / kGranule; ++g) {
+      if (resident_[g]) continue;
+      const size_t begin = g * kGranule;
+      std::memset(base_ + begin, 0, std::min(kGranule, arena_.capacity() - begin));
+      resident_[g] = true;
+    }
+  }
   std::unordered_map<void*, std::pair<MemoryKind, size_t>> host_allocs_;
   MemoryStats stats_;
   std::mutex table_mu_;

@@ -85,6 +85,7 @@ struct OffloadEngine::Impl {
     bool hold = false;    // OffloadHold::kUntilLayerEnd: released at end_forward_layer at most
     bool copied = false;  // its D2H copy is known complete
     bool reload_issued = false;
+    int h2d_seq = 0;  // issue order of its reload in the step (1, 2, ...)
     bool reload_taken = false;
     bool pinned_released = false;
     DeviceTensor reloaded;
@@ -102,6 +103,8 @@ struct OffloadEngine::Impl {
   };
   struct LayerMarks {  // calling thread only
     bool d2h_started = false, h2d_started = false, reached = false, forward_ended = false;
+    int last_h2d_slot = -1;      // the layer's last reload issued (Note [One wait per layer])
+    int compute_waited_seq = 0;  // compute is ordered after this layer's reloads up to here
   };
   std::vector<LayerTimes> times;
   std::vector<LayerMarks> marks;
@@ -147,6 +150,7 @@ struct OffloadEngine::Impl {
   int64_t allocations_at_begin = 0;
   bool in_step = false;
   int issue_cursor = -1;  // prefetch(): the highest layer whose reloads may be unissued
+  int h2d_issued = 0;     // reloads issued this step (Slot::h2d_seq)
 
   Impl(Device& device, Stream compute_stream, const OffloadPolicy& policy, const OffloadOptions& o)
       : dev(device),
@@ -367,6 +371,8 @@ struct OffloadEngine::Impl {
     dev.copy_async(s.reloaded.ptr, s.pinned.ptr, s.bytes, h2d);
     dev.record(s.h2d_done, h2d);
     h2d_pending.push_back(id);
+    s.h2d_seq = ++h2d_issued;
+    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr) mk->last_h2d_slot = id;
   }
 };
 
@@ -404,6 +410,7 @@ void OffloadEngine::begin_step() {
   SPILLWAY_CHECK(!m.in_step, "begin_step() twice without end_step()");
   m.in_step = true;
   m.issue_cursor = -1;
+  m.h2d_issued = 0;
   m.tel = StepTelemetry{};
   m.tel.layers.clear();
   for (size_t l = 0; l < policy_.layers.size(); ++l) {
@@ -540,7 +547,21 @@ DeviceTensor OffloadEngine::reload(OffloadHandle h) {
     Impl::LayerTimes* lt = &m.times[static_cast<size_t>(s.layer)];
     m.dev.host_callback(m.compute, [lt] { lt->compute_reached = now_ms(); });
   }
-  m.dev.wait(m.compute, s.h2d_done);
+  // Note [One wait per layer]: the H2D stream is FIFO, so ordering compute after the
+  // layer's last reload issued so far orders it after every earlier one: the first
+  // reload() of a layer makes compute wait once for the layer's batch, the others need
+  // no wait. (Each wait may cost the copy engine a wake-up of the compute stream: ~40 us
+  // per tensor on this VM, 7% of an 8 MiB copy's time.) Never the next layer's reloads:
+  // compute would wait for the prefetch.
+  if (Impl::LayerMarks* mk = m.layer_marks(s.layer); mk != nullptr) {
+    if (mk->compute_waited_seq < s.h2d_seq) {
+      const Impl::Slot& last = m.slots[static_cast<size_t>(mk->last_h2d_slot)];
+      m.dev.wait(m.compute, last.h2d_done);
+      mk->compute_waited_seq = last.h2d_seq;
+    }
+  } else {
+    m.dev.wait(m.compute, s.h2d_done);
+  }
   DeviceTensor t = s.reloaded;
   s.reloaded = DeviceTensor{};
   m.poll();

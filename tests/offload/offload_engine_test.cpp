@@ -3,6 +3,7 @@
 // verify mode, and the snowball against the planner's prediction.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -137,7 +138,11 @@ class CopyLog final : public Device {
   Event create_event() override { return d_.create_event(); }
   void destroy_event(Event e) override { d_.destroy_event(e); }
   void record(Event e, Stream s) override { d_.record(e, s); }
-  void wait(Stream s, Event e) override { d_.wait(s, e); }
+  std::vector<int> wait_streams;  // the stream of every wait, in order
+  void wait(Stream s, Event e) override {
+    wait_streams.push_back(s.id);
+    d_.wait(s, e);
+  }
   bool query(Event e) override { return d_.query(e); }
   void synchronize(Event e) override { d_.synchronize(e); }
   void synchronize(Stream s) override { d_.synchronize(s); }
@@ -187,6 +192,46 @@ TEST(OffloadEngine, PrefetchIssuesTheLayersBackwardNeedsFirst) {
   const std::vector<void*> h2d(log.dsts.begin() + static_cast<std::ptrdiff_t>(forward_copies),
                                log.dsts.end());
   EXPECT_EQ(h2d, reloaded);  // layer 2, then 1, then 0
+}
+
+TEST(OffloadEngine, ComputeWaitsOncePerLayerOfReloads) {
+  // Note [One wait per layer]: reload() of a layer's first tensor orders compute after
+  // the layer's last issued reload; its other tensors need no wait of their own.
+  Rig r(0.5, 0.5);  // slow copies: the waits are needed, and the data must still be right
+  CopyLog log(*r.dev);
+  OffloadOptions o;
+  o.device_pool_bytes = int64_t{8} << 20;
+  OffloadEngine e(log, r.compute, all_names(3), o);
+  e.begin_step();
+  std::vector<std::vector<OffloadHandle>> h(2);
+  const char* names[] = {"mlp.gate_out", "mlp.up_out", "mlp.act"};
+  for (int l = 0; l < 3; ++l) {
+    for (int k = 0; k < 3; ++k) {
+      DeviceTensor t = e.allocate(64 << 10);
+      produce(r, t, static_cast<uint32_t>(l * 10 + k));
+      if (l < 2) {
+        h[static_cast<size_t>(l)].push_back(e.offload(t, l, names[k]));
+      } else {
+        e.free(t);
+      }
+    }
+    e.end_forward_layer(l);
+  }
+  log.wait_streams.clear();
+  std::atomic<int> bad{0};
+  for (int l = 1; l >= 0; --l) {
+    e.prefetch(l - 1);
+    for (int k = 0; k < 3; ++k) {
+      DeviceTensor t = e.reload(h[static_cast<size_t>(l)][static_cast<size_t>(k)]);
+      consume(r, t, static_cast<uint32_t>(l * 10 + k), &bad);
+      e.free(t);
+    }
+  }
+  e.end_step();
+  EXPECT_EQ(bad.load(), 0);
+  const auto compute_waits =
+      std::count(log.wait_streams.begin(), log.wait_streams.end(), r.compute.id);
+  EXPECT_EQ(compute_waits, 2) << "one per layer reloaded";
 }
 
 TEST(OffloadEngine, AHeldTensorStaysOnTheDeviceUntilItsLayerEnds) {
