@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cli/run_command.hpp"
 #include "core/json_io.hpp"
 #include "spillway/hardware.hpp"
 #include "spillway/model.hpp"
@@ -30,17 +31,10 @@ struct CliRun {
 // "2>&1 1>/dev/null" (stderr only).
 CliRun run(const std::string& args, const std::string& streams = "2>&1") {
   const std::string cmd = std::string("'") + SPILLWAY_CLI_PATH + "' " + args + " " + streams;
+  const cli_test::CommandResult c = cli_test::run_command(cmd);
   CliRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    ADD_FAILURE() << "popen failed: " << cmd;
-    return r;
-  }
-  char buf[4096];
-  size_t n = 0;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.code = c.code;
+  r.out = c.out;
   return r;
 }
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/run_command.hpp"
 #include "core/json_io.hpp"
 #include "test_support.hpp"
 
@@ -48,17 +49,10 @@ TrainRun run(const std::string& args, const TempDir& dir) {
   const std::string err_path = dir.file("stderr.txt");
   const std::string cmd =
       std::string("'") + SPILLWAY_CLI_PATH + "' " + args + " 2>'" + err_path + "'";
+  const cli_test::CommandResult c = cli_test::run_command(cmd);
   TrainRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    ADD_FAILURE() << "popen failed: " << cmd;
-    return r;
-  }
-  char buf[4096];
-  size_t n = 0;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.code = c.code;
+  r.out = c.out;
   r.err = read_file(err_path);
   return r;
 }
