@@ -13,6 +13,7 @@ packages=(
   libbenchmark-dev                # benchmarks
   libnuma-dev                     # NUMA-local pinned memory (device layer)
   libopenblas-dev                 # BLAS for the reference model (src/nn)
+  libhwy-dev                      # portable SIMD with run-time dispatch (optimizer offload)
   python3                         # test helpers that read JSON output
 )
 

@@ -1,0 +1,275 @@
+// CPU AdamW: the per-step scalars, the scalar reference, the bf16/fp16 conversions and
+// the thread pool that tiles the SIMD step (the SIMD kernel is arch/adamw_hwy.cpp).
+//
+// Invariants: the pool's threads and synchronisation are created once in the
+// constructor; step() allocates nothing; every element of p, m, v (and copy_out) in
+// [0, n) is written exactly once per step, by exactly one thread.
+//
+// Note [AdamW operation order]
+// Scalar and SIMD must agree to the bit, on every Highway target (with or without FMA).
+// So neither uses a fused multiply-add: every multiply and every add rounds on its own,
+// and both files are compiled with -ffp-contract=off so the compiler does not fuse them
+// either. Division and square root are correctly rounded in IEEE scalar and vector
+// instructions alike. Per element, all in float, in this order:
+//   g     = g * grad_scale                  (always; exact when grad_scale is 1)
+//   p     = p * decay
+//   m     = beta1 * m + one_minus_beta1 * g
+//   v     = beta2 * v + one_minus_beta2 * (g * g)
+//   denom = sqrt(v) * inv_sqrt_bc2 + eps
+//   p     = p - step_size * (m / denom)
+// with the scalars of adamw_step_scalars(). NaN payloads are the one exception: which
+// NaN operand an instruction propagates may differ between the paths, so a NaN result
+// is NaN in both but its bits may differ.
+#include "optim/adamw.hpp"
+
+#include <numa.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "spillway/error.hpp"
+
+namespace spillway::optim {
+
+AdamWStepScalars adamw_step_scalars(const AdamWParams& hp, int64_t step) {
+  SPILLWAY_CHECK(step >= 1, "adamw: step is {}; must be >= 1", step);
+  SPILLWAY_CHECK(std::isfinite(hp.lr) && hp.lr >= 0.0, "adamw: lr is {}; must be >= 0", hp.lr);
+  SPILLWAY_CHECK(hp.beta1 >= 0.0 && hp.beta1 < 1.0, "adamw: beta1 is {}; must be in [0, 1)",
+                 hp.beta1);
+  SPILLWAY_CHECK(hp.beta2 >= 0.0 && hp.beta2 < 1.0, "adamw: beta2 is {}; must be in [0, 1)",
+                 hp.beta2);
+  SPILLWAY_CHECK(std::isfinite(hp.eps) && hp.eps > 0.0, "adamw: eps is {}; must be > 0", hp.eps);
+  SPILLWAY_CHECK(std::isfinite(hp.weight_decay) && hp.weight_decay >= 0.0,
+                 "adamw: weight_decay is {}; must be >= 0", hp.weight_decay);
+  const double t = static_cast<double>(step);
+  const double bc1 = 1.0 - std::pow(hp.beta1, t);
+  const double bc2 = 1.0 - std::pow(hp.beta2, t);
+  AdamWStepScalars s{};
+  s.step_size = static_cast<float>(hp.lr / bc1);
+  s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.decay = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
+  s.beta1 = static_cast<float>(hp.beta1);
+  s.one_minus_beta1 = static_cast<float>(1.0 - hp.beta1);
+  s.beta2 = static_cast<float>(hp.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - hp.beta2);
+  s.eps = static_cast<float>(hp.eps);
+  return s;
+}
+
+namespace {
+
+void check_args(const AdamWArgs& a) {
+  if (a.n == 0) return;
+  SPILLWAY_CHECK(a.p != nullptr && a.m != nullptr && a.v != nullptr && a.g != nullptr,
+                 "adamw: p, m, v and g must be non-null for n = {}", a.n);
+  SPILLWAY_CHECK((a.copy_type == CopyType::kNone) == (a.copy_out == nullptr),
+                 "adamw: copy_out must be set exactly when copy_type is not kNone");
+}
+
+}  // namespace
+
+// Conversions. bf16 and the normal range of fp16 round to nearest even by adding
+// 0x7FF..F plus the lowest kept bit and truncating; fp16 subnormals round through one
+// float addition of 0.5f, whose unit in the last place is the fp16 subnormal step
+// 2^-24. A NaN stays a quiet NaN of the same sign with the top payload bits (what
+// x86's F16C instructions give); overflow goes to inf.
+
+uint16_t float_to_bf16(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float bf16_to_float(uint16_t b) {
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+
+uint16_t float_to_fp16(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  uint32_t h;
+  if (a > 0x7F800000u) {
+    h = 0x7E00u | ((a >> 13) & 0x3FFu);
+  } else if (a >= 0x477FF000u) {  // >= 65520: rounds past 65504, the largest finite
+    h = 0x7C00u;
+  } else if (a >= 0x38800000u) {         // >= 2^-14: normal
+    const uint32_t r = a - 0x38000000u;  // rebias the exponent 127 -> 15
+    h = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;
+  } else {
+    const float f = std::bit_cast<float>(a) + 0.5f;
+    h = std::bit_cast<uint32_t>(f) - 0x3F000000u;
+  }
+  return static_cast<uint16_t>(h | sign);
+}
+
+float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t mant = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float f = static_cast<float>(mant) * 0x1p-24f;
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | sign);
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7F800000u | (mant << 13));
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
+  const AdamWStepScalars s = adamw_step_scalars(hp, a.step);
+  check_args(a);
+  const float* g32 = static_cast<const float*>(a.g);
+  const uint16_t* g16 = static_cast<const uint16_t*>(a.g);
+  uint16_t* out = static_cast<uint16_t*>(a.copy_out);
+  for (size_t i = 0; i < a.n; ++i) {
+    // Note [AdamW operation order]
+    float g = a.grad_type == GradType::kBf16 ? bf16_to_float(g16[i]) : g32[i];
+    g = g * a.grad_scale;
+    float p = a.p[i] * s.decay;
+    const float m = s.beta1 * a.m[i] + s.one_minus_beta1 * g;
+    const float v = s.beta2 * a.v[i] + s.one_minus_beta2 * (g * g);
+    const float denom = std::sqrt(v) * s.inv_sqrt_bc2 + s.eps;
+    p = p - s.step_size * (m / denom);
+    a.p[i] = p;
+    a.m[i] = m;
+    a.v[i] = v;
+    if (a.copy_type == CopyType::kBf16) out[i] = float_to_bf16(p);
+    if (a.copy_type == CopyType::kFp16) out[i] = float_to_fp16(p);
+  }
+}
+
+// --- the pool -------------------------------------------------------------------------
+
+namespace {
+
+// Elements per tile: 16K fp32 elements are 64 KiB of each of p, m, v, a multiple of every
+// SIMD width. Tiles are dealt out statically: worker w takes a contiguous run of them.
+constexpr size_t kTileElems = size_t{16} << 10;
+
+// The sub-range [begin, end) of a as its own call (pointers offset, same step).
+AdamWArgs slice(const AdamWArgs& a, size_t begin, size_t end) {
+  AdamWArgs s = a;
+  s.p = a.p + begin;
+  s.m = a.m + begin;
+  s.v = a.v + begin;
+  const size_t g_bytes = a.grad_type == GradType::kBf16 ? 2 : 4;
+  s.g = static_cast<const unsigned char*>(a.g) + begin * g_bytes;
+  if (a.copy_out != nullptr) s.copy_out = static_cast<unsigned char*>(a.copy_out) + begin * 2;
+  s.n = end - begin;
+  return s;
+}
+
+}  // namespace
+
+struct AdamW::Impl {
+  int numa_node = -1;
+  size_t num_workers = 1;  // set before the workers start
+  std::vector<std::thread> workers;
+
+  std::mutex mu;
+  std::condition_variable wake;  // workers wait here for a new generation or stop
+  std::condition_variable done;  // the caller waits here for pending == 0
+  uint64_t generation = 0;       // guarded by mu
+  bool stop = false;             // guarded by mu
+  int pending = 0;               // workers still running the current job; guarded by mu
+
+  // The current job: written by the caller under mu before the generation bump, read by
+  // the workers after they see it (the mutex orders the two).
+  AdamWParams hp{};
+  AdamWArgs args{};
+  size_t tiles = 0;
+
+  void run(int w) {
+    if (numa_node >= 0) {
+      SPILLWAY_CHECK_WARN(numa_run_on_node(numa_node) == 0,
+                          "adamw: cannot bind worker {} to NUMA node {}; it runs unbound", w,
+                          numa_node);
+    }
+    uint64_t seen = 0;
+    const size_t nw = num_workers;
+    for (;;) {
+      std::unique_lock lock(mu);
+      wake.wait(lock, [&] { return stop || generation != seen; });
+      if (stop) return;
+      seen = generation;
+      const AdamWParams job_hp = hp;
+      const AdamWArgs job = args;
+      const size_t job_tiles = tiles;
+      lock.unlock();
+
+      const size_t t0 = job_tiles * static_cast<size_t>(w) / nw;
+      const size_t t1 = job_tiles * static_cast<size_t>(w + 1) / nw;
+      if (t0 < t1) {
+        const size_t begin = t0 * kTileElems;
+        const size_t end = std::min(job.n, t1 * kTileElems);
+        adamw_step_simd(job_hp, slice(job, begin, end));
+      }
+
+      lock.lock();
+      if (--pending == 0) done.notify_one();
+    }
+  }
+};
+
+AdamW::AdamW(int threads, int numa_node) : impl_(std::make_unique<Impl>()) {
+  if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (numa_node >= 0 && numa_available() >= 0 && numa_num_configured_nodes() > 1) {
+    SPILLWAY_CHECK(numa_node < numa_num_configured_nodes(),
+                   "adamw: numa_node is {}; the machine has {} nodes", numa_node,
+                   numa_num_configured_nodes());
+    impl_->numa_node = numa_node;
+  }
+  impl_->num_workers = static_cast<size_t>(threads);
+  impl_->workers.reserve(impl_->num_workers);
+  try {
+    for (int w = 0; w < threads; ++w) impl_->workers.emplace_back([this, w] { impl_->run(w); });
+  } catch (...) {  // a thread could not start: stop those that did before giving up
+    {
+      std::lock_guard lock(impl_->mu);
+      impl_->stop = true;
+    }
+    impl_->wake.notify_all();
+    for (std::thread& t : impl_->workers) t.join();
+    throw;
+  }
+}
+
+AdamW::~AdamW() {
+  {
+    std::lock_guard lock(impl_->mu);
+    impl_->stop = true;
+  }
+  impl_->wake.notify_all();
+  for (std::thread& t : impl_->workers) t.join();
+}
+
+int AdamW::threads() const {
+  return static_cast<int>(impl_->num_workers);
+}
+
+void AdamW::step(const AdamWParams& hp, const AdamWArgs& a) {
+  // Checks here, on the caller, so that no worker can throw.
+  (void)adamw_step_scalars(hp, a.step);
+  check_args(a);
+  if (a.n <= kTileElems) {
+    adamw_step_simd(hp, a);
+    return;
+  }
+  std::unique_lock lock(impl_->mu);
+  impl_->hp = hp;
+  impl_->args = a;
+  impl_->tiles = (a.n + kTileElems - 1) / kTileElems;
+  impl_->pending = static_cast<int>(impl_->num_workers);
+  ++impl_->generation;
+  impl_->wake.notify_all();
+  impl_->done.wait(lock, [&] { return impl_->pending == 0; });
+}
+
+}  // namespace spillway::optim

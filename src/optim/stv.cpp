@@ -1,0 +1,173 @@
+// Speculation-then-validation: see stv.hpp and Note [STV exactness].
+#include "optim/stv.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "spillway/error.hpp"
+
+namespace spillway::optim {
+
+namespace {
+
+void step_range(const AdamWParams& hp, AdamW* pool, float* p, float* m, float* v, const float* g,
+                size_t n, float scale, int64_t t) {
+  AdamWArgs a;
+  a.p = p;
+  a.m = m;
+  a.v = v;
+  a.g = g;
+  a.grad_type = GradType::kFp32;
+  a.grad_scale = scale;
+  a.n = n;
+  a.step = t;
+  if (pool != nullptr) {
+    pool->step(hp, a);
+  } else {
+    adamw_step_simd(hp, a);
+  }
+}
+
+void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
+  size_t covered = 0;
+  std::vector<Bucket> sorted = buckets;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Bucket& a, const Bucket& b) { return a.offset < b.offset; });
+  for (const Bucket& b : sorted) {
+    SPILLWAY_CHECK(b.offset == covered,
+                   "STV buckets must tile the state without gap or overlap: a bucket starts "
+                   "at {}, expected {}",
+                   b.offset, covered);
+    covered += b.n;
+  }
+  SPILLWAY_CHECK(covered == n, "STV buckets cover {} elements; the state has {}", covered, n);
+}
+
+}  // namespace
+
+double bucket_sum_of_squares(const float* g, size_t n) {
+  double s = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = static_cast<double>(g[i]);
+    s += x * x;
+  }
+  return s;
+}
+
+float clip_coefficient(double norm, double clip) {
+  if (clip <= 0.0 || !(norm > clip)) return 1.0f;
+  return static_cast<float>(clip / (norm + 1e-6));
+}
+
+StvOutcome reference_adamw_step(const AdamWParams& hp, double clip, float* p, float* m, float* v,
+                                const float* g, const std::vector<Bucket>& buckets, int64_t* step) {
+  double sq = 0.0;
+  for (const Bucket& b : buckets) sq += bucket_sum_of_squares(g + b.offset, b.n);
+  const double norm = std::sqrt(sq);
+  if (!std::isfinite(norm)) return StvOutcome::kSkip;
+  const float scale = clip_coefficient(norm, clip);
+  const int64_t t = *step + 1;
+  for (const Bucket& b : buckets) {
+    step_range(hp, nullptr, p + b.offset, m + b.offset, v + b.offset, g + b.offset, b.n, scale, t);
+  }
+  *step = t;
+  return scale < 1.0f ? StvOutcome::kReplay : StvOutcome::kCommit;
+}
+
+StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float* v, size_t n,
+                   std::vector<Bucket> buckets, int device_buckets, AdamW* pool)
+    : hp_(hp),
+      clip_(clip),
+      p_(p),
+      m_(m),
+      v_(v),
+      buckets_(std::move(buckets)),
+      device_buckets_(device_buckets),
+      pool_(pool) {
+  check_buckets(buckets_, n);
+  const int nb = static_cast<int>(buckets_.size());
+  if (device_buckets_ < 0 || device_buckets_ > nb)
+    SPILLWAY_INPUT_ERROR("STV: {} device buckets of {}; must be in [0, {}]", device_buckets_, nb,
+                         nb);
+  // Buckets are numbered in forward order; backward delivers them last first, so the
+  // first `device_buckets` arrive last: they stay on the device, never speculated.
+  size_t undo = 0;
+  undo_offset_.assign(buckets_.size(), 0);
+  for (int b = device_buckets_; b < nb; ++b) {
+    undo_offset_[static_cast<size_t>(b)] = undo;
+    undo += 3 * buckets_[static_cast<size_t>(b)].n;
+  }
+  undo_.assign(undo, 0.0f);
+  grads_.assign(buckets_.size(), nullptr);
+  sq_.assign(buckets_.size(), 0.0);
+  speculated_.assign(buckets_.size(), 0);
+  arrival_.reserve(buckets_.size());
+}
+
+void StvAdamW::run(int b, float scale, int64_t t) {
+  const Bucket& k = buckets_[static_cast<size_t>(b)];
+  step_range(hp_, pool_, p_ + k.offset, m_ + k.offset, v_ + k.offset,
+             grads_[static_cast<size_t>(b)], k.n, scale, t);
+}
+
+void StvAdamW::on_bucket(int b, const float* g) {
+  SPILLWAY_CHECK(b >= 0 && static_cast<size_t>(b) < buckets_.size(), "STV: unknown bucket {}", b);
+  SPILLWAY_CHECK(grads_[static_cast<size_t>(b)] == nullptr,
+                 "STV: bucket {} arrived twice in one step", b);
+  const Bucket& k = buckets_[static_cast<size_t>(b)];
+  grads_[static_cast<size_t>(b)] = g;
+  sq_[static_cast<size_t>(b)] = bucket_sum_of_squares(g, k.n);
+  arrival_.push_back(b);
+  if (b < device_buckets_) return;  // the device steps it once the norm is known
+  // Snapshot, then speculate (Note [STV exactness]).
+  float* u = undo_.data() + undo_offset_[static_cast<size_t>(b)];
+  std::memcpy(u, p_ + k.offset, k.n * sizeof(float));
+  std::memcpy(u + k.n, m_ + k.offset, k.n * sizeof(float));
+  std::memcpy(u + 2 * k.n, v_ + k.offset, k.n * sizeof(float));
+  run(b, 1.0f, step_ + 1);
+  speculated_[static_cast<size_t>(b)] = 1;
+}
+
+StvOutcome StvAdamW::finish() {
+  SPILLWAY_CHECK(arrival_.size() == buckets_.size(), "STV: finish() after {} of {} buckets",
+                 arrival_.size(), buckets_.size());
+  double sq = 0.0;
+  for (double s : sq_) sq += s;  // bucket order, whatever the arrival order
+  const double norm = std::sqrt(sq);
+  const float scale = std::isfinite(norm) ? clip_coefficient(norm, clip_) : 1.0f;
+  const bool undo = !std::isfinite(norm) || scale < 1.0f;
+  if (undo) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (speculated_[b] == 0) continue;
+      const Bucket& k = buckets_[b];
+      const float* u = undo_.data() + undo_offset_[b];
+      std::memcpy(p_ + k.offset, u, k.n * sizeof(float));
+      std::memcpy(m_ + k.offset, u + k.n, k.n * sizeof(float));
+      std::memcpy(v_ + k.offset, u + 2 * k.n, k.n * sizeof(float));
+    }
+  }
+  StvOutcome outcome = StvOutcome::kCommit;
+  if (!std::isfinite(norm)) {
+    outcome = StvOutcome::kSkip;
+    ++counters_.skips;
+  } else {
+    const int64_t t = step_ + 1;
+    for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+      if (b < device_buckets_ || undo) run(b, scale, t);  // replays go in bucket order
+    }
+    step_ = t;
+    if (undo) {
+      outcome = StvOutcome::kReplay;
+      ++counters_.replays;
+    } else {
+      ++counters_.commits;
+    }
+  }
+  std::fill(grads_.begin(), grads_.end(), nullptr);
+  std::fill(speculated_.begin(), speculated_.end(), 0);
+  arrival_.clear();
+  return outcome;
+}
+
+}  // namespace spillway::optim
