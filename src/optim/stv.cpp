@@ -129,6 +129,20 @@ void StvAdamW::on_bucket(int b, const float* g) {
   speculated_[static_cast<size_t>(b)] = 1;
 }
 
+void StvAdamW::abort() {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (speculated_[b] == 0) continue;
+    const Bucket& k = buckets_[b];
+    const float* u = undo_.data() + undo_offset_[b];
+    std::memcpy(p_ + k.offset, u, k.n * sizeof(float));
+    std::memcpy(m_ + k.offset, u + k.n, k.n * sizeof(float));
+    std::memcpy(v_ + k.offset, u + 2 * k.n, k.n * sizeof(float));
+  }
+  std::fill(grads_.begin(), grads_.end(), nullptr);
+  std::fill(speculated_.begin(), speculated_.end(), 0);
+  arrival_.clear();
+}
+
 StvOutcome StvAdamW::finish() {
   SPILLWAY_CHECK(arrival_.size() == buckets_.size(), "STV: finish() after {} of {} buckets",
                  arrival_.size(), buckets_.size());

@@ -69,6 +69,9 @@ class StvAdamW {
   void on_bucket(int b, const float* g);
   // Backward is done: every bucket has arrived. Validates, then commits, replays or skips.
   StvOutcome finish();
+  // The step cannot complete (a gradient never arrived): undo every speculative bucket and
+  // forget the step's buckets; the step counter does not advance.
+  void abort();
 
   int64_t step() const { return step_; }
   const StvCounters& counters() const { return counters_; }

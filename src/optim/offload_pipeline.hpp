@@ -1,0 +1,86 @@
+// The bucketed optimizer-offload pipeline (DESIGN section 4): fp32 master weights and
+// AdamW moments live in pinned host memory, the device keeps bf16 weights. As backward
+// produces each gradient bucket (last layers first):
+//   D2H stream:  wait for the bucket's gradient, copy it to pinned staging (fp32, or bf16
+//                when the cast is done on the host: half the link bytes);
+//   CPU stream:  wait for that copy, run the speculative AdamW step of the bucket (STV),
+//                writing the bf16 copy of the updated weights into pinned staging;
+//   H2D stream:  wait for the step, copy the bf16 weights to the device.
+// Every stage is ordered by events, never by the host, so the three overlap the rest of
+// backward. end_step() validates (StvAdamW::finish): on a replay or a skip, the buckets'
+// weights are uploaded again from the corrected master copy.
+//
+// Note [Optimizer copy failures]: a gradient copy that cannot be enqueued (the device
+// reports an error) is retried up to `max_retries` times after waiting for the copies in
+// flight; if it still fails, the step is abandoned with an error naming the bucket, and
+// no bucket is updated from a gradient that did not arrive: the CPU step of a bucket is
+// enqueued only after its copy was.
+//
+// GPU/CPU split: the first `device_buckets` buckets (the last to arrive) keep their fp32
+// state in device memory and step there at end_step (on the host backend, whose device
+// memory the host can address; a CUDA kernel is not built yet, so the CUDA backend needs
+// device_buckets = 0).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "optim/stv.hpp"
+#include "spillway/device.hpp"
+
+namespace spillway::optim {
+
+enum class CastSite { kAuto, kDevice, kHost };
+
+struct OptimOffloadOptions {
+  AdamWParams hp;
+  double clip = 1.0;  // global gradient norm threshold (<= 0: no clipping)
+  CastSite cast = CastSite::kAuto;
+  double link_gbps = 0.0;      // D2H bandwidth for the kAuto decision (0: measure-free guess)
+  double cpu_cast_gbps = 0.0;  // CPU bf16->fp32 widening rate (bytes read per second / 1e9)
+  int device_buckets = 0;      // GPU/CPU split
+  int max_retries = 3;         // Note [Optimizer copy failures]
+};
+
+// Where to cast (DESIGN section 4): widening on the device and moving fp32 costs 4 bytes
+// per element on the link; moving bf16 costs 2 bytes on the link plus the CPU widening. kHost when
+// 2 / link + 2 / cpu_cast < 4 / link, i.e. when the CPU widens faster than the link moves.
+CastSite choose_cast_site(double link_gbps, double cpu_cast_gbps);
+
+class OptimizerOffload {
+ public:
+  // `weights` (n fp32): the initial master weights. `compute` is the training loop's
+  // stream, where the gradients are produced. Allocates everything now.
+  OptimizerOffload(Device& dev, Stream compute, const float* weights, size_t n,
+                   std::vector<Bucket> buckets, const OptimOffloadOptions& o,
+                   AdamW* pool = nullptr);
+  ~OptimizerOffload();
+  OptimizerOffload(const OptimizerOffload&) = delete;
+  OptimizerOffload& operator=(const OptimizerOffload&) = delete;
+
+  // Device buffers: the bf16 weights the model reads (n) and the bf16 gradients it writes
+  // (n). Widening bf16 to fp32 is exact, so both cast sites give the same bits.
+  uint16_t* device_weights() const;
+  uint16_t* device_grads() const;
+
+  // Backward: bucket b's gradient is complete once the work enqueued so far on the
+  // compute stream has run.
+  void on_bucket_grad(int b);
+  // After backward: waits for the pipeline, validates, corrects the device weights on a
+  // replay or a skip. The compute stream is ordered after the weight uploads.
+  StvOutcome end_step();
+
+  CastSite cast_site() const;
+  const StvCounters& counters() const;
+  int64_t step() const;
+  int64_t retries() const;  // copy enqueues retried (Note [Optimizer copy failures])
+  // The fp32 master weights (host), for tests.
+  const float* master_weights() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spillway::optim
