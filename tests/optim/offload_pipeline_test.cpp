@@ -16,8 +16,8 @@
 namespace spillway::optim {
 namespace {
 
-// Forwards to a device; copy_async throws while `fail_next` > 0 or when `fail_always`
-// and the copy has `fail_bytes` bytes (the injected fault).
+// Forwards to a device; a device-to-host copy of `fail_bytes` bytes throws while
+// `fail_next` > 0, or always with `fail_always` (the injected fault).
 class FaultyDevice final : public Device {
  public:
   explicit FaultyDevice(Device& d) : d_(d) {}
@@ -31,7 +31,9 @@ class FaultyDevice final : public Device {
   MemoryStats memory_stats() const override { return d_.memory_stats(); }
   void reset_peaks() override { d_.reset_peaks(); }
   Stream create_stream(StreamRole role, int priority) override {
-    return d_.create_stream(role, priority);
+    const Stream s = d_.create_stream(role, priority);
+    if (role == StreamRole::kD2H) d2h_ = s.id;
+    return s;
   }
   void destroy_stream(Stream s) override { d_.destroy_stream(s); }
   Event create_event() override { return d_.create_event(); }
@@ -42,7 +44,7 @@ class FaultyDevice final : public Device {
   void synchronize(Event e) override { d_.synchronize(e); }
   void synchronize(Stream s) override { d_.synchronize(s); }
   void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
-    if (bytes == fail_bytes && (fail_always || fail_next > 0)) {
+    if (s.id == d2h_ && bytes == fail_bytes && (fail_always || fail_next > 0)) {
       if (fail_next > 0) --fail_next;
       throw Error("injected copy failure");
     }
@@ -54,6 +56,7 @@ class FaultyDevice final : public Device {
 
  private:
   Device& d_;
+  int d2h_ = -1;
 };
 
 const std::vector<Bucket> kBuckets = {{0, 1000},   {1000, 3000}, {4000, 2500},
