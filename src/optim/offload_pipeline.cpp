@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "spillway/error.hpp"
@@ -235,6 +236,41 @@ StvOutcome OptimizerOffload::end_step() {
   s.dev.record(s.done, s.h2d);
   s.dev.wait(s.compute, s.done);
   return outcome;
+}
+
+}  // namespace spillway::optim
+
+namespace spillway::optim {
+
+SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order,
+                                  double backward_ms, int64_t free_hbm_bytes) {
+  const int nb = static_cast<int>(arrival_order.size());
+  auto end_with = [&](int device) {
+    // The first nb - device to arrive go through the CPU, one at a time.
+    double cpu_end = 0.0;
+    for (int i = 0; i < nb - device; ++i) {
+      const BucketTiming& b = arrival_order[static_cast<size_t>(i)];
+      cpu_end = std::max(cpu_end, b.arrive_ms) + b.cpu_ms;
+    }
+    double device_end = backward_ms;
+    for (int i = nb - device; i < nb; ++i)
+      device_end += arrival_order[static_cast<size_t>(i)].device_ms;
+    return std::max({backward_ms, cpu_end, device_end});
+  };
+  SplitChoice c;
+  c.cpu_only_ms = end_with(0);
+  c.end_ms = c.cpu_only_ms;
+  int64_t hbm = 0;
+  for (int device = 1; device <= nb; ++device) {
+    hbm += arrival_order[static_cast<size_t>(nb - device)].state_bytes;
+    if (hbm > free_hbm_bytes) break;
+    const double e = end_with(device);
+    if (e < c.end_ms) {
+      c.end_ms = e;
+      c.device_buckets = device;
+    }
+  }
+  return c;
 }
 
 }  // namespace spillway::optim

@@ -84,3 +84,29 @@ class OptimizerOffload {
 };
 
 }  // namespace spillway::optim
+
+namespace spillway::optim {
+
+// The GPU/CPU split (DESIGN section 4): how many of the buckets that arrive last keep their
+// optimizer step on the device. Per bucket, in arrival order: when its gradient is
+// complete (ms from the start of backward), its CPU pipeline time (copy down, step, copy
+// up; the CPU handles one bucket at a time), its device step time, and the HBM its fp32
+// state needs on the device (12 bytes per element). The step ends when backward
+// (`backward_ms`) and every bucket's update are done; the device steps its buckets after
+// backward. Picks the n (from the last-arriving end) with the earliest end that fits in
+// `free_hbm_bytes`; ties go to the smaller n.
+struct BucketTiming {
+  double arrive_ms = 0.0;
+  double cpu_ms = 0.0;
+  double device_ms = 0.0;
+  int64_t state_bytes = 0;
+};
+struct SplitChoice {
+  int device_buckets = 0;
+  double end_ms = 0.0;       // of the optimizer step with that split
+  double cpu_only_ms = 0.0;  // with device_buckets = 0
+};
+SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order,
+                                  double backward_ms, int64_t free_hbm_bytes);
+
+}  // namespace spillway::optim

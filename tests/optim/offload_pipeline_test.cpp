@@ -193,3 +193,30 @@ TEST(OptimizerOffload, CastSiteFollowsLinkAgainstCpuWidening) {
 
 }  // namespace
 }  // namespace spillway::optim
+
+namespace spillway::optim {
+namespace {
+
+TEST(SplitChoice, MovesTheLastBucketsToTheDeviceWhenTheCpuWouldTrailBackward) {
+  // 8 buckets arriving every 10 ms over an 80 ms backward; the CPU needs 12 ms each (it
+  // falls behind), the device 1 ms each.
+  std::vector<BucketTiming> t;
+  for (int i = 0; i < 8; ++i) t.push_back({10.0 * (i + 1), 12.0, 1.0, 1000});
+  const SplitChoice c = choose_device_buckets(t, 80.0, 1 << 20);
+  // CPU only: the last bucket arrives at 80, the CPU is done at 10 + 8 * 12 = 106.
+  EXPECT_DOUBLE_EQ(c.cpu_only_ms, 106.0);
+  EXPECT_GT(c.device_buckets, 0);
+  EXPECT_LT(c.end_ms, c.cpu_only_ms);
+  // No room in HBM: nothing moves.
+  EXPECT_EQ(choose_device_buckets(t, 80.0, 999).device_buckets, 0);
+  // The last bucket always trails backward by its CPU time (5 ms here, the CPU keeping
+  // up otherwise): the device takes it when its own step is shorter (1 ms), not when it
+  // is longer (8 ms).
+  for (BucketTiming& b : t) b.cpu_ms = 5.0;
+  EXPECT_EQ(choose_device_buckets(t, 80.0, 1 << 20).device_buckets, 1);
+  for (BucketTiming& b : t) b.device_ms = 8.0;
+  EXPECT_EQ(choose_device_buckets(t, 80.0, 1 << 20).device_buckets, 0);
+}
+
+}  // namespace
+}  // namespace spillway::optim
