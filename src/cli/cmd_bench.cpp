@@ -1,12 +1,13 @@
 // `spillway bench`: the engines' benchmarks, each checked for correctness before it is
 // timed and printed beside its baseline measured in the same run and its limit. One
-// sub-subcommand per engine (`offload` for now).
+// sub-subcommand per engine: `offload`, `adam`.
 #include <fmt/format.h>
 
 #include <cmath>
 #include <cstdio>
 #include <memory>
 
+#include "bench_adam.hpp"
 #include "bench_offload.hpp"
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
@@ -96,6 +97,81 @@ void add_bench_offload_command(CLI::App& bench) {
   });
 }
 
+void add_bench_adam_command(CLI::App& bench) {
+  struct State {
+    AdamBenchOptions options;
+    bool no_torch = false;
+    bool no_copy = false;
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "adam",
+      "The CPU AdamW step (SIMD, all threads): elements/s and GB/s of state traffic (28 "
+      "B/element: reads p, g, m, v, writes p, m, v; + 2 for the bf16 copy of p, on by default) "
+      "beside, measured in the same run: this machine's memory bandwidth by a STREAM triad with "
+      "the same threads (the limit, 16 B/element), the scalar reference on one thread, and "
+      "PyTorch's torch.optim.AdamW(foreach=True) in a Python subprocess when `import torch` "
+      "works (skipped, and said so, otherwise). Targets: at least 0.9 x the triad's bytes/s; at "
+      "least 5 x torch's elements/s. The SIMD step and the scalar reference must agree to the "
+      "bit before anything is timed; the methods are interleaved and figures are medians. "
+      "Needs about 36 bytes per element plus 12 per triad element, plus 24 per element for "
+      "torch.\n\n"
+      "Examples:\n"
+      "  spillway bench adam\n"
+      "  spillway bench adam --elements 4000000 --repeats 2\n"
+      "  spillway bench adam --threads 1 --no-torch --json -");
+  AdamBenchOptions& o = st->options;
+  cmd->add_option("--elements", o.elements, "Elements of state (n); ~30 bytes each per step")
+      ->capture_default_str();
+  cmd->add_option("--repeats", o.repeats, "Times triad, ours, scalar and torch are interleaved")
+      ->capture_default_str();
+  cmd->add_option("--steps", o.steps, "Timed calls per method and repeat (one sample each)")
+      ->capture_default_str();
+  cmd->add_option("--threads", o.threads,
+                  "Threads of the AdamW class and of the triad (0: hardware concurrency)")
+      ->capture_default_str();
+  cmd->add_option("--check-steps", o.check_steps,
+                  "Steps of the bitwise SIMD-vs-scalar check before timing")
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the random inputs (0: a fresh one, printed)")
+      ->capture_default_str();
+  cmd->add_option("--triad-elements", o.triad_elements,
+                  "Elements per triad array (0: max(n, 2^25))")
+      ->capture_default_str();
+  cmd->add_flag("--no-copy", st->no_copy, "Do not write the bf16 copy of p (28 B/element)");
+  cmd->add_flag("--no-torch", st->no_torch, "Skip the PyTorch comparison");
+  cmd->add_option("--python", o.python,
+                  "Interpreter for the torch comparison (default: python3, then "
+                  "/usr/bin/python3, the first that imports torch)");
+  cmd->add_option("--json", st->json_path,
+                  "Write the results as JSON to FILE ('-' for stdout): elements_per_s, "
+                  "state_gbps, triad_gbps, fraction_of_triad, scalar_ratio, torch_ratio, "
+                  "simd_target, threads, samples");
+  cmd->callback([st]() {
+    AdamBenchOptions options = st->options;
+    options.torch = !st->no_torch;
+    options.copy_bf16 = !st->no_copy;
+    check_adam_bench_options(options);
+    // Human-readable lines go to stdout, unless the JSON does (then to stderr).
+    const bool json_on_stdout = st->json_path == "-";
+    const auto say = [&](const std::string& text) {
+      if (json_on_stdout) {
+        std::fputs(text.c_str(), stderr);
+      } else {
+        write_output("-", text);
+      }
+    };
+    say(fmt::format(
+        "running: {} elements, {} timed steps x {} repeats (triad, ours, scalar{} "
+        "interleaved)...\n",
+        options.elements, options.steps, options.repeats, options.torch ? ", torch" : ""));
+    const AdamBenchResult result = run_adam_bench(options);
+    say(format_adam_bench(result));
+    if (!st->json_path.empty()) write_output(st->json_path, adam_bench_json(result));
+  });
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -105,9 +181,11 @@ void add_bench_command(CLI::App& app) {
       "times, and prints its baseline measured in the same run and the physical limit.\n\n"
       "Examples:\n"
       "  spillway bench offload\n"
-      "  spillway bench offload --layers 16 --tensor-mb 4 --json -");
+      "  spillway bench offload --layers 16 --tensor-mb 4 --json -\n"
+      "  spillway bench adam --elements 4000000 --repeats 2");
   bench->require_subcommand(1);
   add_bench_offload_command(*bench);
+  add_bench_adam_command(*bench);
 }
 
 }  // namespace spillway::cli
