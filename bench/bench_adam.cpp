@@ -173,12 +173,15 @@ uint64_t bits_of(T x) {
 template <typename T>
 void require_equal(const HostArray<T>& ours, const HostArray<T>& ref, const char* name,
                    int64_t step) {
+  // Bits, on purpose: the check is bitwise equality (NaN payloads included).
+  // NOLINTBEGIN(bugprone-suspicious-memory-comparison)
   const size_t n = ours.size();
   if (std::memcmp(ours.get(), ref.get(), n * sizeof(T)) == 0) return;
   size_t i = 0;
   while (i < n && std::memcmp(ours.get() + i, ref.get() + i, sizeof(T)) == 0) ++i;
   size_t bad = 0;
   for (size_t k = i; k < n; ++k) bad += std::memcmp(ours.get() + k, ref.get() + k, sizeof(T)) != 0;
+  // NOLINTEND(bugprone-suspicious-memory-comparison)
   SPILLWAY_INPUT_ERROR(
       "adam bench: the SIMD step ({}, AdamW class) and the scalar reference disagree at step "
       "{}: {} of {} elements of {} differ; first at element {}: SIMD 0x{:0{}x}, scalar "
@@ -304,6 +307,7 @@ class TorchProcess {
     std::vector<std::string> argv_s = {python, "-u", "-c", script};
     argv_s.insert(argv_s.end(), args.begin(), args.end());
     std::vector<char*> argv;
+    argv.reserve(argv_s.size() + 1);
     for (std::string& s : argv_s) argv.push_back(s.data());
     argv.push_back(nullptr);
     const int rc = posix_spawnp(&pid_, python.c_str(), &actions, nullptr, argv.data(), environ);

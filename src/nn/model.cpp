@@ -750,9 +750,9 @@ int64_t Model::saved_bytes(int layer, int batch, int seq) const {
 
 std::vector<int64_t> Model::saved_tensor_bytes(int layer, int batch, int seq) const {
   const int n = impl_->lp[static_cast<size_t>(layer)].moe ? kMoeSlots : kDenseSlots;
-  std::vector<int64_t> out;
+  std::vector<int64_t> out(static_cast<size_t>(n));
   for (int s = 0; s < n; ++s)
-    out.push_back(static_cast<int64_t>(impl_->slot_bytes(layer, s, batch * seq)));
+    out[static_cast<size_t>(s)] = static_cast<int64_t>(impl_->slot_bytes(layer, s, batch * seq));
   return out;
 }
 
@@ -782,8 +782,9 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
       if (tok < 0 || tok >= c.vocab || next < 0 || next >= c.vocab)
         SPILLWAY_INPUT_ERROR("token {} at position {} is outside the vocabulary [0, {})",
                              tok < 0 || tok >= c.vocab ? tok : next, src, c.vocab);
-      in[static_cast<size_t>(b * seq + t)] = tok;
-      target[static_cast<size_t>(b * seq + t)] = next;
+      const size_t at = static_cast<size_t>(b) * static_cast<size_t>(seq) + static_cast<size_t>(t);
+      in[at] = tok;
+      target[at] = next;
     }
   }
   if (engine != nullptr) engine->begin_step();

@@ -625,6 +625,8 @@ void add(const T* a, const T* b, T* y, size_t n) {
 
 // --- instantiations -----------------------------------------------------------------
 
+// T names a type here: it cannot be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define SPILLWAY_NN_INSTANTIATE(T)                                                                 \
   template void gemm<T>(bool, bool, int, int, int, T, const T*, int, const T*, int, T, T*, int);   \
   template void linear_fwd<T>(const T*, const T*, T*, int, int, int);                              \
@@ -654,5 +656,6 @@ void add(const T* a, const T* b, T* y, size_t n) {
 SPILLWAY_NN_INSTANTIATE(float)
 SPILLWAY_NN_INSTANTIATE(double)
 #undef SPILLWAY_NN_INSTANTIATE
+// NOLINTEND(bugprone-macro-parentheses)
 
 }  // namespace spillway::nn
