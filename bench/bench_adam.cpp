@@ -195,7 +195,10 @@ void require_equal(const HostArray<T>& ours, const HostArray<T>& ref, const char
 // Blocks of 16 so that the compiler vectorizes at -O2; on x86-64 one clone per vector width,
 // picked at load time, so that the limit is measured with the widest vectors the CPU has
 // (one core of a many-core server does not reach the memory's bandwidth with narrow ones).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// Not under the sanitizers: the clones' resolver (an ifunc) runs before the ThreadSanitizer
+// runtime is up and crashes the process at load.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void triad_part(float* __restrict a, const float* __restrict b, const float* __restrict c,
