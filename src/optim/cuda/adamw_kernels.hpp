@@ -1,0 +1,30 @@
+// The device side of optimizer offload (DESIGN section 4) as CUDA kernels: the AdamW step
+// of the GPU/CPU split's device buckets, and the bf16 -> fp32 widening of gradients for
+// the device cast site. Plain C++ declarations (no CUDA types), so the engines include it
+// without the CUDA toolkit; built only with the CUDA backend (SPILLWAY_HAVE_CUDA).
+//
+// Note [AdamW on the device]: the kernel evaluates Note [AdamW operation order] with the
+// round-to-nearest intrinsics (__fmul_rn, __fadd_rn, __fdiv_rn, __fsqrt_rn), which nvcc
+// never contracts into a fused multiply-add, so a device bucket gets the same bits as the
+// CPU step; tests/optim/adamw_cuda_test.cpp checks it where a GPU exists.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "optim/adamw.hpp"
+
+namespace spillway::optim::cuda {
+
+// AdamW over n device elements, gradient fp32 or bf16 bits, optional bf16 copy of p.
+// `stream` is a cudaStream_t (null: the default stream). Returns "" on success, else the
+// CUDA error of the launch (checked with cudaGetLastError).
+std::string launch_adamw(const AdamWStepScalars& s, float* p, float* m, float* v, const void* g,
+                         GradType grad_type, float grad_scale, uint16_t* copy_bf16, size_t n,
+                         void* stream);
+
+// dst (n fp32) = src (n bf16 bits) widened, on `stream`. "" on success, else the error.
+std::string launch_widen_bf16(const uint16_t* src, float* dst, size_t n, void* stream);
+
+}  // namespace spillway::optim::cuda
