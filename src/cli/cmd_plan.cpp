@@ -1,10 +1,14 @@
 // `spillway plan`: what should spill, and what will it cost.
+#include <fmt/format.h>
+
 #include <chrono>
 #include <memory>
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
+#include "plan/optimizer_split.hpp"
 #include "spillway/plan.hpp"
+#include "spillway/units.hpp"
 
 namespace spillway::cli {
 
@@ -13,6 +17,7 @@ void add_plan_command(CLI::App& app) {
     PlanFlags flags;
     std::string json_path;
     bool quiet = false;
+    double cpu_adam_gbps = 0.0;
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -32,10 +37,28 @@ void add_plan_command(CLI::App& app) {
       ->group("Output");
   cmd->add_flag("--quiet", st->quiet, "Do not print the report (with --json FILE)")
       ->group("Output");
+  cmd->add_option("--cpu-adam-gbps", st->cpu_adam_gbps,
+                  "Optimizer offload: the CPU AdamW's state GB/s (`spillway bench adam`); adds "
+                  "the GPU/CPU split: how many layers keep their optimizer step on the GPU "
+                  "(docs/optim.md)")
+      ->group("Output");
   cmd->callback([st]() {
     const PlanRequest req = make_request(st->flags);
     const Plan plan = make_plan(req);
-    if (!st->quiet && st->json_path != "-") write_output("-", format_plan_report(plan, req));
+    if (!st->quiet && st->json_path != "-") {
+      std::string report = format_plan_report(plan, req);
+      if (st->cpu_adam_gbps != 0.0) {
+        const OptimizerSplit s = plan_optimizer_split(plan, req, st->cpu_adam_gbps);
+        report += fmt::format(
+            "\noptimizer offload (CPU AdamW at {:.1f} GB/s of state): keep the optimizer step of "
+            "the first {} of {} layers on the GPU ({} of fp32 state, {} of HBM free): the step "
+            "ends {:.2f} ms after backward starts, {:.2f} ms with every layer on the CPU "
+            "(backward: {:.2f} ms)\n",
+            s.cpu_adam_gbps, s.layers_on_device, s.layers, to_string(Bytes(s.device_state_bytes)),
+            to_string(Bytes(s.free_hbm_bytes)), s.end_ms, s.cpu_only_ms, s.backward_ms);
+      }
+      write_output("-", report);
+    }
     if (!st->json_path.empty()) write_output(st->json_path, plan_to_json(plan, req));
     if (!plan.summary.feasible) throw CLI::RuntimeError(3);
   });

@@ -342,3 +342,23 @@ TEST(Cli, NumberBeyondDoubleRangeIsAnInputError) {
 
 }  // namespace
 }  // namespace spillway
+
+namespace spillway {
+namespace {
+
+TEST(CliPlan, CpuAdamRateAddsTheOptimizerSplit) {
+  const CliRun ok =
+      run("plan --model Llama-3.1-8B --hardware gh200 --seq-len 8192 --dp 8 --strategy recompute "
+          "--cpu-adam-gbps 400");
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_NE(ok.out.find("optimizer offload (CPU AdamW at 400.0 GB/s of state): keep the "
+                        "optimizer step of the first"),
+            std::string::npos)
+      << ok.out;
+  const CliRun bad = run("plan --model Llama-3.1-8B --hardware gh200 --cpu-adam-gbps -1");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.out.find("--cpu-adam-gbps is -1"), std::string::npos) << bad.out;
+}
+
+}  // namespace
+}  // namespace spillway
