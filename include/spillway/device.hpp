@@ -91,6 +91,12 @@ class Device {
   virtual void copy_async(void* dst, const void* src, size_t bytes, Stream s) = 0;
   // Runs fn on a host thread in stream order (the stream waits for it).
   virtual void host_callback(Stream s, std::function<void()> fn) = 0;
+  // (optional) The backend's own handle of stream s, for launching kernels on it
+  // (cudaStream_t on CUDA); default null: the backend runs no kernels (the host backend).
+  virtual void* native_stream(Stream s) {
+    (void)s;
+    return nullptr;
+  }
 };
 
 struct HostDeviceOptions {

@@ -7,6 +7,9 @@
 #include <cstring>
 
 #include "spillway/error.hpp"
+#ifdef SPILLWAY_HAVE_CUDA
+#include "optim/cuda/adamw_kernels.hpp"
+#endif
 
 namespace spillway::optim {
 
@@ -85,10 +88,16 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   s.buckets = std::move(buckets);
   s.opt = o;
   s.site = o.cast == CastSite::kAuto ? choose_cast_site(o.link_gbps, o.cpu_cast_gbps) : o.cast;
-  if (!dev.emulated() && (s.site == CastSite::kDevice || o.device_buckets > 0)) {
+  if (!dev.emulated() && o.device_buckets > 0) {
     SPILLWAY_INPUT_ERROR(
-        "optimizer offload on {}: the device-side cast and AdamW kernels are not built yet; use "
-        "the host cast and device_buckets = 0",
+        "optimizer offload on {}: the split's device-side AdamW is not wired to the pipeline "
+        "yet (src/optim/cuda has the kernel); use device_buckets = 0",
+        dev.name());
+  }
+  if (!dev.emulated() && s.site == CastSite::kDevice && dev.native_stream(compute) == nullptr) {
+    SPILLWAY_INPUT_ERROR(
+        "optimizer offload on {}: the device cast needs a backend that launches kernels; use "
+        "the host cast",
         dev.name());
   }
   s.w_dev = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 weights"));
@@ -168,12 +177,25 @@ void OptimizerOffload::on_bucket_grad(int b) {
                  "optimizer offload: unknown bucket {}", b);
   const Bucket k = s.buckets[static_cast<size_t>(b)];
   if (s.site == CastSite::kDevice) {
-    // The device widens bf16 to fp32 (a kernel on a GPU; here the host backend's memory).
+    // The device widens bf16 to fp32: a kernel where the backend launches kernels, else
+    // (the host backend) the same on its host-addressable memory, in stream order.
     uint16_t* src = s.g_dev + k.offset;
     float* dst = s.g32_dev + k.offset;
-    s.dev.host_callback(s.compute, [src, dst, n = k.n] {
-      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-    });
+    void* native = s.dev.native_stream(s.compute);
+    if (native != nullptr) {
+#ifdef SPILLWAY_HAVE_CUDA
+      const std::string err = cuda::launch_widen_bf16(src, dst, k.n, native);
+#else
+      const std::string err = "built without the CUDA kernels";
+#endif
+      if (!err.empty())
+        throw Error(
+            fmt::format("optimizer offload: widening bucket {} on {}: {}", b, s.dev.name(), err));
+    } else {
+      s.dev.host_callback(s.compute, [src, dst, n = k.n] {
+        for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+      });
+    }
   }
   s.dev.record(s.produced, s.compute);
   s.dev.wait(s.d2h, s.produced);

@@ -401,6 +401,8 @@ class CudaDevice final : public Device {
     boxed.release();  // run_host_callback deletes it
   }
 
+  void* native_stream(Stream s) override { return static_cast<void*>(lookup(s)); }
+
  private:
   static int index(MemoryKind k) { return static_cast<int>(k); }
 
