@@ -22,6 +22,7 @@
 #include <random>
 #include <thread>
 
+#include "core/stats.hpp"
 #include "optim/adamw.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
@@ -31,19 +32,6 @@ extern char** environ;
 namespace spillway {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 size_t round_up(size_t n, size_t to) {
   return (n + to - 1) / to * to;

@@ -16,6 +16,19 @@ namespace spillway::cli {
 
 namespace {
 
+// Human-readable lines go to stdout, unless the JSON does (then to stderr).
+void say_beside_json(const std::string& json_path, const std::string& text) {
+  if (json_path == "-") {
+    std::fputs(text.c_str(), stderr);
+  } else {
+    write_output("-", text);
+  }
+}
+
+}  // namespace
+
+namespace {
+
 void add_bench_offload_command(CLI::App& bench) {
   struct State {
     OffloadBenchOptions options;
@@ -78,15 +91,7 @@ void add_bench_offload_command(CLI::App& bench) {
     }
     options.tensor_bytes = static_cast<size_t>(bytes);
 
-    // Human-readable lines go to stdout, unless the JSON does (then to stderr).
-    const bool json_on_stdout = st->json_path == "-";
-    const auto say = [&](const std::string& text) {
-      if (json_on_stdout) {
-        std::fputs(text.c_str(), stderr);
-      } else {
-        write_output("-", text);
-      }
-    };
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
     say(fmt::format(
         "running: {} layers x {} tensors x {:g} MiB, {} steps x {} repeats (memcpy, bandwidth "
         "pass, overhead pass interleaved)...\n",
@@ -153,15 +158,7 @@ void add_bench_adam_command(CLI::App& bench) {
     options.torch = !st->no_torch;
     options.copy_bf16 = !st->no_copy;
     check_adam_bench_options(options);
-    // Human-readable lines go to stdout, unless the JSON does (then to stderr).
-    const bool json_on_stdout = st->json_path == "-";
-    const auto say = [&](const std::string& text) {
-      if (json_on_stdout) {
-        std::fputs(text.c_str(), stderr);
-      } else {
-        write_output("-", text);
-      }
-    };
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
     say(fmt::format(
         "running: {} elements, {} timed steps x {} repeats (triad, ours, scalar{} "
         "interleaved)...\n",

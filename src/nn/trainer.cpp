@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "core/stats.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/offload.hpp"
@@ -20,13 +21,6 @@
 namespace spillway::nn {
 
 namespace {
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 std::string mb(int64_t bytes) {
   return fmt::format("{:.2f}", static_cast<double>(bytes) / 1e6);

@@ -129,7 +129,8 @@ void StvAdamW::on_bucket(int b, const float* g) {
   speculated_[static_cast<size_t>(b)] = 1;
 }
 
-void StvAdamW::abort() {
+// Note [STV exactness]: every speculated bucket back to its snapshot, bit for bit.
+void StvAdamW::restore_speculated() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (speculated_[b] == 0) continue;
     const Bucket& k = buckets_[b];
@@ -138,9 +139,17 @@ void StvAdamW::abort() {
     std::memcpy(m_ + k.offset, u + k.n, k.n * sizeof(float));
     std::memcpy(v_ + k.offset, u + 2 * k.n, k.n * sizeof(float));
   }
+}
+
+void StvAdamW::forget_step() {
   std::fill(grads_.begin(), grads_.end(), nullptr);
   std::fill(speculated_.begin(), speculated_.end(), 0);
   arrival_.clear();
+}
+
+void StvAdamW::abort() {
+  restore_speculated();
+  forget_step();
 }
 
 StvOutcome StvAdamW::finish() {
@@ -151,16 +160,7 @@ StvOutcome StvAdamW::finish() {
   const double norm = std::sqrt(sq);
   const float scale = std::isfinite(norm) ? clip_coefficient(norm, clip_) : 1.0f;
   const bool undo = !std::isfinite(norm) || scale < 1.0f;
-  if (undo) {
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      if (speculated_[b] == 0) continue;
-      const Bucket& k = buckets_[b];
-      const float* u = undo_.data() + undo_offset_[b];
-      std::memcpy(p_ + k.offset, u, k.n * sizeof(float));
-      std::memcpy(m_ + k.offset, u + k.n, k.n * sizeof(float));
-      std::memcpy(v_ + k.offset, u + 2 * k.n, k.n * sizeof(float));
-    }
-  }
+  if (undo) restore_speculated();
   StvOutcome outcome = StvOutcome::kCommit;
   if (!std::isfinite(norm)) {
     outcome = StvOutcome::kSkip;
@@ -178,9 +178,7 @@ StvOutcome StvAdamW::finish() {
       ++counters_.commits;
     }
   }
-  std::fill(grads_.begin(), grads_.end(), nullptr);
-  std::fill(speculated_.begin(), speculated_.end(), 0);
-  arrival_.clear();
+  forget_step();
   return outcome;
 }
 

@@ -79,6 +79,8 @@ class StvAdamW {
 
  private:
   void run(int b, float scale, int64_t t);
+  void restore_speculated();
+  void forget_step();
   AdamWParams hp_;
   double clip_;
   float* p_;

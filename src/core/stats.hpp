@@ -1,0 +1,25 @@
+// Small measurement helpers shared by the benchmarks and `spillway train`: a steady
+// clock timer and the median of samples.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+namespace spillway {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The median (the mean of the middle two for an even count); 0 for no samples.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace spillway
