@@ -24,26 +24,38 @@ struct OptimizerOffload::Impl {
   Device& dev;
   Stream compute, d2h, h2d, cpu;
   size_t n = 0;
-  std::vector<Bucket> buckets;
+  std::vector<Bucket> buckets;  // the caller's: offsets into the device weights and gradients
+  std::vector<size_t> local;    // per bucket: offset into the host state (CPU buckets) or the
+                                // device state (device buckets)
+  std::vector<size_t> lane_at;  // per device bucket: offset of its lane sums
+  size_t n_cpu = 0, n_dev = 0, n_lanes = 0;
   OptimOffloadOptions opt;
   CastSite site = CastSite::kDevice;
   int64_t retries = 0;
   // Device memory.
   uint16_t* w_dev = nullptr;  // (n) bf16 weights
   uint16_t* g_dev = nullptr;  // (n) bf16 gradients
-  float* g32_dev = nullptr;   // (n) fp32 gradients (device cast only)
+  float* g32_dev = nullptr;   // (n_cpu) fp32 gradients (device cast only)
+  float* p_dev = nullptr;     // (n_dev) device buckets' state
+  float* m_dev = nullptr;
+  float* v_dev = nullptr;
+  double* lanes_dev = nullptr;  // (n_lanes) device buckets' norm lane sums
   // Pinned host memory.
-  float* p = nullptr;           // (n) fp32 master weights
-  float* m = nullptr;           // (n)
-  float* v = nullptr;           // (n)
-  void* g_stage = nullptr;      // (n) gradients as copied: fp32 or bf16
-  float* g32_host = nullptr;    // (n) fp32 gradients the step reads (host cast: widened here)
-  uint16_t* w_stage = nullptr;  // (n) bf16 weights to upload
-  std::vector<Event> copied, stepped, uploaded;  // per bucket
+  float* p = nullptr;            // (n_cpu) fp32 master weights
+  float* m = nullptr;            // (n_cpu)
+  float* v = nullptr;            // (n_cpu)
+  void* g_stage = nullptr;       // (n_cpu) gradients as copied: fp32 or bf16
+  float* g32_host = nullptr;     // (n_cpu) fp32 gradients the step reads (host cast: widened here)
+  uint16_t* w_stage = nullptr;   // (n) bf16 weights to upload
+  double* lanes_host = nullptr;  // (n_lanes)
+  std::vector<char> device_arrived;    // per device bucket, this step
+  std::vector<Event> copied, stepped;  // per bucket
   Event produced{-1}, done{-1};
   std::unique_ptr<StvAdamW> stv;
 
   Impl(Device& d, Stream c) : dev(d), compute(c) {}
+
+  bool on_device(int b) const { return b < opt.device_buckets; }
 
   void* alloc(size_t bytes, MemoryKind kind, const char* what) {
     AllocResult r = dev.allocate(std::max<size_t>(bytes, 1), kind);
@@ -51,6 +63,26 @@ struct OptimizerOffload::Impl {
       SPILLWAY_INPUT_ERROR("optimizer offload: cannot allocate {} ({} bytes of {}): {}", what,
                            bytes, to_string(kind), r.reason);
     return r.ptr;
+  }
+
+  // Device work in stream order: the kernel where the backend launches kernels, else (the
+  // host backend, whose device memory the host addresses) `on_host` as stream-ordered work.
+  template <typename Launch, typename OnHost>
+  void device_work(const char* what, int bucket, Launch launch, OnHost on_host) {
+    void* native = dev.native_stream(compute);
+    if (native == nullptr) {
+      dev.host_callback(compute, std::move(on_host));
+      return;
+    }
+#ifdef SPILLWAY_HAVE_CUDA
+    const std::string err = launch(native);
+#else
+    (void)launch;
+    const std::string err = "built without the CUDA kernels";
+#endif
+    if (!err.empty())
+      throw Error(fmt::format("optimizer offload: {} of bucket {} on {}: {}", what, bucket,
+                              dev.name(), err));
   }
 
   // Note [Optimizer copy failures]: retried after the copies in flight, then reported.
@@ -73,10 +105,17 @@ struct OptimizerOffload::Impl {
   }
 
   void upload(int b) {
-    const Bucket& k = buckets[static_cast<size_t>(b)];
-    for (size_t i = 0; i < k.n; ++i) w_stage[k.offset + i] = float_to_bf16(p[k.offset + i]);
-    dev.copy_async(w_dev + k.offset, w_stage + k.offset, k.n * sizeof(uint16_t), h2d);
+    const size_t at = local[static_cast<size_t>(b)];
+    const size_t count = buckets[static_cast<size_t>(b)].n;
+    for (size_t i = 0; i < count; ++i) w_stage[at + i] = float_to_bf16(p[at + i]);
+    dev.copy_async(w_dev + buckets[static_cast<size_t>(b)].offset, w_stage + at,
+                   count * sizeof(uint16_t), h2d);
   }
+
+  void enqueue_cpu_bucket(int b);
+  void enqueue_device_bucket(int b);
+  void step_device_bucket(int b, float scale, int64_t t);
+  [[noreturn]] void abandon_step(const Error& e);
 };
 
 OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* weights, size_t n,
@@ -88,64 +127,123 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   s.buckets = std::move(buckets);
   s.opt = o;
   s.site = o.cast == CastSite::kAuto ? choose_cast_site(o.link_gbps, o.cpu_cast_gbps) : o.cast;
-  if (!dev.emulated() && o.device_buckets > 0) {
+  const int nb = static_cast<int>(s.buckets.size());
+  if (o.device_buckets < 0 || o.device_buckets > nb)
+    SPILLWAY_INPUT_ERROR("optimizer offload: device_buckets = {}; must be in [0, {}] (the buckets)",
+                         o.device_buckets, nb);
+  const bool needs_kernels = s.site == CastSite::kDevice || o.device_buckets > 0;
+  if (!dev.emulated() && needs_kernels && dev.native_stream(compute) == nullptr) {
     SPILLWAY_INPUT_ERROR(
-        "optimizer offload on {}: the split's device-side AdamW is not wired to the pipeline "
-        "yet (src/optim/cuda has the kernel); use device_buckets = 0",
+        "optimizer offload on {}: the device cast and the GPU/CPU split need a backend that "
+        "launches kernels; use the host cast and device_buckets = 0",
         dev.name());
   }
-  if (!dev.emulated() && s.site == CastSite::kDevice && dev.native_stream(compute) == nullptr) {
-    SPILLWAY_INPUT_ERROR(
-        "optimizer offload on {}: the device cast needs a backend that launches kernels; use "
-        "the host cast",
-        dev.name());
+  // Layout: the CPU buckets packed in the host state in bucket order, the device buckets
+  // packed in the device state. STV sees the CPU buckets at their host offsets and the
+  // device buckets after them (it never touches their elements).
+  std::vector<Bucket> stv_buckets(s.buckets.size());
+  s.local.assign(s.buckets.size(), 0);
+  s.lane_at.assign(s.buckets.size(), 0);
+  for (int b = 0; b < nb; ++b) {
+    const Bucket& k = s.buckets[static_cast<size_t>(b)];
+    SPILLWAY_CHECK(k.offset + k.n <= n, "optimizer offload: bucket {} ends at {}, past {}", b,
+                   k.offset + k.n, n);
+    if (s.on_device(b)) {
+      s.local[static_cast<size_t>(b)] = s.n_dev;
+      s.lane_at[static_cast<size_t>(b)] = s.n_lanes;
+      s.n_dev += k.n;
+      s.n_lanes += std::min(k.n, kNormLanes);
+    } else {
+      s.local[static_cast<size_t>(b)] = s.n_cpu;
+      s.n_cpu += k.n;
+    }
   }
+  for (int b = 0; b < nb; ++b) {
+    const size_t at = s.local[static_cast<size_t>(b)];
+    stv_buckets[static_cast<size_t>(b)] = {s.on_device(b) ? s.n_cpu + at : at,
+                                           s.buckets[static_cast<size_t>(b)].n};
+  }
+  const size_t n_cpu = s.n_cpu, n_dev = s.n_dev;
   s.w_dev = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 weights"));
   s.g_dev = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 gradients"));
   if (s.site == CastSite::kDevice)
-    s.g32_dev = static_cast<float*>(s.alloc(n * 4, MemoryKind::kDevice, "the fp32 gradients"));
-  s.p = static_cast<float*>(s.alloc(n * 4, MemoryKind::kPinnedHost, "the master weights"));
-  s.m = static_cast<float*>(s.alloc(n * 4, MemoryKind::kPinnedHost, "the first moments"));
-  s.v = static_cast<float*>(s.alloc(n * 4, MemoryKind::kPinnedHost, "the second moments"));
-  s.g_stage = s.alloc(n * (s.site == CastSite::kDevice ? 4 : 2), MemoryKind::kPinnedHost,
+    s.g32_dev = static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kDevice, "the fp32 gradients"));
+  if (n_dev > 0) {
+    s.p_dev = static_cast<float*>(s.alloc(n_dev * 4, MemoryKind::kDevice, "the split's weights"));
+    s.m_dev = static_cast<float*>(s.alloc(n_dev * 4, MemoryKind::kDevice, "the split's moments"));
+    s.v_dev = static_cast<float*>(s.alloc(n_dev * 4, MemoryKind::kDevice, "the split's moments"));
+    s.lanes_dev = static_cast<double*>(
+        s.alloc(s.n_lanes * 8, MemoryKind::kDevice, "the split's norm lane sums"));
+    s.lanes_host = static_cast<double*>(
+        s.alloc(s.n_lanes * 8, MemoryKind::kPinnedHost, "the split's norm lane sums"));
+  }
+  s.p = static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kPinnedHost, "the master weights"));
+  s.m = static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kPinnedHost, "the first moments"));
+  s.v = static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kPinnedHost, "the second moments"));
+  s.g_stage = s.alloc(n_cpu * (s.site == CastSite::kDevice ? 4 : 2), MemoryKind::kPinnedHost,
                       "the gradient staging");
-  s.g32_host = s.site == CastSite::kDevice
-                   ? static_cast<float*>(s.g_stage)
-                   : static_cast<float*>(s.alloc(n * 4, MemoryKind::kHost, "the fp32 gradients"));
+  s.g32_host =
+      s.site == CastSite::kDevice
+          ? static_cast<float*>(s.g_stage)
+          : static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kHost, "the fp32 gradients"));
+  // The weight staging holds every weight for the first upload; later only CPU buckets.
   s.w_stage = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kPinnedHost, "the weight staging"));
-  std::memcpy(s.p, weights, n * sizeof(float));
-  std::memset(s.m, 0, n * sizeof(float));
-  std::memset(s.v, 0, n * sizeof(float));
-  for (size_t i = 0; i < n; ++i) s.w_stage[i] = float_to_bf16(s.p[i]);
   s.d2h = dev.create_stream(StreamRole::kD2H);
   s.h2d = dev.create_stream(StreamRole::kH2D);
   s.cpu = dev.create_stream(StreamRole::kCompute);
+  // The initial state: host buckets packed, every weight rounded to bf16 on the device, the
+  // device buckets' fp32 state uploaded through a temporary pinned buffer.
+  for (int b = 0; b < nb; ++b) {
+    const Bucket& k = s.buckets[static_cast<size_t>(b)];
+    if (!s.on_device(b))
+      std::memcpy(s.p + s.local[static_cast<size_t>(b)], weights + k.offset, k.n * sizeof(float));
+  }
+  std::memset(s.m, 0, n_cpu * sizeof(float));
+  std::memset(s.v, 0, n_cpu * sizeof(float));
+  for (size_t i = 0; i < n; ++i) s.w_stage[i] = float_to_bf16(weights[i]);
   dev.copy_async(s.w_dev, s.w_stage, n * 2, s.h2d);
+  if (n_dev > 0) {
+    auto* tmp = static_cast<float*>(
+        s.alloc(n_dev * 2 * sizeof(float), MemoryKind::kPinnedHost, "the split's initial state"));
+    for (int b = 0; b < o.device_buckets; ++b) {
+      const Bucket& k = s.buckets[static_cast<size_t>(b)];
+      std::memcpy(tmp + s.local[static_cast<size_t>(b)], weights + k.offset, k.n * sizeof(float));
+    }
+    std::memset(tmp + n_dev, 0, n_dev * sizeof(float));
+    dev.copy_async(s.p_dev, tmp, n_dev * 4, s.h2d);
+    dev.copy_async(s.m_dev, tmp + n_dev, n_dev * 4, s.h2d);
+    dev.copy_async(s.v_dev, tmp + n_dev, n_dev * 4, s.h2d);
+    dev.synchronize(s.h2d);
+    dev.free(tmp, MemoryKind::kPinnedHost);
+  }
   dev.synchronize(s.h2d);
   for (size_t b = 0; b < s.buckets.size(); ++b) {
     s.copied.push_back(dev.create_event());
     s.stepped.push_back(dev.create_event());
   }
+  s.device_arrived.assign(s.buckets.size(), 0);
   s.produced = dev.create_event();
   s.done = dev.create_event();
-  s.stv =
-      std::make_unique<StvAdamW>(o.hp, o.clip, s.p, s.m, s.v, n, s.buckets, o.device_buckets, pool);
+  s.stv = std::make_unique<StvAdamW>(o.hp, o.clip, s.p, s.m, s.v, n, std::move(stv_buckets),
+                                     o.device_buckets, pool, o.undo_limit_bytes);
 }
 
 OptimizerOffload::~OptimizerOffload() {
   Impl& s = *impl_;
-  for (Stream st : {s.d2h, s.h2d, s.cpu}) s.dev.synchronize(st);
+  for (Stream st : {s.d2h, s.h2d, s.cpu, s.compute}) s.dev.synchronize(st);
   for (Event e : s.copied) s.dev.destroy_event(e);
   for (Event e : s.stepped) s.dev.destroy_event(e);
   s.dev.destroy_event(s.produced);
   s.dev.destroy_event(s.done);
   for (Stream st : {s.d2h, s.h2d, s.cpu}) s.dev.destroy_stream(st);
-  s.dev.free(s.w_dev, MemoryKind::kDevice);
-  s.dev.free(s.g_dev, MemoryKind::kDevice);
-  if (s.g32_dev != nullptr) s.dev.free(s.g32_dev, MemoryKind::kDevice);
+  for (void* ptr :
+       {static_cast<void*>(s.w_dev), static_cast<void*>(s.g_dev), static_cast<void*>(s.g32_dev),
+        static_cast<void*>(s.p_dev), static_cast<void*>(s.m_dev), static_cast<void*>(s.v_dev),
+        static_cast<void*>(s.lanes_dev)})
+    if (ptr != nullptr) s.dev.free(ptr, MemoryKind::kDevice);
   for (void* ptr : {static_cast<void*>(s.p), static_cast<void*>(s.m), static_cast<void*>(s.v),
-                    s.g_stage, static_cast<void*>(s.w_stage)})
-    s.dev.free(ptr, MemoryKind::kPinnedHost);
+                    s.g_stage, static_cast<void*>(s.w_stage), static_cast<void*>(s.lanes_host)})
+    if (ptr != nullptr) s.dev.free(ptr, MemoryKind::kPinnedHost);
   if (s.site != CastSite::kDevice) s.dev.free(s.g32_host, MemoryKind::kHost);
 }
 
@@ -167,82 +265,169 @@ int64_t OptimizerOffload::step() const {
 int64_t OptimizerOffload::retries() const {
   return impl_->retries;
 }
-const float* OptimizerOffload::master_weights() const {
-  return impl_->p;
+int64_t OptimizerOffload::undo_bytes() const {
+  return impl_->stv->undo_bytes();
+}
+
+OptimState OptimizerOffload::read_state() const {
+  Impl& s = *impl_;
+  for (Stream st : {s.compute, s.d2h, s.h2d, s.cpu}) s.dev.synchronize(st);
+  OptimState out{std::vector<float>(s.n), std::vector<float>(s.n), std::vector<float>(s.n)};
+  for (int b = 0; b < static_cast<int>(s.buckets.size()); ++b) {
+    const Bucket& k = s.buckets[static_cast<size_t>(b)];
+    const size_t at = s.local[static_cast<size_t>(b)];
+    const size_t bytes = k.n * sizeof(float);
+    if (s.on_device(b)) {
+      s.dev.copy_async(out.p.data() + k.offset, s.p_dev + at, bytes, s.d2h);
+      s.dev.copy_async(out.m.data() + k.offset, s.m_dev + at, bytes, s.d2h);
+      s.dev.copy_async(out.v.data() + k.offset, s.v_dev + at, bytes, s.d2h);
+    } else {
+      std::memcpy(out.p.data() + k.offset, s.p + at, bytes);
+      std::memcpy(out.m.data() + k.offset, s.m + at, bytes);
+      std::memcpy(out.v.data() + k.offset, s.v + at, bytes);
+    }
+  }
+  s.dev.synchronize(s.d2h);
+  return out;
+}
+
+// Note [Optimizer copy failures]: no bucket of this step is applied; the speculative
+// weights already uploaded are replaced by the restored ones. The device buckets step only
+// in end_step, so nothing of theirs needs undoing.
+void OptimizerOffload::Impl::abandon_step(const Error& e) {
+  dev.synchronize(cpu);
+  dev.synchronize(h2d);
+  dev.synchronize(d2h);
+  stv->abort();
+  std::fill(device_arrived.begin(), device_arrived.end(), 0);
+  std::string also;
+  try {
+    for (int i = opt.device_buckets; i < static_cast<int>(buckets.size()); ++i) upload(i);
+    dev.synchronize(h2d);
+  } catch (const Error& e2) {
+    also = fmt::format("; restoring the device weights failed too ({}): reload them", e2.what());
+  }
+  throw Error(std::string(e.what()) + also);
+}
+
+void OptimizerOffload::Impl::enqueue_device_bucket(int b) {
+  const Bucket k = buckets[static_cast<size_t>(b)];
+  SPILLWAY_CHECK(device_arrived[static_cast<size_t>(b)] == 0,
+                 "optimizer offload: bucket {} arrived twice in one step", b);
+  const uint16_t* g = g_dev + k.offset;
+  double* lanes = lanes_dev + lane_at[static_cast<size_t>(b)];
+  const size_t width = std::min(k.n, kNormLanes);
+  device_work(
+      "the norm lane sums", b,
+      [&](void* stream) {
+#ifdef SPILLWAY_HAVE_CUDA
+        return cuda::launch_norm_lanes_bf16(g, k.n, kNormLanes, lanes, stream);
+#else
+        (void)stream;
+        return std::string();
+#endif
+      },
+      [g, lanes, n = k.n] { norm_lane_sums_bf16(g, n, lanes); });
+  dev.record(produced, compute);
+  dev.wait(d2h, produced);
+  copy_with_retry(lanes_host + lane_at[static_cast<size_t>(b)], lanes, width * sizeof(double), d2h,
+                  b);
+  device_arrived[static_cast<size_t>(b)] = 1;
+}
+
+void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
+  const Bucket k = buckets[static_cast<size_t>(b)];
+  const size_t at = local[static_cast<size_t>(b)];
+  const bool speculate = stv->admit(b);  // checks b; Note [Bounded undo]
+  if (site == CastSite::kDevice) {
+    // The device widens bf16 to fp32 before the copy: 4 bytes per element on the link.
+    const uint16_t* src = g_dev + k.offset;
+    float* dst = g32_dev + at;
+    device_work(
+        "widening the gradient", b,
+        [&](void* stream) {
+#ifdef SPILLWAY_HAVE_CUDA
+          return cuda::launch_widen_bf16(src, dst, k.n, stream);
+#else
+          (void)stream;
+          return std::string();
+#endif
+        },
+        [src, dst, n = k.n] {
+          for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+        });
+  }
+  dev.record(produced, compute);
+  dev.wait(d2h, produced);
+  if (site == CastSite::kDevice) {
+    copy_with_retry(static_cast<float*>(g_stage) + at, g32_dev + at, k.n * 4, d2h, b);
+  } else {
+    copy_with_retry(static_cast<uint16_t*>(g_stage) + at, g_dev + k.offset, k.n * 2, d2h, b);
+  }
+  dev.record(copied[static_cast<size_t>(b)], d2h);
+  dev.wait(cpu, copied[static_cast<size_t>(b)]);
+  StvAdamW* s = stv.get();
+  const bool widen = site == CastSite::kHost;
+  const uint16_t* g16 = static_cast<const uint16_t*>(g_stage) + at;
+  float* g32 = g32_host + at;
+  dev.host_callback(cpu, [s, b, widen, g16, g32, n = k.n] {
+    if (widen)
+      for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(g16[i]);
+    s->on_bucket(b, g32);
+  });
+  if (!speculate) return;  // deferred: stepped and uploaded in end_step
+  // The speculative weights go up at once (corrected at end_step on a replay or a skip).
+  float* pb = p + at;
+  uint16_t* stage = w_stage + at;
+  dev.host_callback(cpu, [pb, stage, n = k.n] {
+    for (size_t i = 0; i < n; ++i) stage[i] = float_to_bf16(pb[i]);
+  });
+  dev.record(stepped[static_cast<size_t>(b)], cpu);
+  dev.wait(h2d, stepped[static_cast<size_t>(b)]);
+  dev.copy_async(w_dev + k.offset, stage, k.n * 2, h2d);
+}
+
+void OptimizerOffload::Impl::step_device_bucket(int b, float scale, int64_t t) {
+  const Bucket k = buckets[static_cast<size_t>(b)];
+  const size_t at = local[static_cast<size_t>(b)];
+  AdamWArgs a;
+  a.p = p_dev + at;
+  a.m = m_dev + at;
+  a.v = v_dev + at;
+  a.g = g_dev + k.offset;
+  a.grad_type = GradType::kBf16;
+  a.grad_scale = scale;
+  a.copy_out = w_dev + k.offset;
+  a.copy_type = CopyType::kBf16;
+  a.n = k.n;
+  a.step = t;
+  const AdamWParams hp = opt.hp;
+  device_work(
+      "the AdamW step", b,
+      [&](void* stream) {
+#ifdef SPILLWAY_HAVE_CUDA
+        return cuda::launch_adamw(adamw_step_scalars(hp, t), a.p, a.m, a.v, a.g, a.grad_type, scale,
+                                  static_cast<uint16_t*>(a.copy_out), a.n, stream);
+#else
+        (void)stream;
+        return std::string();
+#endif
+      },
+      [hp, a] { adamw_step_simd(hp, a); });
 }
 
 void OptimizerOffload::on_bucket_grad(int b) {
   Impl& s = *impl_;
   SPILLWAY_CHECK(b >= 0 && static_cast<size_t>(b) < s.buckets.size(),
                  "optimizer offload: unknown bucket {}", b);
-  const Bucket k = s.buckets[static_cast<size_t>(b)];
-  if (s.site == CastSite::kDevice) {
-    // The device widens bf16 to fp32: a kernel where the backend launches kernels, else
-    // (the host backend) the same on its host-addressable memory, in stream order.
-    uint16_t* src = s.g_dev + k.offset;
-    float* dst = s.g32_dev + k.offset;
-    void* native = s.dev.native_stream(s.compute);
-    if (native != nullptr) {
-#ifdef SPILLWAY_HAVE_CUDA
-      const std::string err = cuda::launch_widen_bf16(src, dst, k.n, native);
-#else
-      const std::string err = "built without the CUDA kernels";
-#endif
-      if (!err.empty())
-        throw Error(
-            fmt::format("optimizer offload: widening bucket {} on {}: {}", b, s.dev.name(), err));
-    } else {
-      s.dev.host_callback(s.compute, [src, dst, n = k.n] {
-        for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-      });
-    }
-  }
-  s.dev.record(s.produced, s.compute);
-  s.dev.wait(s.d2h, s.produced);
   try {
-    if (s.site == CastSite::kDevice) {
-      s.copy_with_retry(static_cast<float*>(s.g_stage) + k.offset, s.g32_dev + k.offset, k.n * 4,
-                        s.d2h, b);
+    if (s.on_device(b)) {
+      s.enqueue_device_bucket(b);
     } else {
-      s.copy_with_retry(static_cast<uint16_t*>(s.g_stage) + k.offset, s.g_dev + k.offset, k.n * 2,
-                        s.d2h, b);
+      s.enqueue_cpu_bucket(b);
     }
   } catch (const Error& e) {
-    // Note [Optimizer copy failures]: no bucket of this step is applied; the speculative
-    // weights already uploaded are replaced by the restored ones.
-    s.dev.synchronize(s.cpu);
-    s.dev.synchronize(s.h2d);
-    s.stv->abort();
-    std::string also;
-    try {
-      for (int i = 0; i < static_cast<int>(s.buckets.size()); ++i) s.upload(i);
-      s.dev.synchronize(s.h2d);
-    } catch (const Error& e2) {
-      also = fmt::format("; restoring the device weights failed too ({}): reload them", e2.what());
-    }
-    throw Error(std::string(e.what()) + also);
-  }
-  s.dev.record(s.copied[static_cast<size_t>(b)], s.d2h);
-  s.dev.wait(s.cpu, s.copied[static_cast<size_t>(b)]);
-  StvAdamW* stv = s.stv.get();
-  const bool widen = s.site == CastSite::kHost;
-  const uint16_t* g16 = static_cast<const uint16_t*>(s.g_stage) + k.offset;
-  float* g32 = s.g32_host + k.offset;
-  s.dev.host_callback(s.cpu, [stv, b, widen, g16, g32, n = k.n] {
-    if (widen)
-      for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(g16[i]);
-    stv->on_bucket(b, g32);
-  });
-  if (b >= s.opt.device_buckets) {
-    // The speculative weights go up at once (corrected at end_step on a replay or a skip).
-    float* p = s.p + k.offset;
-    uint16_t* stage = s.w_stage + k.offset;
-    s.dev.host_callback(s.cpu, [p, stage, n = k.n] {
-      for (size_t i = 0; i < n; ++i) stage[i] = float_to_bf16(p[i]);
-    });
-    s.dev.record(s.stepped[static_cast<size_t>(b)], s.cpu);
-    s.dev.wait(s.h2d, s.stepped[static_cast<size_t>(b)]);
-    s.dev.copy_async(s.w_dev + k.offset, stage, k.n * 2, s.h2d);
+    s.abandon_step(e);
   }
 }
 
@@ -250,10 +435,31 @@ StvOutcome OptimizerOffload::end_step() {
   Impl& s = *impl_;
   s.dev.synchronize(s.cpu);
   s.dev.synchronize(s.h2d);
+  s.dev.synchronize(s.d2h);
+  for (int b = 0; b < s.opt.device_buckets; ++b) {
+    if (s.device_arrived[static_cast<size_t>(b)] == 0) continue;  // finish() reports it
+    s.stv->on_device_bucket(b, add_lane_sums(s.lanes_host + s.lane_at[static_cast<size_t>(b)],
+                                             s.buckets[static_cast<size_t>(b)].n));
+  }
+  std::fill(s.device_arrived.begin(), s.device_arrived.end(), 0);
   const StvOutcome outcome = s.stv->finish();
-  // Device buckets stepped now; on a replay or a skip every bucket's weights changed.
-  for (int b = 0; b < static_cast<int>(s.buckets.size()); ++b) {
-    if (b < s.opt.device_buckets || outcome != StvOutcome::kCommit) s.upload(b);
+  if (outcome != StvOutcome::kSkip) {
+    // The device buckets step now, on the compute stream, writing their bf16 weights.
+    for (int b = 0; b < s.opt.device_buckets; ++b) {
+      try {
+        s.step_device_bucket(b, s.stv->last_scale(), s.stv->step());
+      } catch (const Error& e) {
+        throw Error(fmt::format(
+            "{}; step {} is applied to the CPU buckets and to device buckets below {} only: "
+            "the optimizer state is inconsistent, restore it from a checkpoint",
+            e.what(), s.stv->step(), b));
+      }
+    }
+  }
+  // CPU buckets whose weights changed after their upload: all of them on a replay or a
+  // skip, the deferred ones on a commit.
+  for (int b = s.opt.device_buckets; b < static_cast<int>(s.buckets.size()); ++b) {
+    if (outcome != StvOutcome::kCommit || s.stv->stepped_late(b)) s.upload(b);
   }
   s.dev.record(s.done, s.h2d);
   s.dev.wait(s.compute, s.done);

@@ -17,9 +17,17 @@
 // enqueued only after its copy was.
 //
 // GPU/CPU split: the first `device_buckets` buckets (the last to arrive) keep their fp32
-// state in device memory and step there at end_step (on the host backend, whose device
-// memory the host can address; a CUDA kernel is not built yet, so the CUDA backend needs
-// device_buckets = 0).
+// state in device memory. Their gradients never cross the link: on the compute stream the
+// device computes their norm lane sums (Note [Norm lanes]; a few KB go down), and at
+// end_step, once STV has validated, it steps them and writes their bf16 weights in the
+// same pass (the AdamW and lane kernels of src/optim/cuda on a GPU; the same arithmetic
+// as stream-ordered host work on the host backend). The host holds state only for the CPU
+// buckets.
+//
+// Memory: pinned host memory of 12 bytes per CPU-bucket element (p, m, v) plus its staging
+// (gradient 4 or 2, weights 2), and STV's undo (Note [Bounded undo], `undo_limit_bytes`);
+// device memory of 4 bytes per element (bf16 weights and gradients), 4 more per CPU-bucket
+// element for the device cast, and 12 per device-bucket element.
 #pragma once
 
 #include <cstdint>
@@ -37,10 +45,17 @@ struct OptimOffloadOptions {
   AdamWParams hp;
   double clip = 1.0;  // global gradient norm threshold (<= 0: no clipping)
   CastSite cast = CastSite::kAuto;
-  double link_gbps = 0.0;      // D2H bandwidth for the kAuto decision (0: measure-free guess)
-  double cpu_cast_gbps = 0.0;  // CPU bf16->fp32 widening rate (bytes read per second / 1e9)
-  int device_buckets = 0;      // GPU/CPU split
-  int max_retries = 3;         // Note [Optimizer copy failures]
+  double link_gbps = 0.0;         // D2H bandwidth for the kAuto decision (0: measure-free guess)
+  double cpu_cast_gbps = 0.0;     // CPU bf16->fp32 widening rate (bytes read per second / 1e9)
+  int device_buckets = 0;         // GPU/CPU split
+  int max_retries = 3;            // Note [Optimizer copy failures]
+  int64_t undo_limit_bytes = -1;  // STV undo memory; < 0: every CPU bucket (Note [Bounded undo])
+};
+
+// The optimizer state (p, m, v) in the caller's element order, gathered from host and
+// device memory.
+struct OptimState {
+  std::vector<float> p, m, v;
 };
 
 // Where to cast (DESIGN section 4): widening on the device and moving fp32 costs 4 bytes
@@ -75,8 +90,9 @@ class OptimizerOffload {
   const StvCounters& counters() const;
   int64_t step() const;
   int64_t retries() const;  // copy enqueues retried (Note [Optimizer copy failures])
-  // The fp32 master weights (host), for tests.
-  const float* master_weights() const;
+  int64_t undo_bytes() const;
+  // The fp32 master weights and moments (waits for the streams), for tests and checkpoints.
+  OptimState read_state() const;
 
  private:
   struct Impl;

@@ -46,13 +46,38 @@ void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
 
 }  // namespace
 
-double bucket_sum_of_squares(const float* g, size_t n) {
-  double s = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    const double x = static_cast<double>(g[i]);
-    s += x * x;
+// Note [Norm lanes]: one row of lanes at a time, each lane in index order.
+template <typename Load>
+void lane_sums(size_t n, double* lanes, Load load) {
+  const size_t width = std::min(n, kNormLanes);
+  std::fill(lanes, lanes + width, 0.0);
+  for (size_t row = 0; row < n; row += kNormLanes) {
+    const size_t w = std::min(kNormLanes, n - row);
+    for (size_t c = 0; c < w; ++c) {
+      const double x = load(row + c);
+      lanes[c] += x * x;
+    }
   }
+}
+
+void norm_lane_sums(const float* g, size_t n, double* lanes) {
+  lane_sums(n, lanes, [g](size_t i) { return static_cast<double>(g[i]); });
+}
+
+void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes) {
+  lane_sums(n, lanes, [g](size_t i) { return static_cast<double>(bf16_to_float(g[i])); });
+}
+
+double add_lane_sums(const double* lanes, size_t n) {
+  double s = 0.0;
+  for (size_t c = 0; c < std::min(n, kNormLanes); ++c) s += lanes[c];
   return s;
+}
+
+double bucket_sum_of_squares(const float* g, size_t n) {
+  std::vector<double> lanes(std::min(n, kNormLanes));
+  norm_lane_sums(g, n, lanes.data());
+  return add_lane_sums(lanes.data(), n);
 }
 
 float clip_coefficient(double norm, double clip) {
@@ -76,7 +101,8 @@ StvOutcome reference_adamw_step(const AdamWParams& hp, double clip, float* p, fl
 }
 
 StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float* v, size_t n,
-                   std::vector<Bucket> buckets, int device_buckets, AdamW* pool)
+                   std::vector<Bucket> buckets, int device_buckets, AdamW* pool,
+                   int64_t undo_limit_bytes)
     : hp_(hp),
       clip_(clip),
       p_(p),
@@ -93,16 +119,18 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   // Buckets are numbered in forward order; backward delivers them last first, so the
   // first `device_buckets` arrive last: they stay on the device, never speculated.
   size_t undo = 0;
-  undo_offset_.assign(buckets_.size(), 0);
-  for (int b = device_buckets_; b < nb; ++b) {
-    undo_offset_[static_cast<size_t>(b)] = undo;
-    undo += 3 * buckets_[static_cast<size_t>(b)].n;
-  }
+  for (int b = device_buckets_; b < nb; ++b) undo += 3 * buckets_[static_cast<size_t>(b)].n;
+  if (undo_limit_bytes >= 0)
+    undo = std::min(undo, static_cast<size_t>(undo_limit_bytes) / sizeof(float));
   undo_.assign(undo, 0.0f);
+  undo_offset_.assign(buckets_.size(), 0);
+  admitted_.assign(buckets_.size(), 0);
   grads_.assign(buckets_.size(), nullptr);
   sq_.assign(buckets_.size(), 0.0);
+  lanes_.assign(kNormLanes, 0.0);
+  arrived_.assign(buckets_.size(), 0);
   speculated_.assign(buckets_.size(), 0);
-  arrival_.reserve(buckets_.size());
+  late_.assign(buckets_.size(), 0);
 }
 
 void StvAdamW::run(int b, float scale, int64_t t) {
@@ -111,15 +139,41 @@ void StvAdamW::run(int b, float scale, int64_t t) {
              grads_[static_cast<size_t>(b)], k.n, scale, t);
 }
 
-void StvAdamW::on_bucket(int b, const float* g) {
+void StvAdamW::check_bucket(int b, bool device) const {
   SPILLWAY_CHECK(b >= 0 && static_cast<size_t>(b) < buckets_.size(), "STV: unknown bucket {}", b);
-  SPILLWAY_CHECK(grads_[static_cast<size_t>(b)] == nullptr,
-                 "STV: bucket {} arrived twice in one step", b);
+  SPILLWAY_CHECK((b < device_buckets_) == device,
+                 "STV: bucket {} is a {} bucket (the first {} of {} are the device's)", b,
+                 device ? "CPU" : "device", device_buckets_, buckets_.size());
+  SPILLWAY_CHECK(arrived_[static_cast<size_t>(b)] == 0, "STV: bucket {} arrived twice in one step",
+                 b);
+}
+
+// Note [Bounded undo]: first come, first served, in arrival order.
+bool StvAdamW::admit(int b) {
+  check_bucket(b, false);
+  char& a = admitted_[static_cast<size_t>(b)];
+  if (a == 0) {
+    const size_t need = 3 * buckets_[static_cast<size_t>(b)].n;
+    if (undo_used_ + need <= undo_.size()) {
+      undo_offset_[static_cast<size_t>(b)] = undo_used_;
+      undo_used_ += need;
+      a = 1;
+    } else {
+      a = 2;
+    }
+  }
+  return a == 1;
+}
+
+void StvAdamW::on_bucket(int b, const float* g) {
+  const bool speculate = admit(b);  // checks b
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   grads_[static_cast<size_t>(b)] = g;
-  sq_[static_cast<size_t>(b)] = bucket_sum_of_squares(g, k.n);
-  arrival_.push_back(b);
-  if (b < device_buckets_) return;  // the device steps it once the norm is known
+  norm_lane_sums(g, k.n, lanes_.data());
+  sq_[static_cast<size_t>(b)] = add_lane_sums(lanes_.data(), k.n);
+  arrived_[static_cast<size_t>(b)] = 1;
+  ++arrivals_;
+  if (!speculate) return;  // deferred to finish()
   // Snapshot, then speculate (Note [STV exactness]).
   float* u = undo_.data() + undo_offset_[static_cast<size_t>(b)];
   std::memcpy(u, p_ + k.offset, k.n * sizeof(float));
@@ -127,6 +181,13 @@ void StvAdamW::on_bucket(int b, const float* g) {
   std::memcpy(u + 2 * k.n, v_ + k.offset, k.n * sizeof(float));
   run(b, 1.0f, step_ + 1);
   speculated_[static_cast<size_t>(b)] = 1;
+}
+
+void StvAdamW::on_device_bucket(int b, double sum_of_squares) {
+  check_bucket(b, true);
+  sq_[static_cast<size_t>(b)] = sum_of_squares;
+  arrived_[static_cast<size_t>(b)] = 1;
+  ++arrivals_;
 }
 
 // Note [STV exactness]: every speculated bucket back to its snapshot, bit for bit.
@@ -144,7 +205,10 @@ void StvAdamW::restore_speculated() {
 void StvAdamW::forget_step() {
   std::fill(grads_.begin(), grads_.end(), nullptr);
   std::fill(speculated_.begin(), speculated_.end(), 0);
-  arrival_.clear();
+  std::fill(admitted_.begin(), admitted_.end(), 0);
+  std::fill(arrived_.begin(), arrived_.end(), 0);
+  arrivals_ = 0;
+  undo_used_ = 0;
 }
 
 void StvAdamW::abort() {
@@ -153,22 +217,27 @@ void StvAdamW::abort() {
 }
 
 StvOutcome StvAdamW::finish() {
-  SPILLWAY_CHECK(arrival_.size() == buckets_.size(), "STV: finish() after {} of {} buckets",
-                 arrival_.size(), buckets_.size());
+  SPILLWAY_CHECK(static_cast<size_t>(arrivals_) == buckets_.size(),
+                 "STV: finish() after {} of {} buckets", arrivals_, buckets_.size());
   double sq = 0.0;
   for (double s : sq_) sq += s;  // bucket order, whatever the arrival order
   const double norm = std::sqrt(sq);
   const float scale = std::isfinite(norm) ? clip_coefficient(norm, clip_) : 1.0f;
   const bool undo = !std::isfinite(norm) || scale < 1.0f;
   if (undo) restore_speculated();
+  std::fill(late_.begin(), late_.end(), 0);
   StvOutcome outcome = StvOutcome::kCommit;
+  last_scale_ = scale;
   if (!std::isfinite(norm)) {
     outcome = StvOutcome::kSkip;
     ++counters_.skips;
   } else {
     const int64_t t = step_ + 1;
-    for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
-      if (b < device_buckets_ || undo) run(b, scale, t);  // replays go in bucket order
+    for (int b = device_buckets_; b < static_cast<int>(buckets_.size()); ++b) {
+      if (undo || speculated_[static_cast<size_t>(b)] == 0) {  // replays go in bucket order
+        run(b, scale, t);
+        late_[static_cast<size_t>(b)] = 1;
+      }
     }
     step_ = t;
     if (undo) {
@@ -178,6 +247,8 @@ StvOutcome StvAdamW::finish() {
       ++counters_.commits;
     }
   }
+  for (int b = device_buckets_; b < static_cast<int>(buckets_.size()); ++b)
+    counters_.deferred += admitted_[static_cast<size_t>(b)] == 2 ? 1 : 0;
   forget_step();
   return outcome;
 }

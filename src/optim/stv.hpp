@@ -15,12 +15,18 @@
 // checks it over 1,000 steps with clipping and NaN/Inf in random buckets.
 //
 // GPU/CPU split: the last `device_buckets` buckets to arrive (the first layers, at the end
-// of backward) are not speculated; their step runs on the device once the norm is known
-// (here the same code on the host backend's memory; a CUDA kernel on a GPU), so they add
-// no CPU step to the critical path. Any split gives bitwise the same result.
+// of backward) keep their state on the device and are not speculated. STV sees only their
+// sum of squares (on_device_bucket, computed where the gradient is, in the order of Note
+// [Norm lanes]); after finish() the caller steps them with last_scale() at step() unless
+// the step was skipped. They add no CPU step to the critical path; any split gives bitwise
+// the same result. STV never touches their elements: the state arrays need only hold the
+// CPU buckets (the offsets of the device buckets must still tile [0, n) with the others).
 //
-// Memory: the undo buffers hold 12 bytes per element of the speculative buckets, sized once
-// (the buckets in flight between their arrival and the end of backward).
+// Note [Bounded undo]: the undo buffer holds 12 bytes per element of the speculative
+// buckets in flight (from arrival to the end of backward), sized once: by default all the
+// CPU buckets, or at most `undo_limit_bytes`. When the buffer is full a bucket is not
+// speculated but deferred: it steps in finish(), once the norm is known, on the critical
+// path but exact (counted in `deferred`). A full buffer never drops or corrupts a step.
 #pragma once
 
 #include <cstddef>
@@ -42,10 +48,23 @@ struct StvCounters {
   int64_t commits = 0;
   int64_t replays = 0;
   int64_t skips = 0;
+  int64_t deferred = 0;  // buckets not speculated for want of undo memory (Note [Bounded undo])
 };
 
-// The global gradient norm as STV computes it: per bucket, the sum of squares in double in
-// element order; the buckets' sums added in bucket order; the square root.
+// Note [Norm lanes]: the global gradient norm as STV computes it, in an order a GPU can
+// follow to the bit. A bucket's elements are dealt to kNormLanes lanes (element i to lane
+// i % kNormLanes); each lane sums the squares of its elements in double in index order;
+// the bucket's sum is its lanes' sums added in lane order; the norm is the square root of
+// the buckets' sums added in bucket order. A float squared is exact in double, so a fused
+// multiply-add gives the same bits. On the CPU the lanes vectorize (one row of lanes at a
+// time); on a GPU one thread per lane reads coalesced.
+inline constexpr size_t kNormLanes = 16384;
+// lanes (min(n, kNormLanes)) = the lane sums of n fp32 or bf16 (bits) values.
+void norm_lane_sums(const float* g, size_t n, double* lanes);
+void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes);
+// The lane sums added in lane order.
+double add_lane_sums(const double* lanes, size_t n);
+// The bucket's sum of squares (allocates its lanes: for references and tests).
 double bucket_sum_of_squares(const float* g, size_t n);
 
 // Clipping factor: clip / (norm + 1e-6) rounded to float when norm > clip, else 1.
@@ -59,26 +78,42 @@ StvOutcome reference_adamw_step(const AdamWParams& hp, double clip, float* p, fl
 class StvAdamW {
  public:
   // The state (p, m, v of `n` elements) stays the caller's; buckets cover [0, n) without
-  // overlap; the last `device_buckets` to arrive run on the device side. `pool` (may be
-  // null: the SIMD step on the caller) steps the CPU buckets.
+  // overlap; the first `device_buckets` (the last to arrive) are the device's. `pool` (may
+  // be null: the SIMD step on the caller) steps the CPU buckets. `undo_limit_bytes` < 0:
+  // undo memory for every CPU bucket; else at most that (Note [Bounded undo]).
   StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float* v, size_t n,
-           std::vector<Bucket> buckets, int device_buckets, AdamW* pool);
+           std::vector<Bucket> buckets, int device_buckets, AdamW* pool,
+           int64_t undo_limit_bytes = -1);
 
-  // Backward: bucket `b`'s gradient (n of that bucket) has arrived; the pointer stays
+  // Whether CPU bucket `b` will be speculated when it arrives this step: reserves its undo
+  // memory if the buffer has room, else defers it. Called in arrival order, at most once
+  // per bucket and step, before on_bucket (which calls it if the caller did not): a
+  // pipeline asks when it enqueues the bucket, to know whether to upload its weights then.
+  bool admit(int b);
+  // Backward: CPU bucket `b`'s gradient (n of that bucket) has arrived; the pointer stays
   // valid until finish(). Arrival order is free (normally last bucket first).
   void on_bucket(int b, const float* g);
-  // Backward is done: every bucket has arrived. Validates, then commits, replays or skips.
+  // Backward: device bucket `b`'s sum of squares (add_lane_sums of its lanes) is known.
+  void on_device_bucket(int b, double sum_of_squares);
+  // Backward is done: every bucket has arrived. Validates, then commits, replays or skips
+  // the CPU buckets; the device buckets are the caller's (see the split above).
   StvOutcome finish();
   // The step cannot complete (a gradient never arrived): undo every speculative bucket and
   // forget the step's buckets; the step counter does not advance.
   void abort();
 
   int64_t step() const { return step_; }
+  // The gradient scale of the last finish() (1 unless clipped).
+  float last_scale() const { return last_scale_; }
+  // Whether CPU bucket `b` was stepped only in finish() this step (deferred or replayed):
+  // its weights changed after its arrival. Valid between finish() and the next step.
+  bool stepped_late(int b) const { return late_[static_cast<size_t>(b)] != 0; }
   const StvCounters& counters() const { return counters_; }
   int64_t undo_bytes() const { return static_cast<int64_t>(undo_.size() * sizeof(float)); }
 
  private:
   void run(int b, float scale, int64_t t);
+  void check_bucket(int b, bool device) const;
   void restore_speculated();
   void forget_step();
   AdamWParams hp_;
@@ -91,12 +126,18 @@ class StvAdamW {
   AdamW* pool_;
   int64_t step_ = 0;
   StvCounters counters_;
-  std::vector<float> undo_;          // p, m, v of each speculative bucket, back to back
-  std::vector<size_t> undo_offset_;  // per bucket (speculative ones)
+  float last_scale_ = 1.0f;
+  std::vector<float> undo_;          // p, m, v of each admitted bucket, back to back
+  size_t undo_used_ = 0;             // floats of undo_ reserved this step
+  std::vector<size_t> undo_offset_;  // per bucket, this step (admitted ones)
+  std::vector<char> admitted_;       // per bucket: 0 not yet asked, 1 speculate, 2 defer
   std::vector<const float*> grads_;  // per bucket, this step
   std::vector<double> sq_;           // per bucket sum of squares, this step
-  std::vector<int> arrival_;         // buckets in arrival order, this step
-  std::vector<char> speculated_;     // per bucket: stepped speculatively this step
+  std::vector<double> lanes_;        // kNormLanes, for the CPU buckets' sums
+  std::vector<char> arrived_;        // per bucket, this step
+  int arrivals_ = 0;
+  std::vector<char> speculated_;  // per bucket: stepped speculatively this step
+  std::vector<char> late_;        // per bucket: stepped in finish() this step
 };
 
 }  // namespace spillway::optim

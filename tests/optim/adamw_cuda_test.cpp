@@ -9,6 +9,7 @@
 
 #include "optim/adamw.hpp"
 #include "optim/cuda/adamw_kernels.hpp"
+#include "optim/stv.hpp"
 
 namespace spillway::optim {
 namespace {
@@ -109,6 +110,30 @@ TEST(AdamWCuda, WideningIsExact) {
   }
   EXPECT_EQ(cudaFree(src), cudaSuccess);
   EXPECT_EQ(cudaFree(dst), cudaSuccess);
+}
+
+// Note [Norm lanes]: the GPU's lane sums are the CPU's, bit for bit, for a bucket longer
+// than the lanes and one shorter.
+TEST(AdamWCuda, NormLanesMatchTheCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 r(8);
+  std::normal_distribution<float> d(0.0f, 3.0f);
+  for (size_t n : {3 * kNormLanes + 11, size_t{1000}}) {
+    SCOPED_TRACE(n);
+    std::vector<uint16_t> g(n);
+    for (uint16_t& x : g) x = float_to_bf16(d(r));
+    const size_t width = std::min(n, kNormLanes);
+    std::vector<double> want(width);
+    norm_lane_sums_bf16(g.data(), n, want.data());
+    uint16_t* gd = to_device(g);
+    double* lanes = to_device(std::vector<double>(width, -1.0));
+    ASSERT_EQ(cuda::launch_norm_lanes_bf16(gd, n, kNormLanes, lanes, nullptr), "");
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<double> got = to_host(lanes, width);
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), width * sizeof(double)), 0);
+    EXPECT_EQ(cudaFree(gd), cudaSuccess);
+    EXPECT_EQ(cudaFree(lanes), cudaSuccess);
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The optimizer-offload pipeline on the CUDA backend: both cast sites (the device one
-// through the widening kernel) bitwise the non-speculative optimizer. GPU only: without a
+// through the widening kernel) and the GPU/CPU split (the norm-lane and AdamW kernels)
+// bitwise the non-speculative optimizer. GPU only: without a
 // CUDA device it skips and says why.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -13,7 +14,7 @@
 namespace spillway::optim {
 namespace {
 
-TEST(OptimizerOffloadCuda, BothCastSitesMatchTheNonSpeculativeOptimizer) {
+TEST(OptimizerOffloadCuda, CastSitesAndSplitsMatchTheNonSpeculativeOptimizer) {
   std::string why;
   std::unique_ptr<Device> dev = make_cuda_device(0, &why);
   if (!dev) GTEST_SKIP() << why;
@@ -24,12 +25,15 @@ TEST(OptimizerOffloadCuda, BothCastSitesMatchTheNonSpeculativeOptimizer) {
   std::vector<float> w0(n);
   for (float& x : w0) x = d(g);
   AdamWParams hp;
-  for (CastSite site : {CastSite::kDevice, CastSite::kHost}) {
-    SCOPED_TRACE(static_cast<int>(site));
+  for (int variant = 0; variant < 4; ++variant) {
+    const CastSite site = variant % 2 == 0 ? CastSite::kDevice : CastSite::kHost;
+    const int split = variant / 2 == 0 ? 0 : (variant == 2 ? 1 : 3);
+    SCOPED_TRACE(testing::Message() << "site " << static_cast<int>(site) << " split " << split);
     const Stream compute = dev->create_stream(StreamRole::kCompute);
     OptimOffloadOptions o;
     o.hp = hp;
     o.cast = site;
+    o.device_buckets = split;
     OptimizerOffload off(*dev, compute, w0.data(), n, buckets, o);
     std::vector<float> p = w0, m(n, 0.0f), v(n, 0.0f);
     int64_t step = 0;
@@ -45,7 +49,10 @@ TEST(OptimizerOffloadCuda, BothCastSitesMatchTheNonSpeculativeOptimizer) {
       std::vector<float> g32(n);
       for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(g16[i]);
       reference_adamw_step(hp, o.clip, p.data(), m.data(), v.data(), g32.data(), buckets, &step);
-      ASSERT_EQ(std::memcmp(off.master_weights(), p.data(), n * 4), 0) << "step " << s;
+      const OptimState st = off.read_state();
+      ASSERT_EQ(std::memcmp(st.p.data(), p.data(), n * 4), 0) << "step " << s;
+      ASSERT_EQ(std::memcmp(st.m.data(), m.data(), n * 4), 0) << "step " << s;
+      ASSERT_EQ(std::memcmp(st.v.data(), v.data(), n * 4), 0) << "step " << s;
     }
     dev->synchronize(compute);
     std::vector<uint16_t> w(n);

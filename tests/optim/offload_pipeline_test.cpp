@@ -1,6 +1,7 @@
 // The optimizer-offload pipeline on the host backend: bitwise the non-speculative AdamW
-// for both cast sites and any GPU/CPU split, with clipping and NaN/Inf steps; copy
-// failures retried or reported without a stale update.
+// for both cast sites, any GPU/CPU split and any undo memory limit, with clipping and
+// NaN/Inf steps; a training loop whose gradients depend on the weights gives the same
+// result for every split; copy failures retried or reported without a stale update.
 #include "optim/offload_pipeline.hpp"
 
 #include <gtest/gtest.h>
@@ -92,6 +93,14 @@ void reference_step(const AdamWParams& hp, double clip, Reference& r,
   reference_adamw_step(hp, clip, r.p.data(), r.m.data(), r.v.data(), g32.data(), kBuckets, &r.step);
 }
 
+// The whole optimizer state, bitwise.
+void expect_state(const OptimizerOffload& off, const Reference& ref, int step) {
+  const OptimState st = off.read_state();
+  ASSERT_EQ(std::memcmp(st.p.data(), ref.p.data(), kN * 4), 0) << "weights, step " << step;
+  ASSERT_EQ(std::memcmp(st.m.data(), ref.m.data(), kN * 4), 0) << "first moments, step " << step;
+  ASSERT_EQ(std::memcmp(st.v.data(), ref.v.data(), kN * 4), 0) << "second moments, step " << step;
+}
+
 std::vector<float> initial_weights() {
   std::mt19937 g(5);
   std::normal_distribution<float> d(0.0f, 0.05f);
@@ -106,9 +115,18 @@ TEST(OptimizerOffload, BitwiseTheNonSpeculativeOptimizerForEveryCastSiteAndSplit
   AdamWParams hp;
   hp.lr = 1e-2;
   const double clip = 1.0;
+  struct Variant {
+    int split;
+    int64_t undo_limit;
+  };
+  // Splits of none, two and all buckets; undo memory for all, some, and none of the CPU
+  // buckets (Note [Bounded undo]).
+  const Variant variants[] = {{0, -1}, {2, -1}, {6, -1}, {0, 5000 * 12}, {1, 0}};
   for (CastSite site : {CastSite::kDevice, CastSite::kHost}) {
-    for (int split : {0, 2, 6}) {
-      SCOPED_TRACE(testing::Message() << "site " << static_cast<int>(site) << " split " << split);
+    for (const Variant& var : variants) {
+      const int split = var.split;
+      SCOPED_TRACE(testing::Message() << "site " << static_cast<int>(site) << " split " << split
+                                      << " undo limit " << var.undo_limit);
       auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
       const Stream compute = dev->create_stream(StreamRole::kCompute);
       const std::vector<float> w0 = initial_weights();
@@ -117,6 +135,7 @@ TEST(OptimizerOffload, BitwiseTheNonSpeculativeOptimizerForEveryCastSiteAndSplit
       o.clip = clip;
       o.cast = site;
       o.device_buckets = split;
+      o.undo_limit_bytes = var.undo_limit;
       OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o);
       Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
       std::mt19937 g(seed);
@@ -127,7 +146,7 @@ TEST(OptimizerOffload, BitwiseTheNonSpeculativeOptimizerForEveryCastSiteAndSplit
         backward(*dev, compute, off, grads);
         ++seen[static_cast<int>(off.end_step())];
         reference_step(hp, clip, ref, grads);
-        ASSERT_EQ(std::memcmp(off.master_weights(), ref.p.data(), kN * 4), 0) << "step " << step;
+        expect_state(off, ref, step);
         ASSERT_EQ(off.step(), ref.step);
         dev->synchronize(compute);  // ordered after the uploads
         for (size_t i = 0; i < kN; i += 97)
@@ -136,6 +155,73 @@ TEST(OptimizerOffload, BitwiseTheNonSpeculativeOptimizerForEveryCastSiteAndSplit
       EXPECT_GT(seen[0], 0);
       EXPECT_GT(seen[1], 0);
       EXPECT_GT(seen[2], 0);
+      if (var.undo_limit >= 0) {
+        EXPECT_GT(off.counters().deferred, 0);
+      } else {
+        EXPECT_EQ(off.counters().deferred, 0);
+      }
+    }
+  }
+}
+
+// A training loop: least squares y = X w on the device's bf16 weights, so every step's
+// gradient depends on the weights the pipeline wrote back. The loss after each step and
+// the final state are bitwise the same for every split and undo limit as for split 0.
+TEST(OptimizerOffload, ATrainingLoopEndsTheSameForEverySplit) {
+  AdamWParams hp;
+  hp.lr = 3e-3;
+  constexpr int kRows = 8;
+  std::mt19937 g(123);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(kRows * kN), target(kRows);
+  for (float& e : x) e = d(g) * 0.01f;
+  for (float& e : target) e = d(g);
+  auto train = [&](int split, int64_t undo_limit, std::vector<double>* losses) {
+    auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+    const Stream compute = dev->create_stream(StreamRole::kCompute);
+    OptimOffloadOptions o;
+    o.hp = hp;
+    o.clip = 0.5;  // some steps clip
+    o.device_buckets = split;
+    o.undo_limit_bytes = undo_limit;
+    const std::vector<float> w0 = initial_weights();
+    OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o);
+    losses->reserve(30);  // the callbacks hold pointers into it
+    for (int step = 0; step < 30; ++step) {
+      // "Forward and backward" on the compute stream, from the bf16 weights.
+      double* loss = &losses->emplace_back(0.0);
+      const uint16_t* w = off.device_weights();
+      uint16_t* gw = off.device_grads();
+      dev->host_callback(compute, [&x, &target, w, gw, loss] {
+        std::vector<float> grad(kN, 0.0f);
+        for (int r = 0; r < kRows; ++r) {
+          float y = 0.0f;
+          for (size_t i = 0; i < kN; ++i) y += x[r * kN + i] * bf16_to_float(w[i]);
+          const float err = y - target[static_cast<size_t>(r)];
+          *loss += 0.5 * err * err;
+          for (size_t i = 0; i < kN; ++i) grad[i] += err * x[r * kN + i];
+        }
+        for (size_t i = 0; i < kN; ++i) gw[i] = float_to_bf16(grad[i]);
+      });
+      for (int b = static_cast<int>(kBuckets.size()) - 1; b >= 0; --b) off.on_bucket_grad(b);
+      off.end_step();
+    }
+    dev->synchronize(compute);
+    EXPECT_GT(off.counters().replays, 0) << "the test wants some clipped steps";
+    return off.read_state();
+  };
+  std::vector<double> base_losses;
+  const OptimState base = train(0, -1, &base_losses);
+  EXPECT_LT(base_losses.back(), base_losses.front()) << "the loop trains";
+  for (int split : {1, 3, 6}) {
+    for (int64_t undo_limit : {int64_t{-1}, int64_t{0}}) {
+      SCOPED_TRACE(testing::Message() << "split " << split << " undo limit " << undo_limit);
+      std::vector<double> losses;
+      const OptimState st = train(split, undo_limit, &losses);
+      ASSERT_EQ(losses, base_losses);
+      EXPECT_EQ(std::memcmp(st.p.data(), base.p.data(), kN * 4), 0);
+      EXPECT_EQ(std::memcmp(st.m.data(), base.m.data(), kN * 4), 0);
+      EXPECT_EQ(std::memcmp(st.v.data(), base.v.data(), kN * 4), 0);
     }
   }
 }
@@ -160,7 +246,7 @@ TEST(OptimizerOffload, AFailedGradientCopyIsRetriedOrReportedNeverAppliedStale) 
   off.end_step();
   reference_step(hp, 1.0, ref, grads);
   EXPECT_EQ(off.retries(), 2);
-  EXPECT_EQ(std::memcmp(off.master_weights(), ref.p.data(), kN * 4), 0);
+  expect_state(off, ref, 1);
   // A permanent one: reported naming the bucket, and nothing of the step applied.
   dev.fail_always = true;
   grads = bf16_grads(g, 0);
@@ -170,8 +256,10 @@ TEST(OptimizerOffload, AFailedGradientCopyIsRetriedOrReportedNeverAppliedStale) 
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("bucket 3"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(std::memcmp(off.master_weights(), ref.p.data(), kN * 4), 0)
-      << "the buckets stepped before the failure were undone";
+  {
+    SCOPED_TRACE("the buckets stepped before the failure were undone");
+    expect_state(off, ref, 2);
+  }
   EXPECT_EQ(off.step(), 1);
   for (size_t i = 0; i < kN; ++i)
     ASSERT_EQ(off.device_weights()[i], float_to_bf16(ref.p[i])) << "device weight " << i;
@@ -181,8 +269,59 @@ TEST(OptimizerOffload, AFailedGradientCopyIsRetriedOrReportedNeverAppliedStale) 
   backward(dev, compute, off, grads);
   off.end_step();
   reference_step(hp, 1.0, ref, grads);
-  EXPECT_EQ(std::memcmp(off.master_weights(), ref.p.data(), kN * 4), 0);
+  expect_state(off, ref, 3);
   EXPECT_EQ(off.step(), 2);
+}
+
+// The split's device buckets send only their norm lane sums down (8 bytes per lane); a
+// failure there is retried, or abandons the step like a gradient copy failure.
+TEST(OptimizerOffload, AFailedNormCopyOfADeviceBucketIsRetriedOrReported) {
+  AdamWParams hp;
+  auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  FaultyDevice dev(*inner);
+  const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
+  const std::vector<float> w0 = initial_weights();
+  OptimOffloadOptions o;
+  o.hp = hp;
+  o.cast = CastSite::kHost;
+  o.device_buckets = 1;  // bucket 0: 1000 elements, 1000 lanes
+  OptimizerOffload off(dev, compute, w0.data(), kN, kBuckets, o);
+  Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
+  std::mt19937 g(10);
+  dev.fail_bytes = kBuckets[0].n * sizeof(double);
+  dev.fail_next = 1;
+  std::vector<uint16_t> grads = bf16_grads(g, 0);
+  backward(dev, compute, off, grads);
+  off.end_step();
+  reference_step(hp, 1.0, ref, grads);
+  EXPECT_EQ(off.retries(), 1);
+  expect_state(off, ref, 1);
+  dev.fail_always = true;
+  grads = bf16_grads(g, 0);
+  EXPECT_THROW(backward(dev, compute, off, grads), Error);
+  expect_state(off, ref, 2);
+  for (size_t i = 0; i < kN; ++i)
+    ASSERT_EQ(off.device_weights()[i], float_to_bf16(ref.p[i])) << "device weight " << i;
+  dev.fail_always = false;
+  grads = bf16_grads(g, 0);
+  backward(dev, compute, off, grads);
+  off.end_step();
+  reference_step(hp, 1.0, ref, grads);
+  expect_state(off, ref, 3);
+}
+
+TEST(OptimizerOffload, BadSplitIsAnInputError) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  const std::vector<float> w0 = initial_weights();
+  OptimOffloadOptions o;
+  o.device_buckets = 7;
+  try {
+    OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("device_buckets = 7"), std::string::npos) << e.what();
+  }
 }
 
 TEST(OptimizerOffload, CastSiteFollowsLinkAgainstCpuWidening) {

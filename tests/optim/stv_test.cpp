@@ -1,6 +1,7 @@
 // Speculation-then-validation against the non-speculative optimizer: bitwise identical
 // weights and moments after every step over 1,000 steps of random gradient streams with
-// no clipping, clipping, and NaN/Inf in random buckets; any GPU/CPU split the same.
+// no clipping, clipping, and NaN/Inf in random buckets; any GPU/CPU split and any undo
+// memory limit the same.
 #include "optim/stv.hpp"
 
 #include <gtest/gtest.h>
@@ -40,6 +41,40 @@ std::vector<Bucket> random_buckets(size_t n, int count, std::mt19937& g) {
   return out;
 }
 
+// The caller's part of the split: the device buckets' sums of squares go in as they
+// arrive, and after finish() they step with STV's scale and step counter.
+void deliver(StvAdamW& stv, int device, const std::vector<Bucket>& buckets, const float* grad,
+             int b) {
+  const Bucket& k = buckets[static_cast<size_t>(b)];
+  if (b < device) {
+    stv.on_device_bucket(b, bucket_sum_of_squares(grad + k.offset, k.n));
+  } else {
+    stv.on_bucket(b, grad + k.offset);
+  }
+}
+
+void step_device_buckets(const AdamWParams& hp, const StvAdamW& stv, StvOutcome outcome, int device,
+                         const std::vector<Bucket>& buckets, State& s, const float* grad) {
+  if (outcome == StvOutcome::kSkip) return;
+  for (int b = 0; b < device; ++b) {
+    const Bucket& k = buckets[static_cast<size_t>(b)];
+    AdamWArgs a;
+    a.p = s.p.data() + k.offset;
+    a.m = s.m.data() + k.offset;
+    a.v = s.v.data() + k.offset;
+    a.g = grad + k.offset;
+    a.grad_scale = stv.last_scale();
+    a.n = k.n;
+    a.step = stv.step();
+    adamw_step_scalar(hp, a);
+  }
+}
+
+struct Variant {
+  int device;          // GPU/CPU split
+  int64_t undo_limit;  // bytes; < 0 unbounded
+};
+
 TEST(Stv, BitwiseIdenticalToTheNonSpeculativeOptimizerOver1000Steps) {
   const uint32_t seed = 4242;
   std::cout << "seed " << seed << "\n";
@@ -52,12 +87,17 @@ TEST(Stv, BitwiseIdenticalToTheNonSpeculativeOptimizerOver1000Steps) {
   hp.weight_decay = 0.1;
   const double clip = 1.0;
   AdamW pool(2);
-  for (int device : {0, 1, 3, nb}) {
-    SCOPED_TRACE(device);
+  // Splits of 0, 1, 3 and every bucket; undo memory for all, about half, and none of the
+  // CPU buckets (Note [Bounded undo]).
+  const std::vector<Variant> variants = {
+      {0, -1}, {1, -1}, {3, -1}, {nb, -1}, {0, static_cast<int64_t>(n) * 6}, {2, 0}};
+  for (const Variant& var : variants) {
+    const int device = var.device;
+    SCOPED_TRACE(testing::Message() << "device " << device << " undo limit " << var.undo_limit);
     State ref(n, seed), spec(n, seed);
     int64_t ref_step = 0;
     StvAdamW stv(hp, clip, spec.p.data(), spec.m.data(), spec.v.data(), n, buckets, device,
-                 device == 1 ? nullptr : &pool);
+                 device == 1 ? nullptr : &pool, var.undo_limit);
     std::vector<float> grad(n);
     int outcomes[3] = {0, 0, 0};
     for (int step = 0; step < 1000; ++step) {
@@ -78,8 +118,9 @@ TEST(Stv, BitwiseIdenticalToTheNonSpeculativeOptimizerOver1000Steps) {
       std::vector<int> order(static_cast<size_t>(nb));
       for (int b = 0; b < nb; ++b) order[static_cast<size_t>(b)] = nb - 1 - b;
       if (step % 7 == 0) std::shuffle(order.begin(), order.end(), g);
-      for (int b : order) stv.on_bucket(b, grad.data() + buckets[static_cast<size_t>(b)].offset);
+      for (int b : order) deliver(stv, device, buckets, grad.data(), b);
       const StvOutcome got = stv.finish();
+      step_device_buckets(hp, stv, got, device, buckets, spec, grad.data());
       ASSERT_EQ(got, want) << "step " << step;
       ASSERT_TRUE(spec == ref) << "state differs after step " << step;
       ASSERT_EQ(stv.step(), ref_step);
@@ -91,8 +132,72 @@ TEST(Stv, BitwiseIdenticalToTheNonSpeculativeOptimizerOver1000Steps) {
     EXPECT_EQ(stv.counters().commits, outcomes[0]);
     EXPECT_EQ(stv.counters().replays, outcomes[1]);
     EXPECT_EQ(stv.counters().skips, outcomes[2]);
+    if (var.undo_limit == 0 && device < nb) {
+      EXPECT_EQ(stv.counters().deferred, 1000 * (nb - device));  // every CPU bucket, always
+    } else if (var.undo_limit > 0) {
+      EXPECT_GT(stv.counters().deferred, 0);
+      EXPECT_LT(stv.counters().deferred, 1000 * nb);
+    } else {
+      EXPECT_EQ(stv.counters().deferred, 0);
+    }
     EXPECT_TRUE(std::isfinite(spec.m[0]) && std::isfinite(spec.v[0]));
   }
+}
+
+TEST(Stv, AFullUndoBufferDefersInArrivalOrder) {
+  std::vector<float> p(100, 0.5f), m(100), v(100), g(100, 1e-3f);
+  const std::vector<Bucket> buckets = {{0, 10}, {10, 30}, {40, 60}};
+  AdamWParams hp;
+  // Room for bucket 2 (60 elements) and bucket 0 (10), not for bucket 1 (30) in between.
+  StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr, 75 * 12);
+  EXPECT_EQ(s.undo_bytes(), 75 * 12);
+  EXPECT_TRUE(s.admit(2));
+  EXPECT_FALSE(s.admit(1));
+  EXPECT_TRUE(s.admit(0));
+  EXPECT_FALSE(s.admit(1)) << "asking again does not change the answer";
+  for (int b : {2, 1, 0}) s.on_bucket(b, g.data() + buckets[static_cast<size_t>(b)].offset);
+  EXPECT_EQ(p[10], 0.5f) << "a deferred bucket is not stepped before finish()";
+  EXPECT_NE(p[40], 0.5f) << "an admitted bucket is stepped at once";
+  EXPECT_EQ(s.finish(), StvOutcome::kCommit);
+  EXPECT_NE(p[10], 0.5f);
+  EXPECT_TRUE(s.stepped_late(1));
+  EXPECT_FALSE(s.stepped_late(0));
+  EXPECT_FALSE(s.stepped_late(2));
+  EXPECT_EQ(s.counters().deferred, 1);
+  // The reservation is per step: the next step admits in its own arrival order.
+  EXPECT_TRUE(s.admit(1));
+  EXPECT_TRUE(s.admit(0));
+  EXPECT_FALSE(s.admit(2));
+}
+
+TEST(Stv, NormLanesAddUpInTheirDocumentedOrder) {
+  // Note [Norm lanes]: lane c holds elements c, c + kNormLanes, ...; fp32 and bf16 agree.
+  const size_t n = 2 * kNormLanes + 7;
+  std::vector<float> g(n);
+  std::vector<uint16_t> g16(n);
+  std::mt19937 r(3);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (size_t i = 0; i < n; ++i) {
+    g16[i] = float_to_bf16(d(r));
+    g[i] = bf16_to_float(g16[i]);
+  }
+  std::vector<double> lanes(kNormLanes), lanes16(kNormLanes);
+  norm_lane_sums(g.data(), n, lanes.data());
+  norm_lane_sums_bf16(g16.data(), n, lanes16.data());
+  for (size_t c : {size_t{0}, size_t{6}, size_t{7}, kNormLanes - 1}) {
+    double want = 0.0;
+    for (size_t i = c; i < n; i += kNormLanes) want += static_cast<double>(g[i]) * g[i];
+    EXPECT_EQ(lanes[c], want) << "lane " << c;
+  }
+  EXPECT_EQ(std::memcmp(lanes.data(), lanes16.data(), kNormLanes * sizeof(double)), 0);
+  double total = 0.0;
+  for (double x : lanes) total += x;
+  EXPECT_EQ(add_lane_sums(lanes.data(), n), total);
+  EXPECT_EQ(bucket_sum_of_squares(g.data(), n), total);
+  // A bucket shorter than the lanes uses only its own.
+  std::vector<double> few(5);
+  norm_lane_sums(g.data(), 5, few.data());
+  EXPECT_EQ(add_lane_sums(few.data(), 5), bucket_sum_of_squares(g.data(), 5));
 }
 
 TEST(Stv, UndoMemoryCoversOnlyTheSpeculativeBuckets) {
@@ -116,7 +221,11 @@ TEST(Stv, MisuseIsAnError) {
   StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 50}, {50, 50}}, 0, nullptr);
   s.on_bucket(1, g.data() + 50);
   EXPECT_THROW(s.on_bucket(1, g.data() + 50), Error);  // twice
+  EXPECT_THROW(s.on_device_bucket(0, 1.0), Error);     // not a device bucket
   EXPECT_THROW(s.finish(), Error);                     // bucket 0 missing
+  StvAdamW split(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 50}, {50, 50}}, 1, nullptr);
+  EXPECT_THROW(split.on_bucket(0, g.data()), Error);  // a device bucket
+  EXPECT_THROW(split.admit(0), Error);
 }
 
 }  // namespace

@@ -45,6 +45,19 @@ __global__ void widen_kernel(const uint16_t* src, float* dst, size_t n) {
     dst[i] = widen(src[i]);
 }
 
+// Note [Norm lanes]: lane c in index order; a float squared is exact in double, so a
+// contraction into a fused multiply-add changes no bit.
+__global__ void norm_lanes_kernel(const uint16_t* g, size_t n, size_t lane_count, double* lanes) {
+  const size_t c = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= lane_count || c >= n) return;
+  double s = 0.0;
+  for (size_t i = c; i < n; i += lane_count) {
+    const double x = static_cast<double>(widen(g[i]));
+    s += x * x;
+  }
+  lanes[c] = s;
+}
+
 unsigned blocks_for(size_t n, unsigned threads) {
   const size_t b = (n + threads - 1) / threads;
   return static_cast<unsigned>(b < 65535 ? (b == 0 ? 1 : b) : 65535);
@@ -72,6 +85,16 @@ std::string launch_widen_bf16(const uint16_t* src, float* dst, size_t n, void* s
   constexpr unsigned kThreads = 256;
   widen_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(src,
                                                                                             dst, n);
+  return checked_launch();
+}
+
+std::string launch_norm_lanes_bf16(const uint16_t* g, size_t n, size_t lane_count, double* lanes,
+                                   void* stream) {
+  if (n == 0 || lane_count == 0) return {};
+  constexpr unsigned kThreads = 256;
+  const size_t width = n < lane_count ? n : lane_count;
+  norm_lanes_kernel<<<blocks_for(width, kThreads), kThreads, 0,
+                      static_cast<cudaStream_t>(stream)>>>(g, n, lane_count, lanes);
   return checked_launch();
 }
 

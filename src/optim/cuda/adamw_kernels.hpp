@@ -27,4 +27,10 @@ std::string launch_adamw(const AdamWStepScalars& s, float* p, float* m, float* v
 // dst (n fp32) = src (n bf16 bits) widened, on `stream`. "" on success, else the error.
 std::string launch_widen_bf16(const uint16_t* src, float* dst, size_t n, void* stream);
 
+// The norm lane sums of Note [Norm lanes] (optim/stv.hpp) over n bf16 gradients: lanes
+// (min(n, lane_count) doubles) where lane c sums the squares of elements c, c + lane_count,
+// ... in index order, one thread per lane. "" on success, else the error.
+std::string launch_norm_lanes_bf16(const uint16_t* g, size_t n, size_t lane_count, double* lanes,
+                                   void* stream);
+
 }  // namespace spillway::optim::cuda
