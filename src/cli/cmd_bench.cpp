@@ -1,6 +1,6 @@
 // `spillway bench`: the engines' benchmarks, each checked for correctness before it is
 // timed and printed beside its baseline measured in the same run and its limit. One
-// sub-subcommand per engine: `offload`, `adam`.
+// sub-subcommand per engine: `offload`, `adam`, `optim-offload`.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -9,6 +9,7 @@
 
 #include "bench_adam.hpp"
 #include "bench_offload.hpp"
+#include "bench_stv.hpp"
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
 
@@ -169,6 +170,63 @@ void add_bench_adam_command(CLI::App& bench) {
   });
 }
 
+void add_bench_optim_offload_command(CLI::App& bench) {
+  struct State {
+    StvBenchOptions options;
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "optim-offload",
+      "The optimizer-offload pipeline (D2H of each gradient bucket, the CPU AdamW step, the "
+      "bf16 weights back up) on the host backend with a throttled link: how long the step "
+      "runs past the end of backward (the tail on the critical path) with "
+      "speculation-then-validation, against the same pipeline without speculation (every "
+      "CPU step after the gradient norm is known), and with a GPU/CPU split chosen from "
+      "timings measured in the same run. Every variant must be bitwise the non-speculative "
+      "AdamW after a committed and a clipped step before anything is timed. Needs about 60 "
+      "bytes per parameter per variant (3 variants).\n\n"
+      "Examples:\n"
+      "  spillway bench optim-offload\n"
+      "  spillway bench optim-offload --buckets 16 --bucket-elements 1000000 --backward-ms 80\n"
+      "  spillway bench optim-offload --link-gbps 400 --device-buckets 2 --json -");
+  StvBenchOptions& o = st->options;
+  cmd->add_option("--buckets", o.buckets, "Gradient buckets per step (one per layer, say)")
+      ->capture_default_str();
+  cmd->add_option("--bucket-elements", o.bucket_elements, "Parameters per bucket")
+      ->capture_default_str();
+  cmd->add_option("--backward-ms", o.backward_ms,
+                  "Length of the emulated backward; buckets arrive evenly over it")
+      ->capture_default_str();
+  cmd->add_option("--link-gbps", o.link_gbps, "Throttle of each copy direction (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--device-buckets", o.device_buckets,
+                  "Buckets stepped on the device in the split variant (-1: chosen from this "
+                  "run's timings)")
+      ->capture_default_str();
+  cmd->add_option("--threads", o.threads, "Threads of the CPU AdamW (0: hardware concurrency)")
+      ->capture_default_str();
+  cmd->add_option("--repeats", o.repeats, "Times the variants are interleaved")
+      ->capture_default_str();
+  cmd->add_option("--steps", o.steps, "Timed steps per variant and repeat")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the weights and gradients")->capture_default_str();
+  cmd->add_option("--json", st->json_path,
+                  "Write the results as JSON to FILE ('-' for stdout): stv_tail_ratio, "
+                  "stv_step_ratio, variants[] {name, step_ms, tail_ms, ...}, split");
+  cmd->callback([st]() {
+    const StvBenchOptions& options = st->options;
+    check_stv_bench_options(options);
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
+    say(fmt::format(
+        "running: {} buckets x {} elements, 3 variants x {} steps x {} repeats interleaved, "
+        "after a bitwise check...\n",
+        options.buckets, options.bucket_elements, options.steps, options.repeats));
+    const StvBenchResult result = run_stv_bench(options);
+    say(format_stv_bench(result));
+    if (!st->json_path.empty()) write_output(st->json_path, stv_bench_json(result));
+  });
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -179,10 +237,12 @@ void add_bench_command(CLI::App& app) {
       "Examples:\n"
       "  spillway bench offload\n"
       "  spillway bench offload --layers 16 --tensor-mb 4 --json -\n"
-      "  spillway bench adam --elements 4000000 --repeats 2");
+      "  spillway bench adam --elements 4000000 --repeats 2\n"
+      "  spillway bench optim-offload");
   bench->require_subcommand(1);
   add_bench_offload_command(*bench);
   add_bench_adam_command(*bench);
+  add_bench_optim_offload_command(*bench);
 }
 
 }  // namespace spillway::cli

@@ -81,16 +81,6 @@ void check_args(const AdamWArgs& a) {
 // 2^-24. A NaN stays a quiet NaN of the same sign with the top payload bits (what
 // x86's F16C instructions give); overflow goes to inf.
 
-uint16_t float_to_bf16(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-float bf16_to_float(uint16_t b) {
-  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
-}
-
 uint16_t float_to_fp16(float x) {
   const uint32_t bits = std::bit_cast<uint32_t>(x);
   const uint32_t sign = (bits >> 16) & 0x8000u;

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -95,9 +96,20 @@ class AdamW {
   std::unique_ptr<Impl> impl_;
 };
 
-// bf16 (round to nearest even, NaN kept NaN) and fp16 conversions used by the copies.
-uint16_t float_to_bf16(float x);
-float bf16_to_float(uint16_t b);
+// bf16 (round to nearest even, NaN kept NaN) and fp16 conversions used by the copies. The
+// bf16 ones are inline: loops over them vectorize.
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
 uint16_t float_to_fp16(float x);
 float fp16_to_float(uint16_t h);
 

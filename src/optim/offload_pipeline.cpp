@@ -41,14 +41,13 @@ struct OptimizerOffload::Impl {
   float* v_dev = nullptr;
   double* lanes_dev = nullptr;  // (n_lanes) device buckets' norm lane sums
   // Pinned host memory.
-  float* p = nullptr;            // (n_cpu) fp32 master weights
-  float* m = nullptr;            // (n_cpu)
-  float* v = nullptr;            // (n_cpu)
-  void* g_stage = nullptr;       // (n_cpu) gradients as copied: fp32 or bf16
-  float* g32_host = nullptr;     // (n_cpu) fp32 gradients the step reads (host cast: widened here)
-  uint16_t* w_stage = nullptr;   // (n) bf16 weights to upload
-  double* lanes_host = nullptr;  // (n_lanes)
-  std::vector<char> device_arrived;    // per device bucket, this step
+  float* p = nullptr;                // (n_cpu) fp32 master weights
+  float* m = nullptr;                // (n_cpu)
+  float* v = nullptr;                // (n_cpu)
+  void* g_stage = nullptr;           // (n_cpu) gradients as copied, read by the step: fp32 or bf16
+  uint16_t* w_stage = nullptr;       // (n) bf16 weights to upload, written by the step
+  double* lanes_host = nullptr;      // (n_lanes)
+  std::vector<char> device_arrived;  // per device bucket, this step
   std::vector<Event> copied, stepped;  // per bucket
   Event produced{-1}, done{-1};
   std::unique_ptr<StvAdamW> stv;
@@ -104,10 +103,13 @@ struct OptimizerOffload::Impl {
     }
   }
 
-  void upload(int b) {
+  // The bucket's bf16 weights up; `round`: from p first (after a restore), else as the
+  // step wrote them.
+  void upload(int b, bool round) {
     const size_t at = local[static_cast<size_t>(b)];
     const size_t count = buckets[static_cast<size_t>(b)].n;
-    for (size_t i = 0; i < count; ++i) w_stage[at + i] = float_to_bf16(p[at + i]);
+    if (round)
+      for (size_t i = 0; i < count; ++i) w_stage[at + i] = float_to_bf16(p[at + i]);
     dev.copy_async(w_dev + buckets[static_cast<size_t>(b)].offset, w_stage + at,
                    count * sizeof(uint16_t), h2d);
   }
@@ -182,10 +184,6 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   s.v = static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kPinnedHost, "the second moments"));
   s.g_stage = s.alloc(n_cpu * (s.site == CastSite::kDevice ? 4 : 2), MemoryKind::kPinnedHost,
                       "the gradient staging");
-  s.g32_host =
-      s.site == CastSite::kDevice
-          ? static_cast<float*>(s.g_stage)
-          : static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kHost, "the fp32 gradients"));
   // The weight staging holds every weight for the first upload; later only CPU buckets.
   s.w_stage = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kPinnedHost, "the weight staging"));
   s.d2h = dev.create_stream(StreamRole::kD2H);
@@ -226,6 +224,7 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   s.done = dev.create_event();
   s.stv = std::make_unique<StvAdamW>(o.hp, o.clip, s.p, s.m, s.v, n, std::move(stv_buckets),
                                      o.device_buckets, pool, o.undo_limit_bytes);
+  s.stv->set_bf16_copy(s.w_stage);  // the step writes the bf16 weights in the same pass
 }
 
 OptimizerOffload::~OptimizerOffload() {
@@ -244,7 +243,6 @@ OptimizerOffload::~OptimizerOffload() {
   for (void* ptr : {static_cast<void*>(s.p), static_cast<void*>(s.m), static_cast<void*>(s.v),
                     s.g_stage, static_cast<void*>(s.w_stage), static_cast<void*>(s.lanes_host)})
     if (ptr != nullptr) s.dev.free(ptr, MemoryKind::kPinnedHost);
-  if (s.site != CastSite::kDevice) s.dev.free(s.g32_host, MemoryKind::kHost);
 }
 
 uint16_t* OptimizerOffload::device_weights() const {
@@ -302,7 +300,7 @@ void OptimizerOffload::Impl::abandon_step(const Error& e) {
   std::fill(device_arrived.begin(), device_arrived.end(), 0);
   std::string also;
   try {
-    for (int i = opt.device_buckets; i < static_cast<int>(buckets.size()); ++i) upload(i);
+    for (int i = opt.device_buckets; i < static_cast<int>(buckets.size()); ++i) upload(i, true);
     dev.synchronize(h2d);
   } catch (const Error& e2) {
     also = fmt::format("; restoring the device weights failed too ({}): reload them", e2.what());
@@ -366,22 +364,19 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
   }
   dev.record(copied[static_cast<size_t>(b)], d2h);
   dev.wait(cpu, copied[static_cast<size_t>(b)]);
+  // The step reads the staged gradient as it came (the host cast widens inside the step)
+  // and writes the bf16 weights into the weight staging in the same pass.
   StvAdamW* s = stv.get();
-  const bool widen = site == CastSite::kHost;
-  const uint16_t* g16 = static_cast<const uint16_t*>(g_stage) + at;
-  float* g32 = g32_host + at;
-  dev.host_callback(cpu, [s, b, widen, g16, g32, n = k.n] {
-    if (widen)
-      for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(g16[i]);
-    s->on_bucket(b, g32);
-  });
+  if (site == CastSite::kHost) {
+    const uint16_t* g16 = static_cast<const uint16_t*>(g_stage) + at;
+    dev.host_callback(cpu, [s, b, g16] { s->on_bucket_bf16(b, g16); });
+  } else {
+    const float* g32 = static_cast<const float*>(g_stage) + at;
+    dev.host_callback(cpu, [s, b, g32] { s->on_bucket(b, g32); });
+  }
   if (!speculate) return;  // deferred: stepped and uploaded in end_step
   // The speculative weights go up at once (corrected at end_step on a replay or a skip).
-  float* pb = p + at;
   uint16_t* stage = w_stage + at;
-  dev.host_callback(cpu, [pb, stage, n = k.n] {
-    for (size_t i = 0; i < n; ++i) stage[i] = float_to_bf16(pb[i]);
-  });
   dev.record(stepped[static_cast<size_t>(b)], cpu);
   dev.wait(h2d, stepped[static_cast<size_t>(b)]);
   dev.copy_async(w_dev + k.offset, stage, k.n * 2, h2d);
@@ -459,7 +454,8 @@ StvOutcome OptimizerOffload::end_step() {
   // CPU buckets whose weights changed after their upload: all of them on a replay or a
   // skip, the deferred ones on a commit.
   for (int b = s.opt.device_buckets; b < static_cast<int>(s.buckets.size()); ++b) {
-    if (outcome != StvOutcome::kCommit || s.stv->stepped_late(b)) s.upload(b);
+    if (outcome != StvOutcome::kCommit || s.stv->stepped_late(b))
+      s.upload(b, outcome == StvOutcome::kSkip);
   }
   s.dev.record(s.done, s.h2d);
   s.dev.wait(s.compute, s.done);

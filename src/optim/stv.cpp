@@ -11,15 +11,17 @@ namespace spillway::optim {
 
 namespace {
 
-void step_range(const AdamWParams& hp, AdamW* pool, float* p, float* m, float* v, const float* g,
-                size_t n, float scale, int64_t t) {
+void step_range(const AdamWParams& hp, AdamW* pool, float* p, float* m, float* v, const void* g,
+                GradType type, uint16_t* copy, size_t n, float scale, int64_t t) {
   AdamWArgs a;
   a.p = p;
   a.m = m;
   a.v = v;
   a.g = g;
-  a.grad_type = GradType::kFp32;
+  a.grad_type = type;
   a.grad_scale = scale;
+  a.copy_out = copy;
+  a.copy_type = copy != nullptr ? CopyType::kBf16 : CopyType::kNone;
   a.n = n;
   a.step = t;
   if (pool != nullptr) {
@@ -94,7 +96,8 @@ StvOutcome reference_adamw_step(const AdamWParams& hp, double clip, float* p, fl
   const float scale = clip_coefficient(norm, clip);
   const int64_t t = *step + 1;
   for (const Bucket& b : buckets) {
-    step_range(hp, nullptr, p + b.offset, m + b.offset, v + b.offset, g + b.offset, b.n, scale, t);
+    step_range(hp, nullptr, p + b.offset, m + b.offset, v + b.offset, g + b.offset, GradType::kFp32,
+               nullptr, b.n, scale, t);
   }
   *step = t;
   return scale < 1.0f ? StvOutcome::kReplay : StvOutcome::kCommit;
@@ -126,6 +129,7 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   undo_offset_.assign(buckets_.size(), 0);
   admitted_.assign(buckets_.size(), 0);
   grads_.assign(buckets_.size(), nullptr);
+  grad_types_.assign(buckets_.size(), GradType::kFp32);
   sq_.assign(buckets_.size(), 0.0);
   lanes_.assign(kNormLanes, 0.0);
   arrived_.assign(buckets_.size(), 0);
@@ -136,7 +140,8 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
 void StvAdamW::run(int b, float scale, int64_t t) {
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   step_range(hp_, pool_, p_ + k.offset, m_ + k.offset, v_ + k.offset,
-             grads_[static_cast<size_t>(b)], k.n, scale, t);
+             grads_[static_cast<size_t>(b)], grad_types_[static_cast<size_t>(b)],
+             copy_ != nullptr ? copy_ + k.offset : nullptr, k.n, scale, t);
 }
 
 void StvAdamW::check_bucket(int b, bool device) const {
@@ -166,10 +171,23 @@ bool StvAdamW::admit(int b) {
 }
 
 void StvAdamW::on_bucket(int b, const float* g) {
+  arrive(b, g, GradType::kFp32);
+}
+
+void StvAdamW::on_bucket_bf16(int b, const uint16_t* g) {
+  arrive(b, g, GradType::kBf16);
+}
+
+void StvAdamW::arrive(int b, const void* g, GradType type) {
   const bool speculate = admit(b);  // checks b
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   grads_[static_cast<size_t>(b)] = g;
-  norm_lane_sums(g, k.n, lanes_.data());
+  grad_types_[static_cast<size_t>(b)] = type;
+  if (type == GradType::kBf16) {
+    norm_lane_sums_bf16(static_cast<const uint16_t*>(g), k.n, lanes_.data());
+  } else {
+    norm_lane_sums(static_cast<const float*>(g), k.n, lanes_.data());
+  }
   sq_[static_cast<size_t>(b)] = add_lane_sums(lanes_.data(), k.n);
   arrived_[static_cast<size_t>(b)] = 1;
   ++arrivals_;

@@ -84,15 +84,20 @@ class StvAdamW {
   StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float* v, size_t n,
            std::vector<Bucket> buckets, int device_buckets, AdamW* pool,
            int64_t undo_limit_bytes = -1);
+  // Every step of a CPU bucket also writes the bf16 copy of its updated weights to `copy`
+  // (n, laid out like p), in the same pass (null: no copy). After a skip the copy of the
+  // restored buckets is stale: the caller rounds p again.
+  void set_bf16_copy(uint16_t* copy) { copy_ = copy; }
 
   // Whether CPU bucket `b` will be speculated when it arrives this step: reserves its undo
   // memory if the buffer has room, else defers it. Called in arrival order, at most once
   // per bucket and step, before on_bucket (which calls it if the caller did not): a
   // pipeline asks when it enqueues the bucket, to know whether to upload its weights then.
   bool admit(int b);
-  // Backward: CPU bucket `b`'s gradient (n of that bucket) has arrived; the pointer stays
-  // valid until finish(). Arrival order is free (normally last bucket first).
+  // Backward: CPU bucket `b`'s gradient (n of that bucket, fp32 or bf16 bits) has arrived;
+  // the pointer stays valid until finish(). Arrival order is free (normally last first).
   void on_bucket(int b, const float* g);
+  void on_bucket_bf16(int b, const uint16_t* g);
   // Backward: device bucket `b`'s sum of squares (add_lane_sums of its lanes) is known.
   void on_device_bucket(int b, double sum_of_squares);
   // Backward is done: every bucket has arrived. Validates, then commits, replays or skips
@@ -112,6 +117,7 @@ class StvAdamW {
   int64_t undo_bytes() const { return static_cast<int64_t>(undo_.size() * sizeof(float)); }
 
  private:
+  void arrive(int b, const void* g, GradType type);
   void run(int b, float scale, int64_t t);
   void check_bucket(int b, bool device) const;
   void restore_speculated();
@@ -131,10 +137,12 @@ class StvAdamW {
   size_t undo_used_ = 0;             // floats of undo_ reserved this step
   std::vector<size_t> undo_offset_;  // per bucket, this step (admitted ones)
   std::vector<char> admitted_;       // per bucket: 0 not yet asked, 1 speculate, 2 defer
-  std::vector<const float*> grads_;  // per bucket, this step
-  std::vector<double> sq_;           // per bucket sum of squares, this step
-  std::vector<double> lanes_;        // kNormLanes, for the CPU buckets' sums
-  std::vector<char> arrived_;        // per bucket, this step
+  uint16_t* copy_ = nullptr;
+  std::vector<const void*> grads_;    // per bucket, this step
+  std::vector<GradType> grad_types_;  // per bucket, this step
+  std::vector<double> sq_;            // per bucket sum of squares, this step
+  std::vector<double> lanes_;         // kNormLanes, for the CPU buckets' sums
+  std::vector<char> arrived_;         // per bucket, this step
   int arrivals_ = 0;
   std::vector<char> speculated_;  // per bucket: stepped speculatively this step
   std::vector<char> late_;        // per bucket: stepped in finish() this step
