@@ -80,7 +80,9 @@ class OptimizerOffload {
   uint16_t* device_grads() const;
 
   // Backward: bucket b's gradient is complete once the work enqueued so far on the
-  // compute stream has run.
+  // compute stream has run. From then on the pipeline may overwrite the bucket's device
+  // weights (with the speculative step's): the rest of backward must not read them, which
+  // holds for a layerwise backward (a layer's weights are last read by its own backward).
   void on_bucket_grad(int b);
   // After backward: waits for the pipeline, validates, corrects the device weights on a
   // replay or a skip. The compute stream is ordered after the weight uploads.
