@@ -196,8 +196,9 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
   AdamW pool(options.threads);
   res.options.threads = pool.threads();
 
-  // Per-bucket timings for the split: the CPU step of one bucket on the pool (bf16 gradient
-  // in, bf16 copy out, as in the pipeline), the device-side step (one thread here), the link
+  // Per-bucket timings for the split: the CPU work of one bucket (norm lane sums, undo
+  // snapshot, the step on the pool with bf16 gradient in and bf16 copy out, as in the
+  // pipeline), the device-side step (one thread here), the link
   // both ways. Each
   // sample steps a different bucket of full-size state, so that it starts cold, as in the
   // pipeline.
@@ -219,9 +220,17 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
       a.n = bn;
       return a;
     };
+    // As STV does per bucket: the norm lane sums, the undo snapshot, the step.
+    std::vector<double> lanes(optim::kNormLanes);
+    std::vector<float> undo(3 * bn);
     const double cpu_step = median_ms(3, [&] {
       optim::AdamWArgs a = args(next);
-      a.g = w.small.data() + (a.p - p.data());
+      const uint16_t* g = w.small.data() + (a.p - p.data());
+      optim::norm_lane_sums_bf16(g, bn, lanes.data());
+      std::memcpy(undo.data(), a.p, bn * sizeof(float));
+      std::memcpy(undo.data() + bn, a.m, bn * sizeof(float));
+      std::memcpy(undo.data() + 2 * bn, a.v, bn * sizeof(float));
+      a.g = g;
       a.grad_type = optim::GradType::kBf16;
       pool.step(hp, a);
       ++next;
@@ -360,7 +369,8 @@ std::string format_stv_bench(const StvBenchResult& r) {
       "{:.2f}x (limit: a tail of 0, the step ending with backward).\n",
       r.stv_tail_ratio, r.stv_step_ratio);
   out += fmt::format(
-      "split: per bucket the CPU path takes {:.1f} ms (link both ways + step), the device-side "
+      "split: per bucket the CPU path takes {:.1f} ms (link both ways, norm lanes, undo snapshot, "
+      "step), the device-side "
       "step {:.1f} ms; choose_device_buckets picks {} (predicted end {:.1f} ms){}.\n",
       r.bucket_cpu_ms, r.bucket_device_ms, o.device_buckets, r.predicted_end_ms,
       o.device_buckets == 0 ? "; the split variant runs 1 to show its cost" : "");
