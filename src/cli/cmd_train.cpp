@@ -25,12 +25,16 @@ void add_train_command(CLI::App& app) {
       "warnings per step, then a summary. --compare runs every policy on the same seed: the "
       "losses and gradients are bitwise identical, and the table shows peak memory and step "
       "time as ratios to keep and to recompute beside the planner's prediction (calibrated from "
-      "the keep run's layer times).\n\n"
+      "the keep run's layer times). --optimizer offload moves the fp32 master weights and AdamW "
+      "moments to host memory and steps them on the CPU as backward hands each layer's "
+      "gradients over (speculation then validation, docs/optim.md); the model then computes "
+      "with bf16 weights.\n\n"
       "Examples:\n"
       "  spillway train --steps 20\n"
       "  spillway train --policy offload --d2h-gbps 2 --h2d-gbps 2\n"
       "  spillway train --compare --steps 5 --json train.json\n"
       "  spillway train --policy auto --device-memory-mb 8\n"
+      "  spillway train --optimizer offload --device-buckets 2 --d2h-gbps 16 --h2d-gbps 16\n"
       "  spillway plan --model ./config.json --hardware gh200 --json plan.json && "
       "spillway train --model ./config.json --policy plan.json");
   cmd->add_option("--model", o->model,
@@ -74,6 +78,21 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--fused-swiglu", o->fused_swiglu,
                 "The fused SwiGLU variant: the MLP saves only its gate and up outputs and the "
                 "backward recomputes mlp.act (every policy, and the planner, see it so)");
+  cmd->add_option("--optimizer", o->optimizer,
+                  "device: the model's AdamW on the device; offload: fp32 master weights and "
+                  "moments in host memory, the CPU AdamW per layer during backward (STV)")
+      ->capture_default_str();
+  cmd->add_option("--device-buckets", o->device_buckets,
+                  "With --optimizer offload: optimizer buckets (the embedding, then the first "
+                  "layers: the last to arrive in backward) whose state and step stay on the device")
+      ->capture_default_str();
+  cmd->add_option("--undo-mb", o->undo_mb,
+                  "With --optimizer offload: STV's undo memory in MiB; buckets beyond it wait for "
+                  "the gradient norm (< 0: every CPU bucket)")
+      ->capture_default_str();
+  cmd->add_option("--clip", o->clip,
+                  "With --optimizer offload: gradient-norm clipping threshold (0: none)")
+      ->capture_default_str();
   cmd->add_option("--json", *json, "Write the per-policy figures as JSON to FILE ('-' for stdout)");
   cmd->add_flag("--quiet", *quiet, "No per-step lines");
   cmd->callback([o, json, quiet] {

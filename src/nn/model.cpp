@@ -652,7 +652,7 @@ struct Model::Impl {
   }
 };
 
-Model::Model(const RefConfig& config, Device& device, uint64_t seed)
+Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device_optimizer)
     : impl_(std::make_unique<Impl>(config, device)) {
   Impl& m = *impl_;
   if (!device.emulated())
@@ -693,12 +693,16 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed)
   m.final_norm = take(d);
   m.lm_head = take(static_cast<size_t>(c.vocab) * d);
   m.n_params = at;
-  const std::string what = fmt::format("for {} parameters, their gradients and AdamW moments", at);
+  const std::string what =
+      fmt::format("for {} parameters, their gradients{}", at,
+                  device_optimizer ? " and AdamW moments" : " (the optimizer is offloaded)");
   m.at(-1, what.c_str(), "");
   m.w = m.alloc_n<float>(at);
   m.g = m.alloc_n<float>(at);
-  m.m1 = m.alloc_n<float>(at);
-  m.m2 = m.alloc_n<float>(at);
+  if (device_optimizer) {
+    m.m1 = m.alloc_n<float>(at);
+    m.m2 = m.alloc_n<float>(at);
+  }
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 0.02f);
   for (size_t i = 0; i < at; ++i) m.w[i] = normal(rng);
@@ -709,8 +713,10 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed)
   }
   ones(m.final_norm);
   std::fill(m.g, m.g + at, 0.0f);
-  std::fill(m.m1, m.m1 + at, 0.0f);
-  std::fill(m.m2, m.m2 + at, 0.0f);
+  if (device_optimizer) {
+    std::fill(m.m1, m.m1 + at, 0.0f);
+    std::fill(m.m2, m.m2 + at, 0.0f);
+  }
   m.at(-1, "", "");
   m.saved.resize(static_cast<size_t>(c.layers()));
   m.compute = device.create_stream(StreamRole::kCompute);
@@ -756,8 +762,21 @@ std::vector<int64_t> Model::saved_tensor_bytes(int layer, int batch, int seq) co
   return out;
 }
 
+std::vector<optim::Bucket> Model::parameter_buckets() const {
+  const Impl& m = *impl_;
+  std::vector<optim::Bucket> out;
+  out.push_back({m.embed, m.lp.empty() ? m.final_norm - m.embed : m.lp[0].attn_norm - m.embed});
+  for (size_t l = 0; l < m.lp.size(); ++l) {
+    const size_t end = l + 1 < m.lp.size() ? m.lp[l + 1].attn_norm : m.final_norm;
+    out.push_back({m.lp[l].attn_norm, end - m.lp[l].attn_norm});
+  }
+  out.push_back({m.final_norm, m.n_params - m.final_norm});
+  return out;
+}
+
 StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
-                      const MemoryPolicy& policy, OffloadEngine* engine, double lr) {
+                      const MemoryPolicy& policy, OffloadEngine* engine, double lr,
+                      optim::OptimizerOffload* optimizer) {
   Impl& m = *impl_;
   const RefConfig& c = m.c;
   SPILLWAY_CHECK(batch > 0 && seq > 0, "step: batch {} and seq {} must be > 0", batch, seq);
@@ -788,6 +807,29 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     }
   }
   if (engine != nullptr) engine->begin_step();
+  const std::vector<optim::Bucket> buckets =
+      optimizer != nullptr ? parameter_buckets() : std::vector<optim::Bucket>();
+  if (optimizer != nullptr) {
+    SPILLWAY_CHECK(m.m1 == nullptr,
+                   "step: an offloaded optimizer needs a Model built with "
+                   "device_optimizer = false");
+    // The weights of this step: the pipeline's bf16 ones (the last step's uploads are
+    // ordered before the compute stream's next work), widened for the fp32 reference ops.
+    m.dev.synchronize(m.compute);
+    const uint16_t* w16 = optimizer->device_weights();
+    for (size_t i = 0; i < m.n_params; ++i) m.w[i] = optim::bf16_to_float(w16[i]);
+  } else {
+    SPILLWAY_CHECK(m.m1 != nullptr || lr <= 0,
+                   "step: this Model has no optimizer moments (built for an offloaded one)");
+  }
+  // A bucket's gradients are complete: to the pipeline, in bf16.
+  auto hand_over = [&](int b) {
+    if (optimizer == nullptr) return;
+    const optim::Bucket& k = buckets[static_cast<size_t>(b)];
+    uint16_t* g16 = optimizer->device_grads() + k.offset;
+    for (size_t i = 0; i < k.n; ++i) g16[i] = optim::float_to_bf16(m.g[k.offset + i]);
+    optimizer->on_bucket_grad(b);
+  };
   m.dev.reset_peaks();
   const auto t0 = Clock::now();
   std::fill(m.g, m.g + m.n_params, 0.0f);
@@ -819,20 +861,29 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   m.release(dfn);
   m.release(fn);
   m.release(x);
+  hand_over(c.layers() + 1);  // the final norm and the LM head
   float* dx = m.alloc_n<float>(Td);
   for (int l = c.layers() - 1; l >= 0; --l) {
     const auto tl = Clock::now();
     m.backward_layer(l, dy, dx, batch, seq, policy, engine);
     std::swap(dy, dx);
+    hand_over(l + 1);
     st.layer_bwd_ms[static_cast<size_t>(l)] = ms_since(tl);
   }
   embedding_bwd(in.data(), dy, m.g + m.embed, T, m.d);
+  hand_over(0);
   m.release(dx);
   m.release(dy);
   if (engine != nullptr) st.offload = engine->end_step();
   st.step_ms = ms_since(t0);
+  if (optimizer != nullptr) {
+    const auto to = Clock::now();
+    optimizer->end_step();
+    m.dev.synchronize(m.compute);  // the device weights of the next step are ready
+    st.optimizer_ms = ms_since(to);
+  }
   st.peak_device_bytes = m.dev.memory_stats().peak[0];
-  if (lr > 0) {
+  if (lr > 0 && optimizer == nullptr) {
     // AdamW (decoupled weight decay 0.1 on matrices and embeddings alike; the reference
     // model keeps it simple), bias-corrected.
     const float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "optim/offload_pipeline.hpp"
 #include "spillway/device.hpp"
 #include "spillway/model.hpp"
 #include "spillway/offload.hpp"
@@ -69,7 +70,8 @@ MemoryPolicy keep_policy(const RefConfig& c);
 
 struct StepStats {
   double loss = 0.0;
-  double step_ms = 0.0;
+  double step_ms = 0.0;              // forward and backward (the optimizer step is apart)
+  double optimizer_ms = 0.0;         // the optimizer step on the critical path after backward
   std::vector<double> layer_fwd_ms;  // host time of each layer's forward
   std::vector<double> layer_bwd_ms;
   int64_t peak_device_bytes = 0;  // arena peak during the step
@@ -81,7 +83,8 @@ class Model {
   // Allocates parameters, gradients and optimizer moments in device memory and
   // initializes them from `seed` (normal, std 0.02; norms 1). Throws spillway::Error
   // naming the bytes when the device memory cannot hold them.
-  Model(const RefConfig& config, Device& device, uint64_t seed);
+  // `device_optimizer` false: no AdamW moments on the device (the optimizer is offloaded).
+  Model(const RefConfig& config, Device& device, uint64_t seed, bool device_optimizer = true);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -91,8 +94,19 @@ class Model {
   // tests). The policy's offloads go through `engine` (may be null when it offloads
   // nothing). Running out of device memory throws spillway::Error naming the policy, the
   // layer, the tensor and the bytes.
+  //
+  // With `optimizer` (optimizer offload, DESIGN section 4; built on parameter_buckets() and
+  // the initial parameters()): the forward computes with the fp32 widening of the
+  // pipeline's bf16 device weights; as backward completes each bucket's gradients they go
+  // to the pipeline in bf16; after backward, its end_step() replaces the model's AdamW (lr
+  // is the pipeline's then).
   StepStats step(const std::vector<int32_t>& tokens, int batch, int seq, const MemoryPolicy& policy,
-                 OffloadEngine* engine, double lr);
+                 OffloadEngine* engine, double lr, optim::OptimizerOffload* optimizer = nullptr);
+
+  // The parameters in optimizer buckets, tiling parameters(): bucket 0 the embedding,
+  // bucket 1 + l layer l, the last the final norm and the LM head. Backward completes them
+  // last first.
+  std::vector<optim::Bucket> parameter_buckets() const;
 
   // Parameters and their gradients, flattened in a fixed order (for tests).
   int64_t parameter_count() const;

@@ -51,6 +51,16 @@ void validate(const TrainOptions& o) {
           "kernels yet, so it trains on the host backend only (--device host)");
     SPILLWAY_INPUT_ERROR("--device is '{}'; must be host or cuda", o.device);
   }
+  if (o.optimizer != "device" && o.optimizer != "offload")
+    SPILLWAY_INPUT_ERROR("--optimizer is '{}'; must be device or offload", o.optimizer);
+  at_least("--device-buckets", o.device_buckets, 0);
+  at_least("--clip", o.clip, 0);
+  if (!(o.undo_mb < 0 || o.undo_mb <= 1e6))
+    SPILLWAY_INPUT_ERROR("--undo-mb is {}; must be <= 1000000 (or < 0: every CPU bucket)",
+                         o.undo_mb);
+  if (o.optimizer == "device" && (o.device_buckets != 0 || o.undo_mb >= 0))
+    SPILLWAY_INPUT_ERROR(
+        "--device-buckets and --undo-mb set the offloaded optimizer: add --optimizer offload");
 }
 
 // The emulated device as a hardware profile, so that the planner can plan for it: HBM =
@@ -176,22 +186,45 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
   std::unique_ptr<Device> dev = make_host_device(ho);
   PolicyResult r;
   r.name = pol.name;
-  Model model(c, *dev, o.seed);
+  const bool offload_optimizer = o.optimizer == "offload";
+  Model model(c, *dev, o.seed, !offload_optimizer);
+  // Optimizer offload: the model's AdamW constants, PyTorch's update (decoupled decay).
+  std::unique_ptr<optim::AdamW> pool;
+  std::unique_ptr<optim::OptimizerOffload> optimizer;
+  if (offload_optimizer) {
+    optim::OptimOffloadOptions oo;
+    oo.hp.lr = o.lr;
+    oo.hp.beta1 = 0.9;
+    oo.hp.beta2 = 0.95;
+    oo.hp.eps = 1e-8;
+    oo.hp.weight_decay = 0.1;
+    oo.clip = o.clip;
+    oo.cast = optim::CastSite::kHost;
+    oo.device_buckets = o.device_buckets;
+    oo.undo_limit_bytes = o.undo_mb < 0 ? -1 : static_cast<int64_t>(o.undo_mb * 1048576.0);
+    pool = std::make_unique<optim::AdamW>();
+    const std::vector<float> w0 = model.parameters();
+    optimizer = std::make_unique<optim::OptimizerOffload>(*dev, model.compute_stream(), w0.data(),
+                                                          w0.size(), model.parameter_buckets(), oo,
+                                                          pool.get());
+  }
   std::unique_ptr<OffloadEngine> engine;
   if (pol.any_offload()) {
     engine = std::make_unique<OffloadEngine>(*dev, model.compute_stream(), offload_policy(c, pol),
                                              offload_options(model, pol, o.micro_batch, o.seq_len));
   }
-  std::vector<double> times, stalls;
+  std::vector<double> times, stalls, optimizer_times;
   r.layer_fwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   r.layer_bwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   for (int s = 0; s < o.steps; ++s) {
     const std::vector<int32_t> tokens = batch_tokens(corpus, o.seed, s, o.micro_batch, o.seq_len);
-    const StepStats st = model.step(tokens, o.micro_batch, o.seq_len, pol, engine.get(), o.lr);
+    const StepStats st =
+        model.step(tokens, o.micro_batch, o.seq_len, pol, engine.get(), o.lr, optimizer.get());
     StepRecord rec;
     rec.step = s;
     rec.loss = st.loss;
     rec.step_ms = st.step_ms;
+    rec.optimizer_ms = st.optimizer_ms;
     rec.peak_device_bytes = st.peak_device_bytes;
     rec.offloaded_bytes = st.offload.d2h_bytes;
     rec.reloaded_bytes = st.offload.h2d_bytes;
@@ -202,6 +235,7 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
     if (s > 0 || o.steps == 1) {
       times.push_back(st.step_ms);
       stalls.push_back(st.offload.stall_ms);
+      optimizer_times.push_back(st.optimizer_ms);
       for (int l = 0; l < c.layers(); ++l) {
         r.layer_fwd_ms[static_cast<size_t>(l)] += st.layer_fwd_ms[static_cast<size_t>(l)];
         r.layer_bwd_ms[static_cast<size_t>(l)] += st.layer_bwd_ms[static_cast<size_t>(l)];
@@ -220,6 +254,7 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
           "reloaded {:>6} MB  stall {:.2f} ms",
           pol.name, s + 1, o.steps, st.loss, st.step_ms, mb(st.peak_device_bytes),
           mb(rec.offloaded_bytes), mb(rec.reloaded_bytes), rec.stall_ms);
+      if (optimizer) line += fmt::format("  optimizer +{:.2f} ms", rec.optimizer_ms);
       if (rec.snowball)
         line += fmt::format(
             "\n  warning: snowball: layer {}'s copies were not done when the next "
@@ -237,6 +272,11 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
   r.stall_ms = median(stalls);
   r.offloaded_bytes = r.steps.back().offloaded_bytes;
   r.final_gradients = model.gradients();
+  if (optimizer) {
+    r.optimizer_ms = median(optimizer_times);
+    r.optimizer_counters = optimizer->counters();
+    r.final_master_weights = optimizer->read_state().p;
+  }
   r.plan_note = count_actions(pol);
   if (!pol.note.empty()) r.plan_note += "; " + pol.note;
   return r;
@@ -357,6 +397,12 @@ std::vector<int32_t> load_corpus(const std::string& path) {
 TrainReport train(const TrainOptions& o, const std::function<void(const std::string&)>& progress) {
   validate(o);
   const RefConfig c = load_reference_config(o.model);
+  const int buckets = c.layers() + 2;  // Model::parameter_buckets
+  if (o.device_buckets > buckets)
+    SPILLWAY_INPUT_ERROR(
+        "--device-buckets is {}; {} has {} optimizer buckets (the embedding, {} layers, the "
+        "head): must be <= {}",
+        o.device_buckets, o.model, buckets, c.layers(), buckets);
   TrainReport rep;
   rep.corpus = o.corpus.empty() ? kDefaultCorpus : o.corpus;
   const std::vector<int32_t> corpus = load_corpus(rep.corpus);
@@ -379,6 +425,9 @@ TrainReport train(const TrainOptions& o, const std::function<void(const std::str
   TrainOptions cal = o;
   cal.steps = 2;
   cal.lr = 0;
+  cal.optimizer = "device";  // timing of forward only
+  cal.device_buckets = 0;
+  cal.undo_mb = -1;
   cal.device_memory_mb = o.device_memory_mb * 4 + 64;  // timing only: never the limit
   auto calibrate = [&] {
     Plan plan;
@@ -415,9 +464,11 @@ TrainReport train(const TrainOptions& o, const std::function<void(const std::str
       ref = &p;
       continue;
     }
-    if (p.loss != ref->loss || p.final_gradients.size() != ref->final_gradients.size() ||
-        std::memcmp(p.final_gradients.data(), ref->final_gradients.data(),
-                    p.final_gradients.size() * sizeof(float)) != 0) {
+    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    if (p.loss != ref->loss || !same(p.final_gradients, ref->final_gradients) ||
+        !same(p.final_master_weights, ref->final_master_weights)) {
       rep.losses_identical = false;
     }
   }
@@ -471,6 +522,17 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
       out += fmt::format("{:<10} loss {:.4f} -> {:.4f}; {}\n", p.name, p.steps.front().loss, p.loss,
                          p.plan_note);
   }
+  if (o.optimizer == "offload") {
+    for (const PolicyResult& p : r.policies) {
+      if (!p.error.empty()) continue;
+      const optim::StvCounters& k = p.optimizer_counters;
+      out += fmt::format(
+          "{:<10} optimizer offloaded (STV, {} buckets on the device): {} commits, {} replays "
+          "(clipped), {} skips (NaN/Inf), {} buckets deferred; {:.2f} ms past backward "
+          "(median)\n",
+          p.name, o.device_buckets, k.commits, k.replays, k.skips, k.deferred, p.optimizer_ms);
+    }
+  }
   if (r.policies.size() > 1) {
     out += r.losses_identical
                ? "loss and every gradient bitwise identical across the policies\n"
@@ -479,11 +541,21 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
   }
   out += fmt::format(
       "\npeak MB: the device arena's peak during a step (parameters, gradients, AdamW moments, "
-      "activations, backward temporaries, the offload engine's reload staging). step ms: the "
-      "median step after the first. plan: the planner's prediction for the same policy, "
+      "activations, backward temporaries, the offload engine's reload staging{}). step ms: the "
+      "median step after the first (forward and backward). plan: the planner's prediction for "
+      "the same policy, "
       "calibrated with the measured mean layer forward time ({}); its peak counts weights, "
       "gradients, optimizer states and saved activations, not the backward temporaries.\n",
+      o.optimizer == "offload"
+          ? "; with --optimizer offload no AdamW moments but the pipeline's bf16 weights and "
+            "gradients, the fp32 copy the reference ops compute with, and the split's state"
+          : "",
       o.compare ? "of the keep run" : "of a calibration run");
+  if (o.optimizer == "offload")
+    out +=
+        "optimizer offload: fp32 master weights and moments in host memory, stepped on the CPU "
+        "as each bucket's gradients arrive (speculation then validation); the planner's peak "
+        "still counts optimizer states on the device.\n";
   return out;
 }
 
@@ -501,6 +573,7 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
   j["h2d_gbps"] = o.h2d_gbps;
   j["corpus"] = r.corpus;
   j["bitwise_identical"] = r.losses_identical;
+  j["optimizer"] = o.optimizer;
   nlohmann::json arr = nlohmann::json::array();
   for (const PolicyResult& p : r.policies) {
     nlohmann::json q;
@@ -522,6 +595,16 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
     q["predicted_peak_bytes"] = p.predicted_peak_bytes;
     q["predicted_feasible"] = p.predicted_feasible;
     q["actions"] = p.plan_note;
+    if (o.optimizer == "offload") {
+      const optim::StvCounters& k = p.optimizer_counters;
+      q["optimizer"] = {{"kind", "offload"},
+                        {"device_buckets", o.device_buckets},
+                        {"optimizer_ms", p.optimizer_ms},
+                        {"commits", k.commits},
+                        {"replays", k.replays},
+                        {"skips", k.skips},
+                        {"deferred", k.deferred}};
+    }
     nlohmann::json losses = nlohmann::json::array();
     for (const StepRecord& s : p.steps) losses.push_back(s.loss);
     q["losses"] = losses;

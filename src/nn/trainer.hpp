@@ -38,6 +38,13 @@ struct TrainOptions {
   double margin = 0.10;
   bool compare = false;
   bool fused_swiglu = false;  // the SwiGLU backward recomputes mlp.act: only gate and up saved
+  // Optimizer offload (DESIGN section 4): "device" (the model's AdamW on the device) or
+  // "offload" (optim::OptimizerOffload: fp32 master weights and moments in host memory,
+  // bf16 weights and gradients on the device, STV, the host cast).
+  std::string optimizer = "device";
+  int device_buckets = 0;  // offload: buckets (embedding first) stepped on the device
+  double undo_mb = -1;     // offload: STV undo memory in MiB (< 0: every CPU bucket)
+  double clip = 1.0;       // offload: gradient-norm clipping threshold (0: none)
 };
 
 // The default corpus: the GNU GPL v3 text every Debian system ships (base-files).
@@ -47,6 +54,7 @@ struct StepRecord {
   int step = 0;
   double loss = 0;
   double step_ms = 0;
+  double optimizer_ms = 0;  // offloaded optimizer: its step's time past backward
   int64_t peak_device_bytes = 0;
   int64_t offloaded_bytes = 0;
   int64_t reloaded_bytes = 0;
@@ -73,7 +81,12 @@ struct PolicyResult {
   bool predicted_feasible = true;
   std::string plan_note;               // e.g. "auto chose recompute in 3 layers, offload in 1"
   std::vector<float> final_gradients;  // of the last step (for identity checks)
-  std::string error;                   // --compare: why this policy could not run
+  // Offloaded optimizer: the median time past backward (steps after the first), STV's
+  // counters, and the fp32 master weights after the last step (for identity checks).
+  double optimizer_ms = 0;
+  optim::StvCounters optimizer_counters;
+  std::vector<float> final_master_weights;
+  std::string error;  // --compare: why this policy could not run
 };
 
 struct TrainReport {

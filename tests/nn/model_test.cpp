@@ -312,3 +312,99 @@ TEST(Train, BadOptionsAreClearErrors) {
 
 }  // namespace
 }  // namespace spillway::nn
+
+namespace spillway::nn {
+namespace {
+
+// Optimizer offload in training (--optimizer offload): any split and any undo memory limit
+// give bitwise the same losses and master weights; the loss falls; the moments leave the
+// device; every policy still agrees bit for bit.
+TEST(TrainOptimizerOffload, AnySplitAndUndoLimitTrainBitwiseTheSame) {
+  TrainOptions o = small("keep");
+  o.optimizer = "offload";
+  o.steps = 6;
+  o.clip = 0.5;  // the first steps clip: replays too
+  const TrainReport base = train(o, nullptr);
+  const PolicyResult& b = base.policies[0];
+  EXPECT_GT(b.optimizer_counters.commits + b.optimizer_counters.replays, 0);
+  EXPECT_GT(b.optimizer_counters.replays, 0) << "the test wants clipped steps";
+  ASSERT_EQ(b.final_master_weights.size(), static_cast<size_t>(base.parameters));
+  // tiny-moe: 4 layers, so 6 buckets (embedding, 4 layers, head).
+  struct Variant {
+    int split;
+    double undo_mb;
+  };
+  for (const Variant& v :
+       {Variant{1, -1}, Variant{3, -1}, Variant{6, -1}, Variant{0, 0}, Variant{2, 0.05}}) {
+    SCOPED_TRACE(testing::Message() << "split " << v.split << " undo " << v.undo_mb);
+    TrainOptions ov = o;
+    ov.device_buckets = v.split;
+    ov.undo_mb = v.undo_mb;
+    const TrainReport r = train(ov, nullptr);
+    const PolicyResult& p = r.policies[0];
+    ASSERT_EQ(p.steps.size(), b.steps.size());
+    for (size_t s = 0; s < p.steps.size(); ++s)
+      ASSERT_EQ(p.steps[s].loss, b.steps[s].loss) << "step " << s;
+    EXPECT_TRUE(same_bits(p.final_master_weights, b.final_master_weights));
+    EXPECT_TRUE(same_bits(p.final_gradients, b.final_gradients));
+    if (v.undo_mb >= 0 && v.split < 6) {
+      EXPECT_GT(p.optimizer_counters.deferred, 0);
+    }
+  }
+}
+
+TEST(TrainOptimizerOffload, TheLossFallsAndTheMomentsLeaveTheDevice) {
+  TrainOptions o = small("keep");
+  o.steps = 25;
+  o.lr = 3e-3;
+  o.optimizer = "offload";
+  const TrainReport r = train(o, nullptr);
+  const PolicyResult& p = r.policies[0];
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) {
+    first += p.steps[static_cast<size_t>(i)].loss;
+    last += p.steps[static_cast<size_t>(20 + i)].loss;
+  }
+  EXPECT_LT(last, first - 5 * 0.3) << "mean of the last 5 steps vs the first 5";
+  // Device: no moments (8 B/param) but bf16 weights and gradients (4 B/param).
+  TrainOptions d = o;
+  d.optimizer = "device";
+  d.steps = 2;
+  o.steps = 2;
+  const int64_t on_device = train(d, nullptr).policies[0].peak_device_bytes;
+  const int64_t offloaded = train(o, nullptr).policies[0].peak_device_bytes;
+  EXPECT_LT(offloaded, on_device - 3 * r.parameters) << on_device << " vs " << offloaded;
+}
+
+TEST(TrainOptimizerOffload, CompareStaysBitwiseAndBadOptionsAreErrors) {
+  TrainOptions o = small("keep");
+  o.compare = true;
+  o.optimizer = "offload";
+  o.device_buckets = 1;
+  const TrainReport r = train(o, nullptr);
+  EXPECT_TRUE(r.losses_identical);
+  EXPECT_NE(train_report_json(r, o).find("\"commits\""), std::string::npos);
+  auto expect_error = [](TrainOptions t, const std::string& flag) {
+    try {
+      train(t, nullptr);
+      FAIL() << "expected an error naming " << flag;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+    }
+  };
+  TrainOptions bad = small("keep");
+  bad.optimizer = "cpu";
+  expect_error(bad, "--optimizer");
+  bad = small("keep");
+  bad.device_buckets = 2;  // without --optimizer offload
+  expect_error(bad, "--optimizer offload");
+  bad.optimizer = "offload";
+  bad.device_buckets = 7;  // tiny-moe has 6 buckets
+  expect_error(bad, "--device-buckets");
+  bad.device_buckets = 0;
+  bad.clip = -1;
+  expect_error(bad, "--clip");
+}
+
+}  // namespace
+}  // namespace spillway::nn
