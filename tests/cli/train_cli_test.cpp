@@ -199,6 +199,25 @@ TEST(TrainCli, JsonToStdoutIsJsonOnly) {
   EXPECT_FALSE(contains(r.err, "step   1/2")) << "no per-step lines with --json -\n" << r.err;
 }
 
+TEST(TrainCli, OptimizerOffloadReportsItsCountersInTheTableAndTheJson) {
+  TempDir dir;
+  const TrainRun r = run(
+      std::string("train --steps 2 --optimizer offload --device-buckets 1 ") + kTiny + " --json -",
+      dir);
+  ASSERT_EQ(r.code, 0) << shown(r);
+  const Json j = parse_or_fail(r.out);
+  EXPECT_EQ(j.value("optimizer", ""), "offload");
+  ASSERT_EQ(j["policies"].size(), 1u);
+  const Json& opt = j["policies"][0]["optimizer"];
+  EXPECT_EQ(opt.value("device_buckets", -1), 1);
+  EXPECT_EQ(opt.value("commits", 0) + opt.value("replays", 0) + opt.value("skips", 0), 2);
+  const TrainRun t = run(std::string("train --steps 2 --optimizer offload ") + kTiny, dir);
+  ASSERT_EQ(t.code, 0) << shown(t);
+  EXPECT_TRUE(contains(t.out, "optimizer offloaded (STV")) << shown(t);
+  EXPECT_TRUE(contains(t.err, "optimizer +")) << "per-step lines show the optimizer's tail\n"
+                                              << shown(t);
+}
+
 struct BadCase {
   std::string args;
   std::vector<std::string> all;  // substrings the message must hold, every one
@@ -228,6 +247,9 @@ TEST(TrainCli, BadInputExitsNonZeroNamingTheFlagAndValueAndWritesNothing) {
       {"--steps 2 --device-memory-mb 4 --policy keep",
        {"device memory exhausted", "policy keep", "--device-memory-mb"},
        {}},
+      {"--steps 2 --optimizer cpu", {"--optimizer", "cpu"}, {}},
+      {"--steps 2 --device-buckets 2", {"--optimizer offload"}, {}},
+      {"--steps 2 --optimizer offload --device-buckets 7", {"--device-buckets", "7", "6"}, {}},
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.args);
