@@ -196,8 +196,8 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
   AdamW pool(options.threads);
   res.options.threads = pool.threads();
 
-  // Per-bucket timings for the split: the CPU work of one bucket (norm lane sums, undo
-  // snapshot, the step on the pool with bf16 gradient in and bf16 copy out, as in the
+  // Per-bucket timings for the split: the CPU work of one bucket (norm lane sums, the step
+  // out of place on the pool with bf16 gradient in and bf16 copy out, as in the
   // pipeline), the device-side step (one thread here), the link
   // both ways. Each
   // sample steps a different bucket of full-size state, so that it starts cold, as in the
@@ -220,16 +220,17 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
       a.n = bn;
       return a;
     };
-    // As STV does per bucket: the norm lane sums, the undo snapshot, the step.
+    // As STV does per bucket: the norm lane sums, the step out of place (into the second
+    // buffer).
     std::vector<double> lanes(optim::kNormLanes);
-    std::vector<float> undo(3 * bn);
+    std::vector<float> second(3 * bn);
     const double cpu_step = median_ms(3, [&] {
       optim::AdamWArgs a = args(next);
       const uint16_t* g = w.small.data() + (a.p - p.data());
       optim::norm_lane_sums_bf16(g, bn, lanes.data());
-      std::memcpy(undo.data(), a.p, bn * sizeof(float));
-      std::memcpy(undo.data() + bn, a.m, bn * sizeof(float));
-      std::memcpy(undo.data() + 2 * bn, a.v, bn * sizeof(float));
+      a.p_out = second.data();
+      a.m_out = second.data() + bn;
+      a.v_out = second.data() + 2 * bn;
       a.g = g;
       a.grad_type = optim::GradType::kBf16;
       pool.step(hp, a);
@@ -369,7 +370,7 @@ std::string format_stv_bench(const StvBenchResult& r) {
       "{:.2f}x (limit: a tail of 0, the step ending with backward).\n",
       r.stv_tail_ratio, r.stv_step_ratio);
   out += fmt::format(
-      "split: per bucket the CPU path takes {:.1f} ms (link both ways, norm lanes, undo snapshot, "
+      "split: per bucket the CPU path takes {:.1f} ms (link both ways, norm lanes, "
       "step), the device-side "
       "step {:.1f} ms; choose_device_buckets picks {} (predicted end {:.1f} ms){}.\n",
       r.bucket_cpu_ms, r.bucket_device_ms, o.device_buckets, r.predicted_end_ms,

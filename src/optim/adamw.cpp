@@ -71,6 +71,9 @@ void check_args(const AdamWArgs& a) {
                  "adamw: p, m, v and g must be non-null for n = {}", a.n);
   SPILLWAY_CHECK((a.copy_type == CopyType::kNone) == (a.copy_out == nullptr),
                  "adamw: copy_out must be set exactly when copy_type is not kNone");
+  SPILLWAY_CHECK(
+      (a.p_out == nullptr) == (a.m_out == nullptr) && (a.p_out == nullptr) == (a.v_out == nullptr),
+      "adamw: p_out, m_out and v_out must be set together or not at all");
 }
 
 }  // namespace
@@ -118,6 +121,9 @@ void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
   const float* g32 = static_cast<const float*>(a.g);
   const uint16_t* g16 = static_cast<const uint16_t*>(a.g);
   uint16_t* out = static_cast<uint16_t*>(a.copy_out);
+  float* po = a.p_out != nullptr ? a.p_out : a.p;
+  float* mo = a.m_out != nullptr ? a.m_out : a.m;
+  float* vo = a.v_out != nullptr ? a.v_out : a.v;
   for (size_t i = 0; i < a.n; ++i) {
     // Note [AdamW operation order]
     float g = a.grad_type == GradType::kBf16 ? bf16_to_float(g16[i]) : g32[i];
@@ -127,9 +133,9 @@ void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
     const float v = s.beta2 * a.v[i] + s.one_minus_beta2 * (g * g);
     const float denom = std::sqrt(v) * s.inv_sqrt_bc2 + s.eps;
     p = p - s.step_size * (m / denom);
-    a.p[i] = p;
-    a.m[i] = m;
-    a.v[i] = v;
+    po[i] = p;
+    mo[i] = m;
+    vo[i] = v;
     if (a.copy_type == CopyType::kBf16) out[i] = float_to_bf16(p);
     if (a.copy_type == CopyType::kFp16) out[i] = float_to_fp16(p);
   }
@@ -149,6 +155,11 @@ AdamWArgs slice(const AdamWArgs& a, size_t begin, size_t end) {
   s.p = a.p + begin;
   s.m = a.m + begin;
   s.v = a.v + begin;
+  if (a.p_out != nullptr) {
+    s.p_out = a.p_out + begin;
+    s.m_out = a.m_out + begin;
+    s.v_out = a.v_out + begin;
+  }
   const size_t g_bytes = a.grad_type == GradType::kBf16 ? 2 : 4;
   s.g = static_cast<const unsigned char*>(a.g) + begin * g_bytes;
   if (a.copy_out != nullptr) s.copy_out = static_cast<unsigned char*>(a.copy_out) + begin * 2;

@@ -50,6 +50,11 @@ struct AdamWArgs {
   CopyType copy_type = CopyType::kNone;
   size_t n = 0;
   int64_t step = 1;
+  // Out of place (all three or none): the updated p, m, v go here and p, m, v are only
+  // read (STV's double buffer). The arrays must not overlap the inputs partially.
+  float* p_out = nullptr;
+  float* m_out = nullptr;
+  float* v_out = nullptr;
 };
 
 // The per-step scalars of Note [AdamW operation order]: computed in double once per call

@@ -103,13 +103,15 @@ struct OptimizerOffload::Impl {
     }
   }
 
-  // The bucket's bf16 weights up; `round`: from p first (after a restore), else as the
-  // step wrote them.
+  // The bucket's bf16 weights up; `round`: from its current p first (after a skip or an
+  // abandoned step), else as the step wrote them.
   void upload(int b, bool round) {
     const size_t at = local[static_cast<size_t>(b)];
     const size_t count = buckets[static_cast<size_t>(b)].n;
-    if (round)
-      for (size_t i = 0; i < count; ++i) w_stage[at + i] = float_to_bf16(p[at + i]);
+    if (round) {
+      const float* cur = stv->state(b).p;
+      for (size_t i = 0; i < count; ++i) w_stage[at + i] = float_to_bf16(cur[i]);
+    }
     dev.copy_async(w_dev + buckets[static_cast<size_t>(b)].offset, w_stage + at,
                    count * sizeof(uint16_t), h2d);
   }
@@ -280,9 +282,10 @@ OptimState OptimizerOffload::read_state() const {
       s.dev.copy_async(out.m.data() + k.offset, s.m_dev + at, bytes, s.d2h);
       s.dev.copy_async(out.v.data() + k.offset, s.v_dev + at, bytes, s.d2h);
     } else {
-      std::memcpy(out.p.data() + k.offset, s.p + at, bytes);
-      std::memcpy(out.m.data() + k.offset, s.m + at, bytes);
-      std::memcpy(out.v.data() + k.offset, s.v + at, bytes);
+      const StvAdamW::BucketState cur = s.stv->state(b);  // Note [Bounded undo]: either buffer
+      std::memcpy(out.p.data() + k.offset, cur.p, bytes);
+      std::memcpy(out.m.data() + k.offset, cur.m, bytes);
+      std::memcpy(out.v.data() + k.offset, cur.v, bytes);
     }
   }
   s.dev.synchronize(s.d2h);

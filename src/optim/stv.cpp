@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "spillway/error.hpp"
 
@@ -11,24 +12,18 @@ namespace spillway::optim {
 
 namespace {
 
-void step_range(const AdamWParams& hp, AdamW* pool, float* p, float* m, float* v, const void* g,
-                GradType type, uint16_t* copy, size_t n, float scale, int64_t t) {
+// The reference's step of one bucket: in place, fp32 gradient, no copy.
+void step_range(const AdamWParams& hp, float* p, float* m, float* v, const float* g, size_t n,
+                float scale, int64_t t) {
   AdamWArgs a;
   a.p = p;
   a.m = m;
   a.v = v;
   a.g = g;
-  a.grad_type = type;
   a.grad_scale = scale;
-  a.copy_out = copy;
-  a.copy_type = copy != nullptr ? CopyType::kBf16 : CopyType::kNone;
   a.n = n;
   a.step = t;
-  if (pool != nullptr) {
-    pool->step(hp, a);
-  } else {
-    adamw_step_simd(hp, a);
-  }
+  adamw_step_simd(hp, a);
 }
 
 void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
@@ -96,8 +91,7 @@ StvOutcome reference_adamw_step(const AdamWParams& hp, double clip, float* p, fl
   const float scale = clip_coefficient(norm, clip);
   const int64_t t = *step + 1;
   for (const Bucket& b : buckets) {
-    step_range(hp, nullptr, p + b.offset, m + b.offset, v + b.offset, g + b.offset, GradType::kFp32,
-               nullptr, b.n, scale, t);
+    step_range(hp, p + b.offset, m + b.offset, v + b.offset, g + b.offset, b.n, scale, t);
   }
   *step = t;
   return scale < 1.0f ? StvOutcome::kReplay : StvOutcome::kCommit;
@@ -120,14 +114,22 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
     SPILLWAY_INPUT_ERROR("STV: {} device buckets of {}; must be in [0, {}]", device_buckets_, nb,
                          nb);
   // Buckets are numbered in forward order; backward delivers them last first, so the
-  // first `device_buckets` arrive last: they stay on the device, never speculated.
+  // first `device_buckets` arrive last: they stay on the device, never speculated. Second
+  // buffers go to the CPU buckets in delivery order while they fit (Note [Bounded undo]).
+  const size_t limit = undo_limit_bytes < 0 ? std::numeric_limits<size_t>::max()
+                                            : static_cast<size_t>(undo_limit_bytes) / sizeof(float);
   size_t undo = 0;
-  for (int b = device_buckets_; b < nb; ++b) undo += 3 * buckets_[static_cast<size_t>(b)].n;
-  if (undo_limit_bytes >= 0)
-    undo = std::min(undo, static_cast<size_t>(undo_limit_bytes) / sizeof(float));
-  undo_.assign(undo, 0.0f);
   undo_offset_.assign(buckets_.size(), 0);
-  admitted_.assign(buckets_.size(), 0);
+  has_undo_.assign(buckets_.size(), 0);
+  in_undo_.assign(buckets_.size(), 0);
+  for (int b = nb - 1; b >= device_buckets_; --b) {
+    const size_t need = 3 * buckets_[static_cast<size_t>(b)].n;
+    if (undo + need > limit) continue;
+    undo_offset_[static_cast<size_t>(b)] = undo;
+    has_undo_[static_cast<size_t>(b)] = 1;
+    undo += need;
+  }
+  undo_.assign(undo, 0.0f);
   grads_.assign(buckets_.size(), nullptr);
   grad_types_.assign(buckets_.size(), GradType::kFp32);
   sq_.assign(buckets_.size(), 0.0);
@@ -137,11 +139,47 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   late_.assign(buckets_.size(), 0);
 }
 
-void StvAdamW::run(int b, float scale, int64_t t) {
+StvAdamW::BucketState StvAdamW::state(int b) const {
+  SPILLWAY_CHECK(b >= device_buckets_ && static_cast<size_t>(b) < buckets_.size(),
+                 "STV: state of bucket {}: not a CPU bucket", b);
   const Bucket& k = buckets_[static_cast<size_t>(b)];
-  step_range(hp_, pool_, p_ + k.offset, m_ + k.offset, v_ + k.offset,
-             grads_[static_cast<size_t>(b)], grad_types_[static_cast<size_t>(b)],
-             copy_ != nullptr ? copy_ + k.offset : nullptr, k.n, scale, t);
+  if (in_undo_[static_cast<size_t>(b)] == 0) return {p_ + k.offset, m_ + k.offset, v_ + k.offset};
+  float* u = const_cast<float*>(undo_.data()) + undo_offset_[static_cast<size_t>(b)];
+  return {u, u + k.n, u + 2 * k.n};
+}
+
+StvAdamW::BucketState StvAdamW::other(int b) const {
+  const Bucket& k = buckets_[static_cast<size_t>(b)];
+  if (in_undo_[static_cast<size_t>(b)] != 0) return {p_ + k.offset, m_ + k.offset, v_ + k.offset};
+  float* u = const_cast<float*>(undo_.data()) + undo_offset_[static_cast<size_t>(b)];
+  return {u, u + k.n, u + 2 * k.n};
+}
+
+void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place) {
+  const Bucket& k = buckets_[static_cast<size_t>(b)];
+  const BucketState cur = state(b);
+  AdamWArgs a;
+  a.p = cur.p;
+  a.m = cur.m;
+  a.v = cur.v;
+  a.g = grads_[static_cast<size_t>(b)];
+  a.grad_type = grad_types_[static_cast<size_t>(b)];
+  a.grad_scale = scale;
+  a.copy_out = copy_ != nullptr ? copy_ + k.offset : nullptr;
+  a.copy_type = copy_ != nullptr ? CopyType::kBf16 : CopyType::kNone;
+  a.n = k.n;
+  a.step = t;
+  if (out_of_place) {
+    const BucketState o = other(b);
+    a.p_out = o.p;
+    a.m_out = o.m;
+    a.v_out = o.v;
+  }
+  if (pool_ != nullptr) {
+    pool_->step(hp_, a);
+  } else {
+    adamw_step_simd(hp_, a);
+  }
 }
 
 void StvAdamW::check_bucket(int b, bool device) const {
@@ -153,21 +191,9 @@ void StvAdamW::check_bucket(int b, bool device) const {
                  b);
 }
 
-// Note [Bounded undo]: first come, first served, in arrival order.
-bool StvAdamW::admit(int b) {
+bool StvAdamW::admit(int b) const {
   check_bucket(b, false);
-  char& a = admitted_[static_cast<size_t>(b)];
-  if (a == 0) {
-    const size_t need = 3 * buckets_[static_cast<size_t>(b)].n;
-    if (undo_used_ + need <= undo_.size()) {
-      undo_offset_[static_cast<size_t>(b)] = undo_used_;
-      undo_used_ += need;
-      a = 1;
-    } else {
-      a = 2;
-    }
-  }
-  return a == 1;
+  return has_undo_[static_cast<size_t>(b)] != 0;
 }
 
 void StvAdamW::on_bucket(int b, const float* g) {
@@ -192,12 +218,8 @@ void StvAdamW::arrive(int b, const void* g, GradType type) {
   arrived_[static_cast<size_t>(b)] = 1;
   ++arrivals_;
   if (!speculate) return;  // deferred to finish()
-  // Snapshot, then speculate (Note [STV exactness]).
-  float* u = undo_.data() + undo_offset_[static_cast<size_t>(b)];
-  std::memcpy(u, p_ + k.offset, k.n * sizeof(float));
-  std::memcpy(u + k.n, m_ + k.offset, k.n * sizeof(float));
-  std::memcpy(u + 2 * k.n, v_ + k.offset, k.n * sizeof(float));
-  run(b, 1.0f, step_ + 1);
+  // Speculate into the other buffer (Note [STV exactness]): the current one stays as it was.
+  run(b, 1.0f, step_ + 1, true);
   speculated_[static_cast<size_t>(b)] = 1;
 }
 
@@ -208,29 +230,16 @@ void StvAdamW::on_device_bucket(int b, double sum_of_squares) {
   ++arrivals_;
 }
 
-// Note [STV exactness]: every speculated bucket back to its snapshot, bit for bit.
-void StvAdamW::restore_speculated() {
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (speculated_[b] == 0) continue;
-    const Bucket& k = buckets_[b];
-    const float* u = undo_.data() + undo_offset_[b];
-    std::memcpy(p_ + k.offset, u, k.n * sizeof(float));
-    std::memcpy(m_ + k.offset, u + k.n, k.n * sizeof(float));
-    std::memcpy(v_ + k.offset, u + 2 * k.n, k.n * sizeof(float));
-  }
-}
-
 void StvAdamW::forget_step() {
   std::fill(grads_.begin(), grads_.end(), nullptr);
   std::fill(speculated_.begin(), speculated_.end(), 0);
-  std::fill(admitted_.begin(), admitted_.end(), 0);
   std::fill(arrived_.begin(), arrived_.end(), 0);
   arrivals_ = 0;
-  undo_used_ = 0;
 }
 
+// Note [STV exactness]: the speculative results are in the other buffers; the current
+// ones were never written.
 void StvAdamW::abort() {
-  restore_speculated();
   forget_step();
 }
 
@@ -242,19 +251,25 @@ StvOutcome StvAdamW::finish() {
   const double norm = std::sqrt(sq);
   const float scale = std::isfinite(norm) ? clip_coefficient(norm, clip_) : 1.0f;
   const bool undo = !std::isfinite(norm) || scale < 1.0f;
-  if (undo) restore_speculated();
   std::fill(late_.begin(), late_.end(), 0);
   StvOutcome outcome = StvOutcome::kCommit;
   last_scale_ = scale;
   if (!std::isfinite(norm)) {
-    outcome = StvOutcome::kSkip;
+    outcome = StvOutcome::kSkip;  // the speculative results are dropped with the buffers
     ++counters_.skips;
   } else {
     const int64_t t = step_ + 1;
     for (int b = device_buckets_; b < static_cast<int>(buckets_.size()); ++b) {
-      if (undo || speculated_[static_cast<size_t>(b)] == 0) {  // replays go in bucket order
-        run(b, scale, t);
-        late_[static_cast<size_t>(b)] = 1;
+      const size_t i = static_cast<size_t>(b);
+      if (speculated_[i] != 0) {
+        if (undo) {  // replay from the untouched current buffer, in bucket order
+          run(b, scale, t, true);
+          late_[i] = 1;
+        }
+        in_undo_[i] = static_cast<char>(in_undo_[i] ^ 1);  // commit: the other is current
+      } else {
+        run(b, scale, t, false);  // deferred
+        late_[i] = 1;
       }
     }
     step_ = t;
@@ -266,7 +281,7 @@ StvOutcome StvAdamW::finish() {
     }
   }
   for (int b = device_buckets_; b < static_cast<int>(buckets_.size()); ++b)
-    counters_.deferred += admitted_[static_cast<size_t>(b)] == 2 ? 1 : 0;
+    counters_.deferred += has_undo_[static_cast<size_t>(b)] == 0 ? 1 : 0;
   forget_step();
   return outcome;
 }

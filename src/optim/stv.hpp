@@ -1,18 +1,22 @@
 // Speculation-then-validation (STV) for the offloaded AdamW step (DESIGN section 4).
 //
 // Gradient clipping and the NaN/Inf check need the global gradient norm, known only when
-// backward ends. STV steps each gradient bucket as soon as it arrives, speculatively,
-// after copying the bucket's p, m and v into an undo buffer; when backward ends:
-//   - the norm is finite and at most the clip threshold: commit (the speculation stands);
-//   - it is above the threshold: undo every speculative bucket and step it again with the
-//     gradient scaled by clip / (norm + 1e-6) (replay);
-//   - it is NaN or Inf: undo every speculative bucket and skip the step (the step counter
+// backward ends. STV steps each gradient bucket as soon as it arrives, speculatively, out
+// of place: a speculative bucket has two buffers for its p, m and v (a double buffer), and
+// the step reads the current one and writes the other; when backward ends:
+//   - the norm is finite and at most the clip threshold: commit (the other buffer becomes
+//     the current one);
+//   - it is above the threshold: step every speculative bucket again from its current
+//     buffer, untouched, with the gradient scaled by clip / (norm + 1e-6) (replay);
+//   - it is NaN or Inf: discard the other buffers and skip the step (the step counter
 //     does not advance).
-// Note [STV exactness]: undo restores the snapshot (bit copies), never inverts the update
-// (which is not bit-exact and cannot undo NaN moments), and the norm is summed per bucket
-// in bucket order whatever the arrival order, so the result after every step is bitwise
-// that of `reference_adamw_step` (the non-speculative optimizer). tests/optim/stv_test.cpp
-// checks it over 1,000 steps with clipping and NaN/Inf in random buckets.
+// Note [STV exactness]: undo keeps the old state's bits (a buffer the step never wrote),
+// never inverts the update (which is not bit-exact and cannot undo NaN moments), and the
+// norm is summed per bucket in bucket order whatever the arrival order, so the result
+// after every step is bitwise that of `reference_adamw_step` (the non-speculative
+// optimizer). tests/optim/stv_test.cpp checks it over 1,000 steps with clipping and
+// NaN/Inf in random buckets. The double buffer costs no copy: a snapshot would read and
+// write 24 bytes per element more than the step itself.
 //
 // GPU/CPU split: the last `device_buckets` buckets to arrive (the first layers, at the end
 // of backward) keep their state on the device and are not speculated. STV sees only their
@@ -22,11 +26,15 @@
 // the same result. STV never touches their elements: the state arrays need only hold the
 // CPU buckets (the offsets of the device buckets must still tile [0, n) with the others).
 //
-// Note [Bounded undo]: the undo buffer holds 12 bytes per element of the speculative
-// buckets in flight (from arrival to the end of backward), sized once: by default all the
-// CPU buckets, or at most `undo_limit_bytes`. When the buffer is full a bucket is not
-// speculated but deferred: it steps in finish(), once the norm is known, on the critical
-// path but exact (counted in `deferred`). A full buffer never drops or corrupts a step.
+// Note [Bounded undo]: the second buffers (the undo memory) hold 12 bytes per element of
+// the speculative buckets, sized once: by default every CPU bucket has one; with
+// `undo_limit_bytes` they go to the buckets in the order backward delivers them (the last
+// bucket first), each that still fits. A bucket without one is not speculated but
+// deferred: it steps in place in finish(), once the norm is known, on the critical path
+// but exact (counted in `deferred`). Limited memory never drops or corrupts a step.
+//
+// Where a bucket's state is: its current buffer alternates between the caller's arrays
+// and STV's second buffer at each commit, so read it through state(b).
 #pragma once
 
 #include <cstddef>
@@ -89,11 +97,18 @@ class StvAdamW {
   // restored buckets is stale: the caller rounds p again.
   void set_bf16_copy(uint16_t* copy) { copy_ = copy; }
 
-  // Whether CPU bucket `b` will be speculated when it arrives this step: reserves its undo
-  // memory if the buffer has room, else defers it. Called in arrival order, at most once
-  // per bucket and step, before on_bucket (which calls it if the caller did not): a
-  // pipeline asks when it enqueues the bucket, to know whether to upload its weights then.
-  bool admit(int b);
+  // Whether CPU bucket `b` is speculated when it arrives (it has a second buffer), or
+  // deferred to finish() (Note [Bounded undo]); fixed at construction. A pipeline asks when
+  // it enqueues the bucket, to know whether to upload its weights then.
+  bool admit(int b) const;
+  // CPU bucket `b`'s current p, m, v (n of that bucket each). Not while the bucket is being
+  // stepped: between its arrival and the end of finish() only the old values are there.
+  struct BucketState {
+    float* p;
+    float* m;
+    float* v;
+  };
+  BucketState state(int b) const;
   // Backward: CPU bucket `b`'s gradient (n of that bucket, fp32 or bf16 bits) has arrived;
   // the pointer stays valid until finish(). Arrival order is free (normally last first).
   void on_bucket(int b, const float* g);
@@ -118,9 +133,11 @@ class StvAdamW {
 
  private:
   void arrive(int b, const void* g, GradType type);
-  void run(int b, float scale, int64_t t);
+  // Steps CPU bucket b from its current buffer: into its other one (out of place) or in
+  // place.
+  void run(int b, float scale, int64_t t, bool out_of_place);
+  BucketState other(int b) const;
   void check_bucket(int b, bool device) const;
-  void restore_speculated();
   void forget_step();
   AdamWParams hp_;
   double clip_;
@@ -133,10 +150,10 @@ class StvAdamW {
   int64_t step_ = 0;
   StvCounters counters_;
   float last_scale_ = 1.0f;
-  std::vector<float> undo_;          // p, m, v of each admitted bucket, back to back
-  size_t undo_used_ = 0;             // floats of undo_ reserved this step
-  std::vector<size_t> undo_offset_;  // per bucket, this step (admitted ones)
-  std::vector<char> admitted_;       // per bucket: 0 not yet asked, 1 speculate, 2 defer
+  std::vector<float> undo_;          // the second buffers: p, m, v of each, back to back
+  std::vector<size_t> undo_offset_;  // per bucket with a second buffer
+  std::vector<char> has_undo_;       // per bucket: speculated (has a second buffer)
+  std::vector<char> in_undo_;        // per bucket: its current buffer is the second one
   uint16_t* copy_ = nullptr;
   std::vector<const void*> grads_;    // per bucket, this step
   std::vector<GradType> grad_types_;  // per bucket, this step

@@ -239,6 +239,51 @@ TEST(AdamWPool, MatchesScalarBitwise) {
   }
 }
 
+// Out of place (STV's double buffer): the outputs are bitwise the in-place step's, the
+// inputs are untouched, nothing past n is written; on every target, in the pool and in
+// the scalar reference.
+TEST(AdamW, OutOfPlaceMatchesInPlaceAndLeavesTheInputs) {
+  std::mt19937 rng = make_rng();
+  const AdamWParams hp = test_params();
+  AdamW pool(2);
+  const std::vector<std::string> targets = adamw_simd_targets();
+  for (size_t n : std::vector<size_t>{1, 7, 1000, 40003}) {
+    for (GradType gt : kGradTypes) {
+      Tensor ref(n, 1);
+      ref.randomize_state(rng);
+      ref.randomize_grad(rng);
+      const Tensor before = ref;
+      adamw_step_scalar(hp, ref.args(gt, CopyType::kBf16, 0.7f, 3));
+      // Paths: scalar, pool, then each SIMD target.
+      for (size_t path = 0; path < targets.size() + 2; ++path) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " grad=" + std::to_string(int(gt)) +
+                     " path=" + std::to_string(path));
+        Tensor src = before;
+        Tensor dst(n, 1);  // poisoned
+        dst.g32 = src.g32;
+        dst.g16 = src.g16;
+        AdamWArgs a = src.args(gt, CopyType::kBf16, 0.7f, 3);
+        a.copy_out = dst.out.data() + 1;
+        a.p_out = dst.P();
+        a.m_out = dst.M();
+        a.v_out = dst.V();
+        if (path == 0) {
+          adamw_step_scalar(hp, a);
+        } else if (path == 1) {
+          pool.step(hp, a);
+        } else {
+          ForceTarget force(targets[path - 2]);
+          adamw_step_simd(hp, a);
+        }
+        expect_same(dst, ref);
+        src.out = before.out;  // the copy went to dst
+        expect_same(src, before);
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
+  }
+}
+
 // --- (b) scalar vs float64 PyTorch AdamW ---------------------------------------------
 //
 // The reference runs torch.optim.AdamW's equations in double on the same float inputs:

@@ -74,11 +74,12 @@ HWY_INLINE void store_fp16(DF df, hn::Vec<DF> p, uint16_t* HWY_RESTRICT out) {
 #endif
 }
 
-// One vector of elements at p, m, v, g, out (each already offset to the same element).
+// One vector of elements at p, m, v, g, out (each already offset to the same element); the
+// updated p, m, v go to po, mo, vo (the same pointers in place: no restrict on them).
 template <GradType kGrad, CopyType kCopy, class DF>
-HWY_INLINE void step_vector(DF df, const AdamWStepScalars& s, float grad_scale,
-                            float* HWY_RESTRICT p, float* HWY_RESTRICT m, float* HWY_RESTRICT v,
-                            const void* HWY_RESTRICT g, uint16_t* HWY_RESTRICT out) {
+HWY_INLINE void step_vector(DF df, const AdamWStepScalars& s, float grad_scale, const float* p,
+                            const float* m, const float* v, const void* HWY_RESTRICT g, float* po,
+                            float* mo, float* vo, uint16_t* HWY_RESTRICT out) {
   hn::Vec<DF> gv;
   if constexpr (kGrad == GradType::kBf16) {
     const hn::RebindToUnsigned<DF> du;
@@ -96,9 +97,9 @@ HWY_INLINE void step_vector(DF df, const AdamWStepScalars& s, float grad_scale,
       hn::Set(df, s.beta2) * hn::LoadU(df, v) + hn::Set(df, s.one_minus_beta2) * (gv * gv);
   const auto denom = hn::Sqrt(vv) * hn::Set(df, s.inv_sqrt_bc2) + hn::Set(df, s.eps);
   pv = pv - hn::Set(df, s.step_size) * (mv / denom);
-  hn::StoreU(pv, df, p);
-  hn::StoreU(mv, df, m);
-  hn::StoreU(vv, df, v);
+  hn::StoreU(pv, df, po);
+  hn::StoreU(mv, df, mo);
+  hn::StoreU(vv, df, vo);
   if constexpr (kCopy == CopyType::kBf16) store_bf16(df, pv, out);
   if constexpr (kCopy == CopyType::kFp16) store_fp16(df, pv, out);
 }
@@ -110,10 +111,13 @@ void step_range(const AdamWStepScalars& s, const AdamWArgs& a) {
   constexpr size_t kGradBytes = kGrad == GradType::kBf16 ? 2 : 4;
   const auto* g = static_cast<const unsigned char*>(a.g);
   auto* out = static_cast<uint16_t*>(a.copy_out);
+  float* po = a.p_out != nullptr ? a.p_out : a.p;
+  float* mo = a.m_out != nullptr ? a.m_out : a.m;
+  float* vo = a.v_out != nullptr ? a.v_out : a.v;
   size_t i = 0;
   for (; i + lanes <= a.n; i += lanes) {
     step_vector<kGrad, kCopy>(df, s, a.grad_scale, a.p + i, a.m + i, a.v + i, g + i * kGradBytes,
-                              kCopy == CopyType::kNone ? nullptr : out + i);
+                              po + i, mo + i, vo + i, kCopy == CopyType::kNone ? nullptr : out + i);
   }
   if (i == a.n) return;
   // The tail: the same vector code on zero-padded copies.
@@ -128,10 +132,10 @@ void step_range(const AdamWStepScalars& s, const AdamWArgs& a) {
   std::memcpy(tm, a.m + i, rest * sizeof(float));
   std::memcpy(tv, a.v + i, rest * sizeof(float));
   std::memcpy(tg, g + i * kGradBytes, rest * kGradBytes);
-  step_vector<kGrad, kCopy>(df, s, a.grad_scale, tp, tm, tv, tg, tout);
-  std::memcpy(a.p + i, tp, rest * sizeof(float));
-  std::memcpy(a.m + i, tm, rest * sizeof(float));
-  std::memcpy(a.v + i, tv, rest * sizeof(float));
+  step_vector<kGrad, kCopy>(df, s, a.grad_scale, tp, tm, tv, tg, tp, tm, tv, tout);
+  std::memcpy(po + i, tp, rest * sizeof(float));
+  std::memcpy(mo + i, tm, rest * sizeof(float));
+  std::memcpy(vo + i, tv, rest * sizeof(float));
   if constexpr (kCopy != CopyType::kNone) std::memcpy(out + i, tout, rest * sizeof(uint16_t));
 }
 
@@ -181,6 +185,9 @@ void adamw_step_simd(const AdamWParams& hp, const AdamWArgs& a) {
                  "adamw: p, m, v and g must be non-null for n = {}", a.n);
   SPILLWAY_CHECK((a.copy_type == CopyType::kNone) == (a.copy_out == nullptr),
                  "adamw: copy_out must be set exactly when copy_type is not kNone");
+  SPILLWAY_CHECK(
+      (a.p_out == nullptr) == (a.m_out == nullptr) && (a.p_out == nullptr) == (a.v_out == nullptr),
+      "adamw: p_out, m_out and v_out must be set together or not at all");
   HWY_DYNAMIC_DISPATCH(adamw_step_target)(s, a);
 }
 
