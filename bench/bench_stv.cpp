@@ -133,6 +133,8 @@ void check_state(const Runner& r, const std::vector<float>& p, const std::vector
     const std::vector<float>& got = *arrays[a].first;
     const std::vector<float>& want = *arrays[a].second;
     for (size_t i = 0; i < want.size(); ++i) {
+      // Bits, on purpose: the check is bitwise equality (NaN payloads included).
+      // NOLINTNEXTLINE(bugprone-suspicious-memory-comparison)
       if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
         SPILLWAY_INPUT_ERROR(
             "optim-offload bench: variant {} differs from the non-speculative optimizer after "
@@ -251,6 +253,7 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
   int split = options.device_buckets;
   {
     std::vector<optim::BucketTiming> arrival;
+    arrival.reserve(static_cast<size_t>(options.buckets));
     for (int i = 0; i < options.buckets; ++i)
       arrival.push_back({options.backward_ms / options.buckets * (i + 1), res.bucket_cpu_ms,
                          res.bucket_device_ms, static_cast<int64_t>(options.bucket_elements) * 12});

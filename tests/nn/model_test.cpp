@@ -226,7 +226,7 @@ TEST(Train, TheLossFallsOnTheCorpus) {
   double first = 0, last = 0;
   for (int i = 0; i < 5; ++i) {
     first += p.steps[static_cast<size_t>(i)].loss;
-    last += p.steps[static_cast<size_t>(20 + i)].loss;
+    last += p.steps[20 + static_cast<size_t>(i)].loss;
   }
   EXPECT_LT(last, first - 5 * 0.3) << "mean of the last 5 steps vs the first 5";
 }
@@ -363,7 +363,7 @@ TEST(TrainOptimizerOffload, TheLossFallsAndTheMomentsLeaveTheDevice) {
   double first = 0, last = 0;
   for (int i = 0; i < 5; ++i) {
     first += p.steps[static_cast<size_t>(i)].loss;
-    last += p.steps[static_cast<size_t>(20 + i)].loss;
+    last += p.steps[20 + static_cast<size_t>(i)].loss;
   }
   EXPECT_LT(last, first - 5 * 0.3) << "mean of the last 5 steps vs the first 5";
   // Device: no moments (8 B/param) but bf16 weights and gradients (4 B/param).
@@ -384,7 +384,7 @@ TEST(TrainOptimizerOffload, CompareStaysBitwiseAndBadOptionsAreErrors) {
   const TrainReport r = train(o, nullptr);
   EXPECT_TRUE(r.losses_identical);
   EXPECT_NE(train_report_json(r, o).find("\"commits\""), std::string::npos);
-  auto expect_error = [](TrainOptions t, const std::string& flag) {
+  auto expect_error = [](const TrainOptions& t, const std::string& flag) {
     try {
       train(t, nullptr);
       FAIL() << "expected an error naming " << flag;

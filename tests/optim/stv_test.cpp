@@ -167,7 +167,7 @@ TEST(Stv, LimitedUndoMemoryGoesToTheBucketsInDeliveryOrder) {
   AdamWParams hp;
   // Backward delivers 2, 1, 0: room for bucket 2 (60 elements) and then bucket 0 (10), not
   // for bucket 1 (30) in between.
-  StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr, 75 * 12);
+  StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr, int64_t{75} * 12);
   EXPECT_EQ(s.undo_bytes(), 70 * 12);
   EXPECT_TRUE(s.admit(2));
   EXPECT_FALSE(s.admit(1));
@@ -214,7 +214,7 @@ TEST(Stv, NormLanesAddUpInTheirDocumentedOrder) {
     for (size_t i = c; i < n; i += kNormLanes) want += static_cast<double>(g[i]) * g[i];
     EXPECT_EQ(lanes[c], want) << "lane " << c;
   }
-  EXPECT_EQ(std::memcmp(lanes.data(), lanes16.data(), kNormLanes * sizeof(double)), 0);
+  EXPECT_EQ(lanes, lanes16);  // doubles of finite sums: == is bitwise here
   double total = 0.0;
   for (double x : lanes) total += x;
   EXPECT_EQ(add_lane_sums(lanes.data(), n), total);
