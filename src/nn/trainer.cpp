@@ -465,7 +465,8 @@ TrainReport train(const TrainOptions& o, const std::function<void(const std::str
       continue;
     }
     auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      return a.size() == b.size() &&
+             (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
     };
     if (p.loss != ref->loss || !same(p.final_gradients, ref->final_gradients) ||
         !same(p.final_master_weights, ref->final_master_weights)) {
