@@ -891,6 +891,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     const float c1 = 1.0f - std::pow(b1, static_cast<float>(m.adam_step));
     const float c2 = 1.0f - std::pow(b2, static_cast<float>(m.adam_step));
     const float a = static_cast<float>(lr);
+    const auto to = Clock::now();
     for (size_t i = 0; i < m.n_params; ++i) {
       const float gi = m.g[i];
       m.m1[i] = b1 * m.m1[i] + (1 - b1) * gi;
@@ -899,6 +900,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
       const float vh = m.m2[i] / c2;
       m.w[i] -= a * (mh / (std::sqrt(vh) + eps) + wd * m.w[i]);
     }
+    st.optimizer_ms = ms_since(to);
   }
   return st;
 }

@@ -71,7 +71,7 @@ MemoryPolicy keep_policy(const RefConfig& c);
 struct StepStats {
   double loss = 0.0;
   double step_ms = 0.0;              // forward and backward (the optimizer step is apart)
-  double optimizer_ms = 0.0;         // the optimizer step on the critical path after backward
+  double optimizer_ms = 0.0;         // after backward: the AdamW, or the offloaded end_step
   std::vector<double> layer_fwd_ms;  // host time of each layer's forward
   std::vector<double> layer_bwd_ms;
   int64_t peak_device_bytes = 0;  // arena peak during the step

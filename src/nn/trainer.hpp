@@ -54,7 +54,7 @@ struct StepRecord {
   int step = 0;
   double loss = 0;
   double step_ms = 0;
-  double optimizer_ms = 0;  // offloaded optimizer: its step's time past backward
+  double optimizer_ms = 0;  // the optimizer after backward (AdamW or end_step)
   int64_t peak_device_bytes = 0;
   int64_t offloaded_bytes = 0;
   int64_t reloaded_bytes = 0;
@@ -81,8 +81,9 @@ struct PolicyResult {
   bool predicted_feasible = true;
   std::string plan_note;               // e.g. "auto chose recompute in 3 layers, offload in 1"
   std::vector<float> final_gradients;  // of the last step (for identity checks)
-  // Offloaded optimizer: the median time past backward (steps after the first), STV's
-  // counters, and the fp32 master weights after the last step (for identity checks).
+  // The optimizer's median time after backward (steps after the first: the model's AdamW,
+  // or the offloaded end_step); offloaded: STV's counters and the fp32 master weights
+  // after the last step (for identity checks).
   double optimizer_ms = 0;
   optim::StvCounters optimizer_counters;
   std::vector<float> final_master_weights;
