@@ -4,11 +4,13 @@
 //   D2H stream:  wait for the bucket's gradient, copy it to pinned staging (fp32, or bf16
 //                when the cast is done on the host: half the link bytes);
 //   CPU stream:  wait for that copy, run the speculative AdamW step of the bucket (STV),
-//                writing the bf16 copy of the updated weights into pinned staging;
+//                reading the gradient as staged and writing the bf16 copy of the updated
+//                weights into pinned staging in the same pass;
 //   H2D stream:  wait for the step, copy the bf16 weights to the device.
 // Every stage is ordered by events, never by the host, so the three overlap the rest of
-// backward. end_step() validates (StvAdamW::finish): on a replay or a skip, the buckets'
-// weights are uploaded again from the corrected master copy.
+// backward. end_step() validates (StvAdamW::finish): on a replay or a skip every CPU
+// bucket's weights go up again, on a commit those of the buckets deferred for want of
+// undo memory.
 //
 // Note [Optimizer copy failures]: a gradient copy that cannot be enqueued (the device
 // reports an error) is retried up to `max_retries` times after waiting for the copies in
@@ -24,8 +26,9 @@
 // as stream-ordered host work on the host backend). The host holds state only for the CPU
 // buckets.
 //
-// Memory: pinned host memory of 12 bytes per CPU-bucket element (p, m, v) plus its staging
-// (gradient 4 or 2, weights 2), and STV's undo (Note [Bounded undo], `undo_limit_bytes`);
+// Memory: pinned host memory of 12 bytes per CPU-bucket element (p, m, v), its gradient
+// staging (4 or 2) and 2 per element of weight staging; STV's second buffers (Note
+// [Bounded undo], `undo_limit_bytes`: 12 per speculated element, pageable);
 // device memory of 4 bytes per element (bf16 weights and gradients), 4 more per CPU-bucket
 // element for the device cast, and 12 per device-bucket element.
 #pragma once
