@@ -278,7 +278,9 @@ TEST(TrainCli, UsageErrorsExitTwo) {
        {std::string("--steps abc"), std::string("--no-such-flag"), std::string("--micro-batch")}) {
     SCOPED_TRACE(args);
     const std::string out = dir.file("out.json");
-    const TrainRun r = run("train --json '" + out + "' " + args, dir);
+    std::string cmd = "train --json '" + out + "' ";
+    cmd += args;
+    const TrainRun r = run(cmd, dir);
     EXPECT_EQ(r.code, 2) << shown(r);
     const std::string flag = args.substr(0, args.find(' '));
     EXPECT_TRUE(contains(r.err, flag)) << shown(r);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 
 #include "spillway/error.hpp"
@@ -232,88 +233,85 @@ TEST(OptimizerOffload, ATrainingLoopEndsTheSameForEverySplit) {
   }
 }
 
-TEST(OptimizerOffload, AFailedGradientCopyIsRetriedOrReportedNeverAppliedStale) {
-  AdamWParams hp;
-  auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
-  FaultyDevice dev(*inner);
-  const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
-  const std::vector<float> w0 = initial_weights();
-  OptimOffloadOptions o;
-  o.hp = hp;
-  o.cast = CastSite::kHost;
-  OptimizerOffload off(dev, compute, w0.data(), kN, kBuckets, o);
+// A pipeline (default AdamW, host cast) on a FaultyDevice, and the reference it must match.
+struct FaultRig {
+  std::unique_ptr<Device> inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  FaultyDevice dev{*inner};
+  Stream compute = dev.create_stream(StreamRole::kCompute, 0);
+  std::vector<float> w0 = initial_weights();
   Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
+  OptimizerOffload off;
+  explicit FaultRig(int device_buckets)
+      : off(dev, compute, w0.data(), kN, kBuckets, options(device_buckets)) {}
+  static OptimOffloadOptions options(int device_buckets) {
+    OptimOffloadOptions o;
+    o.cast = CastSite::kHost;
+    o.device_buckets = device_buckets;
+    return o;
+  }
+  // One step of fresh gradients through the pipeline and the reference.
+  void step(std::mt19937& g) {
+    const std::vector<uint16_t> grads = bf16_grads(g, 0);
+    backward(dev, compute, off, grads);
+    off.end_step();
+    reference_step(AdamWParams{}, 1.0, ref, grads);
+  }
+  // After an abandoned step: the state and every device weight are the reference's.
+  void expect_untouched(int step) {
+    expect_state(off, ref, step);
+    dev.synchronize(compute);
+    for (size_t i = 0; i < kN; ++i)
+      ASSERT_EQ(off.device_weights()[i], float_to_bf16(ref.p[i])) << "device weight " << i;
+  }
+};
+
+TEST(OptimizerOffload, AFailedGradientCopyIsRetriedOrReportedNeverAppliedStale) {
+  FaultRig rig(0);
   std::mt19937 g(9);
   // A transient failure of bucket 3's copy (500 bf16 = 1000 bytes): retried, no trace.
-  dev.fail_bytes = kBuckets[3].n * 2;
-  dev.fail_next = 2;
-  std::vector<uint16_t> grads = bf16_grads(g, 0);
-  backward(dev, compute, off, grads);
-  off.end_step();
-  reference_step(hp, 1.0, ref, grads);
-  EXPECT_EQ(off.retries(), 2);
-  expect_state(off, ref, 1);
+  rig.dev.fail_bytes = kBuckets[3].n * 2;
+  rig.dev.fail_next = 2;
+  rig.step(g);
+  EXPECT_EQ(rig.off.retries(), 2);
+  expect_state(rig.off, rig.ref, 1);
   // A permanent one: reported naming the bucket, and nothing of the step applied.
-  dev.fail_always = true;
-  grads = bf16_grads(g, 0);
+  rig.dev.fail_always = true;
+  const std::vector<uint16_t> lost = bf16_grads(g, 0);  // read by the compute stream
   try {
-    backward(dev, compute, off, grads);
+    backward(rig.dev, rig.compute, rig.off, lost);
     FAIL() << "expected the copy failure to be reported";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("bucket 3"), std::string::npos) << e.what();
   }
   {
     SCOPED_TRACE("the buckets stepped before the failure were undone");
-    expect_state(off, ref, 2);
+    rig.expect_untouched(2);
   }
-  EXPECT_EQ(off.step(), 1);
-  for (size_t i = 0; i < kN; ++i)
-    ASSERT_EQ(off.device_weights()[i], float_to_bf16(ref.p[i])) << "device weight " << i;
+  EXPECT_EQ(rig.off.step(), 1);
   // The next step goes through as if the failed one never happened.
-  dev.fail_always = false;
-  grads = bf16_grads(g, 0);
-  backward(dev, compute, off, grads);
-  off.end_step();
-  reference_step(hp, 1.0, ref, grads);
-  expect_state(off, ref, 3);
-  EXPECT_EQ(off.step(), 2);
+  rig.dev.fail_always = false;
+  rig.step(g);
+  expect_state(rig.off, rig.ref, 3);
+  EXPECT_EQ(rig.off.step(), 2);
 }
 
 // The split's device buckets send only their norm lane sums down (8 bytes per lane); a
 // failure there is retried, or abandons the step like a gradient copy failure.
 TEST(OptimizerOffload, AFailedNormCopyOfADeviceBucketIsRetriedOrReported) {
-  AdamWParams hp;
-  auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
-  FaultyDevice dev(*inner);
-  const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
-  const std::vector<float> w0 = initial_weights();
-  OptimOffloadOptions o;
-  o.hp = hp;
-  o.cast = CastSite::kHost;
-  o.device_buckets = 1;  // bucket 0: 1000 elements, 1000 lanes
-  OptimizerOffload off(dev, compute, w0.data(), kN, kBuckets, o);
-  Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
+  FaultRig rig(1);  // bucket 0 on the device: 1000 elements, 1000 lanes
   std::mt19937 g(10);
-  dev.fail_bytes = kBuckets[0].n * sizeof(double);
-  dev.fail_next = 1;
-  std::vector<uint16_t> grads = bf16_grads(g, 0);
-  backward(dev, compute, off, grads);
-  off.end_step();
-  reference_step(hp, 1.0, ref, grads);
-  EXPECT_EQ(off.retries(), 1);
-  expect_state(off, ref, 1);
-  dev.fail_always = true;
-  grads = bf16_grads(g, 0);
-  EXPECT_THROW(backward(dev, compute, off, grads), Error);
-  expect_state(off, ref, 2);
-  for (size_t i = 0; i < kN; ++i)
-    ASSERT_EQ(off.device_weights()[i], float_to_bf16(ref.p[i])) << "device weight " << i;
-  dev.fail_always = false;
-  grads = bf16_grads(g, 0);
-  backward(dev, compute, off, grads);
-  off.end_step();
-  reference_step(hp, 1.0, ref, grads);
-  expect_state(off, ref, 3);
+  rig.dev.fail_bytes = kBuckets[0].n * sizeof(double);
+  rig.dev.fail_next = 1;
+  rig.step(g);
+  EXPECT_EQ(rig.off.retries(), 1);
+  expect_state(rig.off, rig.ref, 1);
+  rig.dev.fail_always = true;
+  const std::vector<uint16_t> lost = bf16_grads(g, 0);  // read by the compute stream
+  EXPECT_THROW(backward(rig.dev, rig.compute, rig.off, lost), Error);
+  rig.expect_untouched(2);
+  rig.dev.fail_always = false;
+  rig.step(g);
+  expect_state(rig.off, rig.ref, 3);
 }
 
 TEST(OptimizerOffload, BadSplitIsAnInputError) {
