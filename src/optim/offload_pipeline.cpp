@@ -116,6 +116,20 @@ struct OptimizerOffload::Impl {
                    count * sizeof(uint16_t), h2d);
   }
 
+  // Per bucket, sized at construction: stream-ordered host work captures one pointer to its
+  // job, which std::function holds without allocating (a larger capture would allocate per
+  // bucket and step).
+  struct Job {
+    Impl* s = nullptr;
+    int b = 0;
+    AdamWArgs device_step;  // a device bucket's step on the host backend, set by end_step
+  };
+  std::vector<Job> jobs;
+  // The host work of bucket b (on the host backend, the device's work too).
+  void host_lanes(int b) const;
+  void host_widen(int b) const;
+  void host_step(int b) const;
+
   void enqueue_cpu_bucket(int b);
   void enqueue_device_bucket(int b);
   void step_device_bucket(int b, float scale, int64_t t);
@@ -222,6 +236,8 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
     s.stepped.push_back(dev.create_event());
   }
   s.device_arrived.assign(s.buckets.size(), 0);
+  s.jobs.resize(s.buckets.size());
+  for (int b = 0; b < nb; ++b) s.jobs[static_cast<size_t>(b)] = {&s, b, AdamWArgs{}};
   s.produced = dev.create_event();
   s.done = dev.create_event();
   s.stv = std::make_unique<StvAdamW>(o.hp, o.clip, s.p, s.m, s.v, n, std::move(stv_buckets),
@@ -311,6 +327,30 @@ void OptimizerOffload::Impl::abandon_step(const Error& e) {
   throw Error(std::string(e.what()) + also);
 }
 
+void OptimizerOffload::Impl::host_lanes(int b) const {
+  const Bucket& k = buckets[static_cast<size_t>(b)];
+  norm_lane_sums_bf16(g_dev + k.offset, k.n, lanes_dev + lane_at[static_cast<size_t>(b)]);
+}
+
+void OptimizerOffload::Impl::host_widen(int b) const {
+  const Bucket& k = buckets[static_cast<size_t>(b)];
+  const uint16_t* src = g_dev + k.offset;
+  float* dst = g32_dev + local[static_cast<size_t>(b)];
+  for (size_t i = 0; i < k.n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+// The CPU bucket's speculative step reads the staged gradient as it came (the host cast
+// widens inside the step) and writes the bf16 weights into the weight staging in the same
+// pass.
+void OptimizerOffload::Impl::host_step(int b) const {
+  const size_t at = local[static_cast<size_t>(b)];
+  if (site == CastSite::kHost) {
+    stv->on_bucket_bf16(b, static_cast<const uint16_t*>(g_stage) + at);
+  } else {
+    stv->on_bucket(b, static_cast<const float*>(g_stage) + at);
+  }
+}
+
 void OptimizerOffload::Impl::enqueue_device_bucket(int b) {
   const Bucket k = buckets[static_cast<size_t>(b)];
   SPILLWAY_CHECK(device_arrived[static_cast<size_t>(b)] == 0,
@@ -328,7 +368,7 @@ void OptimizerOffload::Impl::enqueue_device_bucket(int b) {
         return std::string();
 #endif
       },
-      [g, lanes, n = k.n] { norm_lane_sums_bf16(g, n, lanes); });
+      [j = &jobs[static_cast<size_t>(b)]] { j->s->host_lanes(j->b); });
   dev.record(produced, compute);
   dev.wait(d2h, produced);
   copy_with_retry(lanes_host + lane_at[static_cast<size_t>(b)], lanes, width * sizeof(double), d2h,
@@ -354,9 +394,7 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
           return std::string();
 #endif
         },
-        [src, dst, n = k.n] {
-          for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-        });
+        [j = &jobs[static_cast<size_t>(b)]] { j->s->host_widen(j->b); });
   }
   dev.record(produced, compute);
   dev.wait(d2h, produced);
@@ -367,16 +405,7 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
   }
   dev.record(copied[static_cast<size_t>(b)], d2h);
   dev.wait(cpu, copied[static_cast<size_t>(b)]);
-  // The step reads the staged gradient as it came (the host cast widens inside the step)
-  // and writes the bf16 weights into the weight staging in the same pass.
-  StvAdamW* s = stv.get();
-  if (site == CastSite::kHost) {
-    const uint16_t* g16 = static_cast<const uint16_t*>(g_stage) + at;
-    dev.host_callback(cpu, [s, b, g16] { s->on_bucket_bf16(b, g16); });
-  } else {
-    const float* g32 = static_cast<const float*>(g_stage) + at;
-    dev.host_callback(cpu, [s, b, g32] { s->on_bucket(b, g32); });
-  }
+  dev.host_callback(cpu, [j = &jobs[static_cast<size_t>(b)]] { j->s->host_step(j->b); });
   if (!speculate) return;  // deferred: stepped and uploaded in end_step
   // The speculative weights go up at once (corrected at end_step on a replay or a skip).
   uint16_t* stage = w_stage + at;
@@ -388,7 +417,9 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
 void OptimizerOffload::Impl::step_device_bucket(int b, float scale, int64_t t) {
   const Bucket k = buckets[static_cast<size_t>(b)];
   const size_t at = local[static_cast<size_t>(b)];
-  AdamWArgs a;
+  Job& job = jobs[static_cast<size_t>(b)];
+  AdamWArgs& a = job.device_step;
+  a = AdamWArgs{};
   a.p = p_dev + at;
   a.m = m_dev + at;
   a.v = v_dev + at;
@@ -411,7 +442,7 @@ void OptimizerOffload::Impl::step_device_bucket(int b, float scale, int64_t t) {
         return std::string();
 #endif
       },
-      [hp, a] { adamw_step_simd(hp, a); });
+      [j = &job] { adamw_step_simd(j->s->opt.hp, j->device_step); });
 }
 
 void OptimizerOffload::on_bucket_grad(int b) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 
+#include "allocation_count.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::optim {
@@ -132,8 +133,8 @@ TEST(OptimizerOffload, BitwiseTheNonSpeculativeOptimizerForEveryCastSiteAndSplit
   for (CastSite site : {CastSite::kDevice, CastSite::kHost}) {
     for (const Variant& var : variants) {
       const int split = var.split;
-      SCOPED_TRACE(testing::Message() << "site " << static_cast<int>(site) << " split " << split
-                                      << " undo limit " << var.undo_limit);
+      SCOPED_TRACE(::testing::Message() << "site " << static_cast<int>(site) << " split " << split
+                                        << " undo limit " << var.undo_limit);
       auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
       const Stream compute = dev->create_stream(StreamRole::kCompute);
       const std::vector<float> w0 = initial_weights();
@@ -222,7 +223,7 @@ TEST(OptimizerOffload, ATrainingLoopEndsTheSameForEverySplit) {
   EXPECT_LT(base_losses.back(), base_losses.front()) << "the loop trains";
   for (int split : {1, 3, 6}) {
     for (int64_t undo_limit : {int64_t{-1}, int64_t{0}}) {
-      SCOPED_TRACE(testing::Message() << "split " << split << " undo limit " << undo_limit);
+      SCOPED_TRACE(::testing::Message() << "split " << split << " undo limit " << undo_limit);
       std::vector<double> losses;
       const OptimState st = train(split, undo_limit, &losses);
       ASSERT_EQ(losses, base_losses);
@@ -325,6 +326,40 @@ TEST(OptimizerOffload, BadSplitIsAnInputError) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("device_buckets = 7"), std::string::npos) << e.what();
+  }
+}
+
+// The steady state allocates nothing: no heap allocation per bucket or step, in the
+// pipeline, STV, the AdamW pool or the host backend's queues (the bf16 gradients are made
+// before counting), for both cast sites, a split, and limited undo memory.
+TEST(OptimizerOffload, TheSteadyStateAllocatesNothing) {
+  for (CastSite site : {CastSite::kDevice, CastSite::kHost}) {
+    SCOPED_TRACE(static_cast<int>(site));
+    auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+    const Stream compute = dev->create_stream(StreamRole::kCompute);
+    const std::vector<float> w0 = initial_weights();
+    AdamW pool(2);
+    OptimOffloadOptions o;
+    o.cast = site;
+    o.device_buckets = 2;
+    o.undo_limit_bytes = int64_t{6000} * 12;  // some buckets deferred
+    OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o, &pool);
+    std::mt19937 g(3);
+    std::vector<std::vector<uint16_t>> grads;
+    for (int regime : {0, 1, 2, 0, 1, 2}) grads.push_back(bf16_grads(g, regime));
+    for (int i = 0; i < 3; ++i) {  // warm-up: the queues reach their size
+      backward(*dev, compute, off, grads[static_cast<size_t>(i)]);
+      off.end_step();
+    }
+    dev->synchronize(compute);
+    const int64_t before = spillway::testing::heap_allocations();
+    for (int i = 3; i < 6; ++i) {  // a commit, a replay, a skip
+      backward(*dev, compute, off, grads[static_cast<size_t>(i)]);
+      off.end_step();
+    }
+    dev->synchronize(compute);
+    EXPECT_EQ(spillway::testing::heap_allocations() - before, 0);
+    EXPECT_GT(off.counters().deferred, 0);
   }
 }
 
