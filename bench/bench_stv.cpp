@@ -27,10 +27,6 @@ namespace {
 
 constexpr double kClip = 1.0;
 
-double ms_since(Clock::time_point t0) {
-  return seconds_since(t0) * 1e3;
-}
-
 struct Workload {
   size_t n = 0;
   std::vector<Bucket> buckets;

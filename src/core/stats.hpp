@@ -14,6 +14,10 @@ inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+inline double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
 // The median (the mean of the middle two for an even count); 0 for no samples.
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0.0;

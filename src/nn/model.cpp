@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "core/embedded_data.hpp"
+#include "core/stats.hpp"
 #include "nn/ops.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
@@ -21,11 +22,6 @@
 namespace spillway::nn {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 // "524288 bytes (0.50 MiB)": exact, and in the unit of --device-memory-mb.
 std::string size_text(size_t bytes) {

@@ -63,9 +63,7 @@ AdamWStepScalars adamw_step_scalars(const AdamWParams& hp, int64_t step) {
   return s;
 }
 
-namespace {
-
-void check_args(const AdamWArgs& a) {
+void check_adamw_args(const AdamWArgs& a) {
   if (a.n == 0) return;
   SPILLWAY_CHECK(a.p != nullptr && a.m != nullptr && a.v != nullptr && a.g != nullptr,
                  "adamw: p, m, v and g must be non-null for n = {}", a.n);
@@ -75,8 +73,6 @@ void check_args(const AdamWArgs& a) {
       (a.p_out == nullptr) == (a.m_out == nullptr) && (a.p_out == nullptr) == (a.v_out == nullptr),
       "adamw: p_out, m_out and v_out must be set together or not at all");
 }
-
-}  // namespace
 
 // Conversions. bf16 and the normal range of fp16 round to nearest even by adding
 // 0x7FF..F plus the lowest kept bit and truncating; fp16 subnormals round through one
@@ -117,7 +113,7 @@ float fp16_to_float(uint16_t h) {
 
 void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
   const AdamWStepScalars s = adamw_step_scalars(hp, a.step);
-  check_args(a);
+  check_adamw_args(a);
   const float* g32 = static_cast<const float*>(a.g);
   const uint16_t* g16 = static_cast<const uint16_t*>(a.g);
   uint16_t* out = static_cast<uint16_t*>(a.copy_out);
@@ -258,7 +254,7 @@ int AdamW::threads() const {
 void AdamW::step(const AdamWParams& hp, const AdamWArgs& a) {
   // Checks here, on the caller, so that no worker can throw.
   (void)adamw_step_scalars(hp, a.step);
-  check_args(a);
+  check_adamw_args(a);
   if (a.n <= kTileElems) {
     adamw_step_simd(hp, a);
     return;

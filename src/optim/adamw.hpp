@@ -70,6 +70,9 @@ struct AdamWStepScalars {
   float eps;              // eps
 };
 AdamWStepScalars adamw_step_scalars(const AdamWParams& hp, int64_t step);
+// Throws spillway::Error when the pointers of `a` do not fit its n and options (every
+// step checks its arguments with it).
+void check_adamw_args(const AdamWArgs& a);
 
 // The scalar reference: one thread, plain loops, same arithmetic as the SIMD path.
 void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a);

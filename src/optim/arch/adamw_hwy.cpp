@@ -181,13 +181,7 @@ HWY_EXPORT(adamw_target_name);
 void adamw_step_simd(const AdamWParams& hp, const AdamWArgs& a) {
   const AdamWStepScalars s = adamw_step_scalars(hp, a.step);
   if (a.n == 0) return;
-  SPILLWAY_CHECK(a.p != nullptr && a.m != nullptr && a.v != nullptr && a.g != nullptr,
-                 "adamw: p, m, v and g must be non-null for n = {}", a.n);
-  SPILLWAY_CHECK((a.copy_type == CopyType::kNone) == (a.copy_out == nullptr),
-                 "adamw: copy_out must be set exactly when copy_type is not kNone");
-  SPILLWAY_CHECK(
-      (a.p_out == nullptr) == (a.m_out == nullptr) && (a.p_out == nullptr) == (a.v_out == nullptr),
-      "adamw: p_out, m_out and v_out must be set together or not at all");
+  check_adamw_args(a);
   HWY_DYNAMIC_DISPATCH(adamw_step_target)(s, a);
 }
 
