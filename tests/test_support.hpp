@@ -1,6 +1,6 @@
 // Helpers shared by the spillway tests: temporary files that clean up after themselves,
-// and the check that a call fails with spillway::Error (never anything else) whose
-// message holds given substrings.
+// the check that a call fails with spillway::Error (never anything else) whose message
+// holds given substrings, and a seeded generator for randomized tests.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,10 +10,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <iostream>
+#include <random>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -138,6 +141,27 @@ inline std::string verdict_in_child(const std::function<std::string()>& f) {
            " (a sanitizer report, if any, is above)";
   }
   return out;
+}
+
+// The seed of the randomized tests: SPILLWAY_TEST_SEED when set, else a fresh one per
+// process.
+inline uint32_t test_seed() {
+  static const uint32_t s = [] {
+    if (const char* env = std::getenv("SPILLWAY_TEST_SEED")) {
+      return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
+    }
+    return std::random_device{}();
+  }();
+  return s;
+}
+
+// A generator seeded with test_seed(), which it prints with the running test's name and
+// how to rerun with it.
+inline std::mt19937 make_rng() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::cout << "[ seed ] " << info->name() << ": " << test_seed()
+            << " (rerun with SPILLWAY_TEST_SEED=" << test_seed() << ")\n";
+  return std::mt19937(test_seed());
 }
 
 }  // namespace spillway::testing

@@ -38,16 +38,8 @@ CliRun run(const std::string& args, const std::string& streams = "2>&1") {
   return r;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using cli_test::contains;
+using cli_test::read_file;
 
 TEST(Cli, HelpMentionsTheSubcommands) {
   const CliRun r = run("--help");

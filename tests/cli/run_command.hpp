@@ -1,10 +1,13 @@
-// Runs a shell command for the CLI tests and captures its stdout and exit status.
+// Runs a shell command for the CLI tests and captures its stdout and exit status; reads a
+// file whole; finds a substring.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace spillway::cli_test {
@@ -27,6 +30,17 @@ inline CommandResult run_command(const std::string& cmd) {
   const int status = pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
 }
 
 }  // namespace spillway::cli_test

@@ -32,16 +32,8 @@ struct TrainRun {
   std::string err;  // stderr
 };
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using cli_test::contains;
+using cli_test::read_file;
 
 // Runs `spillway <args>` with stdout and stderr captured apart (stderr through a file in
 // `dir`).

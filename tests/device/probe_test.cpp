@@ -14,6 +14,7 @@
 #include <set>
 #include <vector>
 
+#include "forwarding_device.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 
@@ -212,42 +213,26 @@ TEST(Probe, JsonAndReportSayWhatWasMeasured) {
 }
 
 // Forwards to the host backend, but flips a bit of every copy on a D2H stream.
-class CorruptingDevice final : public Device {
+class CorruptingDevice final : public spillway::testing::ForwardingDevice {
  public:
-  explicit CorruptingDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
-  std::string name() const override { return "corrupting " + inner_->name(); }
+  explicit CorruptingDevice(std::unique_ptr<Device> inner)
+      : ForwardingDevice(*inner), owned_(std::move(inner)) {}
+  std::string name() const override { return "corrupting " + inner().name(); }
   bool emulated() const override { return true; }
-  AllocResult allocate(size_t bytes, MemoryKind kind) override {
-    return inner_->allocate(bytes, kind);
-  }
-  void free(void* ptr, MemoryKind kind) override { inner_->free(ptr, kind); }
-  MemoryStats memory_stats() const override { return inner_->memory_stats(); }
-  void reset_peaks() override { inner_->reset_peaks(); }
   Stream create_stream(StreamRole role, int priority) override {
-    const Stream s = inner_->create_stream(role, priority);
+    const Stream s = inner().create_stream(role, priority);
     if (role == StreamRole::kD2H) d2h_.insert(s.id);
     return s;
   }
-  void destroy_stream(Stream s) override { inner_->destroy_stream(s); }
-  Event create_event() override { return inner_->create_event(); }
-  void destroy_event(Event e) override { inner_->destroy_event(e); }
-  void record(Event e, Stream s) override { inner_->record(e, s); }
-  void wait(Stream s, Event e) override { inner_->wait(s, e); }
-  bool query(Event e) override { return inner_->query(e); }
-  void synchronize(Event e) override { inner_->synchronize(e); }
-  void synchronize(Stream s) override { inner_->synchronize(s); }
   void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
-    inner_->copy_async(dst, src, bytes, s);
+    inner().copy_async(dst, src, bytes, s);
     if (d2h_.count(s.id) != 0 && bytes > 0) {
-      inner_->host_callback(s, [dst, bytes] { static_cast<unsigned char*>(dst)[bytes / 3] ^= 4; });
+      inner().host_callback(s, [dst, bytes] { static_cast<unsigned char*>(dst)[bytes / 3] ^= 4; });
     }
-  }
-  void host_callback(Stream s, std::function<void()> fn) override {
-    inner_->host_callback(s, std::move(fn));
   }
 
  private:
-  std::unique_ptr<Device> inner_;
+  std::unique_ptr<Device> owned_;
   std::set<int> d2h_;
 };
 

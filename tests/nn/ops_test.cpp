@@ -50,22 +50,7 @@ constexpr double kFdTol = 1e-6;
 constexpr double kFloatTol = 2e-5;
 constexpr double kPrefill = 0.5;
 
-uint32_t seed() {
-  static const uint32_t s = [] {
-    if (const char* env = std::getenv("SPILLWAY_TEST_SEED")) {
-      return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
-    }
-    return std::random_device{}();
-  }();
-  return s;
-}
-
-std::mt19937 make_rng() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::cout << "[ seed ] " << info->name() << ": " << seed()
-            << " (rerun with SPILLWAY_TEST_SEED=" << seed() << ")\n";
-  return std::mt19937(seed());
-}
+using spillway::testing::make_rng;
 
 size_t sz(int n) {
   return static_cast<size_t>(n);

@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "forwarding_device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/offload.hpp"
 #include "spillway/plan.hpp"
@@ -121,41 +122,19 @@ TEST(OffloadEngine, RoundTripsAreBitwiseEqualWithManyTensorsInFlight) {
 
 // A device that forwards to another and logs the destination of every copy, in the order
 // the copies were enqueued.
-class CopyLog final : public Device {
+class CopyLog final : public spillway::testing::ForwardingDevice {
  public:
-  explicit CopyLog(Device& d) : d_(d) {}
+  using ForwardingDevice::ForwardingDevice;
   std::vector<void*> dsts;
-  std::string name() const override { return d_.name(); }
-  bool emulated() const override { return d_.emulated(); }
-  AllocResult allocate(size_t bytes, MemoryKind kind) override { return d_.allocate(bytes, kind); }
-  void free(void* ptr, MemoryKind kind) override { d_.free(ptr, kind); }
-  MemoryStats memory_stats() const override { return d_.memory_stats(); }
-  void reset_peaks() override { d_.reset_peaks(); }
-  Stream create_stream(StreamRole role, int priority) override {
-    return d_.create_stream(role, priority);
-  }
-  void destroy_stream(Stream s) override { d_.destroy_stream(s); }
-  Event create_event() override { return d_.create_event(); }
-  void destroy_event(Event e) override { d_.destroy_event(e); }
-  void record(Event e, Stream s) override { d_.record(e, s); }
   std::vector<int> wait_streams;  // the stream of every wait, in order
   void wait(Stream s, Event e) override {
     wait_streams.push_back(s.id);
-    d_.wait(s, e);
+    inner().wait(s, e);
   }
-  bool query(Event e) override { return d_.query(e); }
-  void synchronize(Event e) override { d_.synchronize(e); }
-  void synchronize(Stream s) override { d_.synchronize(s); }
   void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
     dsts.push_back(dst);
-    d_.copy_async(dst, src, bytes, s);
+    inner().copy_async(dst, src, bytes, s);
   }
-  void host_callback(Stream s, std::function<void()> fn) override {
-    d_.host_callback(s, std::move(fn));
-  }
-
- private:
-  Device& d_;
 };
 
 TEST(OffloadEngine, PrefetchIssuesTheLayersBackwardNeedsFirst) {

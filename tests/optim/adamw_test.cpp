@@ -30,22 +30,7 @@
 namespace spillway::optim {
 namespace {
 
-uint32_t seed() {
-  static const uint32_t s = [] {
-    if (const char* env = std::getenv("SPILLWAY_TEST_SEED")) {
-      return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
-    }
-    return std::random_device{}();
-  }();
-  return s;
-}
-
-std::mt19937 make_rng() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::cout << "[ seed ] " << info->name() << ": " << seed()
-            << " (rerun with SPILLWAY_TEST_SEED=" << seed() << ")\n";
-  return std::mt19937(seed());
-}
+using spillway::testing::make_rng;
 
 uint32_t bits_of(float x) {
   return std::bit_cast<uint32_t>(x);

@@ -14,6 +14,7 @@
 #include <random>
 
 #include "allocation_count.hpp"
+#include "forwarding_device.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::optim {
@@ -21,44 +22,26 @@ namespace {
 
 // Forwards to a device; a device-to-host copy of `fail_bytes` bytes throws while
 // `fail_next` > 0, or always with `fail_always` (the injected fault).
-class FaultyDevice final : public Device {
+class FaultyDevice final : public spillway::testing::ForwardingDevice {
  public:
-  explicit FaultyDevice(Device& d) : d_(d) {}
+  using ForwardingDevice::ForwardingDevice;
   int fail_next = 0;
   bool fail_always = false;
   size_t fail_bytes = 0;
-  std::string name() const override { return d_.name(); }
-  bool emulated() const override { return d_.emulated(); }
-  AllocResult allocate(size_t bytes, MemoryKind kind) override { return d_.allocate(bytes, kind); }
-  void free(void* ptr, MemoryKind kind) override { d_.free(ptr, kind); }
-  MemoryStats memory_stats() const override { return d_.memory_stats(); }
-  void reset_peaks() override { d_.reset_peaks(); }
   Stream create_stream(StreamRole role, int priority) override {
-    const Stream s = d_.create_stream(role, priority);
+    const Stream s = inner().create_stream(role, priority);
     if (role == StreamRole::kD2H) d2h_ = s.id;
     return s;
   }
-  void destroy_stream(Stream s) override { d_.destroy_stream(s); }
-  Event create_event() override { return d_.create_event(); }
-  void destroy_event(Event e) override { d_.destroy_event(e); }
-  void record(Event e, Stream s) override { d_.record(e, s); }
-  void wait(Stream s, Event e) override { d_.wait(s, e); }
-  bool query(Event e) override { return d_.query(e); }
-  void synchronize(Event e) override { d_.synchronize(e); }
-  void synchronize(Stream s) override { d_.synchronize(s); }
   void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
     if (s.id == d2h_ && bytes == fail_bytes && (fail_always || fail_next > 0)) {
       if (fail_next > 0) --fail_next;
       throw Error("injected copy failure");
     }
-    d_.copy_async(dst, src, bytes, s);
-  }
-  void host_callback(Stream s, std::function<void()> fn) override {
-    d_.host_callback(s, std::move(fn));
+    inner().copy_async(dst, src, bytes, s);
   }
 
  private:
-  Device& d_;
   int d2h_ = -1;
 };
 

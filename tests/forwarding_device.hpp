@@ -1,0 +1,50 @@
+// A Device that forwards every call to another one: tests derive from it to inject faults
+// or log calls, overriding only what they change.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "spillway/device.hpp"
+
+namespace spillway::testing {
+
+class ForwardingDevice : public Device {
+ public:
+  explicit ForwardingDevice(Device& inner) : inner_(inner) {}
+  std::string name() const override { return inner_.name(); }
+  bool emulated() const override { return inner_.emulated(); }
+  AllocResult allocate(size_t bytes, MemoryKind kind) override {
+    return inner_.allocate(bytes, kind);
+  }
+  void free(void* ptr, MemoryKind kind) override { inner_.free(ptr, kind); }
+  MemoryStats memory_stats() const override { return inner_.memory_stats(); }
+  void reset_peaks() override { inner_.reset_peaks(); }
+  Stream create_stream(StreamRole role, int priority) override {
+    return inner_.create_stream(role, priority);
+  }
+  void destroy_stream(Stream s) override { inner_.destroy_stream(s); }
+  Event create_event() override { return inner_.create_event(); }
+  void destroy_event(Event e) override { inner_.destroy_event(e); }
+  void record(Event e, Stream s) override { inner_.record(e, s); }
+  void wait(Stream s, Event e) override { inner_.wait(s, e); }
+  bool query(Event e) override { return inner_.query(e); }
+  void synchronize(Event e) override { inner_.synchronize(e); }
+  void synchronize(Stream s) override { inner_.synchronize(s); }
+  void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
+    inner_.copy_async(dst, src, bytes, s);
+  }
+  void host_callback(Stream s, std::function<void()> fn) override {
+    inner_.host_callback(s, std::move(fn));
+  }
+  void* native_stream(Stream s) override { return inner_.native_stream(s); }
+
+ protected:
+  Device& inner() const { return inner_; }
+
+ private:
+  Device& inner_;
+};
+
+}  // namespace spillway::testing
