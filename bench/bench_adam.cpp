@@ -22,6 +22,7 @@
 #include <random>
 #include <thread>
 
+#include "bench_json.hpp"
 #include "core/stats.hpp"
 #include "optim/adamw.hpp"
 #include "spillway/error.hpp"
@@ -652,13 +653,9 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options) {
 }
 
 std::string adam_bench_json(const AdamBenchResult& r) {
-  using Json = nlohmann::ordered_json;
-  const auto finite = [](double v) { return std::isfinite(v) ? v : 0.0; };
-  const auto finite_all = [&](const std::vector<double>& v) {
-    Json a = Json::array();
-    for (double x : v) a.push_back(finite(x));
-    return a;
-  };
+  using bench_json::finite;
+  using bench_json::finite_all;
+  using bench_json::Json;
   const AdamBenchOptions& o = r.options;
   Json j;
   j["schema"] = "spillway.bench.adam/1";

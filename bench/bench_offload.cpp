@@ -13,6 +13,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "bench_json.hpp"
 #include "core/stats.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
@@ -444,13 +445,9 @@ OffloadBenchResult run_offload_bench(const OffloadBenchOptions& o) {
 }
 
 std::string offload_bench_json(const OffloadBenchResult& r) {
-  using Json = nlohmann::ordered_json;
-  const auto finite = [](double v) { return std::isfinite(v) ? v : 0.0; };
-  const auto finite_all = [&](const std::vector<double>& v) {
-    Json a = Json::array();
-    for (double x : v) a.push_back(finite(x));
-    return a;
-  };
+  using bench_json::finite;
+  using bench_json::finite_all;
+  using bench_json::Json;
   const OffloadBenchOptions& o = r.options;
   Json j;
   j["schema"] = "spillway.bench.offload/1";

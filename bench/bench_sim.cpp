@@ -46,7 +46,8 @@ double median_ms(const std::function<void()>& f, int reps) {
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
@@ -55,17 +56,19 @@ double median_ms(const std::function<void()>& f, int reps) {
 double heap_baseline_events_per_s(int64_t events) {
   std::mt19937_64 rng(42);
   std::uniform_real_distribution<double> d(0.0, 1.0);
-  const double ms = median_ms([&] {
-    std::priority_queue<double, std::vector<double>, std::greater<>> q;
-    double now = 0.0;
-    for (int i = 0; i < 8; ++i) q.push(d(rng));
-    for (int64_t i = 0; i < events; ++i) {
-      now = q.top();
-      q.pop();
-      q.push(now + d(rng));
-    }
-    if (now < 0) std::puts("");
-  }, 7);
+  const double ms = median_ms(
+      [&] {
+        std::priority_queue<double, std::vector<double>, std::greater<>> q;
+        double now = 0.0;
+        for (int i = 0; i < 8; ++i) q.push(d(rng));
+        for (int64_t i = 0; i < events; ++i) {
+          now = q.top();
+          q.pop();
+          q.push(now + d(rng));
+        }
+        if (now < 0) std::puts("");
+      },
+      7);
   return static_cast<double>(events) / (ms / 1e3);
 }
 
@@ -91,16 +94,18 @@ int main() {
     int64_t planned = 0;
     for (const auto& l : plan.layers) planned += l.offload_bytes;
     SPILLWAY_CHECK(check.summary.d2h_bytes == planned * c.gpus * c.grad_accum,
-                   "D2H bytes {} != planned {}", check.summary.d2h_bytes, planned * c.gpus * c.grad_accum);
+                   "D2H bytes {} != planned {}", check.summary.d2h_bytes,
+                   planned * c.gpus * c.grad_accum);
     SPILLWAY_CHECK(check.summary.step_ms > 0.0, "empty simulation");
     const int64_t events = check.summary.events;
     const double ms = median_ms([&] { (void)spillway::simulate_training_step(plan, r, o); }, 7);
     const double ours = static_cast<double>(events) / (ms / 1e3);
     const double heap = heap_baseline_events_per_s(events);
-    std::printf("  %-50s %8lld events in %7.2f ms (graph build + run): %6.2f M events/s "
-                "(target > 1 M); bare heap loop %6.1f M events/s, ratio %.3f%s\n",
-                c.name, static_cast<long long>(events), ms, ours / 1e6, heap / 1e6, ours / heap,
-                c.gpus == 1 ? "; one step of a 96-layer plan (target < 50 ms)" : "");
+    std::printf(
+        "  %-50s %8lld events in %7.2f ms (graph build + run): %6.2f M events/s "
+        "(target > 1 M); bare heap loop %6.1f M events/s, ratio %.3f%s\n",
+        c.name, static_cast<long long>(events), ms, ours / 1e6, heap / 1e6, ours / heap,
+        c.gpus == 1 ? "; one step of a 96-layer plan (target < 50 ms)" : "");
   }
   return 0;
 }

@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "bench_json.hpp"
 #include "core/stats.hpp"
 #include "optim/offload_pipeline.hpp"
 #include "spillway/device.hpp"
@@ -194,12 +195,10 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
   AdamW pool(options.threads);
   res.options.threads = pool.threads();
 
-  // Per-bucket timings for the split: the CPU work of one bucket (norm lane sums, the step
-  // out of place on the pool with bf16 gradient in and bf16 copy out, as in the
-  // pipeline), the device-side step (one thread here), the link
-  // both ways. Each
-  // sample steps a different bucket of full-size state, so that it starts cold, as in the
-  // pipeline.
+  // Per-bucket timings for the split, as STV does a bucket: the norm lane sums and the
+  // step out of place (into a second buffer) on the pool, bf16 gradient in and bf16 copy
+  // out; the device-side step (one thread here); the link both ways. Each sample steps a
+  // different bucket of full-size state, so that it starts cold, as in the pipeline.
   {
     const size_t bn = options.bucket_elements;
     const int nb = options.buckets;
@@ -218,22 +217,26 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
       a.n = bn;
       return a;
     };
-    // As STV does per bucket: the norm lane sums, the step out of place (into the second
-    // buffer).
     std::vector<double> lanes(optim::kNormLanes);
     std::vector<float> second(3 * bn);
-    const double cpu_step = median_ms(3, [&] {
+    std::vector<double> lane_samples, step_samples;
+    for (int i = 0; i < 3; ++i, ++next) {
       optim::AdamWArgs a = args(next);
       const uint16_t* g = w.small.data() + (a.p - p.data());
+      const Clock::time_point t0 = Clock::now();
       optim::norm_lane_sums_bf16(g, bn, lanes.data());
+      lane_samples.push_back(ms_since(t0));
       a.p_out = second.data();
       a.m_out = second.data() + bn;
       a.v_out = second.data() + 2 * bn;
       a.g = g;
       a.grad_type = optim::GradType::kBf16;
+      const Clock::time_point t1 = Clock::now();
       pool.step(hp, a);
-      ++next;
-    });
+      step_samples.push_back(ms_since(t1));
+    }
+    res.bucket_lanes_ms = median(lane_samples);
+    res.bucket_step_ms = median(step_samples);
     res.bucket_device_ms = median_ms(3, [&] {
       optim::AdamWArgs a = args(next);
       a.g = w.small.data() + (a.p - p.data());
@@ -244,7 +247,8 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
     const double link_ms = options.link_gbps > 0
                                ? 2.0 * static_cast<double>(bn) * 2.0 / (options.link_gbps * 1e6)
                                : 0.0;
-    res.bucket_cpu_ms = cpu_step + link_ms;
+    res.bucket_link_ms = link_ms;
+    res.bucket_cpu_ms = res.bucket_lanes_ms + res.bucket_step_ms + link_ms;
   }
   int split = options.device_buckets;
   {
@@ -313,27 +317,32 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
 }
 
 std::string stv_bench_json(const StvBenchResult& r) {
-  using Json = nlohmann::ordered_json;
+  using bench_json::finite;
+  using bench_json::finite_all;
+  using bench_json::Json;
   Json j;
   j["schema"] = "spillway.bench.optim_offload/1";
   j["correct"] = r.correct;
-  j["stv_tail_ratio"] = r.stv_tail_ratio;
-  j["stv_step_ratio"] = r.stv_step_ratio;
+  j["stv_tail_ratio"] = finite(r.stv_tail_ratio);
+  j["stv_step_ratio"] = finite(r.stv_step_ratio);
   Json vs = Json::array();
   for (const StvBenchVariant& v : r.variants) {
     vs.push_back(Json{{"name", v.name},
                       {"device_buckets", v.device_buckets},
                       {"undo_bytes", v.undo_bytes},
-                      {"step_ms", v.step_ms},
-                      {"backward_ms", v.backward_ms},
-                      {"tail_ms", v.tail_ms},
-                      {"samples_tail_ms", v.samples_tail_ms}});
+                      {"step_ms", finite(v.step_ms)},
+                      {"backward_ms", finite(v.backward_ms)},
+                      {"tail_ms", finite(v.tail_ms)},
+                      {"samples_tail_ms", finite_all(v.samples_tail_ms)}});
   }
   j["variants"] = vs;
   j["split"] = Json{{"device_buckets", r.options.device_buckets},
-                    {"bucket_cpu_ms", r.bucket_cpu_ms},
-                    {"bucket_device_ms", r.bucket_device_ms},
-                    {"predicted_end_ms", r.predicted_end_ms}};
+                    {"bucket_cpu_ms", finite(r.bucket_cpu_ms)},
+                    {"bucket_lanes_ms", finite(r.bucket_lanes_ms)},
+                    {"bucket_step_ms", finite(r.bucket_step_ms)},
+                    {"bucket_link_ms", finite(r.bucket_link_ms)},
+                    {"bucket_device_ms", finite(r.bucket_device_ms)},
+                    {"predicted_end_ms", finite(r.predicted_end_ms)}};
   const StvBenchOptions& o = r.options;
   j["workload"] = Json{{"buckets", o.buckets},
                        {"bucket_elements", o.bucket_elements},
@@ -369,10 +378,11 @@ std::string format_stv_bench(const StvBenchResult& r) {
       "{:.2f}x (limit: a tail of 0, the step ending with backward).\n",
       r.stv_tail_ratio, r.stv_step_ratio);
   out += fmt::format(
-      "split: per bucket the CPU path takes {:.1f} ms (link both ways, norm lanes, "
-      "step), the device-side "
-      "step {:.1f} ms; choose_device_buckets picks {} (predicted end {:.1f} ms){}.\n",
-      r.bucket_cpu_ms, r.bucket_device_ms, o.device_buckets, r.predicted_end_ms,
+      "split: per bucket the CPU path takes {:.2f} ms (norm lanes {:.2f}, step {:.2f}, link "
+      "both ways {:.2f}), the device-side step {:.2f} ms; choose_device_buckets picks {} "
+      "(predicted end {:.1f} ms){}.\n",
+      r.bucket_cpu_ms, r.bucket_lanes_ms, r.bucket_step_ms, r.bucket_link_ms, r.bucket_device_ms,
+      o.device_buckets, r.predicted_end_ms,
       o.device_buckets == 0 ? "; the split variant runs 1 to show its cost" : "");
   out +=
       "\nafter-backward: undo memory 0, every CPU step waits for the norm (copies still "

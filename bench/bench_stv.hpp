@@ -62,7 +62,10 @@ struct StvBenchResult {
   StvBenchOptions options;  // as run (threads, device_buckets resolved)
   int64_t elements = 0;
   // Per-bucket timings the split was chosen from (ms).
-  double bucket_cpu_ms = 0.0;             // link down + norm lanes and CPU step + link up
+  double bucket_cpu_ms = 0.0;             // the sum of the next three
+  double bucket_lanes_ms = 0.0;           // the norm lane sums (one thread)
+  double bucket_step_ms = 0.0;            // the out-of-place step on the pool
+  double bucket_link_ms = 0.0;            // down and up at link_gbps
   double bucket_device_ms = 0.0;          // the device-side step (here: one CPU thread)
   double predicted_end_ms = 0.0;          // choose_device_buckets' end of step for the chosen split
   bool correct = false;                   // the bitwise check passed (else it threw)

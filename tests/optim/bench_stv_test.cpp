@@ -45,7 +45,10 @@ TEST(BenchStv, TinyRunIsCorrectAndReportsEveryVariant) {
     EXPECT_GE(v.backward_ms, 4.0) << v.name << ": backward lasts its schedule";
     EXPECT_GE(v.step_ms, v.backward_ms) << v.name;
   }
-  EXPECT_GT(r.bucket_cpu_ms, 0.0);
+  EXPECT_GT(r.bucket_lanes_ms, 0.0);
+  EXPECT_GT(r.bucket_step_ms, 0.0);
+  EXPECT_EQ(r.bucket_link_ms, 0.0);  // unthrottled
+  EXPECT_DOUBLE_EQ(r.bucket_cpu_ms, r.bucket_lanes_ms + r.bucket_step_ms);
   EXPECT_GT(r.bucket_device_ms, 0.0);
   EXPECT_GE(r.options.device_buckets, 0);
   EXPECT_EQ(r.options.threads, 2);
