@@ -208,6 +208,7 @@ struct Model::Impl {
   std::vector<LayerParams> lp;
   size_t embed = 0, final_norm = 0, lm_head = 0;
   size_t n_params = 0;
+  std::vector<optim::Bucket> buckets;  // Model::parameter_buckets
   float* w = nullptr;
   float* g = nullptr;
   float* m1 = nullptr;
@@ -689,6 +690,13 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
   m.final_norm = take(d);
   m.lm_head = take(static_cast<size_t>(c.vocab) * d);
   m.n_params = at;
+  // Optimizer buckets: the embedding, each layer, the final norm with the head.
+  m.buckets.push_back({m.embed, (m.lp.empty() ? m.final_norm : m.lp[0].attn_norm) - m.embed});
+  for (size_t l = 0; l < m.lp.size(); ++l) {
+    const size_t end = l + 1 < m.lp.size() ? m.lp[l + 1].attn_norm : m.final_norm;
+    m.buckets.push_back({m.lp[l].attn_norm, end - m.lp[l].attn_norm});
+  }
+  m.buckets.push_back({m.final_norm, m.n_params - m.final_norm});
   const std::string what =
       fmt::format("for {} parameters, their gradients{}", at,
                   device_optimizer ? " and AdamW moments" : " (the optimizer is offloaded)");
@@ -759,15 +767,7 @@ std::vector<int64_t> Model::saved_tensor_bytes(int layer, int batch, int seq) co
 }
 
 std::vector<optim::Bucket> Model::parameter_buckets() const {
-  const Impl& m = *impl_;
-  std::vector<optim::Bucket> out;
-  out.push_back({m.embed, m.lp.empty() ? m.final_norm - m.embed : m.lp[0].attn_norm - m.embed});
-  for (size_t l = 0; l < m.lp.size(); ++l) {
-    const size_t end = l + 1 < m.lp.size() ? m.lp[l + 1].attn_norm : m.final_norm;
-    out.push_back({m.lp[l].attn_norm, end - m.lp[l].attn_norm});
-  }
-  out.push_back({m.final_norm, m.n_params - m.final_norm});
-  return out;
+  return impl_->buckets;
 }
 
 StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
@@ -803,8 +803,6 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     }
   }
   if (engine != nullptr) engine->begin_step();
-  const std::vector<optim::Bucket> buckets =
-      optimizer != nullptr ? parameter_buckets() : std::vector<optim::Bucket>();
   if (optimizer != nullptr) {
     SPILLWAY_CHECK(m.m1 == nullptr,
                    "step: an offloaded optimizer needs a Model built with "
@@ -821,7 +819,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   // A bucket's gradients are complete: to the pipeline, in bf16.
   auto hand_over = [&](int b) {
     if (optimizer == nullptr) return;
-    const optim::Bucket& k = buckets[static_cast<size_t>(b)];
+    const optim::Bucket& k = m.buckets[static_cast<size_t>(b)];
     uint16_t* g16 = optimizer->device_grads() + k.offset;
     for (size_t i = 0; i < k.n; ++i) g16[i] = optim::float_to_bf16(m.g[k.offset + i]);
     optimizer->on_bucket_grad(b);
