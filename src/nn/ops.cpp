@@ -272,23 +272,41 @@ void exp_shifted(T* x, int n, T shift) {
   for (int j = 0; j < n; ++j) x[j] = std::exp(x[j] - shift);
 }
 
+// What both attention passes derive from the shape (checked here).
+struct AttentionGeometry {
+  int group;      // query heads per kv head
+  int width;      // a token's qkv row: (heads + 2 kv_heads) head_dim
+  int out_width;  // a token's output row: heads head_dim
+  size_t hd;      // head_dim
+  double scale;   // 1 / sqrt(head_dim)
+  size_t q_size;  // (heads, seq, head_dim): the rotated, scaled q
+  size_t k_size;  // (kv_heads, seq, head_dim): the rotated k
+  int block;      // query rows per block (Note [Attention blocks])
+};
+
+AttentionGeometry attention_geometry(int seq, int heads, int kv_heads, int head_dim) {
+  check_attention_shape(heads, kv_heads, head_dim);
+  const size_t hd = static_cast<size_t>(head_dim);
+  return {heads / kv_heads,
+          (heads + 2 * kv_heads) * head_dim,
+          heads * head_dim,
+          hd,
+          1.0 / std::sqrt(static_cast<double>(head_dim)),
+          static_cast<size_t>(seq) * heads * hd,
+          static_cast<size_t>(seq) * kv_heads * hd,
+          std::min(kAttnBlock, seq)};
+}
+
 }  // namespace
 
 template <class T>
 void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, int kv_heads,
                    int head_dim, double rope_theta) {
-  check_attention_shape(heads, kv_heads, head_dim);
+  const auto [group, width, out_width, hd, scale, q_size, k_size, block] =
+      attention_geometry(seq, heads, kv_heads, head_dim);
   if (batch <= 0 || seq <= 0) return;
-  const int group = heads / kv_heads;
-  const int width = (heads + 2 * kv_heads) * head_dim;
-  const int out_width = heads * head_dim;
-  const size_t hd = static_cast<size_t>(head_dim);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const RopeTable& rope = rope_table(seq, head_dim, rope_theta);
 
-  const size_t q_size = static_cast<size_t>(seq) * heads * hd;
-  const size_t k_size = static_cast<size_t>(seq) * kv_heads * hd;
-  const int block = std::min(kAttnBlock, seq);
   T* buf = scratch(attention_scratch<T>(), q_size + k_size + static_cast<size_t>(block) * seq);
   T* qs = buf;             // (heads, seq, head_dim) rotated, scaled q
   T* kr = qs + q_size;     // (kv_heads, seq, head_dim) rotated k
@@ -335,19 +353,12 @@ void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, 
 template <class T>
 void attention_bwd(const T* qkv, const T* out, const T* lse, const T* dout, T* dqkv, int batch,
                    int seq, int heads, int kv_heads, int head_dim, double rope_theta) {
-  check_attention_shape(heads, kv_heads, head_dim);
+  const auto [group, width, out_width, hd, scale, q_size, k_size, block] =
+      attention_geometry(seq, heads, kv_heads, head_dim);
   if (batch <= 0 || seq <= 0) return;
   const int half = head_dim / 2;
-  const int group = heads / kv_heads;
-  const int width = (heads + 2 * kv_heads) * head_dim;
-  const int out_width = heads * head_dim;
-  const size_t hd = static_cast<size_t>(head_dim);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const RopeTable& rope = rope_table(seq, head_dim, rope_theta);
 
-  const size_t q_size = static_cast<size_t>(seq) * heads * hd;
-  const size_t k_size = static_cast<size_t>(seq) * kv_heads * hd;
-  const int block = std::min(kAttnBlock, seq);
   const size_t block_size = static_cast<size_t>(block) * seq;
   T* buf = scratch(attention_scratch<T>(),
                    q_size + 3 * k_size + static_cast<size_t>(seq) * hd + 2 * block_size);
