@@ -388,11 +388,11 @@ void attention_reference(const AttnShape& s, const Vec& qkv, Vec& out, Vec& lse)
       const int kvh = h / (s.heads / s.kv_heads);
       for (int i = 0; i < s.seq; ++i) {
         const double* row_i = qkv.data() + sz((b * s.seq + i) * w);
-        const Vec q = rope(row_i + h * hd, i);
+        const Vec q = rope(row_i + sz(h * hd), i);
         Vec scores;
         for (int j = 0; j <= i; ++j) {
           const double* row_j = qkv.data() + sz((b * s.seq + j) * w);
-          const Vec k = rope(row_j + (s.heads + kvh) * hd, j);
+          const Vec k = rope(row_j + sz((s.heads + kvh) * hd), j);
           scores.push_back(std::inner_product(q.begin(), q.end(), k.begin(), 0.0) /
                            std::sqrt(static_cast<double>(hd)));
         }
@@ -672,7 +672,7 @@ TEST(NnOps, CrossEntropyGradients) {
 }
 
 TEST(NnOps, CrossEntropyOfUniformLogitsIsLogV) {
-  const std::vector<float> logits(2 * 1000, 1000.f);  // large: needs the max subtraction
+  const std::vector<float> logits(size_t{2} * 1000, 1000.f);  // large: needs the max subtraction
   const std::vector<int32_t> targets = {0, 999};
   std::vector<float> dlogits(logits.size());
   EXPECT_NEAR(cross_entropy<float>(logits.data(), targets.data(), dlogits.data(), 2, 1000),

@@ -66,7 +66,7 @@ StepTelemetry run_step(Rig& r, OffloadEngine& e, int layers, int per_layer, uint
     for (int k = 0; k < per_layer; ++k) {
       // Sizes from 1 byte to ~1 MB, odd ones included (alignment), like bf16/fp32/int8 tensors.
       const size_t elem = size_t{1} << (rng() % 3);
-      const size_t bytes = elem * (1 + rng() % (256 * 1024));
+      const size_t bytes = elem * (1 + rng() % (size_t{256} * 1024));
       if (sizes_out) sizes_out->push_back(bytes);
       DeviceTensor t = e.allocate(bytes);
       const uint32_t tag = seed * 7919u + static_cast<uint32_t>(l * 131 + k);

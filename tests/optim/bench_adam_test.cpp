@@ -44,7 +44,7 @@ TEST(BenchAdam, TinyRunIsCorrectAndReportsEveryFigure) {
   EXPECT_FALSE(r.simd_target.empty());
   EXPECT_DOUBLE_EQ(r.bytes_per_element, 30.0);  // 28 + the bf16 copy
   EXPECT_DOUBLE_EQ(r.triad_bytes_per_element, 16.0);
-  const size_t samples = static_cast<size_t>(o.repeats * o.steps);
+  const size_t samples = static_cast<size_t>(o.repeats) * static_cast<size_t>(o.steps);
   EXPECT_EQ(r.samples_elements_per_s.size(), samples);
   EXPECT_EQ(r.samples_triad_gbps.size(), samples);
   EXPECT_EQ(r.samples_scalar_elements_per_s.size(), samples);
