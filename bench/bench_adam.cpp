@@ -24,8 +24,8 @@
 
 #include "bench_json.hpp"
 #include "core/stats.hpp"
-#include "optim/adamw.hpp"
 #include "spillway/error.hpp"
+#include "spillway/optim.hpp"
 #include "spillway/units.hpp"
 
 extern char** environ;

@@ -129,7 +129,7 @@ struct Shape {
 };
 
 struct Rig {
-  OffloadPolicy policy;
+  MemoryPolicy policy;
   OffloadOptions options;
   std::vector<std::vector<OffloadHandle>> handles;  // (layers, per_layer), reused
   std::vector<std::string> names;                   // per tensor index
@@ -141,7 +141,7 @@ struct Rig {
 Rig make_rig(const Shape& w, int prefetch_depth) {
   Rig r;
   for (int i = 0; i < w.per_layer; ++i) r.names.push_back(fmt::format("act.{}", i));
-  r.policy = OffloadPolicy::uniform(w.layers, r.names, /*keep_last=*/0);
+  r.policy = MemoryPolicy::uniform(w.layers, r.names, /*keep_last=*/0);
   r.policy.prefetch_depth = prefetch_depth;
   // The pinned pool holds every tensor: no fallback to keeping it on the device.
   const int64_t block = static_cast<int64_t>(round_up(w.bytes, 256));

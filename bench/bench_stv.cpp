@@ -12,9 +12,10 @@
 
 #include "bench_json.hpp"
 #include "core/stats.hpp"
-#include "optim/offload_pipeline.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
+#include "spillway/optim.hpp"
+#include "spillway/plan.hpp"
 
 namespace spillway {
 
@@ -28,15 +29,15 @@ namespace {
 
 constexpr double kClip = 1.0;
 
-struct Workload {
+struct StvWorkload {
   size_t n = 0;
   std::vector<Bucket> buckets;
   std::vector<float> w0;
   std::vector<uint16_t> small, large;  // bf16 gradients: a commit, a clip
 };
 
-Workload make_workload(const StvBenchOptions& o) {
-  Workload w;
+StvWorkload make_workload(const StvBenchOptions& o) {
+  StvWorkload w;
   w.n = o.bucket_elements * static_cast<size_t>(o.buckets);
   for (int b = 0; b < o.buckets; ++b)
     w.buckets.push_back({static_cast<size_t>(b) * o.bucket_elements, o.bucket_elements});
@@ -68,7 +69,7 @@ struct Runner {
   StvBenchVariant result;
 };
 
-std::unique_ptr<Runner> make_runner(const StvBenchOptions& o, const Workload& w, AdamW& pool,
+std::unique_ptr<Runner> make_runner(const StvBenchOptions& o, const StvWorkload& w, AdamW& pool,
                                     std::string name, int device_buckets, int64_t undo_limit) {
   auto r = std::make_unique<Runner>();
   r->name = std::move(name);
@@ -93,7 +94,7 @@ std::unique_ptr<Runner> make_runner(const StvBenchOptions& o, const Workload& w,
 
 // One step: backward hands the buckets over on schedule, last first. Returns {step ms,
 // backward ms} measured from the start of backward.
-std::pair<double, double> run_step(Runner& r, const Workload& w, const std::vector<uint16_t>& g,
+std::pair<double, double> run_step(Runner& r, const StvWorkload& w, const std::vector<uint16_t>& g,
                                    double backward_ms) {
   Device& dev = *r.dev;
   const int nb = static_cast<int>(w.buckets.size());
@@ -190,7 +191,7 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
   check_stv_bench_options(options);
   StvBenchResult res;
   res.options = options;
-  const Workload w = make_workload(options);
+  const StvWorkload w = make_workload(options);
   res.elements = static_cast<int64_t>(w.n);
   AdamW pool(options.threads);
   res.options.threads = pool.threads();
@@ -252,13 +253,12 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
   }
   int split = options.device_buckets;
   {
-    std::vector<optim::BucketTiming> arrival;
+    std::vector<BucketTiming> arrival;
     arrival.reserve(static_cast<size_t>(options.buckets));
     for (int i = 0; i < options.buckets; ++i)
       arrival.push_back({options.backward_ms / options.buckets * (i + 1), res.bucket_cpu_ms,
                          res.bucket_device_ms, static_cast<int64_t>(options.bucket_elements) * 12});
-    const optim::SplitChoice c =
-        optim::choose_device_buckets(arrival, options.backward_ms, int64_t{1} << 50);
+    const SplitChoice c = choose_device_buckets(arrival, options.backward_ms, int64_t{1} << 50);
     if (split < 0) split = c.device_buckets;
     res.predicted_end_ms = c.end_ms;
   }

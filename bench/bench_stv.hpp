@@ -14,7 +14,7 @@
 //                overlapped with backward (the baseline);
 //                stv: every bucket speculated as it arrives;
 //                stv+split: the same with the last `device_buckets` to arrive stepped on
-//                the device (-1: chosen by optim::choose_device_buckets from per-bucket
+//                the device (-1: chosen by choose_device_buckets from per-bucket
 //                timings measured in this run). On the host backend the "device" step runs
 //                on the compute stream's thread: the same CPU, so the split's gain here
 //                understates a GPU's.

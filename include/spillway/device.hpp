@@ -112,4 +112,13 @@ std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options);
 // no such device exists (an expected outcome: tests skip on it).
 std::unique_ptr<Device> make_cuda_device(int ordinal, std::string* why);
 
+// Whether the CUDA backend is compiled in and how many devices the runtime sees. The
+// answer is a value: "no GPU" is an expected outcome here, not an error.
+struct CudaInfo {
+  bool compiled = false;  // built with SPILLWAY_CUDA
+  int devices = 0;        // devices the CUDA runtime reports (0 without a GPU or driver)
+  std::string note;       // e.g. "cudaGetDeviceCount: no CUDA-capable device is detected"
+};
+CudaInfo cuda_info();
+
 }  // namespace spillway

@@ -23,23 +23,10 @@
 #include <vector>
 
 #include "spillway/device.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/hooks.hpp"
+#include "spillway/policy.hpp"
 
 namespace spillway {
-
-// Which tensors of which layers go to the host (the rest stay or are recomputed by the
-// caller), and how far ahead backward prefetches.
-struct OffloadPolicy {
-  std::vector<std::vector<std::string>> layers;  // per layer: tensor names to offload
-  int prefetch_depth = 1;
-  bool wants(int layer, std::string_view name) const;
-  int64_t layer_count() const { return static_cast<int64_t>(layers.size()); }
-  // From a plan (spillway.plan/1): the tensors whose action is "offload".
-  static OffloadPolicy from_plan(const Plan& plan, int prefetch_depth);
-  // Every layer but the last `keep_last` offloads the named tensors.
-  static OffloadPolicy uniform(int layers, const std::vector<std::string>& names,
-                               int keep_last = 1);
-};
 
 struct OffloadOptions {
   int64_t pinned_bytes = int64_t{1} << 30;  // host pool for offloaded tensors
@@ -98,7 +85,7 @@ struct StepTelemetry {
 class OffloadEngine {
  public:
   // Allocates the pools, handle slots and events now; creates its D2H and H2D streams.
-  OffloadEngine(Device& device, Stream compute, OffloadPolicy policy, OffloadOptions options);
+  OffloadEngine(Device& device, Stream compute, MemoryPolicy policy, OffloadOptions options);
   ~OffloadEngine();
   OffloadEngine(const OffloadEngine&) = delete;
   OffloadEngine& operator=(const OffloadEngine&) = delete;
@@ -125,7 +112,9 @@ class OffloadEngine {
   // Waits for the engine's streams, checks verify-mode checksums, returns the telemetry.
   StepTelemetry end_step();
 
-  const OffloadPolicy& policy() const { return policy_; }
+  const MemoryPolicy& policy() const { return policy_; }
+  // Handles alive at once (OffloadOptions::max_tensors).
+  int max_tensors() const;
   // D2H bytes issued and not yet known complete (as of the last engine call).
   int64_t inflight_bytes() const;
   Stream d2h_stream() const;
@@ -134,7 +123,34 @@ class OffloadEngine {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  OffloadPolicy policy_;
+  MemoryPolicy policy_;
+};
+
+// The engine on the socket (spillway/hooks.hpp): a training loop's saved tensors go to
+// the engine when its policy wants them (Note [Saved tensor ownership]: given tensors
+// only, freed by the engine once copied and, with hold_until_forward_end, not before the
+// layer's forward ends); backward_begin(i) prefetches the layers below i, prefetch_depth
+// deep; needed() hands back the reload from the engine's device pool and done() returns
+// it; step_end() collects the step's telemetry.
+class OffloadHooks final : public TrainingHooks {
+ public:
+  explicit OffloadHooks(OffloadEngine& engine);
+
+  void step_begin() override;
+  SavedTicket saved(int layer, std::string_view name, const SavedTensor& t) override;
+  void forward_end(int layer) override;
+  void backward_begin(int layer) override;
+  void* needed(const SavedTicket& ticket, void* dst) override;
+  void done(const SavedTicket& ticket) override;
+  void step_end() override;
+
+  // The telemetry of the last step_end().
+  const StepTelemetry& telemetry() const { return telemetry_; }
+
+ private:
+  OffloadEngine& engine_;
+  std::vector<DeviceTensor> reloaded_;  // by handle: what needed() handed out (sized once)
+  StepTelemetry telemetry_;
 };
 
 }  // namespace spillway

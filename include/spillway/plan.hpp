@@ -24,18 +24,17 @@
 #include "spillway/hardware.hpp"
 #include "spillway/inventory.hpp"
 #include "spillway/model.hpp"
+#include "spillway/policy.hpp"
 #include "spillway/units.hpp"
 
 namespace spillway {
 
-enum class Strategy { kAuto, kKeep, kRecompute, kOffload, kSelective, kHybrid };
-enum class Policy { kKeep, kRecompute, kOffload, kSelective, kHybrid };
-enum class Action { kKeep, kOffload, kRecompute };
-
-std::string to_string(Strategy s);
-std::string to_string(Policy p);
-std::string to_string(Action a);
-Strategy parse_strategy(const std::string& s);
+// What the planner is asked for: one policy in every layer, or the best per layer
+// (Policy::kAuto). One vocabulary with the engines (spillway/policy.hpp).
+using Strategy = Policy;
+inline Strategy parse_strategy(const std::string& s) {
+  return parse_policy(s, "--strategy");
+}
 
 // Roofline efficiency factors: the fraction of peak a kernel class reaches.
 // Defaults: GEMMs 0.70 of dense peak, fused attention 0.50, memory-bound kernels 0.80 of
@@ -186,5 +185,55 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& request);
 Plan load_plan_json(const std::string& path, PlanRequest* request);
 // The human report: a table per layer and the summary.
 std::string format_plan_report(const Plan& plan, const PlanRequest& request);
+
+// The GPU/CPU split (DESIGN section 4): how many of the buckets that arrive last keep their
+// optimizer step on the device. Per bucket, in arrival order: when its gradient is
+// complete (ms from the start of backward), its CPU pipeline time (copy down, step, copy
+// up; the CPU handles one bucket at a time), its device step time, and the HBM its fp32
+// state needs on the device (12 bytes per element). The step ends when backward
+// (`backward_ms`) and every bucket's update are done; the device steps its buckets after
+// backward. Picks the n (from the last-arriving end) with the earliest end that fits in
+// `free_hbm_bytes`; ties go to the smaller n.
+struct BucketTiming {
+  double arrive_ms = 0.0;
+  double cpu_ms = 0.0;
+  double device_ms = 0.0;
+  int64_t state_bytes = 0;
+};
+struct SplitChoice {
+  int device_buckets = 0;
+  double end_ms = 0.0;       // of the optimizer step with that split
+  double cpu_only_ms = 0.0;  // with device_buckets = 0
+};
+SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order,
+                                  double backward_ms, int64_t free_hbm_bytes);
+
+// The GPU/CPU split of optimizer offload, planned (DESIGN section 4, docs/optim.md): one
+// gradient bucket per layer, arriving as backward passes it (last layer first); on the CPU
+// a bucket costs its gradient copy down, its AdamW step at the measured CPU rate
+// (`spillway bench adam`) and its weight copy up; on the device its AdamW step at HBM
+// speed after backward; its fp32 state (12 bytes per parameter) needs free HBM. The split
+// is choose_device_buckets over those timings.
+// `cpu_adam_gbps` > 0 (the figure of `spillway bench adam`); throws spillway::Error
+// naming it otherwise.
+struct OptimizerSplit {
+  int layers = 0;            // buckets (one per layer of this stage)
+  int layers_on_device = 0;  // the last to arrive (the first layers), stepped on the GPU
+  double backward_ms = 0.0;  // of one micro-batch, from the plan
+  double end_ms = 0.0;       // the optimizer step's end with that split, from backward's start
+  double cpu_only_ms = 0.0;  // with every layer on the CPU
+  int64_t device_state_bytes = 0;
+  int64_t free_hbm_bytes = 0;  // budget - peak + the optimizer states offload removes
+  double cpu_adam_gbps = 0.0;  // state traffic rate of the CPU AdamW (28 bytes per element)
+};
+
+// `cpu_adam_gbps` > 0 (the figure of `spillway bench adam`); throws spillway::Error
+// naming it otherwise.
+OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request,
+                                    double cpu_adam_gbps);
+
+// The plan's memory policy: per layer, its tensors in the plan's order and their actions
+// (the one converter from a plan to what the engines and models read), named `name`.
+MemoryPolicy memory_policy(const Plan& plan, const std::string& name, int prefetch_depth = 1);
 
 }  // namespace spillway

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
-#include "device/cuda_probe.hpp"
+#include "spillway/device.hpp"
 #include "spillway/hardware.hpp"
 #include "spillway/model.hpp"
 

@@ -6,7 +6,6 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "plan/optimizer_split.hpp"
 #include "spillway/plan.hpp"
 #include "spillway/units.hpp"
 

@@ -6,13 +6,13 @@
 #include <memory>
 
 #include "cli/commands.hpp"
-#include "nn/trainer.hpp"
 #include "spillway/error.hpp"
+#include "spillway/train.hpp"
 
 namespace spillway::cli {
 
 void add_train_command(CLI::App& app) {
-  auto o = std::make_shared<nn::TrainOptions>();
+  auto o = std::make_shared<train::TrainOptions>();
   auto json = std::make_shared<std::string>();
   auto quiet = std::make_shared<bool>(false);
   CLI::App* cmd = app.add_subcommand(
@@ -68,7 +68,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--lr", o->lr, "AdamW learning rate")->capture_default_str();
   cmd->add_option(
       "--corpus", o->corpus,
-      fmt::format("Text file read as byte-level tokens (default: {})", nn::kDefaultCorpus));
+      fmt::format("Text file read as byte-level tokens (default: {})", train::kDefaultCorpus));
   cmd->add_option("--prefetch-depth", o->prefetch_depth, "Backward reloads this many layers ahead")
       ->capture_default_str();
   cmd->add_option("--keep-last", o->keep_last, "Layers at the end that never offload (planner)")
@@ -100,9 +100,9 @@ void add_train_command(CLI::App& app) {
     auto progress = [&](const std::string& line) {
       if (!*quiet && !to_stdout) std::fprintf(stderr, "%s\n", line.c_str());
     };
-    const nn::TrainReport r = nn::train(*o, progress);
-    if (!json->empty()) write_output(*json, nn::train_report_json(r, *o));
-    if (!to_stdout) std::fputs(nn::format_train_report(r, *o).c_str(), stdout);
+    const train::TrainReport r = train::run(*o, progress);
+    if (!json->empty()) write_output(*json, train::train_report_json(r, *o));
+    if (!to_stdout) std::fputs(train::format_train_report(r, *o).c_str(), stdout);
   });
 }
 

@@ -1,6 +1,10 @@
 // CudaInfo for both builds: with the CUDA backend it asks the runtime, without it it
 // says the backend was not compiled.
-#include "device/cuda_probe.hpp"
+#include "spillway/device.hpp"
+
+#ifdef SPILLWAY_HAVE_CUDA
+#include "device/cuda/cuda_runtime_info.hpp"
+#endif
 
 namespace spillway {
 

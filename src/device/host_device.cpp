@@ -21,7 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "memory/arena.hpp"
+#include "core/arena.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"

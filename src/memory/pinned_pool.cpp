@@ -1,16 +1,25 @@
 // The pinned host pool (see pinned_pool.hpp).
-#include "memory/pinned_pool.hpp"
-
 #include <numa.h>
 #include <numaif.h>
 #include <sched.h>
 
 #include <algorithm>
 
+#include "core/arena.hpp"
 #include "spillway/error.hpp"
+#include "spillway/memory.hpp"
 #include "spillway/units.hpp"
 
 namespace spillway {
+
+struct PinnedPool::Slab {
+  void* base = nullptr;
+  Arena arena;
+  // One bit per alignment unit: set while a block starting there is in the cache, so a
+  // double release is caught (the arena would have caught it; the cache must too).
+  std::vector<bool> cached;
+  explicit Slab(size_t bytes) : arena(bytes), cached(bytes / Arena::kAlignment + 1, false) {}
+};
 
 namespace {
 

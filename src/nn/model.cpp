@@ -1,7 +1,5 @@
 // The reference model: forward, backward under a memory policy, AdamW. See model.hpp and
 // Note [Saved tensors].
-#include "nn/model.hpp"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -17,6 +15,7 @@
 #include "core/stats.hpp"
 #include "nn/ops.hpp"
 #include "spillway/error.hpp"
+#include "spillway/nn.hpp"
 #include "spillway/units.hpp"
 
 namespace spillway::nn {
@@ -71,13 +70,6 @@ bool is_moe(const RefConfig& c, int layer) {
 }
 
 }  // namespace
-
-bool MemoryPolicy::any_offload() const {
-  for (const auto& l : actions)
-    for (Action a : l)
-      if (a == Action::kOffload) return true;
-  return false;
-}
 
 std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer) {
   if (is_moe(c, layer)) return {std::begin(kMoeNames), std::end(kMoeNames)};
@@ -159,36 +151,46 @@ RefConfig load_reference_config(const std::string& name_or_path) {
 MemoryPolicy keep_policy(const RefConfig& c) {
   MemoryPolicy p;
   p.name = "keep";
-  for (int l = 0; l < c.layers(); ++l)
-    p.actions.emplace_back(saved_tensor_names(c, l).size(), Action::kKeep);
+  p.layers.resize(static_cast<size_t>(c.layers()));
+  for (int l = 0; l < c.layers(); ++l) {
+    LayerActions& la = p.layers[static_cast<size_t>(l)];
+    la.tensors = saved_tensor_names(c, l);
+    la.actions.assign(la.tensors.size(), Action::kKeep);
+  }
+  return p;
+}
+
+MemoryPolicy reference_policy(const RefConfig& c, const MemoryPolicy& from) {
+  if (from.layer_count() != c.layers())
+    SPILLWAY_INPUT_ERROR("plan '{}': {} layers; the model has {}", from.name, from.layer_count(),
+                         c.layers());
+  MemoryPolicy p = keep_policy(c);
+  p.name = from.name;
+  p.note = from.note;
+  p.prefetch_depth = from.prefetch_depth;
+  for (int l = 0; l < c.layers(); ++l) {
+    LayerActions& la = p.layers[static_cast<size_t>(l)];
+    const LayerActions& src = from.layers[static_cast<size_t>(l)];
+    // A tensor the source does not save (mlp.act under a fused SwiGLU backward) is
+    // recomputed from its inputs in backward; the layer input always exists.
+    for (size_t i = 1; i < la.tensors.size(); ++i) la.actions[i] = Action::kRecompute;
+    for (size_t k = 0; k < src.tensors.size() && k < src.actions.size(); ++k) {
+      const auto it = std::find(la.tensors.begin(), la.tensors.end(), src.tensors[k]);
+      if (it == la.tensors.end()) continue;  // a tensor this model does not save
+      const size_t i = static_cast<size_t>(it - la.tensors.begin());
+      if (i == kInput && src.actions[k] == Action::kRecompute)
+        SPILLWAY_INPUT_ERROR(
+            "plan '{}': layer {} recomputes attn.input, the layer input; it "
+            "can only be kept or offloaded",
+            from.name, l);
+      la.actions[i] = src.actions[k];
+    }
+  }
   return p;
 }
 
 MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::string& name) {
-  if (static_cast<int>(plan.layers.size()) != c.layers())
-    SPILLWAY_INPUT_ERROR("plan '{}': {} layers; the model has {}", name, plan.layers.size(),
-                         c.layers());
-  MemoryPolicy p = keep_policy(c);
-  p.name = name;
-  for (int l = 0; l < c.layers(); ++l) {
-    const std::vector<std::string> names = saved_tensor_names(c, l);
-    // A tensor the plan does not save (mlp.act under a fused SwiGLU backward) is
-    // recomputed from its inputs in backward; the layer input always exists.
-    for (size_t i = 1; i < names.size(); ++i)
-      p.actions[static_cast<size_t>(l)][i] = Action::kRecompute;
-    for (const TensorPlan& t : plan.layers[static_cast<size_t>(l)].tensors) {
-      const auto it = std::find(names.begin(), names.end(), t.name);
-      if (it == names.end()) continue;  // a tensor this model does not save
-      const size_t i = static_cast<size_t>(it - names.begin());
-      if (i == kInput && t.action == Action::kRecompute)
-        SPILLWAY_INPUT_ERROR(
-            "plan '{}': layer {} recomputes attn.input, the layer input; it "
-            "can only be kept or offloaded",
-            name, l);
-      p.actions[static_cast<size_t>(l)][i] = t.action;
-    }
-  }
-  return p;
+  return reference_policy(c, memory_policy(plan, name));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -214,8 +216,12 @@ struct Model::Impl {
   float* m1 = nullptr;
   float* m2 = nullptr;
   int64_t adam_step = 0;
+  // With an offloaded optimizer: the bf16 weights it writes and this model computes with,
+  // and the bf16 gradients this model writes for it (n_params each, device memory).
+  uint16_t* w16 = nullptr;
+  uint16_t* g16 = nullptr;
 
-  Stream compute;  // the stream the offload engine orders its copies against
+  Stream compute;  // the stream the hooks' engines order their copies against
 
   // Allocation context for messages (formatted only when an allocation fails).
   std::string policy_name;
@@ -238,8 +244,8 @@ struct Model::Impl {
     void* p = nullptr;
     size_t bytes = 0;
     Action action = Action::kKeep;
-    OffloadHandle handle = -1;
-    DeviceTensor reloaded;  // from the engine, freed through it
+    SavedTicket ticket;     // taken by a hook (offloaded)
+    bool reloaded = false;  // p is the hook's memory (needed()), given back with done()
   };
   std::vector<std::vector<Saved>> saved;
   // MoE routing of the layer in flight (host metadata, sized once per shape).
@@ -489,33 +495,37 @@ struct Model::Impl {
   }
 
   void forward_layer(int layer, float* x, float** y_out, int batch, int seq,
-                     const MemoryPolicy& policy, OffloadEngine* engine) {
+                     const MemoryPolicy& policy, TrainingHooks& hooks) {
     const LayerParams& L = lp[static_cast<size_t>(layer)];
     const int T = batch * seq;
     const int n_slots = L.moe ? kMoeSlots : kDenseSlots;
     saved[layer].assign(static_cast<size_t>(n_slots), Saved{});
     for (int s = 0; s < n_slots; ++s)
-      saved[layer][s].action = policy.actions[static_cast<size_t>(layer)][static_cast<size_t>(s)];
+      saved[layer][s].action =
+          policy.layers[static_cast<size_t>(layer)].actions[static_cast<size_t>(s)];
     saved[layer][kInput].p = x;
     saved[layer][kInput].bytes = slot_bytes(layer, kInput, T);
-    // Note [Saved tensors]: an offloaded tensor goes to the engine as soon as its producer
+    // Note [Saved tensors]: an offloaded tensor goes to the hooks as soon as its producer
     // has run (its copy overlaps the rest of this layer's forward and the next one, the
-    // window the planner assumes); the engine keeps its device memory until this layer's
-    // forward ends (OffloadHold::kUntilLayerEnd), since the forward still reads it.
+    // window the planner assumes); it is given (Note [Saved tensor ownership] in
+    // spillway/hooks.hpp), held until this layer's forward ends, since the forward still
+    // reads it.
     auto hand_over = [&] {
       for (int s = 0; s < n_slots; ++s) {
         Saved& sv = saved[layer][s];
-        if (sv.action != Action::kOffload || sv.p == nullptr || sv.handle >= 0) continue;
-        SPILLWAY_CHECK(engine != nullptr, "policy {} offloads but no engine was given",
-                       policy.name);
-        DeviceTensor t;
-        t.ptr = sv.p;
+        if (sv.action != Action::kOffload || sv.p == nullptr || sv.ticket) continue;
+        const char* name = L.moe ? kMoeNames[s] : kDenseNames[s];
+        SavedTensor t;
+        t.data = sv.p;
         t.bytes = sv.bytes;
-        t.direct = true;
-        sv.handle = engine->offload(t, layer, L.moe ? kMoeNames[s] : kDenseNames[s],
-                                    OffloadHold::kUntilLayerEnd);
+        t.give = true;
+        t.hold_until_forward_end = true;
+        sv.ticket = hooks.saved(layer, name, t);
+        SPILLWAY_CHECK(sv.ticket, "policy {} offloads {} of layer {} but no hook took it",
+                       policy.name, name, layer);
       }
     };
+    hooks.forward_begin(layer);
     at(layer, "", "forward");
     hand_over();
     for (int s = 1; s < n_slots; ++s) {
@@ -536,35 +546,35 @@ struct Model::Impl {
     for (int s = 0; s < n_slots; ++s) {
       Saved& sv = saved[layer][s];
       if (sv.action == Action::kOffload) {
-        sv.p = nullptr;  // the engine owns it now
+        sv.p = nullptr;  // the hook owns it now
       } else if (sv.action == Action::kRecompute) {
         release(sv.p);
         sv.p = nullptr;
       }
     }
-    if (engine != nullptr) engine->end_forward_layer(layer);
+    hooks.forward_end(layer);
     *y_out = y;
   }
 
   // dy (T, d): gradient of the layer's output; writes dx (T, d), the input's gradient.
   void backward_layer(int layer, const float* dy, float* dx, int batch, int seq,
-                      const MemoryPolicy& policy, OffloadEngine* engine) {
+                      TrainingHooks& hooks) {
     const LayerParams& L = lp[static_cast<size_t>(layer)];
     const int T = batch * seq;
     const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(d);
     const int n_slots = L.moe ? kMoeSlots : kDenseSlots;
-    if (engine != nullptr) {
-      for (int p = 1; p <= policy.prefetch_depth; ++p) engine->prefetch(layer - p);
-      bool reloaded = false;
-      for (int s = 0; s < n_slots; ++s) {
-        Saved& sv = saved[layer][s];
-        if (sv.action != Action::kOffload) continue;
-        sv.reloaded = engine->reload(sv.handle);
-        sv.p = sv.reloaded.ptr;
-        reloaded = true;
-      }
-      if (reloaded) dev.synchronize(compute);  // the host computes: wait for the reloads
+    hooks.backward_begin(layer);
+    bool reloaded = false;
+    for (int s = 0; s < n_slots; ++s) {
+      Saved& sv = saved[layer][s];
+      if (sv.action != Action::kOffload) continue;
+      sv.p = hooks.needed(sv.ticket, nullptr);
+      SPILLWAY_CHECK(sv.p != nullptr, "no hook gave back {} of layer {}",
+                     L.moe ? kMoeNames[s] : kDenseNames[s], layer);
+      sv.reloaded = true;
+      reloaded = true;
     }
+    if (reloaded) dev.synchronize(compute);  // the host computes: wait for the reloads
     at(layer, "", "recompute in backward");
     for (int s = 0; s < n_slots; ++s) materialize(layer, s, batch, seq);
     at(layer, "gradient temporaries", "backward");
@@ -640,7 +650,7 @@ struct Model::Impl {
     for (int s = 0; s < n_slots; ++s) {
       Saved& sv = saved[layer][s];
       if (sv.reloaded) {
-        engine->free(sv.reloaded);
+        hooks.done(sv.ticket);
       } else if (sv.p != nullptr) {
         release(sv.p);
       }
@@ -697,15 +707,18 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
     m.buckets.push_back({m.lp[l].attn_norm, end - m.lp[l].attn_norm});
   }
   m.buckets.push_back({m.final_norm, m.n_params - m.final_norm});
-  const std::string what =
-      fmt::format("for {} parameters, their gradients{}", at,
-                  device_optimizer ? " and AdamW moments" : " (the optimizer is offloaded)");
+  const std::string what = fmt::format(
+      "for {} parameters, their gradients{}", at,
+      device_optimizer ? " and AdamW moments" : ", their bf16 copies (the optimizer is offloaded)");
   m.at(-1, what.c_str(), "");
   m.w = m.alloc_n<float>(at);
   m.g = m.alloc_n<float>(at);
   if (device_optimizer) {
     m.m1 = m.alloc_n<float>(at);
     m.m2 = m.alloc_n<float>(at);
+  } else {
+    m.w16 = m.alloc_n<uint16_t>(at);
+    m.g16 = m.alloc_n<uint16_t>(at);
   }
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 0.02f);
@@ -720,6 +733,9 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
   if (device_optimizer) {
     std::fill(m.m1, m.m1 + at, 0.0f);
     std::fill(m.m2, m.m2 + at, 0.0f);
+  } else {
+    for (size_t i = 0; i < at; ++i) m.w16[i] = optim::float_to_bf16(m.w[i]);
+    std::fill(m.g16, m.g16 + at, uint16_t{0});
   }
   m.at(-1, "", "");
   m.saved.resize(static_cast<size_t>(c.layers()));
@@ -731,7 +747,16 @@ Model::~Model() {
   Impl& m = *impl_;
   for (float* p : {m.w, m.g, m.m1, m.m2})
     if (p != nullptr) m.release(p);
+  for (uint16_t* p : {m.w16, m.g16})
+    if (p != nullptr) m.release(p);
   m.dev.destroy_stream(m.compute);
+}
+
+uint16_t* Model::device_weights_bf16() const {
+  return impl_->w16;
+}
+uint16_t* Model::device_grads_bf16() const {
+  return impl_->g16;
 }
 
 Stream Model::compute_stream() const {
@@ -771,16 +796,23 @@ std::vector<optim::Bucket> Model::parameter_buckets() const {
 }
 
 StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
-                      const MemoryPolicy& policy, OffloadEngine* engine, double lr,
-                      optim::OptimizerOffload* optimizer) {
+                      const MemoryPolicy& policy, TrainingHooks& hooks, double lr) {
   Impl& m = *impl_;
   const RefConfig& c = m.c;
   SPILLWAY_CHECK(batch > 0 && seq > 0, "step: batch {} and seq {} must be > 0", batch, seq);
   SPILLWAY_CHECK(tokens.size() == static_cast<size_t>(batch) * static_cast<size_t>(seq + 1),
                  "step: {} tokens for batch {} x (seq {} + 1)", tokens.size(), batch, seq);
-  SPILLWAY_CHECK(static_cast<int>(policy.actions.size()) == c.layers(),
-                 "policy {} has {} layers; the model has {}", policy.name, policy.actions.size(),
-                 c.layers());
+  SPILLWAY_CHECK(policy.layer_count() == c.layers(), "policy {} has {} layers; the model has {}",
+                 policy.name, policy.layer_count(), c.layers());
+  for (int l = 0; l < c.layers(); ++l) {
+    const LayerActions& la = policy.layers[static_cast<size_t>(l)];
+    const size_t slots =
+        static_cast<size_t>(m.lp[static_cast<size_t>(l)].moe ? kMoeSlots : kDenseSlots);
+    SPILLWAY_CHECK(la.actions.size() == slots && la.tensors.size() == slots,
+                   "policy {}: layer {} lists {} tensors; the model saves {} (reference_policy() "
+                   "puts a policy in this model's terms)",
+                   policy.name, l, la.actions.size(), slots);
+  }
   m.policy_name = policy.name;
   StepStats st;
   st.layer_fwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
@@ -802,27 +834,26 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
       target[at] = next;
     }
   }
-  if (engine != nullptr) engine->begin_step();
-  if (optimizer != nullptr) {
-    SPILLWAY_CHECK(m.m1 == nullptr,
-                   "step: an offloaded optimizer needs a Model built with "
-                   "device_optimizer = false");
-    // The weights of this step: the pipeline's bf16 ones (the last step's uploads are
-    // ordered before the compute stream's next work), widened for the fp32 reference ops.
+  const bool offloaded_optimizer = m.w16 != nullptr;
+  SPILLWAY_CHECK(!offloaded_optimizer || lr <= 0,
+                 "step: lr is {}; this Model's optimizer is offloaded (built with "
+                 "device_optimizer = false): its hooks step it, lr must be 0",
+                 lr);
+  hooks.step_begin();
+  if (offloaded_optimizer) {
+    // The weights of this step: the bf16 ones the optimizer wrote (the last step's uploads
+    // are ordered before the compute stream's next work), widened for the fp32 ops.
     m.dev.synchronize(m.compute);
-    const uint16_t* w16 = optimizer->device_weights();
-    for (size_t i = 0; i < m.n_params; ++i) m.w[i] = optim::bf16_to_float(w16[i]);
-  } else {
-    SPILLWAY_CHECK(m.m1 != nullptr || lr <= 0,
-                   "step: this Model has no optimizer moments (built for an offloaded one)");
+    for (size_t i = 0; i < m.n_params; ++i) m.w[i] = optim::bf16_to_float(m.w16[i]);
   }
-  // A bucket's gradients are complete: to the pipeline, in bf16.
+  // A bucket's gradients are complete: with an offloaded optimizer, in bf16 to its buffer,
+  // then to the hooks.
   auto hand_over = [&](int b) {
-    if (optimizer == nullptr) return;
+    if (!offloaded_optimizer) return;
     const optim::Bucket& k = m.buckets[static_cast<size_t>(b)];
-    uint16_t* g16 = optimizer->device_grads() + k.offset;
+    uint16_t* g16 = m.g16 + k.offset;
     for (size_t i = 0; i < k.n; ++i) g16[i] = optim::float_to_bf16(m.g[k.offset + i]);
-    optimizer->on_bucket_grad(b);
+    hooks.grad_ready(b);
   };
   m.dev.reset_peaks();
   const auto t0 = Clock::now();
@@ -833,7 +864,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   for (int l = 0; l < c.layers(); ++l) {
     const auto tl = Clock::now();
     float* y = nullptr;
-    m.forward_layer(l, x, &y, batch, seq, policy, engine);
+    m.forward_layer(l, x, &y, batch, seq, policy, hooks);
     x = y;  // the layer's input now belongs to its saved tensors
     st.layer_fwd_ms[static_cast<size_t>(l)] = ms_since(tl);
   }
@@ -859,7 +890,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   float* dx = m.alloc_n<float>(Td);
   for (int l = c.layers() - 1; l >= 0; --l) {
     const auto tl = Clock::now();
-    m.backward_layer(l, dy, dx, batch, seq, policy, engine);
+    m.backward_layer(l, dy, dx, batch, seq, hooks);
     std::swap(dy, dx);
     hand_over(l + 1);
     st.layer_bwd_ms[static_cast<size_t>(l)] = ms_since(tl);
@@ -868,32 +899,30 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   hand_over(0);
   m.release(dx);
   m.release(dy);
-  if (engine != nullptr) st.offload = engine->end_step();
   st.step_ms = ms_since(t0);
-  if (optimizer != nullptr) {
+  {
+    // The engines finish the step (the offload engine's telemetry; an offloaded
+    // optimizer validates and uploads the next step's weights).
     const auto to = Clock::now();
-    optimizer->end_step();
-    m.dev.synchronize(m.compute);  // the device weights of the next step are ready
-    st.optimizer_ms = ms_since(to);
+    hooks.step_end();
+    if (offloaded_optimizer) {
+      m.dev.synchronize(m.compute);  // the device weights of the next step are ready
+      st.optimizer_ms = ms_since(to);
+    }
   }
   st.peak_device_bytes = m.dev.memory_stats().peak[0];
-  if (lr > 0 && optimizer == nullptr) {
-    // AdamW (decoupled weight decay 0.1 on matrices and embeddings alike; the reference
-    // model keeps it simple), bias-corrected.
-    const float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+  if (lr > 0 && !offloaded_optimizer) {
+    // AdamW in its textbook form (decoupled weight decay 0.1 on matrices and embeddings
+    // alike; the reference model keeps it simple), bias-corrected.
+    optim::AdamWParams hp;
+    hp.lr = lr;
+    hp.beta1 = 0.9;
+    hp.beta2 = 0.95;
+    hp.eps = 1e-8;
+    hp.weight_decay = 0.1;
     ++m.adam_step;
-    const float c1 = 1.0f - std::pow(b1, static_cast<float>(m.adam_step));
-    const float c2 = 1.0f - std::pow(b2, static_cast<float>(m.adam_step));
-    const float a = static_cast<float>(lr);
     const auto to = Clock::now();
-    for (size_t i = 0; i < m.n_params; ++i) {
-      const float gi = m.g[i];
-      m.m1[i] = b1 * m.m1[i] + (1 - b1) * gi;
-      m.m2[i] = b2 * m.m2[i] + (1 - b2) * gi * gi;
-      const float mh = m.m1[i] / c1;
-      const float vh = m.m2[i] / c2;
-      m.w[i] -= a * (mh / (std::sqrt(vh) + eps) + wd * m.w[i]);
-    }
+    optim::adamw_step_textbook(hp, m.adam_step, m.w, m.m1, m.m2, m.g, m.n_params);
     st.optimizer_ms = ms_since(to);
   }
   return st;

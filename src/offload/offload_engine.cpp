@@ -15,38 +15,11 @@
 #include <chrono>
 #include <cstring>
 
-#include "memory/pinned_pool.hpp"
 #include "spillway/error.hpp"
+#include "spillway/memory.hpp"
 #include "spillway/offload.hpp"
 
 namespace spillway {
-
-bool OffloadPolicy::wants(int layer, std::string_view name) const {
-  if (layer < 0 || static_cast<size_t>(layer) >= layers.size()) return false;
-  const auto& names = layers[static_cast<size_t>(layer)];
-  return std::find(names.begin(), names.end(), name) != names.end();
-}
-
-OffloadPolicy OffloadPolicy::from_plan(const Plan& plan, int prefetch_depth) {
-  OffloadPolicy p;
-  p.prefetch_depth = prefetch_depth;
-  for (const LayerPlan& l : plan.layers) {
-    std::vector<std::string> names;
-    for (const TensorPlan& t : l.tensors) {
-      if (t.action == Action::kOffload) names.push_back(t.name);
-    }
-    p.layers.push_back(std::move(names));
-  }
-  return p;
-}
-
-OffloadPolicy OffloadPolicy::uniform(int layers, const std::vector<std::string>& names,
-                                     int keep_last) {
-  OffloadPolicy p;
-  p.layers.resize(static_cast<size_t>(std::max(layers, 0)));
-  for (int l = 0; l + keep_last < layers; ++l) p.layers[static_cast<size_t>(l)] = names;
-  return p;
-}
 
 namespace {
 
@@ -152,7 +125,7 @@ struct OffloadEngine::Impl {
   int issue_cursor = -1;  // prefetch(): the highest layer whose reloads may be unissued
   int h2d_issued = 0;     // reloads issued this step (Slot::h2d_seq)
 
-  Impl(Device& device, Stream compute_stream, const OffloadPolicy& policy, const OffloadOptions& o)
+  Impl(Device& device, Stream compute_stream, const MemoryPolicy& policy, const OffloadOptions& o)
       : dev(device),
         compute(compute_stream),
         d2h(device.create_stream(StreamRole::kD2H)),
@@ -376,7 +349,7 @@ struct OffloadEngine::Impl {
   }
 };
 
-OffloadEngine::OffloadEngine(Device& device, Stream compute, OffloadPolicy policy,
+OffloadEngine::OffloadEngine(Device& device, Stream compute, MemoryPolicy policy,
                              OffloadOptions options)
     : impl_(std::make_unique<Impl>(device, compute, policy, options)), policy_(std::move(policy)) {
   if (policy_.prefetch_depth < 0)
@@ -566,6 +539,10 @@ DeviceTensor OffloadEngine::reload(OffloadHandle h) {
   s.reloaded = DeviceTensor{};
   m.poll();
   return t;
+}
+
+int OffloadEngine::max_tensors() const {
+  return impl_->opt.max_tensors;
 }
 
 StepTelemetry OffloadEngine::end_step() {

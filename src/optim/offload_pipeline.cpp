@@ -1,12 +1,11 @@
 // The bucketed optimizer-offload pipeline: see offload_pipeline.hpp.
-#include "optim/offload_pipeline.hpp"
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "spillway/error.hpp"
+#include "spillway/optim.hpp"
 #ifdef SPILLWAY_HAVE_CUDA
 #include "optim/cuda/adamw_kernels.hpp"
 #endif
@@ -34,6 +33,8 @@ struct OptimizerOffload::Impl {
   int64_t retries = 0;
   // Device memory.
   uint16_t* w_dev = nullptr;  // (n) bf16 weights
+  bool owns_w_dev = true;     // false: the caller's (OptimOffloadOptions::device_weights)
+  bool owns_g_dev = true;
   uint16_t* g_dev = nullptr;  // (n) bf16 gradients
   float* g32_dev = nullptr;   // (n_cpu) fp32 gradients (device cast only)
   float* p_dev = nullptr;     // (n_dev) device buckets' state
@@ -182,8 +183,15 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
                                            s.buckets[static_cast<size_t>(b)].n};
   }
   const size_t n_cpu = s.n_cpu, n_dev = s.n_dev;
-  s.w_dev = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 weights"));
-  s.g_dev = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 gradients"));
+  // Caller-owned device buffers are used as they are (and never freed here).
+  s.w_dev = o.device_weights != nullptr
+                ? o.device_weights
+                : static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 weights"));
+  s.g_dev = o.device_grads != nullptr
+                ? o.device_grads
+                : static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kDevice, "the bf16 gradients"));
+  s.owns_w_dev = o.device_weights == nullptr;
+  s.owns_g_dev = o.device_grads == nullptr;
   if (s.site == CastSite::kDevice)
     s.g32_dev = static_cast<float*>(s.alloc(n_cpu * 4, MemoryKind::kDevice, "the fp32 gradients"));
   if (n_dev > 0) {
@@ -254,7 +262,8 @@ OptimizerOffload::~OptimizerOffload() {
   s.dev.destroy_event(s.done);
   for (Stream st : {s.d2h, s.h2d, s.cpu}) s.dev.destroy_stream(st);
   for (void* ptr :
-       {static_cast<void*>(s.w_dev), static_cast<void*>(s.g_dev), static_cast<void*>(s.g32_dev),
+       {static_cast<void*>(s.owns_w_dev ? s.w_dev : nullptr),
+        static_cast<void*>(s.owns_g_dev ? s.g_dev : nullptr), static_cast<void*>(s.g32_dev),
         static_cast<void*>(s.p_dev), static_cast<void*>(s.m_dev), static_cast<void*>(s.v_dev),
         static_cast<void*>(s.lanes_dev)})
     if (ptr != nullptr) s.dev.free(ptr, MemoryKind::kDevice);
@@ -494,41 +503,6 @@ StvOutcome OptimizerOffload::end_step() {
   s.dev.record(s.done, s.h2d);
   s.dev.wait(s.compute, s.done);
   return outcome;
-}
-
-}  // namespace spillway::optim
-
-namespace spillway::optim {
-
-SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order,
-                                  double backward_ms, int64_t free_hbm_bytes) {
-  const int nb = static_cast<int>(arrival_order.size());
-  auto end_with = [&](int device) {
-    // The first nb - device to arrive go through the CPU, one at a time.
-    double cpu_end = 0.0;
-    for (int i = 0; i < nb - device; ++i) {
-      const BucketTiming& b = arrival_order[static_cast<size_t>(i)];
-      cpu_end = std::max(cpu_end, b.arrive_ms) + b.cpu_ms;
-    }
-    double device_end = backward_ms;
-    for (int i = nb - device; i < nb; ++i)
-      device_end += arrival_order[static_cast<size_t>(i)].device_ms;
-    return std::max({backward_ms, cpu_end, device_end});
-  };
-  SplitChoice c;
-  c.cpu_only_ms = end_with(0);
-  c.end_ms = c.cpu_only_ms;
-  int64_t hbm = 0;
-  for (int device = 1; device <= nb; ++device) {
-    hbm += arrival_order[static_cast<size_t>(nb - device)].state_bytes;
-    if (hbm > free_hbm_bytes) break;
-    const double e = end_with(device);
-    if (e < c.end_ms) {
-      c.end_ms = e;
-      c.device_buckets = device;
-    }
-  }
-  return c;
 }
 
 }  // namespace spillway::optim

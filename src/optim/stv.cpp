@@ -1,12 +1,11 @@
 // Speculation-then-validation: see stv.hpp and Note [STV exactness].
-#include "optim/stv.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "spillway/error.hpp"
+#include "spillway/optim.hpp"
 
 namespace spillway::optim {
 

@@ -1,11 +1,10 @@
-// The planned GPU/CPU split of optimizer offload: see optimizer_split.hpp.
-#include "plan/optimizer_split.hpp"
-
+// The planned GPU/CPU split of optimizer offload (include/spillway/plan.hpp): the bucket
+// timings of a plan and the pure arithmetic that chooses the split from them.
 #include <algorithm>
 #include <vector>
 
-#include "optim/offload_pipeline.hpp"
 #include "spillway/error.hpp"
+#include "spillway/plan.hpp"
 
 namespace spillway {
 
@@ -21,13 +20,13 @@ OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request
   const double d2h = plan.summary.d2h_gbps > 0 ? plan.summary.d2h_gbps : 1.0;
   const double h2d = plan.summary.h2d_gbps > 0 ? plan.summary.h2d_gbps : 1.0;
   const double hbm_gbps = request.hardware.hbm_tbps * 1e3 * request.efficiency.hbm;
-  std::vector<optim::BucketTiming> arrival;  // last layer first
+  std::vector<BucketTiming> arrival;  // last layer first
   double t = 0.0;
   for (int l = s.layers - 1; l >= 0; --l) {
     const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
     t += lp.bwd_ms + lp.recompute_ms;
     const double params = static_cast<double>(lp.params);
-    optim::BucketTiming b;
+    BucketTiming b;
     b.arrive_ms = t;
     // bf16 gradients down, 28 bytes of state per element on the CPU, bf16 weights up.
     b.cpu_ms =
@@ -41,13 +40,44 @@ OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request
   s.free_hbm_bytes =
       std::max<int64_t>(0, plan.summary.hbm_budget_bytes - plan.summary.peak.total() +
                                plan.summary.peak.optimizer_states);
-  const optim::SplitChoice c = optim::choose_device_buckets(arrival, t, s.free_hbm_bytes);
+  const SplitChoice c = choose_device_buckets(arrival, t, s.free_hbm_bytes);
   s.layers_on_device = c.device_buckets;
   s.end_ms = c.end_ms;
   s.cpu_only_ms = c.cpu_only_ms;
   for (int i = 0; i < c.device_buckets; ++i)
     s.device_state_bytes += arrival[arrival.size() - 1 - static_cast<size_t>(i)].state_bytes;
   return s;
+}
+
+SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order,
+                                  double backward_ms, int64_t free_hbm_bytes) {
+  const int nb = static_cast<int>(arrival_order.size());
+  auto end_with = [&](int device) {
+    // The first nb - device to arrive go through the CPU, one at a time.
+    double cpu_end = 0.0;
+    for (int i = 0; i < nb - device; ++i) {
+      const BucketTiming& b = arrival_order[static_cast<size_t>(i)];
+      cpu_end = std::max(cpu_end, b.arrive_ms) + b.cpu_ms;
+    }
+    double device_end = backward_ms;
+    for (int i = nb - device; i < nb; ++i)
+      device_end += arrival_order[static_cast<size_t>(i)].device_ms;
+    return std::max({backward_ms, cpu_end, device_end});
+  };
+  SplitChoice c;
+  c.cpu_only_ms = end_with(0);
+  c.end_ms = c.cpu_only_ms;
+  int64_t hbm = 0;
+  for (int device = 1; device <= nb; ++device) {
+    hbm += arrival_order[static_cast<size_t>(nb - device)].state_bytes;
+    if (hbm > free_hbm_bytes) break;
+    const double e = end_with(device);
+    if (e < c.end_ms) {
+      c.end_ms = e;
+      c.device_buckets = device;
+    }
+  }
+  return c;
 }
 
 }  // namespace spillway

@@ -27,61 +27,6 @@
 
 namespace spillway {
 
-std::string to_string(Strategy s) {
-  switch (s) {
-    case Strategy::kAuto:
-      return "auto";
-    case Strategy::kKeep:
-      return "keep";
-    case Strategy::kRecompute:
-      return "recompute";
-    case Strategy::kOffload:
-      return "offload";
-    case Strategy::kSelective:
-      return "selective";
-    case Strategy::kHybrid:
-      return "hybrid";
-  }
-  return "auto";
-}
-
-std::string to_string(Policy p) {
-  switch (p) {
-    case Policy::kKeep:
-      return "keep";
-    case Policy::kRecompute:
-      return "recompute";
-    case Policy::kOffload:
-      return "offload";
-    case Policy::kSelective:
-      return "selective";
-    case Policy::kHybrid:
-      return "hybrid";
-  }
-  return "keep";
-}
-
-std::string to_string(Action a) {
-  switch (a) {
-    case Action::kKeep:
-      return "keep";
-    case Action::kOffload:
-      return "offload";
-    case Action::kRecompute:
-      return "recompute";
-  }
-  return "keep";
-}
-
-Strategy parse_strategy(const std::string& s) {
-  for (Strategy v : {Strategy::kAuto, Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                     Strategy::kSelective, Strategy::kHybrid}) {
-    if (to_string(v) == s) return v;
-  }
-  SPILLWAY_INPUT_ERROR(
-      "--strategy is '{}'; must be one of auto, keep, recompute, offload, selective, hybrid", s);
-}
-
 std::vector<LayerTiming> load_profile(const std::string& path) {
   const Json doc = load_json_file(path, "profile");
   JsonObject root(doc, "profile", path);

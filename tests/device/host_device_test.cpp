@@ -10,10 +10,10 @@
 #include <thread>
 #include <vector>
 
-#include "memory/arena.hpp"
-#include "memory/pinned_pool.hpp"
+#include "core/arena.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
+#include "spillway/memory.hpp"
 
 namespace spillway {
 namespace {

@@ -2,19 +2,21 @@
 // (Note [Saved tensors]), peak device memory against keep and recompute, clear errors when
 // the device memory runs out, the loss falling, and the snowball under a slow link with
 // auto avoiding it.
-#include "nn/model.hpp"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
 
-#include "nn/trainer.hpp"
 #include "spillway/error.hpp"
+#include "spillway/nn.hpp"
+#include "spillway/offload.hpp"
+#include "spillway/train.hpp"
 #include "test_support.hpp"
 
 namespace spillway::nn {
 namespace {
+
+using namespace spillway::train;  // NOLINT: the training application over this model
 
 constexpr int kBatch = 2;
 constexpr int kSeq = 32;
@@ -42,24 +44,21 @@ PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = 
   auto dev = make_host_device(HostDeviceOptions{device_bytes, 0.0, 0.0});
   Model m(c, *dev, 7);
   std::unique_ptr<OffloadEngine> engine;
+  std::unique_ptr<OffloadHooks> hooks;
+  TrainingHooks none;
   PolicyRun r;
   if (p.any_offload()) {
-    OffloadPolicy op;
-    op.prefetch_depth = p.prefetch_depth;
     int64_t total = 0;
     for (int l = 0; l < c.layers(); ++l) {
       const std::vector<std::string> names = saved_tensor_names(c, l);
       const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, batch, seq);
-      std::vector<std::string> go;
       int64_t layer = 0;
       for (size_t i = 0; i < names.size(); ++i) {
-        if (p.actions[static_cast<size_t>(l)][i] != Action::kOffload) continue;
-        go.push_back(names[i]);
+        if (p.layers[static_cast<size_t>(l)].actions[i] != Action::kOffload) continue;
         layer += (bytes[i] + 255) / 256 * 256;
       }
       total += layer;
       r.max_layer_offloaded = std::max(r.max_layer_offloaded, layer);
-      op.layers.push_back(go);
     }
     OffloadOptions o;
     o.pinned_bytes = total + (int64_t{1} << 20);
@@ -67,14 +66,15 @@ PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = 
     o.max_tensors = 128;
     o.inflight_bound_bytes = r.max_layer_offloaded;  // as the trainer sets it
     r.pool_bytes = o.device_pool_bytes;
-    engine = std::make_unique<OffloadEngine>(*dev, m.compute_stream(), op, o);
+    engine = std::make_unique<OffloadEngine>(*dev, m.compute_stream(), p, o);
+    hooks = std::make_unique<OffloadHooks>(*engine);
   }
   for (int s = 0; s < 2; ++s) {
     const StepStats st = m.step(tokens(100 + static_cast<uint32_t>(s), batch, seq), batch, seq, p,
-                                engine.get(), 1e-3);
+                                hooks ? static_cast<TrainingHooks&>(*hooks) : none, 1e-3);
     r.losses.push_back(st.loss);
     r.peak = std::max(r.peak, st.peak_device_bytes);
-    r.tel = st.offload;
+    if (hooks) r.tel = hooks->telemetry();
   }
   r.grads = m.gradients();
   r.params = m.parameters();
@@ -84,7 +84,8 @@ PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = 
 MemoryPolicy uniform(const RefConfig& c, Action a, const char* name) {
   MemoryPolicy p = keep_policy(c);
   p.name = name;
-  for (auto& l : p.actions) {
+  for (LayerActions& la : p.layers) {
+    std::vector<Action>& l = la.actions;
     for (size_t i = 1; i < l.size(); ++i) l[i] = a;  // the layer input stays
   }
   return p;
@@ -108,7 +109,8 @@ TEST(ReferenceModel, LossAndGradientsAreBitwiseIdenticalUnderEveryPolicy) {
     MemoryPolicy p = keep_policy(c);
     p.name = "mix" + std::to_string(k);
     p.prefetch_depth = k % 3;
-    for (auto& l : p.actions) {
+    for (LayerActions& la : p.layers) {
+      std::vector<Action>& l = la.actions;
       for (size_t i = 0; i < l.size(); ++i) {
         const auto r = g() % 3;
         l[i] = r == 0 ? Action::kKeep : r == 1 ? Action::kOffload : Action::kRecompute;
@@ -144,7 +146,7 @@ TEST(ReferenceModel, RecomputeAndOffloadNeedLessDeviceMemoryThanKeep) {
     const std::vector<std::string> names = saved_tensor_names(c, l);
     for (size_t i = 0; i < names.size(); ++i) {
       if (names[i] == "mlp.gate_out" || names[i] == "mlp.up_out" || names[i] == "mlp.act")
-        off.actions[static_cast<size_t>(l)][i] = Action::kOffload;
+        off.layers[static_cast<size_t>(l)].actions[i] = Action::kOffload;
     }
   }
   const PolicyRun o = run(c, off, arena, 8, 128);
@@ -220,7 +222,7 @@ TEST(Train, TheLossFallsOnTheCorpus) {
   TrainOptions o = small("keep");
   o.steps = 25;
   o.lr = 3e-3;
-  const TrainReport r = train(o, nullptr);
+  const TrainReport r = train::run(o, nullptr);
   ASSERT_EQ(r.policies.size(), 1u);
   const PolicyResult& p = r.policies[0];
   ASSERT_EQ(p.steps.size(), 25u);
@@ -235,7 +237,7 @@ TEST(Train, TheLossFallsOnTheCorpus) {
 TEST(Train, CompareRunsEveryPolicyBitwiseIdentically) {
   TrainOptions o = small("keep");
   o.compare = true;
-  const TrainReport r = train(o, nullptr);
+  const TrainReport r = train::run(o, nullptr);
   ASSERT_EQ(r.policies.size(), 6u);
   EXPECT_TRUE(r.losses_identical);
   for (const PolicyResult& p : r.policies) {
@@ -257,7 +259,7 @@ TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {
   TrainOptions o = small("offload");
   o.d2h_gbps = 0.005;
   o.h2d_gbps = 0.005;
-  const TrainReport off = train(o, nullptr);
+  const TrainReport off = train::run(o, nullptr);
   EXPECT_TRUE(off.policies[0].snowball);
   // Auto plans from a measured layer time, which a loaded machine stretches: at a link
   // 10x slower still, even the smallest tensor (2 KB of top-k indices: 4 ms) cannot fit a
@@ -265,7 +267,7 @@ TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {
   o.policy = "auto";
   o.d2h_gbps = 0.0005;
   o.h2d_gbps = 0.0005;
-  const TrainReport au = train(o, nullptr);
+  const TrainReport au = train::run(o, nullptr);
   EXPECT_FALSE(au.policies[0].snowball);
   EXPECT_EQ(au.policies[0].offloaded_bytes, 0) << au.policies[0].plan_note;
   EXPECT_EQ(au.policies[0].loss, off.policies[0].loss);  // same bits, other policy
@@ -273,9 +275,9 @@ TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {
 
 TEST(Train, FusedSwigluSavesOnlyGateAndUpAndChangesNoBit) {
   TrainOptions o = small("keep");
-  const TrainReport plain = train(o, nullptr);
+  const TrainReport plain = train::run(o, nullptr);
   o.fused_swiglu = true;
-  const TrainReport fused = train(o, nullptr);
+  const TrainReport fused = train::run(o, nullptr);
   EXPECT_EQ(fused.policies[0].loss, plain.policies[0].loss);
   EXPECT_EQ(fused.policies[0].final_gradients, plain.policies[0].final_gradients);
   // mlp.act of each of the 4 layers is recomputed, everything else kept.
@@ -286,25 +288,25 @@ TEST(Train, FusedSwigluSavesOnlyGateAndUpAndChangesNoBit) {
 
 TEST(Train, BadOptionsAreClearErrors) {
   TrainOptions o = small("sideways");
-  EXPECT_THROW(train(o, nullptr), Error);
+  EXPECT_THROW(train::run(o, nullptr), Error);
   o = small("keep");
   o.device = "cuda";
   try {
-    train(o, nullptr);
+    train::run(o, nullptr);
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--device cuda"), std::string::npos);
   }
   o = small("keep");
   o.steps = 0;
-  EXPECT_THROW(train(o, nullptr), Error);
+  EXPECT_THROW(train::run(o, nullptr), Error);
   o = small("keep");
   o.corpus = "/nonexistent";
-  EXPECT_THROW(train(o, nullptr), Error);
+  EXPECT_THROW(train::run(o, nullptr), Error);
   o = small("auto");
   o.device_memory_mb = 2;  // below the parameters and optimizer states
   try {
-    train(o, nullptr);
+    train::run(o, nullptr);
     FAIL();
   } catch (const Error& e) {
     std::cout << e.what() << "\n";
@@ -317,6 +319,8 @@ TEST(Train, BadOptionsAreClearErrors) {
 namespace spillway::nn {
 namespace {
 
+using namespace spillway::train;  // NOLINT: the training application over this model
+
 // Optimizer offload in training (--optimizer offload): any split and any undo memory limit
 // give bitwise the same losses and master weights; the loss falls; the moments leave the
 // device; every policy still agrees bit for bit.
@@ -325,7 +329,7 @@ TEST(TrainOptimizerOffload, AnySplitAndUndoLimitTrainBitwiseTheSame) {
   o.optimizer = "offload";
   o.steps = 6;
   o.clip = 0.5;  // the first steps clip: replays too
-  const TrainReport base = train(o, nullptr);
+  const TrainReport base = train::run(o, nullptr);
   const PolicyResult& b = base.policies[0];
   EXPECT_GT(b.optimizer_counters.commits + b.optimizer_counters.replays, 0);
   EXPECT_GT(b.optimizer_counters.replays, 0) << "the test wants clipped steps";
@@ -341,7 +345,7 @@ TEST(TrainOptimizerOffload, AnySplitAndUndoLimitTrainBitwiseTheSame) {
     TrainOptions ov = o;
     ov.device_buckets = v.split;
     ov.undo_mb = v.undo_mb;
-    const TrainReport r = train(ov, nullptr);
+    const TrainReport r = train::run(ov, nullptr);
     const PolicyResult& p = r.policies[0];
     ASSERT_EQ(p.steps.size(), b.steps.size());
     for (size_t s = 0; s < p.steps.size(); ++s)
@@ -359,7 +363,7 @@ TEST(TrainOptimizerOffload, TheLossFallsAndTheMomentsLeaveTheDevice) {
   o.steps = 25;
   o.lr = 3e-3;
   o.optimizer = "offload";
-  const TrainReport r = train(o, nullptr);
+  const TrainReport r = train::run(o, nullptr);
   const PolicyResult& p = r.policies[0];
   double first = 0, last = 0;
   for (int i = 0; i < 5; ++i) {
@@ -372,8 +376,8 @@ TEST(TrainOptimizerOffload, TheLossFallsAndTheMomentsLeaveTheDevice) {
   d.optimizer = "device";
   d.steps = 2;
   o.steps = 2;
-  const int64_t on_device = train(d, nullptr).policies[0].peak_device_bytes;
-  const int64_t offloaded = train(o, nullptr).policies[0].peak_device_bytes;
+  const int64_t on_device = train::run(d, nullptr).policies[0].peak_device_bytes;
+  const int64_t offloaded = train::run(o, nullptr).policies[0].peak_device_bytes;
   EXPECT_LT(offloaded, on_device - 3 * r.parameters) << on_device << " vs " << offloaded;
 }
 
@@ -382,11 +386,11 @@ TEST(TrainOptimizerOffload, CompareStaysBitwiseAndBadOptionsAreErrors) {
   o.compare = true;
   o.optimizer = "offload";
   o.device_buckets = 1;
-  const TrainReport r = train(o, nullptr);
+  const TrainReport r = train::run(o, nullptr);
   EXPECT_TRUE(r.losses_identical);
   EXPECT_NE(train_report_json(r, o).find("\"commits\""), std::string::npos);
   auto expect_error = [](const TrainOptions& t, std::string_view flag) {
-    spillway::testing::expect_error([&] { train(t, nullptr); }, {flag});
+    spillway::testing::expect_error([&] { train::run(t, nullptr); }, {flag});
   };
   TrainOptions bad = small("keep");
   bad.optimizer = "cpu";

@@ -96,8 +96,8 @@ StepTelemetry run_step(Rig& r, OffloadEngine& e, int layers, int per_layer, uint
   return e.end_step();
 }
 
-OffloadPolicy all_names(int layers) {
-  return OffloadPolicy::uniform(layers, {"mlp.gate_out", "mlp.up_out", "mlp.act", "attn.input"});
+MemoryPolicy all_names(int layers) {
+  return MemoryPolicy::uniform(layers, {"mlp.gate_out", "mlp.up_out", "mlp.act", "attn.input"});
 }
 
 TEST(OffloadEngine, RoundTripsAreBitwiseEqualWithManyTensorsInFlight) {
@@ -276,7 +276,7 @@ TEST(OffloadEngine, BackPressureEngagesExactlyAtTheBound) {
   OffloadOptions o;
   const size_t mb = 1 << 20;
   o.inflight_bound_bytes = 3 * static_cast<int64_t>(mb);
-  OffloadEngine e(*r.dev, r.compute, OffloadPolicy::uniform(2, {"x"}), o);
+  OffloadEngine e(*r.dev, r.compute, MemoryPolicy::uniform(2, {"x"}), o);
   e.begin_step();
   std::vector<OffloadHandle> hs;
   for (int k = 0; k < 3; ++k) {
@@ -370,7 +370,7 @@ StepTelemetry window_run(double gbps, size_t bytes, double compute_ms, int layer
   OffloadOptions o;
   o.pinned_bytes = static_cast<int64_t>(bytes) * layers + (int64_t{8} << 20);
   o.device_pool_bytes = static_cast<int64_t>(bytes) * layers + (int64_t{8} << 20);
-  OffloadEngine e(*r.dev, r.compute, OffloadPolicy::uniform(layers, {"mlp.act"}), o);
+  OffloadEngine e(*r.dev, r.compute, MemoryPolicy::uniform(layers, {"mlp.act"}), o);
   e.begin_step();
   std::vector<OffloadHandle> hs;
   for (int l = 0; l < layers; ++l) {
@@ -444,7 +444,7 @@ Plan tiny_plan(double d2h_gbps, double layer_ms, PlanRequest* out) {
 
 StepTelemetry run_plan_on_engine(const Plan& plan, double d2h_gbps, double layer_ms) {
   Rig r(d2h_gbps, 0.0);
-  OffloadEngine e(*r.dev, r.compute, OffloadPolicy::from_plan(plan, 1), OffloadOptions{});
+  OffloadEngine e(*r.dev, r.compute, memory_policy(plan, "plan", 1), OffloadOptions{});
   e.begin_step();
   std::vector<std::pair<OffloadHandle, uint32_t>> hs;
   for (size_t l = 0; l < plan.layers.size(); ++l) {

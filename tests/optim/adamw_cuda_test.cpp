@@ -7,9 +7,8 @@
 #include <random>
 #include <vector>
 
-#include "optim/adamw.hpp"
 #include "optim/cuda/adamw_kernels.hpp"
-#include "optim/stv.hpp"
+#include "spillway/optim.hpp"
 
 namespace spillway::optim {
 namespace {

@@ -9,8 +9,6 @@
 //   (d) NaN/Inf gradients give NaN weights, no crash, and leave other elements alone;
 //   (e) poisoned outputs are fully written and nothing past n is touched.
 // Inputs are random with a printed seed; SPILLWAY_TEST_SEED=<n> reruns one.
-#include "optim/adamw.hpp"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/optim.hpp"
 #include "test_support.hpp"
 
 namespace spillway::optim {

@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "optim/offload_pipeline.hpp"
+#include "spillway/optim.hpp"
 
 namespace spillway::optim {
 namespace {

@@ -2,8 +2,6 @@
 // for both cast sites, any GPU/CPU split and any undo memory limit, with clipping and
 // NaN/Inf steps; a training loop whose gradients depend on the weights gives the same
 // result for every split; copy failures retried or reported without a stale update.
-#include "optim/offload_pipeline.hpp"
-
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -16,6 +14,7 @@
 #include "allocation_count.hpp"
 #include "forwarding_device.hpp"
 #include "spillway/error.hpp"
+#include "spillway/optim.hpp"
 
 namespace spillway::optim {
 namespace {
@@ -350,34 +349,6 @@ TEST(OptimizerOffload, CastSiteFollowsLinkAgainstCpuWidening) {
   EXPECT_EQ(choose_cast_site(26.0, 100.0), CastSite::kHost);     // PCIe: move bf16
   EXPECT_EQ(choose_cast_site(400.0, 100.0), CastSite::kDevice);  // NVLink-C2C: move fp32
   EXPECT_EQ(choose_cast_site(0.0, 100.0), CastSite::kDevice);    // unknown: no guess
-}
-
-}  // namespace
-}  // namespace spillway::optim
-
-namespace spillway::optim {
-namespace {
-
-TEST(SplitChoice, MovesTheLastBucketsToTheDeviceWhenTheCpuWouldTrailBackward) {
-  // 8 buckets arriving every 10 ms over an 80 ms backward; the CPU needs 12 ms each (it
-  // falls behind), the device 1 ms each.
-  std::vector<BucketTiming> t;
-  t.reserve(8);
-  for (int i = 0; i < 8; ++i) t.push_back({10.0 * (i + 1), 12.0, 1.0, 1000});
-  const SplitChoice c = choose_device_buckets(t, 80.0, 1 << 20);
-  // CPU only: the last bucket arrives at 80, the CPU is done at 10 + 8 * 12 = 106.
-  EXPECT_DOUBLE_EQ(c.cpu_only_ms, 106.0);
-  EXPECT_GT(c.device_buckets, 0);
-  EXPECT_LT(c.end_ms, c.cpu_only_ms);
-  // No room in HBM: nothing moves.
-  EXPECT_EQ(choose_device_buckets(t, 80.0, 999).device_buckets, 0);
-  // The last bucket always trails backward by its CPU time (5 ms here, the CPU keeping
-  // up otherwise): the device takes it when its own step is shorter (1 ms), not when it
-  // is longer (8 ms).
-  for (BucketTiming& b : t) b.cpu_ms = 5.0;
-  EXPECT_EQ(choose_device_buckets(t, 80.0, 1 << 20).device_buckets, 1);
-  for (BucketTiming& b : t) b.device_ms = 8.0;
-  EXPECT_EQ(choose_device_buckets(t, 80.0, 1 << 20).device_buckets, 0);
 }
 
 }  // namespace

@@ -2,8 +2,6 @@
 // weights and moments after every step over 1,000 steps of random gradient streams with
 // no clipping, clipping, and NaN/Inf in random buckets; any GPU/CPU split and any undo
 // memory limit the same.
-#include "optim/stv.hpp"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +10,7 @@
 #include <random>
 
 #include "spillway/error.hpp"
+#include "spillway/optim.hpp"
 
 namespace spillway::optim {
 namespace {

@@ -1,10 +1,9 @@
 // The planned GPU/CPU split of optimizer offload: a CPU that keeps up leaves every layer
 // on it; a slower one hands the last-arriving layers to the GPU while HBM allows.
-#include "plan/optimizer_split.hpp"
-
 #include <gtest/gtest.h>
 
 #include "spillway/error.hpp"
+#include "spillway/plan.hpp"
 
 namespace spillway {
 namespace {
@@ -33,6 +32,28 @@ TEST(OptimizerSplit, TheGpuTakesTheLastLayersOnlyWhenTheCpuFallsBehind) {
   EXPECT_GT(slow.free_hbm_bytes, plan.summary.hbm_budget_bytes - plan.summary.peak.total())
       << "the offloaded optimizer states free HBM";
   EXPECT_THROW(plan_optimizer_split(plan, req, 0.0), Error);
+}
+
+TEST(SplitChoice, MovesTheLastBucketsToTheDeviceWhenTheCpuWouldTrailBackward) {
+  // 8 buckets arriving every 10 ms over an 80 ms backward; the CPU needs 12 ms each (it
+  // falls behind), the device 1 ms each.
+  std::vector<BucketTiming> t;
+  t.reserve(8);
+  for (int i = 0; i < 8; ++i) t.push_back({10.0 * (i + 1), 12.0, 1.0, 1000});
+  const SplitChoice c = choose_device_buckets(t, 80.0, 1 << 20);
+  // CPU only: the last bucket arrives at 80, the CPU is done at 10 + 8 * 12 = 106.
+  EXPECT_DOUBLE_EQ(c.cpu_only_ms, 106.0);
+  EXPECT_GT(c.device_buckets, 0);
+  EXPECT_LT(c.end_ms, c.cpu_only_ms);
+  // No room in HBM: nothing moves.
+  EXPECT_EQ(choose_device_buckets(t, 80.0, 999).device_buckets, 0);
+  // The last bucket always trails backward by its CPU time (5 ms here, the CPU keeping
+  // up otherwise): the device takes it when its own step is shorter (1 ms), not when it
+  // is longer (8 ms).
+  for (BucketTiming& b : t) b.cpu_ms = 5.0;
+  EXPECT_EQ(choose_device_buckets(t, 80.0, 1 << 20).device_buckets, 1);
+  for (BucketTiming& b : t) b.device_ms = 8.0;
+  EXPECT_EQ(choose_device_buckets(t, 80.0, 1 << 20).device_buckets, 0);
 }
 
 }  // namespace

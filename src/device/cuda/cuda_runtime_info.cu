@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "device/cuda_probe.hpp"
+#include "device/cuda/cuda_runtime_info.hpp"
 
 namespace spillway {
 

@@ -14,7 +14,7 @@
 
 #include <cstring>
 
-#include "optim/adamw.hpp"
+#include "spillway/optim.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace spillway::optim::HWY_NAMESPACE {

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "optim/adamw.hpp"
+#include "spillway/optim.hpp"
 
 namespace spillway::optim::cuda {
 

@@ -1,5 +1,5 @@
 // Best-fit sub-allocation with coalescing (see arena.hpp).
-#include "memory/arena.hpp"
+#include "core/arena.hpp"
 
 #include "spillway/error.hpp"
 

@@ -23,11 +23,12 @@
 #include <string>
 #include <vector>
 
-#include "optim/offload_pipeline.hpp"
 #include "spillway/device.hpp"
+#include "spillway/hooks.hpp"
 #include "spillway/model.hpp"
-#include "spillway/offload.hpp"
+#include "spillway/optim.hpp"
 #include "spillway/plan.hpp"
+#include "spillway/policy.hpp"
 
 namespace spillway::nn {
 
@@ -52,18 +53,13 @@ RefConfig load_reference_config(const std::string& name_or_path);
 // The saved tensors of layer `layer` in forward order (the planner's names).
 std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer);
 
-// Per layer, per saved tensor: what happens to it (Action::kKeep / kOffload / kRecompute).
-struct MemoryPolicy {
-  std::string name;                          // "keep", "recompute", "plan.json", ...
-  std::vector<std::vector<Action>> actions;  // [layer][saved tensor index]
-  int prefetch_depth = 1;
-  std::string note;  // how it was chosen (auto), for reports
-  bool any_offload() const;
-};
-
-// The policy of a plan: the actions of its tensors, by name (a tensor the plan does not
-// save, as mlp.act under a fused SwiGLU backward, is recomputed; a recompute of the layer
-// input, which has no producer in the layer, is refused).
+// A policy in this model's terms: per layer, its saved tensors in saved_tensor_names order
+// (what Model::step takes). From another policy (a plan's, by memory_policy()), by name: a
+// tensor the source does not list (mlp.act under a fused SwiGLU backward) is recomputed; a
+// recompute of the layer input, which has no producer in the layer, is refused; a
+// different layer count is refused.
+MemoryPolicy reference_policy(const RefConfig& c, const MemoryPolicy& from);
+// The same from a plan (its memory_policy), named `name`.
 MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::string& name);
 // Every tensor kept.
 MemoryPolicy keep_policy(const RefConfig& c);
@@ -75,7 +71,6 @@ struct StepStats {
   std::vector<double> layer_fwd_ms;  // host time of each layer's forward
   std::vector<double> layer_bwd_ms;
   int64_t peak_device_bytes = 0;  // arena peak during the step
-  StepTelemetry offload;          // the engine's telemetry (empty without offload)
 };
 
 class Model {
@@ -90,18 +85,20 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   // One training step on tokens (batch, seq + 1) (inputs and shifted targets): forward,
-  // backward under `policy`, then AdamW with `lr`. lr = 0 skips the update (gradient
-  // tests). The policy's offloads go through `engine` (may be null when it offloads
-  // nothing). Running out of device memory throws spillway::Error naming the policy, the
-  // layer, the tensor and the bytes.
+  // backward under `policy` (in this model's terms: reference_policy), then, with a
+  // device optimizer, AdamW with `lr` (0 skips the update: gradient tests). The engines
+  // are reached through `hooks` only (spillway/hooks.hpp, Note [Hook sequence]): a tensor
+  // the policy offloads is given to them (running without a hook that takes it is an
+  // error), needed() brings it back, grad_ready(b) follows each bucket's gradients, and
+  // step_end() ends the step. Running out of device memory throws spillway::Error naming
+  // the policy, the layer, the tensor and the bytes.
   //
-  // With `optimizer` (optimizer offload, DESIGN section 4; built on parameter_buckets() and
-  // the initial parameters()): the forward computes with the fp32 widening of the
-  // pipeline's bf16 device weights; as backward completes each bucket's gradients they go
-  // to the pipeline in bf16; after backward, its end_step() replaces the model's AdamW (lr
-  // is the pipeline's then).
+  // With an offloaded optimizer (built with device_optimizer = false, DESIGN section 4):
+  // the forward computes with the fp32 widening of device_weights_bf16() (which the
+  // optimizer writes); as backward completes each bucket of parameter_buckets() its
+  // gradients go to device_grads_bf16() in bf16 before grad_ready(b); lr must be 0.
   StepStats step(const std::vector<int32_t>& tokens, int batch, int seq, const MemoryPolicy& policy,
-                 OffloadEngine* engine, double lr, optim::OptimizerOffload* optimizer = nullptr);
+                 TrainingHooks& hooks, double lr);
 
   // The parameters in optimizer buckets, tiling parameters(): bucket 0 the embedding,
   // bucket 1 + l layer l, the last the final norm and the LM head. Backward completes them
@@ -113,8 +110,13 @@ class Model {
   std::vector<float> parameters() const;
   std::vector<float> gradients() const;
   const RefConfig& config() const;
-  // The compute stream an offload engine for this model must be built with.
+  // The compute stream the hooks' engines must order their work against.
   Stream compute_stream() const;
+  // With an offloaded optimizer (device_optimizer = false; else null): the bf16 weights the
+  // forward reads and the bf16 gradients backward writes, parameter_count() each, device
+  // memory this model owns (optim::OptimOffloadOptions::device_weights / device_grads).
+  uint16_t* device_weights_bf16() const;
+  uint16_t* device_grads_bf16() const;
   // Bytes of the saved tensors of one layer for (batch, seq) (what keep holds per layer).
   int64_t saved_bytes(int layer, int batch, int seq) const;
   // Bytes of each saved tensor of one layer, in saved_tensor_names order.

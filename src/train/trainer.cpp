@@ -1,6 +1,4 @@
 // `spillway train`: see trainer.hpp.
-#include "nn/trainer.hpp"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -16,9 +14,12 @@
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/offload.hpp"
+#include "spillway/train.hpp"
 #include "spillway/units.hpp"
 
-namespace spillway::nn {
+namespace spillway::train {
+
+using namespace spillway::nn;  // the reference model this application trains
 
 namespace {
 
@@ -110,19 +111,6 @@ PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Strategy s,
   return r;
 }
 
-OffloadPolicy offload_policy(const RefConfig& c, const MemoryPolicy& p) {
-  OffloadPolicy op;
-  op.prefetch_depth = p.prefetch_depth;
-  for (int l = 0; l < c.layers(); ++l) {
-    const std::vector<std::string> names = saved_tensor_names(c, l);
-    std::vector<std::string> out;
-    for (size_t i = 0; i < names.size(); ++i)
-      if (p.actions[static_cast<size_t>(l)][i] == Action::kOffload) out.push_back(names[i]);
-    op.layers.push_back(out);
-  }
-  return op;
-}
-
 // Note [Train offload sizing]: the pinned pool holds one step's offloaded tensors; the
 // device pool (the documented staging, part of the device budget) holds the reloads of
 // prefetch_depth + 1 layers (the one in use and those prefetched); in-flight D2H bytes are bounded
@@ -137,7 +125,7 @@ OffloadOptions offload_options(const Model& m, const MemoryPolicy& p, int batch,
     const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, batch, seq);
     int64_t layer = 0;
     for (size_t i = 0; i < bytes.size(); ++i) {
-      if (p.actions[static_cast<size_t>(l)][i] != Action::kOffload) continue;
+      if (p.layers[static_cast<size_t>(l)].actions[i] != Action::kOffload) continue;
       const int64_t b = (bytes[i] + 255) / 256 * 256;
       layer += b;
       tensor_max = std::max(tensor_max, b);
@@ -170,10 +158,8 @@ std::vector<int32_t> batch_tokens(const std::vector<int32_t>& corpus, uint64_t s
 }
 
 std::string count_actions(const MemoryPolicy& p) {
-  int keep = 0, off = 0, rec = 0;
-  for (const auto& l : p.actions)
-    for (Action a : l) (a == Action::kKeep ? keep : a == Action::kOffload ? off : rec)++;
-  return fmt::format("{} kept, {} offloaded, {} recomputed tensors", keep, off, rec);
+  return fmt::format("{} kept, {} offloaded, {} recomputed tensors", p.count(Action::kKeep),
+                     p.count(Action::kOffload), p.count(Action::kRecompute));
 }
 
 PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryPolicy& pol,
@@ -202,6 +188,8 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
     oo.cast = optim::CastSite::kHost;
     oo.device_buckets = o.device_buckets;
     oo.undo_limit_bytes = o.undo_mb < 0 ? -1 : static_cast<int64_t>(o.undo_mb * 1048576.0);
+    oo.device_weights = model.device_weights_bf16();  // caller-owned: the model's buffers
+    oo.device_grads = model.device_grads_bf16();
     pool = std::make_unique<optim::AdamW>();
     const std::vector<float> w0 = model.parameters();
     optimizer = std::make_unique<optim::OptimizerOffload>(*dev, model.compute_stream(), w0.data(),
@@ -209,9 +197,20 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
                                                           pool.get());
   }
   std::unique_ptr<OffloadEngine> engine;
+  std::unique_ptr<OffloadHooks> offload_hooks;
+  std::unique_ptr<optim::OptimizerHooks> optimizer_hooks;
+  // Note [Hook sequence]: the offload engine first, so that its step_end (telemetry) comes
+  // before the optimizer's validation, as the step runs.
+  CompositeHooks hooks;
   if (pol.any_offload()) {
-    engine = std::make_unique<OffloadEngine>(*dev, model.compute_stream(), offload_policy(c, pol),
+    engine = std::make_unique<OffloadEngine>(*dev, model.compute_stream(), pol,
                                              offload_options(model, pol, o.micro_batch, o.seq_len));
+    offload_hooks = std::make_unique<OffloadHooks>(*engine);
+    hooks.add(offload_hooks.get());
+  }
+  if (optimizer) {
+    optimizer_hooks = std::make_unique<optim::OptimizerHooks>(*optimizer);
+    hooks.add(optimizer_hooks.get());
   }
   std::vector<double> times, stalls, optimizer_times;
   r.layer_fwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
@@ -219,22 +218,23 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
   for (int s = 0; s < o.steps; ++s) {
     const std::vector<int32_t> tokens = batch_tokens(corpus, o.seed, s, o.micro_batch, o.seq_len);
     const StepStats st =
-        model.step(tokens, o.micro_batch, o.seq_len, pol, engine.get(), o.lr, optimizer.get());
+        model.step(tokens, o.micro_batch, o.seq_len, pol, hooks, optimizer ? 0.0 : o.lr);
+    const StepTelemetry tel = offload_hooks ? offload_hooks->telemetry() : StepTelemetry{};
     StepRecord rec;
     rec.step = s;
     rec.loss = st.loss;
     rec.step_ms = st.step_ms;
     rec.optimizer_ms = st.optimizer_ms;
     rec.peak_device_bytes = st.peak_device_bytes;
-    rec.offloaded_bytes = st.offload.d2h_bytes;
-    rec.reloaded_bytes = st.offload.h2d_bytes;
-    rec.stall_ms = st.offload.stall_ms;
-    rec.snowball = st.offload.snowball;
-    rec.snowball_layer = st.offload.snowball_first_layer;
+    rec.offloaded_bytes = tel.d2h_bytes;
+    rec.reloaded_bytes = tel.h2d_bytes;
+    rec.stall_ms = tel.stall_ms;
+    rec.snowball = tel.snowball;
+    rec.snowball_layer = tel.snowball_first_layer;
     r.steps.push_back(rec);
     if (s > 0 || o.steps == 1) {
       times.push_back(st.step_ms);
-      stalls.push_back(st.offload.stall_ms);
+      stalls.push_back(tel.stall_ms);
       optimizer_times.push_back(st.optimizer_ms);
       for (int l = 0; l < c.layers(); ++l) {
         r.layer_fwd_ms[static_cast<size_t>(l)] += st.layer_fwd_ms[static_cast<size_t>(l)];
@@ -394,7 +394,7 @@ std::vector<int32_t> load_corpus(const std::string& path) {
   return out;
 }
 
-TrainReport train(const TrainOptions& o, const std::function<void(const std::string&)>& progress) {
+TrainReport run(const TrainOptions& o, const std::function<void(const std::string&)>& progress) {
   validate(o);
   const RefConfig c = load_reference_config(o.model);
   const int buckets = c.layers() + 2;  // Model::parameter_buckets
@@ -625,4 +625,4 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
   return j.dump(2) + "\n";
 }
 
-}  // namespace spillway::nn
+}  // namespace spillway::train

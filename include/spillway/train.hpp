@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "nn/model.hpp"
+#include "spillway/nn.hpp"
 #include "spillway/plan.hpp"
 
-namespace spillway::nn {
+namespace spillway::train {
 
 struct TrainOptions {
   std::string model = "tiny-moe";
@@ -102,11 +102,11 @@ struct TrainReport {
 std::vector<int32_t> load_corpus(const std::string& path);
 
 // Runs `spillway train`. `progress` receives one line per step (may be empty).
-TrainReport train(const TrainOptions& o, const std::function<void(const std::string&)>& progress);
+TrainReport run(const TrainOptions& o, const std::function<void(const std::string&)>& progress);
 
 // The human tables and the JSON (`policies[] {name, loss, peak_device_bytes, step_ms,
 // offloaded_bytes, stall_ms, snowball, ...}`).
 std::string format_train_report(const TrainReport& r, const TrainOptions& o);
 std::string train_report_json(const TrainReport& r, const TrainOptions& o);
 
-}  // namespace spillway::nn
+}  // namespace spillway::train

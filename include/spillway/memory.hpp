@@ -16,7 +16,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "memory/arena.hpp"
 #include "spillway/device.hpp"
 
 namespace spillway {
@@ -56,14 +55,7 @@ class PinnedPool {
   bool numa_bound() const { return numa_bound_; }
 
  private:
-  struct Slab {
-    void* base = nullptr;
-    Arena arena;
-    // One bit per alignment unit: set while a block starting there is in the cache, so a
-    // double release is caught (the arena would have caught it; the cache must too).
-    std::vector<bool> cached;
-    explicit Slab(size_t bytes) : arena(bytes), cached(bytes / Arena::kAlignment + 1, false) {}
-  };
+  struct Slab;  // one allocation carved by a best-fit arena (pinned_pool.cpp)
   Device& device_;
   MemoryKind kind_;
   int64_t capacity_ = 0;

@@ -1,0 +1,139 @@
+// The socket (DESIGN section 9): the calls a training loop makes to tell spillway what
+// happens, nothing more. The reference model (src/nn), the PyTorch adapter and any other
+// loop call these; each engine implements the part it needs (the activation offload
+// engine: saved/needed; the optimizer pipeline: grad_ready/step_end) and CompositeHooks
+// fans one loop's calls out to several. A loop that names no engine type can be driven
+// by any of them.
+//
+// One training step, in order (Note [Hook sequence]):
+//   step_begin
+//   for each layer i, in order:     forward_begin(i), saved(i, ...)..., forward_end(i)
+//   for each layer i, in reverse:   backward_begin(i), needed(ticket)..., done(ticket)...,
+//                                   grad_ready(bucket)... (whenever a bucket is final)
+//   step_end                        (the engines finish: telemetry, the optimizer validates)
+// `saved` is called after the work producing the tensor is enqueued on the loop's compute
+// stream; `needed` returns memory that work enqueued on the compute stream afterwards may
+// read; `grad_ready(b)` is called once the work producing bucket b's gradients is enqueued.
+//
+// Memory (Note [Saved tensor ownership]): a saved tensor is either
+//   - given (SavedTensor::give): device memory from Device::allocate(kDevice) that the
+//     hook takes over and frees itself once it no longer needs it (the loop forgets it;
+//     with SavedTensor::hold_until_forward_end not before forward_end(layer), since the
+//     layer's forward may still read it); or
+//   - borrowed: the caller owns it; the ticket's `copied` event says when the hook is done
+//     reading it (wait on it, or query it, before reusing or freeing the memory).
+// `needed` reloads into memory the caller allocated (dst non-null) or into the hook's own
+// (dst null; returned, and given back with done()).
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+#include <vector>
+
+#include "spillway/device.hpp"
+
+namespace spillway {
+
+struct SavedTensor {
+  void* data = nullptr;  // device memory
+  size_t bytes = 0;
+  bool give = false;                   // the hook takes ownership (see the note above)
+  bool hold_until_forward_end = true;  // given: not freed before forward_end(layer)
+};
+
+// What a hook did with a saved tensor: `id` < 0 when no hook took it (the loop keeps it).
+struct SavedTicket {
+  int id = -1;
+  int owner = -1;  // set by CompositeHooks: which of its hooks took it
+  Event copied;    // borrowed: complete once the hook no longer reads the source
+  explicit operator bool() const { return id >= 0; }
+};
+
+class TrainingHooks {
+ public:
+  virtual ~TrainingHooks() = default;
+
+  virtual void step_begin() {}
+  virtual void forward_begin(int layer) { (void)layer; }
+  // A saved tensor of `layer`, by the planner's name (docs/plan-schema.md). Default: not
+  // taken.
+  virtual SavedTicket saved(int layer, std::string_view name, const SavedTensor& t) {
+    (void)layer;
+    (void)name;
+    (void)t;
+    return {};
+  }
+  virtual void forward_end(int layer) { (void)layer; }
+  // Backward reaches `layer` (reloads for the layers below it start here).
+  virtual void backward_begin(int layer) { (void)layer; }
+  // The tensor of `ticket` back on the device: in `dst` (bytes of it, caller-allocated) or,
+  // dst null, in memory of the hook's that the caller gives back with done(). Only the
+  // hook that took the ticket answers; default: nothing (null).
+  virtual void* needed(const SavedTicket& ticket, void* dst) {
+    (void)ticket;
+    (void)dst;
+    return nullptr;
+  }
+  // The caller no longer reads what needed() returned for `ticket`.
+  virtual void done(const SavedTicket& ticket) { (void)ticket; }
+  // The gradients of optimizer bucket `bucket` are final (their producer is enqueued).
+  virtual void grad_ready(int bucket) { (void)bucket; }
+  virtual void step_end() {}
+};
+
+// Fans every call out to its hooks, in order (step_end too: an offload engine before an
+// optimizer). saved() goes to each in turn until one takes the tensor; needed() and done()
+// to the one that took it (SavedTicket::owner).
+class CompositeHooks final : public TrainingHooks {
+ public:
+  CompositeHooks() = default;
+  explicit CompositeHooks(std::vector<TrainingHooks*> hooks) : hooks_(std::move(hooks)) {}
+  void add(TrainingHooks* h) {
+    if (h != nullptr) hooks_.push_back(h);
+  }
+
+  void step_begin() override {
+    for (TrainingHooks* h : hooks_) h->step_begin();
+  }
+  void forward_begin(int layer) override {
+    for (TrainingHooks* h : hooks_) h->forward_begin(layer);
+  }
+  SavedTicket saved(int layer, std::string_view name, const SavedTensor& t) override {
+    for (size_t i = 0; i < hooks_.size(); ++i) {
+      SavedTicket k = hooks_[i]->saved(layer, name, t);
+      if (k) {
+        k.owner = static_cast<int>(i);
+        return k;
+      }
+    }
+    return {};
+  }
+  void forward_end(int layer) override {
+    for (TrainingHooks* h : hooks_) h->forward_end(layer);
+  }
+  void backward_begin(int layer) override {
+    for (TrainingHooks* h : hooks_) h->backward_begin(layer);
+  }
+  void* needed(const SavedTicket& ticket, void* dst) override {
+    TrainingHooks* h = owner(ticket);
+    return h != nullptr ? h->needed(ticket, dst) : nullptr;
+  }
+  void done(const SavedTicket& ticket) override {
+    if (TrainingHooks* h = owner(ticket)) h->done(ticket);
+  }
+  void grad_ready(int bucket) override {
+    for (TrainingHooks* h : hooks_) h->grad_ready(bucket);
+  }
+  void step_end() override {
+    for (TrainingHooks* h : hooks_) h->step_end();
+  }
+
+ private:
+  TrainingHooks* owner(const SavedTicket& t) const {
+    if (t.owner < 0 || static_cast<size_t>(t.owner) >= hooks_.size()) return nullptr;
+    return hooks_[static_cast<size_t>(t.owner)];
+  }
+  std::vector<TrainingHooks*> hooks_;
+};
+
+}  // namespace spillway

@@ -1,0 +1,424 @@
+// The optimizer-offload engine's public face (DESIGN section 4): the CPU AdamW, speculation
+// then validation (STV), and the bucketed pipeline that steps parameters and gradients
+// as backward produces them. Three sections, each with the invariants it keeps.
+//
+// ---- AdamW ----------------------------------------------------------------------------
+// CPU AdamW over fp32 master weights and moments (DESIGN section 4): a scalar reference
+// and a SIMD version (Highway, run-time dispatch: AVX-512/AVX2 on x86, SVE/NEON on Arm)
+// with the same arithmetic, tiled over a thread pool.
+//
+// The update, per element i (decoupled weight decay, bias correction; PyTorch's AdamW):
+//   p  = p * (1 - lr * wd)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
+// with the per-step scalars (lr / bc1, 1 / sqrt(bc2), 1 - lr * wd) computed once in double
+// and rounded to float. Note [AdamW operation order] (adamw.cpp): scalar and SIMD evaluate
+// each line in the same order, every multiply and add rounded on its own (no fused
+// multiply-add, -ffp-contract=off), so they agree to the bit on every target.
+//
+// Invariants: no allocation per step (the pool and tiles are sized at construction);
+// outputs are fully written; the low-precision copy of p (bf16 round-to-nearest-even, or
+// fp16) is written in the same pass.
+//
+// ---- STV ------------------------------------------------------------------------------
+// Speculation-then-validation (STV) for the offloaded AdamW step (DESIGN section 4).
+//
+// Gradient clipping and the NaN/Inf check need the global gradient norm, known only when
+// backward ends. STV steps each gradient bucket as soon as it arrives, speculatively, out
+// of place: a speculative bucket has two buffers for its p, m and v (a double buffer), and
+// the step reads the current one and writes the other; when backward ends:
+//   - the norm is finite and at most the clip threshold: commit (the other buffer becomes
+//     the current one);
+//   - it is above the threshold: step every speculative bucket again from its current
+//     buffer, untouched, with the gradient scaled by clip / (norm + 1e-6) (replay);
+//   - it is NaN or Inf: discard the other buffers and skip the step (the step counter
+//     does not advance).
+// Note [STV exactness]: undo keeps the old state's bits (a buffer the step never wrote),
+// never inverts the update (which is not bit-exact and cannot undo NaN moments), and the
+// norm is summed per bucket in bucket order whatever the arrival order, so the result
+// after every step is bitwise that of `reference_adamw_step` (the non-speculative
+// optimizer). tests/optim/stv_test.cpp checks it over 1,000 steps with clipping and
+// NaN/Inf in random buckets. The double buffer costs no copy: a snapshot would read and
+// write 24 bytes per element more than the step itself.
+//
+// GPU/CPU split: the last `device_buckets` buckets to arrive (the first layers, at the end
+// of backward) keep their state on the device and are not speculated. STV sees only their
+// sum of squares (on_device_bucket, computed where the gradient is, in the order of Note
+// [Norm lanes]); after finish() the caller steps them with last_scale() at step() unless
+// the step was skipped. They add no CPU step to the critical path; any split gives bitwise
+// the same result. STV never touches their elements: the state arrays need only hold the
+// CPU buckets (the offsets of the device buckets must still tile [0, n) with the others).
+//
+// Note [Bounded undo]: the second buffers (the undo memory) hold 12 bytes per element of
+// the speculative buckets, sized once: by default every CPU bucket has one; with
+// `undo_limit_bytes` they go to the buckets in the order backward delivers them (the last
+// bucket first), each that still fits. A bucket without one is not speculated but
+// deferred: it steps in place in finish(), once the norm is known, on the critical path
+// but exact (counted in `deferred`). Limited memory never drops or corrupts a step.
+//
+// Where a bucket's state is: its current buffer alternates between the caller's arrays
+// and STV's second buffer at each commit, so read it through state(b).
+//
+// ---- The pipeline -----------------------------------------------------------------------
+// The bucketed optimizer-offload pipeline (DESIGN section 4): fp32 master weights and
+// AdamW moments live in pinned host memory, the device keeps bf16 weights. As backward
+// produces each gradient bucket (last layers first):
+//   D2H stream:  wait for the bucket's gradient, copy it to pinned staging (fp32, or bf16
+//                when the cast is done on the host: half the link bytes);
+//   CPU stream:  wait for that copy, run the speculative AdamW step of the bucket (STV),
+//                reading the gradient as staged and writing the bf16 copy of the updated
+//                weights into pinned staging in the same pass;
+//   H2D stream:  wait for the step, copy the bf16 weights to the device.
+// Every stage is ordered by events, never by the host, so the three overlap the rest of
+// backward. end_step() validates (StvAdamW::finish): on a replay or a skip every CPU
+// bucket's weights go up again, on a commit those of the buckets deferred for want of
+// undo memory.
+//
+// Note [Optimizer copy failures]: a gradient copy that cannot be enqueued (the device
+// reports an error) is retried up to `max_retries` times after waiting for the copies in
+// flight; if it still fails, the step is abandoned with an error naming the bucket, and
+// no bucket is updated from a gradient that did not arrive: the CPU step of a bucket is
+// enqueued only after its copy was.
+//
+// GPU/CPU split: the first `device_buckets` buckets (the last to arrive) keep their fp32
+// state in device memory. Their gradients never cross the link: on the compute stream the
+// device computes their norm lane sums (Note [Norm lanes]; a few KB go down), and at
+// end_step, once STV has validated, it steps them and writes their bf16 weights in the
+// same pass (the AdamW and lane kernels of src/optim/cuda on a GPU; the same arithmetic
+// as stream-ordered host work on the host backend). The host holds state only for the CPU
+// buckets.
+//
+// Memory: pinned host memory of 12 bytes per CPU-bucket element (p, m, v), its gradient
+// staging (4 or 2) and 2 per element of weight staging; STV's second buffers (Note
+// [Bounded undo], `undo_limit_bytes`: 12 per speculated element, pageable);
+// device memory of 4 bytes per element (bf16 weights and gradients), 4 more per CPU-bucket
+// element for the device cast, and 12 per device-bucket element.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "spillway/device.hpp"
+#include "spillway/hooks.hpp"
+
+namespace spillway::optim {
+
+// ---- AdamW ----
+
+struct AdamWParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+enum class GradType { kFp32, kBf16 };
+enum class CopyType { kNone, kBf16, kFp16 };
+
+// One call's inputs: n elements of state, the gradient (fp32 or bf16 bits), the step
+// counter t (>= 1, of this parameter group) and the optional low-precision copy out.
+struct AdamWArgs {
+  float* p = nullptr;       // (n) fp32 master weights, updated in place
+  float* m = nullptr;       // (n) first moment
+  float* v = nullptr;       // (n) second moment
+  const void* g = nullptr;  // (n) gradient, fp32 or bf16 bits (uint16_t)
+  GradType grad_type = GradType::kFp32;
+  float grad_scale = 1.0f;   // the gradient is multiplied by this first (clipping); 1: exact
+  void* copy_out = nullptr;  // (n) bf16 or fp16 bits of the updated p, or null
+  CopyType copy_type = CopyType::kNone;
+  size_t n = 0;
+  int64_t step = 1;
+  // Out of place (all three or none): the updated p, m, v go here and p, m, v are only
+  // read (STV's double buffer). The arrays must not overlap the inputs partially.
+  float* p_out = nullptr;
+  float* m_out = nullptr;
+  float* v_out = nullptr;
+};
+
+// The per-step scalars of Note [AdamW operation order]: computed in double once per call
+// and rounded to float, so the scalar and SIMD paths see the same bits. Checks hp and step.
+struct AdamWStepScalars {
+  float step_size;        // lr / bc1
+  float inv_sqrt_bc2;     // 1 / sqrt(bc2)
+  float decay;            // 1 - lr * weight_decay
+  float beta1;            // beta1
+  float one_minus_beta1;  // 1 - beta1
+  float beta2;            // beta2
+  float one_minus_beta2;  // 1 - beta2
+  float eps;              // eps
+};
+AdamWStepScalars adamw_step_scalars(const AdamWParams& hp, int64_t step);
+// Throws spillway::Error when the pointers of `a` do not fit its n and options (every
+// step checks its arguments with it).
+void check_adamw_args(const AdamWArgs& a);
+
+// The scalar reference: one thread, plain loops, same arithmetic as the SIMD path.
+void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a);
+
+// AdamW as Loshchilov and Hutter write it: the decay inside the update, the bias
+// corrections on the moments, float throughout (the per-step scalars too):
+//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;
+//   p -= lr (m / bc1 / (sqrt(v / bc2) + eps) + wd p)
+// The reference model's on-device optimizer (src/nn), whose losses tests pin: it differs
+// from the PyTorch form above in the last bits, so the two are kept apart. One thread.
+void adamw_step_textbook(const AdamWParams& hp, int64_t step, float* p, float* m, float* v,
+                         const float* g, size_t n);
+
+// The SIMD step on the calling thread (the best target the CPU supports).
+void adamw_step_simd(const AdamWParams& hp, const AdamWArgs& a);
+// The name of the target the dispatch picked, e.g. "AVX3" or "AVX2", "SVE", "NEON".
+const char* adamw_simd_target();
+// For tests: the names of the targets compiled in that this CPU supports, best first
+// (e.g. "AVX3", "AVX2", "SSE4", "EMU128"), and making adamw_step_simd use one of them
+// (nullptr: the best again). Returns false for a name not in the list. Not thread-safe:
+// no step may run concurrently.
+std::vector<std::string> adamw_simd_targets();
+bool adamw_simd_force_target(const char* name);
+
+// All cores: the SIMD step tiled across a thread pool created once (threads bound to the
+// NUMA node `numa_node` when the machine has several; -1: no binding).
+class AdamW {
+ public:
+  explicit AdamW(int threads = 0, int numa_node = -1);  // threads 0: hardware concurrency
+  ~AdamW();
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
+  void step(const AdamWParams& hp, const AdamWArgs& a);
+  int threads() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// bf16 (round to nearest even, NaN kept NaN) and fp16 conversions used by the copies. The
+// bf16 ones are inline: loops over them vectorize.
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+uint16_t float_to_fp16(float x);
+float fp16_to_float(uint16_t h);
+
+// ---- STV ----
+
+struct Bucket {
+  size_t offset = 0;  // into the parameter group's state
+  size_t n = 0;
+};
+
+enum class StvOutcome { kCommit, kReplay, kSkip };
+
+struct StvCounters {
+  int64_t commits = 0;
+  int64_t replays = 0;
+  int64_t skips = 0;
+  int64_t deferred = 0;  // buckets not speculated for want of undo memory (Note [Bounded undo])
+};
+
+// Note [Norm lanes]: the global gradient norm as STV computes it, in an order a GPU can
+// follow to the bit. A bucket's elements are dealt to kNormLanes lanes (element i to lane
+// i % kNormLanes); each lane sums the squares of its elements in double in index order;
+// the bucket's sum is its lanes' sums added in lane order; the norm is the square root of
+// the buckets' sums added in bucket order. A float squared is exact in double, so a fused
+// multiply-add gives the same bits. On the CPU the lanes vectorize (one row of lanes at a
+// time); on a GPU one thread per lane reads coalesced.
+inline constexpr size_t kNormLanes = 16384;
+// lanes (min(n, kNormLanes)) = the lane sums of n fp32 or bf16 (bits) values.
+void norm_lane_sums(const float* g, size_t n, double* lanes);
+void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes);
+// The lane sums added in lane order.
+double add_lane_sums(const double* lanes, size_t n);
+// The bucket's sum of squares (allocates its lanes: for references and tests).
+double bucket_sum_of_squares(const float* g, size_t n);
+
+// Clipping factor: clip / (norm + 1e-6) rounded to float when norm > clip, else 1.
+float clip_coefficient(double norm, double clip);
+
+// The non-speculative optimizer: the whole gradient known, the norm computed as above,
+// skip on NaN/Inf, clip, AdamW. `step` is the group's counter, advanced unless skipped.
+StvOutcome reference_adamw_step(const AdamWParams& hp, double clip, float* p, float* m, float* v,
+                                const float* g, const std::vector<Bucket>& buckets, int64_t* step);
+
+class StvAdamW {
+ public:
+  // The state (p, m, v of `n` elements) stays the caller's; buckets cover [0, n) without
+  // overlap; the first `device_buckets` (the last to arrive) are the device's. `pool` (may
+  // be null: the SIMD step on the caller) steps the CPU buckets. `undo_limit_bytes` < 0:
+  // undo memory for every CPU bucket; else at most that (Note [Bounded undo]).
+  StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float* v, size_t n,
+           std::vector<Bucket> buckets, int device_buckets, AdamW* pool,
+           int64_t undo_limit_bytes = -1);
+  // Every step of a CPU bucket also writes the bf16 copy of its updated weights to `copy`
+  // (n, laid out like p), in the same pass (null: no copy). After a skip the copy of the
+  // restored buckets is stale: the caller rounds p again.
+  void set_bf16_copy(uint16_t* copy) { copy_ = copy; }
+
+  // Whether CPU bucket `b` is speculated when it arrives (it has a second buffer), or
+  // deferred to finish() (Note [Bounded undo]); fixed at construction. A pipeline asks when
+  // it enqueues the bucket, to know whether to upload its weights then.
+  bool admit(int b) const;
+  // CPU bucket `b`'s current p, m, v (n of that bucket each). Not while the bucket is being
+  // stepped: between its arrival and the end of finish() only the old values are there.
+  struct BucketState {
+    float* p;
+    float* m;
+    float* v;
+  };
+  BucketState state(int b) const;
+  // Backward: CPU bucket `b`'s gradient (n of that bucket, fp32 or bf16 bits) has arrived;
+  // the pointer stays valid until finish(). Arrival order is free (normally last first).
+  void on_bucket(int b, const float* g);
+  void on_bucket_bf16(int b, const uint16_t* g);
+  // Backward: device bucket `b`'s sum of squares (add_lane_sums of its lanes) is known.
+  void on_device_bucket(int b, double sum_of_squares);
+  // Backward is done: every bucket has arrived. Validates, then commits, replays or skips
+  // the CPU buckets; the device buckets are the caller's (see the split above).
+  StvOutcome finish();
+  // The step cannot complete (a gradient never arrived): undo every speculative bucket and
+  // forget the step's buckets; the step counter does not advance.
+  void abort();
+
+  int64_t step() const { return step_; }
+  // The gradient scale of the last finish() (1 unless clipped).
+  float last_scale() const { return last_scale_; }
+  // Whether CPU bucket `b` was stepped only in finish() this step (deferred or replayed):
+  // its weights changed after its arrival. Valid between finish() and the next step.
+  bool stepped_late(int b) const { return late_[static_cast<size_t>(b)] != 0; }
+  const StvCounters& counters() const { return counters_; }
+  int64_t undo_bytes() const { return static_cast<int64_t>(undo_.size() * sizeof(float)); }
+
+ private:
+  void arrive(int b, const void* g, GradType type);
+  // Steps CPU bucket b from its current buffer: into its other one (out of place) or in
+  // place.
+  void run(int b, float scale, int64_t t, bool out_of_place);
+  BucketState other(int b) const;
+  void check_bucket(int b, bool device) const;
+  void forget_step();
+  AdamWParams hp_;
+  double clip_;
+  float* p_;
+  float* m_;
+  float* v_;
+  std::vector<Bucket> buckets_;
+  int device_buckets_;
+  AdamW* pool_;
+  int64_t step_ = 0;
+  StvCounters counters_;
+  float last_scale_ = 1.0f;
+  std::vector<float> undo_;          // the second buffers: p, m, v of each, back to back
+  std::vector<size_t> undo_offset_;  // per bucket with a second buffer
+  std::vector<char> has_undo_;       // per bucket: speculated (has a second buffer)
+  std::vector<char> in_undo_;        // per bucket: its current buffer is the second one
+  uint16_t* copy_ = nullptr;
+  std::vector<const void*> grads_;    // per bucket, this step
+  std::vector<GradType> grad_types_;  // per bucket, this step
+  std::vector<double> sq_;            // per bucket sum of squares, this step
+  std::vector<double> lanes_;         // kNormLanes, for the CPU buckets' sums
+  std::vector<char> arrived_;         // per bucket, this step
+  int arrivals_ = 0;
+  std::vector<char> speculated_;  // per bucket: stepped speculatively this step
+  std::vector<char> late_;        // per bucket: stepped in finish() this step
+};
+
+// ---- The pipeline ----
+
+enum class CastSite { kAuto, kDevice, kHost };
+
+struct OptimOffloadOptions {
+  AdamWParams hp;
+  double clip = 1.0;  // global gradient norm threshold (<= 0: no clipping)
+  CastSite cast = CastSite::kAuto;
+  double link_gbps = 0.0;         // D2H bandwidth for the kAuto decision (0: measure-free guess)
+  double cpu_cast_gbps = 0.0;     // CPU bf16->fp32 widening rate (bytes read per second / 1e9)
+  int device_buckets = 0;         // GPU/CPU split
+  int max_retries = 3;            // Note [Optimizer copy failures]
+  int64_t undo_limit_bytes = -1;  // STV undo memory; < 0: every CPU bucket (Note [Bounded undo])
+  // Caller-owned device memory (n bf16 elements each, alive as long as the pipeline): the
+  // weights the model reads and the gradients it writes. Null: the pipeline allocates its
+  // own. The constructor writes the initial weights' bf16 into `device_weights`.
+  uint16_t* device_weights = nullptr;
+  uint16_t* device_grads = nullptr;
+};
+
+// The optimizer state (p, m, v) in the caller's element order, gathered from host and
+// device memory.
+struct OptimState {
+  std::vector<float> p, m, v;
+};
+
+// Where to cast (DESIGN section 4): widening on the device and moving fp32 costs 4 bytes
+// per element on the link; moving bf16 costs 2 bytes on the link plus the CPU widening. kHost when
+// 2 / link + 2 / cpu_cast < 4 / link, i.e. when the CPU widens faster than the link moves.
+CastSite choose_cast_site(double link_gbps, double cpu_cast_gbps);
+
+class OptimizerOffload {
+ public:
+  // `weights` (n fp32): the initial master weights. `compute` is the training loop's
+  // stream, where the gradients are produced. Allocates everything now.
+  OptimizerOffload(Device& dev, Stream compute, const float* weights, size_t n,
+                   std::vector<Bucket> buckets, const OptimOffloadOptions& o,
+                   AdamW* pool = nullptr);
+  ~OptimizerOffload();
+  OptimizerOffload(const OptimizerOffload&) = delete;
+  OptimizerOffload& operator=(const OptimizerOffload&) = delete;
+
+  // Device buffers: the bf16 weights the model reads (n) and the bf16 gradients it writes
+  // (n). Widening bf16 to fp32 is exact, so both cast sites give the same bits.
+  uint16_t* device_weights() const;
+  uint16_t* device_grads() const;
+
+  // Backward: bucket b's gradient is complete once the work enqueued so far on the
+  // compute stream has run. From then on the pipeline may overwrite the bucket's device
+  // weights (with the speculative step's): the rest of backward must not read them, which
+  // holds for a layerwise backward (a layer's weights are last read by its own backward).
+  void on_bucket_grad(int b);
+  // After backward: waits for the pipeline, validates, corrects the device weights on a
+  // replay or a skip. The compute stream is ordered after the weight uploads.
+  StvOutcome end_step();
+
+  CastSite cast_site() const;
+  const StvCounters& counters() const;
+  int64_t step() const;
+  int64_t retries() const;  // copy enqueues retried (Note [Optimizer copy failures])
+  int64_t undo_bytes() const;
+  // The fp32 master weights and moments (waits for the streams), for tests and checkpoints.
+  OptimState read_state() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The pipeline on the socket (spillway/hooks.hpp): grad_ready(b) hands bucket b over
+// (OptimizerOffload::on_bucket_grad), step_end() validates and finishes the step
+// (OptimizerOffload::end_step) and keeps its outcome.
+class OptimizerHooks final : public TrainingHooks {
+ public:
+  explicit OptimizerHooks(OptimizerOffload& pipeline) : pipeline_(pipeline) {}
+  void grad_ready(int bucket) override { pipeline_.on_bucket_grad(bucket); }
+  void step_end() override { outcome_ = pipeline_.end_step(); }
+  // What the last step_end() decided.
+  StvOutcome outcome() const { return outcome_; }
+
+ private:
+  OptimizerOffload& pipeline_;
+  StvOutcome outcome_{};
+};
+
+}  // namespace spillway::optim

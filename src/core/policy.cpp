@@ -1,0 +1,89 @@
+// The memory-policy vocabulary (include/spillway/policy.hpp): the names of its enums, from
+// one table each, and the lookups.
+#include "spillway/policy.hpp"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#include "spillway/error.hpp"
+
+namespace spillway {
+
+namespace {
+
+constexpr std::array<std::pair<Action, std::string_view>, 3> kActionNames = {{
+    {Action::kKeep, "keep"},
+    {Action::kOffload, "offload"},
+    {Action::kRecompute, "recompute"},
+}};
+
+constexpr std::array<std::pair<Policy, std::string_view>, 6> kPolicyNames = {{
+    {Policy::kAuto, "auto"},
+    {Policy::kKeep, "keep"},
+    {Policy::kRecompute, "recompute"},
+    {Policy::kOffload, "offload"},
+    {Policy::kSelective, "selective"},
+    {Policy::kHybrid, "hybrid"},
+}};
+
+template <typename E, size_t N>
+std::string name_of(const std::array<std::pair<E, std::string_view>, N>& table, E v) {
+  for (const auto& [e, n] : table)
+    if (e == v) return std::string(n);
+  SPILLWAY_CHECK(false, "enum value {} has no name", static_cast<int>(v));
+}
+
+}  // namespace
+
+std::string to_string(Action a) {
+  return name_of(kActionNames, a);
+}
+std::string to_string(Policy p) {
+  return name_of(kPolicyNames, p);
+}
+
+Policy parse_policy(std::string_view name, std::string_view field) {
+  for (const auto& [p, n] : kPolicyNames)
+    if (n == name) return p;
+  SPILLWAY_INPUT_ERROR(
+      "{} is '{}'; must be one of auto, keep, recompute, offload, selective, hybrid", field, name);
+}
+
+Action LayerActions::action(std::string_view tensor) const {
+  const auto it = std::find(tensors.begin(), tensors.end(), tensor);
+  if (it == tensors.end()) return Action::kKeep;
+  const auto i = static_cast<size_t>(it - tensors.begin());
+  return i < actions.size() ? actions[i] : Action::kKeep;
+}
+
+Action MemoryPolicy::action(int layer, std::string_view tensor) const {
+  if (layer < 0 || static_cast<size_t>(layer) >= layers.size()) return Action::kKeep;
+  return layers[static_cast<size_t>(layer)].action(tensor);
+}
+
+bool MemoryPolicy::any_offload() const {
+  return count(Action::kOffload) > 0;
+}
+
+int MemoryPolicy::count(Action a) const {
+  int n = 0;
+  for (const LayerActions& l : layers)
+    n += static_cast<int>(std::count(l.actions.begin(), l.actions.end(), a));
+  return n;
+}
+
+MemoryPolicy MemoryPolicy::uniform(int layers, const std::vector<std::string>& names,
+                                   int keep_last) {
+  MemoryPolicy p;
+  p.name = "uniform";
+  p.layers.resize(static_cast<size_t>(std::max(layers, 0)));
+  for (int l = 0; l + keep_last < layers; ++l) {
+    LayerActions& la = p.layers[static_cast<size_t>(l)];
+    la.tensors = names;
+    la.actions.assign(names.size(), Action::kOffload);
+  }
+  return p;
+}
+
+}  // namespace spillway
