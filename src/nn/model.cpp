@@ -1,19 +1,18 @@
-// The reference model: forward, backward under a memory policy, AdamW. See model.hpp and
-// Note [Saved tensors].
+// The reference model's network (include/spillway/nn.hpp): parameters, forward, backward
+// under a memory policy with the engines reached through hooks, and its AdamW (optim's
+// textbook form). Note [Saved tensors]. Its config is in config.cpp, its policies in
+// policy.cpp.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 
-#include "core/embedded_data.hpp"
 #include "core/stats.hpp"
 #include "nn/ops.hpp"
+#include "nn/slots.hpp"
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
 #include "spillway/units.hpp"
@@ -27,171 +26,7 @@ std::string size_text(size_t bytes) {
   return fmt::format("{} bytes ({:.2f} MiB)", bytes, static_cast<double>(bytes) / 1048576.0);
 }
 
-int to_int(int64_t v, const char* field) {
-  if (v <= 0 || v > (int64_t{1} << 24))
-    SPILLWAY_INPUT_ERROR("reference model: {} is {}; must be in [1, 2^24]", field, v);
-  return static_cast<int>(v);
-}
-
-// Saved tensor slots (Note [Saved tensors]); the MoE and dense MLPs number theirs from 7.
-enum Slot : int {
-  kInput = 0,  // attn.input (T, d)
-  kNorm1,      // attn.norm_out (T, d)
-  kQkv,        // attn.qkv_out (T, (H + 2 KV) hd)
-  kCoreOut,    // attn.out_proj_in (T, H hd)
-  kLse,        // attn.core_lse (T, H)
-  kMid,        // mlp.input (T, d)
-  kNorm2,      // mlp.norm_out (T, d)
-  kProbs,      // moe.router_probs (T, E)
-  kIdx,        // moe.topk_idx (T, k) int32
-  kWeights,    // moe.topk_weights (T, k)
-  kDispatch,   // moe.dispatch_in (T k, d)
-  kGate,       // mlp.gate_out (T k, fe)
-  kUp,         // mlp.up_out (T k, fe)
-  kAct,        // mlp.act (T k, fe)
-  kExpertOut,  // moe.expert_out (T k, d)
-  kMoeSlots,
-  kDenseGate = 7,  // mlp.gate_out (T, f)
-  kDenseUp,        // mlp.up_out (T, f)
-  kDenseAct,       // mlp.act (T, f)
-  kDenseSlots,
-};
-
-const char* const kMoeNames[kMoeSlots] = {
-    "attn.input",      "attn.norm_out", "attn.qkv_out",     "attn.out_proj_in", "attn.core_lse",
-    "mlp.input",       "mlp.norm_out",  "moe.router_probs", "moe.topk_idx",     "moe.topk_weights",
-    "moe.dispatch_in", "mlp.gate_out",  "mlp.up_out",       "mlp.act",          "moe.expert_out"};
-const char* const kDenseNames[kDenseSlots] = {
-    "attn.input", "attn.norm_out", "attn.qkv_out", "attn.out_proj_in", "attn.core_lse",
-    "mlp.input",  "mlp.norm_out",  "mlp.gate_out", "mlp.up_out",       "mlp.act"};
-
-bool is_moe(const RefConfig& c, int layer) {
-  return c.model.layers[static_cast<size_t>(layer)].mlp.kind == MlpKind::kMoe;
-}
-
 }  // namespace
-
-std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer) {
-  if (is_moe(c, layer)) return {std::begin(kMoeNames), std::end(kMoeNames)};
-  return {std::begin(kDenseNames), std::end(kDenseNames)};
-}
-
-RefConfig load_reference_config(const std::string& name_or_path) {
-  std::string text;
-  std::string file = name_or_path;
-  const EmbeddedFile* embedded = find_embedded("nn", name_or_path + ".json");
-  if (embedded != nullptr) {
-    text = embedded->text;
-    file = "data/nn/" + name_or_path + ".json";
-  } else {
-    std::ifstream in(name_or_path);
-    if (!in)
-      SPILLWAY_INPUT_ERROR(
-          "--model: '{}' is neither an embedded reference model (tiny-moe, small-moe) nor a "
-          "readable config.json",
-          name_or_path);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    text = ss.str();
-  }
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    SPILLWAY_INPUT_ERROR("model config: not valid JSON ({}) (file: {})", e.what(), file);
-  }
-  RefConfig c;
-  const std::string stem = embedded != nullptr ? name_or_path : file;
-  c.model = parse_model_config(j, stem, file);
-  c.hidden = to_int(c.model.hidden, "hidden_size");
-  if (c.model.vocab < 256)
-    SPILLWAY_INPUT_ERROR(
-        "model config: \"vocab_size\" is {}; the reference model reads byte-level tokens and "
-        "needs >= 256 (file: {})",
-        c.model.vocab, file);
-  c.vocab = to_int(c.model.vocab, "vocab_size");
-  if (c.model.layers.empty()) SPILLWAY_INPUT_ERROR("model config: no layers (file: {})", file);
-  const AttentionSpec& a = c.model.layers[0].attn;
-  for (size_t l = 0; l < c.model.layers.size(); ++l) {
-    const LayerSpec& s = c.model.layers[l];
-    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.qkv_bias ||
-        s.attn.o_bias || s.attn.sinks || s.attn.qk_head_dim != s.attn.v_head_dim ||
-        !(s.attn == a)) {
-      SPILLWAY_INPUT_ERROR(
-          "model config: layer {} ({}) is not supported by the reference model: it runs full "
-          "causal GQA attention without biases, sinks or sliding windows (file: {})",
-          l, s.block_name(), file);
-    }
-    if (s.mlp.kind == MlpKind::kMoe &&
-        (s.mlp.shared_ffn != 0 || s.mlp.residual_ffn != 0 || s.mlp.bias || s.mlp.router_bias)) {
-      SPILLWAY_INPUT_ERROR(
-          "model config: layer {} has a shared or residual expert, or biases; the reference "
-          "model runs routed experts only (file: {})",
-          l, file);
-    }
-  }
-  c.heads = to_int(a.heads, "num_attention_heads");
-  c.kv_heads = to_int(a.kv_heads, "num_key_value_heads");
-  c.head_dim = to_int(a.qk_head_dim, "head_dim");
-  if (c.head_dim % 2 != 0)
-    SPILLWAY_INPUT_ERROR("model config: \"head_dim\" is {}; RoPE needs an even head_dim (file: {})",
-                         c.head_dim, file);
-  c.rope_theta = j.value("rope_theta", 10000.0);
-  c.rms_eps = j.value("rms_norm_eps", 1e-6);
-  c.norm_topk = j.value("norm_topk_prob", true);
-  if (!(c.rope_theta > 0))
-    SPILLWAY_INPUT_ERROR("model config: \"rope_theta\" is {}; must be > 0 (file: {})", c.rope_theta,
-                         file);
-  if (!(c.rms_eps > 0))
-    SPILLWAY_INPUT_ERROR("model config: \"rms_norm_eps\" is {}; must be > 0 (file: {})", c.rms_eps,
-                         file);
-  return c;
-}
-
-MemoryPolicy keep_policy(const RefConfig& c) {
-  MemoryPolicy p;
-  p.name = "keep";
-  p.layers.resize(static_cast<size_t>(c.layers()));
-  for (int l = 0; l < c.layers(); ++l) {
-    LayerActions& la = p.layers[static_cast<size_t>(l)];
-    la.tensors = saved_tensor_names(c, l);
-    la.actions.assign(la.tensors.size(), Action::kKeep);
-  }
-  return p;
-}
-
-MemoryPolicy reference_policy(const RefConfig& c, const MemoryPolicy& from) {
-  if (from.layer_count() != c.layers())
-    SPILLWAY_INPUT_ERROR("plan '{}': {} layers; the model has {}", from.name, from.layer_count(),
-                         c.layers());
-  MemoryPolicy p = keep_policy(c);
-  p.name = from.name;
-  p.note = from.note;
-  p.prefetch_depth = from.prefetch_depth;
-  for (int l = 0; l < c.layers(); ++l) {
-    LayerActions& la = p.layers[static_cast<size_t>(l)];
-    const LayerActions& src = from.layers[static_cast<size_t>(l)];
-    // A tensor the source does not save (mlp.act under a fused SwiGLU backward) is
-    // recomputed from its inputs in backward; the layer input always exists.
-    for (size_t i = 1; i < la.tensors.size(); ++i) la.actions[i] = Action::kRecompute;
-    for (size_t k = 0; k < src.tensors.size() && k < src.actions.size(); ++k) {
-      const auto it = std::find(la.tensors.begin(), la.tensors.end(), src.tensors[k]);
-      if (it == la.tensors.end()) continue;  // a tensor this model does not save
-      const size_t i = static_cast<size_t>(it - la.tensors.begin());
-      if (i == kInput && src.actions[k] == Action::kRecompute)
-        SPILLWAY_INPUT_ERROR(
-            "plan '{}': layer {} recomputes attn.input, the layer input; it "
-            "can only be kept or offloaded",
-            from.name, l);
-      la.actions[i] = src.actions[k];
-    }
-  }
-  return p;
-}
-
-MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::string& name) {
-  return reference_policy(c, memory_policy(plan, name));
-}
 
 // ---------------------------------------------------------------------------------------
 

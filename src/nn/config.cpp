@@ -1,0 +1,94 @@
+// The reference model's configuration (include/spillway/nn.hpp): an embedded reference
+// config or a config.json, read with the planner's parser and checked against what the
+// reference model runs; errors name the field and the value.
+#include <fmt/format.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/embedded_data.hpp"
+#include "nn/slots.hpp"
+#include "spillway/error.hpp"
+#include "spillway/nn.hpp"
+
+namespace spillway::nn {
+
+std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer) {
+  if (is_moe(c, layer)) return {std::begin(kMoeNames), std::end(kMoeNames)};
+  return {std::begin(kDenseNames), std::end(kDenseNames)};
+}
+
+RefConfig load_reference_config(const std::string& name_or_path) {
+  std::string text;
+  std::string file = name_or_path;
+  const EmbeddedFile* embedded = find_embedded("nn", name_or_path + ".json");
+  if (embedded != nullptr) {
+    text = embedded->text;
+    file = "data/nn/" + name_or_path + ".json";
+  } else {
+    std::ifstream in(name_or_path);
+    if (!in)
+      SPILLWAY_INPUT_ERROR(
+          "--model: '{}' is neither an embedded reference model (tiny-moe, small-moe) nor a "
+          "readable config.json",
+          name_or_path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    SPILLWAY_INPUT_ERROR("model config: not valid JSON ({}) (file: {})", e.what(), file);
+  }
+  RefConfig c;
+  const std::string stem = embedded != nullptr ? name_or_path : file;
+  c.model = parse_model_config(j, stem, file);
+  c.hidden = to_int(c.model.hidden, "hidden_size");
+  if (c.model.vocab < 256)
+    SPILLWAY_INPUT_ERROR(
+        "model config: \"vocab_size\" is {}; the reference model reads byte-level tokens and "
+        "needs >= 256 (file: {})",
+        c.model.vocab, file);
+  c.vocab = to_int(c.model.vocab, "vocab_size");
+  if (c.model.layers.empty()) SPILLWAY_INPUT_ERROR("model config: no layers (file: {})", file);
+  const AttentionSpec& a = c.model.layers[0].attn;
+  for (size_t l = 0; l < c.model.layers.size(); ++l) {
+    const LayerSpec& s = c.model.layers[l];
+    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.qkv_bias ||
+        s.attn.o_bias || s.attn.sinks || s.attn.qk_head_dim != s.attn.v_head_dim ||
+        !(s.attn == a)) {
+      SPILLWAY_INPUT_ERROR(
+          "model config: layer {} ({}) is not supported by the reference model: it runs full "
+          "causal GQA attention without biases, sinks or sliding windows (file: {})",
+          l, s.block_name(), file);
+    }
+    if (s.mlp.kind == MlpKind::kMoe &&
+        (s.mlp.shared_ffn != 0 || s.mlp.residual_ffn != 0 || s.mlp.bias || s.mlp.router_bias)) {
+      SPILLWAY_INPUT_ERROR(
+          "model config: layer {} has a shared or residual expert, or biases; the reference "
+          "model runs routed experts only (file: {})",
+          l, file);
+    }
+  }
+  c.heads = to_int(a.heads, "num_attention_heads");
+  c.kv_heads = to_int(a.kv_heads, "num_key_value_heads");
+  c.head_dim = to_int(a.qk_head_dim, "head_dim");
+  if (c.head_dim % 2 != 0)
+    SPILLWAY_INPUT_ERROR("model config: \"head_dim\" is {}; RoPE needs an even head_dim (file: {})",
+                         c.head_dim, file);
+  c.rope_theta = j.value("rope_theta", 10000.0);
+  c.rms_eps = j.value("rms_norm_eps", 1e-6);
+  c.norm_topk = j.value("norm_topk_prob", true);
+  if (!(c.rope_theta > 0))
+    SPILLWAY_INPUT_ERROR("model config: \"rope_theta\" is {}; must be > 0 (file: {})", c.rope_theta,
+                         file);
+  if (!(c.rms_eps > 0))
+    SPILLWAY_INPUT_ERROR("model config: \"rms_norm_eps\" is {}; must be > 0 (file: {})", c.rms_eps,
+                         file);
+  return c;
+}
+
+}  // namespace spillway::nn

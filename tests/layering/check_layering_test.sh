@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The layering check (scripts/check_layering.py) passes on the tree and fails, naming the
+# file and the rule, on each kind of forbidden include: an engine including another
+# part's src/ header, plan depending on an engine, anything depending on cli, a public
+# header including a src/ header.
+set -euo pipefail
+root="$1"
+check="$root/scripts/check_layering.py"
+python3 "$check" "$root" || { echo "FAIL: the tree itself violates the layering"; exit 1; }
+
+fixture=$(mktemp -d)
+trap 'rm -rf "$fixture"' EXIT
+expect_violation() {  # <file> <include> <words expected in the message>
+  local file="$1" inc="$2" words="$3"
+  rm -rf "$fixture"/*
+  mkdir -p "$fixture"/include/spillway "$fixture"/src/{core,device,memory,offload,optim,plan,cli}
+  mkdir -p "$(dirname "$fixture/$file")"
+  printf '#include "%s"\n' "$inc" > "$fixture/$file"
+  local out
+  if out=$(python3 "$check" "$fixture" 2>&1); then
+    echo "FAIL: $file including $inc passed the check"; exit 1
+  fi
+  if ! grep -q "$words" <<<"$out"; then
+    echo "FAIL: $file including $inc: message lacks '$words': $out"; exit 1
+  fi
+  echo "ok: $file including $inc is refused ($words)"
+}
+expect_violation src/offload/x.cpp optim/stv_internal.hpp "optim's is private"
+expect_violation src/plan/x.cpp spillway/offload.hpp "plan may not depend on offload"
+expect_violation src/plan/x.cpp spillway/optim.hpp "plan may not depend on optim"
+expect_violation src/core/x.cpp spillway/device.hpp "core may not depend on device"
+expect_violation src/offload/x.cpp cli/commands.hpp "nothing depends on cli"
+expect_violation include/spillway/offload.hpp offload/engine_internal.hpp "a public header includes a src/ header"
+expect_violation src/device/x.cpp spillway/memory.hpp "device may not depend on memory"
+# Allowed: an engine on the public headers below it, any part on core's private headers.
+rm -rf "$fixture"/*
+mkdir -p "$fixture"/include/spillway "$fixture"/src/{core,offload}
+printf '#include "spillway/memory.hpp"\n#include "core/arena.hpp"\n#include "offload/own.hpp"\n' \
+  > "$fixture/src/offload/ok.cpp"
+python3 "$check" "$fixture" || { echo "FAIL: allowed includes were refused"; exit 1; }
+echo "ok: allowed includes pass"
