@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "core/stats.hpp"
 #include "plan/cost_model.hpp"
 #include "spillway/error.hpp"
 #include "spillway/plan.hpp"
@@ -89,13 +90,11 @@ void BM_CostOnly(benchmark::State& state, std::string model) {
 double median_ms(const std::function<void()>& f, int reps) {
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = spillway::Clock::now();
     f();
-    ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ms.push_back(spillway::ms_since(t0));
   }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return spillway::median(ms);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "core/stats.hpp"
 #include "spillway/error.hpp"
 #include "spillway/sim.hpp"
 
@@ -44,13 +45,11 @@ PlanRequest request_96(spillway::Strategy s) {
 double median_ms(const std::function<void()>& f, int reps) {
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = spillway::Clock::now();
     f();
-    ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ms.push_back(spillway::ms_since(t0));
   }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return spillway::median(ms);
 }
 
 double heap_baseline_events_per_s(int64_t events) {

@@ -27,17 +27,12 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "core/stats.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
