@@ -79,6 +79,7 @@ struct Stage {
   SPILLWAY_INPUT_ERROR("{} is {}; {}", flag, value, rule);
 }
 
+// Throws spillway::Error on a request no plan can be made for (sizes, divisibility, ranges).
 void validate(const PlanRequest& r) {
   const ShardShape& s = r.work.shape;
   auto pos = [](const char* flag, int64_t v) {
@@ -152,6 +153,8 @@ int64_t layer_params_per_gpu(const LayerSpec& l, int64_t hidden, const ShardShap
   return (all - experts) / s.tp + experts / (s.ep * s.tp);
 }
 
+// The first pipeline stage: its layers costed once per distinct spec and calibrated, the
+// per-GPU link rates, static memory, the LM head and the budget (also set in plan.summary).
 Stage build_stage(const PlanRequest& r, Plan& plan) {
   const ShardShape& s = r.work.shape;
   Stage st;
@@ -662,51 +665,68 @@ bool fits_window(const Option& o, const Stage& st, size_t l) {
              standalone_deadline(st, l) + 1e-9;
 }
 
-}  // namespace
+// ---- the choice under the budget -------------------------------------------------------
 
-Plan make_plan(const PlanRequest& r) {
-  validate(r);
-  Plan plan;
-  plan.strategy = r.strategy;
-  Stage st = build_stage(r, plan);
-  const size_t n = st.layers.size();
+// The options of every layer: identical layers share one set (see build_layer_options).
+struct LayerOptions {
+  std::vector<OptionSet> unique;
+  std::vector<size_t> set_of;        // per layer: its set in `unique`
+  std::vector<double> recompute_ms;  // per layer: recompute time of the block policy
+  const OptionSet& at(size_t l) const { return unique[set_of[l]]; }
+};
 
+// Per layer, the options the strategy may choose from; the searches strike options that
+// fail, so each layer's list only shrinks.
+using Allowed = std::vector<std::vector<const Option*>>;
+
+// One option per layer and the timeline that judges it.
+struct Choice {
+  std::vector<const Option*> options;
+  Timeline timeline;
+};
+
+// The option set of each layer, built once per distinct layer.
+LayerOptions build_layer_options(const Stage& st, Strategy strategy) {
   // Options depend only on the layer, its forward time, the next layer's and whether it
   // may offload: identical layers (the common case) share one set.
-  std::vector<OptionSet> unique_sets;
+  const size_t n = st.layers.size();
+  LayerOptions lo;
   std::vector<size_t> first_of_set;
-  std::vector<size_t> set_index(n);
-  unique_sets.reserve(n);
+  lo.set_of.resize(n);
+  lo.unique.reserve(n);
   for (size_t l = 0; l < n; ++l) {
     const bool can_offload = l + static_cast<size_t>(st.keep_last) < n;
     const double next_fwd = l + 1 < n ? st.layers[l + 1].fwd_ms : 0.0;
     size_t k = 0;
-    for (; k < unique_sets.size(); ++k) {
+    for (; k < lo.unique.size(); ++k) {
       const size_t m = first_of_set[k];
       const double m_next = m + 1 < n ? st.layers[m + 1].fwd_ms : 0.0;
       if (st.layers[m].spec == st.layers[l].spec && st.layers[m].fwd_ms == st.layers[l].fwd_ms &&
           st.layers[m].op_fwd_ms == st.layers[l].op_fwd_ms && m_next == next_fwd &&
-          unique_sets[k].can_offload == can_offload) {
+          lo.unique[k].can_offload == can_offload) {
         break;
       }
     }
-    if (k == unique_sets.size()) {
-      unique_sets.push_back(build_options(st, l, r.strategy));
+    if (k == lo.unique.size()) {
+      lo.unique.push_back(build_options(st, l, strategy));
       first_of_set.push_back(l);
     }
-    set_index[l] = k;
+    lo.set_of[l] = k;
   }
-  std::vector<OptionSet*> sets(n);
-  for (size_t l = 0; l < n; ++l) sets[l] = &unique_sets[set_index[l]];
-  std::vector<double> rec_ms(n);
-  for (size_t l = 0; l < n; ++l) rec_ms[l] = sets[l]->recompute.cost.recompute_ms;
+  lo.recompute_ms.resize(n);
+  for (size_t l = 0; l < n; ++l) lo.recompute_ms[l] = lo.at(l).recompute.cost.recompute_ms;
+  return lo;
+}
 
-  // Allowed options per layer for the strategy.
-  std::vector<std::vector<const Option*>> allowed(n);
+// The options each layer may take under the strategy (auto: keep, recompute, and those
+// offloading options that fit the layer's window alone).
+Allowed allowed_options(const LayerOptions& lo, const Stage& st, Strategy strategy) {
+  const size_t n = st.layers.size();
+  Allowed allowed(n);
   for (size_t l = 0; l < n; ++l) {
-    OptionSet& os = *sets[l];
+    const OptionSet& os = lo.at(l);
     auto& a = allowed[l];
-    switch (r.strategy) {
+    switch (strategy) {
       case Strategy::kKeep:
         a = {&os.keep};
         break;
@@ -737,26 +757,35 @@ Plan make_plan(const PlanRequest& r) {
         break;
     }
   }
+  return allowed;
+}
 
-  // Start from the fastest allowed option of each layer, then trade time for memory
-  // (the best time-per-byte move first) until the plan fits the budget.
-  std::vector<const Option*> choice(n);
-  auto pick_fastest = [&](size_t l) {
-    const Option* best = nullptr;
-    for (const Option* o : allowed[l]) {
-      if (best == nullptr || option_time(*o, st, l) < option_time(*best, st, l) - 1e-12 ||
-          (option_time(*o, st, l) <= option_time(*best, st, l) + 1e-12 &&
-           o->cost.kept_bytes < best->cost.kept_bytes)) {
-        best = o;
-      }
+// The fastest of layer l's allowed options (ties: the one keeping fewer bytes).
+const Option* fastest_option(const std::vector<const Option*>& allowed, const Stage& st, size_t l) {
+  const Option* best = nullptr;
+  for (const Option* o : allowed) {
+    if (best == nullptr || option_time(*o, st, l) < option_time(*best, st, l) - 1e-12 ||
+        (option_time(*o, st, l) <= option_time(*best, st, l) + 1e-12 &&
+         o->cost.kept_bytes < best->cost.kept_bytes)) {
+      best = o;
     }
-    choice[l] = best;
-  };
-  for (size_t l = 0; l < n; ++l) pick_fastest(l);
+  }
+  return best;
+}
 
-  Timeline tl;
+// The greedy choice: the fastest allowed option of each layer, then the best time-per-byte
+// trade at a time until the plan fits the budget; auto then strikes the offloads that
+// snowball with their neighbours' copies and tries again.
+Choice choose_greedy(const Stage& st, const LayerOptions& lo, Allowed& allowed, Strategy strategy) {
+  const size_t n = st.layers.size();
+  Choice c;
+  c.options.resize(n);
+  std::vector<const Option*>& choice = c.options;
+  for (size_t l = 0; l < n; ++l) choice[l] = fastest_option(allowed[l], st, l);
+
+  Timeline& tl = c.timeline;
   for (int round = 0; round < 4 * static_cast<int>(n) + 8; ++round) {
-    tl = run_timeline(st, choice, rec_ms, false);
+    tl = run_timeline(st, choice, lo.recompute_ms, false);
     while (tl.peak.total() > st.budget) {
       double best_ratio = kInf;
       size_t best_l = n;
@@ -777,9 +806,9 @@ Plan make_plan(const PlanRequest& r) {
       }
       if (best_o == nullptr) break;  // nothing left to trade
       choice[best_l] = best_o;
-      tl = run_timeline(st, choice, rec_ms, false);
+      tl = run_timeline(st, choice, lo.recompute_ms, false);
     }
-    if (r.strategy != Strategy::kAuto || tl.snowball_layers.empty()) break;
+    if (strategy != Strategy::kAuto || tl.snowball_layers.empty()) break;
     // Auto: a layer that misses its window once neighbours' copies are counted gives up
     // its offload for the fastest option that moves fewer bytes.
     for (size_t l : tl.snowball_layers) {
@@ -788,218 +817,262 @@ Plan make_plan(const PlanRequest& r) {
       a.erase(std::remove_if(a.begin(), a.end(),
                              [&](const Option* o) { return o->cost.offload_bytes >= cur; }),
               a.end());
-      pick_fastest(l);
+      choice[l] = fastest_option(a, st, l);
     }
   }
+  return c;
+}
 
-  // The greedy trades by kept bytes and can miss what the max terms of the peak (in-flight
-  // copies, one layer's re-materialized set) or the host memory decide, and it can stop in
-  // a local optimum. So, when the budget binds, it is one of several starts: the
-  // smallest-memory choice and (for auto and selective, where offloading nothing is a
-  // legitimate outcome) block recompute everywhere; each feasible start is improved by
-  // Note [Budget search] and the fastest result wins.
-  const double host_limit = r.hardware.host_memory_gb / r.hardware.gpus_per_host_memory * 1e9;
-  auto fits = [&](const Timeline& t) {
-    return t.peak.total() <= st.budget && static_cast<double>(t.host_pinned) <= host_limit &&
-           t.snowball_layers.empty();
-  };
-  // Note [Budget search]: take the move that saves the most step time and keeps the plan
-  // feasible, until none is left. A move is screened with an O(1) estimate of the peak (the
-  // kept sum and the two max terms, the layer's own contribution taken out through the top
-  // two values) and confirmed by a timeline; a move the timeline rejects (a snowball, a
-  // real peak over budget) is struck from that layer's options.
-  // `repair` (when the choice does not fit): the move that lowers the estimated peak most
-  // per millisecond it costs; `improve` (when it fits): the move that saves the most time
-  // per byte it adds (moves that add none first), keeping the estimate within the budget.
-  auto search = [&](std::vector<const Option*>& ch, Timeline& t, bool repair) {
-    for (int moves = 0; moves < 8 * static_cast<int>(n) + 16; ++moves) {
-      if (repair && fits(t)) return;
-      int64_t kept = 0;
-      int64_t pinned = 0;
-      int64_t w1 = 0, w2 = 0, f1 = 0, f2 = 0;  // top two re-materialized / offload bytes
-      for (size_t l = 0; l < n; ++l) {
-        const ActionCost& c = ch[l]->cost;
-        kept += c.kept_bytes;
-        pinned += c.offload_bytes;
-        const int64_t w = c.rematerialized_bytes;
-        if (w > w1) {
-          w2 = w1;
-          w1 = w;
-        } else if (w > w2) {
-          w2 = w;
-        }
-        const int64_t f = c.offload_bytes;
-        if (f > f1) {
-          f2 = f1;
-          f1 = f;
-        } else if (f > f2) {
-          f2 = f;
-        }
+// Whether a timeline fits: peak HBM within the budget, pinned host memory within the
+// host's share of one GPU, and no snowball.
+bool fits(const Timeline& t, const Stage& st, double host_limit) {
+  return t.peak.total() <= st.budget && static_cast<double>(t.host_pinned) <= host_limit &&
+         t.snowball_layers.empty();
+}
+
+// Note [Budget search]: take the move that saves the most step time and keeps the plan
+// feasible, until none is left. A move is screened with an O(1) estimate of the peak (the
+// kept sum and the two max terms, the layer's own contribution taken out through the top
+// two values) and confirmed by a timeline; a move the timeline rejects (a snowball, a
+// real peak over budget) is struck from that layer's options.
+// `repair` (when the choice does not fit): the move that lowers the estimated peak most
+// per millisecond it costs; `improve` (when it fits): the move that saves the most time
+// per byte it adds (moves that add none first), keeping the estimate within the budget.
+void search_moves(const Stage& st, const LayerOptions& lo, double host_limit, Allowed& allowed,
+                  Choice& c, bool repair) {
+  const size_t n = st.layers.size();
+  std::vector<const Option*>& ch = c.options;
+  Timeline& t = c.timeline;
+  for (int moves = 0; moves < 8 * static_cast<int>(n) + 16; ++moves) {
+    if (repair && fits(t, st, host_limit)) return;
+    int64_t kept = 0;
+    int64_t pinned = 0;
+    int64_t w1 = 0, w2 = 0, f1 = 0, f2 = 0;  // top two re-materialized / offload bytes
+    for (size_t l = 0; l < n; ++l) {
+      const ActionCost& cost = ch[l]->cost;
+      kept += cost.kept_bytes;
+      pinned += cost.offload_bytes;
+      const int64_t w = cost.rematerialized_bytes;
+      if (w > w1) {
+        w2 = w1;
+        w1 = w;
+      } else if (w > w2) {
+        w2 = w;
       }
-      auto estimate = [&](int64_t k, int64_t w, int64_t f) {
-        return st.static_bytes + k * st.mb_inflight + std::max(w, st.logits_bytes) +
-               f * st.prefetch;
-      };
-      const int64_t peak_now = estimate(kept, w1, f1);
-      double best_score = 0.0;
-      size_t best_l = n;
-      const Option* best_o = nullptr;
-      for (size_t l = 0; l < n; ++l) {
-        const ActionCost& cur = ch[l]->cost;
-        const double t_cur = option_time(*ch[l], st, l);
-        const int64_t w_rest = cur.rematerialized_bytes == w1 ? w2 : w1;
-        const int64_t f_rest = cur.offload_bytes == f1 ? f2 : f1;
-        for (const Option* o : allowed[l]) {
-          if (o == ch[l]) continue;
-          const double gain = t_cur - option_time(*o, st, l);
-          const int64_t peak = estimate(kept - cur.kept_bytes + o->cost.kept_bytes,
-                                        std::max(w_rest, o->cost.rematerialized_bytes),
-                                        std::max(f_rest, o->cost.offload_bytes));
-          const int64_t pin = (pinned - cur.offload_bytes + o->cost.offload_bytes) * st.mb_inflight;
-          const double added = static_cast<double>(peak - peak_now);
-          double score = 0.0;
-          if (repair) {
-            if (added >= 0.0) continue;
-            score = -added / std::max(-gain, 1e-6);
-          } else {
-            if (gain <= 1e-9 || peak > st.budget || static_cast<double>(pin) > host_limit) continue;
-            score = added <= 0.0 ? 1e30 + gain : gain / added;
-          }
-          if (score > best_score) {
-            best_score = score;
-            best_l = l;
-            best_o = o;
-          }
-        }
-      }
-      if (best_o == nullptr) return;
-      const Option* before = ch[best_l];
-      ch[best_l] = best_o;
-      Timeline t2 = run_timeline(st, ch, rec_ms, false);
-      if (repair ? t2.snowball_layers.empty() : fits(t2)) {
-        t = std::move(t2);
-      } else {
-        ch[best_l] = before;
-        auto& a = allowed[best_l];
-        a.erase(std::remove(a.begin(), a.end(), best_o), a.end());
+      const int64_t f = cost.offload_bytes;
+      if (f > f1) {
+        f2 = f1;
+        f1 = f;
+      } else if (f > f2) {
+        f2 = f;
       }
     }
-  };
+    auto estimate = [&](int64_t k, int64_t w, int64_t f) {
+      return st.static_bytes + k * st.mb_inflight + std::max(w, st.logits_bytes) + f * st.prefetch;
+    };
+    const int64_t peak_now = estimate(kept, w1, f1);
+    double best_score = 0.0;
+    size_t best_l = n;
+    const Option* best_o = nullptr;
+    for (size_t l = 0; l < n; ++l) {
+      const ActionCost& cur = ch[l]->cost;
+      const double t_cur = option_time(*ch[l], st, l);
+      const int64_t w_rest = cur.rematerialized_bytes == w1 ? w2 : w1;
+      const int64_t f_rest = cur.offload_bytes == f1 ? f2 : f1;
+      for (const Option* o : allowed[l]) {
+        if (o == ch[l]) continue;
+        const double gain = t_cur - option_time(*o, st, l);
+        const int64_t peak = estimate(kept - cur.kept_bytes + o->cost.kept_bytes,
+                                      std::max(w_rest, o->cost.rematerialized_bytes),
+                                      std::max(f_rest, o->cost.offload_bytes));
+        const int64_t pin = (pinned - cur.offload_bytes + o->cost.offload_bytes) * st.mb_inflight;
+        const double added = static_cast<double>(peak - peak_now);
+        double score = 0.0;
+        if (repair) {
+          if (added >= 0.0) continue;
+          score = -added / std::max(-gain, 1e-6);
+        } else {
+          if (gain <= 1e-9 || peak > st.budget || static_cast<double>(pin) > host_limit) continue;
+          score = added <= 0.0 ? 1e30 + gain : gain / added;
+        }
+        if (score > best_score) {
+          best_score = score;
+          best_l = l;
+          best_o = o;
+        }
+      }
+    }
+    if (best_o == nullptr) return;
+    const Option* before = ch[best_l];
+    ch[best_l] = best_o;
+    Timeline t2 = run_timeline(st, ch, lo.recompute_ms, false);
+    if (repair ? t2.snowball_layers.empty() : fits(t2, st, host_limit)) {
+      t = std::move(t2);
+    } else {
+      ch[best_l] = before;
+      auto& a = allowed[best_l];
+      a.erase(std::remove(a.begin(), a.end(), best_o), a.end());
+    }
+  }
+}
+
+// The starts of the budget search: the smallest-memory choice, block recompute everywhere
+// (auto and selective), each offloading policy on every layer that allows it (auto), and
+// the greedy choice last.
+std::vector<std::vector<const Option*>> search_starts(const LayerOptions& lo,
+                                                      const Allowed& allowed, Strategy strategy,
+                                                      const std::vector<const Option*>& greedy) {
+  const size_t n = allowed.size();
+  std::vector<std::vector<const Option*>> starts;
+  std::vector<const Option*> small(n);
+  for (size_t l = 0; l < n; ++l) {
+    small[l] = allowed[l].front();
+    for (const Option* o : allowed[l]) {
+      const Option* b = small[l];
+      if (o->cost.kept_bytes < b->cost.kept_bytes ||
+          (o->cost.kept_bytes == b->cost.kept_bytes &&
+           o->cost.offload_bytes < b->cost.offload_bytes)) {
+        small[l] = o;
+      }
+    }
+  }
+  starts.push_back(std::move(small));
+  if (strategy == Strategy::kAuto || strategy == Strategy::kSelective) {
+    std::vector<const Option*> rec(n);
+    for (size_t l = 0; l < n; ++l) rec[l] = &lo.at(l).recompute;
+    starts.push_back(std::move(rec));
+  }
+  if (strategy == Strategy::kAuto) {
+    // Uniform starts (one policy on every layer that allows it, recompute elsewhere): a
+    // policy that pays only once in the peak (in-flight copies) is reached as a whole.
+    for (Option OptionSet::*member :
+         {&OptionSet::hybrid, &OptionSet::offload, &OptionSet::selective_recompute}) {
+      std::vector<const Option*> uni(n);
+      for (size_t l = 0; l < n; ++l) {
+        const Option* o = &(lo.at(l).*member);
+        const bool ok = std::find(allowed[l].begin(), allowed[l].end(), o) != allowed[l].end();
+        uni[l] = ok ? o : &lo.at(l).recompute;
+      }
+      starts.push_back(std::move(uni));
+    }
+  }
+  starts.push_back(greedy);
+  return starts;
+}
+
+// The final choice: the greedy one, unless the budget binds; then the fastest fitting
+// result of Note [Budget search] from several starts (the greedy trades by kept bytes and
+// can miss what the max terms of the peak, in-flight copies and one layer's re-materialized
+// set, or the host memory decide, and it can stop in a local optimum).
+Choice choose_under_budget(const Stage& st, const LayerOptions& lo, Allowed& allowed,
+                           Strategy strategy, double host_limit, Choice greedy) {
+  const size_t n = st.layers.size();
   // The budget binds when the plan does not fit or some layer runs slower than its fastest
   // allowed option.
-  bool binds = !fits(tl);
+  bool binds = !fits(greedy.timeline, st, host_limit);
   for (size_t l = 0; l < n && !binds; ++l) {
     for (const Option* o : allowed[l]) {
-      if (option_time(*o, st, l) < option_time(*choice[l], st, l) - 1e-9) binds = true;
+      if (option_time(*o, st, l) < option_time(*greedy.options[l], st, l) - 1e-9) binds = true;
     }
   }
-  if (binds) {
-    std::vector<std::vector<const Option*>> starts;
-    std::vector<const Option*> small(n);
-    for (size_t l = 0; l < n; ++l) {
-      small[l] = allowed[l].front();
-      for (const Option* o : allowed[l]) {
-        const Option* b = small[l];
-        if (o->cost.kept_bytes < b->cost.kept_bytes ||
-            (o->cost.kept_bytes == b->cost.kept_bytes &&
-             o->cost.offload_bytes < b->cost.offload_bytes)) {
-          small[l] = o;
-        }
-      }
+  if (!binds) return greedy;
+  std::vector<std::vector<const Option*>> starts =
+      search_starts(lo, allowed, strategy, greedy.options);
+  Choice best = std::move(greedy);
+  for (std::vector<const Option*>& start : starts) {
+    Choice c;
+    c.timeline = run_timeline(st, start, lo.recompute_ms, false);
+    c.options = std::move(start);
+    if (!fits(c.timeline, st, host_limit)) search_moves(st, lo, host_limit, allowed, c, true);
+    if (!fits(c.timeline, st, host_limit)) continue;
+    search_moves(st, lo, host_limit, allowed, c, false);
+    if (!fits(best.timeline, st, host_limit) || c.timeline.step_ms < best.timeline.step_ms) {
+      best = std::move(c);
     }
-    starts.push_back(std::move(small));
-    if (r.strategy == Strategy::kAuto || r.strategy == Strategy::kSelective) {
-      std::vector<const Option*> rec(n);
-      for (size_t l = 0; l < n; ++l) rec[l] = &sets[l]->recompute;
-      starts.push_back(std::move(rec));
-    }
-    if (r.strategy == Strategy::kAuto) {
-      // Uniform starts (one policy on every layer that allows it, recompute elsewhere): a
-      // policy that pays only once in the peak (in-flight copies) is reached as a whole.
-      for (Option OptionSet::*member :
-           {&OptionSet::hybrid, &OptionSet::offload, &OptionSet::selective_recompute}) {
-        std::vector<const Option*> uni(n);
-        for (size_t l = 0; l < n; ++l) {
-          const Option* o = &(sets[l]->*member);
-          const bool ok = std::find(allowed[l].begin(), allowed[l].end(), o) != allowed[l].end();
-          uni[l] = ok ? o : &sets[l]->recompute;
-        }
-        starts.push_back(std::move(uni));
-      }
-    }
-    starts.push_back(choice);
-    std::vector<const Option*> best = choice;
-    Timeline best_tl = tl;
-    for (std::vector<const Option*>& start : starts) {
-      Timeline t = run_timeline(st, start, rec_ms, false);
-      if (!fits(t)) search(start, t, true);
-      if (!fits(t)) continue;
-      search(start, t, false);
-      if (!fits(best_tl) || t.step_ms < best_tl.step_ms) {
-        best = start;
-        best_tl = std::move(t);
-      }
-    }
-    choice = std::move(best);
-    tl = std::move(best_tl);
   }
+  return best;
+}
 
-  // Reference timelines: all recompute and all keep.
+// ---- the summary and its reasons -------------------------------------------------------
+
+// Timelines of the chosen options (with the per-tensor detail) and of the two references.
+struct Timelines {
+  Timeline chosen;
+  Timeline recompute;  // every layer block-recomputed
+  Timeline keep;       // every layer keeps everything
+};
+
+// The timelines a plan reports, for the chosen options and the two references.
+Timelines final_timelines(const Stage& st, const LayerOptions& lo,
+                          const std::vector<const Option*>& choice) {
+  const size_t n = st.layers.size();
   std::vector<const Option*> all_rec(n);
   std::vector<const Option*> all_keep(n);
   for (size_t l = 0; l < n; ++l) {
-    all_rec[l] = &sets[l]->recompute;
-    all_keep[l] = &sets[l]->keep;
+    all_rec[l] = &lo.at(l).recompute;
+    all_keep[l] = &lo.at(l).keep;
   }
-  const Timeline rec_tl = run_timeline(st, all_rec, rec_ms, false);
-  const Timeline keep_tl = run_timeline(st, all_keep, rec_ms, false);
-  tl = run_timeline(st, choice, rec_ms, true);
+  Timelines t;
+  t.recompute = run_timeline(st, all_rec, lo.recompute_ms, false);
+  t.keep = run_timeline(st, all_keep, lo.recompute_ms, false);
+  t.chosen = run_timeline(st, choice, lo.recompute_ms, true);
+  return t;
+}
 
+// The plan's layers (moved out of tl.chosen) and its step times (grad_accum micro-batches),
+// stall, peak and pinned host memory.
+void fill_summary(Timelines& tl, int64_t grad_accum, Plan& plan) {
   PlanSummary& s = plan.summary;
-  const double ga = static_cast<double>(r.work.grad_accum);
-  s.step_ms = tl.step_ms * ga;
-  s.recompute_step_ms = rec_tl.step_ms * ga;
-  s.keep_step_ms = keep_tl.step_ms * ga;
+  const double ga = static_cast<double>(grad_accum);
+  s.step_ms = tl.chosen.step_ms * ga;
+  s.recompute_step_ms = tl.recompute.step_ms * ga;
+  s.keep_step_ms = tl.keep.step_ms * ga;
   s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
-  s.stall_ms = tl.stall_ms * ga;
-  s.peak = tl.peak;
-  s.host_pinned_bytes = tl.host_pinned;
-  plan.layers = std::move(tl.layers);
+  s.stall_ms = tl.chosen.stall_ms * ga;
+  s.peak = tl.chosen.peak;
+  s.host_pinned_bytes = tl.chosen.host_pinned;
+  plan.layers = std::move(tl.chosen.layers);
+}
 
-  // Judgement, with the reasons in numbers.
+// Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
+// that miss their window, the snowball, the peak over budget, the host memory.
+std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines& tl,
+                                               const Stage& st, const PlanRequest& r) {
+  const PlanSummary& s = plan.summary;
+  std::vector<std::string> reasons;
   const double margin_pct = r.margin * 100.0;
   size_t listed = 0;
-  for (size_t l : tl.snowball_layers) {
+  for (size_t l : tl.chosen.snowball_layers) {
     const LayerPlan& lp = plan.layers[l];
     if (listed++ >= 4) continue;
     const double need = lp.d2h_ms * (1.0 + r.margin);
     if (need > lp.window_ms) {
-      s.reasons.push_back(fmt::format(
+      reasons.push_back(fmt::format(
           "layer {}: {} at {:.0f} GB/s = {:.1f} ms ({:.1f} ms with the {:.0f}% margin) > {:.1f} ms "
           "forward window",
           l, to_string(Bytes(lp.offload_bytes)), s.d2h_gbps, lp.d2h_ms, need, margin_pct,
           lp.window_ms));
     } else {
-      s.reasons.push_back(fmt::format(
+      reasons.push_back(fmt::format(
           "layer {}: {} would fit its {:.1f} ms window alone, but earlier layers' copies still "
           "occupy the link: it ends {:.1f} ms late",
           l, to_string(Bytes(lp.offload_bytes)), lp.window_ms, lp.late_ms));
     }
   }
-  if (tl.snowball_layers.size() > 4) {
-    s.reasons.push_back(
-        fmt::format("... and {} more layers miss their window", tl.snowball_layers.size() - 4));
+  if (tl.chosen.snowball_layers.size() > 4) {
+    reasons.push_back(fmt::format("... and {} more layers miss their window",
+                                  tl.chosen.snowball_layers.size() - 4));
   }
-  if (!tl.snowball_layers.empty()) {
-    const LayerPlan& last = plan.layers[n - 1];
-    s.reasons.push_back(fmt::format(
+  if (!tl.chosen.snowball_layers.empty()) {
+    const LayerPlan& last = plan.layers.back();
+    reasons.push_back(fmt::format(
         "the D2H queue snowballs from layer {}: {} still waiting to be copied when the forward "
         "ends (largest backlog {})",
-        tl.snowball_layers.front(), to_string(Bytes(last.backlog_bytes)),
-        to_string(Bytes(tl.max_backlog))));
+        tl.chosen.snowball_layers.front(), to_string(Bytes(last.backlog_bytes)),
+        to_string(Bytes(tl.chosen.max_backlog))));
   }
   if (s.peak.total() > st.budget) {
-    s.reasons.push_back(fmt::format(
+    reasons.push_back(fmt::format(
         "peak HBM {} > budget {} (weights {}, gradients {}, optimizer states {}, activations {}, "
         "in-flight copies {})",
         to_string(Bytes(s.peak.total())), to_string(Bytes(st.budget)),
@@ -1007,18 +1080,37 @@ Plan make_plan(const PlanRequest& r) {
         to_string(Bytes(s.peak.optimizer_states)), to_string(Bytes(s.peak.activations)),
         to_string(Bytes(s.peak.in_flight_copies))));
     if (r.strategy == Strategy::kAuto || r.strategy == Strategy::kRecompute) {
-      s.reasons.push_back(fmt::format(
+      reasons.push_back(fmt::format(
           "even with every layer recomputed the peak is {}: lower --micro-batch or --seq-len, or "
           "raise --tp/--pp/--dp/--ep",
-          to_string(Bytes(rec_tl.peak.total()))));
+          to_string(Bytes(tl.recompute.peak.total()))));
     }
   }
   const double host_gb = r.hardware.host_memory_gb / r.hardware.gpus_per_host_memory;
   if (static_cast<double>(s.host_pinned_bytes) > host_gb * 1e9) {
-    s.reasons.push_back(fmt::format("pinned host memory {} > {:.0f} GB of host memory per GPU",
-                                    to_string(Bytes(s.host_pinned_bytes)), host_gb));
+    reasons.push_back(fmt::format("pinned host memory {} > {:.0f} GB of host memory per GPU",
+                                  to_string(Bytes(s.host_pinned_bytes)), host_gb));
   }
-  s.feasible = s.reasons.empty();
+  return reasons;
+}
+
+}  // namespace
+
+Plan make_plan(const PlanRequest& r) {
+  validate(r);
+  Plan plan;
+  plan.strategy = r.strategy;
+  const Stage st = build_stage(r, plan);
+  const LayerOptions options = build_layer_options(st, r.strategy);
+  Allowed allowed = allowed_options(options, st, r.strategy);
+  Choice greedy = choose_greedy(st, options, allowed, r.strategy);
+  const double host_limit = r.hardware.host_memory_gb / r.hardware.gpus_per_host_memory * 1e9;
+  const Choice chosen =
+      choose_under_budget(st, options, allowed, r.strategy, host_limit, std::move(greedy));
+  Timelines timelines = final_timelines(st, options, chosen.options);
+  fill_summary(timelines, r.work.grad_accum, plan);
+  plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);
+  plan.summary.feasible = plan.summary.reasons.empty();
   return plan;
 }
 
