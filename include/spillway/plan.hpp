@@ -33,7 +33,7 @@ namespace spillway {
 // (Policy::kAuto). One vocabulary with the engines (spillway/policy.hpp).
 using Strategy = Policy;
 inline Strategy parse_strategy(const std::string& s) {
-  return parse_policy(s, "--strategy");
+  return parse_policy(s, "strategy");
 }
 
 // Roofline efficiency factors: the fraction of peak a kernel class reaches.
@@ -170,7 +170,8 @@ struct Plan {
 };
 
 // Validates the request (positive sizes, divisibility) and plans. Bad input throws
-// spillway::Error; an infeasible strategy is a value (summary.feasible == false).
+// spillway::InputError naming the field ("micro_batch is 0; must be >= 1"); an infeasible
+// strategy is a value (summary.feasible == false).
 Plan make_plan(const PlanRequest& request);
 
 // Reads a calibration profile (schema spillway.profile/1: {"layers": [{"index", "fwd_ms",

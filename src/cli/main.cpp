@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cli/commands.hpp"
+#include "cli/plan_flags.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::cli {
@@ -62,6 +63,10 @@ int run(int argc, char** argv) {
     // the command); every other command-line error is a usage error: 2.
     const int code = app.exit(e);
     return code == 0 || code == 3 ? code : 2;
+  } catch (const spillway::InputError& e) {
+    // The library names the field; the user gave a flag (Note [Field names and flags]).
+    std::fprintf(stderr, "spillway: error: %s\n", spillway::cli::message_with_flags(e).c_str());
+    return 1;
   } catch (const spillway::Error& e) {
     std::fprintf(stderr, "spillway: error: %s\n", e.what());
     return 1;

@@ -1,11 +1,110 @@
 // Shared planning flags -> PlanRequest.
 #include "cli/plan_flags.hpp"
 
+#include <cctype>
 #include <cmath>
 
 #include "spillway/error.hpp"
 
 namespace spillway::cli {
+
+namespace {
+
+// Note [Field names and flags]: the library names bad input by the C++ field of its
+// request or options struct (spillway::InputError: "micro_batch is 0; must be >= 1"), a
+// library caller having no flags; the CLI user reads the flag that sets the field. This
+// is the one table between the two. A field whose flag is in another unit has no row
+// (inflight_bound_bytes: --inflight-bound-mb; device_bytes: --device-memory-mb), so the
+// message keeps the field and the value stays true.
+struct FieldFlag {
+  std::string_view field;
+  std::string_view flag;
+};
+constexpr FieldFlag kFieldFlags[] = {
+    // PlanRequest, its Workload and ShardShape
+    {"micro_batch", "--micro-batch"},
+    {"seq_len", "--seq-len"},
+    {"dtype", "--dtype"},
+    {"tp", "--tp"},
+    {"ep", "--ep"},
+    {"cp", "--cp"},
+    {"pp", "--pp"},
+    {"dp", "--dp"},
+    {"grad_accum", "--grad-accum"},
+    {"strategy", "--strategy"},
+    {"margin", "--margin"},
+    {"layer_fwd_ms", "--layer-fwd-ms"},
+    {"profile", "--profile"},
+    {"hbm_budget_gb", "--hbm-budget-gb"},
+    {"d2h_gbps", "--d2h-gbps"},
+    {"h2d_gbps", "--h2d-gbps"},
+    {"efficiency.gemm", "--gemm-efficiency"},
+    {"efficiency.attention", "--attention-efficiency"},
+    {"efficiency.hbm", "--hbm-efficiency"},
+    {"keep_last_layers", "--keep-last"},
+    {"prefetch_depth", "--prefetch-depth"},
+    // plan_optimizer_split
+    {"cpu_adam_gbps", "--cpu-adam-gbps"},
+    // SimOptions, StreamOptions
+    {"gpus", "--gpus"},
+    {"gpus_per_link", "--gpus-per-link"},
+    {"depth", "--prefetch-depth"},
+    // ProbeOptions
+    {"sizes", "--sizes"},
+    {"repeats", "--repeats"},
+    {"seconds_budget", "--budget-s"},
+    // OptimOffloadOptions
+    {"device_buckets", "--device-buckets"},
+};
+
+// A character that continues a name on its left (so "--tp" or "x.tp" is no field "tp").
+bool joins_left(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == '-' || c == '.';
+}
+// A character that continues a name on its right ("seq_len." ends at the full stop).
+bool joins_right(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == '-';
+}
+
+}  // namespace
+
+std::string_view flag_of_field(std::string_view field) {
+  for (const FieldFlag& f : kFieldFlags) {
+    if (f.field == field) return f.flag;
+  }
+  return {};
+}
+
+std::string with_flags(std::string_view text) {
+  std::string out;
+  size_t i = 0;
+  while (i < text.size()) {
+    const FieldFlag* match = nullptr;
+    if (i == 0 || !joins_left(text[i - 1])) {
+      for (const FieldFlag& f : kFieldFlags) {
+        const size_t end = i + f.field.size();
+        if (text.substr(i, f.field.size()) == f.field &&
+            (end == text.size() || !joins_right(text[end])) &&
+            (match == nullptr || f.field.size() > match->field.size())) {
+          match = &f;
+        }
+      }
+    }
+    if (match != nullptr) {
+      out += match->flag;
+      i += match->field.size();
+    } else {
+      out += text[i++];
+    }
+  }
+  return out;
+}
+
+std::string message_with_flags(const InputError& e) {
+  const std::string_view flag = flag_of_field(e.field());
+  return fmt::format("{} is {}; {}", flag.empty() ? std::string_view(e.field()) : flag, e.value(),
+                     with_flags(e.rule()));
+}
 
 void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   cmd.add_option("--model", f.model,

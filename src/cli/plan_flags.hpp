@@ -5,7 +5,9 @@
 #include <CLI/CLI.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 
+#include "spillway/error.hpp"
 #include "spillway/plan.hpp"
 
 namespace spillway::cli {
@@ -38,5 +40,13 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f);
 PlanRequest make_request(const PlanFlags& f);
 // "10%" -> 0.10, "0.1" -> 0.10; anything else is an error naming --margin.
 double parse_margin(const std::string& text);
+
+// The flag that sets a library field ("micro_batch" -> "--micro-batch"), or "" when no flag
+// sets it in the same unit. See Note [Field names and flags] in plan_flags.cpp.
+std::string_view flag_of_field(std::string_view field);
+// `text` with every whole-word field name that has a flag replaced by the flag.
+std::string with_flags(std::string_view text);
+// An InputError as the CLI user reads it: "--micro-batch is 0; must be >= 1".
+std::string message_with_flags(const InputError& e);
 
 }  // namespace spillway::cli

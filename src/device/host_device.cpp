@@ -270,10 +270,11 @@ class HostDevice final : public Device {
  public:
   explicit HostDevice(const HostDeviceOptions& o)
       : options_(o), arena_(static_cast<size_t>(std::max<int64_t>(o.device_bytes, 0))) {
-    if (o.device_bytes <= 0)
-      SPILLWAY_INPUT_ERROR("--device-memory is {} bytes; must be > 0", o.device_bytes);
-    if (o.d2h_gbps < 0.0 || o.h2d_gbps < 0.0)
-      SPILLWAY_INPUT_ERROR("a copy throttle must be >= 0 GB/s");
+    if (o.device_bytes <= 0) SPILLWAY_FIELD_ERROR("device_bytes", o.device_bytes, "must be > 0");
+    if (o.d2h_gbps < 0.0)
+      SPILLWAY_FIELD_ERROR("d2h_gbps", o.d2h_gbps, "must be >= 0 (0: no throttle)");
+    if (o.h2d_gbps < 0.0)
+      SPILLWAY_FIELD_ERROR("h2d_gbps", o.h2d_gbps, "must be >= 0 (0: no throttle)");
     // Page-aligned like a GPU's allocations (2 MiB granules): with a base only 256-aligned,
     // copies between it and page-aligned host memory run at a fixed misalignment modulo
     // 4 KiB, which costs memmove ~10% in one direction (4K aliasing) and not the other.

@@ -45,7 +45,7 @@ DType parse_dtype(const std::string& s) {
   if (s == "fp16") return DType::kFp16;
   if (s == "fp8") return DType::kFp8;
   if (s == "fp32") return DType::kFp32;
-  SPILLWAY_INPUT_ERROR("--dtype is '{}'; must be one of bf16, fp16, fp8, fp32", s);
+  SPILLWAY_FIELD_ERROR("dtype", fmt::format("'{}'", s), "must be one of bf16, fp16, fp8, fp32");
 }
 
 std::string to_string(OpKind k) {

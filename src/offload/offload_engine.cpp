@@ -134,11 +134,11 @@ struct OffloadEngine::Impl {
         pinned(device,
                PinnedPoolOptions{o.pinned_bytes, o.pinned_slabs, MemoryKind::kPinnedHost, -1}),
         device_pool(device, PinnedPoolOptions{o.device_pool_bytes, 1, MemoryKind::kDevice, -1}) {
-    if (o.max_tensors < 1)
-      SPILLWAY_INPUT_ERROR("offload: max_tensors is {}; must be >= 1", o.max_tensors);
-    if (o.inflight_bound_bytes < 0)
-      SPILLWAY_INPUT_ERROR("offload: the in-flight bound is {} bytes; must be >= 0",
-                           o.inflight_bound_bytes);
+    if (o.max_tensors < 1) SPILLWAY_FIELD_ERROR("max_tensors", o.max_tensors, "must be >= 1");
+    if (o.inflight_bound_bytes < 0) {
+      SPILLWAY_FIELD_ERROR("inflight_bound_bytes", o.inflight_bound_bytes,
+                           "must be >= 0 (0: no bound)");
+    }
     const size_t n = static_cast<size_t>(o.max_tensors);
     slots.resize(n);
     for (Slot& s : slots) s.name.reserve(32);
@@ -353,7 +353,7 @@ OffloadEngine::OffloadEngine(Device& device, Stream compute, MemoryPolicy policy
                              OffloadOptions options)
     : impl_(std::make_unique<Impl>(device, compute, policy, options)), policy_(std::move(policy)) {
   if (policy_.prefetch_depth < 0)
-    SPILLWAY_INPUT_ERROR("offload: prefetch depth is {}; must be >= 0", policy_.prefetch_depth);
+    SPILLWAY_FIELD_ERROR("prefetch_depth", policy_.prefetch_depth, "must be >= 0");
 }
 
 OffloadEngine::~OffloadEngine() = default;

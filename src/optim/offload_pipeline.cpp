@@ -148,8 +148,8 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   s.site = o.cast == CastSite::kAuto ? choose_cast_site(o.link_gbps, o.cpu_cast_gbps) : o.cast;
   const int nb = static_cast<int>(s.buckets.size());
   if (o.device_buckets < 0 || o.device_buckets > nb)
-    SPILLWAY_INPUT_ERROR("optimizer offload: device_buckets = {}; must be in [0, {}] (the buckets)",
-                         o.device_buckets, nb);
+    SPILLWAY_FIELD_ERROR("device_buckets", o.device_buckets, "must be in [0, {}] (the buckets)",
+                         nb);
   const bool needs_kernels = s.site == CastSite::kDevice || o.device_buckets > 0;
   if (!dev.emulated() && needs_kernels && dev.native_stream(compute) == nullptr) {
     SPILLWAY_INPUT_ERROR(

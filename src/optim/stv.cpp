@@ -110,8 +110,7 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   check_buckets(buckets_, n);
   const int nb = static_cast<int>(buckets_.size());
   if (device_buckets_ < 0 || device_buckets_ > nb)
-    SPILLWAY_INPUT_ERROR("STV: {} device buckets of {}; must be in [0, {}]", device_buckets_, nb,
-                         nb);
+    SPILLWAY_FIELD_ERROR("device_buckets", device_buckets_, "must be in [0, {}] (the buckets)", nb);
   // Buckets are numbered in forward order; backward delivers them last first, so the
   // first `device_buckets` arrive last: they stay on the device, never speculated. Second
   // buffers go to the CPU buckets in delivery order while they fit (Note [Bounded undo]).

@@ -11,9 +11,8 @@ namespace spillway {
 OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request,
                                     double cpu_adam_gbps) {
   if (!(cpu_adam_gbps > 0.0))
-    SPILLWAY_INPUT_ERROR(
-        "--cpu-adam-gbps is {}; must be > 0 (the state GB/s `spillway bench adam` reports)",
-        cpu_adam_gbps);
+    SPILLWAY_FIELD_ERROR("cpu_adam_gbps", cpu_adam_gbps,
+                         "must be > 0 (the state GB/s `spillway bench adam` reports)");
   OptimizerSplit s;
   s.cpu_adam_gbps = cpu_adam_gbps;
   s.layers = static_cast<int>(plan.layers.size());

@@ -75,70 +75,70 @@ struct Stage {
   std::vector<int64_t> layer_params;  // per GPU
 };
 
-[[noreturn]] void bad(const std::string& flag, const std::string& value, const std::string& rule) {
-  SPILLWAY_INPUT_ERROR("{} is {}; {}", flag, value, rule);
-}
-
-// Throws spillway::Error on a request no plan can be made for (sizes, divisibility, ranges).
+// Throws spillway::InputError, naming the field, on a request no plan can be made for
+// (sizes, divisibility, ranges).
 void validate(const PlanRequest& r) {
   const ShardShape& s = r.work.shape;
-  auto pos = [](const char* flag, int64_t v) {
-    if (v < 1) bad(flag, std::to_string(v), "must be >= 1");
+  auto pos = [](const char* field, int64_t v) {
+    if (v < 1) SPILLWAY_FIELD_ERROR(field, v, "must be >= 1");
   };
-  pos("--micro-batch", s.micro_batch);
-  pos("--seq-len", s.seq_len);
-  pos("--tp", s.tp);
-  pos("--cp", s.cp);
-  pos("--ep", s.ep);
-  pos("--pp", r.work.pp);
-  pos("--dp", r.work.dp);
-  pos("--grad-accum", r.work.grad_accum);
-  (void)checked_mul(s.micro_batch, s.seq_len, "--micro-batch * --seq-len");
-  if (s.seq_len % s.cp != 0) {
-    bad("--cp", std::to_string(s.cp), fmt::format("must divide --seq-len ({})", s.seq_len));
+  pos("micro_batch", s.micro_batch);
+  pos("seq_len", s.seq_len);
+  pos("tp", s.tp);
+  pos("cp", s.cp);
+  pos("ep", s.ep);
+  pos("pp", r.work.pp);
+  pos("dp", r.work.dp);
+  pos("grad_accum", r.work.grad_accum);
+  if (int64_t tokens = 0; __builtin_mul_overflow(s.micro_batch, s.seq_len, &tokens)) {
+    SPILLWAY_FIELD_ERROR("micro_batch", s.micro_batch,
+                         "micro_batch * seq_len overflows 64 bits (seq_len is {})", s.seq_len);
   }
+  if (s.seq_len % s.cp != 0)
+    SPILLWAY_FIELD_ERROR("cp", s.cp, "must divide seq_len ({})", s.seq_len);
   const int64_t layers = static_cast<int64_t>(r.model.layers.size());
   if (r.work.pp > layers) {
-    bad("--pp", std::to_string(r.work.pp),
-        fmt::format("must be <= the model's layers ({})", layers));
+    SPILLWAY_FIELD_ERROR("pp", r.work.pp, "must be <= the model's layers ({})", layers);
   }
   for (const LayerSpec& l : r.model.layers) {
     if (l.attn.heads % s.tp != 0) {
-      bad("--tp", std::to_string(s.tp),
-          fmt::format("must divide the attention heads ({}) of {}", l.attn.heads, r.model.name));
+      SPILLWAY_FIELD_ERROR("tp", s.tp, "must divide the attention heads ({}) of {}", l.attn.heads,
+                           r.model.name);
     }
     if (l.mlp.kind == MlpKind::kMoe && l.mlp.experts % s.ep != 0) {
-      bad("--ep", std::to_string(s.ep),
-          fmt::format("must divide the routed experts ({}) of {}", l.mlp.experts, r.model.name));
+      SPILLWAY_FIELD_ERROR("ep", s.ep, "must divide the routed experts ({}) of {}", l.mlp.experts,
+                           r.model.name);
     }
   }
   if (s.ep > 1 && std::none_of(r.model.layers.begin(), r.model.layers.end(),
                                [](const LayerSpec& l) { return l.mlp.kind == MlpKind::kMoe; })) {
-    bad("--ep", std::to_string(s.ep), fmt::format("must be 1: {} has no MoE layers", r.model.name));
+    SPILLWAY_FIELD_ERROR("ep", s.ep, "must be 1: {} has no MoE layers", r.model.name);
   }
   if (!(r.margin >= 0.0 && r.margin <= 10.0))
-    bad("--margin", fmt::format("{}", r.margin), "must be in [0, 10] (0.1 = 10%)");
-  auto frac = [](const char* flag, double v) {
-    if (!(v > 0.0 && v <= 1.0)) bad(flag, fmt::format("{}", v), "must be in (0, 1]");
+    SPILLWAY_FIELD_ERROR("margin", r.margin, "must be in [0, 10] (0.1 = 10%)");
+  auto frac = [](const char* field, double v) {
+    if (!(v > 0.0 && v <= 1.0)) SPILLWAY_FIELD_ERROR(field, v, "must be in (0, 1]");
   };
-  frac("--gemm-efficiency", r.efficiency.gemm);
-  frac("--attention-efficiency", r.efficiency.attention);
-  frac("--hbm-efficiency", r.efficiency.hbm);
-  auto positive = [](const char* flag, const std::optional<double>& v) {
-    if (v && !(*v > 0.0 && std::isfinite(*v))) bad(flag, fmt::format("{}", *v), "must be > 0");
+  frac("efficiency.gemm", r.efficiency.gemm);
+  frac("efficiency.attention", r.efficiency.attention);
+  frac("efficiency.hbm", r.efficiency.hbm);
+  auto positive = [](const char* field, const std::optional<double>& v) {
+    if (v && !(*v > 0.0 && std::isfinite(*v))) SPILLWAY_FIELD_ERROR(field, *v, "must be > 0");
   };
-  positive("--d2h-gbps", r.d2h_gbps);
-  positive("--h2d-gbps", r.h2d_gbps);
-  positive("--hbm-budget-gb", r.hbm_budget_gb);
-  positive("--layer-fwd-ms", r.layer_fwd_ms);
+  positive("d2h_gbps", r.d2h_gbps);
+  positive("h2d_gbps", r.h2d_gbps);
+  positive("hbm_budget_gb", r.hbm_budget_gb);
+  positive("layer_fwd_ms", r.layer_fwd_ms);
   if (r.layer_fwd_ms && !r.profile.empty()) {
-    SPILLWAY_INPUT_ERROR("--layer-fwd-ms and --profile both calibrate layer times; give one");
+    SPILLWAY_FIELD_ERROR("layer_fwd_ms", *r.layer_fwd_ms,
+                         "must be unset when profile is given (both calibrate layer times)");
   }
-  if (r.keep_last_layers < 1)
-    bad("--keep-last", std::to_string(r.keep_last_layers),
-        "must be >= 1 (the last layer never offloads)");
+  if (r.keep_last_layers < 1) {
+    SPILLWAY_FIELD_ERROR("keep_last_layers", r.keep_last_layers,
+                         "must be >= 1 (the last layer never offloads)");
+  }
   if (r.prefetch_depth < 1)
-    bad("--prefetch-depth", std::to_string(r.prefetch_depth), "must be >= 1");
+    SPILLWAY_FIELD_ERROR("prefetch_depth", r.prefetch_depth, "must be >= 1");
 }
 
 // Parameters of one layer on one GPU: experts split over ep * tp, the rest over tp.
@@ -195,17 +195,20 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   } else if (!r.profile.empty()) {
     std::vector<const LayerTiming*> by_index(static_cast<size_t>(n), nullptr);
     for (const LayerTiming& t : r.profile) {
+      if (t.index < 0) {
+        SPILLWAY_FIELD_ERROR("profile", fmt::format("layer index {}", t.index), "must be >= 0");
+      }
       if (t.index >= n) {
-        bad("--profile", fmt::format("layer index {}", t.index),
-            fmt::format("must be < the layers of the first pipeline stage ({})", n));
+        SPILLWAY_FIELD_ERROR("profile", fmt::format("layer index {}", t.index),
+                             "must be < the layers of the first pipeline stage ({})", n);
       }
       by_index[static_cast<size_t>(t.index)] = &t;
     }
     for (int64_t i = 0; i < n; ++i) {
       const LayerTiming* t = by_index[static_cast<size_t>(i)];
       if (t == nullptr)
-        bad("--profile", "missing layer " + std::to_string(i),
-            "give fwd_ms and bwd_ms for every layer");
+        SPILLWAY_FIELD_ERROR("profile", fmt::format("missing layer {}", i),
+                             "give fwd_ms and bwd_ms for every layer");
       CostedLayer& c = st.layers[static_cast<size_t>(i)];
       scale_layer(c, t->fwd_ms / c.fwd_ms, t->bwd_ms / c.bwd_ms);
     }

@@ -177,15 +177,18 @@ const ProbePoint* find_point(const ProbeResult& r, size_t bytes, const std::stri
 }  // namespace
 
 ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
-  if (options.sizes.empty()) SPILLWAY_INPUT_ERROR("probe: no transfer sizes given");
-  for (size_t s : options.sizes) {
-    if (s == 0) SPILLWAY_INPUT_ERROR("probe: a transfer size is 0 bytes; must be > 0");
+  if (options.sizes.empty()) {
+    SPILLWAY_FIELD_ERROR("sizes", "empty", "give at least one transfer size in bytes");
   }
-  if (options.repeats < 1) {
-    SPILLWAY_INPUT_ERROR("probe: repeats is {}; must be >= 1", options.repeats);
+  for (size_t i = 0; i < options.sizes.size(); ++i) {
+    if (options.sizes[i] == 0) {
+      SPILLWAY_FIELD_ERROR("sizes", fmt::format("0 at index {}", i),
+                           "every size must be > 0 bytes");
+    }
   }
+  if (options.repeats < 1) SPILLWAY_FIELD_ERROR("repeats", options.repeats, "must be >= 1");
   if (!(options.seconds_budget > 0.0)) {
-    SPILLWAY_INPUT_ERROR("probe: the time budget is {} s; must be > 0", options.seconds_budget);
+    SPILLWAY_FIELD_ERROR("seconds_budget", options.seconds_budget, "must be > 0 (seconds)");
   }
   std::vector<size_t> sizes = options.sizes;
   std::sort(sizes.begin(), sizes.end());

@@ -89,10 +89,9 @@ Topology make_topology(Engine& e, int gpus, int per_link, double d2h_bytes_per_m
 }
 
 void check_topology(int gpus, int per_link) {
-  if (gpus < 1 || gpus > 1024) SPILLWAY_INPUT_ERROR("--gpus is {}; must be in [1, 1024]", gpus);
+  if (gpus < 1 || gpus > 1024) SPILLWAY_FIELD_ERROR("gpus", gpus, "must be in [1, 1024]");
   if (per_link < 1 || gpus % per_link != 0) {
-    SPILLWAY_INPUT_ERROR("--gpus-per-link is {}; must be >= 1 and divide --gpus ({})", per_link,
-                         gpus);
+    SPILLWAY_FIELD_ERROR("gpus_per_link", per_link, "must be >= 1 and divide gpus ({})", gpus);
   }
 }
 
@@ -209,7 +208,8 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   const int gpus = o.gpus > 0 ? o.gpus : plan.summary.gpus_per_link;
   const int per_link = o.gpus_per_link > 0 ? o.gpus_per_link : gpus;
   check_topology(gpus, per_link);
-  if (o.inflight_bound_bytes < 0) SPILLWAY_INPUT_ERROR("--inflight-bound-mb must be >= 0");
+  if (o.inflight_bound_bytes < 0)
+    SPILLWAY_FIELD_ERROR("inflight_bound_bytes", o.inflight_bound_bytes, "must be >= 0");
   const int prefetch = o.prefetch_depth > 0 ? o.prefetch_depth : req.prefetch_depth;
   const int64_t ga = req.work.grad_accum;
   const size_t n = plan.layers.size();
@@ -500,8 +500,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
 SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
                                     const StreamOptions& o) {
   check_topology(o.gpus, o.gpus_per_link);
-  if (o.depth < 1 || o.depth > 64)
-    SPILLWAY_INPUT_ERROR("--prefetch-depth is {}; must be in [1, 64]", o.depth);
+  if (o.depth < 1 || o.depth > 64) SPILLWAY_FIELD_ERROR("depth", o.depth, "must be in [1, 64]");
   const size_t n = plan.layers.size();
   const double link_h2d = plan.summary.h2d_gbps * plan.summary.gpus_per_link;
   const double link_d2h = plan.summary.d2h_gbps * plan.summary.gpus_per_link;

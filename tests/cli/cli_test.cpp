@@ -217,6 +217,35 @@ TEST(Cli, BadInputExitsNonZeroNamingTheFlagAndWritesNothing) {
   }
 }
 
+// The library names the field of bad input (micro_batch); the command line shows the
+// flag that sets it, in the rule too (src/cli/plan_flags.cpp, Note [Field names and
+// flags]). A value the user typed is shown as typed, never rewritten.
+TEST(Cli, InputErrorsNameTheFlagNotTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"plan --micro-batch 0", "--micro-batch is 0; must be >= 1"},
+      {"plan --cp 3", "--cp is 3; must divide --seq-len (4096)"},
+      {"plan --gemm-efficiency 1.5", "--gemm-efficiency is 1.5; must be in (0, 1]"},
+      {"plan --keep-last 0", "--keep-last is 0; must be >= 1 (the last layer never offloads)"},
+      {"plan --hbm-budget-gb -2", "--hbm-budget-gb is -2; must be > 0"},
+      {"plan --strategy tp",
+       "--strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
+      {"plan --dtype seq_len", "--dtype is 'seq_len'; must be one of bf16, fp16, fp8, fp32"},
+      {"plan --micro-batch 1099511627776 --seq-len 1099511627776",
+       "--micro-batch is 1099511627776; --micro-batch * --seq-len overflows 64 bits (--seq-len "
+       "is 1099511627776)"},
+      {"simulate --model Llama-3.1-8B --gpus 3 --gpus-per-link 2",
+       "--gpus-per-link is 2; must be >= 1 and divide --gpus (3)"},
+      {"simulate --model Llama-3.1-8B --scenario stream --prefetch-depth 65",
+       "--prefetch-depth is 65; must be in [1, 64]"},
+  };
+  for (const auto& [args, message] : cases) {
+    SCOPED_TRACE(args);
+    const CliRun r = run(args, "2>&1 1>/dev/null");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_EQ(r.out, "spillway: error: " + message + "\n");
+  }
+}
+
 TEST(Cli, UsageErrorsExitTwo) {
   // main.cpp documents exit 2 for a command-line usage error; parse errors of the flag
   // parser must map to it (not to the parser's own 100+ codes).

@@ -7,16 +7,24 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <random>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "core/json_io.hpp"
+#include "spillway/plan.hpp"
+#include "spillway/device.hpp"
+#include "spillway/error.hpp"
 #include "spillway/hardware.hpp"
 #include "spillway/inventory.hpp"
 #include "spillway/model.hpp"
 #include "spillway/plan.hpp"
+#include "spillway/probe.hpp"
+#include "spillway/sim.hpp"
 #include "test_support.hpp"
 
 namespace spillway {
@@ -317,23 +325,23 @@ std::string plan_error(const PlanRequest& r) {
 TEST(BadRequest, MicroBatchZero) {
   PlanRequest r = base_request();
   r.work.shape.micro_batch = 0;
-  EXPECT_EQ(plan_error(r), "--micro-batch is 0; must be >= 1");
+  EXPECT_EQ(plan_error(r), "micro_batch is 0; must be >= 1");
   r.work.shape.micro_batch = -3;
-  EXPECT_EQ(plan_error(r), "--micro-batch is -3; must be >= 1");
+  EXPECT_EQ(plan_error(r), "micro_batch is -3; must be >= 1");
 }
 
 TEST(BadRequest, EverySizeMustBePositive) {
   using Set = void (*)(PlanRequest&);
   const std::vector<std::pair<const char*, Set>> cases = {
-      {"--seq-len is 0", [](PlanRequest& r) { r.work.shape.seq_len = 0; }},
-      {"--tp is 0", [](PlanRequest& r) { r.work.shape.tp = 0; }},
-      {"--cp is 0", [](PlanRequest& r) { r.work.shape.cp = 0; }},
-      {"--ep is 0", [](PlanRequest& r) { r.work.shape.ep = 0; }},
-      {"--pp is 0", [](PlanRequest& r) { r.work.pp = 0; }},
-      {"--dp is -1", [](PlanRequest& r) { r.work.dp = -1; }},
-      {"--grad-accum is 0", [](PlanRequest& r) { r.work.grad_accum = 0; }},
-      {"--keep-last is 0", [](PlanRequest& r) { r.keep_last_layers = 0; }},
-      {"--prefetch-depth is 0", [](PlanRequest& r) { r.prefetch_depth = 0; }},
+      {"seq_len is 0", [](PlanRequest& r) { r.work.shape.seq_len = 0; }},
+      {"tp is 0", [](PlanRequest& r) { r.work.shape.tp = 0; }},
+      {"cp is 0", [](PlanRequest& r) { r.work.shape.cp = 0; }},
+      {"ep is 0", [](PlanRequest& r) { r.work.shape.ep = 0; }},
+      {"pp is 0", [](PlanRequest& r) { r.work.pp = 0; }},
+      {"dp is -1", [](PlanRequest& r) { r.work.dp = -1; }},
+      {"grad_accum is 0", [](PlanRequest& r) { r.work.grad_accum = 0; }},
+      {"keep_last_layers is 0", [](PlanRequest& r) { r.keep_last_layers = 0; }},
+      {"prefetch_depth is 0", [](PlanRequest& r) { r.prefetch_depth = 0; }},
   };
   for (const auto& [want, set] : cases) {
     PlanRequest r = base_request();
@@ -347,28 +355,28 @@ TEST(BadRequest, EverySizeMustBePositive) {
 TEST(BadRequest, TensorParallelMustDivideHeads) {
   PlanRequest r = base_request();
   r.work.shape.tp = 3;
-  EXPECT_EQ(plan_error(r), "--tp is 3; must divide the attention heads (32) of Llama-3.1-8B");
+  EXPECT_EQ(plan_error(r), "tp is 3; must divide the attention heads (32) of Llama-3.1-8B");
 }
 
 TEST(BadRequest, ExpertParallelOnADenseModel) {
   PlanRequest r = base_request();
   r.work.shape.ep = 2;
-  EXPECT_EQ(plan_error(r), "--ep is 2; must be 1: Llama-3.1-8B has no MoE layers");
+  EXPECT_EQ(plan_error(r), "ep is 2; must be 1: Llama-3.1-8B has no MoE layers");
   PlanRequest moe = base_request("Qwen3-30B-A3B");
   moe.work.shape.ep = 3;
-  EXPECT_EQ(plan_error(moe), "--ep is 3; must divide the routed experts (128) of Qwen3-30B-A3B");
+  EXPECT_EQ(plan_error(moe), "ep is 3; must divide the routed experts (128) of Qwen3-30B-A3B");
 }
 
 TEST(BadRequest, ContextParallelMustDivideSeqLen) {
   PlanRequest r = base_request();
   r.work.shape.cp = 3;
-  EXPECT_EQ(plan_error(r), "--cp is 3; must divide --seq-len (4096)");
+  EXPECT_EQ(plan_error(r), "cp is 3; must divide seq_len (4096)");
 }
 
 TEST(BadRequest, PipelineLongerThanTheModel) {
   PlanRequest r = base_request();
   r.work.pp = 33;
-  EXPECT_EQ(plan_error(r), "--pp is 33; must be <= the model's layers (32)");
+  EXPECT_EQ(plan_error(r), "pp is 33; must be <= the model's layers (32)");
 }
 
 TEST(BadRequest, MarginEfficiencyAndLinkFigures) {
@@ -377,54 +385,58 @@ TEST(BadRequest, MarginEfficiencyAndLinkFigures) {
   for (double m : {-0.1, 10.5, nan}) {
     PlanRequest r = base_request();
     r.margin = m;
-    expect_error([&] { (void)make_plan(r); }, {"--margin is", "must be in [0, 10]"});
+    expect_error([&] { (void)make_plan(r); }, {"margin is", "must be in [0, 10]"});
   }
   for (double e : {0.0, -0.5, 1.5, nan}) {
     PlanRequest r = base_request();
     r.efficiency.gemm = e;
-    expect_error([&] { (void)make_plan(r); }, {"--gemm-efficiency is", "must be in (0, 1]"});
+    expect_error([&] { (void)make_plan(r); }, {"efficiency.gemm is", "must be in (0, 1]"});
     PlanRequest a = base_request();
     a.efficiency.attention = e;
-    expect_error([&] { (void)make_plan(a); }, {"--attention-efficiency is"});
+    expect_error([&] { (void)make_plan(a); }, {"efficiency.attention is"});
     PlanRequest h = base_request();
     h.efficiency.hbm = e;
-    expect_error([&] { (void)make_plan(h); }, {"--hbm-efficiency is"});
+    expect_error([&] { (void)make_plan(h); }, {"efficiency.hbm is"});
   }
   for (double v : {0.0, -1.0, inf, nan}) {
     PlanRequest d = base_request();
     d.d2h_gbps = v;
-    expect_error([&] { (void)make_plan(d); }, {"--d2h-gbps is", "must be > 0"});
+    expect_error([&] { (void)make_plan(d); }, {"d2h_gbps is", "must be > 0"});
     PlanRequest h = base_request();
     h.h2d_gbps = v;
-    expect_error([&] { (void)make_plan(h); }, {"--h2d-gbps is", "must be > 0"});
+    expect_error([&] { (void)make_plan(h); }, {"h2d_gbps is", "must be > 0"});
     PlanRequest b = base_request();
     b.hbm_budget_gb = v;
-    expect_error([&] { (void)make_plan(b); }, {"--hbm-budget-gb is", "must be > 0"});
+    expect_error([&] { (void)make_plan(b); }, {"hbm_budget_gb is", "must be > 0"});
     PlanRequest f = base_request();
     f.layer_fwd_ms = v;
-    expect_error([&] { (void)make_plan(f); }, {"--layer-fwd-ms is", "must be > 0"});
+    expect_error([&] { (void)make_plan(f); }, {"layer_fwd_ms is", "must be > 0"});
   }
   PlanRequest d = base_request();
   d.d2h_gbps = 0.0;
-  EXPECT_EQ(plan_error(d), "--d2h-gbps is 0; must be > 0");
+  EXPECT_EQ(plan_error(d), "d2h_gbps is 0; must be > 0");
 }
 
 TEST(BadRequest, TwoCalibrations) {
   PlanRequest r = base_request();
   r.layer_fwd_ms = 2.0;
   r.profile = {LayerTiming{0, 1.0, 2.0}};
-  expect_error([&] { (void)make_plan(r); }, {"--layer-fwd-ms", "--profile"});
+  expect_error([&] { (void)make_plan(r); },
+               {"layer_fwd_ms is 2; must be unset when profile is given"});
 }
 
 TEST(BadRequest, ProfileIndicesMustCoverTheStage) {
   PlanRequest r = base_request();
   r.profile = {LayerTiming{99, 1.0, 2.0}};
-  expect_error([&] { (void)make_plan(r); }, {"--profile", "99", "(32)"});
+  expect_error(
+      [&] { (void)make_plan(r); },
+      {"profile is layer index 99; must be < the layers of the first pipeline stage (32)"});
   PlanRequest gap = base_request();
   for (int i = 0; i < 32; ++i) {
     if (i != 7) gap.profile.push_back(LayerTiming{i, 1.0, 2.0});
   }
-  expect_error([&] { (void)make_plan(gap); }, {"--profile", "missing layer 7"});
+  expect_error([&] { (void)make_plan(gap); },
+               {"profile is missing layer 7; give fwd_ms and bwd_ms for every layer"});
 }
 
 TEST(BadRequest, TokenCountsThatOverflow) {
@@ -432,7 +444,8 @@ TEST(BadRequest, TokenCountsThatOverflow) {
   r.work.shape.micro_batch = 1LL << 40;
   r.work.shape.seq_len = 1LL << 40;
   expect_error([&] { (void)make_plan(r); },
-               {"--micro-batch * --seq-len overflows 64 bits", "1099511627776"});
+               {"micro_batch is 1099511627776; micro_batch * seq_len overflows 64 bits (seq_len is "
+                "1099511627776)"});
   // The token count fits, the activation bytes do not.
   PlanRequest big = base_request();
   big.work.shape.micro_batch = 1LL << 31;
@@ -465,12 +478,103 @@ TEST(BadRequest, TokenCountsNearTheLimitWithTensorParallel) {
   EXPECT_EQ(v, "");
 }
 
+// Library errors name the C++ field and its value, never a command-line flag (a library
+// caller has none; the CLI maps fields to its flags): an InputError whose what() is
+// exactly "<field> is <value>; <rule>", the field also apart.
+TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
+  struct Case {
+    std::function<void()> call;
+    std::string field;
+    std::string message;
+  };
+  const auto plan_with = [](void (*set)(PlanRequest&)) {
+    return [set] {
+      PlanRequest r = base_request();
+      set(r);
+      (void)make_plan(r);
+    };
+  };
+  const auto host_device = [](int64_t bytes, double d2h_gbps) {
+    return [=] { (void)make_host_device(HostDeviceOptions{bytes, d2h_gbps, 0.0}); };
+  };
+  const auto simulate = [](int gpus, int gpus_per_link, int depth) {
+    return [=] {
+      const PlanRequest r = base_request();
+      const Plan plan = make_plan(r);
+      if (depth == 0) {
+        SimOptions o;
+        o.gpus = gpus;
+        o.gpus_per_link = gpus_per_link;
+        (void)simulate_training_step(plan, r, o);
+      } else {
+        StreamOptions o;
+        o.depth = depth;
+        (void)simulate_weight_streaming(plan, r, o);
+      }
+    };
+  };
+  const std::vector<Case> cases = {
+      {plan_with([](PlanRequest& r) { r.work.shape.micro_batch = 0; }), "micro_batch",
+       "micro_batch is 0; must be >= 1"},
+      {plan_with([](PlanRequest& r) { r.work.shape.cp = 3; }), "cp",
+       "cp is 3; must divide seq_len (4096)"},
+      {plan_with([](PlanRequest& r) { r.work.grad_accum = 0; }), "grad_accum",
+       "grad_accum is 0; must be >= 1"},
+      {plan_with([](PlanRequest& r) { r.margin = 11.0; }), "margin",
+       "margin is 11; must be in [0, 10] (0.1 = 10%)"},
+      {plan_with([](PlanRequest& r) { r.efficiency.gemm = 1.5; }), "efficiency.gemm",
+       "efficiency.gemm is 1.5; must be in (0, 1]"},
+      {plan_with([](PlanRequest& r) { r.hbm_budget_gb = -1.0; }), "hbm_budget_gb",
+       "hbm_budget_gb is -1; must be > 0"},
+      {plan_with([](PlanRequest& r) { r.keep_last_layers = 0; }), "keep_last_layers",
+       "keep_last_layers is 0; must be >= 1 (the last layer never offloads)"},
+      {plan_with([](PlanRequest& r) { r.prefetch_depth = 0; }), "prefetch_depth",
+       "prefetch_depth is 0; must be >= 1"},
+      {[] { (void)parse_strategy("tp"); }, "strategy",
+       "strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
+      {[] { (void)parse_dtype("bf8"); }, "dtype",
+       "dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32"},
+      {[] {
+         const PlanRequest r = base_request();
+         (void)plan_optimizer_split(make_plan(r), r, -1.0);
+       },
+       "cpu_adam_gbps",
+       "cpu_adam_gbps is -1; must be > 0 (the state GB/s `spillway bench adam` reports)"},
+      {simulate(3, 2, 0), "gpus_per_link", "gpus_per_link is 2; must be >= 1 and divide gpus (3)"},
+      {simulate(2000, 1, 0), "gpus", "gpus is 2000; must be in [1, 1024]"},
+      {simulate(1, 1, 65), "depth", "depth is 65; must be in [1, 64]"},
+      {host_device(0, 0.0), "device_bytes", "device_bytes is 0; must be > 0"},
+      {host_device(int64_t{1} << 20, -2.0), "d2h_gbps",
+       "d2h_gbps is -2; must be >= 0 (0: no throttle)"},
+      {[] {
+         auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+         ProbeOptions o;
+         o.repeats = 0;
+         (void)run_probe(*dev, o);
+       },
+       "repeats", "repeats is 0; must be >= 1"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    try {
+      c.call();
+      ADD_FAILURE() << "expected an InputError";
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), c.field);
+      EXPECT_EQ(std::string(e.what()), c.message);
+      EXPECT_EQ(e.field() + " is " + e.value() + "; " + e.rule(), c.message);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "expected an InputError, got: " << e.what();
+    }
+  }
+}
+
 TEST(BadRequest, StrategyAndDtypeNames) {
   EXPECT_EQ(error_of([] { (void)parse_strategy("bogus"); }),
-            "--strategy is 'bogus'; must be one of auto, keep, recompute, offload, selective, "
+            "strategy is 'bogus'; must be one of auto, keep, recompute, offload, selective, "
             "hybrid");
   EXPECT_EQ(error_of([] { (void)parse_dtype("bf8"); }),
-            "--dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32");
+            "dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32");
   EXPECT_EQ(parse_strategy("hybrid"), Strategy::kHybrid);
   EXPECT_EQ(parse_dtype("fp8"), DType::kFp8);
 }
