@@ -198,7 +198,8 @@ void add_bench_optim_offload_command(CLI::App& bench) {
   cmd->add_option("--backward-ms", o.backward_ms,
                   "Length of the emulated backward; buckets arrive evenly over it")
       ->capture_default_str();
-  cmd->add_option("--link-gbps", o.link_gbps, "Throttle of each copy direction (0: none)")
+  cmd->add_option("--link-gbps", o.link_gbps,
+                  "Throttle of each copy direction in GB/s (1e9 bytes/s; 0: none)")
       ->capture_default_str();
   cmd->add_option("--device-buckets", o.device_buckets,
                   "Buckets stepped on the device in the split variant (-1: chosen from this "

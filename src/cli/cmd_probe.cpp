@@ -93,8 +93,8 @@ void add_probe_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "cuda", "host"}));
   cmd->add_option("--device-memory-mb", st->device_memory_mb,
-                  "Host backend only: capacity of the emulated device memory in MB (1e6 bytes); "
-                  "sizes that do not fit are skipped")
+                  "Host backend only: capacity of the emulated device memory in MiB (2^20 "
+                  "bytes); sizes that do not fit are skipped")
       ->capture_default_str();
   cmd->add_option("--hardware", st->hardware,
                   "Compare against this hardware profile: a catalog name (see `spillway "
@@ -144,12 +144,13 @@ void add_probe_command(CLI::App& app) {
       if (!dev) say(fmt::format("{}; measuring the host backend\n", why));
     }
     if (!dev) {
-      if (!(st->device_memory_mb * 1e6 >= 1.0) || st->device_memory_mb * 1e6 > 9e18) {
-        SPILLWAY_INPUT_ERROR("--device-memory-mb is {}; must be > 0 (and below 9e12)",
+      const double bytes = st->device_memory_mb * kMiB;
+      if (!(bytes >= 1.0) || st->device_memory_mb > 8e12) {
+        SPILLWAY_INPUT_ERROR("--device-memory-mb is {}; must be > 0 and <= 8e12 (MiB)",
                              st->device_memory_mb);
       }
       HostDeviceOptions ho;
-      ho.device_bytes = static_cast<int64_t>(st->device_memory_mb * 1e6);
+      ho.device_bytes = static_cast<int64_t>(bytes);
       dev = make_host_device(ho);
     }
 

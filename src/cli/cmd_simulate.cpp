@@ -58,7 +58,8 @@ void add_simulate_command(CLI::App& app) {
       ->group("Simulation");
   cmd->add_option(
          "--inflight-bound-mb", st->inflight_bound_mb,
-         "Back-pressure: compute waits while more D2H bytes than this are in flight (0 = no bound)")
+         "Back-pressure: compute waits while more D2H bytes than this, in MiB (2^20 bytes), are "
+         "in flight (0 = no bound)")
       ->group("Simulation");
   cmd->add_option("--trace", st->trace_path, "Write a Chrome trace-event JSON (open in Perfetto)")
       ->group("Output");
@@ -85,7 +86,7 @@ void add_simulate_command(CLI::App& app) {
       o.gpus = st->gpus;
       o.gpus_per_link = st->gpus_per_link;
       o.hbm_contention = !st->no_contention;
-      o.inflight_bound_bytes = static_cast<int64_t>(st->inflight_bound_mb * 1e6);
+      o.inflight_bound_bytes = static_cast<int64_t>(st->inflight_bound_mb * kMiB);
       o.keep_tasks = !st->trace_path.empty() || !st->plot_path.empty();
       result = simulate_training_step(plan, req, o);
     } else {

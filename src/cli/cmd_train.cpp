@@ -56,12 +56,14 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "host (cuda: refused with the reason)")
       ->capture_default_str();
   cmd->add_option("--device-memory-mb", o->device_memory_mb,
-                  "Capacity of the emulated device memory in MiB (the budget: exceeding it is an "
-                  "error naming the policy and the bytes)")
+                  "Capacity of the emulated device memory in MiB (2^20 bytes; the budget: "
+                  "exceeding it is an error naming the policy and the bytes)")
       ->capture_default_str();
-  cmd->add_option("--d2h-gbps", o->d2h_gbps, "Throttle of device->host copies in GB/s (0: none)")
+  cmd->add_option("--d2h-gbps", o->d2h_gbps,
+                  "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: none)")
       ->capture_default_str();
-  cmd->add_option("--h2d-gbps", o->h2d_gbps, "Throttle of host->device copies in GB/s (0: none)")
+  cmd->add_option("--h2d-gbps", o->h2d_gbps,
+                  "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: none)")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the initial weights and of the batches")
       ->capture_default_str();
@@ -87,8 +89,8 @@ void add_train_command(CLI::App& app) {
                   "layers: the last to arrive in backward) whose state and step stay on the device")
       ->capture_default_str();
   cmd->add_option("--undo-mb", o->undo_mb,
-                  "With --optimizer offload: STV's undo memory in MiB; buckets beyond it wait for "
-                  "the gradient norm (< 0: every CPU bucket)")
+                  "With --optimizer offload: STV's undo memory in MiB (2^20 bytes); buckets beyond "
+                  "it wait for the gradient norm (< 0: every CPU bucket)")
       ->capture_default_str();
   cmd->add_option("--clip", o->clip,
                   "With --optimizer offload: gradient-norm clipping threshold (0: none)")

@@ -7,6 +7,12 @@
 
 namespace spillway::cli {
 
+// Note [Units at the edges]: a flag says its unit in its name and its --help, one meaning
+// each: "-mb" flags are MiB (2^20 bytes, kMiB), "-gb" flags are GB (1e9 bytes), "-gbps"
+// flags are GB/s (1e9 bytes/s); reports print bytes as GB and MB (1e9, 1e6), and transfer
+// sizes with K/M/G suffixes are KiB/MiB/GiB.
+inline constexpr double kMiB = 1048576.0;
+
 void add_plan_command(CLI::App& app);
 void add_models_command(CLI::App& app);
 void add_hardware_command(CLI::App& app);

@@ -155,7 +155,8 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
       ->capture_default_str()
       ->group("Policy");
   cmd.add_option("--hbm-budget-gb", f.hbm_budget_gb,
-                 "HBM the plan may use (default: the profile's HBM minus 5% reserve)")
+                 "HBM the plan may use in GB (1e9 bytes; default: the profile's HBM minus 5% "
+                 "reserve)")
       ->group("Policy");
   cmd.add_option("--keep-last", f.keep_last, "Layers at the end that never offload")
       ->capture_default_str()
@@ -165,8 +166,8 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
       ->capture_default_str()
       ->group("Policy");
   cmd.add_option("--d2h-gbps", f.d2h_gbps,
-                 "Device->host GB/s per GPU (default: the profile's typical measured figure, "
-                 "shared by the GPUs on one link; never the nominal peak)")
+                 "Device->host GB/s per GPU (1e9 bytes/s; default: the profile's typical "
+                 "measured figure, shared by the GPUs on one link; never the nominal peak)")
       ->group("Link");
   cmd.add_option("--h2d-gbps", f.h2d_gbps, "Host->device GB/s per GPU (default as --d2h-gbps)")
       ->group("Link");

@@ -246,6 +246,28 @@ TEST(Cli, InputErrorsNameTheFlagNotTheField) {
   }
 }
 
+// --device-memory-mb is MiB (2^20 bytes) in probe as in train (Note [Units at the edges],
+// src/cli/commands.hpp): with 64, the emulated device holds 67108864 bytes, so a 64 MiB
+// transfer is measured and a 65 MiB one is skipped.
+TEST(Cli, ProbeDeviceMemoryIsMiB) {
+  const CliRun r =
+      run("probe --device host --device-memory-mb 64 --sizes 64M,65M --repeats 1 --no-pageable "
+          "--budget-s 5 --json -",
+          "2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const Json j = Json::parse(r.out);
+  EXPECT_TRUE(contains(j["backend"].get<std::string>(), "67.1 MB arena")) << j["backend"];
+  ASSERT_EQ(j["points"].size(), 2u) << r.out;  // H2D and D2H, pinned
+  for (const Json& p : j["points"]) EXPECT_EQ(p["bytes"].get<int64_t>(), int64_t{64} << 20);
+  ASSERT_EQ(j["skipped"].size(), 1u) << r.out;
+  EXPECT_EQ(j["skipped"][0]["bytes"].get<int64_t>(), int64_t{65} << 20);
+  EXPECT_TRUE(contains(j["skipped"][0]["reason"].get<std::string>(), "free of 67.1 MB"))
+      << j["skipped"][0]["reason"];
+  const CliRun help = run("probe --help");
+  EXPECT_TRUE(contains(help.out, "capacity of the emulated device memory in MiB (2^20 bytes)"))
+      << help.out;
+}
+
 TEST(Cli, UsageErrorsExitTwo) {
   // main.cpp documents exit 2 for a command-line usage error; parse errors of the flag
   // parser must map to it (not to the parser's own 100+ codes).
