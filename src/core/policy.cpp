@@ -46,8 +46,8 @@ std::string to_string(Policy p) {
 Policy parse_policy(std::string_view name, std::string_view field) {
   for (const auto& [p, n] : kPolicyNames)
     if (n == name) return p;
-  SPILLWAY_INPUT_ERROR(
-      "{} is '{}'; must be one of auto, keep, recompute, offload, selective, hybrid", field, name);
+  SPILLWAY_FIELD_ERROR(std::string(field), fmt::format("'{}'", name),
+                       "must be one of auto, keep, recompute, offload, selective, hybrid");
 }
 
 Action LayerActions::action(std::string_view tensor) const {
