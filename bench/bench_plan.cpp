@@ -23,11 +23,10 @@
 namespace {
 
 using spillway::PlanRequest;
-using spillway::Strategy;
+using spillway::Policy;
 
-const std::vector<Strategy> kStrategies = {Strategy::kAuto,      Strategy::kKeep,
-                                           Strategy::kRecompute, Strategy::kOffload,
-                                           Strategy::kSelective, Strategy::kHybrid};
+const std::vector<Policy> kStrategies = {Policy::kAuto,    Policy::kKeep,      Policy::kRecompute,
+                                         Policy::kOffload, Policy::kSelective, Policy::kHybrid};
 
 PlanRequest request_for(const std::string& model) {
   PlanRequest r;
@@ -68,7 +67,7 @@ void check(const spillway::Plan& p, const PlanRequest& r) {
   SPILLWAY_CHECK(p.layers.back().offload_bytes == 0, "the last layer must not offload");
 }
 
-void BM_Plan(benchmark::State& state, std::string model, Strategy s) {
+void BM_Plan(benchmark::State& state, std::string model, Policy s) {
   PlanRequest r = request_for(model);
   r.strategy = s;
   check(spillway::make_plan(r), r);
@@ -103,7 +102,7 @@ int main(int argc, char** argv) {
   for (const std::string model : {"dense-96", "Qwen3-235B-A22B"}) {
     benchmark::RegisterBenchmark(("cost_only/" + model).c_str(), BM_CostOnly, model)
         ->Unit(benchmark::kMillisecond);
-    for (Strategy s : kStrategies) {
+    for (Policy s : kStrategies) {
       benchmark::RegisterBenchmark(("plan/" + model + "/" + spillway::to_string(s)).c_str(),
                                    BM_Plan, model, s)
           ->Unit(benchmark::kMillisecond);
@@ -128,7 +127,7 @@ int main(int argc, char** argv) {
         21);
     const double all = median_ms(
         [&] {
-          for (Strategy s : kStrategies) {
+          for (Policy s : kStrategies) {
             r.strategy = s;
             benchmark::DoNotOptimize(spillway::make_plan(r));
           }

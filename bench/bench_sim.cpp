@@ -25,7 +25,7 @@ namespace {
 
 using spillway::PlanRequest;
 
-PlanRequest request_96(spillway::Strategy s) {
+PlanRequest request_96(spillway::Policy s) {
   PlanRequest r;
   const nlohmann::json cfg = {{"model_type", "llama"},     {"hidden_size", 12288},
                               {"num_hidden_layers", 96},   {"num_attention_heads", 96},
@@ -82,7 +82,7 @@ int main() {
   };
   for (const Case c : {Case{"96 layers, 1 GPU, 1 micro-batch", 1, 1, 1},
                        Case{"96 layers, 8 GPUs (4 per link), 4 micro-batches", 8, 4, 4}}) {
-    PlanRequest r = request_96(spillway::Strategy::kOffload);
+    PlanRequest r = request_96(spillway::Policy::kOffload);
     r.work.grad_accum = c.grad_accum;
     const spillway::Plan plan = spillway::make_plan(r);
     spillway::SimOptions o;

@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "spillway/device.hpp"

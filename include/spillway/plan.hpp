@@ -29,12 +29,9 @@
 
 namespace spillway {
 
-// What the planner is asked for: one policy in every layer, or the best per layer
-// (Policy::kAuto). One vocabulary with the engines (spillway/policy.hpp).
-using Strategy = Policy;
-inline Strategy parse_strategy(const std::string& s) {
-  return parse_policy(s, "strategy");
-}
+// PlanRequest::strategy is what the planner is asked for: one Policy in every layer, or the
+// best per layer (Policy::kAuto); LayerPlan::policy what it chose (never kAuto). One
+// vocabulary with the engines (spillway/policy.hpp).
 
 // Roofline efficiency factors: the fraction of peak a kernel class reaches.
 // Defaults: GEMMs 0.70 of dense peak, fused attention 0.50, memory-bound kernels 0.80 of
@@ -62,7 +59,7 @@ struct PlanRequest {
   ModelConfig model;
   HardwareProfile hardware;
   Workload work;
-  Strategy strategy = Strategy::kAuto;
+  Policy strategy = Policy::kAuto;
   double margin = 0.10;                 // transfers must fit window / (1 + margin)
   std::optional<double> layer_fwd_ms;   // calibration: the repeating layer's forward
   std::vector<LayerTiming> profile;     // calibration: measured per-layer times
@@ -161,7 +158,7 @@ struct PlanSummary {
 };
 
 struct Plan {
-  Strategy strategy = Strategy::kAuto;
+  Policy strategy = Policy::kAuto;
   std::vector<LayerPlan> layers;  // this pipeline stage's layers (the first stage)
   PlanSummary summary;
   int64_t params_total = 0;

@@ -234,7 +234,7 @@ PlanRequest make_request(const PlanFlags& f) {
   r.work.pp = f.pp;
   r.work.dp = f.dp;
   r.work.grad_accum = f.grad_accum;
-  r.strategy = parse_strategy(f.strategy);
+  r.strategy = parse_policy(f.strategy);
   r.margin = parse_margin(f.margin);
   r.layer_fwd_ms = f.layer_fwd_ms;
   r.hbm_budget_gb = f.hbm_budget_gb;

@@ -167,7 +167,7 @@ Plan load_plan_json(const std::string& path, PlanRequest* request) {
   r.work.shape.fused_swiglu = work.bool_or("fused_swiglu", false);
   plan.tokens_per_gpu = work.int_or("tokens_per_gpu", 0, 0, kBig);
   const JsonObject opts = root.req_obj("options");
-  r.strategy = parse_strategy(opts.str_or("strategy", "auto"));
+  r.strategy = parse_policy(opts.str_or("strategy", "auto"));
   plan.strategy = r.strategy;
   r.margin = opts.num_or("margin", 0.1, 0.0, 10.0);
   r.prefetch_depth = static_cast<int>(opts.int_or("prefetch_depth", 1, 1, 64));

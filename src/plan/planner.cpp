@@ -308,9 +308,9 @@ double standalone_capacity_bytes(const Stage& st, size_t l) {
 }
 
 // Builds the options a strategy can use (the knapsack only where it is needed).
-OptionSet build_options(const Stage& st, size_t l, Strategy strategy) {
-  const bool need_hybrid = strategy == Strategy::kAuto || strategy == Strategy::kHybrid;
-  const bool need_selective = strategy == Strategy::kAuto || strategy == Strategy::kSelective;
+OptionSet build_options(const Stage& st, size_t l, Policy strategy) {
+  const bool need_hybrid = strategy == Policy::kAuto || strategy == Policy::kHybrid;
+  const bool need_selective = strategy == Policy::kAuto || strategy == Policy::kSelective;
   const CostedLayer& c = st.layers[l];
   OptionSet os;
   const size_t nt = c.inv.tensors.size();
@@ -689,7 +689,7 @@ struct Choice {
 };
 
 // The option set of each layer, built once per distinct layer.
-LayerOptions build_layer_options(const Stage& st, Strategy strategy) {
+LayerOptions build_layer_options(const Stage& st, Policy strategy) {
   // Options depend only on the layer, its forward time, the next layer's and whether it
   // may offload: identical layers (the common case) share one set.
   const size_t n = st.layers.size();
@@ -723,33 +723,33 @@ LayerOptions build_layer_options(const Stage& st, Strategy strategy) {
 
 // The options each layer may take under the strategy (auto: keep, recompute, and those
 // offloading options that fit the layer's window alone).
-Allowed allowed_options(const LayerOptions& lo, const Stage& st, Strategy strategy) {
+Allowed allowed_options(const LayerOptions& lo, const Stage& st, Policy strategy) {
   const size_t n = st.layers.size();
   Allowed allowed(n);
   for (size_t l = 0; l < n; ++l) {
     const OptionSet& os = lo.at(l);
     auto& a = allowed[l];
     switch (strategy) {
-      case Strategy::kKeep:
+      case Policy::kKeep:
         a = {&os.keep};
         break;
-      case Strategy::kRecompute:
+      case Policy::kRecompute:
         a = {&os.recompute};
         break;
-      case Strategy::kOffload:
+      case Policy::kOffload:
         a = {os.can_offload ? &os.offload : &os.recompute};
         break;
-      case Strategy::kHybrid:
+      case Policy::kHybrid:
         a = {os.can_offload ? &os.hybrid : &os.recompute};
         break;
-      case Strategy::kSelective:
+      case Policy::kSelective:
         if (os.can_offload) {
           a = {&os.selective_keep, &os.selective_recompute};
         } else {
           a = {&os.recompute};
         }
         break;
-      case Strategy::kAuto:
+      case Policy::kAuto:
         a = {&os.keep, &os.recompute};
         if (os.can_offload) {
           for (const Option* o :
@@ -779,7 +779,7 @@ const Option* fastest_option(const std::vector<const Option*>& allowed, const St
 // The greedy choice: the fastest allowed option of each layer, then the best time-per-byte
 // trade at a time until the plan fits the budget; auto then strikes the offloads that
 // snowball with their neighbours' copies and tries again.
-Choice choose_greedy(const Stage& st, const LayerOptions& lo, Allowed& allowed, Strategy strategy) {
+Choice choose_greedy(const Stage& st, const LayerOptions& lo, Allowed& allowed, Policy strategy) {
   const size_t n = st.layers.size();
   Choice c;
   c.options.resize(n);
@@ -811,7 +811,7 @@ Choice choose_greedy(const Stage& st, const LayerOptions& lo, Allowed& allowed, 
       choice[best_l] = best_o;
       tl = run_timeline(st, choice, lo.recompute_ms, false);
     }
-    if (strategy != Strategy::kAuto || tl.snowball_layers.empty()) break;
+    if (strategy != Policy::kAuto || tl.snowball_layers.empty()) break;
     // Auto: a layer that misses its window once neighbours' copies are counted gives up
     // its offload for the fastest option that moves fewer bytes.
     for (size_t l : tl.snowball_layers) {
@@ -923,7 +923,7 @@ void search_moves(const Stage& st, const LayerOptions& lo, double host_limit, Al
 // (auto and selective), each offloading policy on every layer that allows it (auto), and
 // the greedy choice last.
 std::vector<std::vector<const Option*>> search_starts(const LayerOptions& lo,
-                                                      const Allowed& allowed, Strategy strategy,
+                                                      const Allowed& allowed, Policy strategy,
                                                       const std::vector<const Option*>& greedy) {
   const size_t n = allowed.size();
   std::vector<std::vector<const Option*>> starts;
@@ -940,12 +940,12 @@ std::vector<std::vector<const Option*>> search_starts(const LayerOptions& lo,
     }
   }
   starts.push_back(std::move(small));
-  if (strategy == Strategy::kAuto || strategy == Strategy::kSelective) {
+  if (strategy == Policy::kAuto || strategy == Policy::kSelective) {
     std::vector<const Option*> rec(n);
     for (size_t l = 0; l < n; ++l) rec[l] = &lo.at(l).recompute;
     starts.push_back(std::move(rec));
   }
-  if (strategy == Strategy::kAuto) {
+  if (strategy == Policy::kAuto) {
     // Uniform starts (one policy on every layer that allows it, recompute elsewhere): a
     // policy that pays only once in the peak (in-flight copies) is reached as a whole.
     for (Option OptionSet::*member :
@@ -968,7 +968,7 @@ std::vector<std::vector<const Option*>> search_starts(const LayerOptions& lo,
 // can miss what the max terms of the peak, in-flight copies and one layer's re-materialized
 // set, or the host memory decide, and it can stop in a local optimum).
 Choice choose_under_budget(const Stage& st, const LayerOptions& lo, Allowed& allowed,
-                           Strategy strategy, double host_limit, Choice greedy) {
+                           Policy strategy, double host_limit, Choice greedy) {
   const size_t n = st.layers.size();
   // The budget binds when the plan does not fit or some layer runs slower than its fastest
   // allowed option.
@@ -1082,7 +1082,7 @@ std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines
         to_string(Bytes(s.peak.weights)), to_string(Bytes(s.peak.gradients)),
         to_string(Bytes(s.peak.optimizer_states)), to_string(Bytes(s.peak.activations)),
         to_string(Bytes(s.peak.in_flight_copies))));
-    if (r.strategy == Strategy::kAuto || r.strategy == Strategy::kRecompute) {
+    if (r.strategy == Policy::kAuto || r.strategy == Policy::kRecompute) {
       reasons.push_back(fmt::format(
           "even with every layer recomputed the peak is {}: lower --micro-batch or --seq-len, or "
           "raise --tp/--pp/--dp/--ep",

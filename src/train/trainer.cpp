@@ -91,7 +91,7 @@ HardwareProfile host_profile(const TrainOptions& o) {
   return hw;
 }
 
-PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Strategy s,
+PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Policy s,
                          std::optional<double> layer_fwd_ms) {
   PlanRequest r;
   r.model = c.model;
@@ -288,13 +288,13 @@ double mean_layer_fwd_ms(const PolicyResult& r) {
   return r.layer_fwd_ms.empty() ? 0.0 : s / static_cast<double>(r.layer_fwd_ms.size());
 }
 
-Strategy strategy_of(const std::string& name) {
-  if (name == "keep") return Strategy::kKeep;
-  if (name == "recompute") return Strategy::kRecompute;
-  if (name == "offload") return Strategy::kOffload;
-  if (name == "selective") return Strategy::kSelective;
-  if (name == "hybrid") return Strategy::kHybrid;
-  if (name == "auto") return Strategy::kAuto;
+Policy strategy_of(const std::string& name) {
+  if (name == "keep") return Policy::kKeep;
+  if (name == "recompute") return Policy::kRecompute;
+  if (name == "offload") return Policy::kOffload;
+  if (name == "selective") return Policy::kSelective;
+  if (name == "hybrid") return Policy::kHybrid;
+  if (name == "auto") return Policy::kAuto;
   SPILLWAY_INPUT_ERROR(
       "--policy is '{}'; must be keep, recompute, offload, selective, hybrid, auto or a plan "
       "JSON file (spillway plan --json)",
@@ -315,15 +315,15 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
     p.prefetch_depth = o.prefetch_depth;
     return p;
   }
-  const Strategy s = strategy_of(name);
+  const Policy s = strategy_of(name);
   PlanRequest req = plan_request(c, o, s, fwd_ms);
   *plan = make_plan(req);
-  if (s == Strategy::kKeep) {  // every tensor the plan saves (all but mlp.act when fused)
+  if (s == Policy::kKeep) {  // every tensor the plan saves (all but mlp.act when fused)
     MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
     return p;
   }
-  if (s != Strategy::kAuto) {
+  if (s != Policy::kAuto) {
     MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
     return p;
@@ -356,9 +356,8 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
     *plan = make_plan(req);
   }
   // The named strategies, fastest first by the planner's step time: the first that fits.
-  std::vector<std::pair<Plan, Strategy>> named;
-  for (Strategy t :
-       {Strategy::kSelective, Strategy::kHybrid, Strategy::kOffload, Strategy::kRecompute}) {
+  std::vector<std::pair<Plan, Policy>> named;
+  for (Policy t : {Policy::kSelective, Policy::kHybrid, Policy::kOffload, Policy::kRecompute}) {
     PlanRequest rq = plan_request(c, o, t, fwd_ms);
     rq.hbm_budget_gb = 1e6;  // judged by measurement, not by the planner's peak
     named.emplace_back(make_plan(rq), t);
@@ -451,7 +450,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
     // keep ran before its own calibration: its prediction is planned now; the others
     // were planned with the calibrated time (auto: with the budget that fits).
     if (name == "keep")
-      plan = make_plan(plan_request(c, o, Strategy::kKeep, fwd_ms > 0 ? fwd_ms : 1.0));
+      plan = make_plan(plan_request(c, o, Policy::kKeep, fwd_ms > 0 ? fwd_ms : 1.0));
     r.predicted_step_ms = plan.summary.step_ms;
     r.predicted_peak_bytes = plan.summary.peak.total();
     r.predicted_feasible = plan.summary.feasible;

@@ -135,7 +135,7 @@ TEST(Cli, JsonMatchesTheLibraryPlanExactly) {
   req.work.shape.fused_swiglu = true;
   req.work.dp = 4;
   req.work.grad_accum = 3;
-  req.strategy = Strategy::kOffload;
+  req.strategy = Policy::kOffload;
   req.margin = 0.25;
   req.d2h_gbps = 40.0;
   req.h2d_gbps = 45.0;

@@ -48,7 +48,6 @@ void accept_error(const spillway::Error& e) {
   }
 }
 
-
 const spillway::HardwareProfile& gh200() {
   static const spillway::HardwareProfile h = spillway::load_hardware("gh200");
   return h;
@@ -85,7 +84,7 @@ void plan_model(const spillway::ModelConfig& m, uint64_t pick) {
   r.hardware = gh200();
   r.work.shape.micro_batch = 1;
   r.work.shape.seq_len = 128;
-  r.strategy = static_cast<spillway::Strategy>(pick % 6);
+  r.strategy = static_cast<spillway::Policy>(pick % 6);
   r.work.shape.fused_swiglu = (pick / 6) % 2 == 1;
   try {
     check_plan(spillway::make_plan(r), r);
@@ -100,7 +99,7 @@ void plan_hardware(const spillway::HardwareProfile& h, uint64_t pick) {
   r.hardware = h;
   r.work.shape.micro_batch = 1;
   r.work.shape.seq_len = 256;
-  r.strategy = static_cast<spillway::Strategy>(pick % 6);
+  r.strategy = static_cast<spillway::Policy>(pick % 6);
   try {
     check_plan(spillway::make_plan(r), r);
   } catch (const spillway::Error& e) {

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "core/json_io.hpp"
-#include "spillway/plan.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/hardware.hpp"
@@ -530,7 +529,7 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
        "keep_last_layers is 0; must be >= 1 (the last layer never offloads)"},
       {plan_with([](PlanRequest& r) { r.prefetch_depth = 0; }), "prefetch_depth",
        "prefetch_depth is 0; must be >= 1"},
-      {[] { (void)parse_strategy("tp"); }, "strategy",
+      {[] { (void)parse_policy("tp"); }, "strategy",
        "strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
       {[] { (void)parse_dtype("bf8"); }, "dtype",
        "dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32"},
@@ -570,12 +569,12 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
 }
 
 TEST(BadRequest, StrategyAndDtypeNames) {
-  EXPECT_EQ(error_of([] { (void)parse_strategy("bogus"); }),
+  EXPECT_EQ(error_of([] { (void)parse_policy("bogus"); }),
             "strategy is 'bogus'; must be one of auto, keep, recompute, offload, selective, "
             "hybrid");
   EXPECT_EQ(error_of([] { (void)parse_dtype("bf8"); }),
             "dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32");
-  EXPECT_EQ(parse_strategy("hybrid"), Strategy::kHybrid);
+  EXPECT_EQ(parse_policy("hybrid"), Policy::kHybrid);
   EXPECT_EQ(parse_dtype("fp8"), DType::kFp8);
 }
 
@@ -809,7 +808,7 @@ TEST(RandomMutations, LoaderAndPlannerOnlyEverThrowError) {
           r.model = m;
           r.hardware = hw;
           r.work.shape = sh;
-          r.strategy = static_cast<Strategy>(rng() % 6);
+          r.strategy = static_cast<Policy>(rng() % 6);
           const Plan p = make_plan(r);
           ++planned;
           EXPECT_EQ(p.layers.size(), m.layers.size());

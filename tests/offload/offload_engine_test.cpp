@@ -432,7 +432,7 @@ Plan tiny_plan(double d2h_gbps, double layer_ms, PlanRequest* out) {
   r.hardware = load_hardware("gh200");
   r.work.shape.micro_batch = 1;
   r.work.shape.seq_len = 64;
-  r.strategy = Strategy::kOffload;
+  r.strategy = Policy::kOffload;
   r.margin = 0.0;
   r.layer_fwd_ms = layer_ms;
   r.d2h_gbps = d2h_gbps;

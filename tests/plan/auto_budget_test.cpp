@@ -39,9 +39,9 @@ std::string summary_of(const Plan& p) {
 
 TEST(AutoUnderBudget, FeasibleWhenAllRecomputeIsFeasible) {
   const PlanRequest base =
-      with(request("GPT-OSS-20B", "h200-sxm", 1, 16384, Strategy::kAuto), 1, 32, 74.0, 0.13);
+      with(request("GPT-OSS-20B", "h200-sxm", 1, 16384, Policy::kAuto), 1, 32, 74.0, 0.13);
   PlanRequest rec = base;
-  rec.strategy = Strategy::kRecompute;
+  rec.strategy = Policy::kRecompute;
   const Plan r = make_plan(rec);
   const Plan a = make_plan(base);
   SCOPED_TRACE(describe(base));
@@ -61,7 +61,7 @@ TEST(AutoUnderBudget, FeasibleWhenAllRecomputeIsFeasible) {
 
 TEST(AutoUnderBudget, MoreMarginNeverMakesAutoFeasible) {
   PlanRequest r =
-      with(request("Mixtral-8x7B", "h200-sxm", 2, 4096, Strategy::kAuto), 2, 8, 133.0, 0.2);
+      with(request("Mixtral-8x7B", "h200-sxm", 2, 4096, Policy::kAuto), 2, 8, 133.0, 0.2);
   const Plan tight = make_plan(r);  // a smaller margin: every option of 0.3 is allowed too
   r.margin = 0.3;
   const Plan loose = make_plan(r);
@@ -74,8 +74,7 @@ TEST(AutoUnderBudget, MoreMarginNeverMakesAutoFeasible) {
 }
 
 TEST(AutoUnderBudget, MoreBandwidthNeverMakesAutoInfeasible) {
-  PlanRequest r =
-      with(request("Qwen3-14B", "gb200", 3, 16384, Strategy::kAuto), 1, 16, 259.49, 0.13);
+  PlanRequest r = with(request("Qwen3-14B", "gb200", 3, 16384, Policy::kAuto), 1, 16, 259.49, 0.13);
   const Plan slow = make_plan(r);
   r.d2h_gbps = 389.24;
   const Plan fast = make_plan(r);
@@ -92,11 +91,11 @@ TEST(AutoUnderBudget, MoreBandwidthNeverMakesAutoInfeasible) {
 
 TEST(AutoUnderBudget, NoSlowerThanAFeasibleNamedStrategy) {
   const PlanRequest base =
-      with(request("Mixtral-8x7B", "h200-sxm", 1, 4096, Strategy::kAuto), 2, 8, 115.0, 0.36);
+      with(request("Mixtral-8x7B", "h200-sxm", 1, 4096, Policy::kAuto), 2, 8, 115.0, 0.36);
   const Plan a = make_plan(base);
   std::string worse;
-  for (Strategy s : {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                     Strategy::kSelective, Strategy::kHybrid}) {
+  for (Policy s :
+       {Policy::kKeep, Policy::kRecompute, Policy::kOffload, Policy::kSelective, Policy::kHybrid}) {
     PlanRequest r = base;
     r.strategy = s;
     const Plan p = make_plan(r);
@@ -115,7 +114,7 @@ TEST(AutoUnderBudget, NoSlowerThanAFeasibleNamedStrategy) {
 
 TEST(SelectiveUnderBudget, MoreMarginNeverMakesSelectiveFeasible) {
   PlanRequest r =
-      with(request("Qwen3-30B-A3B", "h100-pcie", 1, 2048, Strategy::kSelective), 2, 16, {}, 0.0);
+      with(request("Qwen3-30B-A3B", "h100-pcie", 1, 2048, Policy::kSelective), 2, 16, {}, 0.0);
   const Plan tight = make_plan(r);
   r.margin = 0.1;
   const Plan loose = make_plan(r);
@@ -143,14 +142,14 @@ TEST(AutoUnderBudget, RandomSweep) {
   for (int trial = 0; trial < 120; ++trial) {
     PlanRequest r =
         request(models[rng() % models.size()], hws[rng() % hws.size()],
-                1 + static_cast<int64_t>(rng() % 4), 1024LL << (rng() % 5), Strategy::kAuto);
+                1 + static_cast<int64_t>(rng() % 4), 1024LL << (rng() % 5), Policy::kAuto);
     r.work.shape.tp = int64_t{1} << (rng() % 3);
     r.work.dp = int64_t{8} << (rng() % 3);
     if (rng() % 2) r.d2h_gbps = 5.0 + static_cast<double>(rng() % 300);
     r.margin = static_cast<double>(rng() % 50) / 100.0;
     const Plan a = make_plan(r);
     PlanRequest rr = r;
-    rr.strategy = Strategy::kRecompute;
+    rr.strategy = Policy::kRecompute;
     const Plan rec = make_plan(rr);
     ++checked;
     if (rec.summary.feasible && !a.summary.feasible) {

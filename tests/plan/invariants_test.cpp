@@ -44,7 +44,7 @@ int64_t inventory_mlp_bytes(const LayerSpec& l, int64_t hidden, const ShardShape
 TEST(Invariants, OffloadVolumeIsLinearInTokens) {
   for (const std::string& m : kModels) {
     SCOPED_TRACE(m);
-    const PlanRequest base = generous(request(m, "gb200", 1, 4096, Strategy::kOffload));
+    const PlanRequest base = generous(request(m, "gb200", 1, 4096, Policy::kOffload));
     PlanRequest mb2 = base;
     mb2.work.shape.micro_batch = 2;
     PlanRequest seq2 = base;
@@ -78,7 +78,7 @@ TEST(Invariants, OffloadVolumeIsLinearInTokens) {
 TEST(Invariants, FusedSwigluMovesTwoThirds) {
   for (const std::string& m : kModels) {
     SCOPED_TRACE(m);
-    PlanRequest r = generous(request(m, "gb200", 2, 4096, Strategy::kOffload));
+    PlanRequest r = generous(request(m, "gb200", 2, 4096, Policy::kOffload));
     const Plan unfused = make_plan(r);
     r.work.shape.fused_swiglu = true;
     const Plan fused = make_plan(r);
@@ -134,7 +134,7 @@ TEST(Invariants, FeasibilityMonotoneInLinkBandwidth) {
   std::vector<double> bws;
   for (double b = 1.0; b <= 5000.0; b *= 1.3) bws.push_back(b);
   for (const Config& c : kSweepConfigs) {
-    for (Strategy s : {Strategy::kOffload, Strategy::kSelective, Strategy::kHybrid}) {
+    for (Policy s : {Policy::kOffload, Policy::kSelective, Policy::kHybrid}) {
       std::vector<std::pair<double, bool>> sweep;
       PlanRequest r = generous(request(c.model, c.hw, c.mb, c.seq, s));
       for (double b : bws) {
@@ -142,7 +142,7 @@ TEST(Invariants, FeasibilityMonotoneInLinkBandwidth) {
         sweep.emplace_back(b, make_plan(r).summary.feasible);
       }
       EXPECT_EQ(monotone_violation(sweep, "d2h GB/s"), "") << describe(r);
-      if (s == Strategy::kOffload) {
+      if (s == Policy::kOffload) {
         // The sweep spans both sides of the threshold.
         EXPECT_FALSE(sweep.front().second) << describe(r);
         EXPECT_TRUE(sweep.back().second) << describe(r);
@@ -155,7 +155,7 @@ TEST(Invariants, FeasibilityMonotoneInLayerTime) {
   std::vector<double> times;
   for (double t = 0.01; t <= 200.0; t *= 1.3) times.push_back(t);
   for (const Config& c : kSweepConfigs) {
-    for (Strategy s : {Strategy::kOffload, Strategy::kSelective, Strategy::kHybrid}) {
+    for (Policy s : {Policy::kOffload, Policy::kSelective, Policy::kHybrid}) {
       std::vector<std::pair<double, bool>> sweep;
       PlanRequest r = generous(request(c.model, c.hw, c.mb, c.seq, s));
       for (double t : times) {
@@ -163,7 +163,7 @@ TEST(Invariants, FeasibilityMonotoneInLayerTime) {
         sweep.emplace_back(t, make_plan(r).summary.feasible);
       }
       EXPECT_EQ(monotone_violation(sweep, "layer_fwd_ms"), "") << describe(r);
-      if (s == Strategy::kOffload) {
+      if (s == Policy::kOffload) {
         EXPECT_FALSE(sweep.front().second) << describe(r);
         EXPECT_TRUE(sweep.back().second) << describe(r);
       }
@@ -190,10 +190,10 @@ TEST(Invariants, MoreMarginNeverMakesAPlanFeasible) {
   for (const Config& c : kSweepConfigs) {
     // Each config at its profile's link and at a link where offload only fits without
     // margin (V / B = 0.7 T_fwd(l+1)).
-    const Plan probe = make_plan(generous(request(c.model, c.hw, c.mb, c.seq, Strategy::kOffload)));
+    const Plan probe = make_plan(generous(request(c.model, c.hw, c.mb, c.seq, Policy::kOffload)));
     for (std::optional<double> d2h :
          {std::optional<double>(), std::optional<double>(d2h_for_ratio(probe, 0.0, 0.7))}) {
-      for (Strategy s : {Strategy::kOffload, Strategy::kSelective, Strategy::kHybrid}) {
+      for (Policy s : {Policy::kOffload, Policy::kSelective, Policy::kHybrid}) {
         PlanRequest r = generous(request(c.model, c.hw, c.mb, c.seq, s));
         r.d2h_gbps = d2h;
         std::vector<std::pair<double, bool>> sweep;
@@ -216,8 +216,8 @@ TEST(Invariants, MoreMarginNeverMakesAPlanFeasibleRandomSweep) {
   std::mt19937_64 rng(seed);
   const std::vector<std::string> hws = hardware_names();
   const std::vector<int64_t> seqs = {1024, 2048, 4096, 8192, 16384};
-  const std::vector<Strategy> strategies = {Strategy::kOffload, Strategy::kSelective,
-                                            Strategy::kHybrid, Strategy::kAuto};
+  const std::vector<Policy> strategies = {Policy::kOffload, Policy::kSelective, Policy::kHybrid,
+                                          Policy::kAuto};
   int flips = 0;
   for (int trial = 0; trial < 60; ++trial) {
     PlanRequest r = generous(request(kModels[rng() % kModels.size()], hws[rng() % hws.size()],
@@ -250,7 +250,7 @@ TEST(Invariants, MoreMarginNeverMakesAPlanFeasibleDefaultBudgets) {
   for (int trial = 0; trial < 40; ++trial) {
     PlanRequest r = request(kModels[rng() % kModels.size()], hws[rng() % hws.size()],
                             1 + static_cast<int64_t>(rng() % 2), 4096,
-                            rng() % 2 ? Strategy::kOffload : Strategy::kAuto);
+                            rng() % 2 ? Policy::kOffload : Policy::kAuto);
     r.work.dp = 64;  // optimizer states sharded: the activations decide
     r.work.shape.tp = 4;
     std::vector<std::pair<double, bool>> sweep;
@@ -269,7 +269,7 @@ TEST(Invariants, SnowballWhenTheCopyOutlastsTheNextForward) {
        {std::string("Llama-3.1-8B"), std::string("Qwen3-30B-A3B"), std::string("Mixtral-8x7B")}) {
     for (double margin : {0.0, 0.1, 0.5}) {
       SCOPED_TRACE(m + " margin " + std::to_string(margin));
-      PlanRequest r = generous(request(m, "gh200", 1, 4096, Strategy::kOffload));
+      PlanRequest r = generous(request(m, "gh200", 1, 4096, Policy::kOffload));
       r.margin = margin;
       const Plan probe = make_plan(r);
       ASSERT_GT(probe.layers[0].offload_bytes, 0);
@@ -312,7 +312,7 @@ const std::vector<Config> kAutoConfigs = {
 TEST(Invariants, AutoNeverOffloadsTheLastLayer) {
   for (const Config& c : kAutoConfigs) {
     for (bool gen : {false, true}) {
-      PlanRequest r = request(c.model, c.hw, c.mb, c.seq, Strategy::kAuto);
+      PlanRequest r = request(c.model, c.hw, c.mb, c.seq, Policy::kAuto);
       if (gen) r = generous(r);
       const Plan p = make_plan(r);
       const LayerPlan& last = p.layers.back();
@@ -326,7 +326,7 @@ TEST(Invariants, AutoFeasiblePlansHaveNoSnowball) {
   int feasible = 0;
   for (const Config& c : kAutoConfigs) {
     for (double d2h : {10.0, 40.0, 0.0}) {
-      PlanRequest r = generous(request(c.model, c.hw, c.mb, c.seq, Strategy::kAuto));
+      PlanRequest r = generous(request(c.model, c.hw, c.mb, c.seq, Policy::kAuto));
       if (d2h > 0.0) r.d2h_gbps = d2h;
       const Plan p = make_plan(r);
       if (!p.summary.feasible) continue;
@@ -341,11 +341,11 @@ TEST(Invariants, AutoFeasiblePlansHaveNoSnowball) {
 TEST(Invariants, AutoIsAtLeastAsFastAsEveryFeasibleNamedStrategy) {
   std::ostringstream findings;
   for (const Config& c : kAutoConfigs) {
-    const PlanRequest ar = generous(request(c.model, c.hw, c.mb, c.seq, Strategy::kAuto));
+    const PlanRequest ar = generous(request(c.model, c.hw, c.mb, c.seq, Policy::kAuto));
     const Plan a = make_plan(ar);
     EXPECT_TRUE(a.summary.feasible) << describe(ar);
-    for (Strategy s : {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                       Strategy::kSelective, Strategy::kHybrid}) {
+    for (Policy s : {Policy::kKeep, Policy::kRecompute, Policy::kOffload, Policy::kSelective,
+                     Policy::kHybrid}) {
       PlanRequest r = ar;
       r.strategy = s;
       const Plan p = make_plan(r);
@@ -367,8 +367,8 @@ TEST(Invariants, AutoIsAtLeastAsFastAsEveryFeasibleNamedStrategy) {
 
 TEST(Invariants, PeakHbmCategoriesSumToTheTotal) {
   for (const Config& c : kAutoConfigs) {
-    for (Strategy s : {Strategy::kAuto, Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                       Strategy::kSelective, Strategy::kHybrid}) {
+    for (Policy s : {Policy::kAuto, Policy::kKeep, Policy::kRecompute, Policy::kOffload,
+                     Policy::kSelective, Policy::kHybrid}) {
       const PlanRequest r = request(c.model, c.hw, c.mb, c.seq, s);
       const MemoryBreakdown& m = make_plan(r).summary.peak;
       EXPECT_EQ(m.total(),
@@ -383,11 +383,11 @@ TEST(Invariants, PeakHbmCategoriesSumToTheTotal) {
 
 TEST(Invariants, ActivationMemoryOrdering) {
   for (const Config& c : kAutoConfigs) {
-    const PlanRequest base = generous(request(c.model, c.hw, c.mb, c.seq, Strategy::kKeep));
+    const PlanRequest base = generous(request(c.model, c.hw, c.mb, c.seq, Policy::kKeep));
     PlanRequest rr = base;
-    rr.strategy = Strategy::kRecompute;
+    rr.strategy = Policy::kRecompute;
     PlanRequest ro = base;
-    ro.strategy = Strategy::kOffload;
+    ro.strategy = Policy::kOffload;
     ro.d2h_gbps = 1e5;  // no backlog: the window holds every copy
     const Plan keep = make_plan(base);
     const Plan rec = make_plan(rr);
@@ -409,8 +409,8 @@ TEST(Invariants, ActivationMemoryOrdering) {
 
 TEST(Invariants, SpeedupIsRecomputeOverStep) {
   for (const Config& c : kAutoConfigs) {
-    for (Strategy s : {Strategy::kAuto, Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                       Strategy::kSelective, Strategy::kHybrid}) {
+    for (Policy s : {Policy::kAuto, Policy::kKeep, Policy::kRecompute, Policy::kOffload,
+                     Policy::kSelective, Policy::kHybrid}) {
       const PlanRequest r = request(c.model, c.hw, c.mb, c.seq, s);
       const PlanSummary& p = make_plan(r).summary;
       EXPECT_GT(p.step_ms, 0.0);

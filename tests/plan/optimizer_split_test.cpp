@@ -15,7 +15,7 @@ PlanRequest llama8b_on_gh200() {
   r.work.shape.micro_batch = 1;
   r.work.shape.seq_len = 8192;
   r.work.dp = 8;
-  r.strategy = Strategy::kRecompute;
+  r.strategy = Policy::kRecompute;
   return r;
 }
 

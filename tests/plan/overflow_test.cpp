@@ -45,7 +45,7 @@ ModelConfig huge_ffn_model() {
 
 TEST(Overflow, LayerSumsOfHugeActivations) {
   std::string findings;
-  for (Strategy s : {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload, Strategy::kAuto}) {
+  for (Policy s : {Policy::kKeep, Policy::kRecompute, Policy::kOffload, Policy::kAuto}) {
     const std::string v = verdict_in_child([s] {
       PlanRequest r;
       r.model = huge_ffn_model();

@@ -28,7 +28,7 @@ inline const HardwareProfile& hardware(const std::string& name) {
 }
 
 inline PlanRequest request(const std::string& model_name, const std::string& hw, int64_t mb,
-                           int64_t seq, Strategy s) {
+                           int64_t seq, Policy s) {
   PlanRequest r;
   r.model = model(model_name);
   r.hardware = hardware(hw);

@@ -154,22 +154,22 @@ void check_plan_json(const PlanRequest& r) {
 }
 
 TEST(PlanJson, EveryStrategyWritesTheSchema) {
-  for (Strategy s : {Strategy::kAuto, Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                     Strategy::kSelective, Strategy::kHybrid}) {
+  for (Policy s : {Policy::kAuto, Policy::kKeep, Policy::kRecompute, Policy::kOffload,
+                   Policy::kSelective, Policy::kHybrid}) {
     check_plan_json(request("Qwen3-30B-A3B", "gh200", 1, 4096, s));
     check_plan_json(generous(request("Llama-3.1-8B", "h100-sxm", 2, 4096, s)));
   }
 }
 
 TEST(PlanJson, MixedStacksAndInfeasiblePlans) {
-  PlanRequest ds = request("DeepSeek-V3", "gb200", 1, 4096, Strategy::kAuto);
+  PlanRequest ds = request("DeepSeek-V3", "gb200", 1, 4096, Policy::kAuto);
   ds.work.pp = 16;
   ds.work.shape.tp = 8;
   ds.work.shape.ep = 8;
   check_plan_json(ds);
-  check_plan_json(request("GPT-OSS-20B", "b200", 1, 8192, Strategy::kSelective));
-  check_plan_json(request("Grok-2", "rubin", 1, 4096, Strategy::kHybrid));
-  PlanRequest slow = generous(request("Mixtral-8x7B", "gh200", 1, 4096, Strategy::kOffload));
+  check_plan_json(request("GPT-OSS-20B", "b200", 1, 8192, Policy::kSelective));
+  check_plan_json(request("Grok-2", "rubin", 1, 4096, Policy::kHybrid));
+  PlanRequest slow = generous(request("Mixtral-8x7B", "gh200", 1, 4096, Policy::kOffload));
   slow.d2h_gbps = 1.0;  // every offloading layer snowballs
   check_plan_json(slow);
   const Plan p = make_plan(slow);
@@ -180,7 +180,7 @@ TEST(PlanJson, MixedStacksAndInfeasiblePlans) {
 }
 
 TEST(PlanJson, FusedPlansHaveNoActTensor) {
-  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
   r.work.shape.fused_swiglu = true;
   check_plan_json(r);
   const Json j = Json::parse(plan_to_json(make_plan(r), r));
@@ -191,7 +191,7 @@ TEST(PlanJson, FusedPlansHaveNoActTensor) {
 }
 
 TEST(PlanReport, TableSummaryAndReasons) {
-  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
   r.d2h_gbps = 2.0;
   const Plan p = make_plan(r);
   const std::string text = format_plan_report(p, r);
@@ -203,7 +203,7 @@ TEST(PlanReport, TableSummaryAndReasons) {
   for (const std::string& reason : p.summary.reasons)
     EXPECT_NE(text.find(reason), std::string::npos);
 
-  const PlanRequest ok = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute));
+  const PlanRequest ok = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute));
   const std::string ok_text = format_plan_report(make_plan(ok), ok);
   EXPECT_EQ(ok_text.find("SNOWBALL"), std::string::npos);
   EXPECT_NE(ok_text.find("yes"), std::string::npos);

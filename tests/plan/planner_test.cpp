@@ -27,7 +27,7 @@ const TensorPlan* find_tensor(const LayerPlan& l, const std::string& name) {
 }
 
 TEST(Strategies, KeepKeepsEverything) {
-  const PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kKeep));
+  const PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kKeep));
   const Plan p = make_plan(r);
   ASSERT_EQ(p.layers.size(), 32u);
   for (const LayerPlan& l : p.layers) {
@@ -50,7 +50,7 @@ TEST(Strategies, KeepKeepsEverything) {
 TEST(Strategies, RecomputeIsTheBlockPolicy) {
   for (const char* name : {"Llama-3.1-8B", "Qwen3-30B-A3B"}) {
     SCOPED_TRACE(name);
-    const PlanRequest r = generous(request(name, "gh200", 1, 4096, Strategy::kRecompute));
+    const PlanRequest r = generous(request(name, "gh200", 1, 4096, Policy::kRecompute));
     const Plan p = make_plan(r);
     const bool moe = model(name).layers[0].mlp.kind == MlpKind::kMoe;
     for (const LayerPlan& l : p.layers) {
@@ -71,10 +71,10 @@ TEST(Strategies, RecomputeIsTheBlockPolicy) {
 }
 
 TEST(Strategies, OffloadMovesTheMlpTensorsOfAllButTheLastLayer) {
-  const PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  const PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
   const Plan p = make_plan(r);
   const Plan rec =
-      make_plan(generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute)));
+      make_plan(generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute)));
   ASSERT_EQ(p.layers.size(), 32u);
   for (size_t i = 0; i < p.layers.size(); ++i) {
     const LayerPlan& l = p.layers[i];
@@ -111,8 +111,7 @@ TEST(Strategies, OffloadMovesTheMlpTensorsOfAllButTheLastLayer) {
 }
 
 TEST(Strategies, TheLastLayersNeverOffload) {
-  for (Strategy s :
-       {Strategy::kAuto, Strategy::kOffload, Strategy::kSelective, Strategy::kHybrid}) {
+  for (Policy s : {Policy::kAuto, Policy::kOffload, Policy::kSelective, Policy::kHybrid}) {
     for (int keep_last : {1, 3}) {
       PlanRequest r = generous(request("Qwen3-30B-A3B", "gb200", 1, 4096, s));
       r.keep_last_layers = keep_last;
@@ -124,7 +123,7 @@ TEST(Strategies, TheLastLayersNeverOffload) {
         for (const TensorPlan& t : p.layers[i].tensors)
           EXPECT_NE(t.action, Action::kOffload) << t.name;
       }
-      if (s != Strategy::kAuto) {
+      if (s != Policy::kAuto) {
         EXPECT_GT(p.layers[0].offload_bytes, 0);
       }
     }
@@ -133,7 +132,7 @@ TEST(Strategies, TheLastLayersNeverOffload) {
 
 TEST(Strategies, TensorNamesInPlans) {
   const Plan dense =
-      make_plan(generous(request("Llama-3.1-8B", "gh200", 1, 2048, Strategy::kOffload)));
+      make_plan(generous(request("Llama-3.1-8B", "gh200", 1, 2048, Policy::kOffload)));
   for (const char* n : {"attn.input", "attn.qkv_out", "attn.out_proj_in", "mlp.gate_out",
                         "mlp.up_out", "mlp.act"}) {
     EXPECT_NE(find_tensor(dense.layers[0], n), nullptr) << n;
@@ -141,14 +140,14 @@ TEST(Strategies, TensorNamesInPlans) {
   for (const TensorPlan& t : dense.layers[0].tensors)
     EXPECT_NE(t.name.rfind("moe.", 0), 0u) << t.name;
 
-  PlanRequest fr = generous(request("Llama-3.1-8B", "gh200", 1, 2048, Strategy::kOffload));
+  PlanRequest fr = generous(request("Llama-3.1-8B", "gh200", 1, 2048, Policy::kOffload));
   fr.work.shape.fused_swiglu = true;
   const Plan fused = make_plan(fr);
   EXPECT_EQ(find_tensor(fused.layers[0], "mlp.act"), nullptr) << "act is not saved when fused";
   EXPECT_NE(find_tensor(fused.layers[0], "mlp.gate_out"), nullptr);
   EXPECT_NE(find_tensor(fused.layers[0], "mlp.up_out"), nullptr);
 
-  PlanRequest ds = generous(request("DeepSeek-V3", "gb200", 1, 2048, Strategy::kOffload));
+  PlanRequest ds = generous(request("DeepSeek-V3", "gb200", 1, 2048, Policy::kOffload));
   ds.work.pp = 8;  // the first stage: 3 dense layers and 5 MoE layers
   ds.work.shape.tp = 8;
   ds.work.shape.ep = 8;
@@ -166,18 +165,18 @@ TEST(Strategies, TensorNamesInPlans) {
 }
 
 TEST(Summary, LinkAndBudgetDefaults) {
-  const Plan h100 = make_plan(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Strategy::kRecompute));
+  const Plan h100 = make_plan(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Policy::kRecompute));
   EXPECT_DOUBLE_EQ(h100.summary.d2h_gbps, 52.0 / 2);  // typical, shared by 2 GPUs per link
   EXPECT_DOUBLE_EQ(h100.summary.h2d_gbps, 55.0 / 2);
   EXPECT_EQ(h100.summary.hbm_budget_bytes,
             static_cast<int64_t>(80.0 * (1.0 - kHbmReserveFraction) * 1e9));
-  const Plan gh = make_plan(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute));
+  const Plan gh = make_plan(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute));
   EXPECT_DOUBLE_EQ(gh.summary.d2h_gbps, 170.0);
   EXPECT_DOUBLE_EQ(gh.summary.h2d_gbps, 415.0);
   EXPECT_EQ(gh.summary.calibration, "roofline");
   EXPECT_DOUBLE_EQ(gh.summary.time_scale, 1.0);
 
-  PlanRequest r = request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute);
+  PlanRequest r = request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);
   r.d2h_gbps = 33.0;
   r.h2d_gbps = 44.0;
   r.hbm_budget_gb = 50.5;
@@ -189,7 +188,7 @@ TEST(Summary, LinkAndBudgetDefaults) {
 
 TEST(Summary, StaticMemoryFollowsParameters) {
   for (int64_t dp : {1, 8}) {
-    PlanRequest r = request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute);
+    PlanRequest r = request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);
     r.work.dp = dp;
     const Plan p = make_plan(r);
     EXPECT_EQ(p.params_total, parameter_count(model("Llama-3.1-8B")));
@@ -200,13 +199,13 @@ TEST(Summary, StaticMemoryFollowsParameters) {
     EXPECT_EQ(p.summary.peak.optimizer_states, 12 * p.params_per_gpu / dp);
     EXPECT_EQ(p.tokens_per_gpu, 4096);
   }
-  PlanRequest tp = request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute);
+  PlanRequest tp = request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);
   tp.work.shape.tp = 4;
   const Plan p4 = make_plan(tp);
   EXPECT_NEAR(static_cast<double>(p4.params_per_gpu),
               static_cast<double>(parameter_count(model("Llama-3.1-8B"))) / 4.0, 1e4);
   // Experts are spread over ep as well.
-  PlanRequest ep = request("Qwen3-30B-A3B", "gh200", 1, 4096, Strategy::kRecompute);
+  PlanRequest ep = request("Qwen3-30B-A3B", "gh200", 1, 4096, Policy::kRecompute);
   const Plan e1 = make_plan(ep);
   ep.work.shape.ep = 8;
   const Plan e8 = make_plan(ep);
@@ -214,7 +213,7 @@ TEST(Summary, StaticMemoryFollowsParameters) {
 }
 
 TEST(Summary, GradientAccumulationScalesStepTime) {
-  PlanRequest r = generous(request("Qwen3-30B-A3B", "gh200", 1, 4096, Strategy::kAuto));
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "gh200", 1, 4096, Policy::kAuto));
   const Plan one = make_plan(r);
   r.work.grad_accum = 4;
   const Plan four = make_plan(r);
@@ -226,7 +225,7 @@ TEST(Summary, GradientAccumulationScalesStepTime) {
 }
 
 TEST(Summary, PipelineStagePlansTheFirstStage) {
-  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
   r.work.pp = 3;
   const Plan p = make_plan(r);
   EXPECT_EQ(p.layers.size(), 11u);  // ceil(32 / 3)
@@ -237,17 +236,17 @@ TEST(Summary, PipelineStagePlansTheFirstStage) {
 }
 
 TEST(Summary, CalibrationScalesLayerTimes) {
-  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute));
+  PlanRequest r = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute));
   r.layer_fwd_ms = 12.5;
   const Plan p = make_plan(r);
   EXPECT_EQ(p.summary.calibration, "layer-fwd-ms");
   for (const LayerPlan& l : p.layers) EXPECT_NEAR(l.fwd_ms, 12.5, 1e-9);
   const Plan roof =
-      make_plan(generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute)));
+      make_plan(generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute)));
   EXPECT_NEAR(p.summary.time_scale, 12.5 / roof.layers[0].fwd_ms, 1e-12);
   EXPECT_NEAR(p.layers[0].bwd_ms, roof.layers[0].bwd_ms * p.summary.time_scale, 1e-9);
 
-  PlanRequest pr = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kRecompute));
+  PlanRequest pr = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute));
   for (int i = 0; i < 32; ++i) pr.profile.push_back(LayerTiming{i, 1.0 + i * 0.1, 2.0 + i * 0.2});
   const Plan pp = make_plan(pr);
   EXPECT_EQ(pp.summary.calibration, "profile");
@@ -258,13 +257,13 @@ TEST(Summary, CalibrationScalesLayerTimes) {
 }
 
 TEST(Summary, PlansAreDeterministic) {
-  const PlanRequest r = request("Mixtral-8x7B", "h100-sxm", 2, 4096, Strategy::kAuto);
+  const PlanRequest r = request("Mixtral-8x7B", "h100-sxm", 2, 4096, Policy::kAuto);
   EXPECT_EQ(plan_to_json(make_plan(r), r), plan_to_json(make_plan(r), r));
 }
 
 TEST(Summary, InfeasibleBudgetIsExplained) {
   // The default (Qwen3-30B-A3B on one GH200, no sharding) cannot hold its optimizer states.
-  const PlanRequest r = request("Qwen3-30B-A3B", "gh200", 1, 4096, Strategy::kAuto);
+  const PlanRequest r = request("Qwen3-30B-A3B", "gh200", 1, 4096, Policy::kAuto);
   const Plan p = make_plan(r);
   EXPECT_FALSE(p.summary.feasible);
   ASSERT_FALSE(p.summary.reasons.empty());
@@ -273,7 +272,7 @@ TEST(Summary, InfeasibleBudgetIsExplained) {
   EXPECT_TRUE(budget);
   EXPECT_GT(p.summary.peak.total(), p.summary.hbm_budget_bytes);
   // Host memory too small for the pinned copies is a reason as well.
-  PlanRequest host = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kOffload));
+  PlanRequest host = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
   host.hardware.host_memory_gb = 1.0;
   const Plan hp = make_plan(host);
   EXPECT_FALSE(hp.summary.feasible);

@@ -36,9 +36,8 @@ TEST(SimAgreement, SnowballIffPlannerWindowMissedAndStepTimesAgree) {
                                            "GPT-OSS-20B",   "Qwen3-14B",    "DeepSeek-V3"};
   const std::vector<std::string> hws = {"gh200", "gb200", "h100-pcie", "h100-sxm"};
   // Named offload strategies snowball on slow links; auto/selective/hybrid adapt to them.
-  const std::vector<Strategy> strategies = {Strategy::kOffload, Strategy::kOffload,
-                                            Strategy::kHybrid, Strategy::kSelective,
-                                            Strategy::kAuto};
+  const std::vector<Policy> strategies = {Policy::kOffload, Policy::kOffload, Policy::kHybrid,
+                                          Policy::kSelective, Policy::kAuto};
   std::uniform_real_distribution<double> log_bw(std::log(1.0), std::log(400.0));
   auto bw = [&](std::mt19937& g) { return std::exp(log_bw(g)); };
   int snowballs = 0;
@@ -89,7 +88,7 @@ TEST(SimAgreement, SnowballIffPlannerWindowMissedAndStepTimesAgree) {
 // ---- conservation and ordering ---------------------------------------------------------------
 
 TEST(SimInvariants, ConservationOrderingAndBusyTime) {
-  for (Strategy s : {Strategy::kOffload, Strategy::kSelective, Strategy::kRecompute}) {
+  for (Policy s : {Policy::kOffload, Policy::kSelective, Policy::kRecompute}) {
     PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, s));
     r.work.shape.ep = 8;
     r.work.grad_accum = 2;
@@ -153,9 +152,9 @@ TEST(SimInvariants, ConservationOrderingAndBusyTime) {
 }
 
 TEST(SimInvariants, MemoryFallsWithRecomputeAndReturnsToStatic) {
-  PlanRequest keep = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Strategy::kKeep));
+  PlanRequest keep = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kKeep));
   PlanRequest rec = keep;
-  rec.strategy = Strategy::kRecompute;
+  rec.strategy = Policy::kRecompute;
   const SimResult a = simulate_training_step(make_plan(keep), keep, exact());
   const Plan prec = make_plan(rec);
   const SimResult b = simulate_training_step(prec, rec, exact());
@@ -171,7 +170,7 @@ TEST(SimInvariants, MemoryFallsWithRecomputeAndReturnsToStatic) {
 
 TEST(SimLinks, SharedLinkTakesNTimesAsLongOneLinkEachDoesNot) {
   // Weight streaming with negligible compute: the link is the bottleneck.
-  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 1, 128, Strategy::kKeep));
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 1, 128, Policy::kKeep));
   r.layer_fwd_ms = 0.001;
   const Plan plan = make_plan(r);
   StreamOptions one;
@@ -194,7 +193,7 @@ TEST(SimLinks, SharedLinkTakesNTimesAsLongOneLinkEachDoesNot) {
 }
 
 TEST(SimLinks, TwoGpusOnOneLinkSlowTheTrainingStepWhenCopyBound) {
-  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Strategy::kOffload));
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Policy::kOffload));
   r.work.shape.ep = 8;
   const Plan plan = make_plan(r);
   SimOptions shared = exact();
@@ -211,7 +210,7 @@ TEST(SimLinks, TwoGpusOnOneLinkSlowTheTrainingStepWhenCopyBound) {
 // ---- back-pressure and HBM sharing -----------------------------------------------------------
 
 TEST(SimBackPressure, InFlightBytesStayWithinTheBoundPlusOneTensor) {
-  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 2, 4096, Strategy::kOffload));
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 2, 4096, Policy::kOffload));
   const Plan plan = make_plan(r);
   int64_t largest = 0;
   for (const LayerPlan& l : plan.layers) {
@@ -237,7 +236,7 @@ TEST(SimBackPressure, InFlightBytesStayWithinTheBoundPlusOneTensor) {
 }
 
 TEST(SimHbm, SharingSlowsMemoryBoundWorkNeverSpeedsItUp) {
-  PlanRequest r = generous(request("Qwen3-30B-A3B", "gh200", 2, 8192, Strategy::kOffload));
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "gh200", 2, 8192, Policy::kOffload));
   r.work.shape.ep = 8;
   const Plan plan = make_plan(r);
   SimOptions on;
@@ -251,7 +250,7 @@ TEST(SimHbm, SharingSlowsMemoryBoundWorkNeverSpeedsItUp) {
 // ---- formats ---------------------------------------------------------------------------------
 
 TEST(SimFormats, TraceIsChromeJsonWithRequiredFieldsOnEveryEvent) {
-  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Strategy::kOffload));
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Policy::kOffload));
   r.work.shape.ep = 8;
   const SimResult sim = simulate_training_step(make_plan(r), r, SimOptions{});
   const nlohmann::json t = nlohmann::json::parse(sim_trace_json(sim));
@@ -281,7 +280,7 @@ TEST(SimFormats, TraceIsChromeJsonWithRequiredFieldsOnEveryEvent) {
 }
 
 TEST(SimFormats, PlanJsonRoundTripSimulatesTheSame) {
-  PlanRequest r = generous(request("Mixtral-8x7B", "gb200", 1, 4096, Strategy::kAuto));
+  PlanRequest r = generous(request("Mixtral-8x7B", "gb200", 1, 4096, Policy::kAuto));
   r.work.shape.ep = 8;
   const Plan plan = make_plan(r);
   testing::TempDir dir;
