@@ -1,18 +1,21 @@
 # The front door: thin targets over the one CMake build (see README.md).
 #   make run        install what is missing, build, plan the embedded default
-#   make test       the same, then every test (unit, engine, CLI, a bounded fuzz run)
+#   make test       the same, then every test (unit, engine, CLI, the installed package, a
+#                   bounded fuzz run)
 #   make bench      the benchmarks (bench/), figures recorded in docs/PERFORMANCE.md
 #   make test-asan  the suite under AddressSanitizer + UBSan
 #   make test-tsan  the suite under ThreadSanitizer
+#   make install    headers, libraries, the CLI and the CMake package under PREFIX
 #   make format     clang-format over the sources
 #   make fuzz       the config-loader fuzzer for FUZZ_SECONDS (default 60)
 JOBS ?= $(shell nproc)
 BUILD ?= build
+PREFIX ?= /usr/local
 CMAKE_FLAGS ?=
 FUZZ_SECONDS ?= 60
 CTEST = ctest --output-on-failure -j $(JOBS)
 
-.PHONY: all deps build run test bench test-asan test-tsan format fuzz fuzz-smoke clean
+.PHONY: all deps build run test bench install test-asan test-tsan format fuzz fuzz-smoke clean
 
 all: build
 
@@ -40,6 +43,9 @@ bench: build
 	./$(BUILD)/bin/spillway bench optim-offload
 	./$(BUILD)/bin/spillway train --model small-moe --steps 6 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet --optimizer offload
 	./$(BUILD)/bin/spillway train --model small-moe --compare --steps 4 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet
+
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 test-asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSPILLWAY_SANITIZE=address -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF
