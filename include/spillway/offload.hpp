@@ -6,8 +6,9 @@
 //
 // Guarantees:
 //   - every reloaded byte equals what was offloaded (verify mode checks it with checksums);
-//   - in-flight D2H bytes never exceed the bound: offload() blocks (back-pressure, counted
-//     as stall) until the oldest copies finish;
+//   - in-flight D2H bytes never exceed the bound: an offload waits (back-pressure, counted
+//     as stall), before its copy is enqueued, until the oldest copies leave room for it (a
+//     tensor larger than the bound alone waits for all of them and goes alone);
 //   - a full pinned pool falls back to keeping the tensor on the device (counted); a full
 //     device pool waits for pending frees, then falls back to a direct allocation
 //     (counted): nothing crashes, nothing is dropped;

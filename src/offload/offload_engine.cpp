@@ -416,6 +416,19 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
     return id;
   }
   ++m.tel.tensors_offloaded;
+  // Back-pressure: before the copy is enqueued, wait until the copies in flight leave room
+  // for it under the bound (with none left in flight it goes, even if larger).
+  if (m.opt.inflight_bound_bytes > 0) {
+    const int64_t need = static_cast<int64_t>(t.bytes);
+    if (m.inflight + need > m.opt.inflight_bound_bytes) {
+      const double t0 = now_ms();
+      while (m.inflight + need > m.opt.inflight_bound_bytes && m.d2h_head < m.d2h_pending.size()) {
+        m.dev.synchronize(m.slots[static_cast<size_t>(m.d2h_pending[m.d2h_head])].d2h_done);
+        m.poll();
+      }
+      m.tel.backpressure_ms += now_ms() - t0;
+    }
+  }
   Event produced = m.take_event();
   m.dev.record(produced, m.compute);
   m.dev.wait(m.d2h, produced);
@@ -444,15 +457,6 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
     m.tel.layers[static_cast<size_t>(layer)].d2h_bytes += static_cast<int64_t>(s.bytes);
   }
   m.tel.d2h_bytes += static_cast<int64_t>(s.bytes);
-  // Back-pressure: no more than the bound in flight, this copy included.
-  if (m.opt.inflight_bound_bytes > 0) {
-    while (m.inflight > m.opt.inflight_bound_bytes && m.d2h_head < m.d2h_pending.size()) {
-      const double t0 = now_ms();
-      m.dev.synchronize(m.slots[static_cast<size_t>(m.d2h_pending[m.d2h_head])].d2h_done);
-      m.poll();
-      m.tel.backpressure_ms += now_ms() - t0;
-    }
-  }
   return id;
 }
 

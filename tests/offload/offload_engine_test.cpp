@@ -10,10 +10,12 @@
 #include <random>
 #include <thread>
 
+#include "d2h_meter.hpp"
 #include "forwarding_device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/offload.hpp"
 #include "spillway/plan.hpp"
+#include "test_support.hpp"
 
 namespace spillway {
 namespace {
@@ -29,8 +31,8 @@ struct Rig {
 
 // "Compute" that produces a tensor: a callback on the compute stream filling it with a
 // pattern derived from (seed, layer, index); the engine only sees stream order.
-void produce(Rig& r, DeviceTensor t, uint32_t tag, double sleep_ms = 0.0) {
-  r.dev->host_callback(r.compute, [t, tag, sleep_ms] {
+void produce(Device& dev, Stream compute, DeviceTensor t, uint32_t tag, double sleep_ms = 0.0) {
+  dev.host_callback(compute, [t, tag, sleep_ms] {
     if (sleep_ms > 0)
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(sleep_ms));
     std::mt19937 g(tag);
@@ -38,10 +40,13 @@ void produce(Rig& r, DeviceTensor t, uint32_t tag, double sleep_ms = 0.0) {
     for (size_t i = 0; i < t.bytes; ++i) p[i] = static_cast<unsigned char>(g());
   });
 }
+void produce(Rig& r, DeviceTensor t, uint32_t tag, double sleep_ms = 0.0) {
+  produce(*r.dev, r.compute, t, tag, sleep_ms);
+}
 
 // A consumer on the compute stream: checks the reloaded bytes in stream order.
-void consume(Rig& r, DeviceTensor t, uint32_t tag, std::atomic<int>* bad) {
-  r.dev->host_callback(r.compute, [t, tag, bad] {
+void consume(Device& dev, Stream compute, DeviceTensor t, uint32_t tag, std::atomic<int>* bad) {
+  dev.host_callback(compute, [t, tag, bad] {
     std::mt19937 g(tag);
     const auto* p = static_cast<const unsigned char*>(t.ptr);
     for (size_t i = 0; i < t.bytes; ++i) {
@@ -51,6 +56,9 @@ void consume(Rig& r, DeviceTensor t, uint32_t tag, std::atomic<int>* bad) {
       }
     }
   });
+}
+void consume(Rig& r, DeviceTensor t, uint32_t tag, std::atomic<int>* bad) {
+  consume(*r.dev, r.compute, t, tag, bad);
 }
 
 // One training step over `layers` layers with `per_layer` tensors of random sizes.
@@ -301,6 +309,41 @@ TEST(OffloadEngine, BackPressureEngagesExactlyAtTheBound) {
   const StepTelemetry tel = e.end_step();
   EXPECT_GT(tel.backpressure_ms, 1.0);
   EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(OffloadEngine, TheLinkNeverQueuesMoreThanTheBound) {
+  // Measured by the device, not by the engine: the wait comes before the enqueue, so the
+  // queue never holds more than the bound (a copy enqueued, then waited for, would
+  // overshoot it by one tensor).
+  std::mt19937 rng = spillway::testing::make_rng();
+  auto inner = make_host_device(HostDeviceOptions{int64_t{256} << 20, 0.1, 0.0});
+  spillway::testing::D2HMeter dev(*inner);
+  const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
+  OffloadOptions o;
+  o.pinned_bytes = int64_t{64} << 20;
+  o.device_pool_bytes = int64_t{64} << 20;
+  o.inflight_bound_bytes = int64_t{1} << 20;
+  OffloadEngine e(dev, compute, MemoryPolicy::uniform(2, {"x"}), o);
+  e.begin_step();
+  std::vector<std::pair<OffloadHandle, uint32_t>> hs;
+  for (int k = 0; k < 24; ++k) {
+    DeviceTensor t = e.allocate(1 + rng() % (size_t{512} << 10));
+    const auto tag = static_cast<uint32_t>(rng());
+    produce(dev, compute, t, tag);
+    hs.emplace_back(e.offload(t, 0, "x"), tag);
+    EXPECT_LE(e.inflight_bytes(), o.inflight_bound_bytes);
+  }
+  e.end_forward_layer(0);
+  std::atomic<int> bad{0};
+  for (auto& [h, tag] : hs) {
+    DeviceTensor back = e.reload(h);
+    consume(dev, compute, back, tag, &bad);
+    e.free(back);
+  }
+  const StepTelemetry tel = e.end_step();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(tel.backpressure_ms, 0.0) << "the bound engaged";
+  EXPECT_LE(dev.max_inflight(), o.inflight_bound_bytes);
 }
 
 TEST(OffloadEngine, NoAllocationPerTensorInSteadyState) {
