@@ -20,10 +20,16 @@
 //     hook takes over and frees itself once it no longer needs it (the loop forgets it;
 //     with SavedTensor::hold_until_forward_end not before forward_end(layer), since the
 //     layer's forward may still read it); or
-//   - borrowed: the caller owns it; the ticket's `copied` event says when the hook is done
-//     reading it (wait on it, or query it, before reusing or freeing the memory).
-// `needed` reloads into memory the caller allocated (dst non-null) or into the hook's own
-// (dst null; returned, and given back with done()).
+//   - borrowed: the caller owns it and keeps owning it; the ticket's `copied` event says
+//     when the hook is done reading it (wait on it, or query it, before reusing or freeing
+//     the memory). The event is the hook's and stays valid until step_end(), which
+//     completes it; it may be recycled after that. A hook that cannot copy a borrowed
+//     tensor now (its host memory is full) does not take it: the ticket is empty and the
+//     loop keeps the tensor, as it keeps one no hook wants.
+// `needed` reloads into memory the caller allocated (dst non-null: compute work the caller
+// enqueued before the call may still have used dst, work it enqueues after sees the bytes;
+// done() is then optional, nothing goes back) or into the hook's own (dst null; returned,
+// and given back with done()).
 #pragma once
 
 #include <cstddef>
@@ -46,7 +52,8 @@ struct SavedTensor {
 struct SavedTicket {
   int id = -1;
   int owner = -1;  // set by CompositeHooks: which of its hooks took it
-  Event copied;    // borrowed: complete once the hook no longer reads the source
+  Event copied;    // borrowed: complete once the hook no longer reads the source (valid
+                   // until step_end())
   explicit operator bool() const { return id >= 0; }
 };
 

@@ -4,16 +4,26 @@
 // in backward they are reloaded ahead of use on the H2D engine, and the compute stream is
 // ordered after each reload. DESIGN section 2.
 //
+// Two ways to hand a tensor over, and two ways to get it back (Note [Caller-owned memory]):
+//   offload(DeviceTensor)      the engine takes the device memory and frees it once copied;
+//   offload_borrowed(ptr)      the caller keeps it; the returned event says when the copy
+//                              has read it (the caller waits on it before reusing it);
+//   reload(h)                  into a block of the engine's device pool, given back with free();
+//   reload_into(h, dst)        into device memory the caller allocated.
+// Any handle can be reloaded either way (with reload_into only, once it has a
+// set_reload_target).
+//
 // Guarantees:
 //   - every reloaded byte equals what was offloaded (verify mode checks it with checksums);
 //   - in-flight D2H bytes never exceed the bound: an offload waits (back-pressure, counted
 //     as stall), before its copy is enqueued, until the oldest copies leave room for it (a
 //     tensor larger than the bound alone waits for all of them and goes alone);
-//   - a full pinned pool falls back to keeping the tensor on the device (counted); a full
-//     device pool waits for pending frees, then falls back to a direct allocation
+//   - a full pinned pool falls back to keeping the tensor on the device (counted): an owned
+//     tensor in the engine's hands, a borrowed one in the caller's (BorrowedOffload::kept);
+//     a full device pool waits for pending frees, then falls back to a direct allocation
 //     (counted): nothing crashes, nothing is dropped;
 //   - pools, handle slots and events are sized once: no device or pinned allocation per
-//     tensor in steady state.
+//     tensor in steady state, in either mode.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +59,23 @@ struct DeviceTensor {
 
 using OffloadHandle = int;
 
+// What offload_borrowed() did with a tensor the caller keeps owning.
+struct BorrowedOffload {
+  OffloadHandle handle = -1;
+  // Complete once the D2H copy has read the source: the caller waits on it (Device::wait
+  // on the stream that reuses the memory, or query/synchronize on the host) before it
+  // overwrites or frees the source. One of the engine's pre-sized events, valid until
+  // end_step() (which completes it); it is recycled for another tensor after that, so
+  // neither wait on it nor query it then. Empty (id -1) when `kept`.
+  Event copied;
+  // The pinned pool was full, nothing was copied: the engine cannot keep a tensor it does
+  // not own, so the caller keeps it alive and unchanged until the compute stream has
+  // passed the handle's reload()/reload_into(), which enqueue a device-to-device copy from
+  // it there (a stream-ordered free right after the call is fine; if the handle is never
+  // reloaded, until end_step()). Counted in StepTelemetry::fallback_kept.
+  bool kept = false;
+};
+
 // When an offloaded tensor's device memory goes back (Note [Offload hold]).
 enum class OffloadHold {
   kUntilCopied,    // as soon as its D2H copy is done: the caller no longer reads it
@@ -79,6 +106,8 @@ struct StepTelemetry {
   std::optional<int> snowball_first_layer;
   int tensors_offloaded = 0;
   int fallback_kept = 0;           // pinned pool full: kept on the device
+  int reloads_staged = 0;          // reload_into() of a reload prefetched into the engine's
+                                   // pool: one more device-to-device copy (set_reload_target)
   int fallback_direct = 0;         // device pool full: allocated directly
   int64_t device_allocations = 0;  // Device::allocate calls during the step (all kinds)
 };
@@ -103,13 +132,35 @@ class OffloadEngine {
   // end_forward_layer(layer), so that the rest of the layer may still read it).
   OffloadHandle offload(DeviceTensor t, int layer, std::string_view name,
                         OffloadHold hold = OffloadHold::kUntilCopied);
+  // Forward, memory the caller owns and keeps owning (a framework's tensor): `bytes` at
+  // `src`, produced by work enqueued on the compute stream before this call. The engine
+  // copies it to pinned memory and never frees it; see BorrowedOffload for the event the
+  // caller waits on before reusing it, and for the pinned-pool-full case.
+  BorrowedOffload offload_borrowed(const void* src, size_t bytes, int layer, std::string_view name);
   void end_forward_layer(int layer);
   // Backward: issue the reloads of `layer` (normally layer - prefetch_depth ahead), after
-  // those of the layers above it not issued yet (backward needs them first).
+  // those of the layers above it not issued yet (backward needs them first). A reload
+  // lands in its set_reload_target() destination if it has one, else in a block of the
+  // engine's device pool.
   void prefetch(int layer);
   // The tensor back on the device; work enqueued on the compute stream after this call
-  // sees its bytes. The caller frees it with free() when its backward is done.
+  // sees its bytes. The caller frees it with free() when its backward is done. Not for a
+  // handle given a set_reload_target() (an error: use reload_into).
   DeviceTensor reload(OffloadHandle h);
+  // The tensor back in `dst`, device memory of the handle's bytes the caller allocated;
+  // work enqueued on the compute stream after this call sees the bytes; the host never
+  // blocks. Whatever compute work was enqueued before this call (or before
+  // set_reload_target) may still have used dst: the copy into it is ordered after that.
+  // A reload prefetch() already issued without a destination landed in the engine's pool:
+  // it is copied device-to-device into dst on the compute stream and its block goes back
+  // (counted in reloads_staged). Note [Reload into caller memory].
+  void reload_into(OffloadHandle h, void* dst);
+  // The destination of `h`'s reload, known before prefetch() issues it: the H2D copy then
+  // writes dst directly (no pool block, no extra copy). From this call until reload_into(h,
+  // dst) the engine owns dst's bytes: compute work enqueued in between must not use it.
+  // Returns false, and changes nothing, when the reload is already issued into the pool
+  // or the tensor was kept on the device (reload_into copies on the compute stream then).
+  bool set_reload_target(OffloadHandle h, void* dst);
   // Waits for the engine's streams, checks verify-mode checksums, returns the telemetry.
   StepTelemetry end_step();
 
@@ -128,11 +179,16 @@ class OffloadEngine {
 };
 
 // The engine on the socket (spillway/hooks.hpp): a training loop's saved tensors go to
-// the engine when its policy wants them (Note [Saved tensor ownership]: given tensors
-// only, freed by the engine once copied and, with hold_until_forward_end, not before the
-// layer's forward ends); backward_begin(i) prefetches the layers below i, prefetch_depth
-// deep; needed() hands back the reload from the engine's device pool and done() returns
-// it; step_end() collects the step's telemetry.
+// the engine when its policy wants them (Note [Saved tensor ownership]): a given tensor
+// with offload() (freed by the engine once copied and, with hold_until_forward_end, not
+// before the layer's forward ends), a borrowed one with offload_borrowed() (the ticket's
+// `copied` is its BorrowedOffload::copied, valid until step_end(); when the pinned pool is
+// full the ticket is empty: not taken, the loop keeps the tensor, counted in
+// fallback_kept); backward_begin(i) prefetches the layers below i, prefetch_depth deep;
+// needed(ticket, null) hands back the reload from the engine's device pool and done()
+// returns it; needed(ticket, dst) reloads with reload_into() (a reload already prefetched
+// is copied from the pool into dst: the socket names no destination ahead of needed()),
+// and done() then has nothing to give back; step_end() collects the step's telemetry.
 class OffloadHooks final : public TrainingHooks {
  public:
   explicit OffloadHooks(OffloadEngine& engine);
@@ -150,7 +206,12 @@ class OffloadHooks final : public TrainingHooks {
 
  private:
   OffloadEngine& engine_;
-  std::vector<DeviceTensor> reloaded_;  // by handle: what needed() handed out (sized once)
+  // By handle (sized once): what needed() handed out, the engine's memory or the caller's.
+  struct Reloaded {
+    DeviceTensor engine;  // needed(ticket, null): given back with done()
+    bool into_caller = false;
+  };
+  std::vector<Reloaded> reloaded_;
   StepTelemetry telemetry_;
 };
 

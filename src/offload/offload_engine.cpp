@@ -10,6 +10,32 @@
 // Everything is polled on the calling thread: host callbacks only record timestamps and
 // checksums, never call the Device (CUDA forbids it). Slots, events and the pending
 // lists are sized at construction: no allocation per tensor in steady state.
+//
+// Note [Caller-owned memory]: a borrowed tensor (offload_borrowed) follows the same
+// forward protocol with no device block to release: its D2H done event D is handed to the
+// caller, who waits on it before reusing the source. D belongs to the slot until
+// end_step() (issue_reload waits on it too), so it refers to this copy for that long.
+// When the pinned pool is full the engine cannot wait for room (pinned blocks only come
+// back as backward reloads them: in forward it would wait forever) and must not copy the
+// tensor into its own device pool (twice the device memory at the moment memory is
+// shortest), so the tensor stays where it is, in the caller's hands (`kept`), exactly
+// like an owned tensor kept on the device; its reload is a device-to-device copy from the
+// source on the compute stream.
+//
+// Note [Reload into caller memory]: reload_into(h, dst) has three paths.
+//   direct   the destination is known before the reload is issued (set_reload_target(),
+//            or reload_into() of a reload not prefetched): the slot's H event is first
+//            recorded on compute when the target is set (the fence: compute work
+//            enqueued until then may still use dst), the H2D copy waits on it and writes
+//            dst, then H is recorded again on H2D after the copy (a wait captures the
+//            record current when it is made: Note [Event targets] in the host backend,
+//            cudaStreamWaitEvent on CUDA). No extra event, no pool block.
+//   staged   prefetch() issued the reload into a pool block before anyone knew dst:
+//            compute waits on H (Note [One wait per layer]), copies the block to dst, and
+//            the block goes back like a free() (Note [Batched frees]).
+//   kept     the pinned pool was full: compute copies from the engine's block (owned,
+//            then freed as above) or from the caller's source (borrowed) into dst.
+// In each, compute is ordered after the bytes land in dst and the host never waits.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -49,7 +75,10 @@ struct OffloadEngine::Impl {
     int layer = -1;
     std::string name;
     size_t bytes = 0;
-    DeviceTensor device;  // forward copy, until its D2H is done
+    DeviceTensor device;           // forward copy, until its D2H is done (owned tensors only)
+    const void* source = nullptr;  // what the D2H copy reads: device.ptr, or the caller's
+    bool borrowed = false;         // offload_borrowed(): the caller owns `source`
+    void* target = nullptr;        // reload destination in caller memory (direct path)
     PinnedBlock pinned;
     bool kept = false;  // pinned pool full: stayed on the device
     Event d2h_done{-1};
@@ -240,6 +269,100 @@ struct OffloadEngine::Impl {
     }
   }
 
+  // Back-pressure: before a copy of `bytes` is enqueued, waits until the copies in flight
+  // leave room for it under the bound (with none left in flight it goes, even if larger).
+  void make_room(size_t bytes) {
+    if (opt.inflight_bound_bytes <= 0) return;
+    const int64_t need = static_cast<int64_t>(bytes);
+    if (inflight + need <= opt.inflight_bound_bytes) return;
+    const double t0 = now_ms();
+    while (inflight + need > opt.inflight_bound_bytes && d2h_head < d2h_pending.size()) {
+      dev.synchronize(slots[static_cast<size_t>(d2h_pending[d2h_head])].d2h_done);
+      poll();
+    }
+    tel.backpressure_ms += now_ms() - t0;
+  }
+
+  // Forward, both modes: a pinned block and the D2H copy of slot `id` after the compute
+  // work enqueued so far; false when the pinned pool is full (the slot is kept).
+  bool start_copy(int id) {
+    Slot& s = slots[static_cast<size_t>(id)];
+    s.pinned = pinned.acquire(s.bytes);
+    if (!s.pinned) {
+      // Fallback: the pinned pool is full (its blocks wait for backward): keep it here.
+      s.kept = true;
+      ++tel.fallback_kept;
+      return false;
+    }
+    ++tel.tensors_offloaded;
+    make_room(s.bytes);
+    Event produced = take_event();
+    dev.record(produced, compute);
+    dev.wait(d2h, produced);
+    give_event(produced);  // the wait captured its target: reusable at once
+    s.d2h_done = take_event();
+    Slot* sp = &s;
+    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr && !mk->d2h_started) {
+      mk->d2h_started = true;
+      LayerTimes* lt = &times[static_cast<size_t>(s.layer)];
+      dev.host_callback(d2h, [lt] { lt->d2h_start = now_ms(); });
+    }
+    dev.copy_async(s.pinned.ptr, s.source, s.bytes, d2h);
+    // Verify mode: the checksum of what landed on the host, right after its copy. (The
+    // layer's copy end is stamped once, by end_forward_layer: Note [Layer timestamps].)
+    // One pointer: fits std::function's local buffer, so no allocation per tensor.
+    sp->verify = opt.verify;
+    if (sp->verify) dev.host_callback(d2h, [sp] { sp->sum = checksum(sp->pinned.ptr, sp->bytes); });
+    dev.record(s.d2h_done, d2h);
+    d2h_pending.push_back(id);
+    inflight += static_cast<int64_t>(s.bytes);
+    if (s.layer >= 0 && static_cast<size_t>(s.layer) < tel.layers.size()) {
+      tel.layers[static_cast<size_t>(s.layer)].d2h_bytes += static_cast<int64_t>(s.bytes);
+    }
+    tel.d2h_bytes += static_cast<int64_t>(s.bytes);
+    return true;
+  }
+
+  // The direct path's fence (Note [Reload into caller memory]).
+  void set_target(Slot& s, void* dst) {
+    s.target = dst;
+    s.h2d_done = take_event();
+    dev.record(s.h2d_done, compute);
+  }
+
+  // The slot of a handle not reloaded yet (reload, reload_into, set_reload_target).
+  Slot& unreloaded(OffloadHandle h, const char* what) {
+    SPILLWAY_CHECK(h >= 0 && static_cast<size_t>(h) < slots_used, "{}: unknown handle {}", what, h);
+    Slot& s = slots[static_cast<size_t>(h)];
+    SPILLWAY_CHECK(!s.reload_taken, "{}: handle {} ({} of layer {}) was already reloaded", what, h,
+                   s.name, s.layer);
+    return s;
+  }
+
+  // Compute waits for the reload of `s` (issued): Note [One wait per layer].
+  void order_compute_after(const Slot& s) {
+    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr && !mk->reached) {
+      mk->reached = true;
+      LayerTimes* lt = &times[static_cast<size_t>(s.layer)];
+      dev.host_callback(compute, [lt] { lt->compute_reached = now_ms(); });
+    }
+    // Note [One wait per layer]: the H2D stream is FIFO, so ordering compute after the
+    // layer's last reload issued so far orders it after every earlier one: the first
+    // reload of a layer makes compute wait once for the layer's batch, the others need
+    // no wait. (Each wait may cost the copy engine a wake-up of the compute stream: ~40 us
+    // per tensor on this VM, 7% of an 8 MiB copy's time.) Never the next layer's reloads:
+    // compute would wait for the prefetch.
+    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr) {
+      if (mk->compute_waited_seq < s.h2d_seq) {
+        const Slot& last = slots[static_cast<size_t>(mk->last_h2d_slot)];
+        dev.wait(compute, last.h2d_done);
+        mk->compute_waited_seq = last.h2d_seq;
+      }
+    } else {
+      dev.wait(compute, s.h2d_done);
+    }
+  }
+
   DeviceTensor device_block(size_t bytes) {
     for (;;) {
       const PinnedBlock b = device_pool.acquire(bytes);
@@ -323,8 +446,14 @@ struct OffloadEngine::Impl {
     Slot& s = slots[static_cast<size_t>(id)];
     if (s.kept || s.reload_issued) return;
     s.reload_issued = true;
-    s.reloaded = device_block(s.bytes);
-    s.h2d_done = take_event();
+    void* dst = s.target;
+    if (dst != nullptr) {
+      dev.wait(h2d, s.h2d_done);  // the fence (Note [Reload into caller memory])
+    } else {
+      s.reloaded = device_block(s.bytes);
+      dst = s.reloaded.ptr;
+      s.h2d_done = take_event();
+    }
     dev.wait(h2d, s.d2h_done);  // never before the offload finished
     Slot* sp = &s;
     if (opt.verify) {
@@ -341,7 +470,7 @@ struct OffloadEngine::Impl {
       LayerTimes* lt = &times[static_cast<size_t>(s.layer)];
       dev.host_callback(h2d, [lt] { lt->h2d_start = now_ms(); });
     }
-    dev.copy_async(s.reloaded.ptr, s.pinned.ptr, s.bytes, h2d);
+    dev.copy_async(dst, s.pinned.ptr, s.bytes, h2d);
     dev.record(s.h2d_done, h2d);
     h2d_pending.push_back(id);
     s.h2d_seq = ++h2d_issued;
@@ -407,57 +536,31 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
   const int id = static_cast<int>(m.slots_used);
   Impl::Slot& s = m.new_slot(layer, name, t.bytes);
   s.device = t;
+  s.source = t.ptr;
   s.hold = hold == OffloadHold::kUntilLayerEnd;
-  s.pinned = m.pinned.acquire(t.bytes);
-  if (!s.pinned) {
-    // Fallback: the pinned pool is full (its blocks wait for backward): keep it here.
-    s.kept = true;
-    ++m.tel.fallback_kept;
-    return id;
-  }
-  ++m.tel.tensors_offloaded;
-  // Back-pressure: before the copy is enqueued, wait until the copies in flight leave room
-  // for it under the bound (with none left in flight it goes, even if larger).
-  if (m.opt.inflight_bound_bytes > 0) {
-    const int64_t need = static_cast<int64_t>(t.bytes);
-    if (m.inflight + need > m.opt.inflight_bound_bytes) {
-      const double t0 = now_ms();
-      while (m.inflight + need > m.opt.inflight_bound_bytes && m.d2h_head < m.d2h_pending.size()) {
-        m.dev.synchronize(m.slots[static_cast<size_t>(m.d2h_pending[m.d2h_head])].d2h_done);
-        m.poll();
-      }
-      m.tel.backpressure_ms += now_ms() - t0;
-    }
-  }
-  Event produced = m.take_event();
-  m.dev.record(produced, m.compute);
-  m.dev.wait(m.d2h, produced);
-  m.give_event(produced);  // the wait captured its target: reusable at once
-  s.d2h_done = m.take_event();
-  Impl::Slot* sp = &s;
-  Impl::LayerTimes* lt = nullptr;
-  if (Impl::LayerMarks* mk = m.layer_marks(layer); mk != nullptr) {
-    lt = &m.times[static_cast<size_t>(layer)];
-    if (!mk->d2h_started) {
-      mk->d2h_started = true;
-      m.dev.host_callback(m.d2h, [lt] { lt->d2h_start = now_ms(); });
-    }
-  }
-  m.dev.copy_async(s.pinned.ptr, s.device.ptr, s.bytes, m.d2h);
-  // Verify mode: the checksum of what landed on the host, right after its copy. (The
-  // layer's copy end is stamped once, by end_forward_layer: Note [Layer timestamps].)
-  // Two pointers: fits std::function's local buffer, so no allocation per tensor.
-  sp->verify = m.opt.verify;
-  if (sp->verify)
-    m.dev.host_callback(m.d2h, [sp] { sp->sum = checksum(sp->pinned.ptr, sp->bytes); });
-  m.dev.record(s.d2h_done, m.d2h);
-  m.d2h_pending.push_back(id);
-  m.inflight += static_cast<int64_t>(s.bytes);
-  if (layer >= 0 && static_cast<size_t>(layer) < m.tel.layers.size()) {
-    m.tel.layers[static_cast<size_t>(layer)].d2h_bytes += static_cast<int64_t>(s.bytes);
-  }
-  m.tel.d2h_bytes += static_cast<int64_t>(s.bytes);
+  m.start_copy(id);
   return id;
+}
+
+BorrowedOffload OffloadEngine::offload_borrowed(const void* src, size_t bytes, int layer,
+                                                std::string_view name) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(m.in_step, "offload_borrowed() outside begin_step()/end_step()");
+  SPILLWAY_CHECK(src != nullptr, "offload_borrowed() of a null pointer ({} of layer {})", name,
+                 layer);
+  m.poll();
+  const int id = static_cast<int>(m.slots_used);
+  Impl::Slot& s = m.new_slot(layer, name, bytes);
+  s.source = src;
+  s.borrowed = true;
+  BorrowedOffload b;
+  b.handle = id;
+  if (m.start_copy(id)) {
+    b.copied = s.d2h_done;  // Note [Caller-owned memory]
+  } else {
+    b.kept = true;
+  }
+  return b;
 }
 
 void OffloadEngine::end_forward_layer(int layer) {
@@ -505,44 +608,79 @@ void OffloadEngine::prefetch(int layer) {
 
 DeviceTensor OffloadEngine::reload(OffloadHandle h) {
   Impl& m = *impl_;
-  SPILLWAY_CHECK(h >= 0 && static_cast<size_t>(h) < m.slots_used, "reload(): unknown handle {}", h);
-  Impl::Slot& s = m.slots[static_cast<size_t>(h)];
-  SPILLWAY_CHECK(!s.reload_taken, "reload(): handle {} ({} of layer {}) was already reloaded", h,
-                 s.name, s.layer);
+  Impl::Slot& s = m.unreloaded(h, "reload()");
+  SPILLWAY_CHECK(s.target == nullptr,
+                 "reload(): handle {} ({} of layer {}) has a destination (set_reload_target); "
+                 "use reload_into()",
+                 h, s.name, s.layer);
   s.reload_taken = true;
   if (s.kept) {
-    DeviceTensor t = s.device;
-    s.device = DeviceTensor{};
+    if (!s.borrowed) {
+      DeviceTensor t = s.device;
+      s.device = DeviceTensor{};
+      return t;
+    }
+    DeviceTensor t = m.device_block(s.bytes);  // the caller still holds the source
+    m.dev.copy_async(t.ptr, s.source, s.bytes, m.compute);
     return t;
   }
   if (!s.reload_issued) {
     m.issue_reload(h);
     m.mark_h2d_end(s.layer);
   }
-  if (Impl::LayerMarks* mk = m.layer_marks(s.layer); mk != nullptr && !mk->reached) {
-    mk->reached = true;
-    Impl::LayerTimes* lt = &m.times[static_cast<size_t>(s.layer)];
-    m.dev.host_callback(m.compute, [lt] { lt->compute_reached = now_ms(); });
-  }
-  // Note [One wait per layer]: the H2D stream is FIFO, so ordering compute after the
-  // layer's last reload issued so far orders it after every earlier one: the first
-  // reload() of a layer makes compute wait once for the layer's batch, the others need
-  // no wait. (Each wait may cost the copy engine a wake-up of the compute stream: ~40 us
-  // per tensor on this VM, 7% of an 8 MiB copy's time.) Never the next layer's reloads:
-  // compute would wait for the prefetch.
-  if (Impl::LayerMarks* mk = m.layer_marks(s.layer); mk != nullptr) {
-    if (mk->compute_waited_seq < s.h2d_seq) {
-      const Impl::Slot& last = m.slots[static_cast<size_t>(mk->last_h2d_slot)];
-      m.dev.wait(m.compute, last.h2d_done);
-      mk->compute_waited_seq = last.h2d_seq;
-    }
-  } else {
-    m.dev.wait(m.compute, s.h2d_done);
-  }
+  m.order_compute_after(s);
   DeviceTensor t = s.reloaded;
   s.reloaded = DeviceTensor{};
   m.poll();
   return t;
+}
+
+void OffloadEngine::reload_into(OffloadHandle h, void* dst) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(dst != nullptr, "reload_into(): handle {} into a null pointer", h);
+  Impl::Slot& s = m.unreloaded(h, "reload_into()");
+  SPILLWAY_CHECK(s.target == nullptr || s.target == dst,
+                 "reload_into(): handle {} ({} of layer {}) was given the destination {} by "
+                 "set_reload_target, not {}",
+                 h, s.name, s.layer, s.target, dst);
+  s.reload_taken = true;
+  // Note [Reload into caller memory].
+  if (s.kept) {
+    const void* from = s.borrowed ? s.source : s.device.ptr;
+    if (from != dst) m.dev.copy_async(dst, from, s.bytes, m.compute);
+    if (!s.borrowed) {
+      m.deferred.push_back({s.device, Event{-1}});  // Note [Batched frees]
+      s.device = DeviceTensor{};
+    }
+    m.poll();
+    return;
+  }
+  if (!s.reload_issued) {
+    if (s.target == nullptr) m.set_target(s, dst);
+    m.issue_reload(h);
+    m.mark_h2d_end(s.layer);
+  }
+  m.order_compute_after(s);
+  if (s.target == nullptr) {  // staged
+    m.dev.copy_async(dst, s.reloaded.ptr, s.bytes, m.compute);
+    m.deferred.push_back({s.reloaded, Event{-1}});  // Note [Batched frees]
+    s.reloaded = DeviceTensor{};
+    ++m.tel.reloads_staged;
+  }
+  m.poll();
+}
+
+bool OffloadEngine::set_reload_target(OffloadHandle h, void* dst) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(dst != nullptr, "set_reload_target(): handle {} to a null pointer", h);
+  Impl::Slot& s = m.unreloaded(h, "set_reload_target()");
+  SPILLWAY_CHECK(s.target == nullptr || s.target == dst,
+                 "set_reload_target(): handle {} ({} of layer {}) already goes to {}, not {}", h,
+                 s.name, s.layer, s.target, dst);
+  if (s.target == dst) return true;
+  if (s.kept || s.reload_issued) return false;
+  m.set_target(s, dst);
+  return true;
 }
 
 int OffloadEngine::max_tensors() const {

@@ -14,18 +14,24 @@ void OffloadHooks::step_begin() {
 
 SavedTicket OffloadHooks::saved(int layer, std::string_view name, const SavedTensor& t) {
   if (!engine_.wants(layer, name)) return {};
-  SPILLWAY_CHECK(t.give,
-                 "OffloadHooks: {} of layer {} is borrowed; the engine offloads given tensors "
-                 "(SavedTensor::give) through the hooks",
-                 name, layer);
-  DeviceTensor d;
-  d.ptr = t.data;
-  d.bytes = t.bytes;
-  d.direct = true;  // the caller's allocation: the engine frees it through the device
   SavedTicket k;
-  k.id = engine_.offload(
-      d, layer, name,
-      t.hold_until_forward_end ? OffloadHold::kUntilLayerEnd : OffloadHold::kUntilCopied);
+  if (!t.give) {
+    // Borrowed (Note [Saved tensor ownership]): the caller waits on `copied` before it
+    // reuses the memory; a full pinned pool leaves it with the caller, not taken.
+    const BorrowedOffload b = engine_.offload_borrowed(t.data, t.bytes, layer, name);
+    if (b.kept) return {};
+    k.id = b.handle;
+    k.copied = b.copied;
+  } else {
+    DeviceTensor d;
+    d.ptr = t.data;
+    d.bytes = t.bytes;
+    d.direct = true;  // the caller's allocation: the engine frees it through the device
+    k.id = engine_.offload(
+        d, layer, name,
+        t.hold_until_forward_end ? OffloadHold::kUntilLayerEnd : OffloadHold::kUntilCopied);
+  }
+  if (static_cast<size_t>(k.id) < reloaded_.size()) reloaded_[static_cast<size_t>(k.id)] = {};
   return k;
 }
 
@@ -38,24 +44,28 @@ void OffloadHooks::backward_begin(int layer) {
 }
 
 void* OffloadHooks::needed(const SavedTicket& ticket, void* dst) {
-  SPILLWAY_CHECK(dst == nullptr,
-                 "OffloadHooks: needed() into caller memory is not supported through the "
-                 "hooks yet; pass dst = null (ticket {})",
-                 ticket.id);
   SPILLWAY_CHECK(ticket.id >= 0 && static_cast<size_t>(ticket.id) < reloaded_.size(),
                  "OffloadHooks: unknown ticket {}", ticket.id);
-  DeviceTensor t = engine_.reload(ticket.id);
-  reloaded_[static_cast<size_t>(ticket.id)] = t;
-  return t.ptr;
+  Reloaded& r = reloaded_[static_cast<size_t>(ticket.id)];
+  if (dst != nullptr) {
+    engine_.reload_into(ticket.id, dst);
+    r.into_caller = true;
+    return dst;
+  }
+  r.engine = engine_.reload(ticket.id);
+  r.into_caller = false;
+  return r.engine.ptr;
 }
 
 void OffloadHooks::done(const SavedTicket& ticket) {
   SPILLWAY_CHECK(ticket.id >= 0 && static_cast<size_t>(ticket.id) < reloaded_.size(),
                  "OffloadHooks: unknown ticket {}", ticket.id);
-  DeviceTensor& t = reloaded_[static_cast<size_t>(ticket.id)];
-  SPILLWAY_CHECK(t, "OffloadHooks: done() of ticket {} that needed() did not hand out", ticket.id);
-  engine_.free(t);
-  t = DeviceTensor{};
+  Reloaded& r = reloaded_[static_cast<size_t>(ticket.id)];
+  if (r.into_caller) return;  // the caller's memory: nothing to give back
+  SPILLWAY_CHECK(r.engine, "OffloadHooks: done() of ticket {} that needed() did not hand out",
+                 ticket.id);
+  engine_.free(r.engine);
+  r.engine = DeviceTensor{};
 }
 
 void OffloadHooks::step_end() {
