@@ -1,6 +1,7 @@
 // spillway as a library, from its installed headers and package alone: (a) a buffer the
 // caller allocated on the device goes to pinned host memory through the activation
-// offload engine and comes back bitwise; (b) the CPU AdamW steps the caller's arrays,
+// offload engine, which only borrows it, and comes back bitwise into another buffer the
+// caller allocated; (b) the CPU AdamW steps the caller's arrays,
 // checked to the bit against the update written out below and against its thread pool.
 // Runs on the host backend (an emulated GPU): no GPU needed. Exits 1 on any mismatch.
 #include <cmath>
@@ -31,7 +32,7 @@ void check(bool ok, const char* what) {
   if (!ok) ++failures;
 }
 
-// Device memory the caller allocated and owns: freed here unless handed over.
+// Device memory the caller allocated and owns.
 class DeviceBuffer {
  public:
   DeviceBuffer(Device& dev, size_t bytes) : dev_(dev), bytes_(bytes) {
@@ -45,12 +46,6 @@ class DeviceBuffer {
 
   void* get() const { return ptr_; }
   size_t bytes() const { return bytes_; }
-  // Gives the memory away: whoever takes it frees it with Device::free.
-  void* release() {
-    void* p = ptr_;
-    ptr_ = nullptr;
-    return p;
-  }
 
  private:
   Device& dev_;
@@ -60,29 +55,30 @@ class DeviceBuffer {
 
 // The engine's part, kept in one place: one training step in which `buf` (its bytes
 // already enqueued on `compute`) is offloaded as layer 0's "mlp.act" and reloaded in
-// backward; returns the reloaded bytes, read back to the host. offload() takes ownership
-// of its tensor, so `buf` is handed over (the engine frees it once copied); an offload
-// that borrows the caller's memory would change this function only.
+// backward. The caller owns both buffers (Note [Saved tensor ownership] in
+// spillway/hooks.hpp): offload_borrowed() copies from `buf` and returns the event after
+// which `buf` may be reused (overwritten here, to prove it), and reload_into() fills
+// `dst`, which the caller allocated. Returns dst's bytes, read back to the host.
 std::vector<unsigned char> offload_and_reload(spillway::OffloadEngine& engine, Device& dev,
-                                              Stream compute, DeviceBuffer& buf,
+                                              Stream compute, DeviceBuffer& buf, DeviceBuffer& dst,
                                               spillway::StepTelemetry* telemetry) {
   const size_t bytes = buf.bytes();
   engine.begin_step();
   // Forward: layer 0 saves the tensor, layer 1 (kept by the policy) saves nothing.
-  spillway::DeviceTensor given;
-  given.ptr = buf.release();
-  given.bytes = bytes;
-  given.direct = true;  // from Device::allocate, not the engine's pool
-  const spillway::OffloadHandle h = engine.offload(given, 0, "mlp.act");
+  const spillway::BorrowedOffload off = engine.offload_borrowed(buf.get(), bytes, 0, "mlp.act");
+  check(!off.kept, "the pinned pool had room: the tensor went to the host");
+  // The source is the caller's again once its copy has read it: reuse it at once.
+  dev.wait(compute, off.copied);
+  std::vector<unsigned char> junk(bytes, 0xA5);
+  dev.copy_async(buf.get(), junk.data(), bytes, compute);
   engine.end_forward_layer(0);
   engine.end_forward_layer(1);
-  // Backward: layer 1, then layer 0 needs its tensor back.
+  // Backward: layer 1, then layer 0 needs its tensor back, in the caller's `dst`.
   engine.prefetch(0);
-  const spillway::DeviceTensor back = engine.reload(h);
+  engine.reload_into(off.handle, dst.get());
   std::vector<unsigned char> host(bytes);
-  dev.copy_async(host.data(), back.ptr, bytes, compute);
+  dev.copy_async(host.data(), dst.get(), bytes, compute);
   dev.synchronize(compute);
-  engine.free(back);
   *telemetry = engine.end_step();
   return host;
 }
@@ -108,9 +104,13 @@ void offload_round_trip() {
   for (unsigned char& b : pattern) b = static_cast<unsigned char>(rng());
   DeviceBuffer buf(*dev, bytes);
   dev->copy_async(buf.get(), pattern.data(), bytes, compute);
+  DeviceBuffer dst(*dev, bytes);  // poisoned: an unwritten byte fails the comparison
+  std::vector<unsigned char> poison(bytes);
+  for (size_t i = 0; i < bytes; ++i) poison[i] = static_cast<unsigned char>(~pattern[i]);
+  dev->copy_async(dst.get(), poison.data(), bytes, compute);
 
   spillway::StepTelemetry t;
-  const std::vector<unsigned char> back = offload_and_reload(engine, *dev, compute, buf, &t);
+  const std::vector<unsigned char> back = offload_and_reload(engine, *dev, compute, buf, dst, &t);
   check(back.size() == bytes && std::memcmp(back.data(), pattern.data(), bytes) == 0,
         "offloaded and reloaded bytes equal the pattern bitwise");
   check(t.tensors_offloaded == 1 && t.d2h_bytes == static_cast<int64_t>(bytes) &&
