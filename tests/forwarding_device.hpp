@@ -24,6 +24,9 @@ class ForwardingDevice : public Device {
   Stream create_stream(StreamRole role, int priority) override {
     return inner_.create_stream(role, priority);
   }
+  Stream adopt_stream(void* native, StreamRole role) override {
+    return inner_.adopt_stream(native, role);
+  }
   void destroy_stream(Stream s) override { inner_.destroy_stream(s); }
   Event create_event() override { return inner_.create_event(); }
   void destroy_event(Event e) override { inner_.destroy_event(e); }

@@ -18,6 +18,14 @@
 //     not throw;
 //   - stream order and "returns at once" hold for device, pinned and mapped memory; a
 //     copy from or to pageable (kHost) memory may be synchronous on CUDA.
+//
+// Note [Adopted streams]: a stream the caller owns (PyTorch's current cudaStream_t, or on
+// the host backend a HostStream a second party made) joins a device with adopt_stream.
+// The device enqueues on it like on its own streams, so engine work is ordered after the
+// caller's by stream order and events, never by synchronizing the host. The device never
+// destroys it: destroy_stream forgets the handle (the host backend first waits for the
+// work enqueued so far, whose-ever it is, since it may name the device's events and
+// memory), and the native stream must stay alive until then.
 #pragma once
 
 #include <cstddef>
@@ -76,6 +84,10 @@ class Device {
   // A stream for a role (the copy directions get their own engines); priority: lower is
   // more urgent (optional: backends without priorities ignore it).
   virtual Stream create_stream(StreamRole role, int priority = 0) = 0;
+  // A handle for the caller's stream `native` (cudaStream_t on CUDA, HostStream::native() on
+  // the host backend), used but not owned: Note [Adopted streams]. Throws for a foreign one.
+  virtual Stream adopt_stream(void* native, StreamRole role) = 0;
+  // Destroys a created stream after its pending work; forgets an adopted one.
   virtual void destroy_stream(Stream s) = 0;
 
   virtual Event create_event() = 0;
@@ -107,6 +119,36 @@ struct HostDeviceOptions {
 
 // The emulated device. Throws spillway::Error when the arena cannot be reserved.
 std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options);
+
+namespace detail {
+class HostQueue;  // the host backend's in-order queue of work (src/device/host_device.cpp)
+}
+
+// A stream of the host backend made outside any device, the host twin of a cudaStream_t
+// that a framework created: an in-order queue of host work with its own thread. Whoever
+// made it (a PyTorch adapter on CPU, a test, a training loop) enqueues its own work with
+// launch() and hands native() to Device::adopt_stream of any host device; that device's
+// copies, records, waits and operations then run in the same order (Note [Adopted
+// streams]). Destroying it never cuts the queue short: work enqueued before still runs,
+// and a device that adopted it keeps it alive until destroy_stream forgets it.
+class HostStream {
+ public:
+  HostStream();
+  ~HostStream();
+  HostStream(const HostStream&) = delete;
+  HostStream& operator=(const HostStream&) = delete;
+
+  // Runs fn on the stream's thread after all work enqueued before it (the caller's
+  // "kernel"); returns at once. fn must not call a Device and must not throw.
+  void launch(std::function<void()> fn);
+  // Blocks until the work enqueued so far has run.
+  void synchronize();
+  // The handle Device::adopt_stream takes.
+  void* native() const;
+
+ private:
+  std::shared_ptr<detail::HostQueue> queue_;
+};
 
 // The CUDA device `ordinal`, or null with `why` set when the backend is not compiled or
 // no such device exists (an expected outcome: tests skip on it).

@@ -1,10 +1,11 @@
 // The host backend: an emulated device that moves real bytes with CUDA's ordering rules.
 //
 // - Device memory is one arena of fixed capacity (an HBM budget, enforced and measured).
-// - Each stream is a worker thread running its queue in order; copies on a D2H or H2D
-//   stream may be throttled to a bandwidth: a copy of n bytes takes at least n / B of wall
-//   time (the memcpy, then a sleep until the deadline), so link ratios of real hardware
-//   can be reproduced.
+// - Each stream is a queue (detail::HostQueue) run in order by its worker thread; copies on
+//   a D2H or H2D stream may be throttled to a bandwidth: a copy of n bytes takes at least
+//   n / B of wall time (the memcpy, then a sleep until the deadline), so link ratios of real
+//   hardware can be reproduced. A queue is not tied to a device: a caller makes one as a
+//   HostStream and a device adopts it (Note [Adopted streams], Note [Host stream registry]).
 // - Events are real synchronization objects: record(e, s) bumps e's target and enqueues
 //   "complete up to target" on s; wait(s, e) enqueues "block until e reaches the target it
 //   had when wait was called"; a never-recorded event is complete. A record on an idle
@@ -82,6 +83,7 @@ struct Op {
   void* dst = nullptr;
   const void* src = nullptr;
   size_t bytes = 0;
+  double gbps = 0.0;            // a copy's throttle (0: none), the device's for the stream's role
   EventState* event = nullptr;  // alive until the device dies (destroyed ones too)
   uint64_t target = 0;
   std::function<void()> fn;
@@ -130,19 +132,18 @@ bool complete_in_order(EventState* e, uint64_t target) {
   return true;
 }
 
-class HostStream {
+}  // namespace
+
+namespace detail {
+
+// One stream's queue and its worker. Made by HostQueue::create only, so that it is in the
+// registry for its whole life (Note [Host stream registry]).
+class HostQueue {
  public:
-  HostStream(StreamRole role, double gbps) : role_(role), gbps_(gbps), worker_([this] { run(); }) {}
-  ~HostStream() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
-  HostStream(const HostStream&) = delete;
-  HostStream& operator=(const HostStream&) = delete;
+  static std::shared_ptr<HostQueue> create();
+  ~HostQueue();
+  HostQueue(const HostQueue&) = delete;
+  HostQueue& operator=(const HostQueue&) = delete;
 
   // Note [Host stream wake-ups]: the condition variables are signalled only when a thread
   // sleeps on them, so a busy stream costs a lock and a push per op, no system call.
@@ -187,9 +188,12 @@ class HostStream {
     --sync_waiters_;
   }
 
-  StreamRole role() const { return role_; }
+  // Looks `native` up among the live queues; null when it is none of them.
+  static std::shared_ptr<HostQueue> find(const void* native);
 
  private:
+  HostQueue() : worker_([this] { run(); }) {}
+
   void run() {
     for (;;) {
       Op op;
@@ -220,9 +224,9 @@ class HostStream {
         // not accumulate over back-to-back copies.
         const auto start = std::chrono::steady_clock::now();
         if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
-        if (gbps_ > 0.0) {
+        if (op.gbps > 0.0) {
           const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-              std::chrono::duration<double>(static_cast<double>(op.bytes) / (gbps_ * 1e9)));
+              std::chrono::duration<double>(static_cast<double>(op.bytes) / (op.gbps * 1e9)));
           const auto begin = std::max(start, deadline_);
           deadline_ = begin + duration;
           std::this_thread::sleep_until(deadline_);
@@ -251,8 +255,6 @@ class HostStream {
     }
   }
 
-  StreamRole role_;
-  double gbps_;
   std::chrono::steady_clock::time_point deadline_{};  // worker thread only
   std::mutex mu_;
   std::condition_variable cv_;
@@ -264,6 +266,88 @@ class HostStream {
   bool worker_sleeping_ = false;
   bool stop_ = false;
   std::thread worker_;  // last: starts after the members it uses
+};
+
+namespace {
+
+// Note [Host stream registry]: every live queue by its address. adopt_stream takes a void*
+// (as CUDA takes a cudaStream_t); the registry tells a host stream from any other pointer
+// without dereferencing it, and hands out shared ownership, so that a queue adopted by a
+// device outlives the HostStream that made it until the device forgets it. Never
+// destroyed: a queue may die during static destruction.
+struct QueueRegistry {
+  std::mutex mu;
+  std::unordered_map<const void*, std::weak_ptr<HostQueue>> live;
+};
+QueueRegistry& registry() {
+  static auto* r = new QueueRegistry;
+  return *r;
+}
+
+}  // namespace
+
+std::shared_ptr<HostQueue> HostQueue::create() {
+  std::shared_ptr<HostQueue> q(new HostQueue());
+  QueueRegistry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live[q.get()] = q;
+  return q;
+}
+
+std::shared_ptr<HostQueue> HostQueue::find(const void* native) {
+  QueueRegistry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto it = r.live.find(native);
+  return it == r.live.end() ? nullptr : it->second.lock();
+}
+
+// Pending work still runs: the worker stops once the queue is drained.
+HostQueue::~HostQueue() {
+  {
+    QueueRegistry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.live.erase(this);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+}  // namespace detail
+
+HostStream::HostStream() : queue_(detail::HostQueue::create()) {}
+HostStream::~HostStream() = default;
+
+void HostStream::launch(std::function<void()> fn) {
+  SPILLWAY_CHECK(static_cast<bool>(fn), "host stream: launch of an empty function");
+  Op op;
+  op.kind = Op::kCallback;
+  op.fn = std::move(fn);
+  queue_->push(std::move(op));
+}
+
+void HostStream::synchronize() {
+  queue_->synchronize();
+}
+
+void* HostStream::native() const {
+  return queue_.get();
+}
+
+namespace {
+
+using detail::HostQueue;
+
+// A device's stream: its queue (shared with the caller when adopted) and the throttle of
+// its copies.
+struct StreamSlot {
+  std::shared_ptr<HostQueue> queue;
+  double gbps = 0.0;
+  bool adopted = false;
+  explicit operator bool() const { return queue != nullptr; }
 };
 
 class HostDevice final : public Device {
@@ -287,10 +371,15 @@ class HostDevice final : public Device {
     }
   }
   ~HostDevice() override {
+    std::vector<StreamSlot> streams;
     {
       std::lock_guard<std::mutex> lock(table_mu_);
-      streams_.clear();  // joins the workers
+      streams.swap(streams_);
     }
+    // The work on adopted streams may name this device's events and memory: it runs first.
+    for (StreamSlot& s : streams)
+      if (s) s.queue->synchronize();
+    streams.clear();  // joins the workers of the streams the device made
     std::lock_guard<std::mutex> lock(mem_mu_);
     for (auto& [ptr, a] : host_allocs_) std::free(ptr);
     std::free(base_);
@@ -366,28 +455,28 @@ class HostDevice final : public Device {
   }
 
   Stream create_stream(StreamRole role, int /*priority*/) override {
-    const double gbps = role == StreamRole::kD2H   ? options_.d2h_gbps
-                        : role == StreamRole::kH2D ? options_.h2d_gbps
-                                                   : 0.0;
-    std::lock_guard<std::mutex> lock(table_mu_);
-    auto s = std::make_shared<HostStream>(role, gbps);
-    for (size_t i = 0; i < streams_.size(); ++i) {
-      if (!streams_[i]) {
-        streams_[i] = std::move(s);
-        return Stream{static_cast<int>(i)};
-      }
-    }
-    streams_.push_back(std::move(s));
-    return Stream{static_cast<int>(streams_.size() - 1)};
+    return add_stream(StreamSlot{HostQueue::create(), throttle(role), false});
+  }
+
+  Stream adopt_stream(void* native, StreamRole role) override {
+    std::shared_ptr<HostQueue> q = HostQueue::find(native);
+    SPILLWAY_CHECK(q != nullptr,
+                   "host device: adopt_stream: {} is not a live host stream (make one with "
+                   "spillway::HostStream and pass its native())",
+                   native);
+    return add_stream(StreamSlot{std::move(q), throttle(role), true});
   }
 
   void destroy_stream(Stream s) override {
-    std::shared_ptr<HostStream> victim;
+    StreamSlot victim;
     {
       std::lock_guard<std::mutex> lock(table_mu_);
       victim = std::move(slot(s));
+      slot_reset(s);
     }
-    victim->synchronize();  // like cudaStreamDestroy: pending work completes
+    // Pending work completes (like cudaStreamDestroy); an adopted queue lives on with its
+    // owner, without this device's work in it (Note [Adopted streams]).
+    victim.queue->synchronize();
   }
 
   Event create_event() override {
@@ -416,7 +505,7 @@ class HostDevice final : public Device {
       std::lock_guard<std::mutex> lock(ev->mu);
       target = ++ev->recorded;
     }
-    stream(s)->record(ev, target);
+    queue(s)->record(ev, target);
   }
 
   void wait(Stream s, Event e) override {
@@ -430,7 +519,7 @@ class HostDevice final : public Device {
       op.target = ev->recorded;
     }
     op.event = ev;
-    stream(s)->push(std::move(op));
+    queue(s)->push(std::move(op));
   }
 
   bool query(Event e) override {
@@ -448,7 +537,7 @@ class HostDevice final : public Device {
     --ev->waiters;
   }
 
-  void synchronize(Stream s) override { stream(s)->synchronize(); }
+  void synchronize(Stream s) override { queue(s)->synchronize(); }
 
   void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
     SPILLWAY_CHECK(bytes == 0 || (dst != nullptr && src != nullptr),
@@ -458,14 +547,21 @@ class HostDevice final : public Device {
     op.dst = dst;
     op.src = src;
     op.bytes = bytes;
-    stream(s)->push(std::move(op));
+    HostQueue* q = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(table_mu_);
+      const StreamSlot& target = slot(s);
+      q = target.queue.get();
+      op.gbps = target.gbps;
+    }
+    q->push(std::move(op));
   }
 
   void host_callback(Stream s, std::function<void()> fn) override {
     Op op;
     op.kind = Op::kCallback;
     op.fn = std::move(fn);
-    stream(s)->push(std::move(op));
+    queue(s)->push(std::move(op));
   }
 
  private:
@@ -475,12 +571,30 @@ class HostDevice final : public Device {
     stats_.peak[k] = std::max(stats_.peak[k], stats_.current[k]);
     ++stats_.allocations[k];
   }
-  std::shared_ptr<HostStream>& slot(Stream s) {
+  double throttle(StreamRole role) const {
+    return role == StreamRole::kD2H   ? options_.d2h_gbps
+           : role == StreamRole::kH2D ? options_.h2d_gbps
+                                      : 0.0;
+  }
+  Stream add_stream(StreamSlot s) {
+    std::lock_guard<std::mutex> lock(table_mu_);
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (!streams_[i]) {
+        streams_[i] = std::move(s);
+        return Stream{static_cast<int>(i)};
+      }
+    }
+    streams_.push_back(std::move(s));
+    return Stream{static_cast<int>(streams_.size() - 1)};
+  }
+  // Callers hold table_mu_.
+  StreamSlot& slot(Stream s) {
     SPILLWAY_CHECK(s.id >= 0 && static_cast<size_t>(s.id) < streams_.size() &&
                        streams_[static_cast<size_t>(s.id)],
                    "unknown or destroyed stream {}", s.id);
     return streams_[static_cast<size_t>(s.id)];
   }
+  void slot_reset(Stream s) { streams_[static_cast<size_t>(s.id)] = StreamSlot{}; }
   std::shared_ptr<EventState>& event_slot(Event e) {
     SPILLWAY_CHECK(e.id >= 0 && static_cast<size_t>(e.id) < events_.size() &&
                        events_[static_cast<size_t>(e.id)],
@@ -489,9 +603,9 @@ class HostDevice final : public Device {
   }
   // A raw pointer: using a stream while another thread destroys it is misuse (as in
   // CUDA), and skipping the reference count keeps an enqueue cheap.
-  HostStream* stream(Stream s) {
+  HostQueue* queue(Stream s) {
     std::lock_guard<std::mutex> lock(table_mu_);
-    return slot(s).get();
+    return slot(s).queue.get();
   }
   EventState* event(Event e) {
     std::lock_guard<std::mutex> lock(table_mu_);
@@ -521,7 +635,7 @@ class HostDevice final : public Device {
   std::unordered_map<void*, std::pair<MemoryKind, size_t>> host_allocs_;
   MemoryStats stats_;
   std::mutex table_mu_;
-  std::vector<std::shared_ptr<HostStream>> streams_;
+  std::vector<StreamSlot> streams_;
   std::vector<std::shared_ptr<EventState>> events_;
   std::vector<std::shared_ptr<EventState>> retired_events_;
 };

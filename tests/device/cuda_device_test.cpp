@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <future>
@@ -415,6 +416,67 @@ TEST_F(CudaDeviceTest, HostCallbacksRunInStreamOrder) {
   dev().destroy_event(uploaded);
   dev().destroy_stream(d2h);
   dev().destroy_stream(h2d);
+}
+
+// Note [Adopted streams]: a cudaStream_t the caller created (as PyTorch's current stream
+// is), adopted: the caller's slow host work on it writes the source, the device's copies
+// on the adopted stream and, by an event, on its own D2H stream carry the written bytes;
+// destroy_stream forgets the handle and the caller's stream is still alive afterwards.
+TEST_F(CudaDeviceTest, AnAdoptedStreamOrdersTheDevicesWorkAfterTheCallers) {
+  std::cout << "[ seed     ] " << kSeed + 3 << "\n";
+  constexpr size_t kBytes = size_t{8} << 20;
+  Buffer written(dev(), kBytes, MemoryKind::kPinnedHost);
+  Buffer src(dev(), kBytes, MemoryKind::kPinnedHost);
+  Buffer back(dev(), kBytes, MemoryKind::kPinnedHost);
+  Buffer on_device(dev(), kBytes, MemoryKind::kDevice);
+  ASSERT_NE(written.get(), nullptr) << written.reason();
+  ASSERT_NE(src.get(), nullptr) << src.reason();
+  ASSERT_NE(back.get(), nullptr) << back.reason();
+  ASSERT_NE(on_device.get(), nullptr) << on_device.reason();
+  fill_random(written.bytes(), kBytes, kSeed + 3);
+  std::memset(src.get(), kPoison, kBytes);
+  std::memset(back.get(), kPoison, kBytes);
+
+  cudaStream_t native = nullptr;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&native, cudaStreamNonBlocking), cudaSuccess);
+  struct Job {
+    const void* from;
+    void* to;
+    size_t bytes;
+  } job{written.get(), src.get(), kBytes};
+  ASSERT_EQ(cudaLaunchHostFunc(
+                native,
+                [](void* p) {
+                  const auto* j = static_cast<const Job*>(p);
+                  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+                  std::memcpy(j->to, j->from, j->bytes);
+                },
+                &job),
+            cudaSuccess);
+  const Stream adopted = dev().adopt_stream(native, StreamRole::kCompute);
+  const Stream d2h = dev().create_stream(StreamRole::kD2H);
+  const Event uploaded = dev().create_event();
+  dev().copy_async(on_device.get(), src.get(), kBytes, adopted);
+  dev().record(uploaded, adopted);
+  dev().wait(d2h, uploaded);
+  dev().copy_async(back.get(), on_device.get(), kBytes, d2h);
+  EXPECT_EQ(dev().native_stream(adopted), static_cast<void*>(native));
+  dev().synchronize(d2h);
+  EXPECT_EQ(first_difference(written.bytes(), back.bytes(), kBytes), -1);
+
+  dev().destroy_event(uploaded);
+  dev().destroy_stream(d2h);
+  dev().destroy_stream(adopted);
+  expect_error([&] { dev().synchronize(adopted); }, {"stream"});
+  EXPECT_EQ(cudaStreamQuery(native), cudaSuccess);  // forgotten, not destroyed
+  EXPECT_EQ(cudaStreamDestroy(native), cudaSuccess);
+
+  // The legacy default stream (a null handle) can be adopted too.
+  const Stream legacy = dev().adopt_stream(nullptr, StreamRole::kCompute);
+  dev().copy_async(back.get(), on_device.get(), 4096, legacy);
+  dev().synchronize(legacy);
+  dev().destroy_stream(legacy);
 }
 
 TEST_F(CudaDeviceTest, DestroyedHandlesAreReused) {

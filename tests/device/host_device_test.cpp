@@ -6,6 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
@@ -199,6 +201,119 @@ TEST(HostDevice, AWaitIsReleasedByItsRecordNotByALaterOneOnAnotherStream) {
   dev->synchronize(a);
   EXPECT_FALSE(b_ran_before_a.load());
   EXPECT_TRUE(dev->query(e));
+}
+
+// Note [Adopted streams]: a caller's slow work on its own HostStream, then the device's
+// copies on the adopted stream and, by an event, on a copy stream of its own: the copies
+// carry the bytes the caller wrote, and the caller's later work sees the copies done.
+TEST(HostStream, AnAdoptedStreamOrdersTheDevicesWorkAfterTheCallers) {
+  const unsigned seed = 515;
+  std::cout << "seed " << seed << "\n";
+  constexpr size_t kBytes = size_t{1} << 20;
+  auto dev = make_host_device(HostDeviceOptions{int64_t{8} << 20, 0.0, 0.0});
+  HostStream caller;
+  const Stream adopted = dev->adopt_stream(caller.native(), StreamRole::kCompute);
+  const Stream d2h = dev->create_stream(StreamRole::kD2H);
+  std::vector<unsigned char> written(kBytes), src(kBytes, 0xA5), back(kBytes, 0x5A);
+  std::mt19937 g(seed);
+  for (unsigned char& b : written) b = static_cast<unsigned char>(g());
+  const AllocResult on_device = dev->allocate(kBytes, MemoryKind::kDevice);
+  ASSERT_TRUE(on_device) << on_device.reason;
+  std::memset(on_device.ptr, 0xC3, kBytes);
+  caller.launch([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::memcpy(src.data(), written.data(), kBytes);
+  });
+  dev->copy_async(on_device.ptr, src.data(), kBytes, adopted);
+  const Event uploaded = dev->create_event();
+  dev->record(uploaded, adopted);
+  EXPECT_FALSE(dev->query(uploaded));  // behind the caller's 30 ms
+  dev->wait(d2h, uploaded);
+  dev->copy_async(back.data(), on_device.ptr, kBytes, d2h);
+  std::atomic<bool> saw_copy{false};
+  caller.launch([&] { saw_copy = std::memcmp(on_device.ptr, written.data(), kBytes) == 0; });
+  caller.synchronize();
+  dev->synchronize(d2h);
+  EXPECT_TRUE(saw_copy.load());
+  EXPECT_EQ(back, written);
+  dev->destroy_event(uploaded);
+  dev->destroy_stream(d2h);
+  dev->destroy_stream(adopted);
+  dev->free(on_device.ptr, MemoryKind::kDevice);
+}
+
+// destroy_stream forgets an adopted stream and leaves it running for its owner; the
+// device's work on it has run by then. A device may also outlive the HostStream object
+// (it shares the queue), and die before the caller's stream.
+TEST(HostStream, DestroyStreamForgetsAnAdoptedStreamWithoutEndingIt) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  auto caller = std::make_unique<HostStream>();
+  const Stream s = dev->adopt_stream(caller->native(), StreamRole::kCompute);
+  std::atomic<int> runs{0};
+  dev->host_callback(s, [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ++runs;
+  });
+  dev->destroy_stream(s);
+  EXPECT_EQ(runs.load(), 1);  // the device's work ran before it forgot the stream
+  EXPECT_THROW(dev->synchronize(s), Error);
+  caller->launch([&] { ++runs; });
+  caller->synchronize();
+  EXPECT_EQ(runs.load(), 2);
+
+  const Stream again = dev->adopt_stream(caller->native(), StreamRole::kD2H);
+  caller.reset();  // the device still holds the queue
+  dev->host_callback(again, [&] { ++runs; });
+  dev->synchronize(again);
+  EXPECT_EQ(runs.load(), 3);
+  dev->destroy_stream(again);
+
+  HostStream survivor;
+  const Stream last = dev->adopt_stream(survivor.native(), StreamRole::kCompute);
+  dev->host_callback(last, [&] { ++runs; });
+  dev.reset();  // runs the device's work on `last` first, then forgets it
+  EXPECT_EQ(runs.load(), 4);
+  survivor.launch([&] { ++runs; });
+  survivor.synchronize();
+  EXPECT_EQ(runs.load(), 5);
+}
+
+TEST(HostStream, AdoptingSomethingElseIsAnError) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  int not_a_stream = 0;
+  for (void* bad : {static_cast<void*>(&not_a_stream), static_cast<void*>(nullptr)}) {
+    try {
+      dev->adopt_stream(bad, StreamRole::kCompute);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not a live host stream"), std::string::npos)
+          << e.what();
+    }
+  }
+  void* gone = nullptr;
+  {
+    HostStream s;
+    gone = s.native();
+  }
+  EXPECT_THROW(dev->adopt_stream(gone, StreamRole::kCompute), Error);
+}
+
+// An adopted copy stream is throttled like the device's own of that role.
+TEST(HostStream, AnAdoptedCopyStreamIsThrottledByItsRole) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{8} << 20, 0.0, 0.25});
+  HostStream caller;
+  const Stream h2d = dev->adopt_stream(caller.native(), StreamRole::kH2D);
+  const AllocResult d = dev->allocate(size_t{2} << 20, MemoryKind::kDevice);
+  ASSERT_TRUE(d) << d.reason;
+  std::vector<unsigned char> host(size_t{2} << 20, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  dev->copy_async(d.ptr, host.data(), host.size(), h2d);
+  caller.synchronize();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(ms, 8.0);  // 2 MiB at 0.25 GB/s: 8.4 ms
+  dev->destroy_stream(h2d);
+  dev->free(d.ptr, MemoryKind::kDevice);
 }
 
 TEST(HostDevice, ThrottledCopiesTakeBytesOverBandwidth) {

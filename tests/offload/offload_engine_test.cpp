@@ -279,6 +279,74 @@ TEST(OffloadEngine, ReloadConsumersNeverSeeStaleDataWhenCopiesAreSlowerThanCompu
   EXPECT_EQ(bad.load(), 0);
 }
 
+// Note [Adopted streams]: the engine on a compute stream the caller made (a HostStream,
+// as a PyTorch adapter on CPU would hand over), adopted by the device. The caller's own
+// work on that stream writes each tensor slowly, after the engine allocated it poisoned
+// and before offload() is called; the engine's D2H copy is ordered after it by an event,
+// never by the host, so the bytes reloaded in backward are the written ones, bitwise.
+TEST(OffloadEngine, OnAnAdoptedComputeStreamCopiesFollowTheCallersWork) {
+  const uint32_t seed = 2718;
+  std::cout << "seed " << seed << "\n";
+  auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 2.0, 2.0});
+  HostStream caller;
+  const Stream compute = dev->adopt_stream(caller.native(), StreamRole::kCompute);
+  constexpr int kLayers = 3;
+  constexpr int kPerLayer = 2;
+  std::atomic<int> bad{0};
+  {
+    OffloadOptions o;
+    o.pinned_bytes = int64_t{8} << 20;
+    o.device_pool_bytes = int64_t{8} << 20;
+    OffloadEngine e(*dev, compute, all_names(kLayers + 1), o);
+    e.begin_step();
+    std::vector<std::pair<OffloadHandle, uint32_t>> handles;
+    std::mt19937 rng(seed);
+    for (int l = 0; l < kLayers; ++l) {
+      for (int k = 0; k < kPerLayer; ++k) {
+        const size_t bytes = 1 + rng() % (size_t{512} << 10);
+        DeviceTensor t = e.allocate(bytes);
+        std::memset(t.ptr, 0xA5, bytes);  // poison: a copy that ran early would carry it
+        const uint32_t tag = seed + static_cast<uint32_t>(l * 16 + k);
+        caller.launch([t, tag] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(15));
+          std::mt19937 g(tag);
+          auto* p = static_cast<unsigned char*>(t.ptr);
+          for (size_t i = 0; i < t.bytes; ++i) p[i] = static_cast<unsigned char>(g());
+        });
+        handles.emplace_back(e.offload(t, l, "mlp.act"), tag);
+      }
+      e.end_forward_layer(l);
+    }
+    for (int l = kLayers - 1; l >= 0; --l) {
+      e.prefetch(l);
+      for (int k = 0; k < kPerLayer; ++k) {
+        const auto [h, tag] = handles[static_cast<size_t>(l * kPerLayer + k)];
+        DeviceTensor t = e.reload(h);
+        // The caller's consumer, on its own stream: ordered after the reload by the engine.
+        caller.launch([t, tag = tag, &bad] {
+          std::mt19937 g(tag);
+          const auto* p = static_cast<const unsigned char*>(t.ptr);
+          for (size_t i = 0; i < t.bytes; ++i) {
+            if (p[i] != static_cast<unsigned char>(g())) {
+              ++bad;
+              return;
+            }
+          }
+        });
+        e.free(t);
+      }
+    }
+    const StepTelemetry tel = e.end_step();
+    EXPECT_EQ(tel.tensors_offloaded, kLayers * kPerLayer);
+    EXPECT_EQ(tel.fallback_kept, 0);
+  }
+  caller.synchronize();
+  EXPECT_EQ(bad.load(), 0);
+  dev->destroy_stream(compute);
+  caller.launch([] {});  // the caller's stream lives on
+  caller.synchronize();
+}
+
 TEST(OffloadEngine, BackPressureEngagesExactlyAtTheBound) {
   Rig r(0.25, 0.0);  // 1 MB takes 4 ms
   OffloadOptions o;

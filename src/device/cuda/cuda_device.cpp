@@ -15,6 +15,8 @@
 //   use the pointer.
 // - Stream and Event handles index tables of RAII wrappers; a destroyed slot is reused by
 //   the next create; an unknown or destroyed handle throws spillway::Error naming it.
+// - An adopted stream (Note [Adopted streams], device.hpp) is a borrowed CudaStream in the
+//   same table: used like the others, forgotten and never destroyed by destroy_stream.
 //
 // Note [Allocation is synchronous]: allocate() waits for its cudaMallocAsync on the
 // internal stream, so the pointer it returns is usable on any stream at once, as the
@@ -66,39 +68,52 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-// A non-blocking cudaStream_t (c10's CUDAStream): owns it, non-copyable, movable; an
-// empty CudaStream owns nothing. Created on the current device.
+// A cudaStream_t (c10's CUDAStream): a non-blocking one it created and owns, or one it
+// borrows (an adopted stream: never destroyed here; it may be a default stream, whose
+// handle is null or a special value). Non-copyable, movable; an empty CudaStream holds
+// nothing. Created on the current device.
 class CudaStream {
  public:
   CudaStream() = default;
   static CudaStream create(int priority) {
     cudaStream_t s = nullptr;
     SPILLWAY_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
-    return CudaStream(s);
+    return CudaStream(s, true);
   }
+  static CudaStream borrow(cudaStream_t s) { return CudaStream(s, false); }
   ~CudaStream() { reset(); }
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
-  CudaStream(CudaStream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  CudaStream(CudaStream&& o) noexcept
+      : stream_(std::exchange(o.stream_, nullptr)),
+        live_(std::exchange(o.live_, false)),
+        owned_(std::exchange(o.owned_, false)) {}
   CudaStream& operator=(CudaStream&& o) noexcept {
     if (this != &o) {
       reset();
       stream_ = std::exchange(o.stream_, nullptr);
+      live_ = std::exchange(o.live_, false);
+      owned_ = std::exchange(o.owned_, false);
     }
     return *this;
   }
 
-  // Pending work still completes (cudaStreamDestroy does not wait for it).
+  // Destroys an owned stream (pending work still completes: cudaStreamDestroy does not
+  // wait for it); forgets a borrowed one.
   void reset() noexcept {
-    if (stream_ != nullptr) SPILLWAY_CUDA_CHECK_WARN(cudaStreamDestroy(stream_));
+    if (owned_ && stream_ != nullptr) SPILLWAY_CUDA_CHECK_WARN(cudaStreamDestroy(stream_));
     stream_ = nullptr;
+    live_ = false;
+    owned_ = false;
   }
   cudaStream_t get() const { return stream_; }
-  explicit operator bool() const { return stream_ != nullptr; }
+  explicit operator bool() const { return live_; }
 
  private:
-  explicit CudaStream(cudaStream_t s) : stream_(s) {}
+  CudaStream(cudaStream_t s, bool owned) : stream_(s), live_(true), owned_(owned) {}
   cudaStream_t stream_ = nullptr;
+  bool live_ = false;   // holds a stream (a borrowed default stream's handle may be null)
+  bool owned_ = false;  // destroyed by reset()
 };
 
 // A cudaEvent_t without timing (c10's CUDAEvent): owns it, non-copyable, movable.
@@ -319,6 +334,24 @@ class CudaDevice final : public Device {
     return Stream{streams_.add(std::move(s))};
   }
 
+  // Note [Adopted streams]: `native` is checked to be a stream of this device (as far as
+  // the runtime can tell; a dangling handle cannot be detected) and is never destroyed.
+  Stream adopt_stream(void* native, StreamRole /*role*/) override {
+    const auto stream = static_cast<cudaStream_t>(native);
+    DeviceGuard guard(ordinal_);
+    const cudaError_t err = cudaStreamQuery(stream);
+    if (err != cudaSuccess && err != cudaErrorNotReady)
+      detail::throw_cuda_failure("cudaStreamQuery(native)", __FILE__, __LINE__, err);
+#if CUDART_VERSION >= 12080
+    int device = -1;
+    SPILLWAY_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
+    SPILLWAY_CHECK(device == ordinal_, "{}: adopt_stream: stream {} belongs to cuda:{}", name_,
+                   native, device);
+#endif
+    std::lock_guard<std::mutex> lock(tables_mu_);
+    return Stream{streams_.add(CudaStream::borrow(stream))};
+  }
+
   void destroy_stream(Stream s) override {
     CudaStream victim;
     {
@@ -401,10 +434,14 @@ class CudaDevice final : public Device {
     boxed.release();  // run_host_callback deletes it
   }
 
-  void* native_stream(Stream s) override { return static_cast<void*>(lookup(s)); }
+  void* native_stream(Stream s) override {
+    return static_cast<void*>(lookup(s));
+  }
 
  private:
-  static int index(MemoryKind k) { return static_cast<int>(k); }
+  static int index(MemoryKind k) {
+    return static_cast<int>(k);
+  }
 
   void check_kind(MemoryKind kind) const {
     SPILLWAY_CHECK(index(kind) >= 0 && index(kind) < kMemoryKinds, "{}: unknown memory kind {}",
