@@ -1,5 +1,5 @@
-// Small measurement helpers shared by the benchmarks and `spillway train`: a steady
-// clock timer and the median of samples.
+// Small measurement helpers shared by every part, the benchmarks and `spillway train`: a
+// steady clock timer, timestamps, and the median of samples.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,12 @@ inline double seconds_since(Clock::time_point t0) {
 
 inline double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// Milliseconds on the steady clock (an arbitrary epoch): timestamps that host callbacks
+// take on several threads and that are only ever subtracted.
+inline double now_ms() {
+  return std::chrono::duration<double, std::milli>(Clock::now().time_since_epoch()).count();
 }
 
 // The median (the mean of the middle two for an even count); 0 for no samples.

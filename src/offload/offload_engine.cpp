@@ -41,6 +41,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/stats.hpp"
 #include "spillway/error.hpp"
 #include "spillway/memory.hpp"
 #include "spillway/offload.hpp"
@@ -48,12 +49,6 @@
 namespace spillway {
 
 namespace {
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 uint64_t checksum(const void* p, size_t n) {  // FNV-1a over 8-byte words, then the tail
   const auto* b = static_cast<const unsigned char*>(p);

@@ -354,3 +354,78 @@ TEST(OptimizerOffload, CastSiteFollowsLinkAgainstCpuWidening) {
 
 }  // namespace
 }  // namespace spillway::optim
+
+namespace spillway::optim {
+namespace {
+
+TEST(OptimizerOffload, CallerOwnedDeviceBuffersStepBitwiseAndAllocateNothingInSteadyState) {
+  // The pipeline on device buffers the caller allocated (OptimOffloadOptions::device_weights
+  // / device_grads) against one on its own, through the hooks (OptimizerHooks): the same
+  // optimizer state and bf16 weights to the bit, with clipping and NaN steps; the caller's
+  // weights are written (poisoned first); no device allocation after construction; the
+  // caller's buffers survive the pipeline (it frees only its own).
+  const uint32_t seed = 4242;
+  std::cout << "seed " << seed << "\n";
+  for (int split : {0, 2}) {
+    SCOPED_TRACE(::testing::Message() << "split " << split);
+    auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+    const Stream compute = dev->create_stream(StreamRole::kCompute);
+    const AllocResult wa = dev->allocate(kN * 2, MemoryKind::kDevice);
+    const AllocResult ga = dev->allocate(kN * 2, MemoryKind::kDevice);
+    ASSERT_TRUE(wa && ga);
+    auto* w16 = static_cast<uint16_t*>(wa.ptr);
+    auto* g16 = static_cast<uint16_t*>(ga.ptr);
+    std::fill(w16, w16 + kN, uint16_t{0xFFFF});  // NaN bits: an unwritten element shows
+    const std::vector<float> w0 = initial_weights();
+    OptimOffloadOptions o;
+    o.hp.lr = 1e-2;
+    o.device_buckets = split;
+    OptimizerOffload own(*dev, compute, w0.data(), kN, kBuckets, o);
+    OptimOffloadOptions oc = o;
+    oc.device_weights = w16;
+    oc.device_grads = g16;
+    {
+      OptimizerOffload caller(*dev, compute, w0.data(), kN, kBuckets, oc);
+      EXPECT_EQ(caller.device_weights(), w16);
+      EXPECT_EQ(caller.device_grads(), g16);
+      OptimizerHooks own_hooks(own), caller_hooks(caller);
+      std::mt19937 g(seed);
+      int64_t allocations_after_first = -1;
+      for (int step = 0; step < 12; ++step) {
+        const std::vector<uint16_t> grads = bf16_grads(g, step % 4 == 3 ? 2 : step % 2);
+        // The loop writes the bf16 gradients into each pipeline's buffer, then the hooks.
+        for (auto [pipe, hooks] : {std::pair<OptimizerOffload*, TrainingHooks*>{&own, &own_hooks},
+                                   {&caller, &caller_hooks}}) {
+          uint16_t* dst = pipe->device_grads();
+          const uint16_t* src = grads.data();
+          dev->host_callback(compute, [dst, src] { std::memcpy(dst, src, kN * 2); });
+          hooks->step_begin();
+          for (int b = static_cast<int>(kBuckets.size()) - 1; b >= 0; --b) hooks->grad_ready(b);
+          hooks->step_end();
+        }
+        EXPECT_EQ(own_hooks.outcome(), caller_hooks.outcome()) << "step " << step;
+        dev->synchronize(compute);
+        const OptimState a = own.read_state(), b = caller.read_state();
+        ASSERT_TRUE(same_bits(a.p.data(), b.p.data(), kN)) << "weights, step " << step;
+        ASSERT_TRUE(same_bits(a.m.data(), b.m.data(), kN)) << "first moments, step " << step;
+        ASSERT_TRUE(same_bits(a.v.data(), b.v.data(), kN)) << "second moments, step " << step;
+        ASSERT_EQ(std::memcmp(own.device_weights(), w16, kN * 2), 0)
+            << "bf16 weights, step " << step;
+        const int64_t allocs =
+            dev->memory_stats().allocations[0] + dev->memory_stats().allocations[1] +
+            dev->memory_stats().allocations[2] + dev->memory_stats().allocations[3];
+        if (step == 0) allocations_after_first = allocs;
+        EXPECT_EQ(allocs, allocations_after_first) << "a device allocation in step " << step;
+      }
+    }
+    // The pipeline is gone; the caller's buffers are still the caller's to free.
+    const int64_t device_bytes = dev->memory_stats().current[0];
+    dev->free(w16, MemoryKind::kDevice);
+    dev->free(g16, MemoryKind::kDevice);
+    EXPECT_EQ(dev->memory_stats().current[0],
+              device_bytes - 2 * static_cast<int64_t>((kN * 2 + 255) / 256 * 256));
+  }
+}
+
+}  // namespace
+}  // namespace spillway::optim
