@@ -8,6 +8,7 @@
 // One training step, in order (Note [Hook sequence]):
 //   step_begin
 //   for each layer i, in order:     forward_begin(i), saved(i, ...)..., forward_end(i)
+//   (optional, any time before)     will_need(ticket, dst)...
 //   for each layer i, in reverse:   backward_begin(i), needed(ticket)..., done(ticket)...,
 //                                   grad_ready(bucket)... (whenever a bucket is final)
 //   step_end                        (the engines finish: telemetry, the optimizer validates)
@@ -82,6 +83,14 @@ class TrainingHooks {
     (void)dst;
     return nullptr;
   }
+  // (optional) Where the tensor of `ticket` will be needed: caller-allocated device memory
+  // that needed(ticket, dst) will name. Called before backward_begin prefetches it, the
+  // reload lands there directly (no staging copy); the hook may write `dst` from then on.
+  // Default: ignored (needed() still fills dst).
+  virtual void will_need(const SavedTicket& ticket, void* dst) {
+    (void)ticket;
+    (void)dst;
+  }
   // The caller no longer reads what needed() returned for `ticket`.
   virtual void done(const SavedTicket& ticket) { (void)ticket; }
   // The gradients of optimizer bucket `bucket` are final (their producer is enqueued).
@@ -125,6 +134,9 @@ class CompositeHooks final : public TrainingHooks {
   void* needed(const SavedTicket& ticket, void* dst) override {
     TrainingHooks* h = owner(ticket);
     return h != nullptr ? h->needed(ticket, dst) : nullptr;
+  }
+  void will_need(const SavedTicket& ticket, void* dst) override {
+    if (TrainingHooks* h = owner(ticket)) h->will_need(ticket, dst);
   }
   void done(const SavedTicket& ticket) override {
     if (TrainingHooks* h = owner(ticket)) h->done(ticket);

@@ -197,6 +197,7 @@ class OffloadHooks final : public TrainingHooks {
   SavedTicket saved(int layer, std::string_view name, const SavedTensor& t) override;
   void forward_end(int layer) override;
   void backward_begin(int layer) override;
+  void will_need(const SavedTicket& ticket, void* dst) override;
   void* needed(const SavedTicket& ticket, void* dst) override;
   void done(const SavedTicket& ticket) override;
   void step_end() override;

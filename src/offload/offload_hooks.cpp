@@ -43,6 +43,15 @@ void OffloadHooks::backward_begin(int layer) {
   for (int p = 1; p <= engine_.policy().prefetch_depth; ++p) engine_.prefetch(layer - p);
 }
 
+void OffloadHooks::will_need(const SavedTicket& ticket, void* dst) {
+  SPILLWAY_CHECK(ticket.id >= 0 && static_cast<size_t>(ticket.id) < reloaded_.size(),
+                 "OffloadHooks: unknown ticket {}", ticket.id);
+  SPILLWAY_CHECK(dst != nullptr, "OffloadHooks: will_need() of ticket {} with no destination",
+                 ticket.id);
+  // Too late (already prefetched into staging) is fine: needed() copies from there.
+  (void)engine_.set_reload_target(ticket.id, dst);
+}
+
 void* OffloadHooks::needed(const SavedTicket& ticket, void* dst) {
   SPILLWAY_CHECK(ticket.id >= 0 && static_cast<size_t>(ticket.id) < reloaded_.size(),
                  "OffloadHooks: unknown ticket {}", ticket.id);
