@@ -55,6 +55,19 @@ constexpr FieldFlag kFieldFlags[] = {
     {"seconds_budget", "--budget-s"},
     // OptimOffloadOptions
     {"device_buckets", "--device-buckets"},
+    // train::TrainOptions (the rest share the names above)
+    {"steps", "--steps"},
+    {"device_memory_mb", "--device-memory-mb"},
+    {"keep_last", "--keep-last"},
+    {"lr", "--lr"},
+    {"clip", "--clip"},
+    {"undo_mb", "--undo-mb"},
+};
+// Fields whose names are also common words ("device", "optimizer"): mapped to their flag
+// only as the subject of a message, never inside a rule's text.
+constexpr FieldFlag kSubjectFlags[] = {
+    {"device", "--device"},
+    {"optimizer", "--optimizer"},
 };
 
 // A character that continues a name on its left (so "--tp" or "x.tp" is no field "tp").
@@ -70,6 +83,9 @@ bool joins_right(char c) {
 
 std::string_view flag_of_field(std::string_view field) {
   for (const FieldFlag& f : kFieldFlags) {
+    if (f.field == field) return f.flag;
+  }
+  for (const FieldFlag& f : kSubjectFlags) {
     if (f.field == field) return f.flag;
   }
   return {};

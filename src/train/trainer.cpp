@@ -28,37 +28,38 @@ std::string mb(int64_t bytes) {
 }
 
 void validate(const TrainOptions& o) {
-  auto at_least = [](const char* flag, double v, double lo) {
-    if (!(v >= lo)) SPILLWAY_INPUT_ERROR("{} is {}; must be >= {}", flag, v, lo);
+  // Errors name the TrainOptions field (the CLI shows its flag).
+  auto at_least = [](const char* field, double v, double lo) {
+    if (!(v >= lo)) SPILLWAY_FIELD_ERROR(field, v, "must be >= {}", lo);
   };
-  at_least("--steps", o.steps, 1);
-  at_least("--micro-batch", o.micro_batch, 1);
-  at_least("--seq-len", o.seq_len, 2);
-  at_least("--device-memory-mb", o.device_memory_mb, 1);
-  at_least("--d2h-gbps", o.d2h_gbps, 0);
-  at_least("--h2d-gbps", o.h2d_gbps, 0);
-  at_least("--prefetch-depth", o.prefetch_depth, 0);
-  at_least("--keep-last", o.keep_last, 0);
-  at_least("--margin", o.margin, 0);
-  at_least("--lr", o.lr, 0);
+  at_least("steps", o.steps, 1);
+  at_least("micro_batch", o.micro_batch, 1);
+  at_least("seq_len", o.seq_len, 2);
+  at_least("device_memory_mb", o.device_memory_mb, 1);
+  at_least("d2h_gbps", o.d2h_gbps, 0);
+  at_least("h2d_gbps", o.h2d_gbps, 0);
+  at_least("prefetch_depth", o.prefetch_depth, 0);
+  at_least("keep_last", o.keep_last, 0);
+  at_least("margin", o.margin, 0);
+  at_least("lr", o.lr, 0);
   if (o.seq_len > 4096)
-    SPILLWAY_INPUT_ERROR("--seq-len is {}; the reference model takes <= 4096", o.seq_len);
+    SPILLWAY_FIELD_ERROR("seq_len", o.seq_len, "the reference model takes <= 4096");
   if (o.device_memory_mb > 1e6)
-    SPILLWAY_INPUT_ERROR("--device-memory-mb is {}; must be <= 1000000", o.device_memory_mb);
+    SPILLWAY_FIELD_ERROR("device_memory_mb", o.device_memory_mb, "must be <= 1000000");
   if (o.device != "host") {
     if (o.device == "cuda")
       SPILLWAY_INPUT_ERROR(
           "--device cuda: the reference model's ops are a CPU reference (cblas); it has no CUDA "
           "kernels yet, so it trains on the host backend only (--device host)");
-    SPILLWAY_INPUT_ERROR("--device is '{}'; must be host or cuda", o.device);
+    SPILLWAY_FIELD_ERROR("device", fmt::format("'{}'", o.device), "must be host or cuda");
   }
   if (o.optimizer != "device" && o.optimizer != "offload")
-    SPILLWAY_INPUT_ERROR("--optimizer is '{}'; must be device or offload", o.optimizer);
-  at_least("--device-buckets", o.device_buckets, 0);
-  at_least("--clip", o.clip, 0);
+    SPILLWAY_FIELD_ERROR("optimizer", fmt::format("'{}'", o.optimizer),
+                         "must be device or offload");
+  at_least("device_buckets", o.device_buckets, 0);
+  at_least("clip", o.clip, 0);
   if (!(o.undo_mb < 0 || o.undo_mb <= 1e6))
-    SPILLWAY_INPUT_ERROR("--undo-mb is {}; must be <= 1000000 (or < 0: every CPU bucket)",
-                         o.undo_mb);
+    SPILLWAY_FIELD_ERROR("undo_mb", o.undo_mb, "must be <= 1000000 (or < 0: every CPU bucket)");
   if (o.optimizer == "device" && (o.device_buckets != 0 || o.undo_mb >= 0))
     SPILLWAY_INPUT_ERROR(
         "--device-buckets and --undo-mb set the offloaded optimizer: add --optimizer offload");
@@ -398,10 +399,10 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
   const RefConfig c = load_reference_config(o.model);
   const int buckets = c.layers() + 2;  // Model::parameter_buckets
   if (o.device_buckets > buckets)
-    SPILLWAY_INPUT_ERROR(
-        "--device-buckets is {}; {} has {} optimizer buckets (the embedding, {} layers, the "
-        "head): must be <= {}",
-        o.device_buckets, o.model, buckets, c.layers(), buckets);
+    SPILLWAY_FIELD_ERROR("device_buckets", o.device_buckets,
+                         "{} has {} optimizer buckets (the embedding, {} layers, the head): must "
+                         "be <= {}",
+                         o.model, buckets, c.layers(), buckets);
   TrainReport rep;
   rep.corpus = o.corpus.empty() ? kDefaultCorpus : o.corpus;
   const std::vector<int32_t> corpus = load_corpus(rep.corpus);
