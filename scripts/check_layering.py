@@ -38,7 +38,7 @@ FOLDERS = {"hw": "catalog", "model": "catalog"}
 # public header (include/spillway/NAME.hpp) -> the part that owns it
 PUBLIC = {
     "error": "core", "units": "core", "policy": "core",
-    "device": "device", "hooks": "device",
+    "device": "device", "device_math": "device", "hooks": "device",
     "memory": "memory",
     "offload": "offload",
     "optim": "optim",

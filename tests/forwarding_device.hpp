@@ -42,6 +42,11 @@ class ForwardingDevice : public Device {
     inner_.host_callback(s, std::move(fn));
   }
   void* native_stream(Stream s) override { return inner_.native_stream(s); }
+  bool adamw_step(const DeviceAdamW& a, Stream s) override { return inner_.adamw_step(a, s); }
+  bool norm_lanes_bf16(const DeviceNormLanes& a, Stream s) override {
+    return inner_.norm_lanes_bf16(a, s);
+  }
+  bool widen_bf16(const DeviceWidenBf16& a, Stream s) override { return inner_.widen_bf16(a, s); }
 
  protected:
   Device& inner() const { return inner_; }

@@ -26,6 +26,17 @@
 // destroys it: destroy_stream forgets the handle (the host backend first waits for the
 // work enqueued so far, whose-ever it is, since it may name the device's events and
 // memory), and the native stream must stay alive until then.
+//
+// Note [Device operations]: device work an engine launches (AdamW, norm lanes, widening)
+// is an optional member of this interface, as in ggml's backend interface. Its arguments
+// are plain data (pointers into memory the device addresses, counts, per-step scalars; no
+// engine types); its per-element arithmetic is spillway/device_math.hpp, written once.
+// The host backend runs it as stream-ordered host work (the host addresses its device
+// memory), the CUDA backend as kernels, every launch checked. A call enqueues the work on
+// s and returns true; a backend without the operation returns false (the default) and
+// enqueues nothing; with n = 0 a call only answers. The arguments are copied at the call;
+// the memory they point to must stay valid until the work has run (as for copy_async).
+// A failed launch throws spillway::Error.
 #pragma once
 
 #include <cstddef>
@@ -33,6 +44,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+
+#include "spillway/device_math.hpp"
 
 namespace spillway {
 
@@ -62,6 +75,31 @@ struct Event {
   int id = -1;
 };
 
+// The arguments of the device operations (Note [Device operations]): arrays in memory the
+// device addresses, none overlapping another.
+struct DeviceAdamW {
+  AdamWScalars scalars{};   // of this step (Note [AdamW operation order])
+  float* p = nullptr;       // (n) fp32 master weights, updated in place
+  float* m = nullptr;       // (n) fp32 first moments, updated in place
+  float* v = nullptr;       // (n) fp32 second moments, updated in place
+  const void* g = nullptr;  // (n) gradient: fp32, or bf16 bits (uint16_t) when grad_bf16
+  bool grad_bf16 = false;
+  float grad_scale = 1.0f;   // the gradient is multiplied by this first (clipping)
+  uint16_t* copy = nullptr;  // (n) bf16 bits of the updated p, or null
+  size_t n = 0;
+};
+struct DeviceNormLanes {
+  const uint16_t* g = nullptr;  // (n) bf16 bits
+  size_t n = 0;
+  size_t lane_count = 0;    // lanes of lane_add_square (device_math.hpp); > 0 when n > 0
+  double* lanes = nullptr;  // (min(n, lane_count)) fp64 lane sums, written
+};
+struct DeviceWidenBf16 {
+  const uint16_t* src = nullptr;  // (n) bf16 bits
+  float* dst = nullptr;           // (n) fp32, written: exact
+  size_t n = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -87,7 +125,7 @@ class Device {
   // A handle for the caller's stream `native` (cudaStream_t on CUDA, HostStream::native() on
   // the host backend), used but not owned: Note [Adopted streams]. Throws for a foreign one.
   virtual Stream adopt_stream(void* native, StreamRole role) = 0;
-  // Destroys a created stream after its pending work; forgets an adopted one.
+  // Destroys a created stream (its pending work still completes); forgets an adopted one.
   virtual void destroy_stream(Stream s) = 0;
 
   virtual Event create_event() = 0;
@@ -103,12 +141,19 @@ class Device {
   virtual void copy_async(void* dst, const void* src, size_t bytes, Stream s) = 0;
   // Runs fn on a host thread in stream order (the stream waits for it).
   virtual void host_callback(Stream s, std::function<void()> fn) = 0;
-  // (optional) The backend's own handle of stream s, for launching kernels on it
-  // (cudaStream_t on CUDA); default null: the backend runs no kernels (the host backend).
+  // (optional) The backend's own handle of stream s, what adopt_stream takes (cudaStream_t
+  // on CUDA, a HostStream's native() on the host backend); default null: none.
   virtual void* native_stream(Stream s) {
     (void)s;
     return nullptr;
   }
+
+  // (optional) AdamW over a.n elements on s (Note [Device operations]); default: false.
+  virtual bool adamw_step(const DeviceAdamW& /*a*/, Stream /*s*/) { return false; }
+  // (optional) The norm lane sums of a.n bf16 values on s; default: false.
+  virtual bool norm_lanes_bf16(const DeviceNormLanes& /*a*/, Stream /*s*/) { return false; }
+  // (optional) a.dst = a.src widened from bf16 to fp32 on s; default: false.
+  virtual bool widen_bf16(const DeviceWidenBf16& /*a*/, Stream /*s*/) { return false; }
 };
 
 struct HostDeviceOptions {
@@ -130,7 +175,9 @@ class HostQueue;  // the host backend's in-order queue of work (src/device/host_
 // launch() and hands native() to Device::adopt_stream of any host device; that device's
 // copies, records, waits and operations then run in the same order (Note [Adopted
 // streams]). Destroying it never cuts the queue short: work enqueued before still runs,
-// and a device that adopted it keeps it alive until destroy_stream forgets it.
+// and a device that adopted it keeps it alive until destroy_stream forgets it. A host
+// device's native_stream(s) is the same kind of handle: one host device's stream can be
+// adopted by another.
 class HostStream {
  public:
   HostStream();

@@ -13,9 +13,11 @@
 //   v  = beta2 * v + (1 - beta2) * g * g
 //   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
 // with the per-step scalars (lr / bc1, 1 / sqrt(bc2), 1 - lr * wd) computed once in double
-// and rounded to float. Note [AdamW operation order] (adamw.cpp): scalar and SIMD evaluate
-// each line in the same order, every multiply and add rounded on its own (no fused
-// multiply-add, -ffp-contract=off), so they agree to the bit on every target.
+// and rounded to float. Note [AdamW operation order] (spillway/device_math.hpp, where the
+// scalar element update is written once for the reference, the host backend and the CUDA
+// kernel): scalar and SIMD evaluate each line in the same order, every multiply and add
+// rounded on its own (no fused multiply-add, -ffp-contract=off), so they agree to the bit
+// on every target.
 //
 // Invariants: no allocation per step (the pool and tiles are sized at construction);
 // outputs are fully written; the low-precision copy of p (bf16 round-to-nearest-even, or
@@ -85,9 +87,10 @@
 // state in device memory. Their gradients never cross the link: on the compute stream the
 // device computes their norm lane sums (Note [Norm lanes]; a few KB go down), and at
 // end_step, once STV has validated, it steps them and writes their bf16 weights in the
-// same pass (the AdamW and lane kernels of src/optim/cuda on a GPU; the same arithmetic
-// as stream-ordered host work on the host backend). The host holds state only for the CPU
-// buckets.
+// same pass. Both are device operations of the backend (Device::norm_lanes_bf16 and
+// adamw_step, as the device cast is widen_bf16; Note [Device operations]): kernels on a
+// GPU, the same arithmetic as stream-ordered host work on the host backend. The host holds
+// state only for the CPU buckets.
 //
 // Memory: pinned host memory of 12 bytes per CPU-bucket element (p, m, v), its gradient
 // staging (4 or 2) and 2 per element of weight staging; STV's second buffers (Note
@@ -142,17 +145,9 @@ struct AdamWArgs {
 };
 
 // The per-step scalars of Note [AdamW operation order]: computed in double once per call
-// and rounded to float, so the scalar and SIMD paths see the same bits. Checks hp and step.
-struct AdamWStepScalars {
-  float step_size;        // lr / bc1
-  float inv_sqrt_bc2;     // 1 / sqrt(bc2)
-  float decay;            // 1 - lr * weight_decay
-  float beta1;            // beta1
-  float one_minus_beta1;  // 1 - beta1
-  float beta2;            // beta2
-  float one_minus_beta2;  // 1 - beta2
-  float eps;              // eps
-};
+// and rounded to float, so the scalar and SIMD paths (and a device's) see the same bits.
+// Checks hp and step.
+using AdamWStepScalars = spillway::AdamWScalars;
 AdamWStepScalars adamw_step_scalars(const AdamWParams& hp, int64_t step);
 // Throws spillway::Error when the pointers of `a` do not fit its n and options (every
 // step checks its arguments with it).
@@ -198,19 +193,10 @@ class AdamW {
 };
 
 // bf16 (round to nearest even, NaN kept NaN) and fp16 conversions used by the copies. The
-// bf16 ones are inline: loops over them vectorize.
-inline uint16_t float_to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
+// bf16 ones are the device layer's (spillway/device_math.hpp), inline: loops over them
+// vectorize.
+using spillway::bf16_to_float;
+using spillway::float_to_bf16;
 uint16_t float_to_fp16(float x);
 float fp16_to_float(uint16_t h);
 

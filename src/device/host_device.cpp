@@ -10,8 +10,10 @@
 //   "complete up to target" on s; wait(s, e) enqueues "block until e reaches the target it
 //   had when wait was called"; a never-recorded event is complete. A record on an idle
 //   stream and a wait on a reached event enqueue nothing (Note [Idle record]).
-// Note [Host stream ops]: an op is a small struct (copy, record, wait, callback), so
-// enqueueing a copy allocates nothing but the queue's amortized growth.
+// - The device operations (Note [Device operations]) are ops too: their arguments are
+//   held by value and host_ops.cpp runs them on the worker, in stream order.
+// Note [Host stream ops]: an op is a small struct (copy, record, wait, callback, device
+// operation), so enqueueing one allocates nothing but the queue's amortized growth.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -20,9 +22,11 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 #include "core/arena.hpp"
+#include "device/host_ops.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
@@ -79,7 +83,7 @@ struct EventState {
 };
 
 struct Op {
-  enum Kind { kCopy, kRecord, kWait, kCallback } kind = kCopy;
+  enum Kind { kCopy, kRecord, kWait, kCallback, kDeviceOp } kind = kCopy;
   void* dst = nullptr;
   const void* src = nullptr;
   size_t bytes = 0;
@@ -87,6 +91,7 @@ struct Op {
   EventState* event = nullptr;  // alive until the device dies (destroyed ones too)
   uint64_t target = 0;
   std::function<void()> fn;
+  std::variant<DeviceAdamW, DeviceNormLanes, DeviceWidenBf16> args;  // a device operation's
 };
 
 // A FIFO of ops in one growable ring: unlike std::deque, which allocates and frees a
@@ -251,6 +256,9 @@ class HostQueue {
       }
       case Op::kCallback:
         op.fn();
+        break;
+      case Op::kDeviceOp:
+        std::visit([](const auto& a) { host_ops::run(a); }, op.args);
         break;
     }
   }
@@ -461,8 +469,8 @@ class HostDevice final : public Device {
   Stream adopt_stream(void* native, StreamRole role) override {
     std::shared_ptr<HostQueue> q = HostQueue::find(native);
     SPILLWAY_CHECK(q != nullptr,
-                   "host device: adopt_stream: {} is not a live host stream (make one with "
-                   "spillway::HostStream and pass its native())",
+                   "host device: adopt_stream: {} is not a live host stream (a HostStream's "
+                   "native() or a host device's native_stream())",
                    native);
     return add_stream(StreamSlot{std::move(q), throttle(role), true});
   }
@@ -564,6 +572,12 @@ class HostDevice final : public Device {
     queue(s)->push(std::move(op));
   }
 
+  void* native_stream(Stream s) override { return queue(s); }
+
+  bool adamw_step(const DeviceAdamW& a, Stream s) override { return device_op(a, s); }
+  bool norm_lanes_bf16(const DeviceNormLanes& a, Stream s) override { return device_op(a, s); }
+  bool widen_bf16(const DeviceWidenBf16& a, Stream s) override { return device_op(a, s); }
+
  private:
   void account(MemoryKind kind, int64_t bytes) {
     const int k = static_cast<int>(kind);
@@ -586,6 +600,18 @@ class HostDevice final : public Device {
     }
     streams_.push_back(std::move(s));
     return Stream{static_cast<int>(streams_.size() - 1)};
+  }
+  // Note [Device operations]: checked here, run by the stream's worker (host_ops.cpp).
+  template <typename Args>
+  bool device_op(const Args& a, Stream s) {
+    HostQueue* q = queue(s);
+    host_ops::check(a);
+    if (a.n == 0) return true;
+    Op op;
+    op.kind = Op::kDeviceOp;
+    op.args = a;
+    q->push(std::move(op));
+    return true;
   }
   // Callers hold table_mu_.
   StreamSlot& slot(Stream s) {

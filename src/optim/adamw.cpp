@@ -5,21 +5,11 @@
 // constructor; step() allocates nothing; every element of p, m, v (and copy_out) in
 // [0, n) is written exactly once per step, by exactly one thread.
 //
-// Note [AdamW operation order]
-// Scalar and SIMD must agree to the bit, on every Highway target (with or without FMA).
-// So neither uses a fused multiply-add: every multiply and every add rounds on its own,
-// and both files are compiled with -ffp-contract=off so the compiler does not fuse them
-// either. Division and square root are correctly rounded in IEEE scalar and vector
-// instructions alike. Per element, all in float, in this order:
-//   g     = g * grad_scale                  (always; exact when grad_scale is 1)
-//   p     = p * decay
-//   m     = beta1 * m + one_minus_beta1 * g
-//   v     = beta2 * v + one_minus_beta2 * (g * g)
-//   denom = sqrt(v) * inv_sqrt_bc2 + eps
-//   p     = p - step_size * (m / denom)
-// with the scalars of adamw_step_scalars(). NaN payloads are the one exception: which
-// NaN operand an instruction propagates may differ between the paths, so a NaN result
-// is NaN in both but its bits may differ.
+// Note [AdamW operation order] is in spillway/device_math.hpp, with the element update
+// (adamw_element) that the scalar reference here, the host backend and the CUDA kernel
+// share; the SIMD step (arch/adamw_hwy.cpp) follows it lane by lane. Scalar and SIMD must
+// agree to the bit on every Highway target (with or without FMA), so both files are
+// compiled with -ffp-contract=off and the compiler fuses no multiply-add either.
 #include <numa.h>
 
 #include <algorithm>
@@ -120,19 +110,13 @@ void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
   float* mo = a.m_out != nullptr ? a.m_out : a.m;
   float* vo = a.v_out != nullptr ? a.v_out : a.v;
   for (size_t i = 0; i < a.n; ++i) {
-    // Note [AdamW operation order]
-    float g = a.grad_type == GradType::kBf16 ? bf16_to_float(g16[i]) : g32[i];
-    g = g * a.grad_scale;
-    float p = a.p[i] * s.decay;
-    const float m = s.beta1 * a.m[i] + s.one_minus_beta1 * g;
-    const float v = s.beta2 * a.v[i] + s.one_minus_beta2 * (g * g);
-    const float denom = std::sqrt(v) * s.inv_sqrt_bc2 + s.eps;
-    p = p - s.step_size * (m / denom);
-    po[i] = p;
-    mo[i] = m;
-    vo[i] = v;
-    if (a.copy_type == CopyType::kBf16) out[i] = float_to_bf16(p);
-    if (a.copy_type == CopyType::kFp16) out[i] = float_to_fp16(p);
+    const float g = a.grad_type == GradType::kBf16 ? bf16_to_float(g16[i]) : g32[i];
+    const AdamWElement e = adamw_element(s, a.grad_scale, g, a.p[i], a.m[i], a.v[i]);
+    po[i] = e.p;
+    mo[i] = e.m;
+    vo[i] = e.v;
+    if (a.copy_type == CopyType::kBf16) out[i] = float_to_bf16(e.p);
+    if (a.copy_type == CopyType::kFp16) out[i] = float_to_fp16(e.p);
   }
 }
 

@@ -1,4 +1,7 @@
-// The bucketed optimizer-offload pipeline: see offload_pipeline.hpp.
+// The bucketed optimizer-offload pipeline: see the pipeline section of spillway/optim.hpp.
+// Its device work (the widening of the device cast, a device bucket's norm lanes and AdamW
+// step) is the backend's device operations (Note [Device operations], device.hpp), the
+// same calls on every backend.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -6,9 +9,6 @@
 
 #include "spillway/error.hpp"
 #include "spillway/optim.hpp"
-#ifdef SPILLWAY_HAVE_CUDA
-#include "optim/cuda/adamw_kernels.hpp"
-#endif
 
 namespace spillway::optim {
 
@@ -65,24 +65,23 @@ struct OptimizerOffload::Impl {
     return r.ptr;
   }
 
-  // Device work in stream order: the kernel where the backend launches kernels, else (the
-  // host backend, whose device memory the host addresses) `on_host` as stream-ordered work.
-  template <typename Launch, typename OnHost>
-  void device_work(const char* what, int bucket, Launch launch, OnHost on_host) {
-    void* native = dev.native_stream(compute);
-    if (native == nullptr) {
-      dev.host_callback(compute, std::move(on_host));
-      return;
-    }
-#ifdef SPILLWAY_HAVE_CUDA
-    const std::string err = launch(native);
-#else
-    (void)launch;
-    const std::string err = "built without the CUDA kernels";
-#endif
-    if (!err.empty())
+  // Device work on the compute stream: the backend's device operation `op` (Note [Device
+  // operations]); its failure, or its absence, is an error naming the work and the bucket.
+  template <typename Args>
+  void device_op(bool (Device::*op)(const Args&, Stream), const Args& args, const char* what,
+                 int bucket) {
+    bool offered = false;
+    try {
+      offered = (dev.*op)(args, compute);
+    } catch (const Error& e) {
       throw Error(fmt::format("optimizer offload: {} of bucket {} on {}: {}", what, bucket,
-                              dev.name(), err));
+                              dev.name(), e.what()));
+    }
+    if (!offered)
+      throw Error(
+          fmt::format("optimizer offload: {} of bucket {} on {}: the backend has no "
+                      "such device operation",
+                      what, bucket, dev.name()));
   }
 
   // Note [Optimizer copy failures]: retried after the copies in flight, then reported.
@@ -123,12 +122,9 @@ struct OptimizerOffload::Impl {
   struct Job {
     Impl* s = nullptr;
     int b = 0;
-    AdamWArgs device_step;  // a device bucket's step on the host backend, set by end_step
   };
   std::vector<Job> jobs;
-  // The host work of bucket b (on the host backend, the device's work too).
-  void host_lanes(int b) const;
-  void host_widen(int b) const;
+  // The CPU step of bucket b, on the cpu stream.
   void host_step(int b) const;
 
   void enqueue_cpu_bucket(int b);
@@ -150,11 +146,16 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   if (o.device_buckets < 0 || o.device_buckets > nb)
     SPILLWAY_FIELD_ERROR("device_buckets", o.device_buckets, "must be in [0, {}] (the buckets)",
                          nb);
-  const bool needs_kernels = s.site == CastSite::kDevice || o.device_buckets > 0;
-  if (!dev.emulated() && needs_kernels && dev.native_stream(compute) == nullptr) {
+  // Note [Device operations]: a call with n = 0 only answers whether the backend has it.
+  const bool can_cast = s.site != CastSite::kDevice || dev.widen_bf16(DeviceWidenBf16{}, compute);
+  const bool can_split =
+      o.device_buckets == 0 ||
+      (dev.norm_lanes_bf16(DeviceNormLanes{}, compute) && dev.adamw_step(DeviceAdamW{}, compute));
+  if (!can_cast || !can_split) {
     SPILLWAY_INPUT_ERROR(
-        "optimizer offload on {}: the device cast and the GPU/CPU split need a backend that "
-        "launches kernels; use the host cast and device_buckets = 0",
+        "optimizer offload on {}: the device cast needs the backend's widen_bf16 and the "
+        "GPU/CPU split its norm_lanes_bf16 and adamw_step (optional device operations it does "
+        "not offer); use the host cast and device_buckets = 0",
         dev.name());
   }
   // Layout: the CPU buckets packed in the host state in bucket order, the device buckets
@@ -245,7 +246,7 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   }
   s.device_arrived.assign(s.buckets.size(), 0);
   s.jobs.resize(s.buckets.size());
-  for (int b = 0; b < nb; ++b) s.jobs[static_cast<size_t>(b)] = {&s, b, AdamWArgs{}};
+  for (int b = 0; b < nb; ++b) s.jobs[static_cast<size_t>(b)] = {&s, b};
   s.produced = dev.create_event();
   s.done = dev.create_event();
   s.stv = std::make_unique<StvAdamW>(o.hp, o.clip, s.p, s.m, s.v, n, std::move(stv_buckets),
@@ -336,18 +337,6 @@ void OptimizerOffload::Impl::abandon_step(const Error& e) {
   throw Error(std::string(e.what()) + also);
 }
 
-void OptimizerOffload::Impl::host_lanes(int b) const {
-  const Bucket& k = buckets[static_cast<size_t>(b)];
-  norm_lane_sums_bf16(g_dev + k.offset, k.n, lanes_dev + lane_at[static_cast<size_t>(b)]);
-}
-
-void OptimizerOffload::Impl::host_widen(int b) const {
-  const Bucket& k = buckets[static_cast<size_t>(b)];
-  const uint16_t* src = g_dev + k.offset;
-  float* dst = g32_dev + local[static_cast<size_t>(b)];
-  for (size_t i = 0; i < k.n; ++i) dst[i] = bf16_to_float(src[i]);
-}
-
 // The CPU bucket's speculative step reads the staged gradient as it came (the host cast
 // widens inside the step) and writes the bf16 weights into the weight staging in the same
 // pass.
@@ -364,20 +353,14 @@ void OptimizerOffload::Impl::enqueue_device_bucket(int b) {
   const Bucket k = buckets[static_cast<size_t>(b)];
   SPILLWAY_CHECK(device_arrived[static_cast<size_t>(b)] == 0,
                  "optimizer offload: bucket {} arrived twice in one step", b);
-  const uint16_t* g = g_dev + k.offset;
   double* lanes = lanes_dev + lane_at[static_cast<size_t>(b)];
   const size_t width = std::min(k.n, kNormLanes);
-  device_work(
-      "the norm lane sums", b,
-      [&](void* stream) {
-#ifdef SPILLWAY_HAVE_CUDA
-        return cuda::launch_norm_lanes_bf16(g, k.n, kNormLanes, lanes, stream);
-#else
-        (void)stream;
-        return std::string();
-#endif
-      },
-      [j = &jobs[static_cast<size_t>(b)]] { j->s->host_lanes(j->b); });
+  DeviceNormLanes op;
+  op.g = g_dev + k.offset;
+  op.n = k.n;
+  op.lane_count = kNormLanes;  // Note [Norm lanes]: STV adds them as the CPU buckets' own
+  op.lanes = lanes;
+  device_op(&Device::norm_lanes_bf16, op, "the norm lane sums", b);
   dev.record(produced, compute);
   dev.wait(d2h, produced);
   copy_with_retry(lanes_host + lane_at[static_cast<size_t>(b)], lanes, width * sizeof(double), d2h,
@@ -391,19 +374,11 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
   const bool speculate = stv->admit(b);  // checks b; Note [Bounded undo]
   if (site == CastSite::kDevice) {
     // The device widens bf16 to fp32 before the copy: 4 bytes per element on the link.
-    const uint16_t* src = g_dev + k.offset;
-    float* dst = g32_dev + at;
-    device_work(
-        "widening the gradient", b,
-        [&](void* stream) {
-#ifdef SPILLWAY_HAVE_CUDA
-          return cuda::launch_widen_bf16(src, dst, k.n, stream);
-#else
-          (void)stream;
-          return std::string();
-#endif
-        },
-        [j = &jobs[static_cast<size_t>(b)]] { j->s->host_widen(j->b); });
+    DeviceWidenBf16 op;
+    op.src = g_dev + k.offset;
+    op.dst = g32_dev + at;
+    op.n = k.n;
+    device_op(&Device::widen_bf16, op, "widening the gradient", b);
   }
   dev.record(produced, compute);
   dev.wait(d2h, produced);
@@ -426,32 +401,17 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
 void OptimizerOffload::Impl::step_device_bucket(int b, float scale, int64_t t) {
   const Bucket k = buckets[static_cast<size_t>(b)];
   const size_t at = local[static_cast<size_t>(b)];
-  Job& job = jobs[static_cast<size_t>(b)];
-  AdamWArgs& a = job.device_step;
-  a = AdamWArgs{};
-  a.p = p_dev + at;
-  a.m = m_dev + at;
-  a.v = v_dev + at;
-  a.g = g_dev + k.offset;
-  a.grad_type = GradType::kBf16;
-  a.grad_scale = scale;
-  a.copy_out = w_dev + k.offset;
-  a.copy_type = CopyType::kBf16;
-  a.n = k.n;
-  a.step = t;
-  const AdamWParams hp = opt.hp;
-  device_work(
-      "the AdamW step", b,
-      [&](void* stream) {
-#ifdef SPILLWAY_HAVE_CUDA
-        return cuda::launch_adamw(adamw_step_scalars(hp, t), a.p, a.m, a.v, a.g, a.grad_type, scale,
-                                  static_cast<uint16_t*>(a.copy_out), a.n, stream);
-#else
-        (void)stream;
-        return std::string();
-#endif
-      },
-      [j = &job] { adamw_step_simd(j->s->opt.hp, j->device_step); });
+  DeviceAdamW op;
+  op.scalars = adamw_step_scalars(opt.hp, t);  // checks hp and t
+  op.p = p_dev + at;
+  op.m = m_dev + at;
+  op.v = v_dev + at;
+  op.g = g_dev + k.offset;
+  op.grad_bf16 = true;
+  op.grad_scale = scale;
+  op.copy = w_dev + k.offset;
+  op.n = k.n;
+  device_op(&Device::adamw_step, op, "the AdamW step", b);
 }
 
 void OptimizerOffload::on_bucket_grad(int b) {

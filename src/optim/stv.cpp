@@ -42,26 +42,15 @@ void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
 
 }  // namespace
 
-// Note [Norm lanes]: one row of lanes at a time, each lane in index order.
-template <typename Load>
-void lane_sums(size_t n, double* lanes, Load load) {
-  const size_t width = std::min(n, kNormLanes);
-  std::fill(lanes, lanes + width, 0.0);
-  for (size_t row = 0; row < n; row += kNormLanes) {
-    const size_t w = std::min(kNormLanes, n - row);
-    for (size_t c = 0; c < w; ++c) {
-      const double x = load(row + c);
-      lanes[c] += x * x;
-    }
-  }
-}
-
+// Note [Norm lanes]: one row of lanes at a time, each lane in index order, with the lane
+// arithmetic of the device layer (spillway/device_math.hpp), which a device's
+// norm_lanes_bf16 runs too.
 void norm_lane_sums(const float* g, size_t n, double* lanes) {
-  lane_sums(n, lanes, [g](size_t i) { return static_cast<double>(g[i]); });
+  lane_sums_by_rows(n, kNormLanes, lanes, [g](size_t i) { return g[i]; });
 }
 
 void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes) {
-  lane_sums(n, lanes, [g](size_t i) { return static_cast<double>(bf16_to_float(g[i])); });
+  lane_sums_by_rows(n, kNormLanes, lanes, [g](size_t i) { return bf16_to_float(g[i]); });
 }
 
 double add_lane_sums(const double* lanes, size_t n) {

@@ -1,5 +1,6 @@
-// The device-side AdamW and widening kernels against the CPU reference, bitwise (Note
-// [AdamW on the device]). GPU only: without a CUDA device every test skips and says why.
+// The CUDA backend's AdamW, widening and norm-lane kernels (src/device/cuda/adamw_kernels.cu)
+// against optim's CPU reference, bitwise (Note [AdamW on the device]). GPU only: without a
+// CUDA device every test skips and says why.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -7,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "optim/cuda/adamw_kernels.hpp"
+#include "device/cuda/adamw_kernels.hpp"
 #include "spillway/optim.hpp"
 
 namespace spillway::optim {
@@ -67,8 +68,17 @@ TEST(AdamWCuda, MatchesTheCpuReferenceBitwise) {
     uint16_t* dcopy = to_device(std::vector<uint16_t>(n, 0xFFFF));
     std::vector<uint16_t> copy(n);
     for (int64_t step = 1; step <= 3; ++step) {
-      const AdamWStepScalars s = adamw_step_scalars(hp, step);
-      ASSERT_EQ(cuda::launch_adamw(s, dp, dm, dv, dg, type, 0.75f, dcopy, n, nullptr), "");
+      DeviceAdamW op;
+      op.scalars = adamw_step_scalars(hp, step);
+      op.p = dp;
+      op.m = dm;
+      op.v = dv;
+      op.g = dg;
+      op.grad_bf16 = type == GradType::kBf16;
+      op.grad_scale = 0.75f;
+      op.copy = dcopy;
+      op.n = n;
+      ASSERT_NO_THROW(cuda::launch_adamw(op, nullptr));
       AdamWArgs a;
       a.p = p.data();
       a.m = m.data();
@@ -100,7 +110,7 @@ TEST(AdamWCuda, WideningIsExact) {
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
   uint16_t* src = to_device(all);
   float* dst = to_device(std::vector<float>(all.size(), 0.0f));
-  ASSERT_EQ(cuda::launch_widen_bf16(src, dst, all.size(), nullptr), "");
+  ASSERT_NO_THROW(cuda::launch_widen_bf16(DeviceWidenBf16{src, dst, all.size()}, nullptr));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> out = to_host(dst, all.size());
   for (size_t i = 0; i < all.size(); ++i) {
@@ -126,7 +136,8 @@ TEST(AdamWCuda, NormLanesMatchTheCpuBitwise) {
     norm_lane_sums_bf16(g.data(), n, want.data());
     uint16_t* gd = to_device(g);
     double* lanes = to_device(std::vector<double>(width, -1.0));
-    ASSERT_EQ(cuda::launch_norm_lanes_bf16(gd, n, kNormLanes, lanes, nullptr), "");
+    ASSERT_NO_THROW(
+        cuda::launch_norm_lanes_bf16(DeviceNormLanes{gd, n, kNormLanes, lanes}, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<double> got = to_host(lanes, width);
     ASSERT_EQ(std::memcmp(got.data(), want.data(), width * sizeof(double)), 0);

@@ -312,6 +312,51 @@ TEST(OptimizerOffload, BadSplitIsAnInputError) {
   }
 }
 
+// A backend without the device operations (Note [Device operations]): the device cast
+// and the split are input errors naming what is missing; the host cast without a split
+// needs none and stays bitwise the non-speculative optimizer.
+class NoOpsDevice final : public spillway::testing::ForwardingDevice {
+ public:
+  using ForwardingDevice::ForwardingDevice;
+  bool adamw_step(const DeviceAdamW& a, Stream s) override { return Device::adamw_step(a, s); }
+  bool norm_lanes_bf16(const DeviceNormLanes& a, Stream s) override {
+    return Device::norm_lanes_bf16(a, s);
+  }
+  bool widen_bf16(const DeviceWidenBf16& a, Stream s) override { return Device::widen_bf16(a, s); }
+};
+
+TEST(OptimizerOffload, ABackendWithoutDeviceOperationsNeedsTheHostCastAndNoSplit) {
+  auto host = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  NoOpsDevice dev(*host);
+  const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
+  const std::vector<float> w0 = initial_weights();
+  for (const auto& [site, split] :
+       {std::pair{CastSite::kDevice, 0}, std::pair{CastSite::kHost, 1}}) {
+    OptimOffloadOptions o;
+    o.cast = site;
+    o.device_buckets = split;
+    try {
+      OptimizerOffload off(dev, compute, w0.data(), kN, kBuckets, o);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("device operations"), std::string::npos) << e.what();
+    }
+  }
+  OptimOffloadOptions o;
+  o.cast = CastSite::kHost;
+  OptimizerOffload off(dev, compute, w0.data(), kN, kBuckets, o);
+  Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
+  std::mt19937 g(12);
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<uint16_t> grads = bf16_grads(g, step % 2);
+    backward(dev, compute, off, grads);
+    off.end_step();
+    reference_step(o.hp, o.clip, ref, grads);
+    expect_state(off, ref, step);
+  }
+  dev.synchronize(compute);
+}
+
 // The steady state allocates nothing: no heap allocation per bucket or step, in the
 // pipeline, STV, the AdamW pool or the host backend's queues (the bf16 gradients are made
 // before counting), for both cast sites, a split, and limited undo memory.

@@ -1,5 +1,6 @@
 // The CUDA backend of spillway::Device: thin RAII wrappers over the CUDA runtime, every
-// call checked (cuda_check.hpp). Plain C++20 (no kernels), compiled by the host compiler.
+// call checked (cuda_check.hpp). Plain C++20, compiled by the host compiler; the kernels of
+// the device operations are adamw_kernels.cu (Note [Device operations]).
 //
 // - Every call that touches the device first makes it current with a DeviceGuard, which
 //   restores the caller's device on exit: the backend never changes the current device
@@ -39,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "device/cuda/adamw_kernels.hpp"
 #include "device/cuda/cuda_check.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
@@ -438,6 +440,26 @@ class CudaDevice final : public Device {
     return static_cast<void*>(lookup(s));
   }
 
+  // Note [Device operations]: the kernels of adamw_kernels.cu, each launch checked there.
+  bool adamw_step(const DeviceAdamW& a, Stream s) override {
+    SPILLWAY_CHECK(
+        a.n == 0 || (a.p != nullptr && a.m != nullptr && a.v != nullptr && a.g != nullptr),
+        "{}: adamw_step: p, m, v and g must be non-null for n = {}", name_, a.n);
+    return launch(s, a.n, [&](cudaStream_t stream) { cuda::launch_adamw(a, stream); });
+  }
+  bool norm_lanes_bf16(const DeviceNormLanes& a, Stream s) override {
+    SPILLWAY_CHECK(a.n == 0 || (a.g != nullptr && a.lanes != nullptr && a.lane_count > 0),
+                   "{}: norm_lanes_bf16: g and lanes must be non-null and lane_count ({}) > 0 "
+                   "for n = {}",
+                   name_, a.lane_count, a.n);
+    return launch(s, a.n, [&](cudaStream_t stream) { cuda::launch_norm_lanes_bf16(a, stream); });
+  }
+  bool widen_bf16(const DeviceWidenBf16& a, Stream s) override {
+    SPILLWAY_CHECK(a.n == 0 || (a.src != nullptr && a.dst != nullptr),
+                   "{}: widen_bf16: src and dst must be non-null for n = {}", name_, a.n);
+    return launch(s, a.n, [&](cudaStream_t stream) { cuda::launch_widen_bf16(a, stream); });
+  }
+
  private:
   static int index(MemoryKind k) {
     return static_cast<int>(k);
@@ -452,6 +474,16 @@ class CudaDevice final : public Device {
     int value = 0;
     SPILLWAY_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, ordinal_));
     return value;
+  }
+
+  // Runs `kernel` on stream s on this device (nothing for n = 0); true: the operation exists.
+  template <typename Kernel>
+  bool launch(Stream s, size_t n, Kernel kernel) {
+    const cudaStream_t stream = lookup(s);
+    if (n == 0) return true;
+    DeviceGuard guard(ordinal_);
+    kernel(stream);
+    return true;
   }
 
   cudaStream_t lookup(Stream s) {

@@ -1,10 +1,10 @@
 // The SIMD AdamW step: Highway, compiled once per target (foreach_target.h re-includes
 // this file) and dispatched at run time to the best target the CPU supports.
 //
-// Invariants: the arithmetic is Note [AdamW operation order] (adamw.cpp) lane by lane,
-// so the result equals adamw_step_scalar bit for bit on every target; the tail (fewer
-// elements than one vector) goes through the same vector code on zero-padded stack
-// copies, so there is no second scalar formula to keep in step; the bf16/fp16 copy of p
+// Invariants: the arithmetic is Note [AdamW operation order] (spillway/device_math.hpp)
+// lane by lane, so the result equals adamw_step_scalar (adamw_element) bit for bit on every
+// target; the tail (fewer elements than one vector) goes through the same vector code on
+// zero-padded stack copies, so there is no second scalar formula here; the bf16/fp16 copy of p
 // is written in the same pass with the rounding of float_to_bf16 / float_to_fp16.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "optim/arch/adamw_hwy.cpp"
