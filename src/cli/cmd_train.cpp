@@ -1,5 +1,5 @@
 // `spillway train`: the reference MoE model trained end to end under a memory policy, or
-// every policy with --compare (src/nn/trainer.hpp).
+// every policy with --compare (include/spillway/train.hpp).
 #include <fmt/format.h>
 
 #include <cstdio>
