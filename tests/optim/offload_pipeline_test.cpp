@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
+#include <thread>
 
 #include "allocation_count.hpp"
 #include "forwarding_device.hpp"
@@ -470,6 +472,62 @@ TEST(OptimizerOffload, CallerOwnedDeviceBuffersStepBitwiseAndAllocateNothingInSt
     EXPECT_EQ(dev->memory_stats().current[0],
               device_bytes - 2 * static_cast<int64_t>((kN * 2 + 255) / 256 * 256));
   }
+}
+
+}  // namespace
+}  // namespace spillway::optim
+
+namespace spillway::optim {
+namespace {
+
+TEST(OptimizerOffload, OnAnAdoptedComputeStreamItStepsTheGradientsTheCallersWorkWrote) {
+  // The caller's compute stream is its own (a HostStream adopted by the device): its slow
+  // "backward" writes each step's gradients there, after poison; the pipeline's copies are
+  // ordered after that work by events only, so the state equals the non-speculative
+  // reference bitwise, and the next step's weights are ordered before the caller's next
+  // work on its stream.
+  const uint32_t seed = 1618;
+  std::cout << "seed " << seed << "\n";
+  auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 2.0, 2.0});
+  HostStream caller;
+  const Stream compute = dev->adopt_stream(caller.native(), StreamRole::kCompute);
+  const std::vector<float> w0 = initial_weights();
+  OptimOffloadOptions o;
+  o.hp.lr = 1e-2;
+  o.device_buckets = 1;
+  Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
+  {
+    OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o);
+    OptimizerHooks hooks(off);
+    std::mt19937 g(seed);
+    for (int step = 0; step < 6; ++step) {
+      const std::vector<uint16_t> grads = bf16_grads(g, step % 3 == 2 ? 1 : 0);
+      uint16_t* dst = off.device_grads();
+      std::fill(dst, dst + kN, uint16_t{0x7FC0});  // NaN: a copy that ran early skips the step
+      caller.launch([dst, &grads] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        std::memcpy(dst, grads.data(), kN * 2);
+      });
+      hooks.step_begin();
+      for (int b = static_cast<int>(kBuckets.size()) - 1; b >= 0; --b) hooks.grad_ready(b);
+      hooks.step_end();
+      // Small gradients commit; large ones are clipped (replayed); none is skipped (the
+      // poison's NaN would be, had a copy run before the caller's work).
+      EXPECT_EQ(hooks.outcome(), step % 3 == 2 ? StvOutcome::kReplay : StvOutcome::kCommit)
+          << "step " << step;
+      reference_step(o.hp, o.clip, ref, grads);
+      expect_state(off, ref, step);
+      // The next step's bf16 weights are the updated ones, in order on the caller's stream.
+      std::vector<uint16_t> seen(kN);
+      const uint16_t* w = off.device_weights();
+      caller.launch([w, &seen] { std::memcpy(seen.data(), w, kN * 2); });
+      caller.synchronize();
+      const OptimState st = off.read_state();
+      for (size_t i = 0; i < kN; ++i)
+        ASSERT_EQ(seen[i], float_to_bf16(st.p[i])) << "element " << i << ", step " << step;
+    }
+  }
+  dev->destroy_stream(compute);
 }
 
 }  // namespace
