@@ -95,7 +95,10 @@ struct TrainReport {
   std::string corpus;
   int64_t corpus_bytes = 0;
   int64_t parameters = 0;
-  bool losses_identical = true;  // across policies (compare)
+  // Across the policies that ran (compare): meaningful only with policies_compared >= 2
+  // (the JSON then writes true or false, else null: nothing was compared).
+  bool losses_identical = true;
+  int policies_compared = 0;
 };
 
 // Byte-level tokens of a text file; errors name the path.

@@ -460,6 +460,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
   const PolicyResult* ref = nullptr;
   for (const PolicyResult& p : rep.policies) {
     if (!p.error.empty()) continue;
+    ++rep.policies_compared;
     if (ref == nullptr) {
       ref = &p;
       continue;
@@ -543,7 +544,7 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
           p.name, o.device_buckets, k.commits, k.replays, k.skips, k.deferred, p.optimizer_ms);
     }
   }
-  if (r.policies.size() > 1) {
+  if (r.policies_compared > 1) {
     out += r.losses_identical
                ? "loss and every gradient bitwise identical across the policies\n"
                : "WARNING: losses or gradients differ across policies (a bug: they must be "
@@ -582,7 +583,10 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
   j["d2h_gbps"] = o.d2h_gbps;
   j["h2d_gbps"] = o.h2d_gbps;
   j["corpus"] = r.corpus;
-  j["bitwise_identical"] = r.losses_identical;
+  // Nothing is claimed when fewer than two policies ran: null, not true.
+  j["bitwise_identical"] =
+      r.policies_compared > 1 ? nlohmann::json(r.losses_identical) : nlohmann::json();
+  j["policies_compared"] = r.policies_compared;
   j["optimizer"] = o.optimizer;
   nlohmann::json arr = nlohmann::json::array();
   for (const PolicyResult& p : r.policies) {

@@ -120,6 +120,20 @@ TEST(TrainCli, OnePolicyPrintsStepLinesOnStderrAndTheTableOnStdout) {
   }
 }
 
+TEST(TrainCli, ASinglePolicyClaimsNoBitwiseIdentity) {
+  // One policy compares nothing: bitwise_identical is null (not true) and the table says
+  // nothing about identity (issue: a single-policy --json wrote true).
+  TempDir dir;
+  const std::string json = dir.file("one.json");
+  const TrainRun r = run(std::string("train --steps 2 ") + kTiny + " --json '" + json + "'", dir);
+  ASSERT_EQ(r.code, 0) << shown(r);
+  const Json j = parse_or_fail(read_file(json));
+  ASSERT_TRUE(j.contains("bitwise_identical")) << j.dump(2);
+  EXPECT_TRUE(j["bitwise_identical"].is_null()) << j.dump(2);
+  EXPECT_EQ(j.value("policies_compared", -1), 1) << j.dump(2);
+  EXPECT_FALSE(contains(r.out, "bitwise identical")) << r.out;
+}
+
 TEST(TrainCli, CompareJsonFileHasEveryPolicyWithBitwiseIdenticalLosses) {
   TempDir dir;
   const std::string json = dir.file("train.json");
@@ -138,6 +152,7 @@ TEST(TrainCli, CompareJsonFileHasEveryPolicyWithBitwiseIdenticalLosses) {
   ASSERT_TRUE(j.contains("policies") && j["policies"].is_array()) << j.dump(2);
   const Json& ps = j["policies"];
   ASSERT_EQ(ps.size(), kPolicies.size()) << j.dump(2);
+  EXPECT_EQ(j.value("policies_compared", -1), static_cast<int>(kPolicies.size())) << j.dump(2);
 
   for (size_t i = 0; i < ps.size(); ++i) {
     const Json& p = ps[i];
