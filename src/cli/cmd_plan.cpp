@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdio>
 #include <memory>
 
 #include "cli/commands.hpp"
@@ -21,14 +22,19 @@ void add_plan_command(CLI::App& app) {
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
       "plan",
-      "Decide per layer what to keep, offload or recompute under the HBM budget and the "
-      "no-snowball condition, and report HBM by category, host memory and step time.\n\n"
-      "Examples:\n"
-      "  spillway plan --model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 8192\n"
-      "  spillway plan --model Llama-3.1-70B --hardware h100-sxm --tp 8 --strategy offload\n"
-      "  spillway plan --model ./config.json --hardware gb200 --layer-fwd-ms 12.5 --json "
-      "plan.json\n"
-      "Exit status: 0 when the plan is feasible, 3 when it is not (the reasons are printed).");
+      fmt::format(
+          "Decide per layer what to keep, offload or recompute under the HBM budget and the "
+          "no-snowball condition, and report HBM by category, host memory and step time. "
+          "With no arguments: the first example.\n\n"
+          "Examples:\n"
+          "  spillway plan {}\n"
+          "  spillway plan --model Llama-3.1-70B --hardware h100-sxm --tp 8 --strategy offload"
+          "   (infeasible: the reasons in numbers)\n",
+          kPlanExampleArgs) +
+          std::string("  spillway plan --model ./config.json --hardware gb200 --layer-fwd-ms 12.5 "
+                      "--json plan.json\n"
+                      "Exit status: 0 when the plan is feasible, 3 when it is not (the reasons "
+                      "are printed)."));
   add_plan_flags(*cmd, st->flags);
   cmd->add_option("--json", st->json_path,
                   "Write the plan (schema spillway.plan/1, docs/plan-schema.md) to FILE, '-' for "
@@ -41,7 +47,20 @@ void add_plan_command(CLI::App& app) {
                   "the GPU/CPU split: how many layers keep their optimizer step on the GPU "
                   "(docs/optim.md)")
       ->group("Output");
-  cmd->callback([st]() {
+  cmd->callback([st, cmd]() {
+    // No arguments at all: the example a newcomer should see first, said so.
+    size_t given = 0;
+    for (const CLI::Option* opt : cmd->get_options()) given += opt->count();
+    if (given == 0) {
+      st->flags.micro_batch = 2;
+      st->flags.seq_len = 8192;
+      st->flags.ep = 8;
+      st->flags.dp = 8;
+      std::fprintf(stderr,
+                   "spillway plan: no arguments, so the first example: spillway plan %s "
+                   "(`spillway plan --help` lists the flags)\n",
+                   kPlanExampleArgs);
+    }
     const PlanRequest req = make_request(st->flags);
     const Plan plan = make_plan(req);
     if (!st->quiet && st->json_path != "-") {

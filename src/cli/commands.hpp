@@ -13,6 +13,12 @@ namespace spillway::cli {
 // sizes with K/M/G suffixes are KiB/MiB/GiB.
 inline constexpr double kMiB = 1048576.0;
 
+// The plan a newcomer meets first (`spillway plan` with no arguments, the first example of
+// `spillway --help` and of `spillway plan --help`, the README's worked example, `make run`):
+// feasible, and it teaches (selective offload over C2C, 1.2x against recompute).
+inline constexpr const char* kPlanExampleArgs =
+    "--model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 8192 --ep 8 --dp 8";
+
 void add_plan_command(CLI::App& app);
 void add_models_command(CLI::App& app);
 void add_hardware_command(CLI::App& app);

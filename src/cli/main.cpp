@@ -42,12 +42,12 @@ void write_output(const std::string& path, const std::string& text) {
 namespace {
 
 int run(int argc, char** argv) {
-  CLI::App app{
+  CLI::App app{fmt::format(
       "spillway: move what does not fit in GPU memory into CPU memory, and bring it back in "
-      "time.\n\nStart with:\n  spillway plan --model Qwen3-30B-A3B --hardware gh200 "
-      "--micro-batch 1 --seq-len 8192\n  spillway models      (the model catalog)\n  "
+      "time.\n\nStart with:\n  spillway plan {}\n  spillway models      (the model catalog)\n  "
       "spillway hardware    (the hardware profiles)\n\nUnits: flags ending in -mb are MiB (2^20 "
-      "bytes), -gb GB (1e9 bytes), -gbps GB/s (1e9 bytes/s).\n"};
+      "bytes), -gb GB (1e9 bytes), -gbps GB/s (1e9 bytes/s).\n",
+      spillway::cli::kPlanExampleArgs)};
   app.require_subcommand(1);
   app.set_version_flag("--version", "spillway 0.1.0");
   spillway::cli::add_plan_command(app);

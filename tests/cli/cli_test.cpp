@@ -41,6 +41,25 @@ CliRun run(const std::string& args, const std::string& streams = "2>&1") {
 using cli_test::contains;
 using cli_test::read_file;
 
+TEST(Cli, TheFirstPlanANewcomerMeetsIsFeasible) {
+  // `spillway plan` with no arguments and the first example of `spillway --help` and of
+  // `spillway plan --help` are plans that work (exit 0), not infeasible ones (exit 3).
+  const CliRun bare = run("plan");
+  EXPECT_EQ(bare.code, 0) << bare.out;
+  EXPECT_TRUE(contains(bare.out, "no arguments, so the first example")) << bare.out;
+  EXPECT_TRUE(contains(bare.out, "feasible       yes")) << bare.out;
+  for (const char* help : {"--help", "plan --help"}) {
+    SCOPED_TRACE(help);
+    const CliRun h = run(help);
+    ASSERT_EQ(h.code, 0) << h.out;
+    const size_t at = h.out.find("spillway plan --");
+    ASSERT_NE(at, std::string::npos) << h.out;
+    const std::string example = h.out.substr(at, h.out.find('\n', at) - at);
+    const CliRun r = run(example.substr(std::string("spillway ").size()));
+    EXPECT_EQ(r.code, 0) << example << "\n" << r.out;
+  }
+}
+
 TEST(Cli, HelpMentionsTheSubcommands) {
   const CliRun r = run("--help");
   EXPECT_EQ(r.code, 0) << r.out;
