@@ -36,12 +36,15 @@ void add_plan_command(CLI::App& app) {
                       "Exit status: 0 when the plan is feasible, 3 when it is not (the reasons "
                       "are printed)."));
   add_plan_flags(*cmd, st->flags);
-  cmd->add_option("--json", st->json_path,
-                  "Write the plan (schema spillway.plan/1, docs/plan-schema.md) to FILE, '-' for "
-                  "stdout")
-      ->group("Output");
-  cmd->add_flag("--quiet", st->quiet, "Do not print the report (with --json FILE)")
-      ->group("Output");
+  CLI::Option* json_opt =
+      cmd->add_option("--json", st->json_path,
+                      "Write the plan (schema spillway.plan/1, docs/plan-schema.md) to FILE, '-' "
+                      "for stdout")
+          ->group("Output");
+  // Alone it would print nothing at all: it needs the file the plan goes to.
+  cmd->add_flag("--quiet", st->quiet, "Do not print the report (needs --json FILE)")
+      ->group("Output")
+      ->needs(json_opt);
   cmd->add_option("--cpu-adam-gbps", st->cpu_adam_gbps,
                   "Optimizer offload: the CPU AdamW's state GB/s (`spillway bench adam`); adds "
                   "the GPU/CPU split: how many layers keep their optimizer step on the GPU "

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli/commands.hpp"
+#include "cli/plan_flags.hpp"
 #include "spillway/error.hpp"
 #include "spillway/train.hpp"
 
@@ -15,6 +16,8 @@ void add_train_command(CLI::App& app) {
   auto o = std::make_shared<train::TrainOptions>();
   auto json = std::make_shared<std::string>();
   auto quiet = std::make_shared<bool>(false);
+  auto margin = std::make_shared<std::string>("10%");
+  auto plan_file = std::make_shared<std::string>();
   CLI::App* cmd = app.add_subcommand(
       "train",
       "Train the reference MoE transformer (src/nn: Qwen3-MoE-shaped, fp32, explicit forward and "
@@ -36,20 +39,25 @@ void add_train_command(CLI::App& app) {
       "  spillway train --policy auto --device-memory-mb 8\n"
       "  spillway train --optimizer offload --device-buckets 2 --d2h-gbps 16 --h2d-gbps 16\n"
       "  spillway plan --model ./config.json --hardware gh200 --json plan.json && "
-      "spillway train --model ./config.json --policy plan.json");
+      "spillway train --model ./config.json --plan plan.json");
   cmd->add_option("--model", o->model,
-                  "tiny-moe (embedded: 4 layers, hidden 64, 8 experts top-2, first layer dense), "
-                  "small-moe (8 layers, hidden 256, experts of 512), or a Qwen3-MoE-style "
-                  "config.json (GQA, vocab >= 256)")
+                  "tiny-moe (embedded: 4 layers, hidden 64, 8 experts of 32 top-2, first layer "
+                  "dense of 128), small-moe (8 layers, hidden 256, 4 experts of 256 top-2, first "
+                  "layer dense of 512), or a Qwen3-MoE-style config.json (GQA, vocab >= 256); "
+                  "`spillway plan --model` knows the two embedded ones too")
       ->capture_default_str();
   cmd->add_option("--steps", o->steps, "Training steps per policy")->capture_default_str();
   cmd->add_option("--micro-batch", o->micro_batch, "Sequences per step")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "Tokens per sequence (bytes of the corpus)")
       ->capture_default_str();
-  cmd->add_option("--policy", o->policy,
-                  "keep, recompute, offload, selective, hybrid, auto, or a plan JSON file "
-                  "(spillway.plan/1)")
-      ->capture_default_str();
+  CLI::Option* policy_opt =
+      cmd->add_option("--policy", o->policy,
+                      "keep, recompute, offload, selective, hybrid or auto (a plan file: --plan)")
+          ->capture_default_str();
+  cmd->add_option("--plan", *plan_file,
+                  "A plan JSON file (spillway.plan/1, `spillway plan --json`): its per-tensor "
+                  "actions are the policy (as for `spillway simulate --plan`)")
+      ->excludes(policy_opt);
   cmd->add_flag("--compare", o->compare,
                 "Run keep, recompute, offload, selective, hybrid and auto on the same seed and "
                 "print one table");
@@ -75,7 +83,9 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--keep-last", o->keep_last, "Layers at the end that never offload (planner)")
       ->capture_default_str();
-  cmd->add_option("--margin", o->margin, "Planner headroom a copy must leave in its window")
+  cmd->add_option("--margin", *margin,
+                  "Planner headroom a copy must leave in its window: a percentage (10%) or a "
+                  "fraction (0.1), as for `spillway plan`")
       ->capture_default_str();
   cmd->add_flag("--fused-swiglu", o->fused_swiglu,
                 "The fused SwiGLU variant: the MLP saves only its gate and up outputs and the "
@@ -97,7 +107,20 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--json", *json, "Write the per-policy figures as JSON to FILE ('-' for stdout)");
   cmd->add_flag("--quiet", *quiet, "No per-step lines");
-  cmd->callback([o, json, quiet] {
+  cmd->callback([o, json, quiet, margin, plan_file] {
+    o->margin = parse_margin(*margin);
+    if (!plan_file->empty()) {
+      if (plan_file->size() <= 5 || plan_file->substr(plan_file->size() - 5) != ".json")
+        SPILLWAY_INPUT_ERROR(
+            "--plan is '{}'; a plan file is JSON (FILE.json, `spillway plan "
+            "--json FILE.json`)",
+            *plan_file);
+      o->policy = *plan_file;
+    } else if (o->policy.size() > 5 && o->policy.substr(o->policy.size() - 5) == ".json") {
+      // The old spelling of a plan file: still accepted, said once.
+      std::fprintf(stderr, "spillway train: --policy FILE is deprecated; write --plan %s\n",
+                   o->policy.c_str());
+    }
     const bool to_stdout = *json == "-";
     auto progress = [&](const std::string& line) {
       if (!*quiet && !to_stdout) std::fprintf(stderr, "%s\n", line.c_str());

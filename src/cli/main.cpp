@@ -41,6 +41,12 @@ void write_output(const std::string& path, const std::string& text) {
 
 namespace {
 
+bool known_subcommand(CLI::App& app, const char* name) {
+  for (const CLI::App* sub : app.get_subcommands({}))
+    if (sub->check_name(name)) return true;
+  return false;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{fmt::format(
       "spillway: move what does not fit in GPU memory into CPU memory, and bring it back in "
@@ -57,6 +63,18 @@ int run(int argc, char** argv) {
   spillway::cli::add_probe_command(app);
   spillway::cli::add_bench_command(app);
   spillway::cli::add_train_command(app);
+  // A first word that names no subcommand: say which ones exist (CLI11 would only say that
+  // one is required).
+  if (argc >= 2 && argv[1][0] != '-' && !known_subcommand(app, argv[1])) {
+    std::string names;
+    for (const CLI::App* sub : app.get_subcommands({}))
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    std::fprintf(stderr,
+                 "spillway: error: unknown subcommand '%s'; the subcommands are %s (spillway "
+                 "--help)\n",
+                 argv[1], names.c_str());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

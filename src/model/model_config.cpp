@@ -348,14 +348,21 @@ ModelConfig load_model(const std::string& name_or_path) {
       return parse_model_config(parse_json_text(f->text, kWhat, label), e.name, label);
     }
   }
+  // The reference model's embedded configs (data/nn/: tiny-moe, small-moe, what `spillway
+  // train` runs) plan by the same name.
+  if (const EmbeddedFile* f = find_embedded("nn", key + ".json"); f != nullptr) {
+    const std::string label = "data/nn/" + key + ".json";
+    return parse_model_config(parse_json_text(f->text, kWhat, label), key, label);
+  }
   std::error_code ec;
   if (!std::filesystem::exists(name_or_path, ec)) {
     std::string names;
     for (const ModelCatalogEntry& e : model_catalog())
       names += (names.empty() ? "" : ", ") + e.name;
     SPILLWAY_INPUT_ERROR(
-        "model: '{}' is neither a catalog model nor an existing file. Catalog: {} (or pass the "
-        "path of a Hugging Face config.json)",
+        "model: '{}' is neither a catalog model nor an existing file. Catalog: {}; the reference "
+        "models of `spillway train`: tiny-moe, small-moe (or pass the path of a Hugging Face "
+        "config.json)",
         name_or_path, names);
   }
   std::filesystem::path p(name_or_path);

@@ -60,6 +60,24 @@ TEST(Cli, TheFirstPlanANewcomerMeetsIsFeasible) {
   }
 }
 
+TEST(Cli, UnknownSubcommandsQuietWithoutJsonAndReferenceModelsAreAnswered) {
+  // An unknown subcommand names itself and the ones that exist.
+  const CliRun bogus = run("plna --model Qwen3-14B");
+  EXPECT_EQ(bogus.code, 2) << bogus.out;
+  EXPECT_TRUE(contains(bogus.out, "unknown subcommand 'plna'")) << bogus.out;
+  EXPECT_TRUE(contains(bogus.out, "plan, models, hardware, simulate")) << bogus.out;
+  // plan --quiet alone would print nothing: it needs --json.
+  const CliRun quiet = run("plan --quiet");
+  EXPECT_EQ(quiet.code, 2) << quiet.out;
+  EXPECT_TRUE(contains(quiet.out, "--quiet requires --json")) << quiet.out;
+  // The reference models `spillway train` runs plan by name too.
+  for (const char* m : {"tiny-moe", "small-moe"}) {
+    const CliRun r = run(std::string("plan --model ") + m + " --hardware gh200 --seq-len 512");
+    EXPECT_TRUE(r.code == 0 || r.code == 3) << m << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, std::string(m) + " on gh200")) << r.out;
+  }
+}
+
 TEST(Cli, HelpMentionsTheSubcommands) {
   const CliRun r = run("--help");
   EXPECT_EQ(r.code, 0) << r.out;

@@ -295,6 +295,26 @@ TEST(TrainCli, UsageErrorsExitTwo) {
   }
 }
 
+TEST(TrainCli, OneSpellingPerIdeaAcrossSubcommands) {
+  // --margin as plan writes it (10%) and as a fraction; the same plan either way.
+  TempDir dir;
+  const TrainRun pct = run(std::string("train --steps 1 --margin 10% --json - ") + kTiny, dir);
+  ASSERT_EQ(pct.code, 0) << shown(pct);
+  const TrainRun frac = run(std::string("train --steps 1 --margin 0.1 --json - ") + kTiny, dir);
+  ASSERT_EQ(frac.code, 0) << shown(frac);
+  const TrainRun bad = run(std::string("train --steps 1 --margin 5 ") + kTiny, dir);
+  EXPECT_EQ(bad.code, 1) << shown(bad);
+  EXPECT_TRUE(contains(bad.err, "--margin")) << shown(bad);
+  // --plan wants a plan file.
+  const TrainRun not_json = run(std::string("train --steps 1 --plan notes.txt ") + kTiny, dir);
+  EXPECT_EQ(not_json.code, 1) << shown(not_json);
+  EXPECT_TRUE(contains(not_json.err, "--plan is 'notes.txt'")) << shown(not_json);
+  // The help describes the embedded reference models as they are (data/nn/).
+  const TrainRun help = run("train --help", dir);
+  EXPECT_TRUE(contains(help.out, "4 experts of 256 top-2")) << help.out;
+  EXPECT_TRUE(contains(help.out, "8 experts of 32 top-2")) << help.out;
+}
+
 TEST(TrainCli, PlanFileFromSpillwayPlanIsAPolicy) {
   TempDir dir;
   const std::string model = std::string(SPILLWAY_DATA_DIR) + "/nn/tiny-moe.json";
@@ -306,10 +326,18 @@ TEST(TrainCli, PlanFileFromSpillwayPlanIsAPolicy) {
   ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
   ASSERT_TRUE(std::filesystem::exists(plan)) << shown(p);
 
-  const TrainRun r =
+  const TrainRun r = run(
+      "train --model '" + model + "' --plan '" + plan + "' " + kTiny + " --steps 2 --json -", dir);
+  ASSERT_EQ(r.code, 0) << shown(r);
+  EXPECT_FALSE(contains(r.err, "deprecated")) << shown(r);
+  // The old spelling still works and says it is old.
+  const TrainRun old =
       run("train --model '" + model + "' --policy '" + plan + "' " + kTiny + " --steps 2 --json -",
           dir);
-  ASSERT_EQ(r.code, 0) << shown(r);
+  ASSERT_EQ(old.code, 0) << shown(old);
+  EXPECT_TRUE(contains(old.err, "--policy FILE is deprecated; write --plan")) << shown(old);
+  EXPECT_EQ(parse_or_fail(old.out)["policies"][0]["losses"],
+            parse_or_fail(r.out)["policies"][0]["losses"]);
   const Json j = parse_or_fail(r.out);
   ASSERT_TRUE(j.contains("policies")) << r.out.substr(0, 500);
   ASSERT_EQ(j["policies"].size(), 1u);
