@@ -36,7 +36,7 @@ void add_train_command(CLI::App& app) {
       "  spillway train --steps 20\n"
       "  spillway train --policy offload --d2h-gbps 2 --h2d-gbps 2\n"
       "  spillway train --compare --steps 5 --json train.json\n"
-      "  spillway train --policy auto --device-memory-mb 8\n"
+      "  spillway train --policy auto --device-memory-mb 18\n"
       "  spillway train --optimizer offload --device-buckets 2 --d2h-gbps 16 --h2d-gbps 16\n"
       "  spillway plan --model ./config.json --hardware gh200 --json plan.json && "
       "spillway train --model ./config.json --plan plan.json");

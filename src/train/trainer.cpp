@@ -331,27 +331,34 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
   }
   // Note [Auto fits the arena]: the planner's peak leaves out what only the runtime has
   // (backward temporaries, the engine's reload staging, the arena's alignment), so auto
-  // measures its plan: one step without update on an arena large enough, and when the
-  // measured peak exceeds this arena (less 2% for fragmentation), it plans again with
-  // the budget lowered by the excess.
+  // measures its plan: one step without update on the arena the user asked for (never a
+  // larger one: the host reserves the arena), and when the measured peak exceeds it less 2%
+  // for fragmentation, it plans again with the budget lowered by the excess; a plan that
+  // runs out of the arena altogether lowers the budget by a tenth of the arena.
+  const int64_t full = static_cast<int64_t>(o.device_memory_mb * 1048576.0);
   const int64_t arena = static_cast<int64_t>(o.device_memory_mb * 1048576.0 * 0.98);
   TrainOptions probe = o;
   probe.steps = 1;
   probe.lr = 0;
-  probe.device_memory_mb = o.device_memory_mb * 4 + 64;
-  auto fits = [&](const MemoryPolicy& p) {
-    return run_policy(c, probe, p, corpus, nullptr).peak_device_bytes <= arena;
+  // The measured peak, or more than the arena when the plan ran out of it.
+  auto measured_peak = [&](const MemoryPolicy& p) -> int64_t {
+    try {
+      return run_policy(c, probe, p, corpus, nullptr).peak_device_bytes;
+    } catch (const Error&) {
+      return full + full / 10;
+    }
   };
+  auto fits = [&](const MemoryPolicy& p) { return measured_peak(p) <= arena; };
   double budget_gb = *req.hbm_budget_gb;
   for (int attempt = 0; attempt < 4 && plan->summary.feasible; ++attempt) {
     MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
-    const PolicyResult r = run_policy(c, probe, p, corpus, nullptr);
-    if (r.peak_device_bytes <= arena) {
+    const int64_t peak = measured_peak(p);
+    if (peak <= arena) {
       p.note = fmt::format("the planner's fastest plan for a budget of {:.1f} MB", budget_gb * 1e3);
       return p;
     }
-    budget_gb -= static_cast<double>(r.peak_device_bytes - arena) * 1.02 / 1e9;
+    budget_gb -= static_cast<double>(peak - arena) * 1.02 / 1e9;
     if (budget_gb <= 0) break;
     req.hbm_budget_gb = budget_gb;
     *plan = make_plan(req);
@@ -428,11 +435,20 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
   cal.optimizer = "device";  // timing of forward only
   cal.device_buckets = 0;
   cal.undo_mb = -1;
-  cal.device_memory_mb = o.device_memory_mb * 4 + 64;  // timing only: never the limit
+  // Timing only, on the arena the user asked for (recompute is the leanest policy: when it
+  // does not fit, no policy does, and the error says so).
   auto calibrate = [&] {
     Plan plan;
     const MemoryPolicy rec = make_policy(c, o, "recompute", 1.0, corpus, &plan);
-    fwd_ms = mean_layer_fwd_ms(run_policy(c, cal, rec, corpus, nullptr));
+    try {
+      fwd_ms = mean_layer_fwd_ms(run_policy(c, cal, rec, corpus, nullptr));
+    } catch (const Error& e) {
+      SPILLWAY_INPUT_ERROR(
+          "the recompute policy (the leanest) does not fit {} MiB of device memory at "
+          "micro-batch {} x seq {}, so no policy does: raise --device-memory-mb or lower "
+          "--micro-batch or --seq-len ({})",
+          o.device_memory_mb, o.micro_batch, o.seq_len, e.what());
+    }
   };
   for (const std::string& name : names) {
     Plan plan;

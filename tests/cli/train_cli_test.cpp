@@ -295,6 +295,21 @@ TEST(TrainCli, UsageErrorsExitTwo) {
   }
 }
 
+TEST(TrainCli, ReservesTheDeviceMemoryAskedForNotFourTimesIt) {
+  // Calibration and auto's measuring run used to reserve 4 x --device-memory-mb + 64 MiB
+  // of host memory: under a 4 GB address-space limit a 1500 MiB run could not start. The
+  // sanitizers reserve terabytes of shadow address space, so the limit cannot apply there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "an address-space limit does not apply under a sanitizer";
+#else
+  const cli_test::CommandResult c = cli_test::run_command(
+      std::string("ulimit -v 4000000; '") + SPILLWAY_CLI_PATH +
+      "' train --policy auto --device-memory-mb 1500 --steps 1 --quiet " + kTiny + " 2>&1");
+  EXPECT_EQ(c.code, 0) << c.out;
+  EXPECT_FALSE(contains(c.out, "cannot reserve")) << c.out;
+#endif
+}
+
 TEST(TrainCli, OneSpellingPerIdeaAcrossSubcommands) {
   // --margin as plan writes it (10%) and as a fraction; the same plan either way.
   TempDir dir;
