@@ -2,8 +2,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -302,6 +304,43 @@ Policy strategy_of(const std::string& name) {
       name);
 }
 
+// MemAvailable of /proc/meminfo in bytes; 0 when unknown (then nothing is refused by it).
+int64_t host_memory_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+// Note [Work fits before it starts]: the sizes of a run are checked before anything is
+// allocated: the token batch in host memory (the corpus sample, the inputs and the targets:
+// 12 bytes per token) against the host memory available, and the embedding's output (the
+// first activation, hidden x 4 bytes per token) against the device arena; either refusal
+// names the numbers, instead of a std::bad_alloc or an arena error seconds later.
+void check_work_fits(const RefConfig& c, const TrainOptions& o) {
+  const double tokens = static_cast<double>(o.micro_batch) * static_cast<double>(o.seq_len + 1);
+  const double host_bytes = tokens * 12.0;
+  const int64_t available = host_memory_available_bytes();
+  if (available > 0 && host_bytes > 0.5 * static_cast<double>(available))
+    SPILLWAY_FIELD_ERROR("micro_batch", o.micro_batch,
+                         "micro_batch x (seq_len + 1) = {:.0f} tokens need {:.0f} bytes of host "
+                         "memory for the batch alone; {} bytes are available",
+                         tokens, host_bytes, available);
+  const double arena = o.device_memory_mb * 1048576.0;
+  const double first = static_cast<double>(o.micro_batch) * static_cast<double>(o.seq_len) *
+                       static_cast<double>(c.hidden) * 4.0;
+  if (first > arena)
+    SPILLWAY_FIELD_ERROR("micro_batch", o.micro_batch,
+                         "micro_batch x seq_len x hidden ({}) x 4 bytes = {:.0f} bytes for the "
+                         "embedding's output alone; the device arena is {:.0f} bytes "
+                         "(device_memory_mb {})",
+                         c.hidden, first, arena, o.device_memory_mb);
+}
+
 bool is_plan_path(const std::string& p) {
   return p.size() > 5 && p.compare(p.size() - 5, 5, ".json") == 0;
 }
@@ -392,10 +431,32 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
 }  // namespace
 
 std::vector<int32_t> load_corpus(const std::string& path) {
+  // A regular file of a size that fits in memory as tokens (4 bytes each), checked before
+  // reading: a directory, a device such as /dev/zero or a FIFO would never end or fail late.
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status))
+    SPILLWAY_INPUT_ERROR(
+        "--corpus: cannot read '{}': no such file (a text file; byte-level "
+        "tokens)",
+        path);
+  if (!std::filesystem::is_regular_file(status))
+    SPILLWAY_INPUT_ERROR("--corpus: '{}' is not a regular file (a text file; byte-level tokens)",
+                         path);
+  const uintmax_t bytes = std::filesystem::file_size(path, ec);
+  const int64_t available = host_memory_available_bytes();
+  if (ec ||
+      (available > 0 && static_cast<double>(bytes) * 4.0 > 0.5 * static_cast<double>(available)))
+    SPILLWAY_INPUT_ERROR(
+        "--corpus: '{}' is {} bytes: as tokens (4 bytes each) it needs {} bytes, more than half "
+        "of the {} bytes of host memory available",
+        path, bytes, bytes * 4, available);
   std::ifstream in(path, std::ios::binary);
   if (!in)
-    SPILLWAY_INPUT_ERROR("--corpus: cannot read '{}' (a text file; byte-level tokens)", path);
+    SPILLWAY_INPUT_ERROR("--corpus: cannot read '{}': {} (a text file; byte-level tokens)", path,
+                         std::strerror(errno));
   std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(bytes));
   for (std::istreambuf_iterator<char> it(in), end; it != end; ++it)
     out.push_back(static_cast<int32_t>(static_cast<unsigned char>(*it)));
   return out;
@@ -404,6 +465,7 @@ std::vector<int32_t> load_corpus(const std::string& path) {
 TrainReport run(const TrainOptions& o, const std::function<void(const std::string&)>& progress) {
   validate(o);
   const RefConfig c = load_reference_config(o.model);
+  check_work_fits(c, o);
   const int buckets = c.layers() + 2;  // Model::parameter_buckets
   if (o.device_buckets > buckets)
     SPILLWAY_FIELD_ERROR("device_buckets", o.device_buckets,

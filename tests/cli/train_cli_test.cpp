@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -308,6 +309,33 @@ TEST(TrainCli, ReservesTheDeviceMemoryAskedForNotFourTimesIt) {
   EXPECT_EQ(c.code, 0) << c.out;
   EXPECT_FALSE(contains(c.out, "cannot reserve")) << c.out;
 #endif
+}
+
+TEST(TrainCli, WorkThatCannotFitIsRefusedBeforeAnythingIsAllocated) {
+  // Note [Work fits before it starts]: a batch larger than host memory was a
+  // std::bad_alloc after seconds of allocation; a corpus that is a directory or a device
+  // (/dev/zero) failed late or never ended. Each is an input error naming the numbers,
+  // at once.
+  TempDir dir;
+  struct Case {
+    std::string args;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"--micro-batch 100000000", {"--micro-batch is 100000000", "bytes of host memory"}},
+      {"--micro-batch 1000000", {"embedding's output", "--device-memory-mb 256"}},
+      {"--corpus /etc", {"'/etc' is not a regular file"}},
+      {"--corpus /dev/zero", {"'/dev/zero' is not a regular file"}},
+      {"--corpus /no/such/corpus.txt", {"no such file"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const TrainRun r = run("train --steps 1 " + c.args, dir);
+    EXPECT_EQ(r.code, 1) << shown(r);
+    for (const std::string& m : c.says) EXPECT_TRUE(contains(r.err, m)) << m << "\n" << shown(r);
+    EXPECT_FALSE(contains(r.err, "internal error")) << shown(r);
+    EXPECT_FALSE(contains(r.err, "step   1/1")) << "refused before any step\n" << shown(r);
+  }
 }
 
 TEST(TrainCli, OneSpellingPerIdeaAcrossSubcommands) {
