@@ -266,16 +266,42 @@ struct OffloadEngine::Impl {
 
   // Back-pressure: before a copy of `bytes` is enqueued, waits until the copies in flight
   // leave room for it under the bound (with none left in flight it goes, even if larger).
-  void make_room(size_t bytes) {
+  //
+  // Note [Back-pressure and the snowball]: a copy of layer l that must wait for room holds
+  // the host back, not necessarily the device: while the compute stream still has work
+  // (the layer's kernels), the wait costs nothing. When the compute stream runs dry during
+  // the wait (an event recorded on it before the wait is complete after it), the forward
+  // is held back to the link's pace: the oldest copy in flight, of an earlier layer, did
+  // not leave the link in its window. Its layer is late, and the first such layer is where
+  // the backlog starts (end_forward_layer's window test cannot see it: the held-back
+  // forward ends after the copies).
+  void make_room(size_t bytes, int layer) {
     if (opt.inflight_bound_bytes <= 0) return;
     const int64_t need = static_cast<int64_t>(bytes);
     if (inflight + need <= opt.inflight_bound_bytes) return;
     const double t0 = now_ms();
+    const Event busy = take_event();
+    dev.record(busy, compute);
+    int oldest_layer = -1;
     while (inflight + need > opt.inflight_bound_bytes && d2h_head < d2h_pending.size()) {
-      dev.synchronize(slots[static_cast<size_t>(d2h_pending[d2h_head])].d2h_done);
+      const Slot& oldest = slots[static_cast<size_t>(d2h_pending[d2h_head])];
+      if (oldest_layer < 0) oldest_layer = oldest.layer;
+      dev.synchronize(oldest.d2h_done);
       poll();
     }
+    if (oldest_layer >= 0 && oldest_layer < layer && dev.query(busy)) mark_late(oldest_layer);
+    Event e = busy;
+    give_event(e);
     tel.backpressure_ms += now_ms() - t0;
+  }
+
+  void mark_late(int layer) {
+    if (static_cast<size_t>(layer) >= tel.layers.size()) return;
+    tel.layers[static_cast<size_t>(layer)].late = true;
+    if (!tel.snowball || layer < *tel.snowball_first_layer) {
+      tel.snowball = true;
+      tel.snowball_first_layer = layer;
+    }
   }
 
   // Forward, both modes: a pinned block and the D2H copy of slot `id` after the compute
@@ -290,7 +316,7 @@ struct OffloadEngine::Impl {
       return false;
     }
     ++tel.tensors_offloaded;
-    make_room(s.bytes);
+    make_room(s.bytes, s.layer);
     Event produced = take_event();
     dev.record(produced, compute);
     dev.wait(d2h, produced);

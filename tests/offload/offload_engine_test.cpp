@@ -476,9 +476,11 @@ TEST(OffloadEngine, MisuseIsAnError) {
 
 // Layers of `compute_ms` each produce `bytes`; copies at `gbps`. Snowball iff the copy
 // of a layer does not fit the next layer's forward (DESIGN: V / B > T_fwd(l + 1)).
-StepTelemetry window_run(double gbps, size_t bytes, double compute_ms, int layers) {
+StepTelemetry window_run(double gbps, size_t bytes, double compute_ms, int layers,
+                         int64_t inflight_bound = 0) {
   Rig r(gbps, 0.0);
   OffloadOptions o;
+  o.inflight_bound_bytes = inflight_bound;
   o.pinned_bytes = static_cast<int64_t>(bytes) * layers + (int64_t{8} << 20);
   o.device_pool_bytes = static_cast<int64_t>(bytes) * layers + (int64_t{8} << 20);
   OffloadEngine e(*r.dev, r.compute, MemoryPolicy::uniform(layers, {"mlp.act"}), o);
@@ -521,6 +523,24 @@ TEST(OffloadEngine, SnowballReportedAtTheFirstLayerAsThePlannerPredicts) {
   EXPECT_EQ(*over.snowball_first_layer, 0);
   // The backlog grows layer over layer.
   EXPECT_GT(over.layers[8].backlog_bytes, over.layers[2].backlog_bytes);
+}
+
+TEST(OffloadEngine, UnderBackPressureTheSnowballIsTheLayerWhereTheBacklogStarts) {
+  // Note [Back-pressure and the snowball]: with copies in flight bounded at one layer, a
+  // link 4x too slow holds the forward back at each offload, so every copy ends before the
+  // next layer's forward does; the snowball is still there (the forward runs at the link's
+  // pace) and starts at layer 0, as the planner says, not at the last offloading layer.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "wall-clock windows: a sanitizer slows copies and compute unevenly";
+#endif
+  const size_t bytes = 1 << 20;
+  const StepTelemetry over = window_run(1.0 / 32.0, bytes, 8.0, 8, static_cast<int64_t>(bytes));
+  ASSERT_TRUE(over.snowball);
+  EXPECT_EQ(*over.snowball_first_layer, 0);
+  EXPECT_GT(over.backpressure_ms, 0.0);
+  // A link with room to spare never waits and reports nothing.
+  const StepTelemetry fits = window_run(1.0, bytes, 20.0, 8, static_cast<int64_t>(bytes));
+  EXPECT_FALSE(fits.snowball);
 }
 
 }  // namespace
