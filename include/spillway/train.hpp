@@ -79,6 +79,9 @@ struct PolicyResult {
   double predicted_step_ms = 0;
   int64_t predicted_peak_bytes = 0;
   bool predicted_feasible = true;
+  // False for a plan file: its prediction is the file's own (its hardware, its layer
+  // times), not calibrated to this run's measured layers.
+  bool prediction_calibrated = true;
   std::string plan_note;               // e.g. "auto chose recompute in 3 layers, offload in 1"
   std::vector<float> final_gradients;  // of the last step (for identity checks)
   // The optimizer's median time after backward (steps after the first: the model's AdamW,

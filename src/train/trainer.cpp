@@ -533,6 +533,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
     r.predicted_step_ms = plan.summary.step_ms;
     r.predicted_peak_bytes = plan.summary.peak.total();
     r.predicted_feasible = plan.summary.feasible;
+    r.prediction_calibrated = !is_plan_path(name);
     rep.policies.push_back(std::move(r));
   }
   const PolicyResult* ref = nullptr;
@@ -594,7 +595,8 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
         ratio(p.step_ms, keep, false), ratio(p.step_ms, rec, false), mb(p.offloaded_bytes),
         p.stall_ms,
         p.snowball ? fmt::format("layer {}", p.snowball_layer.value_or(-1)) : std::string("no"),
-        mb(p.predicted_peak_bytes), fmt::format("{:.2f}", p.predicted_step_ms));
+        mb(p.predicted_peak_bytes),
+        fmt::format("{:.2f}{}", p.predicted_step_ms, p.prediction_calibrated ? "" : "*"));
   }
   out += "\n";
   for (const PolicyResult& p : r.policies) {
@@ -640,6 +642,13 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
             "gradients, the fp32 copy the reference ops compute with, and the split's state"
           : "",
       o.compare ? "of the keep run" : "of a calibration run");
+  for (const PolicyResult& p : r.policies) {
+    if (p.prediction_calibrated) continue;
+    out +=
+        "*: a plan file's own prediction (its hardware and layer times), not calibrated to this "
+        "run\n";
+    break;
+  }
   if (o.optimizer == "offload")
     out +=
         "optimizer offload: fp32 master weights and moments in host memory, stepped on the CPU "
@@ -686,6 +695,7 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
     q["predicted_step_ms"] = p.predicted_step_ms;
     q["predicted_peak_bytes"] = p.predicted_peak_bytes;
     q["predicted_feasible"] = p.predicted_feasible;
+    q["prediction_calibrated"] = p.prediction_calibrated;
     q["actions"] = p.plan_note;
     q["optimizer_ms"] = p.optimizer_ms;
     if (o.optimizer == "offload") {

@@ -387,6 +387,11 @@ TEST(TrainCli, PlanFileFromSpillwayPlanIsAPolicy) {
   const Json& q = j["policies"][0];
   EXPECT_EQ(q.value("name", ""), plan);
   EXPECT_GT(q.value("offloaded_bytes", int64_t{0}), 0) << q.dump(2);
+  // The file's prediction is its own, not this run's calibration, and the report says so.
+  EXPECT_FALSE(q.value("prediction_calibrated", true)) << q.dump(2);
+  const TrainRun table =
+      run("train --model '" + model + "' --plan '" + plan + "' " + kTiny + " --steps 2", dir);
+  EXPECT_TRUE(contains(table.out, "not calibrated to this run")) << shown(table);
   EXPECT_FALSE(contains(q.value("actions", ""), " 0 offloaded")) << q.dump(2);
 
   // The plan changes where tensors live, never the math: the same losses as keep.
