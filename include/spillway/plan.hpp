@@ -33,6 +33,20 @@ namespace spillway {
 // best per layer (Policy::kAuto); LayerPlan::policy what it chose (never kAuto). One
 // vocabulary with the engines (spillway/policy.hpp).
 
+// The physical ranges of a request's rates and times (make_plan refuses others, naming the
+// field; the CLI states them in --help): bandwidths from 1 KB/s to 1 PB/s, an HBM budget
+// from 1 MB to 1 EB, a layer time from 1 ps to 10^9 ms, a prefetch depth up to 64. Sizes
+// are >= 1 and their products must not overflow.
+struct PlanLimits {
+  static constexpr double kMinGbps = 1e-6;
+  static constexpr double kMaxGbps = 1e6;
+  static constexpr double kMinBudgetGb = 1e-3;
+  static constexpr double kMaxBudgetGb = 1e9;
+  static constexpr double kMinLayerMs = 1e-9;
+  static constexpr double kMaxLayerMs = 1e9;
+  static constexpr int kMaxPrefetchDepth = 64;
+};
+
 // Roofline efficiency factors: the fraction of peak a kernel class reaches.
 // Defaults: GEMMs 0.70 of dense peak, fused attention 0.50, memory-bound kernels 0.80 of
 // HBM bandwidth. All overridable (--gemm-efficiency, --attention-efficiency, --hbm-efficiency).

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
@@ -17,7 +18,7 @@ void add_plan_command(CLI::App& app) {
     PlanFlags flags;
     std::string json_path;
     bool quiet = false;
-    double cpu_adam_gbps = 0.0;
+    std::optional<double> cpu_adam_gbps;  // unset: no split reported
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -68,8 +69,8 @@ void add_plan_command(CLI::App& app) {
     const Plan plan = make_plan(req);
     if (!st->quiet && st->json_path != "-") {
       std::string report = format_plan_report(plan, req);
-      if (st->cpu_adam_gbps != 0.0) {
-        const OptimizerSplit s = plan_optimizer_split(plan, req, st->cpu_adam_gbps);
+      if (st->cpu_adam_gbps) {  // given, even as 0: then refused, never silently dropped
+        const OptimizerSplit s = plan_optimizer_split(plan, req, *st->cpu_adam_gbps);
         report += fmt::format(
             "\noptimizer offload (CPU AdamW at {:.1f} GB/s of state): keep the optimizer step of "
             "the first {} of {} layers on the GPU ({} of fp32 state, {} of HBM free): the step "

@@ -48,7 +48,7 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--steps", o->steps, "Training steps per policy")->capture_default_str();
   cmd->add_option("--micro-batch", o->micro_batch, "Sequences per step")->capture_default_str();
-  cmd->add_option("--seq-len", o->seq_len, "Tokens per sequence (bytes of the corpus)")
+  cmd->add_option("--seq-len", o->seq_len, "Tokens per sequence (bytes of the corpus) [2, 4096]")
       ->capture_default_str();
   CLI::Option* policy_opt =
       cmd->add_option("--policy", o->policy,
@@ -65,13 +65,13 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--device-memory-mb", o->device_memory_mb,
                   "Capacity of the emulated device memory in MiB (2^20 bytes; the budget: "
-                  "exceeding it is an error naming the policy and the bytes)")
+                  "exceeding it is an error naming the policy and the bytes) [1, 1000000]")
       ->capture_default_str();
   cmd->add_option("--d2h-gbps", o->d2h_gbps,
-                  "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: none)")
+                  "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: none) [1e-06, 1000000]")
       ->capture_default_str();
   cmd->add_option("--h2d-gbps", o->h2d_gbps,
-                  "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: none)")
+                  "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: none) [1e-06, 1000000]")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the initial weights and of the batches")
       ->capture_default_str();

@@ -10,9 +10,10 @@ namespace spillway {
 
 OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request,
                                     double cpu_adam_gbps) {
-  if (!(cpu_adam_gbps > 0.0))
+  if (!(cpu_adam_gbps >= PlanLimits::kMinGbps && cpu_adam_gbps <= PlanLimits::kMaxGbps))
     SPILLWAY_FIELD_ERROR("cpu_adam_gbps", cpu_adam_gbps,
-                         "must be > 0 (the state GB/s `spillway bench adam` reports)");
+                         "must be in [{}, {}] (the state GB/s `spillway bench adam` reports)",
+                         PlanLimits::kMinGbps, PlanLimits::kMaxGbps);
   OptimizerSplit s;
   s.cpu_adam_gbps = cpu_adam_gbps;
   s.layers = static_cast<int>(plan.layers.size());

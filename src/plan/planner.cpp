@@ -79,6 +79,7 @@ struct Stage {
 // (sizes, divisibility, ranges).
 void validate(const PlanRequest& r) {
   const ShardShape& s = r.work.shape;
+  using L = PlanLimits;
   auto pos = [](const char* field, int64_t v) {
     if (v < 1) SPILLWAY_FIELD_ERROR(field, v, "must be >= 1");
   };
@@ -122,13 +123,15 @@ void validate(const PlanRequest& r) {
   frac("efficiency.gemm", r.efficiency.gemm);
   frac("efficiency.attention", r.efficiency.attention);
   frac("efficiency.hbm", r.efficiency.hbm);
-  auto positive = [](const char* field, const std::optional<double>& v) {
-    if (v && !(*v > 0.0 && std::isfinite(*v))) SPILLWAY_FIELD_ERROR(field, *v, "must be > 0");
+  // Physical ranges: a value outside them would print absurd figures, not a plan.
+  auto within = [](const char* field, const std::optional<double>& v, double lo, double hi) {
+    if (v && !(*v >= lo && *v <= hi))
+      SPILLWAY_FIELD_ERROR(field, *v, "must be in [{}, {}]", lo, hi);
   };
-  positive("d2h_gbps", r.d2h_gbps);
-  positive("h2d_gbps", r.h2d_gbps);
-  positive("hbm_budget_gb", r.hbm_budget_gb);
-  positive("layer_fwd_ms", r.layer_fwd_ms);
+  within("d2h_gbps", r.d2h_gbps, L::kMinGbps, L::kMaxGbps);
+  within("h2d_gbps", r.h2d_gbps, L::kMinGbps, L::kMaxGbps);
+  within("hbm_budget_gb", r.hbm_budget_gb, L::kMinBudgetGb, L::kMaxBudgetGb);
+  within("layer_fwd_ms", r.layer_fwd_ms, L::kMinLayerMs, L::kMaxLayerMs);
   if (r.layer_fwd_ms && !r.profile.empty()) {
     SPILLWAY_FIELD_ERROR("layer_fwd_ms", *r.layer_fwd_ms,
                          "must be unset when profile is given (both calibrate layer times)");
@@ -139,6 +142,9 @@ void validate(const PlanRequest& r) {
   }
   if (r.prefetch_depth < 1)
     SPILLWAY_FIELD_ERROR("prefetch_depth", r.prefetch_depth, "must be >= 1");
+  if (r.prefetch_depth > L::kMaxPrefetchDepth)
+    SPILLWAY_FIELD_ERROR("prefetch_depth", r.prefetch_depth, "must be in [1, {}]",
+                         L::kMaxPrefetchDepth);
 }
 
 // Parameters of one layer on one GPU: experts split over ep * tp, the rest over tp.

@@ -38,8 +38,14 @@ void validate(const TrainOptions& o) {
   at_least("micro_batch", o.micro_batch, 1);
   at_least("seq_len", o.seq_len, 2);
   at_least("device_memory_mb", o.device_memory_mb, 1);
-  at_least("d2h_gbps", o.d2h_gbps, 0);
-  at_least("h2d_gbps", o.h2d_gbps, 0);
+  // A throttle is 0 (none) or a link speed with a meaning (1e-300 GB/s would never end).
+  auto throttle = [](const char* field, double v) {
+    if (!(v == 0.0 || (v >= PlanLimits::kMinGbps && v <= PlanLimits::kMaxGbps)))
+      SPILLWAY_FIELD_ERROR(field, v, "must be 0 (no throttle) or in [{}, {}]", PlanLimits::kMinGbps,
+                           PlanLimits::kMaxGbps);
+  };
+  throttle("d2h_gbps", o.d2h_gbps);
+  throttle("h2d_gbps", o.h2d_gbps);
   at_least("prefetch_depth", o.prefetch_depth, 0);
   at_least("keep_last", o.keep_last, 0);
   at_least("margin", o.margin, 0);

@@ -348,6 +348,12 @@ TEST(TrainCli, OneSpellingPerIdeaAcrossSubcommands) {
   const TrainRun bad = run(std::string("train --steps 1 --margin 5 ") + kTiny, dir);
   EXPECT_EQ(bad.code, 1) << shown(bad);
   EXPECT_TRUE(contains(bad.err, "--margin")) << shown(bad);
+  // A throttle is none (0) or a link speed with a meaning.
+  const TrainRun slow = run(std::string("train --steps 1 --d2h-gbps 1e-300 ") + kTiny, dir);
+  EXPECT_EQ(slow.code, 1) << shown(slow);
+  EXPECT_TRUE(
+      contains(slow.err, "--d2h-gbps is 1e-300; must be 0 (no throttle) or in [1e-06, 1000000]"))
+      << shown(slow);
   // --plan wants a plan file.
   const TrainRun not_json = run(std::string("train --steps 1 --plan notes.txt ") + kTiny, dir);
   EXPECT_EQ(not_json.code, 1) << shown(not_json);

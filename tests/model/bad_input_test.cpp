@@ -397,23 +397,30 @@ TEST(BadRequest, MarginEfficiencyAndLinkFigures) {
     h.efficiency.hbm = e;
     expect_error([&] { (void)make_plan(h); }, {"efficiency.hbm is"});
   }
-  for (double v : {0.0, -1.0, inf, nan}) {
+  // Physical ranges (PlanLimits): zero, negative, infinite and NaN values, and values
+  // beyond them (1e-300 GB/s would print a 300-digit step time).
+  for (double v : {0.0, -1.0, inf, nan, 1e-300, 1e300}) {
     PlanRequest d = base_request();
     d.d2h_gbps = v;
-    expect_error([&] { (void)make_plan(d); }, {"d2h_gbps is", "must be > 0"});
+    expect_error([&] { (void)make_plan(d); }, {"d2h_gbps is", "must be in [1e-06, 1000000]"});
     PlanRequest h = base_request();
     h.h2d_gbps = v;
-    expect_error([&] { (void)make_plan(h); }, {"h2d_gbps is", "must be > 0"});
+    expect_error([&] { (void)make_plan(h); }, {"h2d_gbps is", "must be in [1e-06, 1000000]"});
     PlanRequest b = base_request();
     b.hbm_budget_gb = v;
-    expect_error([&] { (void)make_plan(b); }, {"hbm_budget_gb is", "must be > 0"});
+    expect_error([&] { (void)make_plan(b); },
+                 {"hbm_budget_gb is", "must be in [0.001, 1000000000]"});
     PlanRequest f = base_request();
     f.layer_fwd_ms = v;
-    expect_error([&] { (void)make_plan(f); }, {"layer_fwd_ms is", "must be > 0"});
+    expect_error([&] { (void)make_plan(f); },
+                 {"layer_fwd_ms is", "must be in [1e-09, 1000000000]"});
   }
   PlanRequest d = base_request();
   d.d2h_gbps = 0.0;
-  EXPECT_EQ(plan_error(d), "d2h_gbps is 0; must be > 0");
+  EXPECT_EQ(plan_error(d), "d2h_gbps is 0; must be in [1e-06, 1000000]");
+  PlanRequest deep = base_request();
+  deep.prefetch_depth = 65;
+  EXPECT_EQ(plan_error(deep), "prefetch_depth is 65; must be in [1, 64]");
 }
 
 TEST(BadRequest, TwoCalibrations) {
@@ -524,7 +531,7 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
       {plan_with([](PlanRequest& r) { r.efficiency.gemm = 1.5; }), "efficiency.gemm",
        "efficiency.gemm is 1.5; must be in (0, 1]"},
       {plan_with([](PlanRequest& r) { r.hbm_budget_gb = -1.0; }), "hbm_budget_gb",
-       "hbm_budget_gb is -1; must be > 0"},
+       "hbm_budget_gb is -1; must be in [0.001, 1000000000]"},
       {plan_with([](PlanRequest& r) { r.keep_last_layers = 0; }), "keep_last_layers",
        "keep_last_layers is 0; must be >= 1 (the last layer never offloads)"},
       {plan_with([](PlanRequest& r) { r.prefetch_depth = 0; }), "prefetch_depth",
@@ -538,7 +545,8 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
          (void)plan_optimizer_split(make_plan(r), r, -1.0);
        },
        "cpu_adam_gbps",
-       "cpu_adam_gbps is -1; must be > 0 (the state GB/s `spillway bench adam` reports)"},
+       "cpu_adam_gbps is -1; must be in [1e-06, 1000000] (the state GB/s `spillway bench adam` "
+       "reports)"},
       {simulate(3, 2, 0), "gpus_per_link", "gpus_per_link is 2; must be >= 1 and divide gpus (3)"},
       {simulate(2000, 1, 0), "gpus", "gpus is 2000; must be in [1, 1024]"},
       {simulate(1, 1, 65), "depth", "depth is 65; must be in [1, 64]"},
