@@ -127,7 +127,7 @@ void add_train_command(CLI::App& app) {
     };
     const train::TrainReport r = train::run(*o, progress);
     if (!json->empty()) write_output(*json, train::train_report_json(r, *o));
-    if (!to_stdout) std::fputs(train::format_train_report(r, *o).c_str(), stdout);
+    if (!to_stdout) write_output("-", train::format_train_report(r, *o));
   });
 }
 

@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
+#include "cli/output.hpp"  // write_output: every output of every subcommand
+
 namespace spillway::cli {
 
 // Note [Units at the edges]: a flag says its unit in its name and its --help, one meaning
@@ -26,9 +28,5 @@ void add_simulate_command(CLI::App& app);
 void add_probe_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_train_command(CLI::App& app);
-
-// Writes `text` to `path` atomically (a temporary file renamed into place), or to stdout
-// when path is "-". A failed write leaves nothing half-written behind.
-void write_output(const std::string& path, const std::string& text);
 
 }  // namespace spillway::cli

@@ -1,43 +1,16 @@
 // The spillway command: plan, models, hardware (more engines add subcommands).
 // Exit codes: 0 success, 1 an error in the input or the run (message on stderr), 2 a
-// command-line usage error.
+// command-line usage error. An output that cannot be written (a full device, a directory,
+// a closed pipe) is an error: exit 1, the message naming the path and the system's reason.
+// When stdout's reader has gone (`spillway models | head -c1`) the command exits 1 without
+// a message: SIGPIPE is ignored, so it never dies of the signal (status 141).
+#include <csignal>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 
 #include "cli/commands.hpp"
+#include "cli/output.hpp"
 #include "cli/plan_flags.hpp"
 #include "spillway/error.hpp"
-
-namespace spillway::cli {
-
-void write_output(const std::string& path, const std::string& text) {
-  if (path == "-") {
-    std::fwrite(text.data(), 1, text.size(), stdout);
-    std::fflush(stdout);
-    return;
-  }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) SPILLWAY_INPUT_ERROR("cannot write '{}': {}", tmp, std::strerror(errno));
-    out << text;
-    out.close();
-    if (!out) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      SPILLWAY_INPUT_ERROR("cannot write '{}'", path);
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    SPILLWAY_INPUT_ERROR("cannot write '{}': {}", path, ec.message());
-  }
-}
-
-}  // namespace spillway::cli
 
 namespace {
 
@@ -82,6 +55,8 @@ int run(int argc, char** argv) {
     // the command); every other command-line error is a usage error: 2.
     const int code = app.exit(e);
     return code == 0 || code == 3 ? code : 2;
+  } catch (const spillway::cli::StdoutClosed&) {
+    return 1;
   } catch (const spillway::InputError& e) {
     // The library names the field; the user gave a flag (Note [Field names and flags]).
     std::fprintf(stderr, "spillway: error: %s\n", spillway::cli::message_with_flags(e).c_str());
@@ -96,13 +71,33 @@ int run(int argc, char** argv) {
   return 0;
 }
 
+// stdout is flushed and closed before the command returns, so that a report lost to a
+// full device or a closed pipe is not a success; after a failure already reported, the
+// command keeps its status and says nothing more.
+int finish(int code) {
+  try {
+    spillway::cli::finish_stdout();
+  } catch (const spillway::cli::StdoutClosed&) {
+    return code != 0 ? code : 1;
+  } catch (const std::exception& e) {
+    if (code == 0) std::fprintf(stderr, "spillway: error: %s\n", e.what());
+    return code != 0 ? code : 1;
+  }
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write to a closed pipe fails with EPIPE and a write past the file size limit with
+  // EFBIG, reported as errors, instead of killing the process.
+  std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGXFSZ, SIG_IGN);
+  int code = 1;
   try {
-    return run(argc, argv);
+    code = run(argc, argv);
   } catch (...) {
     std::fprintf(stderr, "spillway: internal error while setting up the command line\n");
-    return 1;
   }
+  return finish(code);
 }

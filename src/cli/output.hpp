@@ -1,0 +1,28 @@
+// Every byte the spillway command writes goes through here: a report on stdout, a --json,
+// --trace or --plot file. Each write, flush and close is checked; a failure throws
+// spillway::Error naming the path and the system's reason (strerror of the errno the
+// failing call left), and a file output is never left half-written (Note [Atomic output]).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace spillway::cli {
+
+// Thrown when stdout's reader has gone (EPIPE): main exits 1 without a message, as a
+// command killed by SIGPIPE would be quiet, but with a status below 128.
+class StdoutClosed : public std::runtime_error {
+ public:
+  StdoutClosed() : std::runtime_error("stdout: the reader has gone (EPIPE)") {}
+};
+
+// Writes `text` to `path`, or to stdout when path is "-" or "/dev/stdout" (flushed). A
+// regular file is written atomically (Note [Atomic output]); an existing device, FIFO or
+// socket (/dev/full, a named pipe) and any path under /dev/ or /proc/ are written in place;
+// a directory is an error.
+void write_output(const std::string& path, const std::string& text);
+
+// Flushes and closes stdout at the end of main; throws as write_output("-") does.
+void finish_stdout();
+
+}  // namespace spillway::cli
