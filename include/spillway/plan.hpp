@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "spillway/hardware.hpp"
@@ -194,7 +195,26 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& request);
 // Reads a plan written by plan_to_json back, with the request fields the engines and the
 // simulator need (model and hardware names, HBM bandwidth, workload, prefetch depth).
 // Every field is validated; a plan of another schema version is refused.
+// Beyond the fields, the plan must hold together: its layers are the first pipeline stage
+// in order (0, 1, ..., none dropped or repeated; as many as model.layers / pp), each
+// tensor name is one of docs/plan-schema.md and fits the layer's block, no name repeats in
+// a layer, and a tensor's bytes are its shape times its dtype's size. An error names the
+// field and its value.
 Plan load_plan_json(const std::string& path, PlanRequest* request);
+// The same from JSON text; `path` names it in messages.
+Plan parse_plan_json(std::string_view text, const std::string& path, PlanRequest* request);
+// Checks a plan read by load_plan_json (with its request `planned`) against the model and
+// workload it is used with (`used_with`: model, work). Compared, in order: the model (the
+// first stage's layer count, hidden size); the workload (micro_batch, seq_len, dtype, tp,
+// ep, cp, pp, dp, fused_swiglu); per layer, its index, and its tensors against the
+// model's inventory for that workload (the same names; each one's bytes, shape and
+// dtype). Throws spillway::Error naming what differs and both values, e.g.
+//   plan.json: made for micro_batch 2; used with micro_batch 4
+//   plan.json: layer 3 tensor "mlp.act" is 1048576 bytes ([2048, 256] bf16); the model's is
+//   2097152 bytes ([2048, 512] bf16)
+// `plan_name` starts every message (the file name).
+void check_plan_matches(const Plan& plan, const PlanRequest& planned, const PlanRequest& used_with,
+                        std::string_view plan_name);
 // The human report: a table per layer and the summary.
 std::string format_plan_report(const Plan& plan, const PlanRequest& request);
 

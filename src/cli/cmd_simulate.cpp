@@ -68,11 +68,12 @@ void add_simulate_command(CLI::App& app) {
       ->group("Output");
   cmd->add_option("--json", st->json_path, "Write the summary JSON to FILE ('-' for stdout)")
       ->group("Output");
-  cmd->callback([st]() {
+  cmd->callback([st, cmd]() {
     PlanRequest req;
     Plan plan;
     if (!st->plan_path.empty()) {
       plan = load_plan_json(st->plan_path, &req);
+      refuse_flags_beside_plan(*cmd, st->flags, plan, req, st->plan_path);
     } else {
       req = make_request(st->flags);
       plan = make_plan(req);

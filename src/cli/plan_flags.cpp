@@ -3,6 +3,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 
 #include "spillway/error.hpp"
 
@@ -280,6 +281,68 @@ PlanRequest make_request(const PlanFlags& f) {
   r.hardware = load_hardware(f.hardware);
   if (!f.profile.empty()) r.profile = load_profile(f.profile);
   return r;
+}
+
+void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Plan& plan,
+                              const PlanRequest& planned, const std::string& plan_path) {
+  const auto given = [&](const char* flag) { return cmd.count(flag) > 0; };
+  const auto agree = [&](const char* flag, std::string_view field, const auto& value,
+                         const auto& in_plan) {
+    if (given(flag) && !(value == in_plan)) {
+      SPILLWAY_INPUT_ERROR(
+          "{} is {}; the plan {} was made for {} {} (drop {} or plan again with it)", flag, value,
+          plan_path, field, in_plan, flag);
+    }
+  };
+  for (const char* flag : {"--layer-fwd-ms", "--profile", "--gemm-efficiency",
+                           "--attention-efficiency", "--hbm-efficiency"}) {
+    if (given(flag)) {
+      SPILLWAY_INPUT_ERROR(
+          "{} has no effect with --plan {}: the plan's times are already calibrated (plan again "
+          "with {})",
+          flag, plan_path, flag);
+    }
+  }
+  const ShardShape& s = planned.work.shape;
+  agree("--micro-batch", "micro_batch", f.micro_batch, s.micro_batch);
+  agree("--seq-len", "seq_len", f.seq_len, s.seq_len);
+  if (given("--dtype"))
+    agree("--dtype", "dtype", to_string(parse_dtype(f.dtype)), to_string(s.dtype));
+  agree("--tp", "tp", f.tp, s.tp);
+  agree("--ep", "ep", f.ep, s.ep);
+  agree("--cp", "cp", f.cp, s.cp);
+  agree("--pp", "pp", f.pp, planned.work.pp);
+  agree("--dp", "dp", f.dp, planned.work.dp);
+  agree("--grad-accum", "grad_accum", f.grad_accum, planned.work.grad_accum);
+  agree("--fused-swiglu", "fused_swiglu", f.fused_swiglu, s.fused_swiglu);
+  if (given("--strategy")) {
+    agree("--strategy", "strategy", to_string(parse_policy(f.strategy)),
+          to_string(planned.strategy));
+  }
+  if (given("--margin")) {
+    const double m = parse_margin(f.margin);
+    if (std::abs(m - planned.margin) > 1e-12) {
+      agree("--margin", "margin", f.margin, fmt::format("{}", planned.margin));
+    }
+  }
+  agree("--keep-last", "keep_last_layers", f.keep_last, planned.keep_last_layers);
+  agree("--prefetch-depth", "prefetch_depth", f.prefetch_depth, planned.prefetch_depth);
+  if (f.d2h_gbps) agree("--d2h-gbps", "d2h_gbps", *f.d2h_gbps, plan.summary.d2h_gbps);
+  if (f.h2d_gbps) agree("--h2d-gbps", "h2d_gbps", *f.h2d_gbps, plan.summary.h2d_gbps);
+  if (f.hbm_budget_gb &&
+      std::llabs(std::llround(*f.hbm_budget_gb * 1e9) - plan.summary.hbm_budget_bytes) > 1) {
+    agree("--hbm-budget-gb", "hbm_budget_gb", *f.hbm_budget_gb,
+          static_cast<double>(plan.summary.hbm_budget_bytes) / 1e9);
+  }
+  if (given("--hardware")) {
+    agree("--hardware", "hardware", load_hardware(f.hardware).name, planned.hardware.name);
+  }
+  if (given("--model")) {
+    PlanRequest used = planned;
+    used.model = load_model(f.model);
+    agree("--model", "model", used.model.name, planned.model.name);
+    check_plan_matches(plan, planned, used, plan_path);
+  }
 }
 
 }  // namespace spillway::cli

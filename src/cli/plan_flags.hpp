@@ -38,6 +38,14 @@ struct PlanFlags {
 void add_plan_flags(CLI::App& cmd, PlanFlags& f);
 // Loads the model, the hardware profile and the calibration; validates every value.
 PlanRequest make_request(const PlanFlags& f);
+// Note [Flags beside a plan file]: a command given a plan file (simulate --plan) takes the
+// model, the workload and the options from the plan; a plan flag given beside it must
+// agree with the plan's value (an equal one is fine), else it would be silently ignored.
+// A flag the plan does not record (calibration) is refused. With --model, the plan is
+// also checked against that model (check_plan_matches). Throws spillway::Error naming the
+// flag and both values.
+void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Plan& plan,
+                              const PlanRequest& planned, const std::string& plan_path);
 // "10%" -> 0.10, "0.1" -> 0.10; anything else is an error naming --margin.
 double parse_margin(const std::string& text);
 

@@ -1,10 +1,16 @@
 // The plan as JSON, schema spillway.plan/1 (documented field by field in
 // docs/plan-schema.md). Bytes are integers, times are milliseconds.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
+#include <set>
+#include <string_view>
 
 #include "core/json_io.hpp"
+#include "spillway/error.hpp"
+#include "spillway/inventory.hpp"
 #include "spillway/plan.hpp"
 
 namespace spillway {
@@ -13,6 +19,72 @@ namespace {
 // JSON has no infinity: a margin with nothing offloaded is written as null.
 Json finite_or_null(double v) {
   return std::isfinite(v) ? Json(v) : Json(nullptr);
+}
+
+// Every saved-tensor name of docs/plan-schema.md ("Tensor names"), and the block kind a
+// name needs ("" = any block).
+struct KnownTensor {
+  std::string_view name;
+  std::string_view needs;
+};
+constexpr KnownTensor kKnownTensors[] = {
+    {"attn.input", ""},         {"attn.norm_out", ""},
+    {"attn.q_latent", "mla"},   {"attn.kv_latent", "mla"},
+    {"attn.qkv_out", ""},       {"attn.out_proj_in", ""},
+    {"attn.core_lse", ""},      {"mlp.input", ""},
+    {"mlp.norm_out", ""},       {"moe.router_probs", "moe"},
+    {"moe.topk_idx", "moe"},    {"moe.topk_weights", "moe"},
+    {"moe.dispatch_in", "moe"}, {"mlp.gate_out", ""},
+    {"mlp.up_out", ""},         {"mlp.act", ""},
+    {"moe.expert_out", "moe"},
+};
+
+// Bytes of one element of a tensor dtype as the plan writes it; 0 when unknown.
+int64_t tensor_dtype_bytes(std::string_view dtype) {
+  if (dtype == "bf16" || dtype == "fp16") return 2;
+  if (dtype == "fp8") return 1;
+  if (dtype == "fp32" || dtype == "int32") return 4;
+  return 0;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+// Checks one tensor of a plan layer on its own: a known name that fits the layer's block,
+// a known dtype, and bytes = shape x dtype size.
+void check_tensor(const JsonObject& t, const TensorPlan& tp, const std::string& block) {
+  const auto known = std::find_if(std::begin(kKnownTensors), std::end(kKnownTensors),
+                                  [&](const KnownTensor& k) { return k.name == tp.name; });
+  if (known == std::end(kKnownTensors)) {
+    t.fail("name",
+           fmt::format("is \"{}\"; not a tensor name of spillway.plan/1 (docs/plan-schema.md)",
+                       tp.name));
+  }
+  if (!known->needs.empty() && !block.empty() && block.find(known->needs) == std::string::npos) {
+    t.fail("name", fmt::format("is \"{}\"; a {} tensor in a layer of block \"{}\"", tp.name,
+                               known->needs, block));
+  }
+  const int64_t elem = tensor_dtype_bytes(tp.dtype);
+  if (!tp.dtype.empty() && elem == 0) {
+    t.fail("dtype", fmt::format("is \"{}\"; must be bf16, fp16, fp8, fp32 or int32", tp.dtype));
+  }
+  if (tp.shape.empty()) return;
+  if (tp.shape.size() != 2) {
+    t.fail("shape", fmt::format("is {}; must be [rows, columns]", shape_text(tp.shape)));
+  }
+  if (elem == 0) t.fail("dtype", "is missing; a tensor with a shape needs its dtype");
+  int64_t expect = elem;
+  for (int64_t d : tp.shape) {
+    if (d != 0 && expect > (int64_t{1} << 62) / d) {
+      t.fail("shape", fmt::format("is {}; its bytes overflow", shape_text(tp.shape)));
+    }
+    expect *= d;
+  }
+  if (expect != tp.bytes) {
+    t.fail("bytes", fmt::format("is {}; shape {} {} is {} bytes", tp.bytes, shape_text(tp.shape),
+                                tp.dtype, expect));
+  }
 }
 }  // namespace
 
@@ -129,9 +201,10 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
   return j.dump(2) + "\n";
 }
 
-Plan load_plan_json(const std::string& path, PlanRequest* request) {
+namespace {
+
+Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* request) {
   constexpr const char* kWhat = "plan";
-  const Json doc = load_json_file(path, kWhat);
   JsonObject root(doc, kWhat, path);
   const std::string schema = root.req_str("schema");
   if (schema != "spillway.plan/1") {
@@ -144,6 +217,7 @@ Plan load_plan_json(const std::string& path, PlanRequest* request) {
   r.model.name = model.req_str("name");
   r.model.model_type = model.str_or("model_type", "");
   r.model.hidden = model.req_int("hidden_size", 1, kBig);
+  const int64_t model_layers = model.int_or("layers", 0, 0, 1 << 24);  // 0: not written
   plan.params_total = model.int_or("params", 0, 0, kBig);
   plan.params_per_gpu = model.int_or("params_per_gpu", 0, 0, kBig);
   const JsonObject hw = root.req_obj("hardware");
@@ -192,6 +266,16 @@ Plan load_plan_json(const std::string& path, PlanRequest* request) {
   for (const JsonObject& l : root.obj_array("layers")) {
     LayerPlan lp;
     lp.index = static_cast<int>(l.req_int("index", 0, 1 << 24));
+    // The first pipeline stage, in order: layers 0, 1, ... with none dropped or repeated.
+    const int position = static_cast<int>(plan.layers.size());
+    if (lp.index != position) {
+      if (lp.index < position) {
+        l.fail("index", fmt::format("is {}; layer {} is listed twice", lp.index, lp.index));
+      }
+      l.fail("index", fmt::format("is {}; expected {} (layers are listed in order from 0: layer {} "
+                                  "is missing)",
+                                  lp.index, position, position));
+    }
     lp.block = l.str_or("block", "");
     lp.policy = policy_of(l);
     lp.fwd_ms = l.req_num("fwd_ms", 0.0, 1e9);
@@ -218,13 +302,31 @@ Plan load_plan_json(const std::string& path, PlanRequest* request) {
           static_cast<int>(t.req_int("producer", -1, static_cast<int64_t>(lp.ops.size()) - 1));
       tp.produced_at_ms = t.num_or("produced_at_ms", 0.0, 0.0, 1e9);
       tp.dtype = t.str_or("dtype", "");
-      if (tp.action == Action::kOffload) lp.offload_bytes += tp.bytes;
-      if (tp.action == Action::kKeep) lp.kept_bytes += tp.bytes;
+      tp.shape = t.int_array_or("shape", 0, kBig);
+      check_tensor(t, tp, lp.block);
+      for (const TensorPlan& other : lp.tensors) {
+        if (other.name == tp.name) t.fail("name", fmt::format("is \"{}\" again", tp.name));
+      }
+      int64_t* sum = tp.action == Action::kOffload ? &lp.offload_bytes
+                     : tp.action == Action::kKeep  ? &lp.kept_bytes
+                                                   : nullptr;
+      if (sum != nullptr && __builtin_add_overflow(*sum, tp.bytes, sum)) {
+        t.fail("bytes", fmt::format("is {}; the layer's {} bytes overflow 64 bits", tp.bytes,
+                                    to_string(tp.action)));
+      }
       lp.tensors.push_back(std::move(tp));
     }
     plan.layers.push_back(std::move(lp));
   }
   if (plan.layers.empty()) root.fail("layers", "is missing or empty");
+  if (model_layers > 0) {
+    const int64_t stage = (model_layers + r.work.pp - 1) / r.work.pp;
+    if (static_cast<int64_t>(plan.layers.size()) != stage) {
+      root.fail("layers", fmt::format("has {} entries; the first pipeline stage of a model of {} "
+                                      "layers at pp {} has {}",
+                                      plan.layers.size(), model_layers, r.work.pp, stage));
+    }
+  }
   const JsonObject sum = root.req_obj("summary");
   PlanSummary& s = plan.summary;
   s.feasible = sum.bool_or("feasible", true);
@@ -240,6 +342,88 @@ Plan load_plan_json(const std::string& path, PlanRequest* request) {
   s.peak.activations = cat.req_int("activations", 0, kBig);
   s.peak.in_flight_copies = cat.req_int("in_flight_copies", 0, kBig);
   return plan;
+}
+
+}  // namespace
+
+Plan load_plan_json(const std::string& path, PlanRequest* request) {
+  return parse_plan_document(load_json_file(path, "plan"), path, request);
+}
+
+Plan parse_plan_json(std::string_view text, const std::string& path, PlanRequest* request) {
+  return parse_plan_document(parse_json_text(text, "plan", path), path, request);
+}
+
+void check_plan_matches(const Plan& plan, const PlanRequest& planned, const PlanRequest& used,
+                        std::string_view plan_name) {
+  const ShardShape& a = planned.work.shape;
+  const ShardShape& b = used.work.shape;
+  // The model first: another model's plan differs in everything else too.
+  const int64_t total = static_cast<int64_t>(used.model.layers.size());
+  const int64_t pp = std::max<int64_t>(used.work.pp, 1);
+  const int64_t stage = (total + pp - 1) / pp;
+  if (planned.model.hidden != used.model.hidden ||
+      static_cast<int64_t>(plan.layers.size()) != stage) {
+    SPILLWAY_INPUT_ERROR(
+        "{}: made for model \"{}\" ({} layers of hidden size {} in the first pipeline stage); used "
+        "with \"{}\" ({} layers of hidden size {})",
+        plan_name, planned.model.name, plan.layers.size(), planned.model.hidden, used.model.name,
+        stage, used.model.hidden);
+  }
+  auto differ = [&](std::string_view field, const auto& made, const auto& used_value) {
+    if (made != used_value) {
+      SPILLWAY_INPUT_ERROR("{}: made for {} {}; used with {} {}", plan_name, field, made, field,
+                           used_value);
+    }
+  };
+  differ("micro_batch", a.micro_batch, b.micro_batch);
+  differ("seq_len", a.seq_len, b.seq_len);
+  differ("dtype", to_string(a.dtype), to_string(b.dtype));
+  differ("tp", a.tp, b.tp);
+  differ("ep", a.ep, b.ep);
+  differ("cp", a.cp, b.cp);
+  differ("pp", planned.work.pp, used.work.pp);
+  differ("dp", planned.work.dp, used.work.dp);
+  differ("fused_swiglu", a.fused_swiglu, b.fused_swiglu);
+  // Layer by layer: the tensors the model saves for this workload, with their sizes.
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerPlan& l = plan.layers[i];
+    if (l.index != static_cast<int>(i)) {
+      SPILLWAY_INPUT_ERROR("{}: layers[{}] is layer {}; expected layer {}", plan_name, i, l.index,
+                           i);
+    }
+    const LayerInventory inv = build_inventory(used.model.layers[i], used.model.hidden, b);
+    std::vector<std::string> saved;
+    for (const TensorInfo& t : inv.tensors) {
+      if (t.saved) saved.push_back(t.name);
+    }
+    for (const TensorPlan& t : l.tensors) {
+      const int k = inv.find(t.name);
+      if (k < 0 || !inv.tensors[static_cast<size_t>(k)].saved) {
+        SPILLWAY_INPUT_ERROR(
+            "{}: layer {} tensor \"{}\" is not saved by layer {} of \"{}\" (it "
+            "saves {})",
+            plan_name, l.index, t.name, i, used.model.name, fmt::join(saved, ", "));
+      }
+      const TensorInfo& m = inv.tensors[static_cast<size_t>(k)];
+      if (t.bytes != m.bytes || (!t.shape.empty() && t.shape != m.shape) ||
+          (!t.dtype.empty() && t.dtype != m.dtype)) {
+        SPILLWAY_INPUT_ERROR(
+            "{}: layer {} tensor \"{}\" is {} bytes ({} {}); the model's is {} "
+            "bytes ({} {})",
+            plan_name, l.index, t.name, t.bytes, shape_text(t.shape), t.dtype, m.bytes,
+            shape_text(m.shape), m.dtype);
+      }
+    }
+    for (const std::string& name : saved) {
+      const bool listed = std::any_of(l.tensors.begin(), l.tensors.end(),
+                                      [&](const TensorPlan& t) { return t.name == name; });
+      if (!listed) {
+        SPILLWAY_INPUT_ERROR("{}: layer {} lacks tensor \"{}\", which layer {} of \"{}\" saves",
+                             plan_name, l.index, name, i, used.model.name);
+      }
+    }
+  }
 }
 
 }  // namespace spillway

@@ -357,6 +357,9 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
   if (is_plan_path(name)) {
     PlanRequest req;
     *plan = load_plan_json(name, &req);
+    // The plan must be one for this model and workload (the reference model saves a
+    // subset of the planner's tensors: reference_policy maps the names).
+    check_plan_matches(*plan, req, plan_request(c, o, Policy::kAuto, fwd_ms), name);
     MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
     return p;

@@ -381,6 +381,62 @@ TEST(Cli, SimulateWritesReportTracePlotAndSummary) {
   EXPECT_TRUE(contains(m.out, "missing.json")) << m.out;
 }
 
+// Note [Flags beside a plan file]: simulate --plan takes the workload from the plan; a
+// flag given beside it that disagrees is refused (naming the flag and both values), never
+// silently ignored; one that agrees is fine. A plan that does not hold together is refused.
+TEST(Cli, SimulatePlanRefusesFlagsThatConflictWithThePlan) {
+  TempDir dir;
+  const std::string plan = dir.file("plan.json");
+  const CliRun p =
+      run("plan --model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 1024 "
+          "--quiet --json '" +
+          plan + "'");
+  ASSERT_TRUE(p.code == 0 || p.code == 3) << p.out;
+  struct Case {
+    std::string flags;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> refused = {
+      {"--micro-batch 4", {"--micro-batch is 4", "made for micro_batch 2"}},
+      {"--seq-len 4096", {"--seq-len is 4096", "made for seq_len 1024"}},
+      {"--strategy keep", {"--strategy is keep", "made for strategy auto"}},
+      {"--dtype fp32", {"--dtype is fp32", "made for dtype bf16"}},
+      {"--ep 8", {"--ep is 8", "made for ep 1"}},
+      {"--fused-swiglu", {"--fused-swiglu is true", "made for fused_swiglu false"}},
+      {"--model Llama-3.1-8B", {"--model is Llama-3.1-8B", "made for model Qwen3-30B-A3B"}},
+      {"--hardware h100-sxm", {"--hardware is h100-sxm", "made for hardware gh200"}},
+      {"--layer-fwd-ms 3", {"--layer-fwd-ms has no effect with --plan"}},
+  };
+  for (const Case& c : refused) {
+    SCOPED_TRACE(c.flags);
+    const std::string out = dir.file("out.json");
+    const CliRun r = run("simulate --plan '" + plan + "' " + c.flags + " --json '" + out + "'");
+    EXPECT_TRUE(r.code == 1 || r.code == 2) << "exit " << r.code << "\n" << r.out;
+    for (const std::string& m : c.message)
+      EXPECT_TRUE(contains(r.out, m)) << "[" << m << "] in\n" << r.out;
+    EXPECT_TRUE(contains(r.out, plan)) << r.out;
+    EXPECT_FALSE(std::filesystem::exists(out)) << "an erroring run left " << out;
+  }
+  // Flags equal to the plan's values are fine.
+  const std::string out = dir.file("agree.json");
+  const CliRun ok = run("simulate --plan '" + plan +
+                        "' --model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 "
+                        "--seq-len 1024 --strategy auto --dtype bf16 --margin 10% --json '" +
+                        out + "'");
+  EXPECT_TRUE(ok.code == 0 || ok.code == 3) << ok.out;
+  EXPECT_TRUE(std::filesystem::exists(out)) << ok.out;
+
+  // A plan with a layer dropped.
+  Json j = Json::parse(read_file(plan));
+  j["layers"].erase(3);
+  const std::string dropped = dir.file("dropped.json");
+  std::ofstream(dropped) << j.dump(2);
+  const CliRun d = run("simulate --plan '" + dropped + "'");
+  EXPECT_EQ(d.code, 1) << d.out;
+  EXPECT_TRUE(contains(d.out, "layers[3].index")) << d.out;
+  EXPECT_TRUE(contains(d.out, "layer 3 is missing")) << d.out;
+}
+
 TEST(Cli, ModelFromAConfigFile) {
   TempDir dir;
   const std::string cfg = dir.write("tiny/config.json", R"({

@@ -412,6 +412,46 @@ TEST(TrainCli, PlanFileFromSpillwayPlanIsAPolicy) {
       << "the plan offloads and recomputes; keep holds everything";
 }
 
+// A plan must be one for the trained model and workload (check_plan_matches): the same
+// layer count alone is not enough.
+TEST(TrainCli, PlanFileForAnotherModelOrWorkloadIsRefused) {
+  TempDir dir;
+  const std::string model = std::string(SPILLWAY_DATA_DIR) + "/nn/tiny-moe.json";
+  // tiny-moe twice as wide: 4 layers as well.
+  Json wide = parse_or_fail(read_file(model));
+  wide["hidden_size"] = 128;
+  const std::string wide_model = dir.file("wide-moe.json");
+  std::ofstream(wide_model) << wide.dump(2);
+  struct Case {
+    std::string plan_args;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      {"--model '" + wide_model + "' " + kTiny + " --dtype fp32",
+       {"made for model", "hidden size 128", "hidden size 64"}},
+      {"--model '" + model + "' --micro-batch 8 --seq-len 32 --dtype fp32",
+       {"made for micro_batch 8; used with micro_batch 2"}},
+      {"--model '" + model + "' " + kTiny, {"made for dtype bf16; used with dtype fp32"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.plan_args);
+    const std::string plan = dir.file("plan.json");
+    const TrainRun p = run("plan " + c.plan_args +
+                               " --hardware gh200 --strategy offload --quiet --json '" + plan + "'",
+                           dir);
+    ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
+    const std::string out = dir.file("out.json");
+    const TrainRun r = run("train --model '" + model + "' --policy '" + plan + "' " + kTiny +
+                               " --steps 1 --json '" + out + "'",
+                           dir);
+    EXPECT_EQ(r.code, 1) << shown(r);
+    EXPECT_TRUE(contains(r.err, "spillway: error: " + plan + ": made for")) << shown(r);
+    for (const std::string& m : c.message)
+      EXPECT_TRUE(contains(r.err, m)) << "[" << m << "]\n" << shown(r);
+    EXPECT_FALSE(std::filesystem::exists(out)) << "an erroring run left " << out;
+  }
+}
+
 TEST(TrainCli, SlowLinkSnowballs) {
   TempDir dir;
   const TrainRun r = run(std::string("train --policy offload --d2h-gbps 0.005 --h2d-gbps 0.005 "

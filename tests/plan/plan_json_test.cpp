@@ -1,8 +1,13 @@
 // The plan as JSON (schema spillway.plan/1, docs/plan-schema.md) and the human report:
 // the JSON parses, carries every documented field with its type, agrees with the Plan it
-// was written from, and holds no NaN or infinity.
+// was written from, and holds no NaN or infinity. Read back, a plan must hold together
+// (layers in order, known tensor names, bytes = shape x dtype) and match the model and
+// workload it is used with (check_plan_matches).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <functional>
 #include <set>
 
 #include "core/json_io.hpp"
@@ -207,6 +212,182 @@ TEST(PlanReport, TableSummaryAndReasons) {
   const std::string ok_text = format_plan_report(make_plan(ok), ok);
   EXPECT_EQ(ok_text.find("SNOWBALL"), std::string::npos);
   EXPECT_NE(ok_text.find("yes"), std::string::npos);
+}
+
+// Plans read back: load_plan_json refuses a plan that does not hold together, and
+// check_plan_matches one made for another model or workload. `mutate` edits the JSON the
+// planner wrote; the error must hold every string of `message`.
+struct Mutated {
+  PlanRequest planned;
+  Plan plan;
+};
+
+std::string plan_text(const PlanRequest& r) {
+  return plan_to_json(make_plan(r), r);
+}
+
+Mutated read_back(const std::string& text) {
+  Mutated m;
+  m.plan = parse_plan_json(text, "plan.json", &m.planned);
+  return m;
+}
+
+std::string load_error(const PlanRequest& r, const std::function<void(Json&)>& mutate) {
+  Json j = Json::parse(plan_text(r));
+  mutate(j);
+  try {
+    (void)read_back(j.dump());
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+std::string match_error(const Mutated& m, const PlanRequest& used) {
+  try {
+    check_plan_matches(m.plan, m.planned, used, "plan.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+void expect_holds(const std::string& message, std::initializer_list<const char*> parts) {
+  for (const char* p : parts)
+    EXPECT_NE(message.find(p), std::string::npos) << "[" << p << "] in: " << message;
+}
+
+PlanRequest small_moe() {
+  return generous(request("Qwen3-30B-A3B", "gh200", 2, 1024, Policy::kAuto));
+}
+
+TEST(PlanJsonCheck, APlanMatchesTheRequestItWasMadeFor) {
+  PlanRequest ds = request("DeepSeek-V3", "gb200", 1, 4096, Policy::kAuto);
+  ds.work.pp = 16;
+  ds.work.shape.tp = 8;
+  ds.work.shape.ep = 8;
+  PlanRequest fused = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
+  fused.work.shape.fused_swiglu = true;
+  for (const PlanRequest& r :
+       {small_moe(), ds, fused, request("GPT-OSS-20B", "b200", 1, 8192, Policy::kSelective)}) {
+    SCOPED_TRACE(describe(r));
+    const Mutated m = read_back(plan_text(r));
+    EXPECT_EQ(match_error(m, r), "(accepted)");
+  }
+  // Through a file too.
+  testing::TempDir dir;
+  const std::string path = dir.file("plan.json");
+  std::ofstream(path) << plan_text(small_moe());
+  PlanRequest back;
+  const Plan p = load_plan_json(path, &back);
+  EXPECT_NO_THROW(check_plan_matches(p, back, small_moe(), path));
+}
+
+TEST(PlanJsonCheck, ADroppedLayerIsRefused) {
+  const std::string e = load_error(small_moe(), [](Json& j) { j["layers"].erase(3); });
+  expect_holds(e, {"layers[3].index", "is 4", "layer 3 is missing"});
+  // The last one: the count no longer matches the model's.
+  const std::string last = load_error(small_moe(), [](Json& j) { j["layers"].erase(47); });
+  expect_holds(last, {"layers", "47 entries", "48 layers", "has 48"});
+}
+
+TEST(PlanJsonCheck, ADuplicatedLayerIsRefused) {
+  const std::string e = load_error(small_moe(), [](Json& j) {
+    Json& l = j["layers"];
+    l.insert(l.begin() + 3, l[2]);
+    l.erase(48);
+  });
+  expect_holds(e, {"layers[3].index", "is 2", "layer 2 is listed twice"});
+}
+
+TEST(PlanJsonCheck, AnUnknownOrRepeatedTensorIsRefused) {
+  const std::string unknown =
+      load_error(small_moe(), [](Json& j) { j["layers"][1]["tensors"][2]["name"] = "mlp.bogus"; });
+  expect_holds(unknown, {"layers[1].tensors[2].name", "\"mlp.bogus\"", "not a tensor name"});
+  // A MoE tensor in a dense layer of another model.
+  const PlanRequest dense = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
+  const std::string moe =
+      load_error(dense, [](Json& j) { j["layers"][0]["tensors"][1]["name"] = "moe.topk_idx"; });
+  expect_holds(moe, {"layers[0].tensors[1].name", "\"moe.topk_idx\"", "gqa+dense"});
+  const std::string twice = load_error(small_moe(), [](Json& j) {
+    Json& t = j["layers"][5]["tensors"];
+    t[1]["name"] = t[0]["name"];
+  });
+  expect_holds(twice, {"layers[5].tensors[1].name", "\"attn.input\" again"});
+}
+
+TEST(PlanJsonCheck, BytesThatDisagreeWithShapeAndDtypeAreRefused) {
+  int64_t bytes = 0;
+  const std::string e = load_error(small_moe(), [&](Json& j) {
+    Json& t = j["layers"][2]["tensors"][0];
+    bytes = t["bytes"].get<int64_t>();
+    t["bytes"] = bytes + 2;
+  });
+  // attn.input: (T/tp, d) = (2 * 1024, 2048) bf16.
+  EXPECT_EQ(bytes, 2048 * 2048 * 2);
+  expect_holds(
+      e, {"layers[2].tensors[0].bytes", "is 8388610", "shape [2048, 2048] bf16", "8388608 bytes"});
+  const std::string dtype =
+      load_error(small_moe(), [](Json& j) { j["layers"][2]["tensors"][0]["dtype"] = "fp4"; });
+  expect_holds(dtype, {"layers[2].tensors[0].dtype", "\"fp4\""});
+}
+
+TEST(PlanJsonCheck, APlanForAnotherMicroBatchOrWorkloadIsRefused) {
+  const Mutated m = read_back(plan_text(small_moe()));
+  PlanRequest used = small_moe();
+  used.work.shape.micro_batch = 4;
+  EXPECT_EQ(match_error(m, used), "plan.json: made for micro_batch 2; used with micro_batch 4");
+  used = small_moe();
+  used.work.shape.seq_len = 2048;
+  EXPECT_EQ(match_error(m, used), "plan.json: made for seq_len 1024; used with seq_len 2048");
+  used = small_moe();
+  used.work.shape.ep = 8;
+  EXPECT_EQ(match_error(m, used), "plan.json: made for ep 1; used with ep 8");
+  used = small_moe();
+  used.work.shape.dtype = DType::kFp32;
+  EXPECT_EQ(match_error(m, used), "plan.json: made for dtype bf16; used with dtype fp32");
+  used = small_moe();
+  used.work.shape.fused_swiglu = true;
+  EXPECT_EQ(match_error(m, used),
+            "plan.json: made for fused_swiglu false; used with fused_swiglu true");
+}
+
+TEST(PlanJsonCheck, APlanForAnotherModelIsRefused) {
+  const Mutated m = read_back(plan_text(small_moe()));
+  const PlanRequest llama = generous(request("Llama-3.1-8B", "gh200", 2, 1024, Policy::kAuto));
+  expect_holds(match_error(m, llama),
+               {"plan.json: made for model \"Qwen3-30B-A3B\" (48 layers", "hidden size 2048",
+                "used with \"Llama-3.1-8B\" (32 layers", "hidden size 4096"});
+}
+
+TEST(PlanJsonCheck, TensorsThatDisagreeWithTheModelAreRefused) {
+  // Consistent in itself (bytes = shape x dtype), but not this model's mlp.act.
+  Json j = Json::parse(plan_text(small_moe()));
+  Json* act = nullptr;
+  for (Json& t : j["layers"][3]["tensors"]) {
+    if (t["name"] == "mlp.act") act = &t;
+  }
+  ASSERT_NE(act, nullptr);
+  const int64_t rows = (*act)["shape"][0].get<int64_t>();
+  const int64_t cols = (*act)["shape"][1].get<int64_t>();
+  (*act)["shape"][1] = cols / 2;
+  (*act)["bytes"] = rows * (cols / 2) * 2;
+  const Mutated m = read_back(j.dump());
+  expect_holds(match_error(m, small_moe()),
+               {"plan.json: layer 3 tensor \"mlp.act\" is",
+                fmt::format("[{}, {}] bf16); the model's is", rows, cols / 2).c_str(),
+                fmt::format("[{}, {}] bf16)", rows, cols).c_str()});
+  // A tensor the model saves is missing from the plan.
+  Json k = Json::parse(plan_text(small_moe()));
+  k["layers"][4]["tensors"].erase(1);
+  expect_holds(match_error(read_back(k.dump()), small_moe()),
+               {"plan.json: layer 4 lacks tensor \"attn.norm_out\""});
+  // A tensor the model does not save (mlp.act under a fused SwiGLU backward).
+  PlanRequest fused = small_moe();
+  fused.work.shape.fused_swiglu = true;
+  Mutated unfused_plan = read_back(plan_text(small_moe()));
+  unfused_plan.planned.work.shape.fused_swiglu = true;  // the workload agrees, the tensors not
+  expect_holds(match_error(unfused_plan, fused), {"tensor \"mlp.act\" is not saved by layer 0"});
 }
 
 }  // namespace
