@@ -7,12 +7,14 @@
 #   make test-tsan  the suite under ThreadSanitizer
 #   make install    headers, libraries, the CLI and the CMake package under PREFIX
 #   make format     clang-format over the sources
-#   make fuzz       the config-loader fuzzer for FUZZ_SECONDS (default 60)
+#   make fuzz       the fuzzers (FUZZERS: the config loaders, plan JSON against a model),
+#                   each for FUZZ_SECONDS (default 60)
 JOBS ?= $(shell nproc)
 BUILD ?= build
 PREFIX ?= /usr/local
 CMAKE_FLAGS ?=
 FUZZ_SECONDS ?= 60
+FUZZERS ?= fuzz_model_config fuzz_plan_json
 CTEST = ctest --output-on-failure -j $(JOBS)
 
 .PHONY: all deps build run test bench install test-asan test-tsan format fuzz fuzz-smoke clean
@@ -62,12 +64,12 @@ build-fuzz/CMakeCache.txt:
 	  -DSPILLWAY_FUZZ=ON -DSPILLWAY_CUDA=OFF -DSPILLWAY_TESTS=OFF -DSPILLWAY_BENCH=OFF
 
 fuzz: deps build-fuzz/CMakeCache.txt
-	cmake --build build-fuzz -j $(JOBS) --target fuzz_model_config
-	bash scripts/run-fuzz.sh build-fuzz/fuzz_model_config $(FUZZ_SECONDS)
+	cmake --build build-fuzz -j $(JOBS) --target $(FUZZERS)
+	for f in $(FUZZERS); do bash scripts/run-fuzz.sh build-fuzz/$$f $(FUZZ_SECONDS) || exit 1; done
 
-# A bounded fuzz run that is part of `make test` (CI).
+# A bounded fuzz run that is part of `make test` (CI): 30 s split between the fuzzers.
 fuzz-smoke:
-	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=30
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=15
 
 format:
 	clang-format -i $$(git ls-files '*.cpp' '*.hpp' '*.cu' '*.cuh')
