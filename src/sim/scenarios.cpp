@@ -121,7 +121,7 @@ int label(Built& b, std::string s) {
 }
 
 // A task of GPU `gpu`, micro-batch `mb`, on `stream` (a copy also names its link); its
-// label is made only when task records are kept, and only for GPU 0.
+// label is made when task records are kept, for every GPU (the trace names every event).
 Task make_task(TaskKind kind, int gpu, int layer, int mb, int stream, double work, int link,
                bool labelled, Built& b, const std::function<std::string()>& name) {
   Task t;
@@ -132,7 +132,7 @@ Task make_task(TaskKind kind, int gpu, int layer, int mb, int stream, double wor
   t.stream = stream;
   t.link = link;
   t.work = work;
-  t.label = labelled && gpu == 0 ? label(b, name()) : -1;
+  t.label = labelled ? label(b, name()) : -1;
   return t;
 }
 

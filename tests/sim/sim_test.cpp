@@ -130,7 +130,7 @@ TEST(SimInvariants, ConservationOrderingAndBusyTime) {
       if (t.kind == TaskKind::kD2H) d2h_end[{t.gpu, t.micro_batch, t.layer, t.name}] = t.end_ms;
     }
     for (const TaskRecord& t : sim.tasks) {
-      if (t.kind != TaskKind::kH2D || t.gpu != 0) continue;
+      if (t.kind != TaskKind::kH2D) continue;
       auto it = d2h_end.find({t.gpu, t.micro_batch, t.layer, t.name});
       ASSERT_NE(it, d2h_end.end()) << t.name;
       EXPECT_GE(t.start_ms, it->second - 1e-9) << t.name;
@@ -277,6 +277,39 @@ TEST(SimFormats, TraceIsChromeJsonWithRequiredFieldsOnEveryEvent) {
   EXPECT_NE(svg.find("<svg"), std::string::npos);
   EXPECT_NE(svg.find("time (ms)"), std::string::npos);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
+}
+
+// Every complete event of every GPU carries its task's name; with the same plan on every
+// GPU, each GPU's events have the same names in the same order as GPU 0's.
+TEST(SimFormats, TraceNamesEveryEventOfEveryGpu) {
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Policy::kOffload));
+  r.work.shape.ep = 8;
+  SimOptions o;
+  o.gpus = 4;
+  o.gpus_per_link = 2;
+  StreamOptions so;
+  so.gpus = 3;
+  so.gpus_per_link = 3;
+  const Plan plan = make_plan(r);
+  for (const SimResult& sim :
+       {simulate_training_step(plan, r, o), simulate_weight_streaming(plan, r, so)}) {
+    SCOPED_TRACE(sim.scenario);
+    const nlohmann::json t = nlohmann::json::parse(sim_trace_json(sim));
+    std::map<int, std::vector<std::string>> names;  // per GPU, in trace order
+    for (const auto& e : t["traceEvents"]) {
+      ASSERT_TRUE(e["name"].is_string()) << e.dump();
+      EXPECT_FALSE(e["name"].get<std::string>().empty()) << e.dump();
+      if (e["ph"] == "X") names[e["pid"].get<int>()].push_back(e["name"].get<std::string>());
+    }
+    ASSERT_EQ(static_cast<int>(names.size()), sim.gpus);
+    for (const auto& [gpu, n] : names) {
+      EXPECT_FALSE(n.empty());
+      EXPECT_EQ(n, names[0]) << "GPU " << gpu;
+    }
+    for (const TaskRecord& task : sim.tasks) {
+      EXPECT_FALSE(task.name.empty()) << "GPU " << task.gpu << " layer " << task.layer;
+    }
+  }
 }
 
 TEST(SimFormats, PlanJsonRoundTripSimulatesTheSame) {
