@@ -71,7 +71,15 @@ struct SimSummary {
   double link_gbps_achieved = 0.0;  // max of the two directions
   int64_t d2h_bytes = 0;            // issued = completed (conservation)
   int64_t h2d_bytes = 0;
-  int64_t peak_hbm_bytes = 0;          // GPU 0, static memory included
+  int64_t peak_hbm_bytes = 0;  // GPU 0, static memory included
+  double peak_hbm_ms = 0.0;    // when GPU 0 first reaches its peak
+  // The memory verdict (Note [Simulated memory verdict] in src/sim/scenarios.cpp): the
+  // peak must fit the GPU's HBM and the plan's budget; every GPU runs the same plan, so
+  // GPU 0's peak stands for all of them. An infeasible result is a value, not an error.
+  bool feasible = true;
+  std::vector<std::string> reasons;    // why not, in words and numbers (GB = 1e9 bytes)
+  int64_t hbm_capacity_bytes = 0;      // the GPU's HBM (hardware profile); 0 = unknown
+  int64_t hbm_budget_bytes = 0;        // the plan's budget; 0 = unknown
   std::vector<int64_t> backlog_bytes;  // GPU 0, per layer, at the end of its forward
   bool snowball = false;
   std::optional<int> snowball_first_layer;

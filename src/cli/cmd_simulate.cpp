@@ -34,7 +34,9 @@ void add_simulate_command(CLI::App& app) {
       "  spillway plan ... --json plan.json && spillway simulate --plan plan.json --gpus 4 "
       "--gpus-per-link 4\n"
       "  spillway simulate --model Llama-3.1-70B --hardware gh200 --scenario stream "
-      "--prefetch-depth 2");
+      "--prefetch-depth 2\n"
+      "Exit status: 0 when the simulated peak HBM fits the GPU's HBM and the budget, 3 when "
+      "it does not (the reasons are printed).");
   add_plan_flags(*cmd, st->flags);
   cmd->add_option("--plan", st->plan_path,
                   "Simulate this plan JSON (spillway.plan/1) instead of planning from the flags")
@@ -102,6 +104,8 @@ void add_simulate_command(CLI::App& app) {
     if (!st->trace_path.empty()) write_output(st->trace_path, sim_trace_json(result));
     if (!st->plot_path.empty()) write_output(st->plot_path, sim_plot_svg(result, title));
     if (!st->json_path.empty()) write_output(st->json_path, sim_summary_json(result));
+    // An infeasible result is still a result: every output above is written first.
+    if (!result.summary.feasible) throw CLI::RuntimeError(3);
   });
 }
 

@@ -1,6 +1,7 @@
 // The simulator's result as one self-contained SVG picture (no script, no external font
-// or image): GPU 0's device memory over time (top panel) and the D2H copy backlog left at
-// the end of each layer's forward (bottom panel, red from the first snowballing layer).
+// or image): GPU 0's device memory over time with the GPU's HBM and the budget as labelled
+// lines (top panel) and the D2H copy backlog left at the end of each layer's forward
+// (bottom panel, red from the first snowballing layer).
 //
 // Invariants: every axis has ticks at 1-2-5 steps starting at 0 and a unit label; every
 // text written is XML-escaped; an empty or degenerate input (no memory points, no layers,
@@ -35,6 +36,7 @@ constexpr const char* kBlue = "#1f77b4";
 constexpr const char* kRed = "#d62728";
 constexpr const char* kOrange = "#e6780e";
 constexpr const char* kGreen = "#2a8a3e";
+constexpr const char* kPurple = "#7b3fa0";
 constexpr const char* kInk = "#222222";
 constexpr const char* kMuted = "#666666";
 constexpr const char* kGrid = "#e4e4e4";
@@ -253,9 +255,18 @@ void draw_memory_panel(Svg& svg, const SimResult& r) {
   }
   for (const double t : r.layer_fwd_end_ms) t_end = std::max(t_end, finite_or_zero(t));
   const bool has_data = !r.memory.empty();
+  // The limits of the memory verdict (0: unknown, not drawn). The axis covers the peak and
+  // the GPU's HBM; a budget above the HBM is named in the legend, not drawn.
+  const double cap_gb =
+      std::max(finite_or_zero(static_cast<double>(r.summary.hbm_capacity_bytes) / kGB), 0.0);
+  const double budget_gb =
+      std::max(finite_or_zero(static_cast<double>(r.summary.hbm_budget_bytes) / kGB), 0.0);
+  const double top_gb = std::max(peak_gb, cap_gb);
+  const bool draw_cap = has_data && cap_gb > 0.0;
+  const bool draw_budget = has_data && budget_gb > 0.0 && budget_gb <= top_gb;
   // Floors on the ranges keep tick labels short on degenerate inputs.
   const Axis xa = nice_axis(has_data ? std::max(t_end, 0.01) : 0.0, 8);
-  const Axis ya = nice_axis(has_data ? std::max(peak_gb * 1.08, 0.01) : 0.0, 6);
+  const Axis ya = nice_axis(has_data ? std::max(top_gb * 1.08, 0.01) : 0.0, 6);
   auto px = [&](double t) {
     return kPlotLeft + (kPlotRight - kPlotLeft) * std::clamp(t / xa.max, 0.0, 1.0);
   };
@@ -268,6 +279,13 @@ void draw_memory_panel(Svg& svg, const SimResult& r) {
     Legend legend(svg, kPlotLeft, kMemTop - 26);
     legend.line_entry("GPU 0 device memory", kBlue);
     legend.line_entry("peak", kOrange, "6 4");
+    if (draw_cap) legend.line_entry("GPU HBM", kRed);
+    if (draw_budget) {
+      legend.line_entry("budget", kPurple, "2 3");
+    } else if (budget_gb > 0.0) {
+      legend.line_entry(fmt::format("budget {} GB (above the HBM)", format_amount(budget_gb)),
+                        kPurple, "2 3");
+    }
     if (!r.layer_fwd_end_ms.empty()) {
       legend.box_entry("forward", "#8c8c8c", 0.16);
       legend.tick_entry("end of a layer's forward", kMuted);
@@ -323,11 +341,33 @@ void draw_memory_panel(Svg& svg, const SimResult& r) {
                   "stroke-linejoin=\"round\"/>\n",
                   path, kBlue));
 
-  // Peak: dashed line across, labelled at the right end, where backward has freed memory.
+  // The GPU's HBM and the budget: lines across, labelled at the left end, the HBM above
+  // its line and the budget below its own, so that close values stay readable.
+  if (draw_cap) {
+    const double y_cap = py(cap_gb);
+    svg.line(kPlotLeft, y_cap, kPlotRight, y_cap, kRed, 1.3);
+    svg.text(kPlotLeft + 4, y_cap - 4, fmt::format("GPU HBM {} GB", format_amount(cap_gb)), 11.0,
+             "start", kRed, true);
+  }
+  if (draw_budget) {
+    const double y_budget = py(budget_gb);
+    svg.line(kPlotLeft, y_budget, kPlotRight, y_budget, kPurple, 1.3, "2 3");
+    svg.text(kPlotLeft + 4, y_budget + 13, fmt::format("budget {} GB", format_amount(budget_gb)),
+             11.0, "start", kPurple, true);
+  }
+
+  // Peak: dashed line across, labelled at the right end, where backward has freed memory;
+  // the label says which limit it exceeds (Note [Simulated memory verdict]).
   const double y_peak = py(peak_gb);
+  std::string over;
+  if (cap_gb > 0.0 && peak_gb > cap_gb) {
+    over = " > GPU HBM";
+  } else if (budget_gb > 0.0 && peak_gb > budget_gb) {
+    over = " > budget";
+  }
   svg.line(kPlotLeft, y_peak, kPlotRight, y_peak, kOrange, 1.3, "6 4");
-  svg.text(kPlotRight - 4, y_peak - 5, fmt::format("peak {} GB", format_amount(peak_gb)), 11.0,
-           "end", kOrange, true);
+  svg.text(kPlotRight - 4, y_peak - 5, fmt::format("peak {} GB{}", format_amount(peak_gb), over),
+           11.0, "end", over.empty() ? kOrange : kRed, true);
 
   // Each layer's forward end as a tick on the top edge; the last one splits the panel.
   for (const double t : r.layer_fwd_end_ms) {

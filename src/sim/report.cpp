@@ -1,4 +1,5 @@
-// The human report of a simulation: step time and its split, links, memory, backlog.
+// The human report of a simulation: step time and its split, links, memory, backlog, and
+// the memory verdict with its reasons.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -6,6 +7,14 @@
 #include "spillway/sim.hpp"
 
 namespace spillway {
+
+namespace {
+
+double gb(int64_t bytes) {
+  return static_cast<double>(bytes) / 1e9;
+}
+
+}  // namespace
 
 std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
   const SimSummary& s = r.summary;
@@ -36,8 +45,11 @@ std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
       "per GPU moved)\n",
       s.link_d2h_gbps, s.link_h2d_gbps, static_cast<double>(s.d2h_bytes) / 1e9 / r.gpus,
       static_cast<double>(s.h2d_bytes) / 1e9 / r.gpus);
-  out += fmt::format("  peak HBM         {:.2f} GB (GPU 0)\n",
-                     static_cast<double>(s.peak_hbm_bytes) / 1e9);
+  out += fmt::format("  peak HBM         {:.2f} GB (GPU 0, at {:.2f} ms)", gb(s.peak_hbm_bytes),
+                     s.peak_hbm_ms);
+  if (s.hbm_capacity_bytes > 0) out += fmt::format(" of {:.2f} GB HBM", gb(s.hbm_capacity_bytes));
+  if (s.hbm_budget_bytes > 0) out += fmt::format(", budget {:.2f} GB", gb(s.hbm_budget_bytes));
+  out += "\n";
   if (r.scenario == "train-step") {
     const int64_t worst = s.backlog_bytes.empty()
                               ? 0
@@ -57,6 +69,9 @@ std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
       out += "  snowball         none: every layer's copies end within the next layer's forward\n";
     }
   }
+  // The verdict last, as `spillway plan` words it (Note [Simulated memory verdict]).
+  out += fmt::format("  feasible         {}\n", s.feasible ? "yes" : "NO");
+  for (const std::string& reason : s.reasons) out += fmt::format("    - {}\n", reason);
   return out;
 }
 

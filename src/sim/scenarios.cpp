@@ -13,6 +13,8 @@
 // its layer's backward, except: an offloaded tensor leaves HBM when its D2H copy ends and
 // returns when its reload starts; a recomputed tensor leaves when its layer's forward
 // ends and returns when the recompute starts; the logits live while the head runs.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -200,6 +202,50 @@ void compute_stats(const Engine& e, int compute_stream, SimSummary& s) {
     }
     prev_end = t.end_ms;
   }
+}
+
+// Note [Simulated memory verdict]: the simulated peak (GPU 0's; every GPU runs the same
+// plan) is judged against the GPU's HBM (the hardware profile) and the plan's budget
+// (the profile's HBM minus the reserve, or --hbm-budget-gb); either one exceeded makes
+// the result infeasible, with one reason each naming the peak, the limit and when the
+// peak happens. A snowball is reported beside it: it makes a step slow, and the memory
+// it holds is already in the curve. A limit of 0 (unknown) is not judged.
+void judge_memory(SimResult& r, const Plan& plan, const PlanRequest& req) {
+  SimSummary& s = r.summary;
+  s.hbm_capacity_bytes = static_cast<int64_t>(std::llround(req.hardware.hbm_gb * 1e9));
+  s.hbm_budget_bytes = plan.summary.hbm_budget_bytes;
+  s.peak_hbm_ms = 0.0;
+  for (const MemoryPoint& m : r.memory) {
+    if (m.bytes == s.peak_hbm_bytes) {
+      s.peak_hbm_ms = m.t_ms;
+      break;
+    }
+  }
+  // When: the layer whose forward holds the peak, or the backward.
+  std::string when = fmt::format("at {:.2f} ms", s.peak_hbm_ms);
+  const std::vector<double>& fwd_end = r.layer_fwd_end_ms;
+  const auto in_fwd = std::lower_bound(fwd_end.begin(), fwd_end.end(), s.peak_hbm_ms);
+  if (in_fwd != fwd_end.end()) {
+    when += fmt::format(", in layer {}'s forward", in_fwd - fwd_end.begin());
+  } else if (r.scenario == "train-step" && !fwd_end.empty()) {
+    when += ", in the backward";
+  }
+  const std::string gpus =
+      r.gpus > 1 ? fmt::format("GPU 0, as on each of the {} GPUs", r.gpus) : "GPU 0";
+  const double peak_gb = static_cast<double>(s.peak_hbm_bytes) / 1e9;
+  if (s.hbm_capacity_bytes > 0 && s.peak_hbm_bytes > s.hbm_capacity_bytes) {
+    s.reasons.push_back(
+        fmt::format("peak HBM {:.2f} GB ({}, {}) > {:.2f} GB of HBM on {}: {:.2f} GB over", peak_gb,
+                    gpus, when, static_cast<double>(s.hbm_capacity_bytes) / 1e9, req.hardware.name,
+                    static_cast<double>(s.peak_hbm_bytes - s.hbm_capacity_bytes) / 1e9));
+  }
+  if (s.hbm_budget_bytes > 0 && s.peak_hbm_bytes > s.hbm_budget_bytes) {
+    s.reasons.push_back(
+        fmt::format("peak HBM {:.2f} GB ({}, {}) > budget {:.2f} GB: {:.2f} GB over", peak_gb, gpus,
+                    when, static_cast<double>(s.hbm_budget_bytes) / 1e9,
+                    static_cast<double>(s.peak_hbm_bytes - s.hbm_budget_bytes) / 1e9));
+  }
+  s.feasible = s.reasons.empty();
 }
 
 }  // namespace
@@ -493,6 +539,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   const MemoryBreakdown& pk = plan.summary.peak;
   const int64_t base = pk.weights + pk.gradients + pk.optimizer_states;
   r.memory = memory_curve(std::move(ev), base, &s.peak_hbm_bytes);
+  judge_memory(r, plan, req);
   fill_records(e, b, o.keep_tasks, r);
   return r;
 }
@@ -563,6 +610,7 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
   std::vector<std::pair<double, int64_t>> ev;
   r.memory = memory_curve(std::move(ev), buffers, &s.peak_hbm_bytes);
   r.memory.push_back({s.step_ms, buffers});
+  judge_memory(r, plan, req);
   fill_records(e, b, o.keep_tasks, r);
   return r;
 }

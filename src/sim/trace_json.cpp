@@ -134,6 +134,11 @@ std::string sim_summary_json(const SimResult& r) {
   j["exposed_copy_ms"] = s.exposed_copy_ms;
   j["idle_ms"] = s.idle_ms;
   j["peak_hbm_bytes"] = s.peak_hbm_bytes;
+  j["peak_hbm_ms"] = s.peak_hbm_ms;
+  j["hbm_capacity_bytes"] = s.hbm_capacity_bytes;
+  j["hbm_budget_bytes"] = s.hbm_budget_bytes;
+  j["feasible"] = s.feasible;
+  j["reasons"] = s.reasons;
   j["snowball"] = s.snowball;
   j["snowball_first_layer"] =
       s.snowball_first_layer ? OJson(*s.snowball_first_layer) : OJson(nullptr);

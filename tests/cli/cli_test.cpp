@@ -354,7 +354,8 @@ TEST(Cli, SimulateWritesReportTracePlotAndSummary) {
       run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --seq-len 4096 --ep 8 "
           "--strategy offload --trace '" +
           trace + "' --plot '" + plot + "' --json '" + summary + "'");
-  ASSERT_EQ(r.code, 0) << r.out;
+  // Its peak (~102 GB) does not fit the 80 GB card: exit 3, every output still written.
+  ASSERT_EQ(r.code, 3) << r.out;
   EXPECT_TRUE(contains(r.out, "step time")) << r.out;
   EXPECT_TRUE(contains(r.out, "SNOWBALL")) << r.out;
   const Json t = Json::parse(read_file(trace));
@@ -435,6 +436,46 @@ TEST(Cli, SimulatePlanRefusesFlagsThatConflictWithThePlan) {
   EXPECT_EQ(d.code, 1) << d.out;
   EXPECT_TRUE(contains(d.out, "layers[3].index")) << d.out;
   EXPECT_TRUE(contains(d.out, "layer 3 is missing")) << d.out;
+}
+
+// README's H100 example peaks above the card's 80 GB: simulate says so in numbers and
+// exits 3 as plan does for an infeasible plan, and still writes its JSON.
+TEST(Cli, SimulatePeakOverHbmExitsThreeWithReasons) {
+  TempDir dir;
+  const std::string summary = dir.file("summary.json");
+  const std::string plot = dir.file("step.svg");
+  const CliRun r =
+      run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --micro-batch 2 --seq-len 8192 "
+          "--ep 8 --dp 8 --strategy offload --plot '" +
+          plot + "' --json '" + summary + "'");
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_TRUE(contains(r.out, "feasible         NO")) << r.out;
+  EXPECT_TRUE(contains(r.out, "GB of HBM on h100-sxm")) << r.out;
+  EXPECT_TRUE(contains(r.out, "> budget")) << r.out;
+  const Json s = Json::parse(read_file(summary));
+  EXPECT_FALSE(s["feasible"].get<bool>());
+  EXPECT_GE(s["reasons"].size(), 2u);
+  EXPECT_EQ(s["hbm_capacity_bytes"].get<int64_t>(), 80'000'000'000);
+  EXPECT_GT(s["peak_hbm_bytes"].get<int64_t>(), s["hbm_capacity_bytes"].get<int64_t>());
+  EXPECT_GT(s["hbm_budget_bytes"].get<int64_t>(), 0);
+  const std::string svg = read_file(plot);
+  EXPECT_TRUE(contains(svg, "HBM 80.0 GB")) << "capacity line label";
+  EXPECT_TRUE(contains(svg, "budget")) << "budget line label";
+
+  // --json - prints only the JSON, and the exit status is still 3.
+  const CliRun j =
+      run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --micro-batch 2 --seq-len 8192 "
+          "--ep 8 --dp 8 --strategy offload --json -",
+          "2>/dev/null");
+  EXPECT_EQ(j.code, 3);
+  EXPECT_FALSE(Json::parse(j.out)["feasible"].get<bool>());
+
+  // A peak that fits: exit 0, "feasible yes", no reasons.
+  const CliRun ok =
+      run("simulate --model Llama-3.1-8B --hardware gh200 --dp 8 --json -", "2>/dev/null");
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_TRUE(Json::parse(ok.out)["feasible"].get<bool>());
+  EXPECT_TRUE(Json::parse(ok.out)["reasons"].empty());
 }
 
 TEST(Cli, ModelFromAConfigFile) {

@@ -2,6 +2,7 @@
 // link sharing, back-pressure, memory, and the trace/summary formats.
 #include "spillway/sim.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -245,6 +246,59 @@ TEST(SimHbm, SharingSlowsMemoryBoundWorkNeverSpeedsItUp) {
   EXPECT_GT(a.summary.hbm_slowdown, 1.0);
   EXPECT_EQ(b.summary.hbm_slowdown, 1.0);
   EXPECT_GE(a.summary.step_ms, b.summary.step_ms);
+}
+
+// ---- the memory verdict ----------------------------------------------------------------------
+
+// README's H100 example: GPU 0 peaks above the 80 GB card and the 76 GB budget; the result
+// says so with a reason per limit, in GB; the same plan under a budget it fits is feasible.
+TEST(SimVerdict, PeakOverHbmAndBudgetIsInfeasibleWithReasonsInGb) {
+  PlanRequest r = request("Qwen3-30B-A3B", "h100-sxm", 2, 8192, Policy::kOffload);
+  r.work.shape.ep = 8;
+  r.work.dp = 8;
+  const Plan plan = make_plan(r);
+  const SimResult sim = simulate_training_step(plan, r, SimOptions{});
+  const SimSummary& s = sim.summary;
+  EXPECT_EQ(s.hbm_capacity_bytes, 80'000'000'000);
+  EXPECT_EQ(s.hbm_budget_bytes, plan.summary.hbm_budget_bytes);
+  ASSERT_GT(s.peak_hbm_bytes, s.hbm_capacity_bytes);
+  EXPECT_FALSE(s.feasible);
+  ASSERT_EQ(s.reasons.size(), 2u);
+  EXPECT_NE(s.reasons[0].find(fmt::format("peak HBM {:.2f} GB", s.peak_hbm_bytes / 1e9)),
+            std::string::npos)
+      << s.reasons[0];
+  EXPECT_NE(s.reasons[0].find("80.00 GB of HBM on h100-sxm"), std::string::npos) << s.reasons[0];
+  EXPECT_NE(s.reasons[1].find(fmt::format("budget {:.2f} GB", s.hbm_budget_bytes / 1e9)),
+            std::string::npos)
+      << s.reasons[1];
+  // The peak's time is a point of the curve holding the peak.
+  bool found = false;
+  for (const MemoryPoint& m : sim.memory)
+    found |= m.t_ms == s.peak_hbm_ms && m.bytes == s.peak_hbm_bytes;
+  EXPECT_TRUE(found);
+  const nlohmann::json j = nlohmann::json::parse(sim_summary_json(sim));
+  EXPECT_FALSE(j["feasible"].get<bool>());
+  EXPECT_EQ(j["reasons"].size(), 2u);
+  EXPECT_EQ(j["hbm_capacity_bytes"].get<int64_t>(), s.hbm_capacity_bytes);
+  EXPECT_EQ(j["hbm_budget_bytes"].get<int64_t>(), s.hbm_budget_bytes);
+  EXPECT_NE(format_sim_report(sim, r).find("feasible         NO"), std::string::npos);
+  const std::string svg = sim_plot_svg(sim, "t");
+  EXPECT_NE(svg.find("GPU HBM 80.0 GB"), std::string::npos);
+  EXPECT_NE(svg.find(fmt::format("budget {:.1f} GB", s.hbm_budget_bytes / 1e9)), std::string::npos);
+
+  // Over the budget alone (a budget below the card) is infeasible too, with one reason.
+  PlanRequest tight = request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kAuto);
+  tight.work.dp = 8;
+  const Plan fits_plan = make_plan(tight);
+  const SimResult fits = simulate_training_step(fits_plan, tight, SimOptions{});
+  EXPECT_TRUE(fits.summary.feasible);
+  EXPECT_TRUE(fits.summary.reasons.empty());
+  Plan small_budget = fits_plan;
+  small_budget.summary.hbm_budget_bytes = fits.summary.peak_hbm_bytes - 1;
+  const SimResult over = simulate_training_step(small_budget, tight, SimOptions{});
+  EXPECT_FALSE(over.summary.feasible);
+  ASSERT_EQ(over.summary.reasons.size(), 1u);
+  EXPECT_NE(over.summary.reasons[0].find("> budget"), std::string::npos);
 }
 
 // ---- formats ---------------------------------------------------------------------------------
