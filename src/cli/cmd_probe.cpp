@@ -155,6 +155,14 @@ void add_probe_command(CLI::App& app) {
     }
 
     const ProbeResult result = run_probe(*dev, options);
+    // Nothing measured is no result: every size was skipped (larger than the device, or
+    // the host could not provide it), so say so and fail rather than print an empty table.
+    if (result.points.empty())
+      SPILLWAY_INPUT_ERROR(
+          "probe: no size could be measured: {} of {} skipped (the first: {}); give smaller "
+          "--sizes or a larger --device-memory-mb",
+          result.skipped.size(), options.sizes.size(),
+          result.skipped.empty() ? std::string("none") : result.skipped.front().reason);
     if (!json_on_stdout) {
       write_output("-", format_probe_report(result, expected ? &*expected : nullptr));
     }

@@ -48,12 +48,16 @@ void add_simulate_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({"train", "stream"}))
       ->group("Simulation");
+  // 0 is the "not given" of these two, so a given 0 (or less) is refused at parse time
+  // rather than silently meaning the default.
   cmd->add_option("--gpus", st->gpus,
-                  "GPUs running the plan (default: the profile's GPUs per link)")
+                  "GPUs running the plan (default: the profile's GPUs per link) [1, 1024]")
+      ->check(CLI::Range(1, 1024))
       ->group("Simulation");
   cmd->add_option("--gpus-per-link", st->gpus_per_link,
                   "GPUs sharing one host link (default: all of them); the link's capacity is the "
-                  "plan's per-GPU figure times the profile's GPUs per link")
+                  "plan's per-GPU figure times the profile's GPUs per link [1, 1024]")
+      ->check(CLI::Range(1, 1024))
       ->group("Simulation");
   cmd->add_flag("--no-hbm-contention", st->no_contention,
                 "Do not slow copies and memory-bound kernels that share HBM bandwidth")

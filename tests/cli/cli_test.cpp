@@ -78,6 +78,19 @@ TEST(Cli, UnknownSubcommandsQuietWithoutJsonAndReferenceModelsAreAnswered) {
   }
 }
 
+TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
+  // simulate --gpus 0 used to mean "the default"; a probe whose every size was skipped
+  // printed an empty table and exited 0.
+  for (const char* flag : {"--gpus 0", "--gpus-per-link 0", "--gpus 5000"}) {
+    const CliRun r = run(std::string("simulate ") + flag);
+    EXPECT_EQ(r.code, 2) << flag << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, std::string(flag).substr(0, std::string(flag).find(' ')))) << r.out;
+  }
+  const CliRun p = run("probe --device-memory-mb 1 --sizes 64M");
+  EXPECT_EQ(p.code, 1) << p.out;
+  EXPECT_TRUE(contains(p.out, "no size could be measured")) << p.out;
+}
+
 TEST(Cli, HelpMentionsTheSubcommands) {
   const CliRun r = run("--help");
   EXPECT_EQ(r.code, 0) << r.out;
