@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "core/json_io.hpp"
+#include "fuzz_support.hpp"
 #include "spillway/error.hpp"
 #include "spillway/hardware.hpp"
 #include "spillway/inventory.hpp"
@@ -30,20 +31,10 @@ namespace {
 using spillway::Json;
 
 [[noreturn]] void finding(const char* what, const std::string& detail) {
-  std::fprintf(stderr, "fuzz_plan_json: %s: %s\n", what, detail.c_str());
-  std::abort();
+  fuzz_support::finding("fuzz_plan_json", what, detail);
 }
-
-// As in fuzz_model_config.cpp: an Error from an internal check (its message names a
-// library source file) is a finding; bad input must be refused by validation.
 void accept_error(const spillway::Error& e) {
-  const std::string msg = e.what();
-  if (msg.empty()) finding("empty error message", msg);
-  const size_t at = msg.rfind("(check failed: ");
-  if (at != std::string::npos &&
-      msg.find(" at " SPILLWAY_SOURCE_DIR "/src/", at) != std::string::npos) {
-    finding("internal check on input", msg);
-  }
+  fuzz_support::accept_error("fuzz_plan_json", e);
 }
 
 // The model and workload every fuzzed plan is checked against.
