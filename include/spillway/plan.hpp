@@ -34,11 +34,15 @@ namespace spillway {
 // best per layer (Policy::kAuto); LayerPlan::policy what it chose (never kAuto). One
 // vocabulary with the engines (spillway/policy.hpp).
 
-// The physical ranges of a request's rates and times (make_plan refuses others, naming the
-// field; the CLI states them in --help): bandwidths from 1 KB/s to 1 PB/s, an HBM budget
-// from 1 MB to 1 EB, a layer time from 1 ps to 10^9 ms, a prefetch depth up to 64. Sizes
-// are >= 1 and their products must not overflow.
+// The physical ranges of a request (make_plan refuses others, naming the field; the CLI
+// states them in --help): bandwidths from 1 KB/s to 1 PB/s, an HBM budget from 1 MB to
+// 1 EB, a layer time from 1 ps to 10^9 ms, a prefetch depth up to 64; a micro-batch up to
+// 2^20 sequences of up to 2^26 tokens, parallel group sizes and gradient accumulation up
+// to 2^20, keep_last_layers up to the model's layers. Products of sizes must not overflow.
 struct PlanLimits {
+  static constexpr int64_t kMaxMicroBatch = int64_t{1} << 20;
+  static constexpr int64_t kMaxSeqLen = int64_t{1} << 26;
+  static constexpr int64_t kMaxGroup = int64_t{1} << 20;  // tp, ep, cp, pp, dp, grad_accum
   static constexpr double kMinGbps = 1e-6;
   static constexpr double kMaxGbps = 1e6;
   static constexpr double kMinBudgetGb = 1e-3;

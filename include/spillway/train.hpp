@@ -20,6 +20,19 @@
 
 namespace spillway::train {
 
+// The ranges TrainOptions must be in (run() refuses others, naming the field; the CLI
+// states them in --help). keep_last is also <= the model's layers and device_buckets <= its
+// optimizer buckets (layers + 2); undo_mb < 0 means every CPU bucket.
+struct TrainLimits {
+  static constexpr int kMaxSteps = 1000000;
+  static constexpr int kMaxMicroBatch = 1 << 20;
+  static constexpr int kMaxSeqLen = 4096;  // the reference model's positions
+  static constexpr double kMaxDeviceMemoryMb = 1e6;
+  static constexpr double kMaxLr = 1.0;
+  static constexpr double kMaxClip = 1e6;
+  static constexpr double kMaxUndoMb = 1e6;
+};
+
 struct TrainOptions {
   std::string model = "tiny-moe";
   int steps = 20;

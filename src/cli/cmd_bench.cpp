@@ -3,6 +3,7 @@
 // sub-subcommand per engine: `offload`, `adam`, `optim-offload`.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -12,10 +13,14 @@
 #include "bench_stv.hpp"
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
+#include "spillway/plan.hpp"
 
 namespace spillway::cli {
 
 namespace {
+
+// Elements of AdamW state a benchmark may ask for: 2^36 (~2 TB of state).
+constexpr double kMaxElements = 68719476736.0;
 
 // Human-readable lines go to stdout, unless the JSON does (then to stderr).
 void say_beside_json(const std::string& json_path, const std::string& text) {
@@ -53,43 +58,36 @@ void add_bench_offload_command(CLI::App& bench) {
       "  spillway bench offload --layers 16 --tensor-mb 4 --steps 3 --json -\n"
       "  spillway bench offload --repeats 5 --json bench_offload.json");
   OffloadBenchOptions& o = st->options;
-  cmd->add_option("--layers", o.layers, "Layers per step, each offloading its tensors")
-      ->capture_default_str();
-  cmd->add_option("--tensors-per-layer", o.tensors_per_layer, "Tensors offloaded per layer")
-      ->capture_default_str();
-  cmd->add_option("--tensor-mb", st->tensor_mib, "Size of each tensor in MiB (2^20 bytes)")
-      ->capture_default_str();
-  cmd->add_option("--steps", o.steps,
-                  "Steps per repeat of each pass; the first is the warm-up (and the full "
-                  "byte-for-byte check)")
-      ->capture_default_str();
-  cmd->add_option("--repeats", o.repeats,
-                  "Times memcpy, the bandwidth pass and the overhead pass are interleaved")
-      ->capture_default_str();
-  cmd->add_option("--prefetch-depth", o.prefetch_depth, "Layers backward prefetches ahead")
-      ->capture_default_str();
+  in_range(cmd->add_option("--layers", o.layers, "Layers per step, each offloading its tensors")
+               ->capture_default_str(),
+           closed(1, 4096));
+  in_range(
+      cmd->add_option("--tensors-per-layer", o.tensors_per_layer, "Tensors offloaded per layer")
+          ->capture_default_str(),
+      closed(1, 4096));
+  in_range(cmd->add_option("--tensor-mb", st->tensor_mib, "Size of each tensor in MiB (2^20 bytes)")
+               ->capture_default_str(),
+           open_closed(0, 65536));
+  in_range(cmd->add_option("--steps", o.steps,
+                           "Steps per repeat of each pass; the first is the warm-up (and the full "
+                           "byte-for-byte check)")
+               ->capture_default_str(),
+           closed(2, 10000));
+  in_range(cmd->add_option("--repeats", o.repeats,
+                           "Times memcpy, the bandwidth pass and the overhead pass are interleaved")
+               ->capture_default_str(),
+           closed(1, kMaxRepeats));
+  in_range(cmd->add_option("--prefetch-depth", o.prefetch_depth, "Layers backward prefetches ahead")
+               ->capture_default_str(),
+           closed(0, 64));
   cmd->add_option("--json", st->json_path,
                   "Write the results as JSON to FILE ('-' for stdout): offload_gbps, "
                   "reload_gbps, memcpy_gbps, overhead_us_per_tensor, allocations_steady_state, "
                   "then ratios, targets and samples");
   cmd->callback([st]() {
     OffloadBenchOptions options = st->options;
-    if (options.layers < 1) SPILLWAY_INPUT_ERROR("--layers is {}; must be >= 1", options.layers);
-    if (options.tensors_per_layer < 1) {
-      SPILLWAY_INPUT_ERROR("--tensors-per-layer is {}; must be >= 1", options.tensors_per_layer);
-    }
-    if (options.steps < 2) {
-      SPILLWAY_INPUT_ERROR("--steps is {}; must be >= 2 (the first is a warm-up)", options.steps);
-    }
-    if (options.repeats < 1) SPILLWAY_INPUT_ERROR("--repeats is {}; must be >= 1", options.repeats);
-    if (options.prefetch_depth < 0) {
-      SPILLWAY_INPUT_ERROR("--prefetch-depth is {}; must be >= 0", options.prefetch_depth);
-    }
-    const double bytes = std::round(st->tensor_mib * (1 << 20));
-    if (!(bytes >= 1.0) || bytes > 64.0 * (1 << 30)) {
-      SPILLWAY_INPUT_ERROR("--tensor-mb is {}; must be > 0 and at most 65536 (64 GiB)",
-                           st->tensor_mib);
-    }
+    // The ranges are checked at parse time (in_range); a tensor is at least one byte.
+    const double bytes = std::max(1.0, std::round(st->tensor_mib * (1 << 20)));
     options.tensor_bytes = static_cast<size_t>(bytes);
 
     const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
@@ -128,23 +126,33 @@ void add_bench_adam_command(CLI::App& bench) {
       "  spillway bench adam --elements 4000000 --repeats 2\n"
       "  spillway bench adam --threads 1 --no-torch --json -");
   AdamBenchOptions& o = st->options;
-  cmd->add_option("--elements", o.elements, "Elements of state (n); ~30 bytes each per step")
-      ->capture_default_str();
-  cmd->add_option("--repeats", o.repeats, "Times triad, ours, scalar and torch are interleaved")
-      ->capture_default_str();
-  cmd->add_option("--steps", o.steps, "Timed calls per method and repeat (one sample each)")
-      ->capture_default_str();
-  cmd->add_option("--threads", o.threads,
-                  "Threads of the AdamW class and of the triad (0: hardware concurrency)")
-      ->capture_default_str();
-  cmd->add_option("--check-steps", o.check_steps,
-                  "Steps of the bitwise SIMD-vs-scalar check before timing")
-      ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "Seed of the random inputs (0: a fresh one, printed)")
-      ->capture_default_str();
-  cmd->add_option("--triad-elements", o.triad_elements,
-                  "Elements per triad array (0: max(n, 2^25))")
-      ->capture_default_str();
+  in_range(
+      cmd->add_option("--elements", o.elements, "Elements of state (n); ~30 bytes each per step")
+          ->capture_default_str(),
+      closed(1, kMaxElements));
+  in_range(
+      cmd->add_option("--repeats", o.repeats, "Times triad, ours, scalar and torch are interleaved")
+          ->capture_default_str(),
+      closed(1, kMaxRepeats));
+  in_range(
+      cmd->add_option("--steps", o.steps, "Timed calls per method and repeat (one sample each)")
+          ->capture_default_str(),
+      closed(1, 10000));
+  in_range(cmd->add_option("--threads", o.threads,
+                           "Threads of the AdamW class and of the triad (0: hardware concurrency)")
+               ->capture_default_str(),
+           closed(0, 4096));
+  in_range(cmd->add_option("--check-steps", o.check_steps,
+                           "Steps of the bitwise SIMD-vs-scalar check before timing")
+               ->capture_default_str(),
+           closed(1, 1000));
+  in_range(cmd->add_option("--seed", o.seed, "Seed of the random inputs (0: a fresh one, printed)")
+               ->capture_default_str(),
+           up_to(0, "2^64 - 1"));
+  in_range(cmd->add_option("--triad-elements", o.triad_elements,
+                           "Elements per triad array (0: max(n, 2^25))")
+               ->capture_default_str(),
+           closed(0, kMaxElements));
   cmd->add_flag("--no-copy", st->no_copy, "Do not write the bf16 copy of p (28 B/element)");
   cmd->add_flag("--no-torch", st->no_torch, "Skip the PyTorch comparison");
   cmd->add_option("--python", o.python,
@@ -191,26 +199,39 @@ void add_bench_optim_offload_command(CLI::App& bench) {
       "  spillway bench optim-offload --buckets 16 --bucket-elements 1000000 --backward-ms 80\n"
       "  spillway bench optim-offload --link-gbps 400 --device-buckets 2 --json -");
   StvBenchOptions& o = st->options;
-  cmd->add_option("--buckets", o.buckets, "Gradient buckets per step (one per layer, say)")
-      ->capture_default_str();
-  cmd->add_option("--bucket-elements", o.bucket_elements, "Parameters per bucket")
-      ->capture_default_str();
-  cmd->add_option("--backward-ms", o.backward_ms,
-                  "Length of the emulated backward; buckets arrive evenly over it")
-      ->capture_default_str();
-  cmd->add_option("--link-gbps", o.link_gbps,
-                  "Throttle of each copy direction in GB/s (1e9 bytes/s; 0: none)")
-      ->capture_default_str();
-  cmd->add_option("--device-buckets", o.device_buckets,
-                  "Buckets stepped on the device in the split variant (-1: chosen from this "
-                  "run's timings)")
-      ->capture_default_str();
-  cmd->add_option("--threads", o.threads, "Threads of the CPU AdamW (0: hardware concurrency)")
-      ->capture_default_str();
-  cmd->add_option("--repeats", o.repeats, "Times the variants are interleaved")
-      ->capture_default_str();
-  cmd->add_option("--steps", o.steps, "Timed steps per variant and repeat")->capture_default_str();
-  cmd->add_option("--seed", o.seed, "Seed of the weights and gradients")->capture_default_str();
+  in_range(cmd->add_option("--buckets", o.buckets, "Gradient buckets per step (one per layer, say)")
+               ->capture_default_str(),
+           closed(1, 4096));
+  in_range(cmd->add_option("--bucket-elements", o.bucket_elements, "Parameters per bucket")
+               ->capture_default_str(),
+           closed(1, 1e9));
+  in_range(cmd->add_option("--backward-ms", o.backward_ms,
+                           "Length of the emulated backward; buckets arrive evenly over it")
+               ->capture_default_str(),
+           closed(0, 1e6));
+  in_range(cmd->add_option("--link-gbps", o.link_gbps,
+                           "Throttle of each copy direction in GB/s (1e9 bytes/s; 0: none)")
+               ->capture_default_str(),
+           closed_or(PlanLimits::kMinGbps, PlanLimits::kMaxGbps, 0));
+  in_range(
+      cmd->add_option("--device-buckets", o.device_buckets,
+                      "Buckets stepped on the device in the split variant (-1: chosen from this "
+                      "run's timings)")
+          ->capture_default_str(),
+      FlagRange{0, 0, false, -1, "--buckets"});
+  in_range(
+      cmd->add_option("--threads", o.threads, "Threads of the CPU AdamW (0: hardware concurrency)")
+          ->capture_default_str(),
+      closed(0, 4096));
+  in_range(cmd->add_option("--repeats", o.repeats, "Times the variants are interleaved")
+               ->capture_default_str(),
+           closed(1, kMaxRepeats));
+  in_range(cmd->add_option("--steps", o.steps, "Timed steps per variant and repeat")
+               ->capture_default_str(),
+           closed(1, 10000));
+  in_range(
+      cmd->add_option("--seed", o.seed, "Seed of the weights and gradients")->capture_default_str(),
+      up_to(0, "2^64 - 1"));
   cmd->add_option("--json", st->json_path,
                   "Write the results as JSON to FILE ('-' for stdout): stv_tail_ratio, "
                   "stv_step_ratio, variants[] {name, step_ms, tail_ms, ...}, split");

@@ -46,11 +46,12 @@ void add_plan_command(CLI::App& app) {
   cmd->add_flag("--quiet", st->quiet, "Do not print the report (needs --json FILE)")
       ->group("Output")
       ->needs(json_opt);
-  cmd->add_option("--cpu-adam-gbps", st->cpu_adam_gbps,
-                  "Optimizer offload: the CPU AdamW's state GB/s (`spillway bench adam`); adds "
-                  "the GPU/CPU split: how many layers keep their optimizer step on the GPU "
-                  "(docs/optim.md)")
-      ->group("Output");
+  in_range(cmd->add_option("--cpu-adam-gbps", st->cpu_adam_gbps,
+                           "Optimizer offload: the CPU AdamW's state GB/s (`spillway bench "
+                           "adam`); adds the GPU/CPU split: how many layers keep their optimizer "
+                           "step on the GPU (docs/optim.md)")
+               ->group("Output"),
+           closed(PlanLimits::kMinGbps, PlanLimits::kMaxGbps));
   cmd->callback([st, cmd]() {
     // No arguments at all: the example a newcomer should see first, said so.
     size_t given = 0;

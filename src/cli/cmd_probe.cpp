@@ -54,9 +54,9 @@ size_t parse_size(const std::string& text) {
   }
   if (value == 0 || value > (std::numeric_limits<uint64_t>::max() >> shift)) bad();
   const uint64_t bytes = value << shift;
-  if (bytes > std::numeric_limits<size_t>::max() ||
-      bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-    bad();
+  if (bytes > (uint64_t{1} << 40)) {
+    SPILLWAY_INPUT_ERROR("--sizes: '{}' is more than 1024G; a transfer size is 1 byte to 1024G",
+                         text);
   }
   return static_cast<size_t>(bytes);
 }
@@ -92,24 +92,28 @@ void add_probe_command(CLI::App& app) {
                   "(cuda when a device is available, else host)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "cuda", "host"}));
-  cmd->add_option("--device-memory-mb", st->device_memory_mb,
-                  "Host backend only: capacity of the emulated device memory in MiB (2^20 "
-                  "bytes); sizes that do not fit are skipped")
-      ->capture_default_str();
+  in_range(cmd->add_option("--device-memory-mb", st->device_memory_mb,
+                           "Host backend only: capacity of the emulated device memory in MiB "
+                           "(2^20 bytes); sizes that do not fit are skipped")
+               ->capture_default_str(),
+           closed(1, kMaxHostMiB));
   cmd->add_option("--hardware", st->hardware,
                   "Compare against this hardware profile: a catalog name (see `spillway "
                   "hardware`) or a profile JSON file");
   cmd->add_option("--sizes", st->sizes,
-                  "Transfer sizes, comma-separated, K/M/G = KiB/MiB/GiB (default "
-                  "64K,1M,16M,256M)")
+                  "Transfer sizes, comma-separated, K/M/G = KiB/MiB/GiB, each from 1 byte to "
+                  "1024G (default 64K,1M,16M,256M)")
       ->delimiter(',');
-  cmd->add_option("--repeats", st->repeats,
-                  "Timed samples per point, after warm-up (fewer for large sizes when the "
-                  "time budget is short)")
-      ->capture_default_str();
+  in_range(cmd->add_option("--repeats", st->repeats,
+                           "Timed samples per point, after warm-up (fewer for large sizes when "
+                           "the time budget is short)")
+               ->capture_default_str(),
+           closed(1, kMaxRepeats));
   cmd->add_flag("--no-pageable", st->no_pageable, "Measure pinned host memory only");
-  cmd->add_option("--budget-s", st->budget_s, "Rough bound on the run's wall time in seconds")
-      ->capture_default_str();
+  in_range(
+      cmd->add_option("--budget-s", st->budget_s, "Rough bound on the run's wall time in seconds")
+          ->capture_default_str(),
+      closed(0.01, 86400));
   cmd->add_option("--json", st->json_path, "Write the results as JSON to FILE ('-' for stdout)");
   cmd->callback([st]() {
     ProbeOptions options;
@@ -117,8 +121,6 @@ void add_probe_command(CLI::App& app) {
       options.sizes.clear();
       for (const std::string& s : st->sizes) options.sizes.push_back(parse_size(s));
     }
-    if (st->repeats < 1) SPILLWAY_INPUT_ERROR("--repeats is {}; must be >= 1", st->repeats);
-    if (!(st->budget_s > 0.0)) SPILLWAY_INPUT_ERROR("--budget-s is {}; must be > 0", st->budget_s);
     options.repeats = st->repeats;
     options.pageable = !st->no_pageable;
     options.seconds_budget = st->budget_s;
@@ -145,10 +147,6 @@ void add_probe_command(CLI::App& app) {
     }
     if (!dev) {
       const double bytes = st->device_memory_mb * kMiB;
-      if (!(bytes >= 1.0) || st->device_memory_mb > 8e12) {
-        SPILLWAY_INPUT_ERROR("--device-memory-mb is {}; must be > 0 and <= 8e12 (MiB)",
-                             st->device_memory_mb);
-      }
       HostDeviceOptions ho;
       ho.device_bytes = static_cast<int64_t>(bytes);
       dev = make_host_device(ho);

@@ -50,23 +50,25 @@ void add_simulate_command(CLI::App& app) {
       ->group("Simulation");
   // 0 is the "not given" of these two, so a given 0 (or less) is refused at parse time
   // rather than silently meaning the default.
-  cmd->add_option("--gpus", st->gpus,
-                  "GPUs running the plan (default: the profile's GPUs per link) [1, 1024]")
-      ->check(CLI::Range(1, 1024))
-      ->group("Simulation");
-  cmd->add_option("--gpus-per-link", st->gpus_per_link,
-                  "GPUs sharing one host link (default: all of them); the link's capacity is the "
-                  "plan's per-GPU figure times the profile's GPUs per link [1, 1024]")
-      ->check(CLI::Range(1, 1024))
-      ->group("Simulation");
+  in_range(cmd->add_option("--gpus", st->gpus,
+                           "GPUs running the plan (default: the profile's GPUs per link)")
+               ->group("Simulation"),
+           closed(1, 1024));
+  in_range(cmd->add_option("--gpus-per-link", st->gpus_per_link,
+                           "GPUs sharing one host link (default: all of them); the link's "
+                           "capacity is the plan's per-GPU figure times the profile's GPUs per "
+                           "link")
+               ->group("Simulation"),
+           closed(1, 1024));
   cmd->add_flag("--no-hbm-contention", st->no_contention,
                 "Do not slow copies and memory-bound kernels that share HBM bandwidth")
       ->group("Simulation");
-  cmd->add_option(
-         "--inflight-bound-mb", st->inflight_bound_mb,
-         "Back-pressure: compute waits while more D2H bytes than this, in MiB (2^20 bytes), are "
-         "in flight (0 = no bound)")
-      ->group("Simulation");
+  in_range(cmd->add_option("--inflight-bound-mb", st->inflight_bound_mb,
+                           "Back-pressure: compute waits while more D2H bytes than this, in MiB "
+                           "(2^20 bytes), are in flight (0 = no bound)")
+               ->capture_default_str()
+               ->group("Simulation"),
+           closed(0, kMaxHostMiB));
   cmd->add_option("--trace", st->trace_path, "Write a Chrome trace-event JSON (open in Perfetto)")
       ->group("Output");
   cmd->add_option("--plot", st->plot_path,
@@ -83,9 +85,6 @@ void add_simulate_command(CLI::App& app) {
     } else {
       req = make_request(st->flags);
       plan = make_plan(req);
-    }
-    if (st->inflight_bound_mb < 0.0) {
-      SPILLWAY_INPUT_ERROR("--inflight-bound-mb is {}; must be >= 0", st->inflight_bound_mb);
     }
     SimResult result;
     if (st->scenario == "train") {

@@ -46,10 +46,16 @@ void add_train_command(CLI::App& app) {
                   "layer dense of 512), or a Qwen3-MoE-style config.json (GQA, vocab >= 256); "
                   "`spillway plan --model` knows the two embedded ones too")
       ->capture_default_str();
-  cmd->add_option("--steps", o->steps, "Training steps per policy")->capture_default_str();
-  cmd->add_option("--micro-batch", o->micro_batch, "Sequences per step")->capture_default_str();
-  cmd->add_option("--seq-len", o->seq_len, "Tokens per sequence (bytes of the corpus) [2, 4096]")
-      ->capture_default_str();
+  using L = train::TrainLimits;
+  in_range(cmd->add_option("--steps", o->steps, "Training steps per policy")->capture_default_str(),
+           closed(1, L::kMaxSteps));
+  in_range(cmd->add_option("--micro-batch", o->micro_batch,
+                           "Sequences per step (the host memory the run needs is checked first)")
+               ->capture_default_str(),
+           closed(1, L::kMaxMicroBatch));
+  in_range(cmd->add_option("--seq-len", o->seq_len, "Tokens per sequence (bytes of the corpus)")
+               ->capture_default_str(),
+           closed(2, L::kMaxSeqLen));
   CLI::Option* policy_opt =
       cmd->add_option("--policy", o->policy,
                       "keep, recompute, offload, selective, hybrid or auto (a plan file: --plan)")
@@ -63,29 +69,39 @@ void add_train_command(CLI::App& app) {
                 "print one table");
   cmd->add_option("--device", o->device, "host (cuda: refused with the reason)")
       ->capture_default_str();
-  cmd->add_option("--device-memory-mb", o->device_memory_mb,
-                  "Capacity of the emulated device memory in MiB (2^20 bytes; the budget: "
-                  "exceeding it is an error naming the policy and the bytes) [1, 1000000]")
-      ->capture_default_str();
-  cmd->add_option("--d2h-gbps", o->d2h_gbps,
-                  "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: none) [1e-06, 1000000]")
-      ->capture_default_str();
-  cmd->add_option("--h2d-gbps", o->h2d_gbps,
-                  "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: none) [1e-06, 1000000]")
-      ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "Seed of the initial weights and of the batches")
-      ->capture_default_str();
-  cmd->add_option("--lr", o->lr, "AdamW learning rate")->capture_default_str();
+  in_range(cmd->add_option("--device-memory-mb", o->device_memory_mb,
+                           "Capacity of the emulated device memory in MiB (2^20 bytes; the "
+                           "budget: exceeding it is an error naming the policy and the bytes)")
+               ->capture_default_str(),
+           closed(1, L::kMaxDeviceMemoryMb));
+  const FlagRange throttle = closed_or(PlanLimits::kMinGbps, PlanLimits::kMaxGbps, 0);
+  in_range(cmd->add_option("--d2h-gbps", o->d2h_gbps,
+                           "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: none)")
+               ->capture_default_str(),
+           throttle);
+  in_range(cmd->add_option("--h2d-gbps", o->h2d_gbps,
+                           "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: none)")
+               ->capture_default_str(),
+           throttle);
+  in_range(cmd->add_option("--seed", o->seed, "Seed of the initial weights and of the batches")
+               ->capture_default_str(),
+           up_to(0, "2^64 - 1"));
+  in_range(cmd->add_option("--lr", o->lr, "AdamW learning rate")->capture_default_str(),
+           closed(0, L::kMaxLr));
   cmd->add_option(
       "--corpus", o->corpus,
       fmt::format("Text file read as byte-level tokens (default: {})", train::kDefaultCorpus));
-  cmd->add_option("--prefetch-depth", o->prefetch_depth, "Backward reloads this many layers ahead")
-      ->capture_default_str();
-  cmd->add_option("--keep-last", o->keep_last, "Layers at the end that never offload (planner)")
-      ->capture_default_str();
+  in_range(cmd->add_option("--prefetch-depth", o->prefetch_depth,
+                           "Backward reloads this many layers ahead")
+               ->capture_default_str(),
+           closed(1, PlanLimits::kMaxPrefetchDepth));
+  in_range(
+      cmd->add_option("--keep-last", o->keep_last, "Layers at the end that never offload (planner)")
+          ->capture_default_str(),
+      up_to(1, "the model's layers"));
   cmd->add_option("--margin", *margin,
                   "Planner headroom a copy must leave in its window: a percentage (10%) or a "
-                  "fraction (0.1), as for `spillway plan`")
+                  "fraction (0.1), as for `spillway plan` [0%, 1000%]")
       ->capture_default_str();
   cmd->add_flag("--fused-swiglu", o->fused_swiglu,
                 "The fused SwiGLU variant: the MLP saves only its gate and up outputs and the "
@@ -94,17 +110,21 @@ void add_train_command(CLI::App& app) {
                   "device: the model's AdamW on the device; offload: fp32 master weights and "
                   "moments in host memory, the CPU AdamW per layer during backward (STV)")
       ->capture_default_str();
-  cmd->add_option("--device-buckets", o->device_buckets,
-                  "With --optimizer offload: optimizer buckets (the embedding, then the first "
-                  "layers: the last to arrive in backward) whose state and step stay on the device")
-      ->capture_default_str();
-  cmd->add_option("--undo-mb", o->undo_mb,
-                  "With --optimizer offload: STV's undo memory in MiB (2^20 bytes); buckets beyond "
-                  "it wait for the gradient norm (< 0: every CPU bucket)")
-      ->capture_default_str();
-  cmd->add_option("--clip", o->clip,
-                  "With --optimizer offload: gradient-norm clipping threshold (0: none)")
-      ->capture_default_str();
+  in_range(cmd->add_option("--device-buckets", o->device_buckets,
+                           "With --optimizer offload: optimizer buckets (the embedding, then the "
+                           "first layers: the last to arrive in backward) whose state and step "
+                           "stay on the device")
+               ->capture_default_str(),
+           up_to(0, "the model's layers + 2"));
+  in_range(cmd->add_option("--undo-mb", o->undo_mb,
+                           "With --optimizer offload: STV's undo memory in MiB (2^20 bytes); "
+                           "buckets beyond it wait for the gradient norm (-1: every CPU bucket)")
+               ->capture_default_str(),
+           closed_or(0, L::kMaxUndoMb, -1));
+  in_range(cmd->add_option("--clip", o->clip,
+                           "With --optimizer offload: gradient-norm clipping threshold (0: none)")
+               ->capture_default_str(),
+           closed(0, L::kMaxClip));
   cmd->add_option("--json", *json, "Write the per-policy figures as JSON to FILE ('-' for stdout)");
   cmd->add_flag("--quiet", *quiet, "No per-step lines");
   cmd->callback([o, json, quiet, margin, plan_file] {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cli/output.hpp"  // write_output: every output of every subcommand
+#include "cli/ranges.hpp"  // in_range: every numeric flag
 
 namespace spillway::cli {
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "cli/ranges.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::cli {
@@ -123,17 +124,12 @@ std::string message_with_flags(const InputError& e) {
                      with_flags(e.rule()));
 }
 
-namespace {
-// " [lo, hi]": the range make_plan accepts (PlanLimits), said in --help.
-template <typename T>
-std::string range(T lo, T hi) {
-  return fmt::format(" [{}, {}]", lo, hi);
-}
-}  // namespace
-
 void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   using L = PlanLimits;
-  const std::string sizes = " (>= 1)";
+  const auto size = [&](const char* name, int64_t& v, const std::string& what, int64_t hi) {
+    in_range(cmd.add_option(name, v, what)->capture_default_str()->group("Workload"),
+             closed(1, static_cast<double>(hi)));
+  };
   cmd.add_option("--model", f.model,
                  "Catalog name (see `spillway models`) or path to a Hugging Face config.json")
       ->capture_default_str()
@@ -142,33 +138,17 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
                  "Catalog profile (see `spillway hardware`) or path to a profile JSON")
       ->capture_default_str()
       ->group("Model and hardware");
-  cmd.add_option("--micro-batch", f.micro_batch, "Sequences per micro-batch" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
-  cmd.add_option("--seq-len", f.seq_len, "Tokens per sequence" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
+  size("--micro-batch", f.micro_batch, "Sequences per micro-batch", L::kMaxMicroBatch);
+  size("--seq-len", f.seq_len, "Tokens per sequence", L::kMaxSeqLen);
   cmd.add_option("--dtype", f.dtype, "Activation dtype: bf16, fp16, fp8, fp32")
       ->capture_default_str()
       ->group("Workload");
-  cmd.add_option("--tp", f.tp, "Tensor-parallel size (with sequence parallelism)" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
-  cmd.add_option("--ep", f.ep, "Expert-parallel size" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
-  cmd.add_option("--cp", f.cp, "Context-parallel size (splits the sequence)" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
-  cmd.add_option("--pp", f.pp, "Pipeline-parallel size (the first 1F1B stage is planned)" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
-  cmd.add_option("--dp", f.dp, "Data-parallel size (shards the optimizer states)" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
-  cmd.add_option("--grad-accum", f.grad_accum, "Micro-batches per optimizer step" + sizes)
-      ->capture_default_str()
-      ->group("Workload");
+  size("--tp", f.tp, "Tensor-parallel size (with sequence parallelism)", L::kMaxGroup);
+  size("--ep", f.ep, "Expert-parallel size", L::kMaxGroup);
+  size("--cp", f.cp, "Context-parallel size (splits the sequence)", L::kMaxGroup);
+  size("--pp", f.pp, "Pipeline-parallel size (the first 1F1B stage is planned)", L::kMaxGroup);
+  size("--dp", f.dp, "Data-parallel size (shards the optimizer states)", L::kMaxGroup);
+  size("--grad-accum", f.grad_accum, "Micro-batches per optimizer step", L::kMaxGroup);
   cmd.add_flag("--fused-swiglu", f.fused_swiglu,
                "SwiGLU backward recomputes silu(g)*u in-kernel: only gate and up outputs are saved")
       ->group("Workload");
@@ -180,51 +160,58 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
       ->group("Policy");
   cmd.add_option("--margin", f.margin,
                  "Headroom a copy must leave in its window: '10%' or 0.1 (copies share HBM "
-                 "bandwidth with kernels)")
+                 "bandwidth with kernels) [0%, 1000%]")
       ->capture_default_str()
       ->group("Policy");
-  cmd.add_option("--hbm-budget-gb", f.hbm_budget_gb,
-                 "HBM the plan may use in GB (1e9 bytes; default: the profile's HBM minus 5% "
-                 "reserve)" +
-                     range(L::kMinBudgetGb, L::kMaxBudgetGb))
-      ->group("Policy");
-  cmd.add_option("--keep-last", f.keep_last, "Layers at the end that never offload")
-      ->capture_default_str()
-      ->group("Policy");
-  cmd.add_option("--prefetch-depth", f.prefetch_depth,
-                 "Backward reloads issued this many layers ahead" + range(1, L::kMaxPrefetchDepth))
-      ->capture_default_str()
-      ->group("Policy");
-  cmd.add_option("--d2h-gbps", f.d2h_gbps,
-                 "Device->host GB/s per GPU (1e9 bytes/s; default: the profile's typical "
-                 "measured figure, shared by the GPUs on one link; never the nominal peak)" +
-                     range(L::kMinGbps, L::kMaxGbps))
-      ->group("Link");
-  cmd.add_option(
-         "--h2d-gbps", f.h2d_gbps,
-         "Host->device GB/s per GPU (default as --d2h-gbps)" + range(L::kMinGbps, L::kMaxGbps))
-      ->group("Link");
-  auto* fwd = cmd.add_option("--layer-fwd-ms", f.layer_fwd_ms,
-                             "Calibration: measured forward time of the repeating layer; all "
-                             "modelled times are scaled to it" +
-                                 range(L::kMinLayerMs, L::kMaxLayerMs))
-                  ->group("Calibration");
+  in_range(cmd.add_option("--hbm-budget-gb", f.hbm_budget_gb,
+                          "HBM the plan may use in GB (1e9 bytes; default: the profile's HBM "
+                          "minus 5% reserve)")
+               ->group("Policy"),
+           closed(L::kMinBudgetGb, L::kMaxBudgetGb));
+  in_range(cmd.add_option("--keep-last", f.keep_last, "Layers at the end that never offload")
+               ->capture_default_str()
+               ->group("Policy"),
+           up_to(1, "the model's layers"));
+  in_range(cmd.add_option("--prefetch-depth", f.prefetch_depth,
+                          "Backward reloads issued this many layers ahead")
+               ->capture_default_str()
+               ->group("Policy"),
+           closed(1, L::kMaxPrefetchDepth));
+  in_range(cmd.add_option("--d2h-gbps", f.d2h_gbps,
+                          "Device->host GB/s per GPU (1e9 bytes/s; default: the profile's typical "
+                          "measured figure, shared by the GPUs on one link; never the nominal "
+                          "peak)")
+               ->group("Link"),
+           closed(L::kMinGbps, L::kMaxGbps));
+  in_range(
+      cmd.add_option("--h2d-gbps", f.h2d_gbps, "Host->device GB/s per GPU (default as --d2h-gbps)")
+          ->group("Link"),
+      closed(L::kMinGbps, L::kMaxGbps));
+  auto* fwd = in_range(cmd.add_option("--layer-fwd-ms", f.layer_fwd_ms,
+                                      "Calibration: measured forward time of the repeating "
+                                      "layer; all modelled times are scaled to it")
+                           ->group("Calibration"),
+                       closed(L::kMinLayerMs, L::kMaxLayerMs));
   cmd.add_option("--profile", f.profile,
                  "Calibration: JSON with measured per-layer times "
                  "{\"layers\": [{\"index\", \"fwd_ms\", \"bwd_ms\"}]}")
       ->excludes(fwd)
       ->group("Calibration");
-  cmd.add_option("--gemm-efficiency", f.gemm_eff, "Fraction of dense peak reached by GEMMs (0, 1]")
-      ->capture_default_str()
-      ->group("Calibration");
-  cmd.add_option("--attention-efficiency", f.attention_eff,
-                 "Fraction of dense peak reached by fused attention (0, 1]")
-      ->capture_default_str()
-      ->group("Calibration");
-  cmd.add_option("--hbm-efficiency", f.hbm_eff,
-                 "Fraction of HBM bandwidth reached by memory-bound kernels (0, 1]")
-      ->capture_default_str()
-      ->group("Calibration");
+  in_range(
+      cmd.add_option("--gemm-efficiency", f.gemm_eff, "Fraction of dense peak reached by GEMMs")
+          ->capture_default_str()
+          ->group("Calibration"),
+      open_closed(0, 1));
+  in_range(cmd.add_option("--attention-efficiency", f.attention_eff,
+                          "Fraction of dense peak reached by fused attention")
+               ->capture_default_str()
+               ->group("Calibration"),
+           open_closed(0, 1));
+  in_range(cmd.add_option("--hbm-efficiency", f.hbm_eff,
+                          "Fraction of HBM bandwidth reached by memory-bound kernels")
+               ->capture_default_str()
+               ->group("Calibration"),
+           open_closed(0, 1));
 }
 
 double parse_margin(const std::string& text) {

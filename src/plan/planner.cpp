@@ -80,17 +80,18 @@ struct Stage {
 void validate(const PlanRequest& r) {
   const ShardShape& s = r.work.shape;
   using L = PlanLimits;
-  auto pos = [](const char* field, int64_t v) {
+  auto size = [](const char* field, int64_t v, int64_t hi) {
     if (v < 1) SPILLWAY_FIELD_ERROR(field, v, "must be >= 1");
+    if (v > hi) SPILLWAY_FIELD_ERROR(field, v, "must be in [1, {}]", hi);
   };
-  pos("micro_batch", s.micro_batch);
-  pos("seq_len", s.seq_len);
-  pos("tp", s.tp);
-  pos("cp", s.cp);
-  pos("ep", s.ep);
-  pos("pp", r.work.pp);
-  pos("dp", r.work.dp);
-  pos("grad_accum", r.work.grad_accum);
+  size("micro_batch", s.micro_batch, L::kMaxMicroBatch);
+  size("seq_len", s.seq_len, L::kMaxSeqLen);
+  size("tp", s.tp, L::kMaxGroup);
+  size("cp", s.cp, L::kMaxGroup);
+  size("ep", s.ep, L::kMaxGroup);
+  size("pp", r.work.pp, L::kMaxGroup);
+  size("dp", r.work.dp, L::kMaxGroup);
+  size("grad_accum", r.work.grad_accum, L::kMaxGroup);
   if (int64_t tokens = 0; __builtin_mul_overflow(s.micro_batch, s.seq_len, &tokens)) {
     SPILLWAY_FIELD_ERROR("micro_batch", s.micro_batch,
                          "micro_batch * seq_len overflows 64 bits (seq_len is {})", s.seq_len);
@@ -139,6 +140,10 @@ void validate(const PlanRequest& r) {
   if (r.keep_last_layers < 1) {
     SPILLWAY_FIELD_ERROR("keep_last_layers", r.keep_last_layers,
                          "must be >= 1 (the last layer never offloads)");
+  }
+  if (r.keep_last_layers > layers) {
+    SPILLWAY_FIELD_ERROR("keep_last_layers", r.keep_last_layers,
+                         "must be <= the model's layers ({})", layers);
   }
   if (r.prefetch_depth < 1)
     SPILLWAY_FIELD_ERROR("prefetch_depth", r.prefetch_depth, "must be >= 1");

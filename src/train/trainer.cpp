@@ -31,11 +31,15 @@ std::string mb(int64_t bytes) {
 
 void validate(const TrainOptions& o) {
   // Errors name the TrainOptions field (the CLI shows its flag).
+  using L = TrainLimits;
   auto at_least = [](const char* field, double v, double lo) {
     if (!(v >= lo)) SPILLWAY_FIELD_ERROR(field, v, "must be >= {}", lo);
   };
-  at_least("steps", o.steps, 1);
-  at_least("micro_batch", o.micro_batch, 1);
+  auto within = [](const char* field, double v, double lo, double hi) {
+    if (!(v >= lo && v <= hi)) SPILLWAY_FIELD_ERROR(field, v, "must be in [{}, {}]", lo, hi);
+  };
+  within("steps", o.steps, 1, L::kMaxSteps);
+  within("micro_batch", o.micro_batch, 1, L::kMaxMicroBatch);
   at_least("seq_len", o.seq_len, 2);
   at_least("device_memory_mb", o.device_memory_mb, 1);
   // A throttle is 0 (none) or a link speed with a meaning (1e-300 GB/s would never end).
@@ -46,14 +50,15 @@ void validate(const TrainOptions& o) {
   };
   throttle("d2h_gbps", o.d2h_gbps);
   throttle("h2d_gbps", o.h2d_gbps);
-  at_least("prefetch_depth", o.prefetch_depth, 0);
-  at_least("keep_last", o.keep_last, 0);
-  at_least("margin", o.margin, 0);
-  at_least("lr", o.lr, 0);
-  if (o.seq_len > 4096)
-    SPILLWAY_FIELD_ERROR("seq_len", o.seq_len, "the reference model takes <= 4096");
-  if (o.device_memory_mb > 1e6)
-    SPILLWAY_FIELD_ERROR("device_memory_mb", o.device_memory_mb, "must be <= 1000000");
+  within("prefetch_depth", o.prefetch_depth, 1, PlanLimits::kMaxPrefetchDepth);
+  at_least("keep_last", o.keep_last, 1);
+  within("margin", o.margin, 0, 10);
+  within("lr", o.lr, 0, L::kMaxLr);
+  if (o.seq_len > L::kMaxSeqLen)
+    SPILLWAY_FIELD_ERROR("seq_len", o.seq_len, "the reference model takes <= {}", L::kMaxSeqLen);
+  if (o.device_memory_mb > L::kMaxDeviceMemoryMb)
+    SPILLWAY_FIELD_ERROR("device_memory_mb", o.device_memory_mb, "must be <= {}",
+                         L::kMaxDeviceMemoryMb);
   if (o.device != "host") {
     if (o.device == "cuda")
       SPILLWAY_INPUT_ERROR(
@@ -65,9 +70,10 @@ void validate(const TrainOptions& o) {
     SPILLWAY_FIELD_ERROR("optimizer", fmt::format("'{}'", o.optimizer),
                          "must be device or offload");
   at_least("device_buckets", o.device_buckets, 0);
-  at_least("clip", o.clip, 0);
-  if (!(o.undo_mb < 0 || o.undo_mb <= 1e6))
-    SPILLWAY_FIELD_ERROR("undo_mb", o.undo_mb, "must be <= 1000000 (or < 0: every CPU bucket)");
+  within("clip", o.clip, 0, L::kMaxClip);
+  if (!(o.undo_mb < 0 || o.undo_mb <= L::kMaxUndoMb))
+    SPILLWAY_FIELD_ERROR("undo_mb", o.undo_mb, "must be <= {} (or < 0: every CPU bucket)",
+                         L::kMaxUndoMb);
   if (o.optimizer == "device" && (o.device_buckets != 0 || o.undo_mb >= 0))
     SPILLWAY_INPUT_ERROR(
         "--device-buckets and --undo-mb set the offloaded optimizer: add --optimizer offload");
@@ -475,6 +481,9 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
   validate(o);
   const RefConfig c = load_reference_config(o.model);
   check_work_fits(c, o);
+  if (o.keep_last > c.layers())
+    SPILLWAY_FIELD_ERROR("keep_last", o.keep_last, "must be <= the model's layers ({})",
+                         c.layers());
   const int buckets = c.layers() + 2;  // Model::parameter_buckets
   if (o.device_buckets > buckets)
     SPILLWAY_FIELD_ERROR("device_buckets", o.device_buckets,

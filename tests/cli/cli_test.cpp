@@ -83,8 +83,10 @@ TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
   // printed an empty table and exited 0.
   for (const char* flag : {"--gpus 0", "--gpus-per-link 0", "--gpus 5000"}) {
     const CliRun r = run(std::string("simulate ") + flag);
-    EXPECT_EQ(r.code, 2) << flag << "\n" << r.out;
-    EXPECT_TRUE(contains(r.out, std::string(flag).substr(0, std::string(flag).find(' ')))) << r.out;
+    EXPECT_EQ(r.code, 1) << flag << "\n" << r.out;
+    std::string said = flag;
+    said.replace(said.find(' '), 1, " is ");
+    EXPECT_TRUE(contains(r.out, said + "; must be in [1, 1024]")) << r.out;
   }
   const CliRun p = run("probe --device-memory-mb 1 --sizes 64M");
   EXPECT_EQ(p.code, 1) << p.out;
@@ -272,18 +274,18 @@ TEST(Cli, BadInputExitsNonZeroNamingTheFlagAndWritesNothing) {
 // flags]). A value the user typed is shown as typed, never rewritten.
 TEST(Cli, InputErrorsNameTheFlagNotTheField) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"plan --micro-batch 0", "--micro-batch is 0; must be >= 1"},
+      {"plan --micro-batch 0", "--micro-batch is 0; must be in [1, 1048576]"},
       {"plan --cp 3", "--cp is 3; must divide --seq-len (4096)"},
       {"plan --gemm-efficiency 1.5", "--gemm-efficiency is 1.5; must be in (0, 1]"},
-      {"plan --keep-last 0", "--keep-last is 0; must be >= 1 (the last layer never offloads)"},
+      {"plan --keep-last 0", "--keep-last is 0; must be in [1, the model's layers]"},
+      {"plan --keep-last 49", "--keep-last is 49; must be <= the model's layers (48)"},
       {"plan --hbm-budget-gb -2", "--hbm-budget-gb is -2; must be in [0.001, 1000000000]"},
       {"plan --d2h-gbps 1e-300", "--d2h-gbps is 1e-300; must be in [1e-06, 1000000]"},
       {"plan --strategy tp",
        "--strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
       {"plan --dtype seq_len", "--dtype is 'seq_len'; must be one of bf16, fp16, fp8, fp32"},
       {"plan --micro-batch 1099511627776 --seq-len 1099511627776",
-       "--micro-batch is 1099511627776; --micro-batch * --seq-len overflows 64 bits (--seq-len "
-       "is 1099511627776)"},
+       "--micro-batch is 1099511627776; must be in [1, 1048576]"},
       {"simulate --model Llama-3.1-8B --gpus 3 --gpus-per-link 2",
        "--gpus-per-link is 2; must be >= 1 and divide --gpus (3)"},
       {"simulate --model Llama-3.1-8B --scenario stream --prefetch-depth 65",

@@ -449,19 +449,20 @@ TEST(BadRequest, TokenCountsThatOverflow) {
   PlanRequest r = base_request();
   r.work.shape.micro_batch = 1LL << 40;
   r.work.shape.seq_len = 1LL << 40;
+  // Sizes beyond PlanLimits are refused before any product is formed.
   expect_error([&] { (void)make_plan(r); },
-               {"micro_batch is 1099511627776; micro_batch * seq_len overflows 64 bits (seq_len is "
-                "1099511627776)"});
-  // The token count fits, the activation bytes do not.
+               {"micro_batch is 1099511627776; must be in [1, 1048576]"});
+  // Within the limits the token count fits, the activation bytes do not: a checked product.
   PlanRequest big = base_request();
-  big.work.shape.micro_batch = 1LL << 31;
-  big.work.shape.seq_len = 1LL << 31;
+  big.work.shape.micro_batch = PlanLimits::kMaxMicroBatch;
+  big.work.shape.seq_len = PlanLimits::kMaxSeqLen;
   expect_error([&] { (void)make_plan(big); }, {"overflows 64 bits"});
 }
 
 TEST(BadRequest, TokenCountsNearTheLimitWithTensorParallel) {
-  // 1 x INT64_MAX tokens fit 64 bits, so validation passes; the per-GPU rows are then
-  // ceil(T / tp), whose "T + tp - 1" must not overflow on the way to an Error.
+  // 1 x INT64_MAX tokens would fit 64 bits; the per-GPU rows are then ceil(T / tp), whose
+  // "T + tp - 1" must not overflow on the way to an Error. PlanLimits now refuses such a
+  // sequence length first; either refusal is right, an accepted plan or UB is not.
   // Undefined behaviour shows only under the sanitizers (make test-asan), hence the child.
   const std::string v = spillway::testing::verdict_in_child([] {
     PlanRequest r = base_request();
@@ -472,8 +473,11 @@ TEST(BadRequest, TokenCountsNearTheLimitWithTensorParallel) {
       return std::string("make_plan accepted INT64_MAX tokens");
     } catch (const spillway::Error& e) {
       const std::string msg = e.what();
-      return msg.find("overflows 64 bits") != std::string::npos ? std::string()
-                                                                : "unexpected message: " + msg;
+      return msg.find("overflows 64 bits") != std::string::npos ||
+                     msg.find("seq_len is 9223372036854775807; must be in [1, 67108864]") !=
+                         std::string::npos
+                 ? std::string()
+                 : "unexpected message: " + msg;
     }
   });
   if (v.find("the call") == 0) {

@@ -1,0 +1,56 @@
+// Note [Every numeric flag has a range]
+// A numeric flag without a range accepts values with no physical meaning and prints absurd
+// figures (a bandwidth of 1e-300 GB/s gives a 300-digit step time) or silently means
+// something else (0 GPUs meant the default). So every numeric flag of every subcommand
+// goes through in_range: its --help ends with the range in one notation, " [lo, hi]",
+// " (lo, hi]" (lo excluded) or " [lo, hi] or S" (one sentinel with its own meaning, said
+// in the text: "0: none"), and a value outside is refused before anything runs. An upper
+// bound that depends on the input ("[1, the model's layers]") is stated in words and
+// checked by the library once the input is known. The library checks its own limits too
+// (PlanLimits, the options' validation) for callers that do not come through the CLI; the
+// CLI states them where the user reads them, from the same constants.
+// `CliRanges.EveryNumericFlagStatesAndEnforcesItsRange` reads every subcommand's --help
+// back and tries a value below and above each stated range.
+#include "cli/ranges.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "spillway/error.hpp"
+
+namespace spillway::cli {
+
+std::string range_text(const FlagRange& r) {
+  std::string s = fmt::format(" {}{}, ", r.lo_open ? '(' : '[', r.lo);
+  s += r.hi_text.empty() ? fmt::format("{}", r.hi) : r.hi_text;
+  s += ']';
+  if (r.also) s += fmt::format(" or {}", *r.also);
+  return s;
+}
+
+CLI::Option* in_range(CLI::Option* opt, const FlagRange& r) {
+  opt->description(opt->get_description() + range_text(r));
+  const std::string name = opt->get_name();
+  opt->check(CLI::Validator(
+      [r, name](std::string& text) -> std::string {
+        const char* begin = text.c_str();
+        char* end = nullptr;
+        const double v = std::strtod(begin, &end);
+        // Not a number: CLI11's conversion to the option's type reports it.
+        if (end == begin || *end != '\0') return {};
+        if (r.also && v == *r.also) return {};
+        const bool below = r.lo_open ? !(v > r.lo) : !(v >= r.lo);
+        const bool above = r.hi_text.empty() && !(v <= r.hi);
+        if (below || above || std::isnan(v)) {
+          std::string rule = "must be in" + range_text(r);
+          throw InputError(name, text, rule);
+        }
+        return {};
+      },
+      "", "range"));
+  return opt;
+}
+
+}  // namespace spillway::cli
