@@ -77,7 +77,7 @@ std::unique_ptr<Runner> make_runner(const StvBenchOptions& o, const StvWorkload&
   r->undo_limit = undo_limit;
   // Device memory: bf16 weights and gradients (4 B), the split's state (12 B), lanes.
   const int64_t device_bytes = static_cast<int64_t>(w.n) * 16 + (int64_t{64} << 20);
-  r->dev = make_host_device(HostDeviceOptions{device_bytes, o.link_gbps, o.link_gbps});
+  r->dev = make_host_device(HostDeviceOptions{device_bytes, o.d2h_gbps, o.h2d_gbps});
   r->compute = r->dev->create_stream(StreamRole::kCompute);
   OptimOffloadOptions oo;
   oo.clip = kClip;
@@ -164,7 +164,8 @@ void check_stv_bench_options(const StvBenchOptions& o) {
   at_least("buckets", "--buckets", o.buckets, 1);
   at_least("bucket_elements", "--bucket-elements", static_cast<double>(o.bucket_elements), 1);
   at_least("backward_ms", "--backward-ms", o.backward_ms, 0.0);
-  at_least("link_gbps", "--link-gbps", o.link_gbps, 0.0);
+  at_least("d2h_gbps", "--d2h-gbps", o.d2h_gbps, 0.0);
+  at_least("h2d_gbps", "--h2d-gbps", o.h2d_gbps, 0.0);
   at_least("device_buckets", "--device-buckets", o.device_buckets, -1);
   at_least("threads", "--threads", o.threads, 0);
   at_least("repeats", "--repeats", o.repeats, 1);
@@ -245,9 +246,11 @@ StvBenchResult run_stv_bench(const StvBenchOptions& options) {
       optim::adamw_step_simd(hp, a);
       ++next;
     });
-    const double link_ms = options.link_gbps > 0
-                               ? 2.0 * static_cast<double>(bn) * 2.0 / (options.link_gbps * 1e6)
-                               : 0.0;
+    // A bf16 gradient down and the bf16 weights up (2 bytes each per element).
+    const auto copy_ms = [&](double gbps) {
+      return gbps > 0 ? static_cast<double>(bn) * 2.0 / (gbps * 1e6) : 0.0;
+    };
+    const double link_ms = copy_ms(options.d2h_gbps) + copy_ms(options.h2d_gbps);
     res.bucket_link_ms = link_ms;
     res.bucket_cpu_ms = res.bucket_lanes_ms + res.bucket_step_ms + link_ms;
   }
@@ -344,15 +347,11 @@ std::string stv_bench_json(const StvBenchResult& r) {
                     {"bucket_device_ms", finite(r.bucket_device_ms)},
                     {"predicted_end_ms", finite(r.predicted_end_ms)}};
   const StvBenchOptions& o = r.options;
-  j["workload"] = Json{{"buckets", o.buckets},
-                       {"bucket_elements", o.bucket_elements},
-                       {"elements", r.elements},
-                       {"backward_ms", o.backward_ms},
-                       {"link_gbps", o.link_gbps},
-                       {"threads", o.threads},
-                       {"repeats", o.repeats},
-                       {"steps", o.steps},
-                       {"seed", o.seed}};
+  j["workload"] = Json{{"buckets", o.buckets},   {"bucket_elements", o.bucket_elements},
+                       {"elements", r.elements}, {"backward_ms", o.backward_ms},
+                       {"d2h_gbps", o.d2h_gbps}, {"h2d_gbps", o.h2d_gbps},
+                       {"threads", o.threads},   {"repeats", o.repeats},
+                       {"steps", o.steps},       {"seed", o.seed}};
   return j.dump(2) + "\n";
 }
 
@@ -360,10 +359,11 @@ std::string format_stv_bench(const StvBenchResult& r) {
   const StvBenchOptions& o = r.options;
   std::string out = fmt::format(
       "optimizer offload: {} buckets x {} elements ({:.1f} M parameters), backward {:g} ms, "
-      "link {} each way, {} CPU threads, host backend\n"
+      "link D2H {}, H2D {}, {} CPU threads, host backend\n"
       "correctness: every variant bitwise the non-speculative AdamW after a commit and a clip\n\n",
       o.buckets, o.bucket_elements, static_cast<double>(r.elements) / 1e6, o.backward_ms,
-      o.link_gbps > 0 ? fmt::format("{:g} GB/s", o.link_gbps) : std::string("unthrottled"),
+      o.d2h_gbps > 0 ? fmt::format("{:g} GB/s", o.d2h_gbps) : std::string("unthrottled"),
+      o.h2d_gbps > 0 ? fmt::format("{:g} GB/s", o.h2d_gbps) : std::string("unthrottled"),
       o.threads);
   out += fmt::format("{:<18} {:>9} {:>12} {:>9} {:>9} {:>9}\n", "variant", "undo MB", "backward ms",
                      "step ms", "tail ms", "vs base");

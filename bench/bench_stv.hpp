@@ -40,7 +40,8 @@ struct StvBenchOptions {
   int buckets = 8;
   size_t bucket_elements = size_t{1} << 21;  // 2M: 16M parameters by default
   double backward_ms = 160.0;
-  double link_gbps = 16.0;  // throttle of both copy directions (PCIe 5 x16-like; 0: none)
+  double d2h_gbps = 16.0;  // copy throttles, PCIe 5 x16-like (0: none)
+  double h2d_gbps = 16.0;
   int device_buckets = -1;  // stv+split; -1: chosen from this run's timings
   int threads = 0;          // the CPU AdamW pool; 0: hardware concurrency
   int repeats = 3;
@@ -65,7 +66,7 @@ struct StvBenchResult {
   double bucket_cpu_ms = 0.0;             // the sum of the next three
   double bucket_lanes_ms = 0.0;           // the norm lane sums (one thread)
   double bucket_step_ms = 0.0;            // the out-of-place step on the pool
-  double bucket_link_ms = 0.0;            // down and up at link_gbps
+  double bucket_link_ms = 0.0;            // down at d2h_gbps and up at h2d_gbps
   double bucket_device_ms = 0.0;          // the device-side step (here: one CPU thread)
   double predicted_end_ms = 0.0;          // choose_device_buckets' end of step for the chosen split
   bool correct = false;                   // the bitwise check passed (else it threw)

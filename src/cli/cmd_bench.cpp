@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "bench_adam.hpp"
 #include "bench_offload.hpp"
@@ -181,6 +182,7 @@ void add_bench_adam_command(CLI::App& bench) {
 void add_bench_optim_offload_command(CLI::App& bench) {
   struct State {
     StvBenchOptions options;
+    std::optional<double> link_gbps;  // the deprecated spelling of both throttles
     std::string json_path;
   };
   auto st = std::make_shared<State>();
@@ -197,7 +199,7 @@ void add_bench_optim_offload_command(CLI::App& bench) {
       "Examples:\n"
       "  spillway bench optim-offload\n"
       "  spillway bench optim-offload --buckets 16 --bucket-elements 1000000 --backward-ms 80\n"
-      "  spillway bench optim-offload --link-gbps 400 --device-buckets 2 --json -");
+      "  spillway bench optim-offload --d2h-gbps 400 --h2d-gbps 400 --device-buckets 2 --json -");
   StvBenchOptions& o = st->options;
   in_range(cmd->add_option("--buckets", o.buckets, "Gradient buckets per step (one per layer, say)")
                ->capture_default_str(),
@@ -209,10 +211,33 @@ void add_bench_optim_offload_command(CLI::App& bench) {
                            "Length of the emulated backward; buckets arrive evenly over it")
                ->capture_default_str(),
            closed(0, 1e6));
-  in_range(cmd->add_option("--link-gbps", o.link_gbps,
-                           "Throttle of each copy direction in GB/s (1e9 bytes/s; 0: none)")
-               ->capture_default_str(),
-           closed_or(PlanLimits::kMinGbps, PlanLimits::kMaxGbps, 0));
+  // The throttles are spelled as in `spillway train`; the old --link-gbps (both at once) is
+  // accepted with a deprecation line.
+  const FlagRange throttle = closed_or(PlanLimits::kMinGbps, PlanLimits::kMaxGbps, 0);
+  CLI::Option* d2h = in_range(
+      cmd->add_option("--d2h-gbps", o.d2h_gbps,
+                      "Throttle of device->host copies (the gradients) in GB/s (1e9 bytes/s; 0: "
+                      "none)")
+          ->capture_default_str(),
+      throttle);
+  CLI::Option* h2d = in_range(
+      cmd->add_option("--h2d-gbps", o.h2d_gbps,
+                      "Throttle of host->device copies (the weights) in GB/s (1e9 bytes/s; 0: "
+                      "none)")
+          ->capture_default_str(),
+      throttle);
+  in_range(cmd->add_option("--link-gbps", st->link_gbps,
+                           "The old spelling of --d2h-gbps and --h2d-gbps together (says so "
+                           "when used)")
+               ->group("Deprecated")
+               ->excludes(d2h)
+               ->excludes(h2d),
+           throttle)
+      ->each([st](const std::string& v) {
+        std::fprintf(stderr,
+                     "spillway: --link-gbps is deprecated; write --d2h-gbps %s --h2d-gbps %s\n",
+                     v.c_str(), v.c_str());
+      });
   in_range(
       cmd->add_option("--device-buckets", o.device_buckets,
                       "Buckets stepped on the device in the split variant (-1: chosen from this "
@@ -236,7 +261,8 @@ void add_bench_optim_offload_command(CLI::App& bench) {
                   "Write the results as JSON to FILE ('-' for stdout): stv_tail_ratio, "
                   "stv_step_ratio, variants[] {name, step_ms, tail_ms, ...}, split");
   cmd->callback([st]() {
-    const StvBenchOptions& options = st->options;
+    StvBenchOptions options = st->options;
+    if (st->link_gbps) options.d2h_gbps = options.h2d_gbps = *st->link_gbps;
     check_stv_bench_options(options);
     const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
     say(fmt::format(

@@ -29,7 +29,7 @@ void add_plan_command(CLI::App& app) {
           "With no arguments: the first example.\n\n"
           "Examples:\n"
           "  spillway plan {}\n"
-          "  spillway plan --model Llama-3.1-70B --hardware h100-sxm --tp 8 --strategy offload"
+          "  spillway plan --model Llama-3.1-70B --hardware h100-sxm --tp 8 --policy offload"
           "   (infeasible: the reasons in numbers)\n",
           kPlanExampleArgs) +
           std::string("  spillway plan --model ./config.json --hardware gb200 --layer-fwd-ms 12.5 "

@@ -3,6 +3,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include "cli/ranges.hpp"
@@ -33,7 +34,7 @@ constexpr FieldFlag kFieldFlags[] = {
     {"pp", "--pp"},
     {"dp", "--dp"},
     {"grad_accum", "--grad-accum"},
-    {"strategy", "--strategy"},
+    {"strategy", "--policy"},
     {"margin", "--margin"},
     {"layer_fwd_ms", "--layer-fwd-ms"},
     {"profile", "--profile"},
@@ -152,12 +153,20 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   cmd.add_flag("--fused-swiglu", f.fused_swiglu,
                "SwiGLU backward recomputes silu(g)*u in-kernel: only gate and up outputs are saved")
       ->group("Workload");
-  cmd.add_option(
-         "--strategy", f.strategy,
-         "auto (fastest feasible mix, layer by layer), keep, recompute, offload, selective, "
-         "hybrid (applied to every layer, then judged)")
-      ->capture_default_str()
-      ->group("Policy");
+  CLI::Option* policy =
+      cmd.add_option("--policy", f.strategy,
+                     "auto (fastest feasible mix, layer by layer), keep, recompute, offload, "
+                     "selective, hybrid (applied to every layer, then judged); as for `spillway "
+                     "train --policy`")
+          ->capture_default_str()
+          ->group("Policy");
+  // The old spelling (the plan JSON's field is still "strategy"): accepted, said once.
+  cmd.add_option("--strategy", f.strategy, "The old spelling of --policy (says so when used)")
+      ->group("Deprecated")
+      ->excludes(policy)
+      ->each([](const std::string& v) {
+        std::fprintf(stderr, "spillway: --strategy is deprecated; write --policy %s\n", v.c_str());
+      });
   cmd.add_option("--margin", f.margin,
                  "Headroom a copy must leave in its window: '10%' or 0.1 (copies share HBM "
                  "bandwidth with kernels) [0%, 1000%]")
@@ -302,9 +311,9 @@ void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Pla
   agree("--dp", "dp", f.dp, planned.work.dp);
   agree("--grad-accum", "grad_accum", f.grad_accum, planned.work.grad_accum);
   agree("--fused-swiglu", "fused_swiglu", f.fused_swiglu, s.fused_swiglu);
-  if (given("--strategy")) {
-    agree("--strategy", "strategy", to_string(parse_policy(f.strategy)),
-          to_string(planned.strategy));
+  for (const char* flag : {"--policy", "--strategy"}) {
+    if (given(flag))
+      agree(flag, "strategy", to_string(parse_policy(f.strategy)), to_string(planned.strategy));
   }
   if (given("--margin")) {
     const double m = parse_margin(f.margin);

@@ -32,7 +32,9 @@ std::string range_text(const FlagRange& r) {
 
 CLI::Option* in_range(CLI::Option* opt, const FlagRange& r) {
   opt->description(opt->get_description() + range_text(r));
-  const std::string name = opt->get_name();
+  // The long name even for an option hidden from --help (whose get_name() is empty).
+  const std::string name =
+      opt->get_lnames().empty() ? opt->get_name() : "--" + opt->get_lnames().front();
   opt->check(CLI::Validator(
       [r, name](std::string& text) -> std::string {
         const char* begin = text.c_str();

@@ -31,7 +31,7 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
   const ShardShape& s = r.work.shape;
   const PlanSummary& m = plan.summary;
   std::string out;
-  out += fmt::format("spillway plan: {} on {} (strategy {})\n", r.model.name, r.hardware.name,
+  out += fmt::format("spillway plan: {} on {} (policy {})\n", r.model.name, r.hardware.name,
                      to_string(r.strategy));
   out += fmt::format("  model     {} layers, hidden {}, {:.1f}B parameters ({:.2f}B on this GPU)\n",
                      r.model.layers.size(), r.model.hidden,

@@ -19,7 +19,7 @@ double gb(int64_t bytes) {
 std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
   const SimSummary& s = r.summary;
   std::string out;
-  out += fmt::format("spillway simulate: {} on {} ({}, strategy {})\n", req.model.name,
+  out += fmt::format("spillway simulate: {} on {} ({}, policy {})\n", req.model.name,
                      req.hardware.name, r.scenario, to_string(req.strategy));
   out += fmt::format(
       "  topology  {} GPU(s), {} per host link; link {:.0f} GB/s D2H, {:.0f} GB/s H2D per "

@@ -78,6 +78,45 @@ TEST(Cli, UnknownSubcommandsQuietWithoutJsonAndReferenceModelsAreAnswered) {
   }
 }
 
+// One spelling per idea: the per-layer memory policy is --policy in plan, simulate and
+// train (the planner's old --strategy is still accepted, with a deprecation line).
+TEST(Cli, PolicyAndThrottlesAreOneSpellingAcrossSubcommands) {
+  const std::string args = "--model Llama-3.1-8B --hardware gh200 --seq-len 2048 ";
+  for (const char* command : {"plan ", "simulate "}) {
+    SCOPED_TRACE(command);
+    const CliRun now = run(command + args + "--policy offload", "2>/dev/null");
+    const CliRun old = run(command + args + "--strategy offload", "2>/dev/null");
+    EXPECT_EQ(now.code, old.code) << now.out << old.out;
+    EXPECT_EQ(now.out, old.out);
+    const CliRun said = run(command + args + "--strategy offload", "2>&1 1>/dev/null");
+    EXPECT_TRUE(contains(said.out, "--strategy is deprecated; write --policy offload")) << said.out;
+    const CliRun quiet = run(command + args + "--policy offload", "2>&1 1>/dev/null");
+    EXPECT_FALSE(contains(quiet.out, "deprecated")) << quiet.out;
+    const CliRun both = run(command + args + "--policy keep --strategy offload");
+    EXPECT_EQ(both.code, 2) << both.out;
+    EXPECT_TRUE(contains(both.out, "excludes")) << both.out;
+  }
+  const CliRun help = run("plan --help");
+  EXPECT_TRUE(contains(help.out, "--policy")) << help.out;
+  EXPECT_TRUE(contains(help.out, "Deprecated:\n  --strategy")) << help.out;
+  // The copy throttles are --d2h-gbps and --h2d-gbps in train and in bench optim-offload
+  // (which said --link-gbps for both).
+  const std::string bench =
+      "bench optim-offload --buckets 2 --bucket-elements 1000 --backward-ms 5 --repeats 1 "
+      "--steps 1 --json - ";
+  const CliRun old_link = run(bench + "--link-gbps 8", "2>/dev/null");
+  ASSERT_EQ(old_link.code, 0) << old_link.out;
+  EXPECT_TRUE(contains(old_link.out, "\"d2h_gbps\": 8.0")) << old_link.out;
+  EXPECT_TRUE(contains(old_link.out, "\"h2d_gbps\": 8.0")) << old_link.out;
+  const CliRun said_link = run(bench + "--link-gbps 8", "2>&1 1>/dev/null");
+  EXPECT_TRUE(contains(said_link.out, "--link-gbps is deprecated; write --d2h-gbps 8 --h2d-gbps 8"))
+      << said_link.out;
+  const CliRun split = run(bench + "--d2h-gbps 4 --h2d-gbps 0", "2>/dev/null");
+  ASSERT_EQ(split.code, 0) << split.out;
+  EXPECT_TRUE(contains(split.out, "\"d2h_gbps\": 4.0")) << split.out;
+  EXPECT_TRUE(contains(split.out, "\"h2d_gbps\": 0.0")) << split.out;
+}
+
 TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
   // simulate --gpus 0 used to mean "the default"; a probe whose every size was skipped
   // printed an empty table and exited 0.
@@ -105,7 +144,7 @@ TEST(Cli, HelpMentionsTheSubcommands) {
 TEST(Cli, PlanHelpListsItsFlags) {
   const CliRun r = run("plan --help");
   EXPECT_EQ(r.code, 0) << r.out;
-  for (const char* s : {"--model", "--hardware", "--strategy", "--margin", "--micro-batch",
+  for (const char* s : {"--model", "--hardware", "--policy", "--margin", "--micro-batch",
                         "--seq-len", "--json", "--d2h-gbps", "--hbm-budget-gb", "--fused-swiglu"}) {
     EXPECT_TRUE(contains(r.out, s)) << "plan --help lacks " << s;
   }
@@ -153,7 +192,7 @@ TEST(Cli, InfeasibleStrategyExitsThreeWithReasons) {
   TempDir dir;
   const std::string json = dir.file("slow.json");
   const CliRun r =
-      run("plan --model Llama-3.1-8B --hardware gh200 --hbm-budget-gb 1000 --strategy offload "
+      run("plan --model Llama-3.1-8B --hardware gh200 --hbm-budget-gb 1000 --policy offload "
           "--d2h-gbps 1 --json '" +
           json + "'");
   EXPECT_EQ(r.code, 3) << r.out;
@@ -172,7 +211,7 @@ TEST(Cli, JsonMatchesTheLibraryPlanExactly) {
   const std::string json = dir.file("out.json");
   const CliRun r = run(
       "plan --model Llama-3.1-8B --hardware h100-sxm --micro-batch 2 --seq-len 2048 --tp 2 "
-      "--dtype fp16 --strategy offload --margin 25% --d2h-gbps 40 --h2d-gbps 45 --fused-swiglu "
+      "--dtype fp16 --policy offload --margin 25% --d2h-gbps 40 --h2d-gbps 45 --fused-swiglu "
       "--keep-last 2 --prefetch-depth 2 --dp 4 --grad-accum 3 --hbm-budget-gb 70 --quiet --json '" +
       json + "'");
   ASSERT_TRUE(r.code == 0 || r.code == 3) << r.out;
@@ -237,7 +276,7 @@ TEST(Cli, BadInputExitsNonZeroNamingTheFlagAndWritesNothing) {
       {"--micro-batch 0", {"--micro-batch", "0"}},
       {"--micro-batch -2", {"--micro-batch"}},
       {"--seq-len 0", {"--seq-len"}},
-      {"--strategy bogus", {"--strategy", "bogus"}},
+      {"--policy bogus", {"--policy", "bogus"}},
       {"--margin abc", {"--margin", "abc"}},
       {"--margin 10", {"--margin", "10%"}},
       {"--margin 1001%", {"--margin"}},
@@ -281,8 +320,8 @@ TEST(Cli, InputErrorsNameTheFlagNotTheField) {
       {"plan --keep-last 49", "--keep-last is 49; must be <= the model's layers (48)"},
       {"plan --hbm-budget-gb -2", "--hbm-budget-gb is -2; must be in [0.001, 1000000000]"},
       {"plan --d2h-gbps 1e-300", "--d2h-gbps is 1e-300; must be in [1e-06, 1000000]"},
-      {"plan --strategy tp",
-       "--strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
+      {"plan --policy tp",
+       "--policy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
       {"plan --dtype seq_len", "--dtype is 'seq_len'; must be one of bf16, fp16, fp8, fp32"},
       {"plan --micro-batch 1099511627776 --seq-len 1099511627776",
        "--micro-batch is 1099511627776; must be in [1, 1048576]"},
@@ -367,7 +406,7 @@ TEST(Cli, SimulateWritesReportTracePlotAndSummary) {
   const std::string summary = dir.file("summary.json");
   const CliRun r =
       run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --seq-len 4096 --ep 8 "
-          "--strategy offload --trace '" +
+          "--policy offload --trace '" +
           trace + "' --plot '" + plot + "' --json '" + summary + "'");
   // Its peak (~102 GB) does not fit the 80 GB card: exit 3, every output still written.
   ASSERT_EQ(r.code, 3) << r.out;
@@ -415,7 +454,7 @@ TEST(Cli, SimulatePlanRefusesFlagsThatConflictWithThePlan) {
   const std::vector<Case> refused = {
       {"--micro-batch 4", {"--micro-batch is 4", "made for micro_batch 2"}},
       {"--seq-len 4096", {"--seq-len is 4096", "made for seq_len 1024"}},
-      {"--strategy keep", {"--strategy is keep", "made for strategy auto"}},
+      {"--policy keep", {"--policy is keep", "made for strategy auto"}},
       {"--dtype fp32", {"--dtype is fp32", "made for dtype bf16"}},
       {"--ep 8", {"--ep is 8", "made for ep 1"}},
       {"--fused-swiglu", {"--fused-swiglu is true", "made for fused_swiglu false"}},
@@ -437,7 +476,7 @@ TEST(Cli, SimulatePlanRefusesFlagsThatConflictWithThePlan) {
   const std::string out = dir.file("agree.json");
   const CliRun ok = run("simulate --plan '" + plan +
                         "' --model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 "
-                        "--seq-len 1024 --strategy auto --dtype bf16 --margin 10% --json '" +
+                        "--seq-len 1024 --policy auto --dtype bf16 --margin 10% --json '" +
                         out + "'");
   EXPECT_TRUE(ok.code == 0 || ok.code == 3) << ok.out;
   EXPECT_TRUE(std::filesystem::exists(out)) << ok.out;
@@ -461,7 +500,7 @@ TEST(Cli, SimulatePeakOverHbmExitsThreeWithReasons) {
   const std::string plot = dir.file("step.svg");
   const CliRun r =
       run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --micro-batch 2 --seq-len 8192 "
-          "--ep 8 --dp 8 --strategy offload --plot '" +
+          "--ep 8 --dp 8 --policy offload --plot '" +
           plot + "' --json '" + summary + "'");
   EXPECT_EQ(r.code, 3) << r.out;
   EXPECT_TRUE(contains(r.out, "feasible         NO")) << r.out;
@@ -480,7 +519,7 @@ TEST(Cli, SimulatePeakOverHbmExitsThreeWithReasons) {
   // --json - prints only the JSON, and the exit status is still 3.
   const CliRun j =
       run("simulate --model Qwen3-30B-A3B --hardware h100-sxm --micro-batch 2 --seq-len 8192 "
-          "--ep 8 --dp 8 --strategy offload --json -",
+          "--ep 8 --dp 8 --policy offload --json -",
           "2>/dev/null");
   EXPECT_EQ(j.code, 3);
   EXPECT_FALSE(Json::parse(j.out)["feasible"].get<bool>());
@@ -541,7 +580,7 @@ namespace {
 
 TEST(CliPlan, CpuAdamRateAddsTheOptimizerSplit) {
   const CliRun ok =
-      run("plan --model Llama-3.1-8B --hardware gh200 --seq-len 8192 --dp 8 --strategy recompute "
+      run("plan --model Llama-3.1-8B --hardware gh200 --seq-len 8192 --dp 8 --policy recompute "
           "--cpu-adam-gbps 400");
   EXPECT_EQ(ok.code, 0) << ok.out;
   EXPECT_NE(ok.out.find("optimizer offload (CPU AdamW at 400.0 GB/s of state): keep the "

@@ -370,7 +370,7 @@ TEST(TrainCli, PlanFileFromSpillwayPlanIsAPolicy) {
   const std::string model = std::string(SPILLWAY_DATA_DIR) + "/nn/tiny-moe.json";
   const std::string plan = dir.file("plan.json");
   const TrainRun p = run("plan --model '" + model + "' --hardware gh200 " + kTiny +
-                             " --dtype fp32 --strategy offload --quiet --json '" + plan + "'",
+                             " --dtype fp32 --policy offload --quiet --json '" + plan + "'",
                          dir);
   // The plan may be judged infeasible for gh200 (exit 3); it is written either way.
   ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
@@ -438,7 +438,7 @@ TEST(TrainCli, PlanFileForAnotherModelOrWorkloadIsRefused) {
     SCOPED_TRACE(c.plan_args);
     const std::string plan = dir.file("plan.json");
     const TrainRun p = run("plan " + c.plan_args +
-                               " --hardware gh200 --strategy offload --quiet --json '" + plan + "'",
+                               " --hardware gh200 --policy offload --quiet --json '" + plan + "'",
                            dir);
     ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
     const std::string out = dir.file("out.json");

@@ -551,7 +551,7 @@ TEST(OffloadEngine, UnderBackPressureTheSnowballIsTheLayerWhereTheBacklogStarts)
 namespace spillway {
 namespace {
 
-// The engine against the planner: the same tiny model planned with `--strategy offload`,
+// The engine against the planner: the same tiny model planned with `--policy offload`,
 // calibrated to the layer time the engine's "compute" takes, at a link speed the planner
 // judges clean or snowballing; the engine, throttled to that speed and driven by the
 // plan's policy, must agree, naming the same first layer.

@@ -22,7 +22,8 @@ StvBenchOptions tiny() {
   o.buckets = 4;
   o.bucket_elements = 5000;
   o.backward_ms = 4.0;
-  o.link_gbps = 0.0;
+  o.d2h_gbps = 0.0;
+  o.h2d_gbps = 0.0;
   o.threads = 2;
   o.repeats = 1;
   o.steps = 2;
@@ -79,8 +80,11 @@ TEST(BenchStv, BadOptionsNameTheField) {
   o.backward_ms = -1;
   expect_error(o, "--backward-ms");
   o = tiny();
-  o.link_gbps = std::nan("");
-  expect_error(o, "--link-gbps");
+  o.d2h_gbps = std::nan("");
+  expect_error(o, "--d2h-gbps");
+  o = tiny();
+  o.h2d_gbps = -1;
+  expect_error(o, "--h2d-gbps");
   o = tiny();
   o.device_buckets = 5;
   expect_error(o, "--device-buckets");

@@ -200,7 +200,7 @@ TEST(PlanReport, TableSummaryAndReasons) {
   r.d2h_gbps = 2.0;
   const Plan p = make_plan(r);
   const std::string text = format_plan_report(p, r);
-  for (const char* s : {"spillway plan: Llama-3.1-8B on gh200 (strategy offload)", "layer", "block",
+  for (const char* s : {"spillway plan: Llama-3.1-8B on gh200 (policy offload)", "layer", "block",
                         "policy", "summary", "feasible", "NO", "SNOWBALL", "peak HBM", "weights",
                         "activations", "in-flight copies", "step time", "speedup"}) {
     EXPECT_NE(text.find(s), std::string::npos) << "report lacks [" << s << "]\n" << text;
