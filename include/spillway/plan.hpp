@@ -117,6 +117,28 @@ struct OpPlan {  // one forward op of a layer and its backward
   double bwd_ms = 0.0;
 };
 
+// A collective a layer issues (DESIGN section 11): its ring time from the message size S
+// per GPU, the group size n and the bandwidth B of the slowest link it crosses:
+// all-reduce 2(n-1)/n x S / B; all-gather, reduce-scatter and all-to-all (n-1)/n x S / B.
+// `link` names what it crosses: "nvlink" (the GPUs' own scale-up fabric), "network"
+// (InfiniBand/Ethernet between nodes) or "host" (through the host link, e.g. PCIe GPUs
+// without NVLink: it shares the root complex with the offload copies).
+enum class CollectiveKind { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
+std::string to_string(CollectiveKind k);  // "all-reduce", "all-gather", ...
+CollectiveKind parse_collective_kind(const std::string& s);
+
+struct CollectivePlan {
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  std::string what;       // "dp.grad_reduce", "zero.weight_gather", "ep.dispatch", "ep.combine"
+  bool backward = false;  // issued in the layer's backward (else its forward)
+  int64_t bytes = 0;      // message size S per GPU
+  int64_t group = 1;      // GPUs in the group (n)
+  std::string link;       // "nvlink", "network", "host"
+  double gbps = 0.0;      // B: per-GPU bandwidth of the link crossed
+  double ms = 0.0;        // ring time
+  bool exposed = false;   // on the critical path (all-to-all); else overlapped with compute
+};
+
 struct LayerPlan {
   int index = 0;
   std::string block;
@@ -143,6 +165,7 @@ struct LayerPlan {
   double stall_ms = 0.0;      // backward waiting on this layer's reload
   int64_t backlog_bytes = 0;  // D2H bytes not yet copied when this layer's forward ends
   bool snowball = false;      // the copy misses its window (with margin)
+  std::vector<CollectivePlan> collectives;  // in issue order
 };
 
 struct MemoryBreakdown {
