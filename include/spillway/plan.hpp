@@ -42,7 +42,8 @@ namespace spillway {
 struct PlanLimits {
   static constexpr int64_t kMaxMicroBatch = int64_t{1} << 20;
   static constexpr int64_t kMaxSeqLen = int64_t{1} << 26;
-  static constexpr int64_t kMaxGroup = int64_t{1} << 20;  // tp, ep, cp, pp, dp, grad_accum
+  static constexpr int64_t kMaxGroup = int64_t{1} << 20;      // tp, ep, cp, pp, dp, grad_accum
+  static constexpr int64_t kMaxLossChunk = int64_t{1} << 30;  // tokens per loss chunk
   static constexpr double kMinGbps = 1e-6;
   static constexpr double kMaxGbps = 1e6;
   static constexpr double kMinBudgetGb = 1e-3;
@@ -88,7 +89,20 @@ struct PlanRequest {
   Efficiency efficiency;
   int keep_last_layers = 1;  // layers at the end that never offload
   int prefetch_depth = 1;    // backward reloads issued this many layers ahead
+  // Note [Training state] (planner.cpp, DESIGN section 11): what the data-parallel group
+  // shards and what lives in host memory. ZeRO stage over dp: 0 nothing, 1 the optimizer
+  // states (fp32 master weights and AdamW moments, 12 bytes per parameter), 2 also the
+  // gradients, 3 (FSDP) also the weights, with gathered-layer buffers.
+  int zero = 1;
+  bool optimizer_offload = false;       // the 12 bytes per parameter in host memory, CPU AdamW
+  bool grad_offload = false;            // gradient buckets stream to the host as they are final
+  std::optional<double> cpu_adam_gbps;  // CPU AdamW state GB/s (default kDefaultCpuAdamGbps)
+  int64_t loss_chunk = 0;  // tokens per loss chunk; 0: the planner's choice (Note [Loss chunks])
 };
+
+// The CPU AdamW's state traffic rate assumed when none is given (GB/s, 28 bytes per
+// element): a conservative figure for a server CPU; `spillway bench adam` measures it.
+inline constexpr double kDefaultCpuAdamGbps = 50.0;
 
 // The fraction of HBM the default budget leaves for the CUDA context, allocator
 // fragmentation and communication buffers.
@@ -168,15 +182,40 @@ struct LayerPlan {
   std::vector<CollectivePlan> collectives;  // in issue order
 };
 
+// HBM by category at the peak. `logits` is non-zero when the peak is while the LM head
+// and the loss run (a loss chunk's fp32 logits and their gradient), `activations` holds
+// the saved tensors (and, when the peak is in a layer's backward, its re-materialized
+// set); `buffers` the sharding and offload buffers (ZeRO-3 gathered layers, gradient
+// buckets being reduced or copied to the host).
 struct MemoryBreakdown {
   int64_t weights = 0;
   int64_t gradients = 0;
   int64_t optimizer_states = 0;
   int64_t activations = 0;
+  int64_t logits = 0;
+  int64_t buffers = 0;
   int64_t in_flight_copies = 0;
   int64_t total() const {
-    return weights + gradients + optimizer_states + activations + in_flight_copies;
+    return weights + gradients + optimizer_states + activations + logits + buffers +
+           in_flight_copies;
   }
+};
+
+// The training state's placement and the optimizer's cost in the step (Note [Training
+// state]).
+struct TrainingStatePlan {
+  int zero = 1;
+  bool optimizer_offload = false;
+  bool grad_offload = false;
+  int64_t state_params = 0;         // parameters whose optimizer state this GPU holds
+  int64_t host_state_bytes = 0;     // in host memory: master weights, moments, gradients
+  double cpu_adam_gbps = 0.0;       // used (offload only)
+  bool cpu_adam_assumed = false;    // the default, not given
+  int device_buckets = 0;           // offload: layers stepped on the GPU (the split)
+  double optimizer_ms = 0.0;        // on the critical path: the device step, or the CPU tail
+  double optimizer_total_ms = 0.0;  // its whole work (device step, or the CPU pipeline)
+  int64_t loss_chunk_tokens = 0;    // tokens per loss chunk (= tokens per GPU: unchunked)
+  double loss_recompute_ms = 0.0;   // the logits recomputed in backward, per micro-batch
 };
 
 struct PlanSummary {
@@ -197,6 +236,7 @@ struct PlanSummary {
   int64_t logits_bytes = 0;  // logits and their gradient (fp32) while the head runs
   int gpus_per_link = 1;     // from the hardware profile (the simulator's default topology)
   std::string calibration;   // "roofline", "layer-fwd-ms", "profile"
+  TrainingStatePlan state;
 };
 
 struct Plan {

@@ -27,6 +27,7 @@ enum class TaskKind {
   kBackward,   // a layer's backward (including its recompute)
   kRecompute,  // forward ops re-run in backward
   kHead,       // LM head + loss, forward and backward
+  kOptimizer,  // the optimizer's part of the step on the critical path (after backward)
   kD2H,        // offload copy
   kH2D,        // reload (or weight) copy
 };

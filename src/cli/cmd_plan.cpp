@@ -66,11 +66,14 @@ void add_plan_command(CLI::App& app) {
                    "(`spillway plan --help` lists the flags)\n",
                    kPlanExampleArgs);
     }
-    const PlanRequest req = make_request(st->flags);
+    PlanRequest req = make_request(st->flags);
+    req.cpu_adam_gbps = st->cpu_adam_gbps;
     const Plan plan = make_plan(req);
     if (!st->quiet && st->json_path != "-") {
       std::string report = format_plan_report(plan, req);
-      if (st->cpu_adam_gbps) {  // given, even as 0: then refused, never silently dropped
+      // The device optimizer's split as it would be offloaded (an offloaded plan reports
+      // its own).
+      if (st->cpu_adam_gbps && !req.optimizer_offload) {
         const OptimizerSplit s = plan_optimizer_split(plan, req, *st->cpu_adam_gbps);
         report += fmt::format(
             "\noptimizer offload (CPU AdamW at {:.1f} GB/s of state): keep the optimizer step of "

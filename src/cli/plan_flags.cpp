@@ -35,6 +35,10 @@ constexpr FieldFlag kFieldFlags[] = {
     {"dp", "--dp"},
     {"grad_accum", "--grad-accum"},
     {"strategy", "--policy"},
+    {"zero", "--zero"},
+    {"optimizer_offload", "--optimizer offload"},
+    {"grad_offload", "--grad-offload"},
+    {"loss_chunk", "--loss-chunk"},
     {"margin", "--margin"},
     {"layer_fwd_ms", "--layer-fwd-ms"},
     {"profile", "--profile"},
@@ -167,6 +171,33 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
       ->each([](const std::string& v) {
         std::fprintf(stderr, "spillway: --strategy is deprecated; write --policy %s\n", v.c_str());
       });
+  in_range(cmd.add_option("--zero", f.zero,
+                          "ZeRO stage over the --dp group: 0 nothing sharded, 1 the optimizer "
+                          "states (12 bytes per parameter), 2 also the gradients, 3 also the "
+                          "weights (gathered layer by layer: 2 layers of buffers)")
+               ->capture_default_str()
+               ->group("Training state"),
+           closed(0, 3));
+  cmd.add_flag("--fsdp", f.fsdp, "Fully sharded data parallel: the same as --zero 3")
+      ->group("Training state");
+  cmd.add_option("--optimizer", f.optimizer,
+                 "device: AdamW on the GPU after backward; offload: fp32 master weights and "
+                 "moments in host memory, the CPU AdamW per layer during backward (STV, the "
+                 "GPU/CPU split), as `spillway train --optimizer offload`")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"device", "offload"}))
+      ->group("Training state");
+  cmd.add_flag("--grad-offload", f.grad_offload,
+               "With --optimizer offload: gradient buckets stream to the host as they become "
+               "final, so no full gradient stays in HBM")
+      ->group("Training state");
+  in_range(cmd.add_option("--loss-chunk", f.loss_chunk,
+                          "Tokens per loss chunk: the fp32 logits of one chunk at a time, "
+                          "recomputed in backward (0: the planner's choice, unchunked when the "
+                          "logits take at most 2% of the budget)")
+               ->capture_default_str()
+               ->group("Training state"),
+           closed(0, static_cast<double>(L::kMaxLossChunk)));
   cmd.add_option("--margin", f.margin,
                  "Headroom a copy must leave in its window: '10%' or 0.1 (copies share HBM "
                  "bandwidth with kernels) [0%, 1000%]")
@@ -273,6 +304,12 @@ PlanRequest make_request(const PlanFlags& f) {
   r.efficiency = Efficiency{f.gemm_eff, f.attention_eff, f.hbm_eff};
   r.keep_last_layers = f.keep_last;
   r.prefetch_depth = f.prefetch_depth;
+  if (f.fsdp && f.zero != 1 && f.zero != 3)
+    SPILLWAY_INPUT_ERROR("--fsdp is --zero 3; --zero {} contradicts it", f.zero);
+  r.zero = f.fsdp ? 3 : f.zero;
+  r.optimizer_offload = f.optimizer == "offload";
+  r.grad_offload = f.grad_offload;
+  r.loss_chunk = f.loss_chunk;
   r.model = load_model(f.model);
   r.hardware = load_hardware(f.hardware);
   if (!f.profile.empty()) r.profile = load_profile(f.profile);

@@ -33,6 +33,11 @@ struct PlanFlags {
   double hbm_eff = Efficiency{}.hbm;
   int keep_last = 1;
   int prefetch_depth = 1;
+  int zero = 1;
+  bool fsdp = false;
+  std::string optimizer = "device";
+  bool grad_offload = false;
+  int64_t loss_chunk = 0;
 };
 
 void add_plan_flags(CLI::App& cmd, PlanFlags& f);

@@ -127,7 +127,12 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                   {"efficiency",
                    {{"gemm", r.efficiency.gemm},
                     {"attention", r.efficiency.attention},
-                    {"hbm", r.efficiency.hbm}}}};
+                    {"hbm", r.efficiency.hbm}}},
+                  {"zero", r.zero},
+                  {"optimizer_offload", r.optimizer_offload},
+                  {"grad_offload", r.grad_offload},
+                  {"loss_chunk", r.loss_chunk}};
+  if (r.cpu_adam_gbps) j["options"]["cpu_adam_gbps"] = *r.cpu_adam_gbps;
   Json layers = Json::array();
   for (const LayerPlan& l : plan.layers) {
     Json tensors = Json::array();
@@ -189,7 +194,22 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                     {"gradients", m.peak.gradients},
                     {"optimizer_states", m.peak.optimizer_states},
                     {"activations", m.peak.activations},
+                    {"logits", m.peak.logits},
+                    {"buffers", m.peak.buffers},
                     {"in_flight_copies", m.peak.in_flight_copies}}},
+                  {"training_state",
+                   {{"zero", m.state.zero},
+                    {"optimizer_offload", m.state.optimizer_offload},
+                    {"grad_offload", m.state.grad_offload},
+                    {"state_params", m.state.state_params},
+                    {"host_state_bytes", m.state.host_state_bytes},
+                    {"cpu_adam_gbps", m.state.cpu_adam_gbps},
+                    {"cpu_adam_assumed", m.state.cpu_adam_assumed},
+                    {"device_buckets", m.state.device_buckets},
+                    {"optimizer_ms", m.state.optimizer_ms},
+                    {"optimizer_total_ms", m.state.optimizer_total_ms},
+                    {"loss_chunk_tokens", m.state.loss_chunk_tokens},
+                    {"loss_recompute_ms", m.state.loss_recompute_ms}}},
                   {"host_pinned_bytes", m.host_pinned_bytes},
                   {"step_ms", m.step_ms},
                   {"recompute_step_ms", m.recompute_step_ms},
@@ -246,6 +266,12 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
   r.margin = opts.num_or("margin", 0.1, 0.0, 10.0);
   r.prefetch_depth = static_cast<int>(opts.int_or("prefetch_depth", 1, 1, 64));
   r.keep_last_layers = static_cast<int>(opts.int_or("keep_last_layers", 1, 1, 1 << 20));
+  r.zero = static_cast<int>(opts.int_or("zero", 1, 0, 3));
+  r.optimizer_offload = opts.bool_or("optimizer_offload", false);
+  r.grad_offload = opts.bool_or("grad_offload", false);
+  r.loss_chunk = opts.int_or("loss_chunk", 0, 0, PlanLimits::kMaxLossChunk);
+  if (opts.has("cpu_adam_gbps"))
+    r.cpu_adam_gbps = opts.num_or("cpu_adam_gbps", 0.0, PlanLimits::kMinGbps, PlanLimits::kMaxGbps);
 
   auto action_of = [](const JsonObject& t) -> Action {
     const std::string a = t.req_str("action");
@@ -341,6 +367,21 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
   s.peak.optimizer_states = cat.req_int("optimizer_states", 0, kBig);
   s.peak.activations = cat.req_int("activations", 0, kBig);
   s.peak.in_flight_copies = cat.req_int("in_flight_copies", 0, kBig);
+  s.peak.logits = cat.int_or("logits", 0, 0, kBig);
+  s.peak.buffers = cat.int_or("buffers", 0, 0, kBig);
+  s.state.zero = r.zero;
+  s.state.optimizer_offload = r.optimizer_offload;
+  s.state.grad_offload = r.grad_offload;
+  if (sum.has("training_state")) {
+    const JsonObject ts = sum.req_obj("training_state");
+    s.state.state_params = ts.int_or("state_params", 0, 0, kBig);
+    s.state.host_state_bytes = ts.int_or("host_state_bytes", 0, 0, kBig);
+    s.state.device_buckets = static_cast<int>(ts.int_or("device_buckets", 0, 0, 1 << 24));
+    s.state.optimizer_ms = ts.num_or("optimizer_ms", 0.0, 0.0, 1e12);
+    s.state.optimizer_total_ms = ts.num_or("optimizer_total_ms", 0.0, 0.0, 1e12);
+    s.state.loss_chunk_tokens = ts.int_or("loss_chunk_tokens", 0, 0, kBig);
+    s.state.loss_recompute_ms = ts.num_or("loss_recompute_ms", 0.0, 0.0, 1e9);
+  }
   return plan;
 }
 

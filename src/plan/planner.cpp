@@ -9,6 +9,31 @@
 // to tensors produced earlier in the layer (which start earlier: the reason selective
 // offload spreads transfers over the attention and MLP phases).
 //
+// Note [Training state] (DESIGN section 11): per GPU, P parameters (after TP, EP and PP
+// divide them: TP splits every weight matrix, EP the routed experts, PP the layers) in
+// mixed precision: weights 2 bytes (4 in fp32), gradients the same, and the optimizer's
+// fp32 master weights and AdamW moments 12 bytes. Over the data-parallel group of N GPUs,
+// ZeRO-1 shards the 12 optimizer bytes, ZeRO-2 also the gradients, ZeRO-3 (FSDP) also the
+// weights; CP splits only the activations (the sequence). The shards' buffers are HBM too:
+// ZeRO-3 gathers a whole layer before it runs and prefetches the next (2 x the largest
+// layer's weights), and a gradient bucket is whole while it is reduce-scattered (ZeRO-2/3)
+// or copied to the host (--grad-offload) while the next one is produced (2 x the largest
+// layer's gradients). --optimizer offload moves the 12 bytes to host memory (plus a 2-byte
+// landing buffer per parameter for the gradients) and steps them on the CPU; --grad-offload
+// (with it) keeps no full gradient in HBM. The optimizer's time: on the device, 28 bytes
+// of state traffic per parameter at HBM speed after backward; offloaded, each layer's
+// bucket goes down, through the CPU AdamW at --cpu-adam-gbps and back up as backward hands
+// it over (STV), the last-arriving layers stepped on the GPU when that ends sooner and
+// their state fits (choose_device_buckets), and only the tail past backward's end is on
+// the critical path.
+//
+// Note [Loss chunks]: the LM head's fp32 logits and their gradient take tokens x vocab x 8
+// bytes (151,936 words x 16,384 tokens: ~20 GB). The loss is computed in chunks of C
+// tokens: C x vocab x 8 bytes live at once, and each chunk's logits are recomputed in
+// backward (one more head forward GEMM per micro-batch). --loss-chunk 0 lets the planner
+// choose: unchunked when the logits take at most 2% of the HBM budget, else the largest
+// power of two of tokens (at least 128) whose logits do.
+//
 // Note [Peak memory]: at the start of backward the device holds every layer's kept
 // tensors (times the micro-batches in flight: pp for the first 1F1B stage), plus either
 // the logits and their gradient (fp32) or, while a layer runs backward, its re-
@@ -65,8 +90,9 @@ struct Stage {
   double h2d_bytes_per_ms = 0.0;
   double margin = 0.1;
   int64_t mb_inflight = 1;
-  int64_t static_bytes = 0;  // weights + gradients + optimizer states
+  int64_t static_bytes = 0;  // weights + gradients + optimizer states + buffers
   MemoryBreakdown static_mem;
+  int64_t host_static = 0;  // optimizer state and gradients in host memory
   int64_t logits_bytes = 0;
   double head_ms = 0.0;  // LM head + loss, forward and backward
   int64_t budget = 0;
@@ -150,6 +176,16 @@ void validate(const PlanRequest& r) {
   if (r.prefetch_depth > L::kMaxPrefetchDepth)
     SPILLWAY_FIELD_ERROR("prefetch_depth", r.prefetch_depth, "must be in [1, {}]",
                          L::kMaxPrefetchDepth);
+  if (r.zero < 0 || r.zero > 3) SPILLWAY_FIELD_ERROR("zero", r.zero, "must be 0, 1, 2 or 3");
+  if (r.grad_offload && !r.optimizer_offload) {
+    SPILLWAY_FIELD_ERROR("grad_offload", "true",
+                         "needs optimizer_offload (gradients go to the optimizer on the host)");
+  }
+  within("cpu_adam_gbps", r.cpu_adam_gbps, L::kMinGbps, L::kMaxGbps);
+  if (r.loss_chunk < 0 || r.loss_chunk > L::kMaxLossChunk) {
+    SPILLWAY_FIELD_ERROR("loss_chunk", r.loss_chunk, "must be in [0, {}] (0: the planner's choice)",
+                         L::kMaxLossChunk);
+  }
 }
 
 // Parameters of one layer on one GPU: experts split over ep * tp, the rest over tp.
@@ -254,32 +290,73 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   if (r.work.pp == 1 && !r.model.tied_embeddings) params += emb;
   plan.params_per_gpu = params;
   plan.params_total = parameter_count(r.model);
+  // Note [Training state].
+  const double budget_gb =
+      r.hbm_budget_gb ? *r.hbm_budget_gb : r.hardware.hbm_gb * (1.0 - kHbmReserveFraction);
+  st.budget = static_cast<int64_t>(budget_gb * 1e9);
   const int64_t wbytes = s.dtype == DType::kFp32 ? 4 : 2;
-  st.static_mem.weights = checked_mul(params, wbytes, "weight bytes");
-  st.static_mem.gradients = checked_mul(params, wbytes, "gradient bytes");
-  st.static_mem.optimizer_states = checked_mul(params, 12, "optimizer bytes") / r.work.dp;
-  st.static_bytes =
-      st.static_mem.weights + st.static_mem.gradients + st.static_mem.optimizer_states;
+  const int64_t dp = r.work.dp;
+  const auto shard = [&](int64_t bytes, int stage) {
+    return r.zero >= stage ? (bytes + dp - 1) / dp : bytes;
+  };
+  TrainingStatePlan& ts = plan.summary.state;
+  ts.zero = r.zero;
+  ts.optimizer_offload = r.optimizer_offload;
+  ts.grad_offload = r.grad_offload;
+  ts.state_params = shard(params, 1);
+  st.static_mem.weights = shard(checked_mul(params, wbytes, "weight bytes"), 3);
+  st.static_mem.gradients =
+      r.grad_offload ? 0 : shard(checked_mul(params, wbytes, "gradient bytes"), 2);
+  const int64_t state_bytes = checked_mul(ts.state_params, 12, "optimizer bytes");
+  st.static_mem.optimizer_states = r.optimizer_offload ? 0 : state_bytes;
+  if (r.optimizer_offload) {
+    ts.host_state_bytes = checked_add(
+        state_bytes, checked_mul(ts.state_params, 2, "gradient bytes"), "optimizer bytes");
+    ts.cpu_adam_gbps = r.cpu_adam_gbps.value_or(kDefaultCpuAdamGbps);
+    ts.cpu_adam_assumed = !r.cpu_adam_gbps;
+  }
+  st.host_static = ts.host_state_bytes;
+  int64_t largest = emb;
+  for (int64_t p : st.layer_params) largest = std::max(largest, p);
+  const int64_t largest_bytes = checked_mul(largest, wbytes, "weight bytes");
+  if (r.zero >= 3 && dp > 1) st.static_mem.buffers += 2 * largest_bytes;
+  if ((r.zero >= 2 && dp > 1) || r.grad_offload) st.static_mem.buffers += 2 * largest_bytes;
+  st.static_bytes = st.static_mem.weights + st.static_mem.gradients +
+                    st.static_mem.optimizer_states + st.static_mem.buffers;
+  if (!r.optimizer_offload) {
+    // The device AdamW after backward: 28 bytes of state traffic per parameter.
+    ts.optimizer_total_ms = static_cast<double>(ts.state_params) * 28.0 /
+                            (r.hardware.hbm_tbps * r.efficiency.hbm * 1e12) * 1e3;
+    ts.optimizer_ms = ts.optimizer_total_ms;
+  }
 
+  // Note [Loss chunks].
   const int64_t T = s.micro_batch * s.seq_len / s.cp;
   plan.tokens_per_gpu = T;
   const int64_t vocab_shard = (r.model.vocab + s.tp - 1) / s.tp;
-  if (r.work.pp == 1) {
-    st.logits_bytes = checked_mul(checked_mul(T, vocab_shard, "logits size"), 8, "logits size");
+  const int64_t per_token = checked_mul(vocab_shard, 8, "logits size");
+  int64_t chunk = r.loss_chunk;
+  if (chunk == 0) {
+    const int64_t cap = st.budget / 50;
+    chunk = T;
+    if (checked_mul(T, per_token, "logits size") > cap) {
+      chunk = 128;
+      while (chunk * 2 <= T && chunk * 2 * per_token <= cap) chunk *= 2;
+    }
   }
+  chunk = std::min(chunk, T);
+  ts.loss_chunk_tokens = chunk;
+  if (r.work.pp == 1) st.logits_bytes = checked_mul(chunk, per_token, "logits size");
   const double head_flops = 2.0 * static_cast<double>(T) * static_cast<double>(r.model.hidden) *
                             static_cast<double>(vocab_shard);
   const int64_t head_bytes =
       checked_mul(checked_mul(T, vocab_shard, "logits size"), 4, "logits size");
-  st.head_ms = r.work.pp == 1 ? 3.0 *
-                                    op_time_ms(OpKind::kGemm, head_flops, head_bytes, r.hardware,
-                                               s.dtype, r.efficiency) *
-                                    plan.summary.time_scale
-                              : 0.0;
-
-  const double budget_gb =
-      r.hbm_budget_gb ? *r.hbm_budget_gb : r.hardware.hbm_gb * (1.0 - kHbmReserveFraction);
-  st.budget = static_cast<int64_t>(budget_gb * 1e9);
+  const double head_fwd_ms = r.work.pp == 1 ? op_time_ms(OpKind::kGemm, head_flops, head_bytes,
+                                                         r.hardware, s.dtype, r.efficiency) *
+                                                  plan.summary.time_scale
+                                            : 0.0;
+  ts.loss_recompute_ms = chunk < T ? head_fwd_ms : 0.0;
+  st.head_ms = 3.0 * head_fwd_ms + ts.loss_recompute_ms;
   plan.summary.hbm_budget_bytes = st.budget;
   plan.summary.head_ms = st.head_ms;
   plan.summary.logits_bytes = st.logits_bytes;
@@ -642,10 +719,17 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     max_offload = std::max(max_offload, o.cost.offload_bytes);
     tl.host_pinned = checked_add(tl.host_pinned, o.cost.offload_bytes, kBytesWhat);
   }
-  tl.host_pinned = checked_mul(tl.host_pinned, st.mb_inflight, kBytesWhat);
+  tl.host_pinned = checked_add(checked_mul(tl.host_pinned, st.mb_inflight, kBytesWhat),
+                               st.host_static, kBytesWhat);
   tl.peak = st.static_mem;
-  tl.peak.activations = checked_add(checked_mul(kept, st.mb_inflight, kBytesWhat),
-                                    std::max(working, st.logits_bytes), kBytesWhat);
+  // The peak is while the head runs (the logits) or in a layer's backward (its
+  // re-materialized set), whichever holds more.
+  tl.peak.activations = checked_mul(kept, st.mb_inflight, kBytesWhat);
+  if (st.logits_bytes > working) {
+    tl.peak.logits = st.logits_bytes;
+  } else {
+    tl.peak.activations = checked_add(tl.peak.activations, working, kBytesWhat);
+  }
   tl.peak.in_flight_copies =
       std::max(checked_mul(max_offload, st.prefetch, kBytesWhat), tl.max_backlog);
   // The total must fit too (MemoryBreakdown::total() adds without checks).
@@ -653,7 +737,9 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       checked_add(checked_add(tl.peak.weights, tl.peak.gradients, kBytesWhat),
                   checked_add(tl.peak.optimizer_states, tl.peak.activations, kBytesWhat),
                   kBytesWhat),
-      tl.peak.in_flight_copies, kBytesWhat);
+      checked_add(checked_add(tl.peak.in_flight_copies, tl.peak.logits, kBytesWhat),
+                  tl.peak.buffers, kBytesWhat),
+      kBytesWhat);
   return tl;
 }
 
@@ -1048,6 +1134,44 @@ void fill_summary(Timelines& tl, int64_t grad_accum, Plan& plan) {
   plan.layers = std::move(tl.chosen.layers);
 }
 
+// The offloaded optimizer's time (Note [Training state]): each layer's bucket (its share
+// of the sharded state) goes down as its backward ends, through the CPU AdamW and back up;
+// the split keeps the last-arriving layers' state and step on the GPU when that ends the
+// step sooner and their state fits the HBM the plan leaves free. Only the tail past the
+// end of backward is on the critical path. Fills plan.summary.state and adds the device
+// buckets' state to the peak.
+void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
+  TrainingStatePlan& ts = plan.summary.state;
+  const PlanSummary& s = plan.summary;
+  const int64_t dp = r.zero >= 1 ? r.work.dp : 1;
+  const double hbm_gbps = r.hardware.hbm_tbps * 1e3 * r.efficiency.hbm;
+  std::vector<BucketTiming> arrival;  // the last layer first
+  double t = 0.0;
+  for (size_t l = plan.layers.size(); l-- > 0;) {
+    const LayerPlan& lp = plan.layers[l];
+    t += lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
+    const double params = static_cast<double>((lp.params + dp - 1) / dp);
+    BucketTiming b;
+    b.arrive_ms = t;
+    b.cpu_ms = params * 2 / (s.d2h_gbps * 1e6) + params * 28 / (ts.cpu_adam_gbps * 1e6) +
+               params * 2 / (s.h2d_gbps * 1e6);
+    b.device_ms = params * 28 / (hbm_gbps * 1e6);
+    b.state_bytes = 12 * ((lp.params + dp - 1) / dp);
+    arrival.push_back(b);
+  }
+  const int64_t free_hbm = std::max<int64_t>(0, s.hbm_budget_bytes - s.peak.total());
+  const SplitChoice c = choose_device_buckets(arrival, t, free_hbm);
+  ts.device_buckets = c.device_buckets;
+  ts.optimizer_ms = c.end_ms - t;
+  double total = 0.0;
+  for (const BucketTiming& b : arrival) total += b.cpu_ms;
+  ts.optimizer_total_ms = total;
+  for (int i = 0; i < c.device_buckets; ++i) {
+    plan.summary.peak.optimizer_states +=
+        arrival[arrival.size() - 1 - static_cast<size_t>(i)].state_bytes;
+  }
+}
+
 // Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
 // that miss their window, the snowball, the peak over budget, the host memory.
 std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines& tl,
@@ -1088,16 +1212,18 @@ std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines
   if (s.peak.total() > st.budget) {
     reasons.push_back(fmt::format(
         "peak HBM {} > budget {} (weights {}, gradients {}, optimizer states {}, activations {}, "
-        "in-flight copies {})",
+        "logits {}, buffers {}, in-flight copies {})",
         to_string(Bytes(s.peak.total())), to_string(Bytes(st.budget)),
         to_string(Bytes(s.peak.weights)), to_string(Bytes(s.peak.gradients)),
         to_string(Bytes(s.peak.optimizer_states)), to_string(Bytes(s.peak.activations)),
+        to_string(Bytes(s.peak.logits)), to_string(Bytes(s.peak.buffers)),
         to_string(Bytes(s.peak.in_flight_copies))));
     if (r.strategy == Policy::kAuto || r.strategy == Policy::kRecompute) {
-      reasons.push_back(fmt::format(
-          "even with every layer recomputed the peak is {}: lower --micro-batch or --seq-len, or "
-          "raise --tp/--pp/--dp/--ep",
-          to_string(Bytes(tl.recompute.peak.total()))));
+      std::string hint = "lower micro_batch or seq_len, or raise tp/pp/dp/ep";
+      if (!r.optimizer_offload) hint += ", or offload the optimizer (optimizer_offload)";
+      if (r.work.dp > 1 && r.zero < 3) hint += ", or shard more (zero 3)";
+      reasons.push_back(fmt::format("even with every layer recomputed the peak is {}: {}",
+                                    to_string(Bytes(tl.recompute.peak.total())), hint));
     }
   }
   const double host_gb = r.hardware.host_memory_gb / r.hardware.gpus_per_host_memory;
@@ -1123,6 +1249,14 @@ Plan make_plan(const PlanRequest& r) {
       choose_under_budget(st, options, allowed, r.strategy, host_limit, std::move(greedy));
   Timelines timelines = final_timelines(st, options, chosen.options);
   fill_summary(timelines, r.work.grad_accum, plan);
+  if (r.optimizer_offload) plan_offloaded_optimizer(r, plan);
+  {
+    PlanSummary& s = plan.summary;
+    s.step_ms += s.state.optimizer_ms;
+    s.recompute_step_ms += s.state.optimizer_ms;
+    s.keep_step_ms += s.state.optimizer_ms;
+    s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
+  }
   plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);
   plan.summary.feasible = plan.summary.reasons.empty();
   return plan;

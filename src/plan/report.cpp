@@ -52,6 +52,24 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
       fmt::format("  times     {} (gemm {:.2f}, attention {:.2f}, hbm {:.2f} of peak{})\n",
                   m.calibration, r.efficiency.gemm, r.efficiency.attention, r.efficiency.hbm,
                   m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
+  {
+    const TrainingStatePlan& ts = m.state;
+    std::string state = fmt::format("  state     ZeRO-{} over dp {}", ts.zero, r.work.dp);
+    if (r.work.dp == 1) state += " (nothing to shard)";
+    state += ts.optimizer_offload
+                 ? fmt::format(
+                       "; optimizer offloaded: CPU AdamW at {:.0f} GB/s{}, {} layer(s) "
+                       "stepped on the GPU{}",
+                       ts.cpu_adam_gbps,
+                       ts.cpu_adam_assumed ? " (assumed: measure with `spillway bench adam`, pass "
+                                             "--cpu-adam-gbps)"
+                                           : "",
+                       ts.device_buckets, ts.grad_offload ? "; gradients offloaded" : "")
+                 : "; optimizer on the GPU";
+    state += fmt::format("; loss in chunks of {} tokens{}\n", ts.loss_chunk_tokens,
+                         ts.loss_chunk_tokens < plan.tokens_per_gpu ? "" : " (unchunked)");
+    out += state;
+  }
   if (r.model.layers.size() != plan.layers.size()) {
     out +=
         fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);
@@ -77,10 +95,29 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
   out += fmt::format("    gradients          {:>10}\n", gb(m.peak.gradients));
   out += fmt::format("    optimizer states   {:>10}\n", gb(m.peak.optimizer_states));
   out += fmt::format("    activations        {:>10}\n", gb(m.peak.activations));
+  out += fmt::format("    logits             {:>10}\n", gb(m.peak.logits));
+  out += fmt::format("    buffers            {:>10}\n", gb(m.peak.buffers));
   out += fmt::format("    in-flight copies   {:>10}\n", gb(m.peak.in_flight_copies));
-  out += fmt::format("  host pinned    {}\n", gb(m.host_pinned_bytes));
+  out += fmt::format("  host pinned    {}", gb(m.host_pinned_bytes));
+  if (m.state.host_state_bytes > 0) {
+    out += fmt::format(" (optimizer state and gradients {}, activations {})",
+                       gb(m.state.host_state_bytes),
+                       gb(m.host_pinned_bytes - m.state.host_state_bytes));
+  }
+  out += "\n";
   out += fmt::format("  step time      {:.1f} ms (all-recompute {:.1f} ms, all-keep {:.1f} ms)\n",
                      m.step_ms, m.recompute_step_ms, m.keep_step_ms);
+  out += fmt::format(
+      "    optimizer    {:.1f} ms on the critical path{}\n", m.state.optimizer_ms,
+      m.state.optimizer_offload
+          ? fmt::format(
+                " (the CPU pipeline's tail past backward; {:.1f} ms of CPU work overlap it)",
+                m.state.optimizer_total_ms)
+          : " (AdamW on the GPU after backward)");
+  if (m.state.loss_recompute_ms > 0.0) {
+    out += fmt::format("    loss chunks  {:.1f} ms per micro-batch recomputing the logits\n",
+                       m.state.loss_recompute_ms);
+  }
   out += fmt::format("  speedup        {:.3f}x against all-recompute", m.speedup_vs_recompute);
   if (m.stall_ms > 0.0) out += fmt::format("; {:.1f} ms of backward stalls on reloads", m.stall_ms);
   out += "\n";

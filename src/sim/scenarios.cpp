@@ -48,6 +48,8 @@ std::string to_string(TaskKind k) {
       return "recompute";
     case TaskKind::kHead:
       return "head";
+    case TaskKind::kOptimizer:
+      return "optimizer";
     case TaskKind::kD2H:
       return "d2h";
     case TaskKind::kH2D:
@@ -419,6 +421,16 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
     }
   }
 
+  // The optimizer once per step after the last backward (Note [Training state] in
+  // src/plan/planner.cpp): the device AdamW, or the offloaded pipeline's tail.
+  if (plan.summary.state.optimizer_ms > 0.0) {
+    for (int g = 0; g < gpus; ++g) {
+      e.add_task(make_task(TaskKind::kOptimizer, g, -1, 0, topo.compute[static_cast<size_t>(g)],
+                           plan.summary.state.optimizer_ms, -1, o.keep_tasks, b,
+                           [] { return std::string("optimizer"); }));
+    }
+  }
+
   e.run();
 
   SimResult r;
@@ -537,7 +549,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
     ev.emplace_back(end_of(b.head), -plan.summary.logits_bytes);
   }
   const MemoryBreakdown& pk = plan.summary.peak;
-  const int64_t base = pk.weights + pk.gradients + pk.optimizer_states;
+  const int64_t base = pk.weights + pk.gradients + pk.optimizer_states + pk.buffers;
   r.memory = memory_curve(std::move(ev), base, &s.peak_hbm_bytes);
   judge_memory(r, plan, req);
   fill_records(e, b, o.keep_tasks, r);

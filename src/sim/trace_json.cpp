@@ -37,6 +37,7 @@ int tid_of(TaskKind k) {
     case TaskKind::kBackward:
     case TaskKind::kRecompute:
     case TaskKind::kHead:
+    case TaskKind::kOptimizer:
       break;
   }
   return kTidCompute;

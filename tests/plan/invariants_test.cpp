@@ -371,8 +371,8 @@ TEST(Invariants, PeakHbmCategoriesSumToTheTotal) {
                      Policy::kSelective, Policy::kHybrid}) {
       const PlanRequest r = request(c.model, c.hw, c.mb, c.seq, s);
       const MemoryBreakdown& m = make_plan(r).summary.peak;
-      EXPECT_EQ(m.total(),
-                m.weights + m.gradients + m.optimizer_states + m.activations + m.in_flight_copies)
+      EXPECT_EQ(m.total(), m.weights + m.gradients + m.optimizer_states + m.activations + m.logits +
+                               m.buffers + m.in_flight_copies)
           << describe(r);
       EXPECT_GT(m.weights, 0);
       EXPECT_GT(m.activations, 0);

@@ -68,10 +68,11 @@ void check_plan_json(const PlanRequest& r) {
                 {"micro_batch", "seq_len", "dtype", "tp", "ep", "cp", "pp", "dp", "grad_accum",
                  "fused_swiglu", "tokens_per_gpu"},
                 "workload");
-  expect_fields(j["options"],
-                {"strategy", "margin", "keep_last_layers", "prefetch_depth", "calibration",
-                 "time_scale", "efficiency"},
-                "options");
+  expect_fields(
+      j["options"],
+      {"strategy", "margin", "keep_last_layers", "prefetch_depth", "calibration", "time_scale",
+       "efficiency", "zero", "optimizer_offload", "grad_offload", "loss_chunk"},
+      "options");
   EXPECT_EQ(j["model"]["name"], r.model.name);
   EXPECT_EQ(j["model"]["params"].get<int64_t>(), p.params_total);
   EXPECT_EQ(j["options"]["strategy"], to_string(r.strategy));
@@ -133,7 +134,7 @@ void check_plan_json(const PlanRequest& r) {
   expect_fields(s,
                 {"feasible", "reasons", "peak_hbm_bytes", "hbm_budget_bytes",
                  "peak_hbm_by_category", "host_pinned_bytes", "step_ms", "recompute_step_ms",
-                 "keep_step_ms", "speedup_vs_recompute", "stall_ms"},
+                 "keep_step_ms", "speedup_vs_recompute", "stall_ms", "training_state"},
                 "summary");
   EXPECT_TRUE(s["feasible"].is_boolean());
   EXPECT_EQ(s["feasible"].get<bool>(), p.summary.feasible);
@@ -142,11 +143,12 @@ void check_plan_json(const PlanRequest& r) {
   EXPECT_EQ(s["feasible"].get<bool>(), s["reasons"].empty());
   const Json& cat = s["peak_hbm_by_category"];
   expect_fields(cat,
-                {"weights", "gradients", "optimizer_states", "activations", "in_flight_copies"},
+                {"weights", "gradients", "optimizer_states", "activations", "logits", "buffers",
+                 "in_flight_copies"},
                 "peak_hbm_by_category");
   int64_t sum = 0;
-  for (const char* k :
-       {"weights", "gradients", "optimizer_states", "activations", "in_flight_copies"}) {
+  for (const char* k : {"weights", "gradients", "optimizer_states", "activations", "logits",
+                        "buffers", "in_flight_copies"}) {
     EXPECT_TRUE(cat[k].is_number_integer()) << k;
     sum += cat[k].get<int64_t>();
   }
