@@ -359,6 +359,13 @@ void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Pla
     }
   }
   agree("--keep-last", "keep_last_layers", f.keep_last, planned.keep_last_layers);
+  agree("--zero", "zero", f.zero, planned.zero);
+  if (given("--fsdp")) agree("--fsdp", "zero", 3, planned.zero);
+  if (given("--optimizer"))
+    agree("--optimizer", "optimizer", f.optimizer,
+          std::string(planned.optimizer_offload ? "offload" : "device"));
+  agree("--grad-offload", "grad_offload", f.grad_offload, planned.grad_offload);
+  agree("--loss-chunk", "loss_chunk", f.loss_chunk, planned.loss_chunk);
   agree("--prefetch-depth", "prefetch_depth", f.prefetch_depth, planned.prefetch_depth);
   if (f.d2h_gbps) agree("--d2h-gbps", "d2h_gbps", *f.d2h_gbps, plan.summary.d2h_gbps);
   if (f.h2d_gbps) agree("--h2d-gbps", "h2d_gbps", *f.h2d_gbps, plan.summary.h2d_gbps);

@@ -1219,9 +1219,9 @@ std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines
         to_string(Bytes(s.peak.logits)), to_string(Bytes(s.peak.buffers)),
         to_string(Bytes(s.peak.in_flight_copies))));
     if (r.strategy == Policy::kAuto || r.strategy == Policy::kRecompute) {
-      std::string hint = "lower micro_batch or seq_len, or raise tp/pp/dp/ep";
-      if (!r.optimizer_offload) hint += ", or offload the optimizer (optimizer_offload)";
-      if (r.work.dp > 1 && r.zero < 3) hint += ", or shard more (zero 3)";
+      std::string hint = "lower --micro-batch or --seq-len, or raise --tp/--pp/--dp/--ep";
+      if (!r.optimizer_offload) hint += ", or --optimizer offload";
+      if (r.work.dp > 1 && r.zero < 3) hint += ", or shard more (--zero 3)";
       reasons.push_back(fmt::format("even with every layer recomputed the peak is {}: {}",
                                     to_string(Bytes(tl.recompute.peak.total())), hint));
     }

@@ -117,6 +117,43 @@ TEST(Cli, PolicyAndThrottlesAreOneSpellingAcrossSubcommands) {
   EXPECT_TRUE(contains(split.out, "\"h2d_gbps\": 0.0")) << split.out;
 }
 
+// The training state's flags (Note [Training state] in src/plan/planner.cpp): --fsdp is
+// --zero 3; the state and the optimizer's time are in the report and the JSON.
+TEST(Cli, TrainingStateFlags) {
+  spillway::testing::TempDir dir;
+  const std::string base = "plan --model Llama-3.1-70B --hardware gh200 --micro-batch 4 --dp 4 ";
+  const CliRun fsdp =
+      run(base + "--fsdp --optimizer offload --grad-offload --json -", "2>/dev/null");
+  const CliRun zero3 =
+      run(base + "--zero 3 --optimizer offload --grad-offload --json -", "2>/dev/null");
+  ASSERT_EQ(fsdp.code, 0) << fsdp.out;
+  EXPECT_EQ(fsdp.out, zero3.out);
+  const Json j = Json::parse(fsdp.out);
+  EXPECT_EQ(j["options"]["zero"].get<int>(), 3);
+  EXPECT_TRUE(j["options"]["optimizer_offload"].get<bool>());
+  EXPECT_EQ(j["summary"]["peak_hbm_by_category"]["optimizer_states"].get<int64_t>(), 0);
+  EXPECT_GT(j["summary"]["training_state"]["host_state_bytes"].get<int64_t>(), 0);
+  const CliRun report = run(base + "--fsdp --optimizer offload --grad-offload");
+  EXPECT_TRUE(contains(report.out, "ZeRO-3 over dp 4; optimizer offloaded")) << report.out;
+  EXPECT_TRUE(contains(report.out, "assumed: measure with `spillway bench adam`")) << report.out;
+  EXPECT_TRUE(contains(report.out, "    buffers ")) << report.out;
+  const CliRun both = run(base + "--fsdp --zero 2");
+  EXPECT_EQ(both.code, 1) << both.out;
+  EXPECT_TRUE(contains(both.out, "--fsdp is --zero 3; --zero 2 contradicts it")) << both.out;
+  const CliRun grads = run(base + "--grad-offload", "2>&1 1>/dev/null");
+  EXPECT_EQ(grads.code, 1) << grads.out;
+  EXPECT_TRUE(contains(grads.out, "--grad-offload is true; needs --optimizer offload"))
+      << grads.out;
+  // A plan file carries them: a flag beside it must agree.
+  const std::string plan = dir.file("p.json");
+  ASSERT_EQ(
+      run(base + "--zero 3 --optimizer offload --grad-offload --quiet --json '" + plan + "'").code,
+      0);
+  const CliRun disagree = run("simulate --plan '" + plan + "' --zero 1");
+  EXPECT_EQ(disagree.code, 1) << disagree.out;
+  EXPECT_TRUE(contains(disagree.out, "--zero is 1; the plan")) << disagree.out;
+}
+
 TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
   // simulate --gpus 0 used to mean "the default"; a probe whose every size was skipped
   // printed an empty table and exited 0.
