@@ -374,8 +374,11 @@ Option make_option(const CostedLayer& c, Policy p, std::vector<Action> actions) 
   return o;
 }
 
+// The MLP's saved outputs the offload policy moves: with them (and, in an MoE layer, the
+// experts' down-projection output that the combine's backward reads) on the host, no MLP
+// GEMM runs again in backward.
 bool is_mlp_tensor(const std::string& n) {
-  return n == "mlp.gate_out" || n == "mlp.up_out" || n == "mlp.act";
+  return n == "mlp.gate_out" || n == "mlp.up_out" || n == "mlp.act" || n == "moe.expert_out";
 }
 
 struct OptionSet {

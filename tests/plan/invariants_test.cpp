@@ -32,7 +32,9 @@ int64_t inventory_mlp_bytes(const LayerSpec& l, int64_t hidden, const ShardShape
   const LayerInventory inv = build_inventory(l, hidden, s);
   int64_t total = 0;
   for (const TensorInfo& t : inv.tensors) {
-    if (t.saved && (t.name == "mlp.gate_out" || t.name == "mlp.up_out" || t.name == "mlp.act")) {
+    // The offload policy moves the MLP's saved outputs and an MoE layer's expert output.
+    if (t.saved && (t.name == "mlp.gate_out" || t.name == "mlp.up_out" || t.name == "mlp.act" ||
+                    t.name == "moe.expert_out")) {
       total += t.bytes;
     }
   }
@@ -75,7 +77,9 @@ TEST(Invariants, OffloadVolumeIsLinearInTokens) {
   }
 }
 
-TEST(Invariants, FusedSwigluMovesTwoThirds) {
+// A fused SwiGLU saves no mlp.act: the offload moves the rest (two thirds of a dense MLP's
+// three equal tensors; an MoE layer's expert output too).
+TEST(Invariants, FusedSwigluMovesAllButTheActivation) {
   for (const std::string& m : kModels) {
     SCOPED_TRACE(m);
     PlanRequest r = generous(request(m, "gb200", 2, 4096, Policy::kOffload));
@@ -85,14 +89,23 @@ TEST(Invariants, FusedSwigluMovesTwoThirds) {
     int64_t total_u = 0;
     int64_t total_f = 0;
     for (size_t i = 0; i < unfused.layers.size(); ++i) {
-      EXPECT_EQ(3 * fused.layers[i].offload_bytes, 2 * unfused.layers[i].offload_bytes)
+      int64_t act = 0;
+      bool moe = false;
+      for (const TensorPlan& t : unfused.layers[i].tensors) {
+        if (t.name == "mlp.act" && t.action == Action::kOffload) act = t.bytes;
+        if (t.name == "moe.expert_out") moe = true;
+      }
+      EXPECT_EQ(fused.layers[i].offload_bytes, unfused.layers[i].offload_bytes - act)
           << "layer " << i;
+      if (!moe) {
+        EXPECT_EQ(3 * fused.layers[i].offload_bytes, 2 * unfused.layers[i].offload_bytes)
+            << "layer " << i;
+      }
       total_u += unfused.layers[i].offload_bytes;
       total_f += fused.layers[i].offload_bytes;
     }
     EXPECT_GT(total_u, 0);
-    EXPECT_EQ(3 * total_f, 2 * total_u);
-    EXPECT_EQ(3 * fused.summary.host_pinned_bytes, 2 * unfused.summary.host_pinned_bytes);
+    EXPECT_LT(total_f, total_u);
   }
 }
 
