@@ -14,6 +14,7 @@
 #include <string>
 
 #include "plan/plan_helpers.hpp"
+#include "sim/engine.hpp"
 #include "spillway/collectives.hpp"
 #include "spillway/sim.hpp"
 #include "test_support.hpp"
@@ -283,6 +284,35 @@ TEST(SimCollectives, TraceNamesEveryCollective) {
   // A plan without collectives has no comm track.
   const SimResult none = simulate_training_step(make_plan(r), r, o);
   EXPECT_EQ(sim_trace_json(none).find("\"comm\""), std::string::npos);
+}
+
+// The engine: a transfer on two link directions runs at the smaller of its two fair shares.
+TEST(SimCollectives, EngineTwoDirectionTransferTakesTheSmallerShare) {
+  sim::Engine e;
+  const int d2h = e.add_link(100.0);  // bytes per ms
+  const int h2d = e.add_link(60.0);
+  const int comm = e.add_stream(0, ResourceKind::kComm);
+  const int copy = e.add_stream(1, ResourceKind::kD2H);
+  sim::Task ring;
+  ring.kind = TaskKind::kCollective;
+  ring.stream = comm;
+  ring.link = d2h;
+  ring.link2 = h2d;
+  ring.work = 600.0;
+  const int r = e.add_task(ring);
+  sim::Task c;
+  c.kind = TaskKind::kD2H;
+  c.gpu = 1;
+  c.stream = copy;
+  c.link = d2h;
+  c.work = 500.0;
+  const int k = e.add_task(c);
+  e.run();
+  // Both on D2H: the ring gets min(100 / 2, 60) = 50 and the copy 50 until the copy ends
+  // at 10 ms (500 bytes); the ring then has 100 bytes left at min(100, 60) = 60.
+  EXPECT_DOUBLE_EQ(e.tasks()[static_cast<size_t>(k)].end_ms, 10.0);
+  EXPECT_NEAR(e.tasks()[static_cast<size_t>(r)].end_ms, 10.0 + 100.0 / 60.0, 1e-12);
+  EXPECT_NEAR(e.link_busy_ms(h2d), 10.0 + 100.0 / 60.0, 1e-12);
 }
 
 TEST(SimCollectives, BadCollectivesAreNamed) {
