@@ -44,7 +44,7 @@ PUBLIC = {
     "optim": "optim",
     "hardware": "catalog", "model": "catalog", "inventory": "catalog",
     "probe": "probe",
-    "plan": "plan",
+    "plan": "plan", "collectives": "plan",
     "sim": "sim",
     "nn": "nn",
     "train": "train",

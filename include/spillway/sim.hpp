@@ -1,7 +1,9 @@
 // The simulator: replays a plan as discrete events on the resources of one or more GPUs
-// (a compute stream, a D2H copy engine and an H2D copy engine each), host links whose
-// bandwidth per direction is split fairly among the transfers on them, and HBM bandwidth
-// that copies share with memory-bound kernels. It reports the timeline, the copy backlog
+// (a compute stream, a D2H copy engine and an H2D copy engine each, and a communication
+// stream when the plan has collectives), host links whose bandwidth per direction is split
+// fairly among the transfers on them (offload copies and collectives through the host),
+// per-GPU NVLink / network links, and HBM bandwidth that copies share with memory-bound
+// kernels. It reports the timeline, the copy backlog
 // at each layer boundary (a growing backlog is a snowball), memory over time and stalls.
 //
 // Scenarios: one training step of a plan (any strategy) on N GPUs with K of them per
@@ -19,17 +21,18 @@ namespace spillway {
 
 // ---- the engine's vocabulary (used by the scenarios, the trace and the tests) ---------
 
-enum class ResourceKind { kCompute, kD2H, kH2D };
+enum class ResourceKind { kCompute, kD2H, kH2D, kComm };  // kComm: the collectives' stream
 std::string to_string(ResourceKind k);
 
 enum class TaskKind {
-  kForward,    // a forward op
-  kBackward,   // a layer's backward (including its recompute)
-  kRecompute,  // forward ops re-run in backward
-  kHead,       // LM head + loss, forward and backward
-  kOptimizer,  // the optimizer's part of the step on the critical path (after backward)
-  kD2H,        // offload copy
-  kH2D,        // reload (or weight) copy
+  kForward,     // a forward op
+  kBackward,    // a layer's backward (including its recompute)
+  kRecompute,   // forward ops re-run in backward
+  kHead,        // LM head + loss, forward and backward
+  kOptimizer,   // the optimizer's part of the step on the critical path (after backward)
+  kD2H,         // offload copy
+  kH2D,         // reload (or weight) copy
+  kCollective,  // a layer's collective (CollectivePlan): its ring bytes on its link
 };
 std::string to_string(TaskKind k);
 
@@ -39,7 +42,8 @@ struct TaskRecord {  // one finished task
   int gpu = 0;
   int layer = -1;
   int micro_batch = 0;
-  int64_t bytes = 0;  // copies
+  int64_t bytes = 0;  // copies; collectives: the ring's byte volume (spillway/collectives.hpp)
+  std::string link;   // collectives: "nvlink", "network" or "host"
   double start_ms = 0.0;
   double end_ms = 0.0;
   double ready_ms = 0.0;  // when its dependencies were met (start - ready = queueing)
@@ -66,7 +70,7 @@ struct SimSummary {
   double stall_ms = 0.0;         // compute waiting on copies (reloads, back-pressure)
   double backpressure_ms = 0.0;  // part of stall_ms spent at the in-flight bound
   double exposed_copy_ms = 0.0;  // copy time after the last compute
-  double idle_ms = 0.0;          // makespan - compute - recompute - stall
+  double idle_ms = 0.0;          // makespan - compute - recompute - stall - collective_wait
   double link_d2h_gbps = 0.0;    // achieved: bytes / time with a transfer on the link
   double link_h2d_gbps = 0.0;
   double link_gbps_achieved = 0.0;  // max of the two directions
@@ -87,6 +91,13 @@ struct SimSummary {
   int64_t events = 0;               // engine events processed
   double hbm_slowdown = 0.0;        // worst slowdown factor applied by HBM sharing
   std::vector<double> gpu_step_ms;  // per GPU
+  // Collectives (Note [Collectives in the simulator] in src/sim/scenarios.cpp).
+  double collective_ms = 0.0;         // GPU 0's communication stream busy time
+  double collective_wait_ms = 0.0;    // GPU 0's compute waiting on collectives (exposed)
+  double collective_tail_ms = 0.0;    // collectives after GPU 0's last compute and copy
+  int64_t collective_bytes = 0;       // ring bytes issued = completed, every GPU
+  int64_t collective_host_bytes = 0;  // the part that crossed the host links
+  int collectives = 0;                // collective tasks, every GPU
 };
 
 struct SimResult {

@@ -13,6 +13,28 @@ namespace spillway {
 namespace {
 constexpr const char* kWhat = "hardware profile";
 constexpr const char* kSchema = "spillway.hardware/1";
+
+// The "interconnect" object: every field optional (the Interconnect defaults), each in its
+// physical range; an NVLink bandwidth and a domain of more than one GPU go together.
+Interconnect parse_interconnect(const JsonObject& o) {
+  Interconnect ic;
+  ic.nvlink_gbps = o.num_or("nvlink_gbps", ic.nvlink_gbps, 0.0, 1e6);
+  ic.gpus_per_nvlink_domain = static_cast<int>(
+      o.int_or("gpus_per_nvlink_domain", ic.gpus_per_nvlink_domain, 1, int64_t{1} << 20));
+  ic.network_gbps = o.num_or("network_gbps", ic.network_gbps, 0.001, 1e6);
+  ic.collective_latency_us = o.num_or("collective_latency_us", ic.collective_latency_us, 0.0, 1e6);
+  if (ic.nvlink_gbps > 0.0 && ic.gpus_per_nvlink_domain < 2) {
+    o.fail("gpus_per_nvlink_domain",
+           fmt::format("is {}; an NVLink of {} GB/s (\"nvlink_gbps\") joins at least 2 GPUs",
+                       ic.gpus_per_nvlink_domain, ic.nvlink_gbps));
+  }
+  if (ic.nvlink_gbps == 0.0 && ic.gpus_per_nvlink_domain > 1) {
+    o.fail("gpus_per_nvlink_domain",
+           fmt::format("is {}; with \"nvlink_gbps\" 0 (no NVLink) it must be 1",
+                       ic.gpus_per_nvlink_domain));
+  }
+  return ic;
+}
 }  // namespace
 
 HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::string& file) {
@@ -49,6 +71,7 @@ HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::str
                           h.h2d_typical.value, h.h2d_nominal.value));
   }
   h.gpus_per_link = static_cast<int>(link.int_or("gpus_per_link", 1, 1, 1024));
+  if (root.has("interconnect")) h.interconnect = parse_interconnect(root.req_obj("interconnect"));
   const JsonObject host = root.req_obj("host");
   h.host_memory_gb = host.req_num("memory_gb", 0.001, 1e7);
   h.gpus_per_host_memory = static_cast<int>(host.int_or("gpus_per_host_memory", 1, 1, 1024));
@@ -62,6 +85,15 @@ HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::str
     h.mig.push_back(std::move(p));
   }
   return h;
+}
+
+std::string describe_interconnect(const Interconnect& ic) {
+  const std::string nvlink =
+      ic.nvlink_gbps > 0.0
+          ? fmt::format("NVLink {:g} GB/s x {} GPUs", ic.nvlink_gbps, ic.gpus_per_nvlink_domain)
+          : std::string("no NVLink");
+  return fmt::format("{}, network {:g} GB/s, {:g} us/step", nvlink, ic.network_gbps,
+                     ic.collective_latency_us);
 }
 
 std::vector<std::string> hardware_names() {

@@ -47,6 +47,38 @@ int64_t tensor_dtype_bytes(std::string_view dtype) {
   return 0;
 }
 
+// One entry of a layer's "collectives" (docs/plan-schema.md); an absent array is empty.
+CollectivePlan collective_of(const JsonObject& c) {
+  constexpr int64_t kBig = int64_t{1} << 62;
+  CollectivePlan cp;
+  const std::string kind = c.req_str("kind");
+  bool known = false;
+  for (CollectiveKind k : {CollectiveKind::kAllReduce, CollectiveKind::kAllGather,
+                           CollectiveKind::kReduceScatter, CollectiveKind::kAllToAll}) {
+    if (to_string(k) == kind) {
+      cp.kind = k;
+      known = true;
+    }
+  }
+  if (!known) {
+    c.fail("kind", fmt::format("is \"{}\"; must be all-reduce, all-gather, reduce-scatter or "
+                               "all-to-all",
+                               kind));
+  }
+  cp.what = c.req_str("what");
+  if (cp.what.empty()) c.fail("what", "is \"\"; must name the collective");
+  cp.backward = c.bool_or("backward", false);
+  cp.bytes = c.req_int("bytes", 0, kBig);
+  cp.group = c.req_int("group", 1, PlanLimits::kMaxGroup);
+  cp.link = c.req_str("link");
+  if (cp.link != "nvlink" && cp.link != "network" && cp.link != "host")
+    c.fail("link", fmt::format("is \"{}\"; must be nvlink, network or host", cp.link));
+  cp.gbps = c.req_num("gbps", PlanLimits::kMinGbps, PlanLimits::kMaxGbps);
+  cp.ms = c.req_num("ms", 0.0, 1e9);
+  cp.exposed = c.bool_or("exposed", cp.kind == CollectiveKind::kAllToAll);
+  return cp;
+}
+
 std::string shape_text(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
@@ -158,6 +190,18 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                      {"fwd_ms", o.fwd_ms},
                      {"bwd_ms", o.bwd_ms}});
     }
+    Json collectives = Json::array();
+    for (const CollectivePlan& c : l.collectives) {
+      collectives.push_back({{"kind", to_string(c.kind)},
+                             {"what", c.what},
+                             {"backward", c.backward},
+                             {"bytes", c.bytes},
+                             {"group", c.group},
+                             {"link", c.link},
+                             {"gbps", c.gbps},
+                             {"ms", c.ms},
+                             {"exposed", c.exposed}});
+    }
     layers.push_back({{"index", l.index},
                       {"block", l.block},
                       {"policy", to_string(l.policy)},
@@ -181,7 +225,8 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                       {"backlog_bytes", l.backlog_bytes},
                       {"snowball", l.snowball},
                       {"tensors", tensors},
-                      {"ops", ops}});
+                      {"ops", ops},
+                      {"collectives", collectives}});
   }
   j["layers"] = layers;
   const PlanSummary& m = plan.summary;
@@ -319,6 +364,8 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
       lp.ops.push_back(std::move(op));
     }
     if (lp.ops.empty()) l.fail("ops", "is missing or empty; the simulator needs the layer's ops");
+    for (const JsonObject& c : l.obj_array("collectives"))
+      lp.collectives.push_back(collective_of(c));
     for (const JsonObject& t : l.obj_array("tensors")) {
       TensorPlan tp;
       tp.name = t.req_str("name");

@@ -38,9 +38,13 @@ int Engine::add_task(const Task& t) {
   SPILLWAY_CHECK(t.stream >= 0 && static_cast<size_t>(t.stream) < streams_.size(), "bad stream {}",
                  t.stream);
   SPILLWAY_CHECK(t.work >= 0.0, "task work must be >= 0, got {}", t.work);
-  const bool copy = t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D;
+  const bool copy =
+      t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D || t.kind == TaskKind::kCollective;
   SPILLWAY_CHECK(!copy || (t.link >= 0 && static_cast<size_t>(t.link) < links_.size()),
                  "a copy needs a link");
+  SPILLWAY_CHECK(t.link2 < 0 || (t.link >= 0 && t.link2 != t.link &&
+                                 static_cast<size_t>(t.link2) < links_.size()),
+                 "a second link needs a first one, and another");
   const int id = static_cast<int>(tasks_.size());
   tasks_.push_back(t);
   unmet_.push_back(0);
@@ -125,16 +129,23 @@ void Engine::run() {
     std::fill(gpu_memory_kernel.begin(), gpu_memory_kernel.end(), 0);
     for (int id : active_) {
       const Task& t = tasks_[static_cast<size_t>(id)];
-      if (t.link >= 0)
+      if (t.link >= 0) {
         ++links_[static_cast<size_t>(t.link)].active;
-      else if (t.memory_bound)
+        if (t.link2 >= 0) ++links_[static_cast<size_t>(t.link2)].active;
+      } else if (t.memory_bound) {
         gpu_memory_kernel[static_cast<size_t>(t.gpu)] = 1;
+      }
     }
     for (int id : active_) {
       const Task& t = tasks_[static_cast<size_t>(id)];
       if (t.link >= 0) {
         const Link& l = links_[static_cast<size_t>(t.link)];
-        rate_[static_cast<size_t>(id)] = l.capacity / l.active;
+        double share = l.capacity / l.active;
+        if (t.link2 >= 0) {
+          const Link& l2 = links_[static_cast<size_t>(t.link2)];
+          share = std::min(share, l2.capacity / l2.active);
+        }
+        rate_[static_cast<size_t>(id)] = share;
         gpu_copy_demand[static_cast<size_t>(t.gpu)] += rate_[static_cast<size_t>(id)];
       } else {
         rate_[static_cast<size_t>(id)] = 1.0;

@@ -6,7 +6,9 @@
 // copy task has work in bytes and a link direction. Between two events every running task
 // progresses at a constant rate:
 //   - a copy gets an equal share of its link direction's capacity (re-split whenever a
-//     transfer starts or ends);
+//     transfer starts or ends); a transfer that crosses two link directions (a collective
+//     through the host link sends on D2H and receives on H2D) runs at the smaller of its
+//     two shares;
 //   - Note [HBM sharing]: on a GPU running a memory-bound kernel, the kernel demands the
 //     whole HBM bandwidth H and its copies demand their link rates r_i; when H + sum r_i
 //     exceeds H, the kernel and the copies all slow by the factor H / (H + sum r_i). GEMMs
@@ -29,7 +31,8 @@ struct Task {
   int micro_batch = 0;
   int label = -1;  // index into the scenario's label table (task names)
   int stream = -1;
-  int link = -1;  // copies: link direction
+  int link = -1;   // copies and collectives: link direction
+  int link2 = -1;  // a second direction the transfer also occupies (-1: none)
   bool memory_bound = false;
   double work = 0.0;  // ms (compute) or bytes (copy)
   // filled by the run
@@ -41,7 +44,7 @@ struct Task {
 
 class Engine {
  public:
-  // A serial stream of one GPU (compute, D2H engine or H2D engine).
+  // A serial stream of one GPU (compute, D2H engine, H2D engine or communication).
   int add_stream(int gpu, ResourceKind kind);
   // A link direction with a capacity in bytes per millisecond.
   int add_link(double bytes_per_ms);

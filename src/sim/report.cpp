@@ -39,12 +39,25 @@ std::string format_sim_report(const SimResult& r, const PlanRequest& req) {
       "    stalls         {:10.2f} ms (waiting on copies; {:.2f} ms at the in-flight bound)\n",
       s.stall_ms, s.backpressure_ms);
   out += fmt::format("    exposed copy   {:10.2f} ms\n", s.exposed_copy_ms);
+  if (s.collective_wait_ms > 0.0 || s.collective_tail_ms > 0.0) {
+    out += fmt::format(
+        "    collectives    {:10.2f} ms (compute waiting on them; {:.2f} ms more "
+        "after the last compute and copy)\n",
+        s.collective_wait_ms, s.collective_tail_ms);
+  }
   out += fmt::format("    other idle     {:10.2f} ms\n", s.idle_ms);
   out += fmt::format(
       "  link achieved    D2H {:.1f} GB/s, H2D {:.1f} GB/s (while busy; {:.2f} GB and {:.2f} GB "
       "per GPU moved)\n",
       s.link_d2h_gbps, s.link_h2d_gbps, static_cast<double>(s.d2h_bytes) / 1e9 / r.gpus,
       static_cast<double>(s.h2d_bytes) / 1e9 / r.gpus);
+  if (s.collectives > 0) {
+    out += fmt::format(
+        "  collectives      {} tasks, {:.2f} GB of ring traffic per GPU ({:.2f} GB through the "
+        "host link); GPU 0's comm stream busy {:.2f} ms\n",
+        s.collectives, static_cast<double>(s.collective_bytes) / 1e9 / r.gpus,
+        static_cast<double>(s.collective_host_bytes) / 1e9 / r.gpus, s.collective_ms);
+  }
   out += fmt::format("  peak HBM         {:.2f} GB (GPU 0, at {:.2f} ms)", gb(s.peak_hbm_bytes),
                      s.peak_hbm_ms);
   if (s.hbm_capacity_bytes > 0) out += fmt::format(" of {:.2f} GB HBM", gb(s.hbm_capacity_bytes));

@@ -13,14 +13,42 @@
 // its layer's backward, except: an offloaded tensor leaves HBM when its D2H copy ends and
 // returns when its reload starts; a recomputed tensor leaves when its layer's forward
 // ends and returns when the recompute starts; the logits live while the head runs.
+//
+// Note [Collectives in the simulator]: every CollectivePlan of a layer becomes one task on
+// its GPU's communication stream (collectives of one GPU run one at a time, in issue order,
+// as NCCL kernels on one stream do), whose work is the ring's byte volume (ring_bytes:
+// 2(n-1)/n x S for an all-reduce, (n-1)/n x S otherwise; the per-step latency is not
+// simulated). Where it sits:
+//   - exposed (all-to-all) in the forward: inside the layer, blocking compute: a
+//     "...dispatch" after the op moe.dispatch, a "...combine" before the op moe.combine,
+//     anything else after the layer's last op; the next op waits for it;
+//   - exposed in the backward: after the layer's recompute, before its backward;
+//   - overlapped in the forward (a weight gather): layer l's is issued when layer l - 1
+//     starts its forward (layer 0's at the start), and layer l's first op waits for it;
+//   - overlapped all-gather in the backward: layer l's is issued when layer l + 1 starts its
+//     backward (the last layer's when the head starts), and layer l's recompute and
+//     backward wait for it;
+//   - other overlapped backward collectives (gradient reductions): after the layer's
+//     backward, in the last micro-batch only (gradients are reduced once per step, as DDP's
+//     no_sync and Megatron's gradient accumulation do); nothing waits for them but the
+//     end of the step.
+// The link: a "host" collective occupies both directions of its GPU's shared host link
+// (it sends device->host and receives host->device), fairly shared with the offload copies
+// of every GPU on that link, at the link's capacity (not the plan's gbps, which is already
+// a fair share); an "nvlink" or "network" one gets its GPU's own link at the plan's gbps.
+// Gathered weight buffers are not in the memory curve.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <string_view>
 #include <unordered_map>
+#include <utility>
 
 #include "sim/engine.hpp"
+#include "spillway/collectives.hpp"
 #include "spillway/error.hpp"
 #include "spillway/sim.hpp"
 
@@ -34,6 +62,8 @@ std::string to_string(ResourceKind k) {
       return "D2H copy";
     case ResourceKind::kH2D:
       return "H2D copy";
+    case ResourceKind::kComm:
+      return "comm";
   }
   return "compute";
 }
@@ -54,6 +84,8 @@ std::string to_string(TaskKind k) {
       return "d2h";
     case TaskKind::kH2D:
       return "h2d";
+    case TaskKind::kCollective:
+      return "collective";
   }
   return "forward";
 }
@@ -68,6 +100,10 @@ struct Topology {
   int per_link = 1;
   std::vector<int> compute, d2h, h2d;   // streams per GPU
   std::vector<int> link_d2h, link_h2d;  // link per GPU
+  // Made on first use (plans with collectives): per GPU, its communication stream and its
+  // own links by (link name, GB/s).
+  std::vector<int> comm;
+  std::vector<std::map<std::pair<std::string, double>, int>> fabric;
 };
 
 Topology make_topology(Engine& e, int gpus, int per_link, double d2h_bytes_per_ms,
@@ -114,8 +150,9 @@ struct Built {
     int backward = -1;
   };
   std::vector<TensorTasks> tensors;
-  std::vector<int> layer_last_fwd;          // GPU 0 mb 0
-  std::vector<std::vector<int>> layer_d2h;  // GPU 0 mb 0
+  std::unordered_map<int, std::string> link_of;  // collective task -> its link's name
+  std::vector<int> layer_last_fwd;               // GPU 0 mb 0
+  std::vector<std::vector<int>> layer_d2h;       // GPU 0 mb 0
   int head = -1;
 };
 
@@ -173,8 +210,13 @@ void fill_records(const Engine& e, const Built& b, bool keep, SimResult& r) {
     rec.gpu = t.gpu;
     rec.layer = t.layer;
     rec.micro_batch = t.micro_batch;
-    rec.bytes =
-        (t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D) ? static_cast<int64_t>(t.work) : 0;
+    const bool moves =
+        t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D || t.kind == TaskKind::kCollective;
+    rec.bytes = moves ? static_cast<int64_t>(t.work) : 0;
+    if (t.kind == TaskKind::kCollective) {
+      const auto it = b.link_of.find(static_cast<int>(&t - e.tasks().data()));
+      if (it != b.link_of.end()) rec.link = it->second;
+    }
     rec.start_ms = t.start_ms;
     rec.end_ms = t.end_ms;
     rec.ready_ms = t.ready_ms;
@@ -182,7 +224,8 @@ void fill_records(const Engine& e, const Built& b, bool keep, SimResult& r) {
   }
 }
 
-// Stall accounting on GPU 0's compute stream: time its head waited on another stream.
+// Stall accounting on GPU 0's compute stream: time its head waited on another stream (a
+// copy: stall; a collective: collective_wait).
 void compute_stats(const Engine& e, int compute_stream, SimSummary& s) {
   double prev_end = 0.0;
   for (const Task& t : e.tasks()) {
@@ -191,7 +234,10 @@ void compute_stats(const Engine& e, int compute_stream, SimSummary& s) {
     if (wait > 1e-12) {
       const bool on_copy =
           t.last_dep >= 0 && e.tasks()[static_cast<size_t>(t.last_dep)].stream != compute_stream;
-      if (on_copy) {
+      const int dep_stream = on_copy ? e.tasks()[static_cast<size_t>(t.last_dep)].stream : -1;
+      if (on_copy && e.stream_kind(dep_stream) == ResourceKind::kComm) {
+        s.collective_wait_ms += wait;
+      } else if (on_copy) {
         s.stall_ms += wait;
         if (e.tasks()[static_cast<size_t>(t.last_dep)].kind == TaskKind::kD2H)
           s.backpressure_ms += wait;
@@ -250,6 +296,47 @@ void judge_memory(SimResult& r, const Plan& plan, const PlanRequest& req) {
   s.feasible = s.reasons.empty();
 }
 
+// The plan's collectives, checked before they become tasks (a Plan built in code has not
+// been through the JSON reader's checks).
+void check_collectives(const Plan& plan) {
+  for (size_t l = 0; l < plan.layers.size(); ++l) {
+    const std::vector<CollectivePlan>& cs = plan.layers[l].collectives;
+    for (size_t k = 0; k < cs.size(); ++k) {
+      const CollectivePlan& c = cs[k];
+      const std::string at = fmt::format("layers[{}].collectives[{}].", l, k);
+      if (c.link != "nvlink" && c.link != "network" && c.link != "host")
+        SPILLWAY_FIELD_ERROR(at + "link", fmt::format("\"{}\"", c.link),
+                             "must be nvlink, network or host");
+      if (c.bytes < 0) SPILLWAY_FIELD_ERROR(at + "bytes", c.bytes, "must be >= 0");
+      if (c.group < 1 || c.group > PlanLimits::kMaxGroup)
+        SPILLWAY_FIELD_ERROR(at + "group", c.group, "must be in [1, {}]", PlanLimits::kMaxGroup);
+      if (c.link != "host" && !(c.gbps >= PlanLimits::kMinGbps && c.gbps <= PlanLimits::kMaxGbps))
+        SPILLWAY_FIELD_ERROR(at + "gbps", c.gbps, "must be in [{:g}, {:g}] GB/s",
+                             PlanLimits::kMinGbps, PlanLimits::kMaxGbps);
+    }
+  }
+}
+
+// Where an exposed forward collective runs (Note [Collectives in the simulator]): after
+// the op of this index.
+int exposed_forward_position(const LayerPlan& lp, const CollectivePlan& c) {
+  auto op_index = [&](std::string_view name) {
+    for (size_t k = 0; k < lp.ops.size(); ++k)
+      if (lp.ops[k].name == name) return static_cast<int>(k);
+    return -1;
+  };
+  const int last = static_cast<int>(lp.ops.size()) - 1;
+  if (c.what.ends_with("dispatch")) {
+    const int k = op_index("moe.dispatch");
+    return k >= 0 ? k : last;
+  }
+  if (c.what.ends_with("combine")) {
+    const int k = op_index("moe.combine");
+    return k >= 1 ? k - 1 : last;
+  }
+  return last;
+}
+
 }  // namespace
 
 SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const SimOptions& o) {
@@ -273,6 +360,34 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   Built b;
   b.layer_last_fwd.assign(n, -1);
   b.layer_d2h.assign(n, {});
+  check_collectives(plan);
+
+  // A collective of layer l on GPU g as a task (Note [Collectives in the simulator]),
+  // waiting for `deps` (-1 entries ignored).
+  auto issue_collective = [&](size_t l, const CollectivePlan& c, int g, int mbi,
+                              std::initializer_list<int> deps) {
+    const size_t gi = static_cast<size_t>(g);
+    if (topo.comm.empty()) {
+      topo.fabric.resize(static_cast<size_t>(gpus));
+      for (int k = 0; k < gpus; ++k) topo.comm.push_back(e.add_stream(k, ResourceKind::kComm));
+    }
+    Task t = make_task(TaskKind::kCollective, g, static_cast<int>(l), mbi, topo.comm[gi],
+                       static_cast<double>(ring_bytes(c)), -1, o.keep_tasks, b,
+                       [&] { return fmt::format("L{} {}", l, c.what); });
+    if (c.link == "host") {
+      t.link = topo.link_d2h[gi];
+      t.link2 = topo.link_h2d[gi];
+    } else {
+      auto [it, fresh] = topo.fabric[gi].try_emplace({c.link, c.gbps}, -1);
+      if (fresh) it->second = e.add_link(c.gbps * 1e6);
+      t.link = it->second;
+    }
+    const int id = e.add_task(t);
+    for (int d : deps)
+      if (d >= 0) e.add_dep(id, d);
+    if (o.keep_tasks) b.link_of[id] = c.link;
+    return id;
+  };
 
   size_t task_estimate = 0;
   for (const LayerPlan& l : plan.layers) task_estimate += l.ops.size() + 2 * l.tensors.size() + 2;
@@ -291,11 +406,22 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
       int64_t inflight = 0;
       std::vector<std::vector<std::pair<int, int>>> layer_tensor_d2h(n);  // (tensor idx, task)
       std::vector<int> pending_gate;  // D2H task the next compute op must wait for
+      std::vector<int> pending_comm;  // collectives the next compute task must wait for
+      // Overlapped forward collectives (weight gathers), issued one layer ahead.
+      std::vector<std::vector<int>> before_fwd(n);
+      auto issue_before_forward = [&](size_t l, int after) {
+        for (const CollectivePlan& c : plan.layers[l].collectives) {
+          if (!c.backward && !c.exposed)
+            before_fwd[l].push_back(issue_collective(l, c, g, mbi, {after}));
+        }
+      };
       int last_fwd = -1;
       for (size_t l = 0; l < n; ++l) {
         const LayerPlan& lp = plan.layers[l];
         std::vector<int> op_task(lp.ops.size(), -1);
         const int layer_input_task = last_fwd;
+        if (l == 0) issue_before_forward(0, -1);
+        if (l + 1 < n) issue_before_forward(l + 1, layer_input_task);
         // Offload of the layer input: issued at the layer's start.
         auto issue_d2h = [&](size_t ti, int producer_task) {
           const TensorPlan& tp = lp.tensors[ti];
@@ -331,6 +457,11 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           const int id = e.add_task(t);
           for (int gate : pending_gate) e.add_dep(id, gate);
           pending_gate.clear();
+          for (int c : pending_comm) e.add_dep(id, c);
+          pending_comm.clear();
+          if (k == 0) {
+            for (int c : before_fwd[l]) e.add_dep(id, c);
+          }
           op_task[k] = id;
           last_fwd = id;
           for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
@@ -338,6 +469,10 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
                 lp.tensors[ti].action == Action::kOffload) {
               issue_d2h(ti, id);
             }
+          }
+          for (const CollectivePlan& c : lp.collectives) {
+            if (!c.backward && c.exposed && exposed_forward_position(lp, c) == static_cast<int>(k))
+              pending_comm.push_back(issue_collective(l, c, g, mbi, {id}));
           }
         }
         if (track) {
@@ -368,6 +503,8 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
           -1, o.keep_tasks, b, [] { return std::string("LM head + loss"); }));
       for (int gate : pending_gate) e.add_dep(head_id, gate);
       pending_gate.clear();
+      for (int c : pending_comm) e.add_dep(head_id, c);
+      pending_comm.clear();
       if (track) b.head = head_id;
 
       // Backward. bwd_task[l] is layer l's backward; reloads of layer l wait for the end of
@@ -392,8 +529,20 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
       for (size_t l = n; l-- > 0;) {
         if (l + static_cast<size_t>(prefetch) + 1 >= n) issue_reloads(l, head_id);
       }
+      // Overlapped backward all-gathers, issued one layer ahead; gradient reductions once per
+      // step (Note [Collectives in the simulator]).
+      std::vector<std::vector<int>> before_bwd(n);
+      auto issue_before_backward = [&](size_t l, int after) {
+        for (const CollectivePlan& c : plan.layers[l].collectives) {
+          if (c.backward && !c.exposed && c.kind == CollectiveKind::kAllGather)
+            before_bwd[l].push_back(issue_collective(l, c, g, mbi, {after}));
+        }
+      };
+      const bool reduce_now = mb + 1 == ga;
+      issue_before_backward(n - 1, last_fwd);  // when the head starts
       for (size_t l = n; l-- > 0;) {
         const LayerPlan& lp = plan.layers[l];
+        const int previous = l + 1 < n ? bwd_task[l + 1] : head_id;
         int rc = -1;
         if (lp.recompute_ms > 0.0) {
           rc = e.add_task(make_task(TaskKind::kRecompute, g, static_cast<int>(l), mbi,
@@ -401,12 +550,25 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
                                     o.keep_tasks, b,
                                     [&] { return fmt::format("L{} recompute", l); }));
           for (int r : reloads[l]) e.add_dep(rc, r);
+          for (int c : before_bwd[l]) e.add_dep(rc, c);
+        }
+        for (const CollectivePlan& c : lp.collectives) {
+          if (c.backward && c.exposed)
+            pending_comm.push_back(issue_collective(l, c, g, mbi, {rc >= 0 ? rc : previous}));
         }
         const int bw = e.add_task(make_task(
             TaskKind::kBackward, g, static_cast<int>(l), mbi, topo.compute[static_cast<size_t>(g)],
             lp.bwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} backward", l); }));
         for (int r : reloads[l]) e.add_dep(bw, r);
+        for (int c : before_bwd[l]) e.add_dep(bw, c);
+        for (int c : pending_comm) e.add_dep(bw, c);
+        pending_comm.clear();
         bwd_task[l] = bw;
+        if (l >= 1) issue_before_backward(l - 1, previous);
+        for (const CollectivePlan& c : lp.collectives) {
+          if (reduce_now && c.backward && !c.exposed && c.kind != CollectiveKind::kAllGather)
+            issue_collective(l, c, g, mbi, {bw});
+        }
         if (track) {
           const size_t end = l + 1 < n ? layer_first_tensor[l + 1] : b.tensors.size();
           for (size_t k = layer_first_tensor[l]; k < end; ++k) {
@@ -423,11 +585,21 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
 
   // The optimizer once per step after the last backward (Note [Training state] in
   // src/plan/planner.cpp): the device AdamW, or the offloaded pipeline's tail.
+  // It steps reduced gradients: it waits for the GPU's last collective too.
   if (plan.summary.state.optimizer_ms > 0.0) {
+    std::vector<int> last_collective(static_cast<size_t>(gpus), -1);
+    for (size_t id = 0; id < e.tasks().size(); ++id) {
+      const Task& t = e.tasks()[id];
+      if (t.kind == TaskKind::kCollective)
+        last_collective[static_cast<size_t>(t.gpu)] = static_cast<int>(id);
+    }
     for (int g = 0; g < gpus; ++g) {
-      e.add_task(make_task(TaskKind::kOptimizer, g, -1, 0, topo.compute[static_cast<size_t>(g)],
-                           plan.summary.state.optimizer_ms, -1, o.keep_tasks, b,
-                           [] { return std::string("optimizer"); }));
+      const int opt =
+          e.add_task(make_task(TaskKind::kOptimizer, g, -1, 0, topo.compute[static_cast<size_t>(g)],
+                               plan.summary.state.optimizer_ms, -1, o.keep_tasks, b,
+                               [] { return std::string("optimizer"); }));
+      if (last_collective[static_cast<size_t>(g)] >= 0)
+        e.add_dep(opt, last_collective[static_cast<size_t>(g)]);
     }
   }
 
@@ -448,23 +620,43 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         std::max(s.gpu_step_ms[static_cast<size_t>(t.gpu)], t.end_ms);
     if (t.kind == TaskKind::kD2H) s.d2h_bytes += static_cast<int64_t>(t.work);
     if (t.kind == TaskKind::kH2D) s.h2d_bytes += static_cast<int64_t>(t.work);
+    if (t.kind == TaskKind::kCollective) {
+      ++s.collectives;
+      s.collective_bytes += static_cast<int64_t>(t.work);
+      if (t.link2 >= 0) s.collective_host_bytes += static_cast<int64_t>(t.work);
+    }
   }
   s.step_ms = e.makespan_ms();
   compute_stats(e, topo.compute[0], s);
   double last_compute = 0.0;
+  double last_copy = 0.0;
+  double last_backward = 0.0;  // compute before the optimizer
+  double last_collective = 0.0;
   for (const Task& t : e.tasks()) {
-    if (t.gpu == 0 && t.stream == topo.compute[0]) last_compute = std::max(last_compute, t.end_ms);
+    if (t.gpu != 0) continue;
+    if (t.stream == topo.compute[0]) last_compute = std::max(last_compute, t.end_ms);
+    if (t.stream == topo.compute[0] && t.kind != TaskKind::kOptimizer)
+      last_backward = std::max(last_backward, t.end_ms);
+    if (t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D)
+      last_copy = std::max(last_copy, t.end_ms);
+    if (t.kind == TaskKind::kCollective) last_collective = std::max(last_collective, t.end_ms);
   }
-  s.exposed_copy_ms = std::max(0.0, s.gpu_step_ms[0] - last_compute);
-  s.idle_ms = std::max(0.0, s.gpu_step_ms[0] - s.compute_ms - s.recompute_ms - s.stall_ms);
+  s.exposed_copy_ms = std::max(0.0, last_copy - last_compute);
+  // The collectives' tail: how long the last of them runs past the end of backward and of
+  // the copies (the optimizer, when there is one, waits for it).
+  s.collective_tail_ms = std::max(0.0, last_collective - std::max(last_backward, last_copy));
+  if (!topo.comm.empty()) s.collective_ms = e.stream_busy_ms(topo.comm[0]);
+  s.idle_ms = std::max(
+      0.0, s.gpu_step_ms[0] - s.compute_ms - s.recompute_ms - s.stall_ms - s.collective_wait_ms);
   const double busy_d2h = e.link_busy_ms(topo.link_d2h[0]);
   const double busy_h2d = e.link_busy_ms(topo.link_h2d[0]);
   // Achieved bandwidth of the first link: its GPUs' bytes over the time it was busy.
   int64_t link0_d2h = 0;
   int64_t link0_h2d = 0;
-  for (const Task& t : e.tasks()) {
+  for (const Task& t : e.tasks()) {  // copies and collectives through the host
     if (t.link == topo.link_d2h[0]) link0_d2h += static_cast<int64_t>(t.work);
-    if (t.link == topo.link_h2d[0]) link0_h2d += static_cast<int64_t>(t.work);
+    if (t.link == topo.link_h2d[0] || t.link2 == topo.link_h2d[0])
+      link0_h2d += static_cast<int64_t>(t.work);
   }
   s.link_d2h_gbps = busy_d2h > 0.0 ? static_cast<double>(link0_d2h) / busy_d2h / 1e6 : 0.0;
   s.link_h2d_gbps = busy_h2d > 0.0 ? static_cast<double>(link0_h2d) / busy_h2d / 1e6 : 0.0;

@@ -2,7 +2,8 @@
 // and the summary for scripts (schema spillway.sim/1).
 //
 // Trace layout: one process per GPU (pid = gpu), one thread per resource of that GPU
-// (tid 0 compute, 1 D2H copy engine, 2 H2D copy engine), one complete event ("X") per
+// (tid 0 compute, 1 D2H copy engine, 2 H2D copy engine, 3 communication when the plan has
+// collectives), one complete event ("X") per
 // finished task, and a counter track "HBM (GB)" for GPU 0's device memory. Times are
 // microseconds in the trace (the format's unit) and milliseconds everywhere else. Every
 // event carries name, ph, ts, pid and tid, metadata and counters included, so that strict
@@ -26,6 +27,7 @@ using OJson = nlohmann::ordered_json;
 constexpr int kTidCompute = 0;
 constexpr int kTidD2H = 1;
 constexpr int kTidH2D = 2;
+constexpr int kTidComm = 3;
 
 int tid_of(TaskKind k) {
   switch (k) {
@@ -33,6 +35,8 @@ int tid_of(TaskKind k) {
       return kTidD2H;
     case TaskKind::kH2D:
       return kTidH2D;
+    case TaskKind::kCollective:
+      return kTidComm;
     case TaskKind::kForward:
     case TaskKind::kBackward:
     case TaskKind::kRecompute:
@@ -75,12 +79,16 @@ std::string sim_trace_json(const SimResult& r) {
   int gpus = std::max(r.gpus, 1);
   for (const TaskRecord& t : r.tasks) gpus = std::max(gpus, t.gpu + 1);
 
+  const bool comm = std::any_of(r.tasks.begin(), r.tasks.end(), [](const TaskRecord& t) {
+    return t.kind == TaskKind::kCollective;
+  });
   OJson events = OJson::array();
   for (int gpu = 0; gpu < gpus; ++gpu) {
     events.push_back(metadata_event("process_name", gpu, 0, fmt::format("GPU {}", gpu)));
     events.push_back(metadata_event("thread_name", gpu, kTidCompute, "compute"));
     events.push_back(metadata_event("thread_name", gpu, kTidD2H, "D2H copy"));
     events.push_back(metadata_event("thread_name", gpu, kTidH2D, "H2D copy"));
+    if (comm) events.push_back(metadata_event("thread_name", gpu, kTidComm, "comm"));
   }
 
   for (const TaskRecord& t : r.tasks) {
@@ -88,7 +96,12 @@ std::string sim_trace_json(const SimResult& r) {
     const double end_ms = finite_or_zero(t.end_ms);
     const double ready_ms = finite_or_zero(t.ready_ms);
     OJson args{{"layer", t.layer}, {"micro_batch", t.micro_batch}, {"bytes", t.bytes}};
-    args[is_copy(t.kind) ? "tensor" : "op"] = std::string(name_part(t.name));
+    if (t.kind == TaskKind::kCollective) {
+      args["collective"] = std::string(name_part(t.name));
+      args["link"] = t.link;
+    } else {
+      args[is_copy(t.kind) ? "tensor" : "op"] = std::string(name_part(t.name));
+    }
     args["queued_ms"] = start_ms - ready_ms;
     events.push_back(OJson{{"name", t.name},
                            {"cat", to_string(t.kind)},
@@ -154,6 +167,12 @@ std::string sim_summary_json(const SimResult& r) {
   j["events"] = s.events;
   j["hbm_slowdown"] = s.hbm_slowdown;
   j["gpu_step_ms"] = s.gpu_step_ms;
+  j["collectives"] = s.collectives;
+  j["collective_ms"] = s.collective_ms;
+  j["collective_wait_ms"] = s.collective_wait_ms;
+  j["collective_tail_ms"] = s.collective_tail_ms;
+  j["collective_bytes"] = s.collective_bytes;
+  j["collective_host_bytes"] = s.collective_host_bytes;
   return dump(j, 2);
 }
 

@@ -12,6 +12,7 @@
 
 #include "core/json_io.hpp"
 #include "plan_helpers.hpp"
+#include "spillway/collectives.hpp"
 #include "test_support.hpp"
 
 namespace spillway {
@@ -390,6 +391,77 @@ TEST(PlanJsonCheck, TensorsThatDisagreeWithTheModelAreRefused) {
   Mutated unfused_plan = read_back(plan_text(small_moe()));
   unfused_plan.planned.work.shape.fused_swiglu = true;  // the workload agrees, the tensors not
   expect_holds(match_error(unfused_plan, fused), {"tensor \"mlp.act\" is not saved by layer 0"});
+}
+
+// Each layer's collectives are written and read back field for field; a plan without the
+// array (written before it existed) reads as none; bad entries are named by field, value
+// and file.
+TEST(PlanJsonCollectives, RoundTripAbsentAndBadEntries) {
+  const PlanRequest r = small_moe();
+  Plan p = make_plan(r);
+  const CollectiveLink nvl = collective_link(r.hardware, 8, 1);
+  p.layers[0].collectives.push_back(make_collective(CollectiveKind::kAllToAll, "ep.dispatch", false,
+                                                    123456789, 8, {"nvlink", 450.0}, 5.0));
+  p.layers[0].collectives.push_back(make_collective(CollectiveKind::kAllToAll, "ep.combine", false,
+                                                    123456789, 8, {"nvlink", 450.0}, 5.0));
+  p.layers[3].collectives.push_back(make_collective(
+      CollectiveKind::kReduceScatter, "dp.grad_reduce", true, int64_t{3} << 30, 64, nvl, 5.0));
+  p.layers[5].collectives.push_back(make_collective(
+      CollectiveKind::kAllGather, "zero.weight_gather", false, 7, 2, {"host", 52.0}, 10.0));
+  const std::string text = plan_to_json(p, r);
+  const Mutated m = read_back(text);
+  ASSERT_EQ(m.plan.layers.size(), p.layers.size());
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    const std::vector<CollectivePlan>& a = p.layers[l].collectives;
+    const std::vector<CollectivePlan>& b = m.plan.layers[l].collectives;
+    ASSERT_EQ(a.size(), b.size()) << "layer " << l;
+    for (size_t k = 0; k < a.size(); ++k) {
+      EXPECT_EQ(a[k].kind, b[k].kind);
+      EXPECT_EQ(a[k].what, b[k].what);
+      EXPECT_EQ(a[k].backward, b[k].backward);
+      EXPECT_EQ(a[k].bytes, b[k].bytes);
+      EXPECT_EQ(a[k].group, b[k].group);
+      EXPECT_EQ(a[k].link, b[k].link);
+      EXPECT_EQ(a[k].gbps, b[k].gbps);
+      EXPECT_EQ(a[k].ms, b[k].ms);
+      EXPECT_EQ(a[k].exposed, b[k].exposed);
+    }
+  }
+  Json j = Json::parse(text);
+  EXPECT_EQ(j["layers"][0]["collectives"][0]["kind"], "all-to-all");
+  EXPECT_TRUE(j["layers"][1]["collectives"].is_array());
+  EXPECT_TRUE(j["layers"][1]["collectives"].empty());
+  // Old plans: no array at all.
+  for (Json& l : j["layers"]) l.erase("collectives");
+  const Mutated old = read_back(j.dump());
+  for (const LayerPlan& l : old.plan.layers) EXPECT_TRUE(l.collectives.empty());
+  // Bad entries.
+  auto bad = [&](const char* key, Json value) {
+    Json k = Json::parse(text);
+    k["layers"][3]["collectives"][0][key] = std::move(value);
+    try {
+      (void)read_back(k.dump());
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  expect_holds(bad("kind", "allreduce"),
+               {"\"layers[3].collectives[0].kind\" is \"allreduce\"", "(file: plan.json)"});
+  expect_holds(bad("link", "pcie"), {"\"layers[3].collectives[0].link\" is \"pcie\""});
+  expect_holds(bad("group", 0), {"\"layers[3].collectives[0].group\" is 0"});
+  expect_holds(bad("bytes", -5), {"\"layers[3].collectives[0].bytes\" is -5"});
+  expect_holds(bad("gbps", 0), {"\"layers[3].collectives[0].gbps\" is 0"});
+  expect_holds(bad("what", ""), {"\"layers[3].collectives[0].what\" is \"\""});
+  expect_holds(bad("ms", -1), {"\"layers[3].collectives[0].ms\" is -1"});
+  Json missing = Json::parse(text);
+  missing["layers"][3]["collectives"][0].erase("bytes");
+  expect_holds(load_error(r, [&](Json& d) { d = missing; }),
+               {"\"layers[3].collectives[0].bytes\" is missing"});
+  Json not_array = Json::parse(text);
+  not_array["layers"][2]["collectives"] = 3;
+  expect_holds(load_error(r, [&](Json& d) { d = not_array; }),
+               {"\"layers[2].collectives\" is 3; must be an array"});
 }
 
 }  // namespace
