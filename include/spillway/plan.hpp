@@ -237,6 +237,10 @@ struct PlanSummary {
   int gpus_per_link = 1;     // from the hardware profile (the simulator's default topology)
   std::string calibration;   // "roofline", "layer-fwd-ms", "profile"
   TrainingStatePlan state;
+  // Note [Collectives in the plan] (planner.cpp): the collectives' time on the critical
+  // path per step (exposed ones, and what the overlapped ones do not hide), and all of it.
+  double collective_ms = 0.0;
+  double collective_total_ms = 0.0;
 };
 
 struct Plan {

@@ -262,6 +262,8 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                   {"speedup_vs_recompute", m.speedup_vs_recompute},
                   {"stall_ms", m.stall_ms},
                   {"head_ms", m.head_ms},
+                  {"collective_ms", m.collective_ms},
+                  {"collective_total_ms", m.collective_total_ms},
                   {"logits_bytes", m.logits_bytes}};
   return j.dump(2) + "\n";
 }
@@ -406,6 +408,8 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
   s.step_ms = sum.num_or("step_ms", 0.0, 0.0, 1e12);
   s.recompute_step_ms = sum.num_or("recompute_step_ms", 0.0, 0.0, 1e12);
   s.head_ms = sum.num_or("head_ms", 0.0, 0.0, 1e9);
+  s.collective_ms = sum.num_or("collective_ms", 0.0, 0.0, 1e12);
+  s.collective_total_ms = sum.num_or("collective_total_ms", 0.0, 0.0, 1e12);
   s.logits_bytes = sum.int_or("logits_bytes", 0, 0, kBig);
   s.hbm_budget_bytes = sum.int_or("hbm_budget_bytes", 0, 0, kBig);
   const JsonObject cat = sum.req_obj("peak_hbm_by_category");

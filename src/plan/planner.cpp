@@ -47,6 +47,7 @@
 
 #include "core/json_io.hpp"
 #include "plan/cost_model.hpp"
+#include "spillway/collectives.hpp"
 #include "spillway/error.hpp"
 #include "spillway/plan.hpp"
 
@@ -99,7 +100,114 @@ struct Stage {
   int keep_last = 1;
   int prefetch = 1;
   std::vector<int64_t> layer_params;  // per GPU
+  std::vector<std::vector<CollectivePlan>>
+      collectives;                  // per layer (Note [Collectives in the plan])
+  std::vector<double> comm_fwd_ms;  // exposed collectives in a layer's forward
+  std::vector<double> comm_bwd_ms;  // and before its backward
 };
+
+// Note [Collectives in the plan]: per layer, the collectives its parallelism needs
+// (DESIGN section 11, docs/collectives.md), with ranks laid out tp fastest, then cp, ep
+// and dp (a group's members are spaced by the product of the faster sizes):
+//   - tp > 1 (Megatron with sequence parallelism): an all-gather and a reduce-scatter of
+//     the T x d activation around attention and around the MLP, forward and backward;
+//     exposed (they feed the next GEMM);
+//   - ep > 1: the MoE dispatch and combine all-to-alls of T x top_k / tp rows of d,
+//     forward and backward; exposed;
+//   - dp > 1: the layer's gradients after its backward (an all-reduce at ZeRO 0-1, a
+//     reduce-scatter at 2-3), once per step (the last micro-batch); at ZeRO 3 the layer's
+//     weights gathered before its forward and again before its backward; at ZeRO 1-2 the
+//     updated weights gathered once per step, spread over the forward. These overlap
+//     compute: what the neighbouring layer's compute in the same phase (the previous
+//     layer's forward, the next layer in backward) does not hide is on the critical path,
+//     and the first layer's gradient reduction ends after backward (the optimizer waits).
+// Each is ring_ms over collective_link (spillway/collectives.hpp). The exposed ones sit
+// where the simulator puts them (Note [Collectives in the simulator]): a dispatch after
+// the op moe.dispatch, a combine before moe.combine, the others at the end of the forward,
+// the backward ones before the layer's backward; the timeline waits for them, so they
+// widen the forward windows and delay the tensors produced after them. Not modelled: CP's
+// key/value exchange, pipeline sends, and the planner's window does not shrink for
+// host-link collectives that share the root complex with the offload copies (the
+// simulator models that contention).
+std::vector<CollectivePlan> layer_collectives(const PlanRequest& r, const LayerSpec& spec,
+                                              int64_t params, int64_t T) {
+  const ShardShape& s = r.work.shape;
+  const double lat = r.hardware.interconnect.collective_latency_us;
+  const int64_t bytes = s.dtype == DType::kFp32 ? 4 : 2;
+  const int64_t d = r.model.hidden;
+  std::vector<CollectivePlan> out;
+  auto add = [&](CollectiveKind k, const char* what, bool backward, int64_t b, int64_t group,
+                 const CollectiveLink& link, bool exposed) {
+    if (group <= 1 || b <= 0) return;
+    CollectivePlan c = make_collective(k, what, backward, b, group, link, lat);
+    c.exposed = exposed;
+    out.push_back(std::move(c));
+  };
+  const char* what = "collective bytes";
+  const int64_t tokens = checked_mul(checked_mul(T, d, what), bytes, what);
+  for (bool bwd : {false, true}) {
+    if (s.tp > 1) {
+      const CollectiveLink tp = collective_link(r.hardware, s.tp, 1);
+      add(CollectiveKind::kAllGather, "tp.attn_gather", bwd, tokens, s.tp, tp, true);
+      add(CollectiveKind::kReduceScatter, "tp.attn_scatter", bwd, tokens, s.tp, tp, true);
+      add(CollectiveKind::kAllGather, "tp.mlp_gather", bwd, tokens, s.tp, tp, true);
+      add(CollectiveKind::kReduceScatter, "tp.mlp_scatter", bwd, tokens, s.tp, tp, true);
+    }
+    if (spec.mlp.kind == MlpKind::kMoe && s.ep > 1) {
+      const CollectiveLink ep = collective_link(r.hardware, s.ep, s.tp * s.cp);
+      const int64_t rows = checked_mul(T, spec.mlp.top_k, what) / s.tp;
+      const int64_t b = checked_mul(checked_mul(rows, d, what), bytes, what);
+      add(CollectiveKind::kAllToAll, "ep.dispatch", bwd, b, s.ep, ep, true);
+      add(CollectiveKind::kAllToAll, "ep.combine", bwd, b, s.ep, ep, true);
+    }
+  }
+  if (r.work.dp > 1) {
+    const CollectiveLink dp = collective_link(r.hardware, r.work.dp, s.tp * s.cp * s.ep);
+    const int64_t layer = checked_mul(params, bytes, what);
+    if (r.zero >= 3) {
+      add(CollectiveKind::kAllGather, "zero.weight_gather", false, layer, r.work.dp, dp, false);
+      add(CollectiveKind::kAllGather, "zero.weight_gather", true, layer, r.work.dp, dp, false);
+    } else if (r.zero >= 1) {
+      add(CollectiveKind::kAllGather, "zero.param_gather", false, layer, r.work.dp, dp, false);
+    }
+    add(r.zero >= 2 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce, "dp.grad_reduce",
+        true, layer, r.work.dp, dp, false);
+  }
+  return out;
+}
+
+// Weaves a layer's exposed collectives into its timing (Note [Collectives in the plan]):
+// the forward ones delay every tensor produced after them and lengthen the forward.
+void weave_exposed(const std::vector<CollectivePlan>& cs, CostedLayer& c, double& fwd_extra,
+                   double& bwd_extra) {
+  auto op_index = [&](const char* name) {
+    for (size_t k = 0; k < c.inv.ops.size(); ++k)
+      if (c.inv.ops[k].name == name) return static_cast<int>(k);
+    return -1;
+  };
+  const int last = static_cast<int>(c.inv.ops.size()) - 1;
+  fwd_extra = 0.0;
+  bwd_extra = 0.0;
+  for (const CollectivePlan& col : cs) {
+    if (!col.exposed) continue;
+    if (col.backward) {
+      bwd_extra += col.ms;
+      continue;
+    }
+    int after = last;  // the delay applies to ops after this index
+    if (col.what.ends_with("dispatch")) {
+      const int k = op_index("moe.dispatch");
+      after = k >= 0 ? k : last;
+    } else if (col.what.ends_with("combine")) {
+      const int k = op_index("moe.combine");
+      after = k >= 0 ? k - 1 : last;
+    }
+    fwd_extra += col.ms;
+    for (size_t t = 0; t < c.inv.tensors.size(); ++t) {
+      if (c.inv.tensors[t].producer > after) c.produced_at_ms[t] += col.ms;
+    }
+  }
+}
 
 // Throws spillway::InputError, naming the field, on a request no plan can be made for
 // (sizes, divisibility, ranges).
@@ -290,6 +398,18 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   if (r.work.pp == 1 && !r.model.tied_embeddings) params += emb;
   plan.params_per_gpu = params;
   plan.params_total = parameter_count(r.model);
+  // Note [Collectives in the plan].
+  {
+    const int64_t tokens = s.micro_batch * s.seq_len / s.cp;
+    st.collectives.resize(static_cast<size_t>(n));
+    st.comm_fwd_ms.assign(static_cast<size_t>(n), 0.0);
+    st.comm_bwd_ms.assign(static_cast<size_t>(n), 0.0);
+    for (size_t l = 0; l < static_cast<size_t>(n); ++l) {
+      st.collectives[l] = layer_collectives(r, r.model.layers[l], st.layer_params[l], tokens);
+      weave_exposed(st.collectives[l], st.layers[l], st.comm_fwd_ms[l], st.comm_bwd_ms[l]);
+    }
+  }
+
   // Note [Training state].
   const double budget_gb =
       r.hbm_budget_gb ? *r.hbm_budget_gb : r.hardware.hbm_gb * (1.0 - kHbmReserveFraction);
@@ -388,14 +508,15 @@ struct OptionSet {
 
 // Forward deadline of layer l alone (engine free at its start): end of layer l+1.
 double standalone_deadline(const Stage& st, size_t l) {
-  return st.layers[l].fwd_ms + st.layers[l + 1].fwd_ms;
+  return st.layers[l].fwd_ms + st.comm_fwd_ms[l] + st.layers[l + 1].fwd_ms + st.comm_fwd_ms[l + 1];
 }
 
 // The bytes layer l may move at the derated rate: in steady state the engine has one
 // next-layer forward per layer (DESIGN: V_l / B_d2h <= T_fwd(l+1)), whatever the
 // production times.
 double standalone_capacity_bytes(const Stage& st, size_t l) {
-  return st.d2h_bytes_per_ms / (1.0 + st.margin) * st.layers[l + 1].fwd_ms;
+  return st.d2h_bytes_per_ms / (1.0 + st.margin) *
+         (st.layers[l + 1].fwd_ms + st.comm_fwd_ms[l + 1]);
 }
 
 // Builds the options a strategy can use (the knapsack only where it is needed).
@@ -563,7 +684,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
   Timeline tl;
   tl.layers.resize(n);
   std::vector<double> start(n + 1, 0.0);
-  for (size_t l = 0; l < n; ++l) start[l + 1] = start[l] + st.layers[l].fwd_ms;
+  for (size_t l = 0; l < n; ++l) start[l + 1] = start[l] + st.layers[l].fwd_ms + st.comm_fwd_ms[l];
   tl.fwd_ms = start[n];
 
   // Forward D2H: FIFO across layers, once at the real rate (timeline, backlog) and once
@@ -668,7 +789,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     lp.stall_ms = stall;
     lp.h2d_ms = static_cast<double>(o.cost.offload_bytes) / st.h2d_bytes_per_ms;
     tl.stall_ms += stall;
-    t += stall + o.cost.recompute_ms + st.layers[l].bwd_ms;
+    t += stall + o.cost.recompute_ms + st.comm_bwd_ms[l] + st.layers[l].bwd_ms;
   }
   tl.step_ms = t;
 
@@ -688,6 +809,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     lp.rematerialized_bytes = o.cost.rematerialized_bytes;
     lp.fwd_ms = c.fwd_ms;
     lp.bwd_ms = c.bwd_ms;
+    if (detail) lp.collectives = st.collectives[l];
     for (size_t k = 0; k < c.inv.ops.size(); ++k) {
       const OpCost& op = c.inv.ops[k];
       lp.fwd_flops += op.fwd_flops;
@@ -1175,6 +1297,43 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
   }
 }
 
+// The overlapped collectives' share of the critical path and the total (Note [Collectives
+// in the plan]); the exposed ones are in the timeline already.
+void plan_collective_time(const PlanRequest& r, Plan& plan) {
+  const size_t n = plan.layers.size();
+  const double ga = static_cast<double>(r.work.grad_accum);
+  double per_mb = 0.0;
+  double once = 0.0;
+  double total = 0.0;
+  for (size_t l = 0; l < n; ++l) {
+    double fwd_over = 0.0;
+    double bwd_over = 0.0;
+    for (const CollectivePlan& c : plan.layers[l].collectives) {
+      const bool per_step = c.what == "dp.grad_reduce" || c.what == "zero.param_gather";
+      total += c.ms * (per_step ? 1.0 : ga);
+      if (c.exposed) continue;
+      if (c.what == "dp.grad_reduce") {
+        // Hidden under the next layer in backward (l - 1); layer 0's runs past the end.
+        const double win =
+            l > 0 ? plan.layers[l - 1].bwd_ms + plan.layers[l - 1].recompute_ms : 0.0;
+        once += std::max(0.0, c.ms - win);
+      } else if (c.what == "zero.param_gather") {
+        once += std::max(0.0, c.ms - plan.layers[l].fwd_ms);  // spread over the forward
+      } else {
+        (c.backward ? bwd_over : fwd_over) += c.ms;
+      }
+    }
+    // ZeRO-3 gathers: layer l's forward one under layer l - 1's forward, its backward one
+    // under layer l + 1's backward; the first of each phase is exposed.
+    const double fwin = l > 0 ? plan.layers[l - 1].fwd_ms : 0.0;
+    const double bwin =
+        l + 1 < n ? plan.layers[l + 1].bwd_ms + plan.layers[l + 1].recompute_ms : 0.0;
+    per_mb += std::max(0.0, fwd_over - fwin) + std::max(0.0, bwd_over - bwin);
+  }
+  plan.summary.collective_ms = per_mb * ga + once;
+  plan.summary.collective_total_ms = total;
+}
+
 // Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
 // that miss their window, the snowball, the peak over budget, the host memory.
 std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines& tl,
@@ -1253,11 +1412,13 @@ Plan make_plan(const PlanRequest& r) {
   Timelines timelines = final_timelines(st, options, chosen.options);
   fill_summary(timelines, r.work.grad_accum, plan);
   if (r.optimizer_offload) plan_offloaded_optimizer(r, plan);
+  plan_collective_time(r, plan);
   {
     PlanSummary& s = plan.summary;
-    s.step_ms += s.state.optimizer_ms;
-    s.recompute_step_ms += s.state.optimizer_ms;
-    s.keep_step_ms += s.state.optimizer_ms;
+    const double extra = s.state.optimizer_ms + s.collective_ms;
+    s.step_ms += extra;
+    s.recompute_step_ms += extra;
+    s.keep_step_ms += extra;
     s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
   }
   plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);

@@ -114,6 +114,11 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                 " (the CPU pipeline's tail past backward; {:.1f} ms of CPU work overlap it)",
                 m.state.optimizer_total_ms)
           : " (AdamW on the GPU after backward)");
+  if (m.collective_total_ms > 0.0) {
+    out += fmt::format(
+        "    collectives  {:.1f} ms on the critical path ({:.1f} ms in all; per layer in --json)\n",
+        m.collective_ms, m.collective_total_ms);
+  }
   if (m.state.loss_recompute_ms > 0.0) {
     out += fmt::format("    loss chunks  {:.1f} ms per micro-batch recomputing the logits\n",
                        m.state.loss_recompute_ms);

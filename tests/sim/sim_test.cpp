@@ -109,7 +109,10 @@ TEST(SimInvariants, ConservationOrderingAndBusyTime) {
       EXPECT_GE(t.start_ms, t.ready_ms - 1e-9);
       EXPECT_GE(t.end_ms, t.start_ms);
       EXPECT_LE(t.end_ms, sim.summary.step_ms + 1e-9);
-      const int res = t.kind == TaskKind::kD2H ? 1 : t.kind == TaskKind::kH2D ? 2 : 0;
+      const int res = t.kind == TaskKind::kD2H          ? 1
+                      : t.kind == TaskKind::kH2D        ? 2
+                      : t.kind == TaskKind::kCollective ? 3
+                                                        : 0;
       by_resource[{t.gpu, res}].push_back(&t);
     }
     // No resource runs two tasks at once; busy time <= makespan.
@@ -145,9 +148,11 @@ TEST(SimInvariants, ConservationOrderingAndBusyTime) {
       peak = std::max(peak, sim.memory[i].bytes);
     }
     EXPECT_EQ(peak, sim.summary.peak_hbm_bytes);
-    // Split: compute + recompute + stall + idle covers GPU 0's step.
+    // Split: compute + recompute + stall + collective wait + idle covers GPU 0's step
+    // (ep 8: the all-to-alls block compute).
+    EXPECT_GT(sim.summary.collective_wait_ms, 0.0);
     EXPECT_NEAR(sim.summary.compute_ms + sim.summary.recompute_ms + sim.summary.stall_ms +
-                    sim.summary.idle_ms,
+                    sim.summary.collective_wait_ms + sim.summary.idle_ms,
                 sim.summary.gpu_step_ms[0], 1e-6 * sim.summary.gpu_step_ms[0]);
   }
 }
