@@ -3,6 +3,7 @@
 // when the strategy is infeasible.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "spillway/plan.hpp"
@@ -48,10 +49,30 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                                               : fmt::format("typical measured, {} GPU(s) per link",
                                                             r.hardware.gpus_per_link),
                      r.margin * 100.0);
-  out +=
-      fmt::format("  times     {} (gemm {:.2f}, attention {:.2f}, hbm {:.2f} of peak{})\n",
-                  m.calibration, r.efficiency.gemm, r.efficiency.attention, r.efficiency.hbm,
-                  m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
+  // Note [Efficiency curves]: a given constant prints as a number, a curve as its range.
+  const EfficiencyCurves curves = effective_curves(r.hardware, r.efficiency);
+  const auto factor = [](const EfficiencyFactor& f, const EfficiencyCurve& c) {
+    if (f.given()) return fmt::format("{:.2f}", f.value());
+    double lo = 1.0;
+    double hi = 0.0;
+    for (const auto& p : c.points) {
+      lo = std::min(lo, p.second);
+      hi = std::max(hi, p.second);
+    }
+    return lo == hi ? fmt::format("{:.2f}", lo) : fmt::format("{:.2f}-{:.2f}", lo, hi);
+  };
+  const std::string grouped =
+      r.efficiency.gemm.given()
+          ? ""
+          : fmt::format(", grouped {}", factor(r.efficiency.gemm, curves.grouped_gemm));
+  out += fmt::format(
+      "  times     {} (gemm {}{}, attention {}, hbm {:.2f} of peak{}{})\n", m.calibration,
+      factor(r.efficiency.gemm, curves.gemm), grouped,
+      factor(r.efficiency.attention, curves.attention), hbm_efficiency(r.hardware, r.efficiency),
+      r.efficiency.measured.empty()
+          ? ""
+          : fmt::format("; {} measured kernels", r.efficiency.measured.size()),
+      m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
   if (r.model.layers.size() != plan.layers.size()) {
     out +=
         fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);
