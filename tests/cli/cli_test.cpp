@@ -619,6 +619,13 @@ TEST(CliPlan, EfficiencyFlagWinsAndBenchGemmWritesACalibrationProfile) {
   // The expert GEMMs at the constant are faster than on the grouped curve.
   EXPECT_LT(g["layers"][0]["fwd_ms"].get<double>(), c["layers"][0]["fwd_ms"].get<double>());
 
+  // The report says what the ops ran at: the grouped curve at 768 is 0.70 / 1.9.
+  const CliRun report = run(base);
+  EXPECT_TRUE(contains(report.out, "grouped gemm 0.37, attention 0.49")) << report.out;
+  EXPECT_TRUE(contains(report.out, "efficiency curves")) << report.out;
+  EXPECT_TRUE(contains(run(base + " --gemm-efficiency 0.7").out,
+                       "(gemm 0.70, grouped gemm 0.70, attention 0.49"));
+
   TempDir dir;
   const std::string profile = dir.file("gemm.json");
   const CliRun bench =
