@@ -7,6 +7,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "spillway/units.hpp"
@@ -30,6 +31,39 @@ struct Interconnect {
   double collective_latency_us = 10.0;  // per step of a ring (see spillway/collectives.hpp)
 };
 
+// Note [Efficiency curves]: the roofline divides FLOPs by peak x efficiency, and the
+// efficiency depends on the kernel's shape. Each curve is a list of (abscissa, efficiency)
+// points, abscissae strictly increasing, efficiencies in (0, 1]; between points the
+// efficiency is linear in log(abscissa), outside them it is clamped to the end points.
+//   gemm          a dense GEMM (M x K) by (K x N): x = min(M, N, K). For training GEMMs
+//                 (M = tokens, thousands) that is the narrower weight dimension.
+//   grouped_gemm  the expert GEMMs of an MoE layer, run as one grouped GEMM over the
+//                 experts on the GPU: x = min(tokens per expert, N, K) of one expert's GEMM
+//                 (few tokens per expert, or narrow fine-grained experts, run far below a
+//                 dense GEMM of the same FLOPs).
+//   attention     fused (flash) attention: x = the average number of keys a query attends
+//                 to ((seq_len + 1) / 2 for causal attention, about the window with a
+//                 sliding window).
+//   hbm           memory-bound kernels: one fraction of HBM bandwidth.
+// A profile without curves gets flat ones equal to the former constants (0.70 for both
+// GEMM curves, 0.50 attention, 0.80 HBM). Calibration points (a profile's "ops") replace
+// the curve's points inside their range (plan.hpp, MeasuredOp).
+struct EfficiencyCurve {
+  std::vector<std::pair<double, double>> points;  // (abscissa, efficiency)
+  double at(double x) const;                      // interpolated in log(x), clamped
+};
+
+struct EfficiencyCurves {
+  EfficiencyCurve gemm{{{1.0, 0.70}}};
+  EfficiencyCurve grouped_gemm{{{1.0, 0.70}}};
+  EfficiencyCurve attention{{{1.0, 0.50}}};
+  double hbm = 0.80;
+};
+
+// Checks a curve: at least one point, abscissae > 0 and strictly increasing, efficiencies
+// in (0, 1]. `field` names it in the message ("efficiency.gemm").
+void check_efficiency_curve(const EfficiencyCurve& curve, const std::string& field);
+
 struct HardwareProfile {
   std::string name;
   std::string description;
@@ -48,6 +82,7 @@ struct HardwareProfile {
   double host_memory_gb = 0.0;
   int gpus_per_host_memory = 1;
   std::vector<MigProfile> mig;
+  EfficiencyCurves efficiency;  // Note [Efficiency curves]
   std::string notes;
 };
 

@@ -37,9 +37,26 @@ enum class OpKind { kGemm, kAttention, kMemory };
 std::string to_string(OpKind k);  // "gemm", "attention", "memory"
 OpKind parse_op_kind(const std::string& s);
 
+// The shape of an op's kernel, what the efficiency curves read (Note [Efficiency curves],
+// hardware.hpp). A GEMM multiplies (m x k) by (k x n) per GPU in its forward; a grouped
+// expert GEMM is `experts` such GEMMs, one per expert on this GPU, of m = the tokens each
+// expert sees (rounded up; tokens_per_expert is exact). Attention reads `keys`, the
+// average number of keys per query. Zero where it does not apply.
+struct OpShape {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t experts = 0;  // > 0: a grouped expert GEMM over this many experts
+  double tokens_per_expert = 0.0;
+  double keys = 0.0;  // attention: average keys per query
+  bool grouped() const { return experts > 0; }
+  int64_t min_dim() const;  // min(m, n, k)
+};
+
 struct OpCost {
   std::string name;  // "attn.qkv", "mlp.gate", ...
   OpKind kind = OpKind::kMemory;
+  OpShape shape;  // geometry of the forward kernel (backward GEMMs permute m, n, k)
   double fwd_flops = 0.0;
   int64_t fwd_bytes = 0;  // HBM traffic of the forward kernel(s)
   double bwd_flops = 0.0;

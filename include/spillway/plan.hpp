@@ -53,14 +53,68 @@ struct PlanLimits {
   static constexpr int kMaxPrefetchDepth = 64;
 };
 
-// Roofline efficiency factors: the fraction of peak a kernel class reaches.
-// Defaults: GEMMs 0.70 of dense peak, fused attention 0.50, memory-bound kernels 0.80 of
-// HBM bandwidth. All overridable (--gemm-efficiency, --attention-efficiency, --hbm-efficiency).
-struct Efficiency {
-  double gemm = 0.70;
-  double attention = 0.50;
-  double hbm = 0.80;
+// An efficiency the caller may fix. Given (assigned a number), it is a constant that
+// replaces the hardware profile's curve for its kernel class; not given, the curve is
+// used (Note [Efficiency curves], hardware.hpp) and the number is only the former
+// default, shown where a single figure is printed. It reads as a double either way.
+class EfficiencyFactor {
+ public:
+  // Implicit on purpose: `r.efficiency.gemm = 0.6` gives a constant, as before the curves.
+  constexpr EfficiencyFactor(double value) : value_(value), given_(true) {}  // NOLINT
+  static constexpr EfficiencyFactor unset(double shown) {
+    EfficiencyFactor f(shown);
+    f.given_ = false;
+    return f;
+  }
+  constexpr operator double() const { return value_; }  // NOLINT
+  constexpr double value() const { return value_; }
+  constexpr bool given() const { return given_; }
+
+ private:
+  double value_;
+  bool given_;
 };
+
+// A measured kernel from a timed run (a calibration profile's "ops", e.g. written by
+// `spillway bench gemm`): its class, its shape (OpShape: m, n, k for a GEMM; experts,
+// tokens_per_expert, n, k for a grouped GEMM; keys for attention) and either its
+// efficiency or its time (ms, with flops for attention; a GEMM's flops are 2mnk per
+// expert), turned into an efficiency against the hardware profile's peak for `dtype`.
+// Points of one class replace that curve's points inside their range of abscissae.
+enum class MeasuredKind { kGemm, kGroupedGemm, kAttention };
+std::string to_string(MeasuredKind k);  // "gemm", "grouped_gemm", "attention"
+MeasuredKind parse_measured_kind(const std::string& s);
+
+struct MeasuredOp {
+  MeasuredKind kind = MeasuredKind::kGemm;
+  OpShape shape;
+  DType dtype = DType::kBf16;
+  double ms = 0.0;          // measured time of one call; 0 when efficiency is given
+  double flops = 0.0;       // of one call; 0: 2mnk (x experts) for a GEMM
+  double efficiency = 0.0;  // fraction of dense peak; 0: from ms and flops
+};
+
+// The curve abscissa of a shape (Note [Efficiency curves]): min(m, n, k) for a GEMM,
+// min(tokens per expert, n, k) for a grouped GEMM, keys for attention.
+double curve_abscissa(MeasuredKind kind, const OpShape& shape);
+
+// Roofline efficiencies: the hardware profile's curves, unless a constant is given here
+// (--gemm-efficiency, --attention-efficiency, --hbm-efficiency), with measured points
+// (--profile "ops") merged into the curves first.
+struct Efficiency {
+  EfficiencyFactor gemm = EfficiencyFactor::unset(0.70);  // dense and grouped GEMMs
+  EfficiencyFactor attention = EfficiencyFactor::unset(0.50);
+  EfficiencyFactor hbm = EfficiencyFactor::unset(0.80);
+  std::vector<MeasuredOp> measured;
+};
+
+// The curves a request runs with: the profile's, measured points merged (they replace the
+// curve's points between the smallest and the largest measured abscissa; points at one
+// abscissa are averaged). Throws naming efficiency.measured[i] on a point out of range.
+EfficiencyCurves effective_curves(const HardwareProfile& hw, const Efficiency& eff);
+// The fraction of HBM bandwidth memory-bound kernels reach: the given constant, else the
+// profile's figure.
+double hbm_efficiency(const HardwareProfile& hw, const Efficiency& eff);
 
 struct Workload {
   ShardShape shape;
@@ -258,8 +312,12 @@ struct Plan {
 Plan make_plan(const PlanRequest& request);
 
 // Reads a calibration profile (schema spillway.profile/1: {"layers": [{"index", "fwd_ms",
-// "bwd_ms"}]}).
+// "bwd_ms"}], "ops": [...]}); "layers" may be absent when "ops" is given.
 std::vector<LayerTiming> load_profile(const std::string& path);
+// The profile's measured kernels: "ops": [{"kind", "m", "n", "k", "experts",
+// "tokens_per_expert", "keys", "dtype", "ms", "flops", "efficiency"}] (MeasuredOp; the
+// fields a kind does not use may be left out). Empty when the profile has none.
+std::vector<MeasuredOp> load_profile_ops(const std::string& path);
 
 // The plan as JSON, schema spillway.plan/1 (docs/plan-schema.md).
 std::string plan_to_json(const Plan& plan, const PlanRequest& request);

@@ -1,6 +1,7 @@
 // `spillway bench`: the engines' benchmarks, each checked for correctness before it is
 // timed and printed beside its baseline measured in the same run and its limit. One
-// sub-subcommand per engine: `offload`, `adam`, `optim-offload`.
+// sub-subcommand per engine: `offload`, `adam`, `optim-offload`; `gemm` measures the
+// planner's efficiency curves.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <optional>
 
 #include "bench_adam.hpp"
+#include "bench_gemm.hpp"
 #include "bench_offload.hpp"
 #include "bench_stv.hpp"
 #include "cli/commands.hpp"
@@ -275,6 +277,79 @@ void add_bench_optim_offload_command(CLI::App& bench) {
   });
 }
 
+void add_bench_gemm_command(CLI::App& bench) {
+  struct State {
+    GemmBenchOptions options;
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "gemm",
+      "The GEMMs of a model's layers at the planner's shapes, on the host backend (cblas "
+      "sgemm, fp32: what the reference model runs), as measured points for the planner's "
+      "efficiency curves: per distinct shape its time, GFLOP/s and efficiency against the "
+      "limit. Baseline in the same run: a large square GEMM (the dense GEMM the former "
+      "constant stood for); limit: --peak-gflops, else the baseline's rate. Every output is "
+      "checked (finite, and random elements against double dot products) before anything "
+      "is timed; the baseline and the shapes are interleaved and figures are medians. "
+      "--json writes a calibration profile ({\"ops\": [...]}) for `spillway plan --profile` "
+      "with a hardware profile of this machine. The CUDA twin (cuBLAS) is not written yet.\n\n"
+      "Examples:\n"
+      "  spillway bench gemm\n"
+      "  spillway bench gemm --model Qwen3-30B-A3B --seq-len 256 --ep 8 --json profile.json\n"
+      "  spillway bench gemm --model Llama-3.1-8B --seq-len 128 --square 1024 --repeats 2");
+  GemmBenchOptions& o = st->options;
+  cmd->add_option("--model", o.model, "Catalog model or config.json whose GEMMs are timed")
+      ->capture_default_str();
+  in_range(cmd->add_option("--micro-batch", o.micro_batch, "Sequences per micro-batch")
+               ->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--seq-len", o.seq_len,
+                           "Tokens per sequence (small by default: a CPU is ~1000x slower "
+                           "than a GPU)")
+               ->capture_default_str(),
+           closed(1, 1 << 26));
+  in_range(cmd->add_option("--tp", o.tp, "Tensor-parallel size (widths divided by it)")
+               ->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--ep", o.ep, "Expert-parallel size (experts per GPU divided by it)")
+               ->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--square", o.square, "Side of the baseline's square GEMM")
+               ->capture_default_str(),
+           closed(16, 16384));
+  in_range(cmd->add_option("--peak-gflops", o.peak_gflops,
+                           "This machine's theoretical fp32 peak, the limit efficiencies are "
+                           "taken against (default: the baseline's measured rate)"),
+           open_closed(0, 1e9));
+  in_range(cmd->add_option("--repeats", o.repeats,
+                           "Times the baseline and the shapes are "
+                           "interleaved (one sample each)")
+               ->capture_default_str(),
+           closed(1, kMaxRepeats));
+  in_range(cmd->add_option("--threads", o.threads, "OpenBLAS threads")->capture_default_str(),
+           closed(1, 1024));
+  in_range(cmd->add_option("--check-points", o.check_points,
+                           "Output elements per GEMM checked against a double dot product")
+               ->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--seed", o.seed, "Seed of the inputs (0: a fresh one, printed)")
+               ->capture_default_str(),
+           up_to(0, "2^64 - 1"));
+  cmd->add_option("--json", st->json_path,
+                  "Write the measured points as a calibration profile (schema "
+                  "spillway.profile/1, \"ops\") to FILE ('-' for stdout)");
+  cmd->callback([st]() {
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
+    say(fmt::format("running: the GEMMs of {} at micro-batch {} x seq {}, {} repeats...\n",
+                    st->options.model, st->options.micro_batch, st->options.seq_len,
+                    st->options.repeats));
+    const GemmBenchResult result = run_gemm_bench(st->options);
+    say(format_gemm_bench(result));
+    if (!st->json_path.empty()) write_output(st->json_path, gemm_bench_json(result));
+  });
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -286,11 +361,13 @@ void add_bench_command(CLI::App& app) {
       "  spillway bench offload\n"
       "  spillway bench offload --layers 16 --tensor-mb 4 --json -\n"
       "  spillway bench adam --elements 4000000 --repeats 2\n"
-      "  spillway bench optim-offload");
+      "  spillway bench optim-offload\n"
+      "  spillway bench gemm --json profile.json");
   bench->require_subcommand(1);
   add_bench_offload_command(*bench);
   add_bench_adam_command(*bench);
   add_bench_optim_offload_command(*bench);
+  add_bench_gemm_command(*bench);
 }
 
 }  // namespace spillway::cli

@@ -234,22 +234,23 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
                        closed(L::kMinLayerMs, L::kMaxLayerMs));
   cmd.add_option("--profile", f.profile,
                  "Calibration: JSON with measured per-layer times "
-                 "{\"layers\": [{\"index\", \"fwd_ms\", \"bwd_ms\"}]}")
+                 "{\"layers\": [{\"index\", \"fwd_ms\", \"bwd_ms\"}]} and/or measured kernels "
+                 "{\"ops\": [...]} (spillway bench gemm --json) merged into the efficiency curves")
       ->excludes(fwd)
       ->group("Calibration");
-  in_range(
-      cmd.add_option("--gemm-efficiency", f.gemm_eff, "Fraction of dense peak reached by GEMMs")
-          ->capture_default_str()
-          ->group("Calibration"),
-      open_closed(0, 1));
+  in_range(cmd.add_option("--gemm-efficiency", f.gemm_eff,
+                          "Fraction of dense peak reached by GEMMs, a constant for every shape "
+                          "(default: the hardware profile's curves)")
+               ->group("Calibration"),
+           open_closed(0, 1));
   in_range(cmd.add_option("--attention-efficiency", f.attention_eff,
-                          "Fraction of dense peak reached by fused attention")
-               ->capture_default_str()
+                          "Fraction of dense peak reached by fused attention, a constant "
+                          "(default: the hardware profile's curve)")
                ->group("Calibration"),
            open_closed(0, 1));
   in_range(cmd.add_option("--hbm-efficiency", f.hbm_eff,
-                          "Fraction of HBM bandwidth reached by memory-bound kernels")
-               ->capture_default_str()
+                          "Fraction of HBM bandwidth reached by memory-bound kernels "
+                          "(default: the hardware profile's, 0.80 in the catalog)")
                ->group("Calibration"),
            open_closed(0, 1));
 }
@@ -301,7 +302,9 @@ PlanRequest make_request(const PlanFlags& f) {
   r.hbm_budget_gb = f.hbm_budget_gb;
   r.d2h_gbps = f.d2h_gbps;
   r.h2d_gbps = f.h2d_gbps;
-  r.efficiency = Efficiency{f.gemm_eff, f.attention_eff, f.hbm_eff};
+  if (f.gemm_eff) r.efficiency.gemm = *f.gemm_eff;
+  if (f.attention_eff) r.efficiency.attention = *f.attention_eff;
+  if (f.hbm_eff) r.efficiency.hbm = *f.hbm_eff;
   r.keep_last_layers = f.keep_last;
   r.prefetch_depth = f.prefetch_depth;
   if (f.fsdp && f.zero != 1 && f.zero != 3)
@@ -312,7 +315,10 @@ PlanRequest make_request(const PlanFlags& f) {
   r.loss_chunk = f.loss_chunk;
   r.model = load_model(f.model);
   r.hardware = load_hardware(f.hardware);
-  if (!f.profile.empty()) r.profile = load_profile(f.profile);
+  if (!f.profile.empty()) {
+    r.profile = load_profile(f.profile);
+    r.efficiency.measured = load_profile_ops(f.profile);
+  }
   return r;
 }
 

@@ -28,9 +28,9 @@ struct PlanFlags {
   std::optional<double> hbm_budget_gb;
   std::optional<double> d2h_gbps;
   std::optional<double> h2d_gbps;
-  double gemm_eff = Efficiency{}.gemm;
-  double attention_eff = Efficiency{}.attention;
-  double hbm_eff = Efficiency{}.hbm;
+  std::optional<double> gemm_eff;  // unset: the hardware profile's curves
+  std::optional<double> attention_eff;
+  std::optional<double> hbm_eff;
   int keep_last = 1;
   int prefetch_depth = 1;
   int zero = 1;

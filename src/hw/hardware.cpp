@@ -2,6 +2,7 @@
 #include "spillway/hardware.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "core/embedded_data.hpp"
@@ -35,7 +36,81 @@ Interconnect parse_interconnect(const JsonObject& o) {
   }
   return ic;
 }
+
+// "efficiency.<key>": [[x, eff], ...], checked point by point (Note [Efficiency curves]).
+EfficiencyCurve parse_curve(const JsonObject& obj, const char* key) {
+  const Json& arr = obj.raw().at(key);
+  if (!arr.is_array() || arr.empty()) {
+    obj.fail(key, fmt::format("is {}; must be a non-empty array of [abscissa, efficiency] pairs",
+                              json_value_text(arr)));
+  }
+  EfficiencyCurve c;
+  for (size_t i = 0; i < arr.size(); ++i) {
+    const Json& p = arr[i];
+    const std::string at = fmt::format("{}[{}]", key, i);
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number()) {
+      obj.fail(at, fmt::format("is {}; must be [abscissa, efficiency], two numbers",
+                               json_value_text(p)));
+    }
+    const double x = p[0].get<double>();
+    const double e = p[1].get<double>();
+    if (!(std::isfinite(x) && x > 0.0))
+      obj.fail(at, fmt::format("has abscissa {}; must be > 0", x));
+    if (!(e > 0.0 && e <= 1.0))
+      obj.fail(at, fmt::format("has efficiency {}; must be in (0, 1]", e));
+    if (!c.points.empty() && !(x > c.points.back().first)) {
+      obj.fail(at, fmt::format("has abscissa {}; must be above the previous point's ({}): "
+                               "abscissae increase strictly",
+                               x, c.points.back().first));
+    }
+    c.points.emplace_back(x, e);
+  }
+  return c;
+}
+
+EfficiencyCurves parse_efficiency(const JsonObject& root) {
+  EfficiencyCurves c;
+  if (!root.has("efficiency")) return c;
+  const JsonObject eff = root.req_obj("efficiency");
+  for (const auto& [key, value] : eff.raw().items()) {
+    if (key != "gemm" && key != "grouped_gemm" && key != "attention" && key != "hbm")
+      eff.fail(key, "is not a known curve; use gemm, grouped_gemm, attention, hbm");
+  }
+  if (eff.has("gemm")) c.gemm = parse_curve(eff, "gemm");
+  // Without its own curve, a grouped GEMM runs as a dense one.
+  c.grouped_gemm = eff.has("grouped_gemm") ? parse_curve(eff, "grouped_gemm") : c.gemm;
+  if (eff.has("attention")) c.attention = parse_curve(eff, "attention");
+  c.hbm = eff.num_or("hbm", c.hbm, 1e-6, 1.0);
+  return c;
+}
+
 }  // namespace
+
+double EfficiencyCurve::at(double x) const {
+  SPILLWAY_CHECK(!points.empty(), "an efficiency curve has at least one point");
+  if (!(x > points.front().first)) return points.front().second;
+  if (x >= points.back().first) return points.back().second;
+  size_t hi = 1;
+  while (points[hi].first < x) ++hi;
+  const auto& [x0, e0] = points[hi - 1];
+  const auto& [x1, e1] = points[hi];
+  const double t = (std::log(x) - std::log(x0)) / (std::log(x1) - std::log(x0));
+  return e0 + t * (e1 - e0);
+}
+
+void check_efficiency_curve(const EfficiencyCurve& curve, const std::string& field) {
+  if (curve.points.empty()) SPILLWAY_FIELD_ERROR(field, "empty", "must have at least one point");
+  for (size_t i = 0; i < curve.points.size(); ++i) {
+    const auto& [x, e] = curve.points[i];
+    const std::string at = fmt::format("{}[{}]", field, i);
+    if (!(std::isfinite(x) && x > 0.0)) SPILLWAY_FIELD_ERROR(at, x, "abscissa must be > 0");
+    if (!(e > 0.0 && e <= 1.0)) SPILLWAY_FIELD_ERROR(at, e, "efficiency must be in (0, 1]");
+    if (i > 0 && !(x > curve.points[i - 1].first)) {
+      SPILLWAY_FIELD_ERROR(at, x, "abscissa must be above the previous point's ({})",
+                           curve.points[i - 1].first);
+    }
+  }
+}
 
 HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::string& file) {
   JsonObject root(doc, kWhat, file);
@@ -75,6 +150,7 @@ HardwareProfile parse_hardware_profile(const nlohmann::json& doc, const std::str
   const JsonObject host = root.req_obj("host");
   h.host_memory_gb = host.req_num("memory_gb", 0.001, 1e7);
   h.gpus_per_host_memory = static_cast<int>(host.int_or("gpus_per_host_memory", 1, 1, 1024));
+  h.efficiency = parse_efficiency(root);
   for (const JsonObject& m : root.obj_array("mig")) {
     MigProfile p;
     p.profile = m.req_str("profile");

@@ -7,6 +7,7 @@
 #include "spillway/inventory.hpp"
 
 #include <algorithm>
+#include <utility>
 
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
@@ -74,6 +75,10 @@ double causal_average_keys(int64_t seq_len, int64_t window) {
   return (w * (w + 1.0) / 2.0 + (s - w) * w) / s;
 }
 
+int64_t OpShape::min_dim() const {
+  return std::min({m, n, k});
+}
+
 int LayerInventory::find(const std::string& tensor_name) const {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].name == tensor_name) return static_cast<int>(i);
@@ -117,10 +122,11 @@ class Builder {
   }
 
   void op(std::string name, OpKind kind, double flops, int64_t bytes, std::vector<int> in,
-          std::vector<int> out, double bwd_flop_factor = 2.0) {
+          std::vector<int> out, OpShape shape = {}, double bwd_flop_factor = 2.0) {
     OpCost o;
     o.name = std::move(name);
     o.kind = kind;
+    o.shape = shape;
     o.fwd_flops = flops;
     o.fwd_bytes = bytes;
     o.bwd_flops = flops * bwd_flop_factor;
@@ -155,6 +161,14 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   const AttentionSpec& a = layer.attn;
   const MlpSpec& m = layer.mlp;
 
+  auto gemm_shape = [](int64_t M, int64_t K, int64_t N) {
+    OpShape g;
+    g.m = M;
+    g.n = N;
+    g.k = K;
+    return g;
+  };
+
   auto gemm_bytes = [&](int64_t M, int64_t K, int64_t N, int64_t weight_copies = 1) {
     // inputs + weights + outputs, per GPU (weights and widths split by tp)
     return mul(checked_add(checked_add(mul(M, K), mul(mul(K, N), weight_copies), kOverflow),
@@ -185,7 +199,7 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     if (ql >= 0) latents.push_back(ql);
     // The latents are computed redundantly on every TP rank (small), hence no /tp on flops.
     b.op("attn.qkv_down", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(down_n),
-         mul(gemm_bytes(T, d, down_n), tp), {xn}, latents);
+         mul(gemm_bytes(T, d, down_n), tp), {xn}, latents, gemm_shape(T, d, down_n));
     const int64_t up_k = q_rank > 0 ? q_rank : d;
     const double up_flops =
         2.0 * Tf *
@@ -196,10 +210,10 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     std::vector<int> up_in = latents;
     if (ql < 0) up_in.push_back(xn);
     b.op("attn.qkv_up", OpKind::kGemm, up_flops, gemm_bytes(T, up_k + a.kv_lora_rank, qkv_width),
-         up_in, {qkv});
+         up_in, {qkv}, gemm_shape(T, up_k, ceil_div(qkv_width, tp)));
   } else {
     b.op("attn.qkv", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(qkv_width) / tpf,
-         gemm_bytes(T, d, qkv_width), {xn}, {qkv});
+         gemm_bytes(T, d, qkv_width), {xn}, {qkv}, gemm_shape(T, d, ceil_div(qkv_width, tp)));
   }
 
   const int64_t o_width = mul(a.heads, a.v_head_dim);
@@ -208,12 +222,15 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   const double keys = causal_average_keys(sh.seq_len, a.sliding_window);
   const double core_flops = 2.0 * Tf * keys * static_cast<double>(a.heads) *
                             static_cast<double>(a.qk_head_dim + a.v_head_dim) / tpf;
+  OpShape core_shape;
+  core_shape.keys = keys;
   b.op("attn.core", OpKind::kAttention, core_flops,
-       mul(checked_add(qkv_width, o_width, kOverflow), mul(T, e)) / tp, {qkv}, {core, lse}, 2.5);
+       mul(checked_add(qkv_width, o_width, kOverflow), mul(T, e)) / tp, {qkv}, {core, lse},
+       core_shape, 2.5);
 
   const int h = b.tensor("mlp.input", Tsp, d, dt, e);
   b.op("attn.out_proj", OpKind::kGemm, 2.0 * Tf * static_cast<double>(o_width) * df / tpf,
-       gemm_bytes(T, o_width, d), {core, x}, {h});
+       gemm_bytes(T, o_width, d), {core, x}, {h}, gemm_shape(T, ceil_div(o_width, tp), d));
 
   // ---- MLP (dense or MoE) --------------------------------------------------------
   const int hn = b.tensor("mlp.norm_out", Tsp, d, dt, e);
@@ -226,6 +243,7 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   double proj_flops = 0.0;  // one of gate/up, all parts
   int64_t proj_bytes = 0;
   int64_t down_bytes = 0;
+  OpShape proj_shape = gemm_shape(T, d, f_cols);  // gate and up; down swaps n and k
   if (m.kind == MlpKind::kMoe) {
     const int64_t E = m.experts;
     const int64_t k = m.top_k;
@@ -233,7 +251,7 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     const int idx = b.tensor("moe.topk_idx", Tsp, k, "int32", 4);
     topk_w = b.tensor("moe.topk_weights", Tsp, k, "fp32", 4);
     b.op("moe.router", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(E) / tpf,
-         gemm_bytes(T, d, E), {hn}, {probs, idx, topk_w});
+         gemm_bytes(T, d, E), {hn}, {probs, idx, topk_w}, gemm_shape(T, d, E));
     const int64_t rows = mul(T, k);  // routed token rows, over all experts
     const int disp = b.tensor("moe.dispatch_in", ceil_div(rows, tp), d, dt, e);
     b.op("moe.dispatch", OpKind::kMemory, 0.0, mul(mul(2, ceil_div(rows, tp)), mul(d, e)),
@@ -248,6 +266,12 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     proj_bytes = checked_add(gemm_bytes(rows, d, m.ffn, local_experts),
                              gemm_bytes(T, d, m.shared_ffn + m.residual_ffn), kOverflow);
     down_bytes = proj_bytes;
+    // The routed rows spread evenly over the local experts (shared/residual experts, if
+    // any, run in the same op and are costed at the grouped efficiency too).
+    proj_shape.experts = local_experts;
+    proj_shape.tokens_per_expert = static_cast<double>(rows) / static_cast<double>(local_experts);
+    proj_shape.m = ceil_div(rows, local_experts);
+    proj_shape.n = ceil_div(m.ffn, tp);
   } else {
     proj_flops = 2.0 * Tf * df * static_cast<double>(m.ffn) / tpf;
     proj_bytes = gemm_bytes(T, d, m.ffn);
@@ -255,8 +279,10 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   }
   const int g = b.tensor("mlp.gate_out", T, f_cols, dt, e);
   const int u = b.tensor("mlp.up_out", T, f_cols, dt, e);
-  b.op("mlp.gate", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {g});
-  b.op("mlp.up", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {u});
+  b.op("mlp.gate", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {g}, proj_shape);
+  b.op("mlp.up", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {u}, proj_shape);
+  OpShape down_shape = proj_shape;
+  std::swap(down_shape.n, down_shape.k);
   const int act = b.tensor("mlp.act", T, f_cols, dt, e, !sh.fused_swiglu);
   b.op("mlp.act", OpKind::kMemory, 4.0 * Tf * static_cast<double>(f_cols),
        mul(mul(3, T), mul(f_cols, e)), {g, u}, {act});
@@ -264,12 +290,12 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     const int64_t rows = mul(T, m.top_k);
     const int eo = b.tensor("moe.expert_out", ceil_div(rows, tp), d, dt, e);
     const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
-    b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {eo});
+    b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {eo}, down_shape);
     b.op("moe.combine", OpKind::kMemory, 2.0 * static_cast<double>(rows) * df / tpf,
          mul(mul(2, ceil_div(rows, tp)), mul(d, e)), {eo, topk_w}, {out});
   } else {
     const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
-    b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {out});
+    b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {out}, down_shape);
   }
   return inv;
 }

@@ -14,16 +14,40 @@
 
 namespace spillway {
 
+double peak_tflops(const HardwareProfile& hw, DType dtype) {
+  if (dtype == DType::kFp8) return hw.fp8_dense.value;
+  if (dtype == DType::kFp32) return hw.bf16_dense.value / 2.0;  // TF32 tensor cores
+  return hw.bf16_dense.value;
+}
+
+namespace {
+
+double roofline_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw, DType dtype,
+                   double compute_eff, double hbm_eff) {
+  const double compute_ms =
+      kind == OpKind::kMemory ? 0.0 : flops / (peak_tflops(hw, dtype) * compute_eff * 1e12) * 1e3;
+  const double memory_ms = static_cast<double>(bytes) / (hw.hbm_tbps * hbm_eff * 1e12) * 1e3;
+  return std::max(compute_ms, memory_ms);
+}
+
+}  // namespace
+
 double op_time_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw, DType dtype,
                   const Efficiency& eff) {
-  double peak_tflops = hw.bf16_dense.value;
-  if (dtype == DType::kFp8) peak_tflops = hw.fp8_dense.value;
-  if (dtype == DType::kFp32) peak_tflops = hw.bf16_dense.value / 2.0;  // TF32 tensor cores
-  const double compute_eff = kind == OpKind::kAttention ? eff.attention : eff.gemm;
-  const double compute_ms =
-      kind == OpKind::kMemory ? 0.0 : flops / (peak_tflops * compute_eff * 1e12) * 1e3;
-  const double memory_ms = static_cast<double>(bytes) / (hw.hbm_tbps * eff.hbm * 1e12) * 1e3;
-  return std::max(compute_ms, memory_ms);
+  OpCost op;
+  op.kind = kind;
+  return roofline_ms(kind, flops, bytes, hw, dtype,
+                     compute_efficiency(op, effective_curves(hw, eff), eff),
+                     hbm_efficiency(hw, eff));
+}
+
+double op_time_ms(const OpCost& op, bool backward, const HardwareProfile& hw,
+                  const EfficiencyCurves& curves, DType dtype, const Efficiency& eff) {
+  const double compute_eff = compute_efficiency(op, curves, eff);
+  const double hbm_eff = eff.hbm.given() ? eff.hbm.value() : curves.hbm;
+  return backward
+             ? roofline_ms(op.kind, op.bwd_flops, op.bwd_bytes, hw, dtype, compute_eff, hbm_eff)
+             : roofline_ms(op.kind, op.fwd_flops, op.fwd_bytes, hw, dtype, compute_eff, hbm_eff);
 }
 
 CostedLayer cost_layer(const LayerSpec& spec, int64_t hidden, const ShardShape& shape,
@@ -32,10 +56,11 @@ CostedLayer cost_layer(const LayerSpec& spec, int64_t hidden, const ShardShape& 
   c.spec = spec;
   c.inv = build_inventory(spec, hidden, shape);
   c.produced_at_ms.assign(c.inv.tensors.size(), 0.0);
+  const EfficiencyCurves curves = effective_curves(hw, eff);
   double t = 0.0;
   for (const OpCost& op : c.inv.ops) {
-    const double f = op_time_ms(op.kind, op.fwd_flops, op.fwd_bytes, hw, shape.dtype, eff);
-    const double b = op_time_ms(op.kind, op.bwd_flops, op.bwd_bytes, hw, shape.dtype, eff);
+    const double f = op_time_ms(op, false, hw, curves, shape.dtype, eff);
+    const double b = op_time_ms(op, true, hw, curves, shape.dtype, eff);
     c.op_fwd_ms.push_back(f);
     c.op_bwd_ms.push_back(b);
     t += f;

@@ -20,9 +20,21 @@ struct CostedLayer {
   double bwd_ms = 0.0;
 };
 
+// Dense peak of the profile for a dtype (fp8: its own figure; fp32: TF32, half of bf16).
+double peak_tflops(const HardwareProfile& hw, DType dtype);
+
+// The compute efficiency of an op's shape (Note [Efficiency curves]): the given constant
+// of its class, else its curve at its abscissa; an op without a shape runs at the curve's
+// last point (a large kernel).
+double compute_efficiency(const OpCost& op, const EfficiencyCurves& curves, const Efficiency& eff);
+
 // Roofline time of one op: max(FLOPs / (peak * efficiency), bytes / (HBM * efficiency)).
+// This form has no shape: a GEMM runs at the end of the dense curve (a large GEMM).
 double op_time_ms(OpKind kind, double flops, int64_t bytes, const HardwareProfile& hw, DType dtype,
                   const Efficiency& eff);
+// The same with the op's shape and curves (effective_curves(hw, eff)), forward or backward.
+double op_time_ms(const OpCost& op, bool backward, const HardwareProfile& hw,
+                  const EfficiencyCurves& curves, DType dtype, const Efficiency& eff);
 
 CostedLayer cost_layer(const LayerSpec& spec, int64_t hidden, const ShardShape& shape,
                        const HardwareProfile& hw, const Efficiency& eff);

@@ -19,7 +19,8 @@ OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request
   s.layers = static_cast<int>(plan.layers.size());
   const double d2h = plan.summary.d2h_gbps > 0 ? plan.summary.d2h_gbps : 1.0;
   const double h2d = plan.summary.h2d_gbps > 0 ? plan.summary.h2d_gbps : 1.0;
-  const double hbm_gbps = request.hardware.hbm_tbps * 1e3 * request.efficiency.hbm;
+  const double hbm_gbps =
+      request.hardware.hbm_tbps * 1e3 * hbm_efficiency(request.hardware, request.efficiency);
   std::vector<BucketTiming> arrival;  // last layer first
   double t = 0.0;
   for (int l = s.layers - 1; l >= 0; --l) {

@@ -16,6 +16,28 @@
 namespace spillway {
 
 namespace {
+// options.efficiency: the constants given ("curve": the curve was used), the HBM fraction
+// used, and the curves the plan ran with (measured points merged).
+Json efficiency_json(const PlanRequest& r) {
+  const EfficiencyCurves c = effective_curves(r.hardware, r.efficiency);
+  const auto given = [](const EfficiencyFactor& f) {
+    return f.given() ? Json(f.value()) : Json("curve");
+  };
+  const auto curve = [](const EfficiencyCurve& e) {
+    Json points = Json::array();
+    for (const auto& [x, v] : e.points) points.push_back({x, v});
+    return points;
+  };
+  return {{"gemm", given(r.efficiency.gemm)},
+          {"attention", given(r.efficiency.attention)},
+          {"hbm", hbm_efficiency(r.hardware, r.efficiency)},
+          {"measured_ops", r.efficiency.measured.size()},
+          {"curves",
+           {{"gemm", curve(c.gemm)},
+            {"grouped_gemm", curve(c.grouped_gemm)},
+            {"attention", curve(c.attention)}}}};
+}
+
 // JSON has no infinity: a margin with nothing offloaded is written as null.
 Json finite_or_null(double v) {
   return std::isfinite(v) ? Json(v) : Json(nullptr);
@@ -156,10 +178,7 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                   {"prefetch_depth", r.prefetch_depth},
                   {"calibration", plan.summary.calibration},
                   {"time_scale", plan.summary.time_scale},
-                  {"efficiency",
-                   {{"gemm", r.efficiency.gemm},
-                    {"attention", r.efficiency.attention},
-                    {"hbm", r.efficiency.hbm}}},
+                  {"efficiency", efficiency_json(r)},
                   {"zero", r.zero},
                   {"optimizer_offload", r.optimizer_offload},
                   {"grad_offload", r.grad_offload},

@@ -3,8 +3,10 @@
 // when the strategy is infeasible.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
+#include "plan/cost_model.hpp"
 #include "spillway/plan.hpp"
 
 namespace spillway {
@@ -48,9 +50,47 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                                               : fmt::format("typical measured, {} GPU(s) per link",
                                                             r.hardware.gpus_per_link),
                      r.margin * 100.0);
+  // Note [Efficiency curves]: the efficiencies this plan's ops ran at, per kernel class (a
+  // given constant prints as itself).
+  const EfficiencyCurves curves = effective_curves(r.hardware, r.efficiency);
+  struct Range {
+    double lo = 2.0;
+    double hi = -1.0;
+    void add(double v) {
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    std::string text() const {
+      return lo == hi || hi - lo < 0.005 ? fmt::format("{:.2f}", lo)
+                                         : fmt::format("{:.2f}-{:.2f}", lo, hi);
+    }
+  };
+  Range dense, grouped, attention;
+  std::vector<const LayerSpec*> seen;
+  for (size_t i = 0; i < plan.layers.size() && i < r.model.layers.size(); ++i) {
+    const LayerSpec& spec = r.model.layers[i];
+    if (std::any_of(seen.begin(), seen.end(), [&](const LayerSpec* p) { return *p == spec; }))
+      continue;
+    seen.push_back(&spec);
+    for (const OpCost& op : build_inventory(spec, r.model.hidden, s).ops) {
+      if (op.kind == OpKind::kMemory) continue;
+      Range& into = op.kind == OpKind::kAttention ? attention
+                    : op.shape.grouped()          ? grouped
+                                                  : dense;
+      into.add(compute_efficiency(op, curves, r.efficiency));
+    }
+  }
+  std::string used;
+  if (dense.hi > 0.0) used += fmt::format("gemm {}, ", dense.text());
+  if (grouped.hi > 0.0) used += fmt::format("grouped gemm {}, ", grouped.text());
+  if (attention.hi > 0.0) used += fmt::format("attention {}, ", attention.text());
+  const bool any_curve = !r.efficiency.gemm.given() || !r.efficiency.attention.given();
   out +=
-      fmt::format("  times     {} (gemm {:.2f}, attention {:.2f}, hbm {:.2f} of peak{})\n",
-                  m.calibration, r.efficiency.gemm, r.efficiency.attention, r.efficiency.hbm,
+      fmt::format("  times     {} ({}hbm {:.2f} of peak{}{}{})\n", m.calibration, used,
+                  hbm_efficiency(r.hardware, r.efficiency), any_curve ? "; efficiency curves" : "",
+                  r.efficiency.measured.empty()
+                      ? ""
+                      : fmt::format(" + {} measured kernels", r.efficiency.measured.size()),
                   m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
   {
     const TrainingStatePlan& ts = m.state;

@@ -629,5 +629,64 @@ TEST(CliPlan, CpuAdamRateAddsTheOptimizerSplit) {
   EXPECT_NE(bad.out.find("--cpu-adam-gbps is -1"), std::string::npos) << bad.out;
 }
 
+// Note [Efficiency curves]: without a flag the plan runs on the profile's curves ("curve"
+// in the JSON); --gemm-efficiency makes GEMMs a constant, exactly the library's plan with
+// efficiency.gemm given; `bench gemm --json` writes measured points plan --profile merges.
+TEST(CliPlan, EfficiencyFlagWinsAndBenchGemmWritesACalibrationProfile) {
+  const std::string base =
+      "plan --model Qwen3-30B-A3B --hardware gh200 --micro-batch 1 --seq-len 4096 --ep 8";
+  const CliRun curves = run(base + " --json -", "2>/dev/null");
+  ASSERT_TRUE(curves.code == 0 || curves.code == 3) << curves.out;
+  const Json c = Json::parse(curves.out);
+  EXPECT_EQ(c["options"]["efficiency"]["gemm"], "curve");
+  EXPECT_EQ(c["options"]["efficiency"]["attention"], "curve");
+
+  const CliRun given = run(base + " --gemm-efficiency 0.7 --json -", "2>/dev/null");
+  ASSERT_TRUE(given.code == 0 || given.code == 3) << given.out;
+  PlanRequest req;
+  req.model = load_model("Qwen3-30B-A3B");
+  req.hardware = load_hardware("gh200");
+  req.work.shape.micro_batch = 1;
+  req.work.shape.seq_len = 4096;
+  req.work.shape.ep = 8;
+  req.efficiency.gemm = 0.7;
+  EXPECT_EQ(given.out, plan_to_json(make_plan(req), req));
+  const Json g = Json::parse(given.out);
+  EXPECT_DOUBLE_EQ(g["options"]["efficiency"]["gemm"].get<double>(), 0.7);
+  // The expert GEMMs at the constant are faster than on the grouped curve.
+  EXPECT_LT(g["layers"][0]["fwd_ms"].get<double>(), c["layers"][0]["fwd_ms"].get<double>());
+
+  // The report says what the ops ran at: the grouped curve at 768 is 0.70 / 1.9.
+  const CliRun report = run(base);
+  EXPECT_TRUE(contains(report.out, "grouped gemm 0.37, attention 0.49")) << report.out;
+  EXPECT_TRUE(contains(report.out, "efficiency curves")) << report.out;
+  EXPECT_TRUE(contains(run(base + " --gemm-efficiency 0.7").out,
+                       "(gemm 0.70, grouped gemm 0.70, attention 0.49"));
+
+  TempDir dir;
+  const std::string profile = dir.file("gemm.json");
+  const CliRun bench =
+      run("bench gemm --model Qwen3-30B-A3B --seq-len 64 --square 128 "
+          "--repeats 1 --check-points 4 --json '" +
+          profile + "'");
+  ASSERT_EQ(bench.code, 0) << bench.out;
+  EXPECT_TRUE(contains(bench.out, "baseline")) << bench.out;
+  EXPECT_TRUE(contains(bench.out, "limit")) << bench.out;
+  const std::vector<MeasuredOp> ops = load_profile_ops(profile);
+  ASSERT_GE(ops.size(), 4u);
+  bool grouped = false;
+  for (const MeasuredOp& op : ops) {
+    EXPECT_GT(op.efficiency, 0.0);
+    EXPECT_LE(op.efficiency, 1.0);
+    EXPECT_GT(op.ms, 0.0);
+    grouped = grouped || op.kind == MeasuredKind::kGroupedGemm;
+  }
+  EXPECT_TRUE(grouped) << "Qwen3-30B-A3B's expert GEMMs are grouped";
+  const CliRun calibrated = run(base + " --profile '" + profile + "' --json -", "2>/dev/null");
+  ASSERT_TRUE(calibrated.code == 0 || calibrated.code == 3) << calibrated.out;
+  EXPECT_EQ(Json::parse(calibrated.out)["options"]["efficiency"]["measured_ops"].get<size_t>(),
+            ops.size());
+}
+
 }  // namespace
 }  // namespace spillway
