@@ -1299,21 +1299,26 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
   }
 }
 
-// The overlapped collectives' share of the critical path and the total (Note [Collectives
-// in the plan]); the exposed ones are in the timeline already.
-void plan_collective_time(const PlanRequest& r, Plan& plan) {
+// The collectives on the critical path and in all (Note [Collectives in the plan]).
+// Returns what the overlapped ones do not hide, which the step time must add: the exposed
+// ones are in the timeline's micro-batch already.
+double plan_collective_time(const PlanRequest& r, Plan& plan) {
   const size_t n = plan.layers.size();
   const double ga = static_cast<double>(r.work.grad_accum);
   double per_mb = 0.0;
   double once = 0.0;
   double total = 0.0;
+  double exposed = 0.0;
   for (size_t l = 0; l < n; ++l) {
     double fwd_over = 0.0;
     double bwd_over = 0.0;
     for (const CollectivePlan& c : plan.layers[l].collectives) {
       const bool per_step = c.what == "dp.grad_reduce" || c.what == "zero.param_gather";
       total += c.ms * (per_step ? 1.0 : ga);
-      if (c.exposed) continue;
+      if (c.exposed) {
+        exposed += c.ms * ga;
+        continue;
+      }
       if (c.what == "dp.grad_reduce") {
         // Hidden under the next layer in backward (l - 1); layer 0's runs past the end.
         const double win =
@@ -1332,8 +1337,9 @@ void plan_collective_time(const PlanRequest& r, Plan& plan) {
         l + 1 < n ? plan.layers[l + 1].bwd_ms + plan.layers[l + 1].recompute_ms : 0.0;
     per_mb += std::max(0.0, fwd_over - fwin) + std::max(0.0, bwd_over - bwin);
   }
-  plan.summary.collective_ms = per_mb * ga + once;
+  plan.summary.collective_ms = exposed + per_mb * ga + once;
   plan.summary.collective_total_ms = total;
+  return per_mb * ga + once;
 }
 
 // Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
@@ -1414,10 +1420,10 @@ Plan make_plan(const PlanRequest& r) {
   Timelines timelines = final_timelines(st, options, chosen.options);
   fill_summary(timelines, r.work.grad_accum, plan);
   if (r.optimizer_offload) plan_offloaded_optimizer(r, plan);
-  plan_collective_time(r, plan);
+  const double unhidden = plan_collective_time(r, plan);
   {
     PlanSummary& s = plan.summary;
-    const double extra = s.state.optimizer_ms + s.collective_ms;
+    const double extra = s.state.optimizer_ms + unhidden;
     s.step_ms += extra;
     s.recompute_step_ms += extra;
     s.keep_step_ms += extra;

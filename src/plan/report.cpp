@@ -156,7 +156,8 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
           : " (AdamW on the GPU after backward)");
   if (m.collective_total_ms > 0.0) {
     out += fmt::format(
-        "    collectives  {:.1f} ms on the critical path ({:.1f} ms in all; per layer in --json)\n",
+        "    collectives  {:.1f} ms on the critical path ({:.1f} ms in all, the rest hidden under "
+        "compute; per layer in --json)\n",
         m.collective_ms, m.collective_total_ms);
   }
   if (m.state.loss_recompute_ms > 0.0) {
