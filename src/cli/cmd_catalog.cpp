@@ -69,6 +69,11 @@ void add_hardware_command(CLI::App& app) {
           h.gpus_per_link, h.host_memory_gb, mig.empty() ? "-" : mig,
           h.projected ? "  (projected)" : "");
     }
+    out += "\nfabric between GPUs (per GPU, per direction; docs/collectives.md):\n";
+    for (const std::string& name : hardware_names()) {
+      const HardwareProfile h = load_hardware(name);
+      out += fmt::format("  {:<10} {}\n", h.name, describe_interconnect(h.interconnect));
+    }
     const CudaInfo cuda = cuda_info();
     out += fmt::format("\nthis machine: CUDA backend {}, {} device(s){}\n",
                        cuda.compiled ? "compiled" : "not compiled", cuda.devices,

@@ -1,0 +1,143 @@
+// Note [Collectives in the plan] (src/plan/planner.cpp): the collectives each layer carries
+// for its parallelism, which of them are on the critical path, and the planner's step time
+// against the simulator's, which schedules the same collectives as tasks.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "plan_helpers.hpp"
+#include "spillway/collectives.hpp"
+#include "spillway/sim.hpp"
+#include "test_support.hpp"
+
+namespace spillway {
+namespace {
+
+using spillway::testing::generous;
+using spillway::testing::request;
+
+std::map<std::string, int> count_by_what(const LayerPlan& l) {
+  std::map<std::string, int> m;
+  for (const CollectivePlan& c : l.collectives) ++m[c.what + (c.backward ? " bwd" : " fwd")];
+  return m;
+}
+
+TEST(PlanCollectives, EachParallelismBringsItsCollectives) {
+  // No parallelism, no collectives.
+  const Plan alone =
+      make_plan(generous(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Policy::kRecompute)));
+  for (const LayerPlan& l : alone.layers) EXPECT_TRUE(l.collectives.empty());
+  EXPECT_EQ(alone.summary.collective_total_ms, 0.0);
+
+  // TP 8: a gather and a scatter around attention and the MLP, forward and backward, on
+  // NVLink, exposed.
+  PlanRequest tp = generous(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Policy::kRecompute));
+  tp.work.shape.tp = 8;
+  const Plan ptp = make_plan(tp);
+  const std::map<std::string, int> want_tp = {{"tp.attn_gather fwd", 1}, {"tp.attn_scatter fwd", 1},
+                                              {"tp.mlp_gather fwd", 1},  {"tp.mlp_scatter fwd", 1},
+                                              {"tp.attn_gather bwd", 1}, {"tp.attn_scatter bwd", 1},
+                                              {"tp.mlp_gather bwd", 1},  {"tp.mlp_scatter bwd", 1}};
+  EXPECT_EQ(count_by_what(ptp.layers[3]), want_tp);
+  const int64_t tokens_bytes = ptp.tokens_per_gpu * tp.model.hidden * 2;
+  for (const CollectivePlan& c : ptp.layers[3].collectives) {
+    EXPECT_EQ(c.link, "nvlink");
+    EXPECT_TRUE(c.exposed);
+    EXPECT_EQ(c.group, 8);
+    EXPECT_EQ(c.bytes, tokens_bytes);
+    EXPECT_DOUBLE_EQ(
+        c.ms, ring_ms(c.kind, c.bytes, 8, c.gbps, tp.hardware.interconnect.collective_latency_us));
+  }
+
+  // EP 8 on an MoE: dispatch and combine all-to-alls, forward and backward, exposed.
+  PlanRequest ep = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Policy::kRecompute));
+  ep.work.shape.ep = 8;
+  const Plan pep = make_plan(ep);
+  const std::map<std::string, int> want_ep = {
+      {"ep.dispatch fwd", 1}, {"ep.combine fwd", 1}, {"ep.dispatch bwd", 1}, {"ep.combine bwd", 1}};
+  EXPECT_EQ(count_by_what(pep.layers[0]), want_ep);
+  for (const CollectivePlan& c : pep.layers[0].collectives) {
+    EXPECT_EQ(c.kind, CollectiveKind::kAllToAll);
+    EXPECT_EQ(c.bytes, pep.tokens_per_gpu * 8 * ep.model.hidden * 2) << "T x top_k rows of d";
+  }
+
+  // DP 8: ZeRO-1 gathers the updated weights and all-reduces the gradients; ZeRO-3 gathers
+  // each layer twice and reduce-scatters; a group of 16 leaves the NVLink domain.
+  PlanRequest dp = generous(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Policy::kRecompute));
+  dp.work.dp = 8;
+  const Plan z1 = make_plan(dp);
+  EXPECT_EQ(count_by_what(z1.layers[5]),
+            (std::map<std::string, int>{{"zero.param_gather fwd", 1}, {"dp.grad_reduce bwd", 1}}));
+  for (const CollectivePlan& c : z1.layers[5].collectives) {
+    EXPECT_FALSE(c.exposed);
+    EXPECT_EQ(c.bytes, z1.layers[5].params * 2);
+    EXPECT_EQ(c.link, "nvlink");
+    if (c.what == "dp.grad_reduce") EXPECT_EQ(c.kind, CollectiveKind::kAllReduce);
+  }
+  dp.zero = 3;
+  dp.work.dp = 16;
+  const Plan z3 = make_plan(dp);
+  EXPECT_EQ(count_by_what(z3.layers[5]), (std::map<std::string, int>{{"zero.weight_gather fwd", 1},
+                                                                     {"zero.weight_gather bwd", 1},
+                                                                     {"dp.grad_reduce bwd", 1}}));
+  for (const CollectivePlan& c : z3.layers[5].collectives) {
+    EXPECT_EQ(c.link, "network");
+    if (c.what == "dp.grad_reduce") EXPECT_EQ(c.kind, CollectiveKind::kReduceScatter);
+  }
+}
+
+TEST(PlanCollectives, ExposedOnesLengthenTheStepOverlappedOnesHide) {
+  // All-to-alls over a slow network: the step grows by about their time.
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "gh200", 1, 4096, Policy::kRecompute));
+  r.work.shape.ep = 8;
+  const Plan slow = make_plan(r);
+  PlanRequest fast_req = r;
+  fast_req.hardware.interconnect.network_gbps = 1e6;
+  fast_req.hardware.interconnect.collective_latency_us = 0.0;
+  const Plan fast = make_plan(fast_req);
+  double exposed = 0.0;
+  for (const LayerPlan& l : slow.layers)
+    for (const CollectivePlan& c : l.collectives) exposed += c.exposed ? c.ms : 0.0;
+  ASSERT_GT(exposed, 100.0);
+  EXPECT_NEAR(slow.summary.step_ms - fast.summary.step_ms, exposed, 0.02 * exposed);
+  EXPECT_NEAR(slow.summary.collective_ms, exposed, 0.02 * exposed);
+  // Gradient reductions on NVLink hide under the next layer's backward but for the last.
+  PlanRequest d = generous(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Policy::kRecompute));
+  d.work.dp = 8;
+  const Plan p = make_plan(d);
+  EXPECT_GT(p.summary.collective_total_ms, 0.0);
+  EXPECT_LT(p.summary.collective_ms, 0.2 * p.summary.collective_total_ms);
+}
+
+TEST(PlanCollectives, PlannerAndSimulatorAgreeOnTheStep) {
+  struct Case {
+    const char* model;
+    const char* hw;
+    int64_t tp, ep, dp;
+    int zero;
+  };
+  for (const Case& c :
+       {Case{"Qwen3-30B-A3B", "h100-sxm", 1, 8, 1, 1},
+        Case{"Llama-3.1-70B", "h100-sxm", 8, 1, 1, 1}, Case{"Llama-3.1-8B", "h100-sxm", 1, 1, 8, 3},
+        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1}}) {
+    PlanRequest r = generous(request(c.model, c.hw, 1, 2048, Policy::kRecompute));
+    r.work.shape.tp = c.tp;
+    r.work.shape.ep = c.ep;
+    r.work.dp = c.dp;
+    r.zero = c.zero;
+    // The simulator moves the ring's bytes but does not add the per-step latency
+    // (docs/collectives.md); compare without it.
+    r.hardware.interconnect.collective_latency_us = 0.0;
+    const Plan p = make_plan(r);
+    SimOptions o;
+    o.gpus = 1;
+    o.hbm_contention = false;
+    const SimResult sim = simulate_training_step(p, r, o);
+    SCOPED_TRACE(spillway::testing::describe(r));
+    EXPECT_GT(p.summary.collective_total_ms, 0.0);
+    EXPECT_NEAR(sim.summary.step_ms, p.summary.step_ms, 0.05 * p.summary.step_ms);
+  }
+}
+
+}  // namespace
+}  // namespace spillway
