@@ -30,6 +30,32 @@ const std::vector<Policy> kStrategies = {Policy::kAuto,    Policy::kKeep,      P
 
 PlanRequest request_for(const std::string& model) {
   PlanRequest r;
+  if (model == "dense-128+all") {
+    // Issue 13's target: a 128-layer model with every option (sharding, optimizer and
+    // gradient offload, chunked loss, tp/cp/dp collectives, a per-layer profile), auto.
+    const nlohmann::json cfg = {{"model_type", "llama"},     {"hidden_size", 16384},
+                                {"num_hidden_layers", 128},  {"num_attention_heads", 128},
+                                {"num_key_value_heads", 16}, {"intermediate_size", 53248},
+                                {"vocab_size", 128256}};
+    r.model = spillway::parse_model_config(cfg, "dense-128 (Llama-3.1-405B shape)", "bench");
+    r.hardware = spillway::load_hardware("gb200");
+    r.work.shape.micro_batch = 1;
+    r.work.shape.seq_len = 8192;
+    r.work.shape.tp = 8;
+    r.work.shape.cp = 2;
+    r.work.dp = 64;
+    r.work.grad_accum = 4;
+    r.zero = 3;
+    r.optimizer_offload = true;
+    r.grad_offload = true;
+    r.cpu_adam_gbps = 200.0;
+    r.strategy = Policy::kAuto;
+    for (size_t i = 0; i < r.model.layers.size(); ++i) {
+      const double jitter = 1.0 + 0.01 * static_cast<double>(i % 7);
+      r.profile.push_back({static_cast<int>(i), 10.0 * jitter, 20.0 * jitter});
+    }
+    return r;
+  }
   const bool profiled = model.ends_with("+profile");
   const std::string base_model = profiled ? model.substr(0, model.size() - 8) : model;
   if (base_model == "dense-96") {
@@ -108,6 +134,9 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMillisecond);
     }
   }
+  benchmark::RegisterBenchmark("plan/dense-128+all/auto", BM_Plan, std::string("dense-128+all"),
+                               Policy::kAuto)
+      ->Unit(benchmark::kMillisecond);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
@@ -137,6 +166,22 @@ int main(int argc, char** argv) {
         "  %-24s %3zu layers: all strategies %7.2f ms (%.2fx of the 20 ms target); "
         "cost model alone %6.3f ms, decision overhead %.1fx of it\n",
         model.c_str(), r.model.layers.size(), all, all / 20.0, base, all / (6.0 * base));
+  }
+  {
+    PlanRequest r = request_for("dense-128+all");
+    const double base = median_ms(
+        [&] {
+          for (const auto& l : r.model.layers) {
+            benchmark::DoNotOptimize(
+                spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
+          }
+        },
+        21);
+    const double one = median_ms([&] { benchmark::DoNotOptimize(spillway::make_plan(r)); }, 21);
+    std::printf(
+        "  %-24s %3zu layers, every option, auto: %7.2f ms (%.2fx of the 50 ms target); "
+        "cost model alone %6.3f ms\n",
+        "dense-128+all", r.model.layers.size(), one, one / 50.0, base);
   }
   return 0;
 }

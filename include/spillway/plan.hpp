@@ -346,6 +346,12 @@ void check_plan_matches(const Plan& plan, const PlanRequest& planned, const Plan
                         std::string_view plan_name);
 // The human report: a table per layer and the summary.
 std::string format_plan_report(const Plan& plan, const PlanRequest& request);
+// Every term of one layer's time and memory with the formula it comes from (`spillway plan
+// --explain LAYER`): per op the roofline's compute and memory terms, efficiency and time;
+// recompute, the copies against their window, the stall, each collective's ring formula;
+// each saved tensor and its action, the kept and re-materialized bytes, the layer's
+// training state. `layer` indexes the plan's layers (InputError naming "explain" otherwise).
+std::string format_plan_explain(const Plan& plan, const PlanRequest& request, int layer);
 
 // The GPU/CPU split (DESIGN section 4): how many of the buckets that arrive last keep their
 // optimizer step on the device. Per bucket, in arrival order: when its gradient is

@@ -19,6 +19,7 @@ void add_plan_command(CLI::App& app) {
     std::string json_path;
     bool quiet = false;
     std::optional<double> cpu_adam_gbps;  // unset: no split reported
+    std::optional<int> explain;           // a layer to explain term by term
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -52,6 +53,12 @@ void add_plan_command(CLI::App& app) {
                            "step on the GPU (docs/optim.md)")
                ->group("Output"),
            closed(PlanLimits::kMinGbps, PlanLimits::kMaxGbps));
+  in_range(cmd->add_option("--explain", st->explain,
+                           "After the report, every term of this layer's time and memory with "
+                           "its formula (ops' roofline terms, copies and window, collectives, "
+                           "saved tensors, training state)")
+               ->group("Output"),
+           up_to(0, "the first stage's layers - 1"));
   cmd->callback([st, cmd]() {
     // No arguments at all: the example a newcomer should see first, said so.
     size_t given = 0;
@@ -83,6 +90,7 @@ void add_plan_command(CLI::App& app) {
             s.cpu_adam_gbps, s.layers_on_device, s.layers, to_string(Bytes(s.device_state_bytes)),
             to_string(Bytes(s.free_hbm_bytes)), s.end_ms, s.cpu_only_ms, s.backward_ms);
       }
+      if (st->explain) report += format_plan_explain(plan, req, *st->explain);
       write_output("-", report);
     }
     if (!st->json_path.empty()) write_output(st->json_path, plan_to_json(plan, req));

@@ -52,6 +52,7 @@ constexpr FieldFlag kFieldFlags[] = {
     {"prefetch_depth", "--prefetch-depth"},
     // plan_optimizer_split
     {"cpu_adam_gbps", "--cpu-adam-gbps"},
+    {"explain", "--explain"},
     // SimOptions, StreamOptions
     {"gpus", "--gpus"},
     {"gpus_per_link", "--gpus-per-link"},

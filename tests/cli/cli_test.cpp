@@ -2,6 +2,7 @@
 // exit status (0 feasible, 3 infeasible), --json output that matches the library's plan
 // byte for byte, and bad input that exits 1 or 2 with a message naming the flag, leaving
 // no half-written output behind.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -152,6 +153,41 @@ TEST(Cli, TrainingStateFlags) {
   const CliRun disagree = run("simulate --plan '" + plan + "' --zero 1");
   EXPECT_EQ(disagree.code, 1) << disagree.out;
   EXPECT_TRUE(contains(disagree.out, "--zero is 1; the plan")) << disagree.out;
+}
+
+// `plan --explain LAYER`: every term of the layer, matching the plan's own figures.
+TEST(Cli, ExplainShowsEveryTermOfOneLayer) {
+  const std::string args =
+      "plan --model Qwen3-30B-A3B --hardware h100-sxm --ep 8 --dp 8 --seq-len 4096 ";
+  const CliRun json = run(args + "--json -", "2>/dev/null");
+  ASSERT_EQ(json.code, 0) << json.out;
+  const Json plan = Json::parse(json.out);
+  const Json& layer = plan["layers"][5];
+  const CliRun r = run(args + "--explain 5");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(
+      r.out, "explain layer 5 (gqa+moe, policy " + layer["policy"].get<std::string>() + ")"))
+      << r.out;
+  for (const Json& op : layer["ops"]) {
+    EXPECT_TRUE(contains(r.out, "\n  " + op["name"].get<std::string>() + " ")) << op["name"];
+  }
+  for (const Json& t : layer["tensors"]) {
+    EXPECT_TRUE(contains(r.out, "\n  " + t["name"].get<std::string>() + " ")) << t["name"];
+  }
+  EXPECT_TRUE(
+      contains(r.out, fmt::format("forward {:.3f} ms, backward {:.3f} ms",
+                                  layer["fwd_ms"].get<double>(), layer["bwd_ms"].get<double>())))
+      << r.out;
+  for (const char* what : {"ep.dispatch", "ep.combine", "dp.grad_reduce", "zero.param_gather"}) {
+    EXPECT_TRUE(contains(r.out, std::string("  ") + what)) << what << "\n" << r.out;
+  }
+  EXPECT_TRUE(contains(r.out, "training state of its")) << r.out;
+  const CliRun bad = run(args + "--explain 48", "2>&1 1>/dev/null");
+  EXPECT_EQ(bad.code, 1) << bad.out;
+  EXPECT_TRUE(contains(bad.out,
+                       "--explain is 48; must be a layer of the plan's first stage: "
+                       "[0, 47]"))
+      << bad.out;
 }
 
 TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
