@@ -154,6 +154,12 @@ struct PlanRequest {
   int64_t loss_chunk = 0;  // tokens per loss chunk; 0: the planner's choice (Note [Loss chunks])
 };
 
+// FP8 delayed scaling (Transformer Engine's default recipe): per fp8 GEMM an amax history
+// of this many steps for each of its three fp8 operands (input, weight, output gradient),
+// fp32, and their three scales.
+inline constexpr int64_t kFp8AmaxHistory = 1024;
+inline constexpr int64_t kFp8ScalingStateBytesPerGemm = 3 * kFp8AmaxHistory * 4 + 3 * 4;
+
 // The CPU AdamW's state traffic rate assumed when none is given (GB/s, 28 bytes per
 // element): a conservative figure for a server CPU; `spillway bench adam` measures it.
 inline constexpr double kDefaultCpuAdamGbps = 50.0;
@@ -232,7 +238,11 @@ struct LayerPlan {
   double h2d_ms = 0.0;
   double stall_ms = 0.0;      // backward waiting on this layer's reload
   int64_t backlog_bytes = 0;  // D2H bytes not yet copied when this layer's forward ends
-  bool snowball = false;      // the copy misses its window (with margin)
+  // Note [FP8 recompute] (planner.cpp): with --dtype fp8, the scaling state the forward's
+  // fp8 GEMMs used, kept so that their recompute in backward reuses it exactly.
+  int fp8_recomputed_gemms = 0;
+  int64_t fp8_scaling_state_bytes = 0;
+  bool snowball = false;                    // the copy misses its window (with margin)
   std::vector<CollectivePlan> collectives;  // in issue order
 };
 

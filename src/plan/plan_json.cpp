@@ -243,6 +243,8 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                       {"stall_ms", l.stall_ms},
                       {"backlog_bytes", l.backlog_bytes},
                       {"snowball", l.snowball},
+                      {"fp8_recomputed_gemms", l.fp8_recomputed_gemms},
+                      {"fp8_scaling_state_bytes", l.fp8_scaling_state_bytes},
                       {"tensors", tensors},
                       {"ops", ops},
                       {"collectives", collectives}});

@@ -34,12 +34,22 @@
 // choose: unchunked when the logits take at most 2% of the HBM budget, else the largest
 // power of two of tokens (at least 128) whose logits do.
 //
+// Note [FP8 recompute] (DESIGN section 3): with fp8 GEMMs (--dtype fp8: GEMMs at the fp8
+// peak, activations saved in fp8), a recomputed GEMM must run with the scaling state its
+// forward used: delayed scaling derives each step's scales from an amax history, and a
+// recompute that updated or re-derived it would produce different fp8 values and a wrong
+// gradient. So a layer that recomputes fp8 GEMMs keeps that state, per GEMM an amax
+// history of kFp8AmaxHistory steps for its three fp8 operands and their scales
+// (kFp8ScalingStateBytesPerGemm), counted with its kept activations, and the plan names
+// how many GEMMs of each layer it covers; the recompute must not step the history.
+//
 // Note [Peak memory]: at the start of backward the device holds every layer's kept
 // tensors (times the micro-batches in flight: pp for the first 1F1B stage), plus either
 // the logits and their gradient (fp32) or, while a layer runs backward, its re-
 // materialized tensors (reloaded + recomputed); plus the copies in flight (the prefetched
 // reloads, prefetch_depth layers, or the D2H backlog if the forward outran the link).
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -101,6 +111,7 @@ struct Stage {
   int64_t budget = 0;
   int keep_last = 1;
   int prefetch = 1;
+  bool fp8 = false;                   // Note [FP8 recompute]
   std::vector<int64_t> layer_params;  // per GPU
   std::vector<std::vector<CollectivePlan>>
       collectives;                  // per layer (Note [Collectives in the plan])
@@ -385,6 +396,7 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   st.mb_inflight = r.work.pp;  // 1F1B: the first stage holds pp micro-batches
   st.keep_last = r.keep_last_layers;
   st.prefetch = r.prefetch_depth;
+  st.fp8 = s.dtype == DType::kFp8;
 
   // Static memory of the first stage.
   int64_t params = 0;
@@ -809,6 +821,18 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     lp.kept_bytes = o.cost.kept_bytes;
     lp.params = st.layer_params[l];
     lp.rematerialized_bytes = o.cost.rematerialized_bytes;
+    if (st.fp8) {  // Note [FP8 recompute]
+      uint64_t gemms = 0;
+      for (size_t i = 0; i < c.inv.tensors.size(); ++i) {
+        const TensorInfo& ti = c.inv.tensors[i];
+        if (ti.saved && o.actions[i] == Action::kRecompute && ti.producer >= 0 &&
+            c.inv.ops[static_cast<size_t>(ti.producer)].kind == OpKind::kGemm)
+          gemms |= uint64_t{1} << ti.producer;
+      }
+      lp.fp8_recomputed_gemms = std::popcount(gemms);
+      lp.fp8_scaling_state_bytes = lp.fp8_recomputed_gemms * kFp8ScalingStateBytesPerGemm;
+      kept = checked_add(kept, lp.fp8_scaling_state_bytes, kBytesWhat);
+    }
     lp.fwd_ms = c.fwd_ms;
     lp.bwd_ms = c.bwd_ms;
     if (detail) lp.collectives = st.collectives[l];

@@ -110,6 +110,22 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                          ts.loss_chunk_tokens < plan.tokens_per_gpu ? "" : " (unchunked)");
     out += state;
   }
+  if (s.dtype == DType::kFp8) {  // Note [FP8 recompute]
+    int gemms = 0;
+    int64_t bytes = 0;
+    int layers = 0;
+    for (const LayerPlan& l : plan.layers) {
+      gemms += l.fp8_recomputed_gemms;
+      bytes += l.fp8_scaling_state_bytes;
+      layers += l.fp8_recomputed_gemms > 0 ? 1 : 0;
+    }
+    out += fmt::format(
+        "  fp8       GEMMs at the fp8 peak ({:.0f} TFLOP/s), activations saved in fp8; {} "
+        "recomputed fp8 GEMM(s) in {} layer(s) reuse the forward's scaling state (amax "
+        "history of {} and scales kept: {:.2f} MB), never re-derive or step it\n",
+        r.hardware.fp8_dense.value, gemms, layers, kFp8AmaxHistory,
+        static_cast<double>(bytes) / 1e6);
+  }
   if (r.model.layers.size() != plan.layers.size()) {
     out +=
         fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);

@@ -190,6 +190,21 @@ TEST(Cli, ExplainShowsEveryTermOfOneLayer) {
       << bad.out;
 }
 
+TEST(Cli, Fp8PlansSayTheRecomputeRule) {
+  const CliRun r = run("plan --model Llama-3.1-8B --dtype fp8 --policy recompute --hbm-budget-gb 500");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out,
+                       "96 recomputed fp8 GEMM(s) in 32 layer(s) reuse the forward's "
+                       "scaling state"))
+      << r.out;
+  const CliRun j =
+      run("plan --model Llama-3.1-8B --dtype fp8 --policy recompute --json -", "2>/dev/null");
+  const Json plan = Json::parse(j.out);
+  EXPECT_EQ(plan["layers"][0]["fp8_recomputed_gemms"].get<int>(), 3);
+  const CliRun bf16 = run("plan --model Llama-3.1-8B --policy recompute");
+  EXPECT_FALSE(contains(bf16.out, "fp8 ")) << bf16.out;
+}
+
 TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
   // simulate --gpus 0 used to mean "the default"; a probe whose every size was skipped
   // printed an empty table and exited 0.

@@ -178,3 +178,32 @@ TEST(TrainingState, PublishedFullFineTunesFitWithTheOptimizerOnTheCpu) {
 
 }  // namespace
 }  // namespace spillway
+
+namespace spillway {
+namespace {
+
+// Note [FP8 recompute]: a layer recomputing fp8 GEMMs keeps their forward's scaling state.
+TEST(Fp8, RecomputedGemmsKeepTheForwardsScalingState) {
+  PlanRequest r = spillway::testing::request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);
+  r.work.shape.dtype = DType::kFp8;
+  const Plan rec = make_plan(r);
+  for (const LayerPlan& l : rec.layers) {
+    // The block policy of a dense layer recomputes the qkv, gate and up GEMMs.
+    EXPECT_EQ(l.fp8_recomputed_gemms, 3) << l.index;
+    EXPECT_EQ(l.fp8_scaling_state_bytes, 3 * kFp8ScalingStateBytesPerGemm);
+  }
+  r.strategy = Policy::kKeep;
+  const Plan keep = make_plan(r);
+  for (const LayerPlan& l : keep.layers) EXPECT_EQ(l.fp8_scaling_state_bytes, 0);
+  // bf16: no fp8 state at all; fp8 GEMMs run at the fp8 peak (faster than bf16).
+  r.strategy = Policy::kRecompute;
+  r.work.shape.dtype = DType::kBf16;
+  const Plan bf16 = make_plan(r);
+  for (const LayerPlan& l : bf16.layers) EXPECT_EQ(l.fp8_scaling_state_bytes, 0);
+  EXPECT_LT(rec.layers[0].fwd_ms, bf16.layers[0].fwd_ms);
+  EXPECT_LT(rec.summary.peak.activations, bf16.summary.peak.activations)
+      << "activations saved in fp8 (1 byte) rather than bf16";
+}
+
+}  // namespace
+}  // namespace spillway
