@@ -158,7 +158,7 @@ struct PlanRequest {
 // of this many steps for each of its three fp8 operands (input, weight, output gradient),
 // fp32, and their three scales.
 inline constexpr int64_t kFp8AmaxHistory = 1024;
-inline constexpr int64_t kFp8ScalingStateBytesPerGemm = 3 * kFp8AmaxHistory * 4 + 3 * 4;
+inline constexpr int64_t kFp8ScalingStateBytesPerGemm = 3 * kFp8AmaxHistory * 4 + int64_t{3} * 4;
 
 // The CPU AdamW's state traffic rate assumed when none is given (GB/s, 28 bytes per
 // element): a conservative figure for a server CPU; `spillway bench adam` measures it.

@@ -1301,13 +1301,14 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
   for (size_t l = plan.layers.size(); l-- > 0;) {
     const LayerPlan& lp = plan.layers[l];
     t += lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
-    const double params = static_cast<double>((lp.params + dp - 1) / dp);
+    const int64_t shard_params = (lp.params + dp - 1) / dp;  // ceil: this GPU's shard
+    const double params = static_cast<double>(shard_params);
     BucketTiming b;
     b.arrive_ms = t;
     b.cpu_ms = params * 2 / (s.d2h_gbps * 1e6) + params * 28 / (ts.cpu_adam_gbps * 1e6) +
                params * 2 / (s.h2d_gbps * 1e6);
     b.device_ms = params * 28 / (hbm_gbps * 1e6);
-    b.state_bytes = 12 * ((lp.params + dp - 1) / dp);
+    b.state_bytes = 12 * shard_params;
     arrival.push_back(b);
   }
   const int64_t free_hbm = std::max<int64_t>(0, s.hbm_budget_bytes - s.peak.total());
