@@ -276,6 +276,7 @@ struct TrainingStatePlan {
   double cpu_adam_gbps = 0.0;       // used (offload only)
   bool cpu_adam_assumed = false;    // the default, not given
   int device_buckets = 0;           // offload: layers stepped on the GPU (the split)
+  bool cast_on_host = true;         // offload: bf16 over the link, cast on the CPU (else fp32)
   double optimizer_ms = 0.0;        // on the critical path: the device step, or the CPU tail
   double optimizer_total_ms = 0.0;  // its whole work (device step, or the CPU pipeline)
   int64_t loss_chunk_tokens = 0;    // tokens per loss chunk (= tokens per GPU: unchunked)

@@ -272,6 +272,7 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                     {"cpu_adam_gbps", m.state.cpu_adam_gbps},
                     {"cpu_adam_assumed", m.state.cpu_adam_assumed},
                     {"device_buckets", m.state.device_buckets},
+                    {"cast_on_host", m.state.cast_on_host},
                     {"optimizer_ms", m.state.optimizer_ms},
                     {"optimizer_total_ms", m.state.optimizer_total_ms},
                     {"loss_chunk_tokens", m.state.loss_chunk_tokens},
@@ -449,6 +450,7 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
     s.state.state_params = ts.int_or("state_params", 0, 0, kBig);
     s.state.host_state_bytes = ts.int_or("host_state_bytes", 0, 0, kBig);
     s.state.device_buckets = static_cast<int>(ts.int_or("device_buckets", 0, 0, 1 << 24));
+    s.state.cast_on_host = ts.bool_or("cast_on_host", true);
     s.state.optimizer_ms = ts.num_or("optimizer_ms", 0.0, 0.0, 1e12);
     s.state.optimizer_total_ms = ts.num_or("optimizer_total_ms", 0.0, 0.0, 1e12);
     s.state.loss_chunk_tokens = ts.int_or("loss_chunk_tokens", 0, 0, kBig);

@@ -1296,6 +1296,16 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
   const PlanSummary& s = plan.summary;
   const int64_t dp = r.zero >= 1 ? r.work.dp : 1;
   const double hbm_gbps = r.hardware.hbm_tbps * 1e3 * r.efficiency.hbm;
+  // Where to cast (DESIGN section 4): bf16 over the link and both casts on the CPU (2 bytes
+  // each way, 2 + 2 bytes of CPU work at its state rate), or fp32 over the link and the
+  // casts on the GPU (4 bytes each way); whichever moves a parameter sooner.
+  const double d2h = s.d2h_gbps * 1e6;  // bytes per ms
+  const double h2d = s.h2d_gbps * 1e6;
+  const double cpu = ts.cpu_adam_gbps * 1e6;
+  const double host_cast = 2.0 / d2h + 2.0 / h2d + 4.0 / cpu;
+  const double device_cast = 4.0 / d2h + 4.0 / h2d;
+  ts.cast_on_host = host_cast <= device_cast;
+  const double per_param_ms = 28.0 / cpu + std::min(host_cast, device_cast);
   std::vector<BucketTiming> arrival;  // the last layer first
   double t = 0.0;
   for (size_t l = plan.layers.size(); l-- > 0;) {
@@ -1305,8 +1315,7 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
     const double params = static_cast<double>(shard_params);
     BucketTiming b;
     b.arrive_ms = t;
-    b.cpu_ms = params * 2 / (s.d2h_gbps * 1e6) + params * 28 / (ts.cpu_adam_gbps * 1e6) +
-               params * 2 / (s.h2d_gbps * 1e6);
+    b.cpu_ms = params * per_param_ms;
     b.device_ms = params * 28 / (hbm_gbps * 1e6);
     b.state_bytes = 12 * shard_params;
     arrival.push_back(b);

@@ -99,12 +99,15 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
     state += ts.optimizer_offload
                  ? fmt::format(
                        "; optimizer offloaded: CPU AdamW at {:.0f} GB/s{}, {} layer(s) "
-                       "stepped on the GPU{}",
+                       "stepped on the GPU, {}{}",
                        ts.cpu_adam_gbps,
                        ts.cpu_adam_assumed ? " (assumed: measure with `spillway bench adam`, pass "
                                              "--cpu-adam-gbps)"
                                            : "",
-                       ts.device_buckets, ts.grad_offload ? "; gradients offloaded" : "")
+                       ts.device_buckets,
+                       ts.cast_on_host ? "bf16 over the link (casts on the CPU)"
+                                       : "fp32 over the link (casts on the GPU)",
+                       ts.grad_offload ? "; gradients offloaded" : "")
                  : "; optimizer on the GPU";
     state += fmt::format("; loss in chunks of {} tokens{}\n", ts.loss_chunk_tokens,
                          ts.loss_chunk_tokens < plan.tokens_per_gpu ? "" : " (unchunked)");

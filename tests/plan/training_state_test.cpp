@@ -207,3 +207,29 @@ TEST(Fp8, RecomputedGemmsKeepTheForwardsScalingState) {
 
 }  // namespace
 }  // namespace spillway
+
+namespace spillway {
+namespace {
+
+// DESIGN section 4, where to cast: fp32 over a fast link (casts on the GPU), bf16 over a
+// slow one (casts on the CPU), whichever moves a parameter sooner.
+TEST(TrainingState, TheCastSiteFollowsTheLinkAgainstTheCpu) {
+  PlanRequest r = spillway::testing::request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);
+  r.optimizer_offload = true;
+  r.cpu_adam_gbps = 100.0;
+  const Plan fast = make_plan(r);  // C2C: 170 / 415 GB/s
+  EXPECT_FALSE(fast.summary.state.cast_on_host);
+  r.d2h_gbps = 10.0;
+  r.h2d_gbps = 10.0;
+  const Plan slow = make_plan(r);
+  EXPECT_TRUE(slow.summary.state.cast_on_host);
+  // The CPU pipeline's work per parameter: 28 bytes of AdamW plus the cheaper of the casts.
+  double params = 0.0;
+  for (const LayerPlan& l : slow.layers) params += static_cast<double>(l.params);
+  const double per_param_ms = 28.0 / 100e6 + 2.0 / 10e6 + 2.0 / 10e6 + 4.0 / 100e6;
+  EXPECT_NEAR(slow.summary.state.optimizer_total_ms, params * per_param_ms,
+              1e-9 * slow.summary.state.optimizer_total_ms);
+}
+
+}  // namespace
+}  // namespace spillway
