@@ -127,8 +127,10 @@ struct Stage {
 //     exposed (they feed the next GEMM);
 //   - ep > 1: the MoE dispatch and combine all-to-alls of T x top_k / tp rows of d,
 //     forward and backward; exposed;
-//   - dp > 1: the layer's gradients after its backward (an all-reduce at ZeRO 0-1, a
-//     reduce-scatter at 2-3), once per step (the last micro-batch); at ZeRO 3 the layer's
+//   - dp > 1: the layer's gradients after its backward (an all-reduce at ZeRO 0; a
+//     reduce-scatter at 1-3, each GPU stepping its shard, as Megatron's distributed
+//     optimizer does: with the gather of the updated weights it moves what one all-reduce
+//     moves), once per step (the last micro-batch); at ZeRO 3 the layer's
 //     weights gathered before its forward and again before its backward; at ZeRO 1-2 the
 //     updated weights gathered once per step, spread over the forward. These overlap
 //     compute: what the neighbouring layer's compute in the same phase (the previous
@@ -183,7 +185,7 @@ std::vector<CollectivePlan> layer_collectives(const PlanRequest& r, const LayerS
     } else if (r.zero >= 1) {
       add(CollectiveKind::kAllGather, "zero.param_gather", false, layer, r.work.dp, dp, false);
     }
-    add(r.zero >= 2 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce, "dp.grad_reduce",
+    add(r.zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce, "dp.grad_reduce",
         true, layer, r.work.dp, dp, false);
   }
   return out;

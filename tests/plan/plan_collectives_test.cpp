@@ -72,8 +72,13 @@ TEST(PlanCollectives, EachParallelismBringsItsCollectives) {
     EXPECT_FALSE(c.exposed);
     EXPECT_EQ(c.bytes, z1.layers[5].params * 2);
     EXPECT_EQ(c.link, "nvlink");
-    if (c.what == "dp.grad_reduce") EXPECT_EQ(c.kind, CollectiveKind::kAllReduce);
+    // ZeRO-1: each GPU steps its shard: reduce-scatter, then the weights gathered.
+    if (c.what == "dp.grad_reduce") EXPECT_EQ(c.kind, CollectiveKind::kReduceScatter);
   }
+  dp.zero = 0;
+  const Plan z0 = make_plan(dp);
+  EXPECT_EQ(count_by_what(z0.layers[5]), (std::map<std::string, int>{{"dp.grad_reduce bwd", 1}}));
+  EXPECT_EQ(z0.layers[5].collectives[0].kind, CollectiveKind::kAllReduce);
   dp.zero = 3;
   dp.work.dp = 16;
   const Plan z3 = make_plan(dp);
