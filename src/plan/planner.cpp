@@ -132,10 +132,11 @@ struct Stage {
 //     optimizer does: with the gather of the updated weights it moves what one all-reduce
 //     moves), once per step (the last micro-batch); at ZeRO 3 the layer's
 //     weights gathered before its forward and again before its backward; at ZeRO 1-2 the
-//     updated weights gathered once per step, spread over the forward. These overlap
-//     compute: what the neighbouring layer's compute in the same phase (the previous
-//     layer's forward, the next layer in backward) does not hide is on the critical path,
-//     and the first layer's gradient reduction ends after backward (the optimizer waits).
+//     updated weights gathered once per step, in the first micro-batch's forward. These
+//     overlap compute on one communication stream per GPU, in issue order, as the
+//     simulator runs them (overlapped_delay): a layer waits for its gathered weights, and
+//     the step's end for the last gradient reduction; what they do not hide is on the
+//     critical path.
 // Each is ring_ms over collective_link (spillway/collectives.hpp). The exposed ones sit
 // where the simulator puts them (Note [Collectives in the simulator]): a dispatch after
 // the op moe.dispatch, a combine before moe.combine, the others at the end of the forward,
@@ -1335,47 +1336,90 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
   }
 }
 
+// The overlapped collectives of one micro-batch on the GPU's one communication stream (as
+// the simulator runs them, in issue order): a forward weight gather of layer l issued when
+// layer l - 1 starts (layer 0's at the start) and waited for by layer l; a backward gather
+// of layer l issued when layer l + 1 starts its backward (the last layer's when the head
+// starts) and waited for by layer l's backward; with `reduce`, each layer's gradient
+// reduction after its backward, which the step's end (the optimizer) waits for; with
+// `param_gather`, the ZeRO-1/2 weight gathers as forward gathers. Returns how much later
+// the micro-batch ends than without them.
+double overlapped_delay(const Plan& plan, bool reduce, bool param_gather) {
+  const size_t n = plan.layers.size();
+  std::vector<double> f(n), b(n), gf(n, 0.0), gb(n, 0.0), rd(n, 0.0);
+  double base = plan.summary.head_ms;
+  for (size_t l = 0; l < n; ++l) {
+    const LayerPlan& lp = plan.layers[l];
+    f[l] = lp.fwd_ms;
+    b[l] = lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
+    for (const CollectivePlan& c : lp.collectives) {
+      if (c.exposed) {
+        (c.backward ? b[l] : f[l]) += c.ms;
+      } else if (c.what == "zero.weight_gather") {
+        (c.backward ? gb[l] : gf[l]) += c.ms;
+      } else if (c.what == "zero.param_gather" && param_gather) {
+        gf[l] += c.ms;
+      } else if (c.what == "dp.grad_reduce" && reduce) {
+        rd[l] += c.ms;
+      }
+    }
+    base += f[l] + b[l];
+  }
+  if (n == 0) return 0.0;
+  double comm = gf[0];
+  double t = comm;  // layer 0 waits for its weights
+  std::vector<double> ready(n, 0.0);
+  for (size_t l = 0; l < n; ++l) {
+    double next = 0.0;
+    if (l + 1 < n) {
+      comm = std::max(comm, t) + gf[l + 1];
+      next = comm;
+    }
+    t = std::max(t + f[l], next);
+  }
+  t += plan.summary.head_ms;
+  comm = std::max(comm, t - plan.summary.head_ms) + gb[n - 1];
+  ready[n - 1] = comm;
+  for (size_t l = n; l-- > 0;) {
+    t = std::max(t, ready[l]);
+    if (l > 0) {
+      comm = std::max(comm, t) + gb[l - 1];
+      ready[l - 1] = comm;
+    }
+    t += b[l];
+    if (rd[l] > 0.0) comm = std::max(comm, t) + rd[l];
+  }
+  const double end = reduce ? std::max(t, comm) : t;
+  return std::max(0.0, end - base);
+}
+
 // The collectives on the critical path and in all (Note [Collectives in the plan]).
-// Returns what the overlapped ones do not hide, which the step time must add: the exposed
-// ones are in the timeline's micro-batch already.
+// Returns what the overlapped ones add to the step, which the step time must add: the
+// exposed ones are in the timeline's micro-batch already.
 double plan_collective_time(const PlanRequest& r, Plan& plan) {
   const size_t n = plan.layers.size();
   const double ga = static_cast<double>(r.work.grad_accum);
-  double per_mb = 0.0;
-  double once = 0.0;
   double total = 0.0;
   double exposed = 0.0;
   for (size_t l = 0; l < n; ++l) {
-    double fwd_over = 0.0;
-    double bwd_over = 0.0;
     for (const CollectivePlan& c : plan.layers[l].collectives) {
       const bool per_step = c.what == "dp.grad_reduce" || c.what == "zero.param_gather";
       total += c.ms * (per_step ? 1.0 : ga);
-      if (c.exposed) {
-        exposed += c.ms * ga;
-        continue;
-      }
-      if (c.what == "dp.grad_reduce") {
-        // Hidden under the next layer in backward (l - 1); layer 0's runs past the end.
-        const double win =
-            l > 0 ? plan.layers[l - 1].bwd_ms + plan.layers[l - 1].recompute_ms : 0.0;
-        once += std::max(0.0, c.ms - win);
-      } else if (c.what == "zero.param_gather") {
-        once += std::max(0.0, c.ms - plan.layers[l].fwd_ms);  // spread over the forward
-      } else {
-        (c.backward ? bwd_over : fwd_over) += c.ms;
-      }
+      if (c.exposed) exposed += c.ms * ga;
     }
-    // ZeRO-3 gathers: layer l's forward one under layer l - 1's forward, its backward one
-    // under layer l + 1's backward; the first of each phase is exposed.
-    const double fwin = l > 0 ? plan.layers[l - 1].fwd_ms : 0.0;
-    const double bwin =
-        l + 1 < n ? plan.layers[l + 1].bwd_ms + plan.layers[l + 1].recompute_ms : 0.0;
-    per_mb += std::max(0.0, fwd_over - fwin) + std::max(0.0, bwd_over - bwin);
   }
-  plan.summary.collective_ms = exposed + per_mb * ga + once;
+  // The first micro-batch gathers the updated weights (ZeRO-1/2), the last reduces the
+  // gradients, the others only gather (ZeRO-3).
+  double overlapped = 0.0;
+  if (r.work.grad_accum == 1) {
+    overlapped = overlapped_delay(plan, true, true);
+  } else {
+    overlapped = overlapped_delay(plan, false, true) + overlapped_delay(plan, true, false) +
+                 (ga - 2.0) * overlapped_delay(plan, false, false);
+  }
+  plan.summary.collective_ms = exposed + overlapped;
   plan.summary.collective_total_ms = total;
-  return per_mb * ga + once;
+  return overlapped;
 }
 
 // Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
