@@ -48,10 +48,11 @@ void add_plan_command(CLI::App& app) {
       ->group("Output")
       ->needs(json_opt);
   in_range(cmd->add_option("--cpu-adam-gbps", st->cpu_adam_gbps,
-                           "Optimizer offload: the CPU AdamW's state GB/s (`spillway bench "
-                           "adam`); adds the GPU/CPU split: how many layers keep their optimizer "
-                           "step on the GPU (docs/optim.md)")
-               ->group("Output"),
+                           "The CPU AdamW's state GB/s (`spillway bench adam`): with --optimizer "
+                           "offload the CPU pipeline's speed (default: 50, said to be assumed); "
+                           "with the optimizer on the GPU, adds the GPU/CPU split that offloading "
+                           "it would choose (docs/optim.md)")
+               ->group("Training state"),
            closed(PlanLimits::kMinGbps, PlanLimits::kMaxGbps));
   in_range(cmd->add_option("--explain", st->explain,
                            "After the report, every term of this layer's time and memory with "
