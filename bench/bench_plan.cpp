@@ -101,14 +101,17 @@ void BM_Plan(benchmark::State& state, std::string model, Policy s) {
   state.SetLabel(model + " " + spillway::to_string(s));
 }
 
+// The baseline: costing every layer (inventory + roofline) without deciding anything.
+void cost_all_layers(const PlanRequest& r) {
+  for (const auto& l : r.model.layers) {
+    benchmark::DoNotOptimize(
+        spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
+  }
+}
+
 void BM_CostOnly(benchmark::State& state, std::string model) {
   const PlanRequest r = request_for(model);
-  for (auto _ : state) {
-    for (const auto& l : r.model.layers) {
-      benchmark::DoNotOptimize(
-          spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
-    }
-  }
+  for (auto _ : state) cost_all_layers(r);
   state.SetLabel(model + " cost model only (baseline)");
 }
 
@@ -146,14 +149,7 @@ int main(int argc, char** argv) {
   for (const std::string model :
        {"dense-96", "Qwen3-235B-A22B", "dense-96+profile", "Qwen3-235B-A22B+profile"}) {
     PlanRequest r = request_for(model);
-    const double base = median_ms(
-        [&] {
-          for (const auto& l : r.model.layers) {
-            benchmark::DoNotOptimize(
-                spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
-          }
-        },
-        21);
+    const double base = median_ms([&] { cost_all_layers(r); }, 21);
     const double all = median_ms(
         [&] {
           for (Policy s : kStrategies) {
@@ -169,14 +165,7 @@ int main(int argc, char** argv) {
   }
   {
     PlanRequest r = request_for("dense-128+all");
-    const double base = median_ms(
-        [&] {
-          for (const auto& l : r.model.layers) {
-            benchmark::DoNotOptimize(
-                spillway::cost_layer(l, r.model.hidden, r.work.shape, r.hardware, r.efficiency));
-          }
-        },
-        21);
+    const double base = median_ms([&] { cost_all_layers(r); }, 21);
     const double one = median_ms([&] { benchmark::DoNotOptimize(spillway::make_plan(r)); }, 21);
     std::printf(
         "  %-24s %3zu layers, every option, auto: %7.2f ms (%.2fx of the 50 ms target); "
