@@ -11,7 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 
 #include "spillway/hardware.hpp"
 #include "spillway/plan.hpp"
@@ -60,5 +62,12 @@ CollectivePlan make_collective(CollectiveKind kind, std::string what, bool backw
 
 // The ring's byte volume of a collective: ring_volume_factor x bytes, rounded to bytes.
 int64_t ring_bytes(const CollectivePlan& c);
+
+// Where an exposed forward collective runs inside its layer, the one rule the planner's
+// timeline and the simulator share: after the forward op of the returned index, given the
+// layer's `op_count` op names in forward order: a dispatch after moe.dispatch, a combine
+// before moe.combine, anything else (or without those ops) after the last op.
+int exposed_forward_position(const CollectivePlan& c, size_t op_count,
+                             const std::function<std::string_view(size_t)>& op_name);
 
 }  // namespace spillway

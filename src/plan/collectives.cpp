@@ -110,4 +110,23 @@ int64_t ring_bytes(const CollectivePlan& c) {
       std::llround(ring_volume_factor(c.kind, c.group) * static_cast<double>(c.bytes)));
 }
 
+int exposed_forward_position(const CollectivePlan& c, size_t op_count,
+                             const std::function<std::string_view(size_t)>& op_name) {
+  const int last = static_cast<int>(op_count) - 1;
+  auto op_index = [&](std::string_view name) {
+    for (size_t k = 0; k < op_count; ++k)
+      if (op_name(k) == name) return static_cast<int>(k);
+    return -1;
+  };
+  if (c.what.ends_with("dispatch")) {
+    const int k = op_index("moe.dispatch");
+    return k >= 0 ? k : last;
+  }
+  if (c.what.ends_with("combine")) {
+    const int k = op_index("moe.combine");
+    return k >= 1 ? k - 1 : last;
+  }
+  return last;
+}
+
 }  // namespace spillway

@@ -196,12 +196,6 @@ std::vector<CollectivePlan> layer_collectives(const PlanRequest& r, const LayerS
 // the forward ones delay every tensor produced after them and lengthen the forward.
 void weave_exposed(const std::vector<CollectivePlan>& cs, CostedLayer& c, double& fwd_extra,
                    double& bwd_extra) {
-  auto op_index = [&](const char* name) {
-    for (size_t k = 0; k < c.inv.ops.size(); ++k)
-      if (c.inv.ops[k].name == name) return static_cast<int>(k);
-    return -1;
-  };
-  const int last = static_cast<int>(c.inv.ops.size()) - 1;
   fwd_extra = 0.0;
   bwd_extra = 0.0;
   for (const CollectivePlan& col : cs) {
@@ -210,14 +204,9 @@ void weave_exposed(const std::vector<CollectivePlan>& cs, CostedLayer& c, double
       bwd_extra += col.ms;
       continue;
     }
-    int after = last;  // the delay applies to ops after this index
-    if (col.what.ends_with("dispatch")) {
-      const int k = op_index("moe.dispatch");
-      after = k >= 0 ? k : last;
-    } else if (col.what.ends_with("combine")) {
-      const int k = op_index("moe.combine");
-      after = k >= 0 ? k - 1 : last;
-    }
+    // The delay applies to the ops after this one.
+    const int after = exposed_forward_position(
+        col, c.inv.ops.size(), [&](size_t k) -> std::string_view { return c.inv.ops[k].name; });
     fwd_extra += col.ms;
     for (size_t t = 0; t < c.inv.tensors.size(); ++t) {
       if (c.inv.tensors[t].producer > after) c.produced_at_ms[t] += col.ms;

@@ -317,26 +317,6 @@ void check_collectives(const Plan& plan) {
   }
 }
 
-// Where an exposed forward collective runs (Note [Collectives in the simulator]): after
-// the op of this index.
-int exposed_forward_position(const LayerPlan& lp, const CollectivePlan& c) {
-  auto op_index = [&](std::string_view name) {
-    for (size_t k = 0; k < lp.ops.size(); ++k)
-      if (lp.ops[k].name == name) return static_cast<int>(k);
-    return -1;
-  };
-  const int last = static_cast<int>(lp.ops.size()) - 1;
-  if (c.what.ends_with("dispatch")) {
-    const int k = op_index("moe.dispatch");
-    return k >= 0 ? k : last;
-  }
-  if (c.what.ends_with("combine")) {
-    const int k = op_index("moe.combine");
-    return k >= 1 ? k - 1 : last;
-  }
-  return last;
-}
-
 }  // namespace
 
 SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const SimOptions& o) {
@@ -471,7 +451,10 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
             }
           }
           for (const CollectivePlan& c : lp.collectives) {
-            if (!c.backward && c.exposed && exposed_forward_position(lp, c) == static_cast<int>(k))
+            if (!c.backward && c.exposed &&
+                exposed_forward_position(c, lp.ops.size(), [&](size_t i) -> std::string_view {
+                  return lp.ops[i].name;
+                }) == static_cast<int>(k))
               pending_comm.push_back(issue_collective(l, c, g, mbi, {id}));
           }
         }
