@@ -387,11 +387,14 @@ SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order
                                   double backward_ms, int64_t free_hbm_bytes);
 
 // The GPU/CPU split of optimizer offload, planned (DESIGN section 4, docs/optim.md): one
-// gradient bucket per layer, arriving as backward passes it (last layer first); on the CPU
-// a bucket costs its gradient copy down, its AdamW step at the measured CPU rate
-// (`spillway bench adam`) and its weight copy up; on the device its AdamW step at HBM
-// speed after backward; its fp32 state (12 bytes per parameter) needs free HBM. The split
-// is choose_device_buckets over those timings.
+// gradient bucket per layer (this GPU's ZeRO shard of it at stage >= 1), arriving as
+// backward passes it (last layer first, after its stall and recompute); on the CPU a bucket
+// costs its gradient copy down, its AdamW step at the measured CPU rate (`spillway bench
+// adam`) and its weight copy up, bf16 with the casts on the CPU or fp32 with the casts on
+// the GPU, whichever is sooner; on the device its AdamW step at HBM speed after backward;
+// its fp32 state (12 bytes per parameter) needs free HBM. The split is
+// choose_device_buckets over those timings. The planner's --optimizer offload uses it
+// (Note [Training state]); `spillway plan --cpu-adam-gbps` reports it for a GPU optimizer.
 // `cpu_adam_gbps` > 0 (the figure of `spillway bench adam`); throws spillway::Error
 // naming it otherwise.
 struct OptimizerSplit {
@@ -403,6 +406,8 @@ struct OptimizerSplit {
   int64_t device_state_bytes = 0;
   int64_t free_hbm_bytes = 0;  // budget - peak + the optimizer states offload removes
   double cpu_adam_gbps = 0.0;  // state traffic rate of the CPU AdamW (28 bytes per element)
+  double cpu_total_ms = 0.0;   // every bucket's CPU pipeline, summed
+  bool cast_on_host = true;    // bf16 over the link, casts on the CPU (else fp32, on the GPU)
 };
 
 // `cpu_adam_gbps` > 0 (the figure of `spillway bench adam`); throws spillway::Error

@@ -17,23 +17,33 @@ OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request
   OptimizerSplit s;
   s.cpu_adam_gbps = cpu_adam_gbps;
   s.layers = static_cast<int>(plan.layers.size());
-  const double d2h = plan.summary.d2h_gbps > 0 ? plan.summary.d2h_gbps : 1.0;
-  const double h2d = plan.summary.h2d_gbps > 0 ? plan.summary.h2d_gbps : 1.0;
-  const double hbm_gbps =
-      request.hardware.hbm_tbps * 1e3 * hbm_efficiency(request.hardware, request.efficiency);
+  const double d2h = (plan.summary.d2h_gbps > 0 ? plan.summary.d2h_gbps : 1.0) * 1e6;  // B/ms
+  const double h2d = (plan.summary.h2d_gbps > 0 ? plan.summary.h2d_gbps : 1.0) * 1e6;
+  const double cpu = cpu_adam_gbps * 1e6;
+  const double hbm =
+      request.hardware.hbm_tbps * 1e9 * hbm_efficiency(request.hardware, request.efficiency);
+  // Where to cast (DESIGN section 4): bf16 over the link with both casts on the CPU (2 + 2
+  // bytes of CPU work at its state rate), or fp32 over the link (4 bytes each way) with the
+  // casts on the GPU; whichever moves a parameter sooner.
+  const double host_cast = 2.0 / d2h + 2.0 / h2d + 4.0 / cpu;
+  const double device_cast = 4.0 / d2h + 4.0 / h2d;
+  s.cast_on_host = host_cast <= device_cast;
+  const double per_param_ms = 28.0 / cpu + std::min(host_cast, device_cast);
+  // The optimizer state this GPU holds: its ZeRO shard (stage >= 1) of each layer.
+  const int64_t dp = request.zero >= 1 ? request.work.dp : 1;
   std::vector<BucketTiming> arrival;  // last layer first
   double t = 0.0;
   for (int l = s.layers - 1; l >= 0; --l) {
     const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
-    t += lp.bwd_ms + lp.recompute_ms;
-    const double params = static_cast<double>(lp.params);
+    t += lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
+    const int64_t shard = (lp.params + dp - 1) / dp;
+    const double params = static_cast<double>(shard);
     BucketTiming b;
     b.arrive_ms = t;
-    // bf16 gradients down, 28 bytes of state per element on the CPU, bf16 weights up.
-    b.cpu_ms =
-        params * 2 / (d2h * 1e6) + params * 28 / (cpu_adam_gbps * 1e6) + params * 2 / (h2d * 1e6);
-    b.device_ms = hbm_gbps > 0 ? params * 28 / (hbm_gbps * 1e6) : 0.0;
-    b.state_bytes = 12 * lp.params;
+    b.cpu_ms = params * per_param_ms;
+    b.device_ms = params * 28.0 / hbm;
+    b.state_bytes = 12 * shard;
+    s.cpu_total_ms += b.cpu_ms;
     arrival.push_back(b);
   }
   s.backward_ms = t;

@@ -1285,44 +1285,12 @@ void fill_summary(Timelines& tl, int64_t grad_accum, Plan& plan) {
 // buckets' state to the peak.
 void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
   TrainingStatePlan& ts = plan.summary.state;
-  const PlanSummary& s = plan.summary;
-  const int64_t dp = r.zero >= 1 ? r.work.dp : 1;
-  const double hbm_gbps = r.hardware.hbm_tbps * 1e3 * r.efficiency.hbm;
-  // Where to cast (DESIGN section 4): bf16 over the link and both casts on the CPU (2 bytes
-  // each way, 2 + 2 bytes of CPU work at its state rate), or fp32 over the link and the
-  // casts on the GPU (4 bytes each way); whichever moves a parameter sooner.
-  const double d2h = s.d2h_gbps * 1e6;  // bytes per ms
-  const double h2d = s.h2d_gbps * 1e6;
-  const double cpu = ts.cpu_adam_gbps * 1e6;
-  const double host_cast = 2.0 / d2h + 2.0 / h2d + 4.0 / cpu;
-  const double device_cast = 4.0 / d2h + 4.0 / h2d;
-  ts.cast_on_host = host_cast <= device_cast;
-  const double per_param_ms = 28.0 / cpu + std::min(host_cast, device_cast);
-  std::vector<BucketTiming> arrival;  // the last layer first
-  double t = 0.0;
-  for (size_t l = plan.layers.size(); l-- > 0;) {
-    const LayerPlan& lp = plan.layers[l];
-    t += lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
-    const int64_t shard_params = (lp.params + dp - 1) / dp;  // ceil: this GPU's shard
-    const double params = static_cast<double>(shard_params);
-    BucketTiming b;
-    b.arrive_ms = t;
-    b.cpu_ms = params * per_param_ms;
-    b.device_ms = params * 28 / (hbm_gbps * 1e6);
-    b.state_bytes = 12 * shard_params;
-    arrival.push_back(b);
-  }
-  const int64_t free_hbm = std::max<int64_t>(0, s.hbm_budget_bytes - s.peak.total());
-  const SplitChoice c = choose_device_buckets(arrival, t, free_hbm);
-  ts.device_buckets = c.device_buckets;
-  ts.optimizer_ms = c.end_ms - t;
-  double total = 0.0;
-  for (const BucketTiming& b : arrival) total += b.cpu_ms;
-  ts.optimizer_total_ms = total;
-  for (int i = 0; i < c.device_buckets; ++i) {
-    plan.summary.peak.optimizer_states +=
-        arrival[arrival.size() - 1 - static_cast<size_t>(i)].state_bytes;
-  }
+  const OptimizerSplit split = plan_optimizer_split(plan, r, ts.cpu_adam_gbps);
+  ts.cast_on_host = split.cast_on_host;
+  ts.device_buckets = split.layers_on_device;
+  ts.optimizer_ms = split.end_ms - split.backward_ms;
+  ts.optimizer_total_ms = split.cpu_total_ms;
+  plan.summary.peak.optimizer_states += split.device_state_bytes;
 }
 
 // The overlapped collectives of one micro-batch on the GPU's one communication stream (as
