@@ -231,11 +231,11 @@ struct LayerPlan {
   double bwd_ms = 0.0;
   double recompute_ms = 0.0;
   double recompute_avoided_ms = 0.0;  // against the block-type recompute policy
-  double d2h_ms = 0.0;                // offload_bytes / D2H bandwidth
-  double window_ms = 0.0;  // from its first offloaded tensor to the end of the next forward
-  double late_ms = 0.0;    // how late its last copy ends (with margin and backlog)
-  double margin = 0.0;     // window / d2h - 1 (0 when nothing is offloaded)
-  double h2d_ms = 0.0;
+  double d2h_ms = 0.0;        // offload_bytes / D2H bandwidth, + what host-link rings take of it
+  double window_ms = 0.0;     // from its first offloaded tensor to the end of the next forward
+  double late_ms = 0.0;       // how late its last copy ends (with margin and backlog)
+  double margin = 0.0;        // window / d2h - 1 (0 when nothing is offloaded)
+  double h2d_ms = 0.0;        // offload_bytes / H2D bandwidth, + what host-link rings take of it
   double stall_ms = 0.0;      // backward waiting on this layer's reload
   int64_t backlog_bytes = 0;  // D2H bytes not yet copied when this layer's forward ends
   // Note [FP8 recompute] (planner.cpp): with --dtype fp8, the scaling state the forward's

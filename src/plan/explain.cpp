@@ -71,14 +71,26 @@ std::string format_plan_explain(const Plan& plan, const PlanRequest& r, int laye
       "need, Note [Recompute closure]); the block policy's would be {:.3f} ms\n",
       lp.recompute_ms, lp.recompute_ms + lp.recompute_avoided_ms);
   if (lp.offload_bytes > 0) {
+    // Beside a host-link ring a copy takes longer than alone (Note [The host link is
+    // shared] in planner.cpp).
+    auto shared = [&](double gbps, double ms) {
+      const double alone = static_cast<double>(lp.offload_bytes) / (gbps * 1e6);
+      return ms > alone * (1.0 + 1e-9)
+                 ? fmt::format(
+                       "{:.3f} ms alone, {:.3f} ms sharing the host link with "
+                       "collectives (+min(copy, ring))",
+                       alone, ms)
+                 : fmt::format("{:.3f} ms", ms);
+    };
     out += fmt::format(
-        "  D2H  {} / {:.1f} GB/s = {:.3f} ms; window {:.3f} ms (first offloaded tensor to the "
+        "  D2H  {} / {:.1f} GB/s = {}; window {:.3f} ms (first offloaded tensor to the "
         "end of layer {}'s forward); margin window / D2H - 1 = {:+.0f}% (needs >= {:.0f}%){}\n",
-        mb(lp.offload_bytes), m.d2h_gbps, lp.d2h_ms, lp.window_ms, layer + 1, lp.margin * 100.0,
-        r.margin * 100.0, lp.snowball ? "; SNOWBALL" : "");
+        mb(lp.offload_bytes), m.d2h_gbps, shared(m.d2h_gbps, lp.d2h_ms), lp.window_ms, layer + 1,
+        lp.margin * 100.0, r.margin * 100.0, lp.snowball ? "; SNOWBALL" : "");
     out += fmt::format(
-        "  H2D  {} / {:.1f} GB/s = {:.3f} ms, issued {} layer(s) ahead; backward stall {:.3f} ms\n",
-        mb(lp.offload_bytes), m.h2d_gbps, lp.h2d_ms, r.prefetch_depth, lp.stall_ms);
+        "  H2D  {} / {:.1f} GB/s = {}, issued {} layer(s) ahead; backward stall {:.3f} ms\n",
+        mb(lp.offload_bytes), m.h2d_gbps, shared(m.h2d_gbps, lp.h2d_ms), r.prefetch_depth,
+        lp.stall_ms);
   } else {
     out += "  no copies: nothing offloaded\n";
   }

@@ -117,6 +117,10 @@ struct Stage {
       collectives;                  // per layer (Note [Collectives in the plan])
   std::vector<double> comm_fwd_ms;  // exposed collectives in a layer's forward
   std::vector<double> comm_bwd_ms;  // and before its backward
+  // Host-link collectives running beside the copies (Note [The host link is shared]): ms of
+  // ring issued as layer l's forward starts, and as its backward starts.
+  std::vector<double> host_comm_fwd_ms;
+  std::vector<double> host_comm_bwd_ms;
 };
 
 // Note [Collectives in the plan]: per layer, the collectives its parallelism needs
@@ -142,9 +146,8 @@ struct Stage {
 // the op moe.dispatch, a combine before moe.combine, the others at the end of the forward,
 // the backward ones before the layer's backward; the timeline waits for them, so they
 // widen the forward windows and delay the tensors produced after them. Not modelled: CP's
-// key/value exchange, pipeline sends, and the planner's window does not shrink for
-// host-link collectives that share the root complex with the offload copies (the
-// simulator models that contention).
+// key/value exchange and pipeline sends. Host-link collectives share the link with the
+// offload copies (Note [The host link is shared]).
 std::vector<CollectivePlan> layer_collectives(const PlanRequest& r, const LayerSpec& spec,
                                               int64_t params, int64_t T) {
   const ShardShape& s = r.work.shape;
@@ -210,6 +213,48 @@ void weave_exposed(const std::vector<CollectivePlan>& cs, CostedLayer& c, double
     fwd_extra += col.ms;
     for (size_t t = 0; t < c.inv.tensors.size(); ++t) {
       if (c.inv.tensors[t].producer > after) c.produced_at_ms[t] += col.ms;
+    }
+  }
+}
+
+// Note [The host link is shared]: a collective on the "host" link (docs/collectives.md)
+// runs through the root complex the offload copies use, in both directions, and the link
+// is shared fairly between what runs on it, as the simulator shares it. Two transfers that
+// start together and would take c and x ms alone both run at half rate until the shorter
+// ends: the longer ends at max(c, x) + min(c, x), the shorter at 2 min(c, x), both having
+// lost min(c, x) (shared_link_ms). The planner applies this per window:
+//   - the ring issued as layer l's forward starts (the weight gather of layer l + 1: ZeRO-3
+//     every micro-batch, ZeRO-1/2 in one micro-batch of grad_accum) beside layer l's D2H
+//     copies: the copies run at rate x / (x + min(c, x)) of the link (forward_copy_rate),
+//     which the forward window judges; the ring runs min(c, x) longer (overlapped_delay);
+//   - the rings issued as layer l's backward starts (the weight gather of layer l - 1, the
+//     gradient reduction of layer l + 1 in one micro-batch of grad_accum) beside the
+//     reloads issued then, the same way.
+// The ring issued before layer 0 and the reductions after the last backward find no
+// copies. Exposed collectives (all-to-alls) are on the critical path already and are not
+// shared here. Not modelled: copies that spill from one window into the next (a backlog)
+// sharing with the next window's ring.
+double shared_link_ms(double own_ms, double other_ms) {
+  return own_ms + std::min(own_ms, other_ms);
+}
+
+void host_link_collectives(const PlanRequest& r, Stage& st) {
+  const size_t n = st.collectives.size();
+  const double per_mb = 1.0 / static_cast<double>(r.work.grad_accum);
+  st.host_comm_fwd_ms.assign(n, 0.0);
+  st.host_comm_bwd_ms.assign(n, 0.0);
+  for (size_t l = 0; l < n; ++l) {
+    for (const CollectivePlan& c : st.collectives[l]) {
+      if (c.link != "host" || c.exposed) continue;
+      if (c.what == "zero.weight_gather" && !c.backward) {
+        if (l > 0) st.host_comm_fwd_ms[l - 1] += c.ms;
+      } else if (c.what == "zero.param_gather") {
+        if (l > 0) st.host_comm_fwd_ms[l - 1] += c.ms * per_mb;
+      } else if (c.what == "zero.weight_gather") {
+        if (l + 1 < n) st.host_comm_bwd_ms[l + 1] += c.ms;
+      } else if (c.what == "dp.grad_reduce") {
+        if (l > 0) st.host_comm_bwd_ms[l - 1] += c.ms * per_mb;
+      }
     }
   }
 }
@@ -414,6 +459,7 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
       st.collectives[l] = layer_collectives(r, r.model.layers[l], st.layer_params[l], tokens);
       weave_exposed(st.collectives[l], st.layers[l], st.comm_fwd_ms[l], st.comm_bwd_ms[l]);
     }
+    host_link_collectives(r, st);
   }
 
   // Note [Training state].
@@ -711,8 +757,14 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     LayerPlan& lp = tl.layers[l];
     lp.offload_bytes = o.cost.offload_bytes;
     if (o.cost.offload_bytes == 0) continue;
+    // The host-link ring issued as this layer starts takes its share of the link (Note
+    // [The host link is shared]).
+    const double alone = static_cast<double>(o.cost.offload_bytes) / rate_real;
+    const double share = alone / shared_link_ms(alone, st.host_comm_fwd_ms[l]);
+    const double rate_real_l = rate_real * share;
     const double fin_margin =
-        copy_finish_ms(c, o.actions, rate_margin, free_margin - start[l], nullptr) + start[l];
+        copy_finish_ms(c, o.actions, rate_margin * share, free_margin - start[l], nullptr) +
+        start[l];
     free_margin = fin_margin;
     // Real-rate copies, recorded for the backlog.
     std::vector<size_t> order;
@@ -724,13 +776,13 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     for (size_t i : order) {
       const double produced = start[l] + c.produced_at_ms[i];
       const double b = std::max(free_real, produced);
-      const double e = b + static_cast<double>(c.inv.tensors[i].bytes) / rate_real;
+      const double e = b + static_cast<double>(c.inv.tensors[i].bytes) / rate_real_l;
       copies.push_back({produced, b, e, c.inv.tensors[i].bytes});
       free_real = e;
     }
     d2h_done[l] = free_real;
     const double deadline = start[std::min(l + 2, n)];
-    lp.d2h_ms = static_cast<double>(o.cost.offload_bytes) / rate_real;
+    lp.d2h_ms = static_cast<double>(o.cost.offload_bytes) / rate_real_l;
     // The layer's own window: from its first offloaded tensor to the end of the next
     // forward (what it would have with an idle engine); lateness includes the backlog.
     lp.window_ms = deadline - (start[l] + c.produced_at_ms[order.front()]);
@@ -776,24 +828,31 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
   double h2d_free = 0.0;
   std::vector<double> reload_done(n, 0.0);
   std::vector<char> issued(n, 0);
-  auto issue = [&](size_t l, double now) {
+  // The reloads issued as a layer's backward starts share the link with the host-link
+  // rings issued then (Note [The host link is shared]): `ring` ms of them are left.
+  std::vector<double> reload_ms(n, 0.0);
+  auto issue = [&](size_t l, double now, double& ring) {
     if (issued[l] || choice[l]->cost.offload_bytes == 0) return;
     issued[l] = 1;
     const double b = std::max({h2d_free, now, d2h_done[l]});
-    h2d_free = b + static_cast<double>(choice[l]->cost.offload_bytes) / st.h2d_bytes_per_ms;
+    const double alone = static_cast<double>(choice[l]->cost.offload_bytes) / st.h2d_bytes_per_ms;
+    reload_ms[l] = shared_link_ms(alone, ring);
+    ring -= std::min(ring, alone);
+    h2d_free = b + reload_ms[l];
     reload_done[l] = h2d_free;
   };
   for (size_t l = n; l-- > 0;) {
     // When layer l starts its backward, its own reload (if not yet issued: the first
     // layers of backward) and those of the next `prefetch` layers are issued.
-    for (size_t k = 0; k <= static_cast<size_t>(st.prefetch) && k <= l; ++k) issue(l - k, t);
+    double ring = st.host_comm_bwd_ms[l];
+    for (size_t k = 0; k <= static_cast<size_t>(st.prefetch) && k <= l; ++k) issue(l - k, t, ring);
     bwd_start[l] = t;
     const Option& o = *choice[l];
     const double ready = o.cost.offload_bytes > 0 ? reload_done[l] : t;
     const double stall = std::max(0.0, ready - t);
     LayerPlan& lp = tl.layers[l];
     lp.stall_ms = stall;
-    lp.h2d_ms = static_cast<double>(o.cost.offload_bytes) / st.h2d_bytes_per_ms;
+    lp.h2d_ms = reload_ms[l];
     tl.stall_ms += stall;
     t += stall + o.cost.recompute_ms + st.comm_bwd_ms[l] + st.layers[l].bwd_ms;
   }
@@ -1301,28 +1360,57 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
 // reduction after its backward, which the step's end (the optimizer) waits for; with
 // `param_gather`, the ZeRO-1/2 weight gathers as forward gathers. Returns how much later
 // the micro-batch ends than without them.
-double overlapped_delay(const Plan& plan, bool reduce, bool param_gather) {
-  const size_t n = plan.layers.size();
+double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, bool reduce,
+                        bool param_gather) {
+  const size_t n = layers.size();
   std::vector<double> f(n), b(n), gf(n, 0.0), gb(n, 0.0), rd(n, 0.0);
-  double base = plan.summary.head_ms;
+  // Host-link rings share the link with the copies beside them (Note [The host link is
+  // shared]): per window, the ring ms issued as the layer's forward (backward) starts and
+  // the copy ms running then alone.
+  std::vector<double> ring_f(n, 0.0), ring_b(n, 0.0), copy_f(n, 0.0), copy_b(n, 0.0);
+  const double d2h = st.d2h_bytes_per_ms;
+  const double h2d = st.h2d_bytes_per_ms;
+  double base = st.head_ms;
   for (size_t l = 0; l < n; ++l) {
-    const LayerPlan& lp = plan.layers[l];
+    const LayerPlan& lp = layers[l];
     f[l] = lp.fwd_ms;
     b[l] = lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
-    for (const CollectivePlan& c : lp.collectives) {
+    const bool host_copies = d2h > 0.0 && h2d > 0.0 && lp.offload_bytes > 0;
+    if (host_copies) {
+      copy_f[l] = static_cast<double>(lp.offload_bytes) / d2h;
+      // The reload issued as layer w = l + prefetch starts its backward (the last layers'
+      // own reloads as backward starts).
+      copy_b[std::min(n - 1, l + static_cast<size_t>(st.prefetch))] +=
+          static_cast<double>(lp.offload_bytes) / h2d;
+    }
+    for (const CollectivePlan& c : st.collectives[l]) {
+      const bool host = c.link == "host";
       if (c.exposed) {
         (c.backward ? b[l] : f[l]) += c.ms;
       } else if (c.what == "zero.weight_gather") {
         (c.backward ? gb[l] : gf[l]) += c.ms;
+        if (host && !c.backward && l > 0) ring_f[l - 1] += c.ms;
+        if (host && c.backward && l + 1 < n) ring_b[l + 1] += c.ms;
       } else if (c.what == "zero.param_gather" && param_gather) {
         gf[l] += c.ms;
+        if (host && l > 0) ring_f[l - 1] += c.ms;
       } else if (c.what == "dp.grad_reduce" && reduce) {
         rd[l] += c.ms;
+        if (host && l > 0) ring_b[l - 1] += c.ms;
       }
     }
     base += f[l] + b[l];
   }
   if (n == 0) return 0.0;
+  // Each window's rings lose min(ring, copies) in all, spread over them pro rata.
+  auto share = [](double ring, double copies, double& ms) {
+    if (ring > 0.0) ms *= shared_link_ms(ring, copies) / ring;
+  };
+  for (size_t l = 0; l + 1 < n; ++l) share(ring_f[l], copy_f[l], gf[l + 1]);
+  for (size_t l = 0; l < n; ++l) {
+    if (l > 0) share(ring_b[l], copy_b[l], gb[l - 1]);
+    if (l + 1 < n) share(ring_b[l], copy_b[l], rd[l + 1]);
+  }
   double comm = gf[0];
   double t = comm;  // layer 0 waits for its weights
   std::vector<double> ready(n, 0.0);
@@ -1334,8 +1422,8 @@ double overlapped_delay(const Plan& plan, bool reduce, bool param_gather) {
     }
     t = std::max(t + f[l], next);
   }
-  t += plan.summary.head_ms;
-  comm = std::max(comm, t - plan.summary.head_ms) + gb[n - 1];
+  t += st.head_ms;
+  comm = std::max(comm, t - st.head_ms) + gb[n - 1];
   ready[n - 1] = comm;
   for (size_t l = n; l-- > 0;) {
     t = std::max(t, ready[l]);
@@ -1350,33 +1438,32 @@ double overlapped_delay(const Plan& plan, bool reduce, bool param_gather) {
   return std::max(0.0, end - base);
 }
 
-// The collectives on the critical path and in all (Note [Collectives in the plan]).
-// Returns what the overlapped ones add to the step, which the step time must add: the
-// exposed ones are in the timeline's micro-batch already.
-double plan_collective_time(const PlanRequest& r, Plan& plan) {
-  const size_t n = plan.layers.size();
+// What the overlapped collectives add to a step of grad_accum micro-batches of timeline
+// `tl` (Note [Collectives in the plan]): the first micro-batch gathers the updated weights
+// (ZeRO-1/2), the last reduces the gradients, the others only gather (ZeRO-3). The exposed
+// ones are in the timeline's micro-batch already.
+double overlapped_step_delay(const Stage& st, const std::vector<LayerPlan>& layers,
+                             int64_t grad_accum) {
+  if (grad_accum == 1) return overlapped_delay(st, layers, true, true);
+  return overlapped_delay(st, layers, false, true) + overlapped_delay(st, layers, true, false) +
+         static_cast<double>(grad_accum - 2) * overlapped_delay(st, layers, false, false);
+}
+
+// The collectives on the critical path (`overlapped`, from overlapped_step_delay, plus
+// the exposed ones) and in all, into the summary (Note [Collectives in the plan]).
+void plan_collective_time(const PlanRequest& r, double overlapped, Plan& plan) {
   const double ga = static_cast<double>(r.work.grad_accum);
   double total = 0.0;
   double exposed = 0.0;
-  for (size_t l = 0; l < n; ++l) {
-    for (const CollectivePlan& c : plan.layers[l].collectives) {
+  for (const LayerPlan& lp : plan.layers) {
+    for (const CollectivePlan& c : lp.collectives) {
       const bool per_step = c.what == "dp.grad_reduce" || c.what == "zero.param_gather";
       total += c.ms * (per_step ? 1.0 : ga);
       if (c.exposed) exposed += c.ms * ga;
     }
   }
-  // The first micro-batch gathers the updated weights (ZeRO-1/2), the last reduces the
-  // gradients, the others only gather (ZeRO-3).
-  double overlapped = 0.0;
-  if (r.work.grad_accum == 1) {
-    overlapped = overlapped_delay(plan, true, true);
-  } else {
-    overlapped = overlapped_delay(plan, false, true) + overlapped_delay(plan, true, false) +
-                 (ga - 2.0) * overlapped_delay(plan, false, false);
-  }
   plan.summary.collective_ms = exposed + overlapped;
   plan.summary.collective_total_ms = total;
-  return overlapped;
 }
 
 // Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
@@ -1391,11 +1478,19 @@ std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines
     const LayerPlan& lp = plan.layers[l];
     if (listed++ >= 4) continue;
     const double need = lp.d2h_ms * (1.0 + r.margin);
+    const double alone = static_cast<double>(lp.offload_bytes) / st.d2h_bytes_per_ms;
+    // Note [The host link is shared].
+    const std::string shared =
+        lp.d2h_ms > alone * (1.0 + 1e-9)
+            ? fmt::format(
+                  ", {:.1f} ms beside the {:.1f} ms of host-link collectives issued with it",
+                  lp.d2h_ms, st.host_comm_fwd_ms[l])
+            : std::string();
     if (need > lp.window_ms) {
       reasons.push_back(fmt::format(
-          "layer {}: {} at {:.0f} GB/s = {:.1f} ms ({:.1f} ms with the {:.0f}% margin) > {:.1f} ms "
-          "forward window",
-          l, to_string(Bytes(lp.offload_bytes)), s.d2h_gbps, lp.d2h_ms, need, margin_pct,
+          "layer {}: {} at {:.0f} GB/s = {:.1f} ms{} ({:.1f} ms with the {:.0f}% margin) > {:.1f} "
+          "ms forward window",
+          l, to_string(Bytes(lp.offload_bytes)), s.d2h_gbps, alone, shared, need, margin_pct,
           lp.window_ms));
     } else {
       reasons.push_back(fmt::format(
@@ -1455,15 +1550,32 @@ Plan make_plan(const PlanRequest& r) {
   const Choice chosen =
       choose_under_budget(st, options, allowed, r.strategy, host_limit, std::move(greedy));
   Timelines timelines = final_timelines(st, options, chosen.options);
-  fill_summary(timelines, r.work.grad_accum, plan);
+  const int64_t ga = r.work.grad_accum;
+  double unhidden = overlapped_step_delay(st, timelines.chosen.layers, ga);
+  const double rec_unhidden = overlapped_step_delay(st, timelines.recompute.layers, ga);
+  const double keep_unhidden = overlapped_step_delay(st, timelines.keep.layers, ga);
+  // Note [Auto is never slower than recompute]: the search scores a choice by its
+  // timeline; the overlapped collectives, slowed by the copies beside them on a host link
+  // (Note [The host link is shared]), come after. When they make the choice slower than
+  // recomputing every layer, auto takes the all-recompute plan (if it fits where the
+  // choice fits).
+  if (r.strategy == Policy::kAuto &&
+      timelines.recompute.peak.total() <= std::max(st.budget, timelines.chosen.peak.total()) &&
+      timelines.recompute.step_ms * static_cast<double>(ga) + rec_unhidden <
+          timelines.chosen.step_ms * static_cast<double>(ga) + unhidden) {
+    std::vector<const Option*> all_rec(st.layers.size());
+    for (size_t l = 0; l < all_rec.size(); ++l) all_rec[l] = &options.at(l).recompute;
+    timelines = final_timelines(st, options, all_rec);
+    unhidden = rec_unhidden;
+  }
+  fill_summary(timelines, ga, plan);
   if (r.optimizer_offload) plan_offloaded_optimizer(r, plan);
-  const double unhidden = plan_collective_time(r, plan);
+  plan_collective_time(r, unhidden, plan);
   {
     PlanSummary& s = plan.summary;
-    const double extra = s.state.optimizer_ms + unhidden;
-    s.step_ms += extra;
-    s.recompute_step_ms += extra;
-    s.keep_step_ms += extra;
+    s.step_ms += s.state.optimizer_ms + unhidden;
+    s.recompute_step_ms += s.state.optimizer_ms + rec_unhidden;
+    s.keep_step_ms += s.state.optimizer_ms + keep_unhidden;
     s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
   }
   plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);

@@ -121,6 +121,8 @@ TEST(PlanCollectives, PlannerAndSimulatorAgreeOnTheStep) {
     int64_t tp, ep, dp;
     int zero;
     int64_t grad_accum;
+    Policy policy = Policy::kRecompute;
+    int64_t seq = 2048;
   };
   // ZeRO-3 on PCIe: the gathers and the reductions share the host link, more than the
   // compute hides; with gradient accumulation the reductions run in the last micro-batch.
@@ -130,8 +132,12 @@ TEST(PlanCollectives, PlannerAndSimulatorAgreeOnTheStep) {
                         Case{"Llama-3.1-8B", "h100-sxm", 1, 1, 8, 3, 3},
                         Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1},
                         Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 1},
-                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 2}}) {
-    PlanRequest r = generous(request(c.model, c.hw, 1, 2048, Policy::kRecompute));
+                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 2},
+                        // Auto on PCIe: the copies share the host link with the rings.
+                        Case{"Qwen3-14B", "h100-pcie", 1, 1, 2, 3, 1, Policy::kAuto, 4096},
+                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1, Policy::kAuto, 4096},
+                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 2, 1, 2, Policy::kAuto, 4096}}) {
+    PlanRequest r = generous(request(c.model, c.hw, 1, c.seq, c.policy));
     r.work.shape.tp = c.tp;
     r.work.shape.ep = c.ep;
     r.work.dp = c.dp;
@@ -148,6 +154,78 @@ TEST(PlanCollectives, PlannerAndSimulatorAgreeOnTheStep) {
     SCOPED_TRACE(spillway::testing::describe(r));
     EXPECT_GT(p.summary.collective_total_ms, 0.0);
     EXPECT_NEAR(sim.summary.step_ms, p.summary.step_ms, 0.05 * p.summary.step_ms);
+  }
+}
+
+// Note [The host link is shared]: a layer's forward copies share the host link with the
+// ring issued as the layer starts (the next layer's ZeRO-3 weight gather), and lose
+// min(copies, ring) to it; its reload shares the link with the rings issued as the layer
+// it is prefetched for starts its backward. On NVLink the copies have the link alone.
+TEST(PlanCollectives, HostLinkCollectivesSlowTheCopiesBesideThem) {
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 1, 4096, Policy::kOffload));
+  r.work.dp = 2;
+  r.zero = 3;
+  const Plan p = make_plan(r);
+  const size_t n = p.layers.size();
+  const double d2h = p.summary.d2h_gbps * 1e6;
+  const double h2d = p.summary.h2d_gbps * 1e6;
+  auto ring = [&](size_t l, const char* what, bool backward) {
+    double ms = 0.0;
+    for (const CollectivePlan& c : p.layers[l].collectives) {
+      if (c.what == what && c.backward == backward) {
+        EXPECT_EQ(c.link, "host");
+        ms += c.ms;
+      }
+    }
+    return ms;
+  };
+  int checked = 0;
+  for (size_t l = 1; l + 3 < n; ++l) {
+    const LayerPlan& lp = p.layers[l];
+    ASSERT_GT(lp.offload_bytes, 0);
+    const double alone_d2h = static_cast<double>(lp.offload_bytes) / d2h;
+    const double gather = ring(l + 1, "zero.weight_gather", false);
+    ASSERT_GT(gather, 0.0);
+    EXPECT_NEAR(lp.d2h_ms, alone_d2h + std::min(alone_d2h, gather), 1e-9 * alone_d2h);
+    EXPECT_GT(lp.d2h_ms, alone_d2h);
+    // Reloaded as layer l + 1 starts its backward, beside layer l's backward gather and
+    // layer l + 2's gradient reduction (prefetch depth 1).
+    const double alone_h2d = static_cast<double>(lp.offload_bytes) / h2d;
+    const double rings = ring(l, "zero.weight_gather", true) + ring(l + 2, "dp.grad_reduce", true);
+    EXPECT_NEAR(lp.h2d_ms, alone_h2d + std::min(alone_h2d, rings), 1e-9 * alone_h2d);
+    ++checked;
+  }
+  EXPECT_GT(checked, 20);
+
+  // The same on NVLink: the copies have the host link alone.
+  PlanRequest nv = generous(request("Llama-3.1-8B", "h100-sxm", 1, 4096, Policy::kOffload));
+  nv.work.dp = 8;
+  nv.zero = 3;
+  const Plan pn = make_plan(nv);
+  for (const LayerPlan& lp : pn.layers) {
+    if (lp.offload_bytes == 0) continue;
+    EXPECT_EQ(lp.collectives.back().link, "nvlink");
+    EXPECT_NEAR(lp.d2h_ms, static_cast<double>(lp.offload_bytes) / (pn.summary.d2h_gbps * 1e6),
+                1e-9 * lp.d2h_ms);
+  }
+}
+
+// Note [Auto is never slower than recompute]: the planner's own step for auto is at most
+// the all-recompute step, also where the host-link rings make offloading a loss.
+TEST(PlanCollectives, AutoIsNeverSlowerThanRecompute) {
+  for (const char* model : {"Llama-3.1-8B", "Qwen3-14B"}) {
+    for (const char* hw : {"h100-pcie", "h100-sxm"}) {
+      for (int64_t dp : {1, 2, 4}) {
+        for (int zero : {0, 1, 3}) {
+          PlanRequest r = request(model, hw, 1, 4096, Policy::kAuto);
+          r.work.dp = dp;
+          r.zero = zero;
+          const Plan p = make_plan(r);
+          SCOPED_TRACE(spillway::testing::describe(r));
+          EXPECT_LE(p.summary.step_ms, p.summary.recompute_step_ms * (1.0 + 1e-12));
+        }
+      }
+    }
   }
 }
 
