@@ -63,6 +63,10 @@ CollectivePlan make_collective(CollectiveKind kind, std::string what, bool backw
 // The ring's byte volume of a collective: ring_volume_factor x bytes, rounded to bytes.
 int64_t ring_bytes(const CollectivePlan& c);
 
+// The ring-step latency inside a collective's `ms` (ring_steps x L): ms minus the bytes'
+// time at its gbps; 0 when ms has none (or gbps is 0).
+double ring_latency_ms(const CollectivePlan& c);
+
 // Where an exposed forward collective runs inside its layer, the one rule the planner's
 // timeline and the simulator share: after the forward op of the returned index, given the
 // layer's `op_count` op names in forward order: a dispatch after moe.dispatch, a combine

@@ -110,6 +110,15 @@ int64_t ring_bytes(const CollectivePlan& c) {
       std::llround(ring_volume_factor(c.kind, c.group) * static_cast<double>(c.bytes)));
 }
 
+double ring_latency_ms(const CollectivePlan& c) {
+  if (c.gbps <= 0.0) return 0.0;
+  const double transfer =
+      ring_volume_factor(c.kind, c.group) * static_cast<double>(c.bytes) / (c.gbps * 1e6);
+  // What ring_ms added beyond the bytes; rounding may leave a hair below zero.
+  const double latency = c.ms - transfer;
+  return latency > 1e-12 * std::max(1.0, c.ms) ? latency : 0.0;
+}
+
 int exposed_forward_position(const CollectivePlan& c, size_t op_count,
                              const std::function<std::string_view(size_t)>& op_name) {
   const int last = static_cast<int>(op_count) - 1;

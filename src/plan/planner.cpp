@@ -1363,7 +1363,11 @@ void plan_offloaded_optimizer(const PlanRequest& r, Plan& plan) {
 double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, bool reduce,
                         bool param_gather) {
   const size_t n = layers.size();
-  std::vector<double> f(n), b(n), gf(n, 0.0), gb(n, 0.0), rd(n, 0.0);
+  // Per layer: forward compute, its exposed collectives (offset into the forward's ops,
+  // ms), the backward before its exposed ones (stall, recompute) and after (backward).
+  std::vector<double> f(n), b_pre(n), b_post(n), gf(n, 0.0), gb(n, 0.0), rd(n, 0.0);
+  std::vector<std::vector<std::pair<double, double>>> fx(n);
+  std::vector<std::vector<double>> bx(n);
   // Host-link rings share the link with the copies beside them (Note [The host link is
   // shared]): per window, the ring ms issued as the layer's forward (backward) starts and
   // the copy ms running then alone.
@@ -1373,8 +1377,11 @@ double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, b
   double base = st.head_ms;
   for (size_t l = 0; l < n; ++l) {
     const LayerPlan& lp = layers[l];
+    const CostedLayer& cl = st.layers[l];
     f[l] = lp.fwd_ms;
-    b[l] = lp.stall_ms + lp.recompute_ms + lp.bwd_ms;
+    b_pre[l] = lp.stall_ms + lp.recompute_ms;
+    b_post[l] = lp.bwd_ms;
+    base += f[l] + b_pre[l] + b_post[l];
     const bool host_copies = d2h > 0.0 && h2d > 0.0 && lp.offload_bytes > 0;
     if (host_copies) {
       copy_f[l] = static_cast<double>(lp.offload_bytes) / d2h;
@@ -1383,10 +1390,23 @@ double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, b
       copy_b[std::min(n - 1, l + static_cast<size_t>(st.prefetch))] +=
           static_cast<double>(lp.offload_bytes) / h2d;
     }
+    double op_sum = 0.0;
+    for (double ms : cl.op_fwd_ms) op_sum += ms;
+    const double scale = op_sum > 0.0 ? f[l] / op_sum : 0.0;
     for (const CollectivePlan& c : st.collectives[l]) {
       const bool host = c.link == "host";
       if (c.exposed) {
-        (c.backward ? b[l] : f[l]) += c.ms;
+        base += c.ms;
+        if (c.backward) {
+          bx[l].push_back(c.ms);
+          continue;
+        }
+        const int after = exposed_forward_position(
+            c, cl.inv.ops.size(), [&](size_t k) -> std::string_view { return cl.inv.ops[k].name; });
+        double offset = 0.0;
+        for (int k = 0; k <= after && k < static_cast<int>(cl.op_fwd_ms.size()); ++k)
+          offset += cl.op_fwd_ms[static_cast<size_t>(k)] * scale;
+        fx[l].emplace_back(std::min(offset, f[l]), c.ms);
       } else if (c.what == "zero.weight_gather") {
         (c.backward ? gb[l] : gf[l]) += c.ms;
         if (host && !c.backward && l > 0) ring_f[l - 1] += c.ms;
@@ -1399,7 +1419,8 @@ double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, b
         if (host && l > 0) ring_b[l - 1] += c.ms;
       }
     }
-    base += f[l] + b[l];
+    std::stable_sort(fx[l].begin(), fx[l].end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
   }
   if (n == 0) return 0.0;
   // Each window's rings lose min(ring, copies) in all, spread over them pro rata.
@@ -1411,6 +1432,8 @@ double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, b
     if (l > 0) share(ring_b[l], copy_b[l], gb[l - 1]);
     if (l + 1 < n) share(ring_b[l], copy_b[l], rd[l + 1]);
   }
+  // One communication stream in issue order: a layer's exposed collectives queue behind
+  // the gather issued as the layer started (and anything before it).
   double comm = gf[0];
   double t = comm;  // layer 0 waits for its weights
   std::vector<double> ready(n, 0.0);
@@ -1420,7 +1443,15 @@ double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, b
       comm = std::max(comm, t) + gf[l + 1];
       next = comm;
     }
-    t = std::max(t + f[l], next);
+    double cur = t;
+    double done = 0.0;  // ms of the layer's ops run
+    for (const auto& [offset, ms] : fx[l]) {
+      cur += offset - done;
+      done = offset;
+      cur = std::max(cur, comm) + ms;
+      comm = cur;
+    }
+    t = std::max(cur + f[l] - done, next);
   }
   t += st.head_ms;
   comm = std::max(comm, t - st.head_ms) + gb[n - 1];
@@ -1431,7 +1462,12 @@ double overlapped_delay(const Stage& st, const std::vector<LayerPlan>& layers, b
       comm = std::max(comm, t) + gb[l - 1];
       ready[l - 1] = comm;
     }
-    t += b[l];
+    t += b_pre[l];
+    for (double ms : bx[l]) {
+      t = std::max(t, comm) + ms;
+      comm = t;
+    }
+    t += b_post[l];
     if (rd[l] > 0.0) comm = std::max(comm, t) + rd[l];
   }
   const double end = reduce ? std::max(t, comm) : t;

@@ -38,6 +38,8 @@ int Engine::add_task(const Task& t) {
   SPILLWAY_CHECK(t.stream >= 0 && static_cast<size_t>(t.stream) < streams_.size(), "bad stream {}",
                  t.stream);
   SPILLWAY_CHECK(t.work >= 0.0, "task work must be >= 0, got {}", t.work);
+  SPILLWAY_CHECK(t.latency_ms >= 0.0 && (t.latency_ms == 0.0 || t.link >= 0),
+                 "a latency must be >= 0 and belongs to a transfer, got {}", t.latency_ms);
   const bool copy =
       t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D || t.kind == TaskKind::kCollective;
   SPILLWAY_CHECK(!copy || (t.link >= 0 && static_cast<size_t>(t.link) < links_.size()),
@@ -68,7 +70,9 @@ void Engine::try_start(int s) {
   if (t.ready_ms < 0.0) t.ready_ms = now_;
   t.start_ms = now_;
   st.running = true;
-  remaining_[static_cast<size_t>(id)] = t.work;
+  const bool latency = t.latency_ms > 0.0;
+  in_latency_[static_cast<size_t>(id)] = latency ? 1 : 0;
+  remaining_[static_cast<size_t>(id)] = latency ? t.latency_ms : t.work;
   active_.push_back(id);
   ++events_;
 }
@@ -106,6 +110,7 @@ void Engine::run() {
     dependents_[static_cast<size_t>(fill[static_cast<size_t>(e.first)]++)] = e.second;
   remaining_.assign(n, 0.0);
   rate_.assign(n, 0.0);
+  in_latency_.assign(n, 0);
   active_.reserve(streams_.size());
   now_ = 0.0;
 
@@ -127,18 +132,22 @@ void Engine::run() {
     for (Link& l : links_) l.active = 0;
     std::fill(gpu_copy_demand.begin(), gpu_copy_demand.end(), 0.0);
     std::fill(gpu_memory_kernel.begin(), gpu_memory_kernel.end(), 0);
+    // A transfer in its latency runs at 1 ms per ms and takes no link share.
+    auto on_link = [&](int id) {
+      return tasks_[static_cast<size_t>(id)].link >= 0 && !in_latency_[static_cast<size_t>(id)];
+    };
     for (int id : active_) {
       const Task& t = tasks_[static_cast<size_t>(id)];
-      if (t.link >= 0) {
+      if (on_link(id)) {
         ++links_[static_cast<size_t>(t.link)].active;
         if (t.link2 >= 0) ++links_[static_cast<size_t>(t.link2)].active;
-      } else if (t.memory_bound) {
+      } else if (t.memory_bound && t.link < 0) {
         gpu_memory_kernel[static_cast<size_t>(t.gpu)] = 1;
       }
     }
     for (int id : active_) {
       const Task& t = tasks_[static_cast<size_t>(id)];
-      if (t.link >= 0) {
+      if (on_link(id)) {
         const Link& l = links_[static_cast<size_t>(t.link)];
         double share = l.capacity / l.active;
         if (t.link2 >= 0) {
@@ -156,7 +165,7 @@ void Engine::run() {
       const size_t g = static_cast<size_t>(t.gpu);
       if (hbm_[g] <= 0.0 || !gpu_memory_kernel[g] || gpu_copy_demand[g] <= 0.0) continue;
       const double factor = hbm_[g] / (hbm_[g] + gpu_copy_demand[g]);
-      if (t.link >= 0 || t.memory_bound) {
+      if (on_link(id) || (t.memory_bound && t.link < 0)) {
         rate_[static_cast<size_t>(id)] *= factor;
         worst_slowdown_ = std::max(worst_slowdown_, 1.0 / factor);
       }
@@ -175,7 +184,19 @@ void Engine::run() {
       const int id = active_[k];
       double& rem = remaining_[static_cast<size_t>(id)];
       rem -= rate_[static_cast<size_t>(id)] * dt;
-      const double tol = 1e-9 * std::max(1.0, tasks_[static_cast<size_t>(id)].work);
+      const Task& t = tasks_[static_cast<size_t>(id)];
+      const bool latency = in_latency_[static_cast<size_t>(id)] != 0;
+      const double tol = 1e-9 * std::max(1.0, latency ? t.latency_ms : t.work);
+      if (latency && rem <= tol) {
+        // The latency is over: the bytes start moving (a rate change, not an end).
+        in_latency_[static_cast<size_t>(id)] = 0;
+        rem = t.work;
+        ++events_;
+        if (rem > 1e-9 * std::max(1.0, t.work)) {
+          ++k;
+          continue;
+        }
+      }
       if (rem <= tol) {
         finished.push_back(id);
         active_[k] = active_.back();

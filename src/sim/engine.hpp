@@ -8,7 +8,8 @@
 //   - a copy gets an equal share of its link direction's capacity (re-split whenever a
 //     transfer starts or ends); a transfer that crosses two link directions (a collective
 //     through the host link sends on D2H and receives on H2D) runs at the smaller of its
-//     two shares;
+//     two shares; a transfer's latency_ms (a collective's ring steps) runs first, on its
+//     stream but off the link;
 //   - Note [HBM sharing]: on a GPU running a memory-bound kernel, the kernel demands the
 //     whole HBM bandwidth H and its copies demand their link rates r_i; when H + sum r_i
 //     exceeds H, the kernel and the copies all slow by the factor H / (H + sum r_i). GEMMs
@@ -35,6 +36,9 @@ struct Task {
   int link2 = -1;  // a second direction the transfer also occupies (-1: none)
   bool memory_bound = false;
   double work = 0.0;  // ms (compute) or bytes (copy)
+  // A transfer's fixed time before its bytes move (a collective's ring-step latency), in
+  // ms, during which it holds its stream but not its link.
+  double latency_ms = 0.0;
   // filled by the run
   double ready_ms = -1.0;  // dependencies met (and head of its stream)
   double start_ms = -1.0;
@@ -95,6 +99,7 @@ class Engine {
   std::vector<int> active_;        // running tasks
   std::vector<double> remaining_;  // per task
   std::vector<double> rate_;       // per task
+  std::vector<char> in_latency_;   // per task: still in its latency_ms
   double now_ = 0.0;
   int64_t events_ = 0;
   double worst_slowdown_ = 1.0;

@@ -1,4 +1,6 @@
-// The simulator's scenarios: a training step of a plan, and a weight-streaming pass.
+// The simulator's scenarios: a training step of a plan, and a weight-streaming pass (a
+// forward pass whose layers' weights are copied in d layers ahead, with the plan's exposed
+// forward collectives after each layer's compute).
 //
 // Training step, per GPU and micro-batch (grad_accum of them, one after the other):
 //   forward   every op of every layer on the compute stream; an offloaded tensor's D2H
@@ -17,8 +19,8 @@
 // Note [Collectives in the simulator]: every CollectivePlan of a layer becomes one task on
 // its GPU's communication stream (collectives of one GPU run one at a time, in issue order,
 // as NCCL kernels on one stream do), whose work is the ring's byte volume (ring_bytes:
-// 2(n-1)/n x S for an all-reduce, (n-1)/n x S otherwise; the per-step latency is not
-// simulated). Where it sits:
+// 2(n-1)/n x S for an all-reduce, (n-1)/n x S otherwise), after its ring-step latency
+// (ring_latency_ms: ring_steps x L, on the stream but off the link). Where it sits:
 //   - exposed (all-to-all) in the forward: inside the layer, blocking compute: a
 //     "...dispatch" after the op moe.dispatch, a "...combine" before the op moe.combine,
 //     anything else after the layer's last op; the next op waits for it;
@@ -175,6 +177,34 @@ Task make_task(TaskKind kind, int gpu, int layer, int mb, int stream, double wor
   t.work = work;
   t.label = labelled ? label(b, name()) : -1;
   return t;
+}
+
+// A collective of layer l on GPU g as a task (Note [Collectives in the simulator]),
+// waiting for `deps` (-1 entries ignored); makes the communication streams on first use.
+int add_collective(Engine& e, Topology& topo, Built& b, bool keep_tasks, size_t l,
+                   const CollectivePlan& c, int g, int mbi, std::initializer_list<int> deps) {
+  const size_t gi = static_cast<size_t>(g);
+  if (topo.comm.empty()) {
+    topo.fabric.resize(static_cast<size_t>(topo.gpus));
+    for (int k = 0; k < topo.gpus; ++k) topo.comm.push_back(e.add_stream(k, ResourceKind::kComm));
+  }
+  Task t = make_task(TaskKind::kCollective, g, static_cast<int>(l), mbi, topo.comm[gi],
+                     static_cast<double>(ring_bytes(c)), -1, keep_tasks, b,
+                     [&] { return fmt::format("L{} {}", l, c.what); });
+  t.latency_ms = ring_latency_ms(c);
+  if (c.link == "host") {
+    t.link = topo.link_d2h[gi];
+    t.link2 = topo.link_h2d[gi];
+  } else {
+    auto [it, fresh] = topo.fabric[gi].try_emplace({c.link, c.gbps}, -1);
+    if (fresh) it->second = e.add_link(c.gbps * 1e6);
+    t.link = it->second;
+  }
+  const int id = e.add_task(t);
+  for (int d : deps)
+    if (d >= 0) e.add_dep(id, d);
+  if (keep_tasks) b.link_of[id] = c.link;
+  return id;
 }
 
 // Memory curve from (time, delta) events.
@@ -342,31 +372,9 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   b.layer_d2h.assign(n, {});
   check_collectives(plan);
 
-  // A collective of layer l on GPU g as a task (Note [Collectives in the simulator]),
-  // waiting for `deps` (-1 entries ignored).
   auto issue_collective = [&](size_t l, const CollectivePlan& c, int g, int mbi,
                               std::initializer_list<int> deps) {
-    const size_t gi = static_cast<size_t>(g);
-    if (topo.comm.empty()) {
-      topo.fabric.resize(static_cast<size_t>(gpus));
-      for (int k = 0; k < gpus; ++k) topo.comm.push_back(e.add_stream(k, ResourceKind::kComm));
-    }
-    Task t = make_task(TaskKind::kCollective, g, static_cast<int>(l), mbi, topo.comm[gi],
-                       static_cast<double>(ring_bytes(c)), -1, o.keep_tasks, b,
-                       [&] { return fmt::format("L{} {}", l, c.what); });
-    if (c.link == "host") {
-      t.link = topo.link_d2h[gi];
-      t.link2 = topo.link_h2d[gi];
-    } else {
-      auto [it, fresh] = topo.fabric[gi].try_emplace({c.link, c.gbps}, -1);
-      if (fresh) it->second = e.add_link(c.gbps * 1e6);
-      t.link = it->second;
-    }
-    const int id = e.add_task(t);
-    for (int d : deps)
-      if (d >= 0) e.add_dep(id, d);
-    if (o.keep_tasks) b.link_of[id] = c.link;
-    return id;
+    return add_collective(e, topo, b, o.keep_tasks, l, c, g, mbi, deps);
   };
 
   size_t task_estimate = 0;
@@ -744,8 +752,10 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
   const int64_t wbytes = req.work.shape.dtype == DType::kFp32 ? 4 : 2;
   int64_t max_layer = 0;
   std::vector<int> comp0(n);
+  check_collectives(plan);
   for (int g = 0; g < o.gpus; ++g) {
     std::vector<int> comp(n, -1);
+    int after_comm = -1;  // the last collective of the previous layer
     for (size_t l = 0; l < n; ++l) {
       const LayerPlan& lp = plan.layers[l];
       const int64_t bytes = checked_mul(lp.params, wbytes, "layer weight bytes");
@@ -761,6 +771,15 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
           TaskKind::kForward, g, static_cast<int>(l), 0, topo.compute[static_cast<size_t>(g)],
           lp.fwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} forward", l); }));
       e.add_dep(comp[l], cid);
+      if (l > 0 && after_comm >= 0) e.add_dep(comp[l], after_comm);
+      after_comm = -1;
+      // The layer's exposed forward collectives (TP gathers and scatters, EP all-to-alls)
+      // after its compute; the next layer waits for them (Note [Collectives in the
+      // simulator]). A host-link one shares the link with the weight copies.
+      for (const CollectivePlan& c : lp.collectives) {
+        if (c.backward || !c.exposed) continue;
+        after_comm = add_collective(e, topo, b, o.keep_tasks, l, c, g, 0, {comp[l]});
+      }
       if (g == 0) comp0[l] = comp[l];
     }
   }
@@ -779,13 +798,20 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
     s.gpu_step_ms[static_cast<size_t>(t.gpu)] =
         std::max(s.gpu_step_ms[static_cast<size_t>(t.gpu)], t.end_ms);
     if (t.kind == TaskKind::kH2D) s.h2d_bytes += static_cast<int64_t>(t.work);
+    if (t.kind == TaskKind::kCollective) {
+      ++s.collectives;
+      s.collective_bytes += static_cast<int64_t>(t.work);
+      if (t.link2 >= 0) s.collective_host_bytes += static_cast<int64_t>(t.work);
+    }
   }
   compute_stats(e, topo.compute[0], s);
-  s.idle_ms = std::max(0.0, s.gpu_step_ms[0] - s.compute_ms - s.stall_ms);
+  if (!topo.comm.empty()) s.collective_ms = e.stream_busy_ms(topo.comm[0]);
+  s.idle_ms = std::max(0.0, s.gpu_step_ms[0] - s.compute_ms - s.stall_ms - s.collective_wait_ms);
   const double busy = e.link_busy_ms(topo.link_h2d[0]);
   int64_t link0 = 0;
   for (const Task& t : e.tasks()) {
-    if (t.link == topo.link_h2d[0]) link0 += static_cast<int64_t>(t.work);
+    if (t.link == topo.link_h2d[0] || t.link2 == topo.link_h2d[0])
+      link0 += static_cast<int64_t>(t.work);
   }
   s.link_h2d_gbps = busy > 0.0 ? static_cast<double>(link0) / busy / 1e6 : 0.0;
   s.link_gbps_achieved = s.link_h2d_gbps;

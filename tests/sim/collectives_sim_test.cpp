@@ -2,8 +2,8 @@
 // a collective through the host link shares it with the offload copies (and is slower for
 // it), one over NVLink does not touch them; ring bytes are conserved; exposed all-to-alls
 // block compute by exactly their time; every collective is a named trace event.
-// Plans come from make_plan with CollectivePlan entries appended (the planner does not
-// emit them yet). No HBM sharing here, so times are exact.
+// Plans come from make_plan with CollectivePlan entries appended, or from the planner's
+// own (--ep, --dp). No HBM sharing here, so times are exact.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -316,6 +316,107 @@ TEST(SimCollectives, EngineTwoDirectionTransferTakesTheSmallerShare) {
   EXPECT_DOUBLE_EQ(e.tasks()[static_cast<size_t>(k)].end_ms, 10.0);
   EXPECT_NEAR(e.tasks()[static_cast<size_t>(r)].end_ms, 10.0 + 100.0 / 60.0, 1e-12);
   EXPECT_NEAR(e.link_busy_ms(h2d), 10.0 + 100.0 / 60.0, 1e-12);
+}
+
+// A ring's latency (ring_steps x L) holds its stream but not its link: a copy beside it has
+// the link alone until the bytes start moving.
+TEST(SimCollectives, EngineLatencyHoldsTheStreamNotTheLink) {
+  sim::Engine e;
+  const int d2h = e.add_link(100.0);  // bytes per ms
+  const int comm = e.add_stream(0, ResourceKind::kComm);
+  const int copy = e.add_stream(1, ResourceKind::kD2H);
+  sim::Task ring;
+  ring.kind = TaskKind::kCollective;
+  ring.stream = comm;
+  ring.link = d2h;
+  ring.work = 400.0;
+  ring.latency_ms = 2.0;
+  const int r = e.add_task(ring);
+  const int r2 = e.add_task(ring);  // queued behind the first on the stream
+  sim::Task c;
+  c.kind = TaskKind::kD2H;
+  c.gpu = 1;
+  c.stream = copy;
+  c.link = d2h;
+  c.work = 400.0;
+  const int k = e.add_task(c);
+  e.run();
+  // 0-2 ms: the copy alone at 100 (200 bytes); 2-6 ms: both at 50 (the copy's other 200
+  // bytes, the ring's first 200); 6-8 ms: the ring alone at 100. The second ring's
+  // latency runs 8-10 ms, its bytes 10-14 ms.
+  EXPECT_NEAR(e.tasks()[static_cast<size_t>(k)].end_ms, 6.0, 1e-12);
+  EXPECT_NEAR(e.tasks()[static_cast<size_t>(r)].end_ms, 8.0, 1e-12);
+  EXPECT_NEAR(e.tasks()[static_cast<size_t>(r2)].start_ms, 8.0, 1e-12);
+  EXPECT_NEAR(e.tasks()[static_cast<size_t>(r2)].end_ms, 14.0, 1e-12);
+  EXPECT_NEAR(e.link_busy_ms(d2h), 12.0, 1e-12);
+  EXPECT_NEAR(e.stream_busy_ms(comm), 14.0, 1e-12);
+}
+
+// The simulated collective is the plan's: its ring bytes at its link's rate plus its
+// latency, ring_ms to the last digit when it has its link alone.
+TEST(SimCollectives, SimulatedRingTakesThePlannedTime) {
+  PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 1024, Policy::kKeep));
+  r.work.shape.ep = 8;
+  ASSERT_GT(r.hardware.interconnect.collective_latency_us, 0.0);
+  const Plan p = make_plan(r);
+  const SimResult sim = simulate_training_step(p, r, exact());
+  int checked = 0;
+  for (const TaskRecord& t : sim.tasks) {
+    if (t.kind != TaskKind::kCollective || t.layer != 3) continue;
+    for (const CollectivePlan& c : p.layers[3].collectives) {
+      if ("L3 " + c.what != t.name) continue;
+      EXPECT_GT(ring_latency_ms(c), 0.0);
+      EXPECT_NEAR(t.end_ms - t.start_ms, c.ms, 1e-9 * c.ms) << t.name;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// Weight streaming: the plan's exposed forward collectives (EP all-to-alls) run after each
+// layer's compute and the next layer waits for them; on a host link they share it with
+// the weight copies, which then take longer; on NVLink they leave the copies alone.
+TEST(SimCollectives, WeightStreamingSharesTheHostLinkWithTheCollectives) {
+  for (const char* hw : {"h100-pcie", "h100-sxm"}) {
+    PlanRequest r = generous(request("Qwen3-30B-A3B", hw, 1, 4096, Policy::kKeep));
+    r.work.shape.ep = 4;
+    const Plan p = make_plan(r);
+    Plan bare = p;
+    for (LayerPlan& l : bare.layers) l.collectives.clear();
+    StreamOptions o;
+    o.gpus = 4;
+    o.gpus_per_link = 2;
+    const SimResult with = simulate_weight_streaming(p, r, o);
+    const SimResult without = simulate_weight_streaming(bare, r, o);
+    SCOPED_TRACE(hw);
+    // Per GPU per layer: dispatch and combine (the forward's exposed ones).
+    EXPECT_EQ(with.summary.collectives, 4 * 2 * static_cast<int64_t>(p.layers.size()));
+    EXPECT_EQ(without.summary.collectives, 0);
+    double copy_with = 0.0;
+    double copy_without = 0.0;
+    for (const TaskRecord& t : with.tasks)
+      if (t.kind == TaskKind::kH2D) copy_with += t.end_ms - t.start_ms;
+    for (const TaskRecord& t : without.tasks)
+      if (t.kind == TaskKind::kH2D) copy_without += t.end_ms - t.start_ms;
+    const bool host = p.layers[0].collectives.front().link == "host";
+    EXPECT_EQ(host, std::string(hw) == "h100-pcie");
+    EXPECT_EQ(with.summary.collective_host_bytes > 0, host);
+    if (host) {
+      EXPECT_GT(copy_with, copy_without * 1.01);
+    } else {
+      EXPECT_NEAR(copy_with, copy_without, 1e-9 * copy_without);
+    }
+    EXPECT_GT(with.summary.step_ms, without.summary.step_ms);
+    // Each layer's compute starts after the previous layer's last collective.
+    std::map<int, double> last_comm;
+    for (const TaskRecord& t : with.tasks)
+      if (t.gpu == 0 && t.kind == TaskKind::kCollective)
+        last_comm[t.layer] = std::max(last_comm[t.layer], t.end_ms);
+    for (const TaskRecord& t : with.tasks) {
+      if (t.gpu == 0 && t.kind == TaskKind::kForward && t.layer > 0)
+        EXPECT_GE(t.start_ms, last_comm[t.layer - 1] - 1e-9);
+    }
+  }
 }
 
 TEST(SimCollectives, BadCollectivesAreNamed) {
