@@ -1,6 +1,7 @@
 // Model architectures as the planner and the engines see them, read from Hugging Face
-// config.json files (the dense Llama/Mistral/Qwen2/Qwen3 families, Qwen2-MoE/Qwen3-MoE,
-// Mixtral, DeepSeek-V2/V3 with MLA, GPT-OSS, Grok) or from the embedded catalog.
+// config.json files (the dense Llama/Mistral/Qwen2/Qwen3/Gemma 2-3/Phi-3 families,
+// Qwen2-MoE/Qwen3-MoE, Mixtral, DeepSeek V1-V3.2 and Kimi-K2, GLM-4.5, Llama 4, GPT-OSS,
+// Grok) or from the embedded catalog; docs/models.md lists the keys read per family.
 //
 // A ModelConfig is a list of decoder layers, each an attention spec and an MLP spec, so
 // that mixed stacks (DeepSeek's first dense layers, GPT-OSS's alternating sliding
@@ -31,6 +32,10 @@ struct AttentionSpec {
   bool o_bias = false;
   bool qk_norm = false;  // per-head RMSNorm of Q and K (Qwen3)
   bool sinks = false;    // learned attention sinks, one per head (GPT-OSS)
+  // DeepSeek-V3.2's lightning indexer (MLA with q_lora_rank): heads and head width; its
+  // parameters q_lora_rank x heads x dim + d x dim + 2 dim (LayerNorm) + d x heads.
+  int64_t indexer_heads = 0;
+  int64_t indexer_head_dim = 0;
   friend bool operator==(const AttentionSpec&, const AttentionSpec&) = default;
 };
 
@@ -54,6 +59,9 @@ struct MlpSpec {
 struct LayerSpec {
   AttentionSpec attn;
   MlpSpec mlp;
+  // RMSNorms beyond the input and post-attention ones, d parameters each (Gemma 2/3's
+  // sandwich: pre- and post-feedforward norms).
+  int64_t extra_norms = 0;
   // Short block name used in plans: "gqa+dense", "swa+moe", "mla+moe", "gqa+moe+dense".
   std::string block_name() const;
   friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
@@ -67,6 +75,12 @@ struct ModelConfig {
   int64_t vocab = 0;
   bool tied_embeddings = false;
   std::vector<LayerSpec> layers;
+  // Multi-token-prediction layers the config declares (DeepSeek-V3, GLM-4.5): not in the
+  // layers, the parameter counts or the plan (published counts leave them out).
+  int64_t mtp_layers = 0;
+  // What the loader decided that changes what is planned, in words (the architecture read
+  // from `architectures`, a vision tower left out, MTP layers left out).
+  std::vector<std::string> notes;
 };
 
 // Parses a Hugging Face config.json. `name` labels the model, `file` is used in messages.

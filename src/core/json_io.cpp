@@ -104,11 +104,13 @@ void JsonObject::fail(std::string_view key, std::string_view problem) const {
 }
 
 bool JsonObject::has(std::string_view key) const {
+  note_read(key);
   auto it = json_.find(key);
   return it != json_.end() && !it->is_null();
 }
 
 const Json& JsonObject::at(std::string_view key) const {
+  note_read(key);
   auto it = json_.find(key);
   if (it == json_.end() || it->is_null()) fail(key, "is missing; it is required");
   return *it;

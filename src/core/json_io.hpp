@@ -8,8 +8,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,6 +35,11 @@ class JsonObject {
 
   bool has(std::string_view key) const;
   const Json& raw() const { return json_; }
+  // Records every key looked at (has, and each getter) into `reads`, for a loader that
+  // must refuse the keys it did not read. Objects made from this one do not inherit it.
+  void track_reads(std::shared_ptr<std::set<std::string, std::less<>>> reads) {
+    reads_ = std::move(reads);
+  }
   const std::string& file() const { return file_; }
 
   int64_t req_int(std::string_view key, int64_t min, int64_t max) const;
@@ -57,7 +64,12 @@ class JsonObject {
   int64_t to_int(std::string_view key, const Json& v, int64_t min, int64_t max) const;
   double to_num(std::string_view key, const Json& v, double min, double max) const;
 
+  void note_read(std::string_view key) const {
+    if (reads_) reads_->emplace(key);
+  }
+
   const Json& json_;
+  std::shared_ptr<std::set<std::string, std::less<>>> reads_;
   std::string what_;
   std::string file_;
   std::string path_;

@@ -28,6 +28,24 @@ std::string lower(std::string s) {
   return s;
 }
 
+// The first of `keys` the config has (aliases of one field across transformers versions
+// and copies), else the first: the one an error names. Two present with different values
+// is an error.
+const char* alias(const JsonObject& c, std::initializer_list<const char*> keys) {
+  const char* found = nullptr;
+  for (const char* k : keys) {
+    if (!c.has(k)) continue;
+    if (found == nullptr) {
+      found = k;
+    } else if (c.raw().at(found) != c.raw().at(k)) {
+      c.fail(k, fmt::format("is {} but its alias \"{}\" is {}; they name one field",
+                            json_value_text(c.raw().at(k)), found,
+                            json_value_text(c.raw().at(found))));
+    }
+  }
+  return found != nullptr ? found : *keys.begin();
+}
+
 // Common GQA fields of the Llama-like families.
 AttentionSpec read_gqa(const JsonObject& c, int64_t hidden) {
   AttentionSpec a;
@@ -73,6 +91,33 @@ int64_t read_window(const JsonObject& c) {
   return c.req_int("sliding_window", 1, kMaxDim);
 }
 
+// `layer_types` (transformers >= 4.56 writes it for many families): one entry per layer,
+// "full_attention" or "sliding_attention" (the latter with `window`, which must then be
+// given). Empty when absent.
+std::vector<char> read_layer_types(const JsonObject& c, int64_t layers, int64_t window) {
+  const std::vector<std::string> types = c.str_array_or("layer_types");
+  if (types.empty()) return {};
+  if (static_cast<int64_t>(types.size()) != layers) {
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
+  }
+  std::vector<char> sliding(types.size(), 0);
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] == "sliding_attention") {
+      if (window <= 0) {
+        c.fail(fmt::format("layer_types[{}]", i),
+               "is \"sliding_attention\" but \"sliding_window\" is not given");
+      }
+      sliding[i] = 1;
+    } else if (types[i] != "full_attention") {
+      c.fail(
+          fmt::format("layer_types[{}]", i),
+          fmt::format("is \"{}\"; must be \"sliding_attention\" or \"full_attention\"", types[i]));
+    }
+  }
+  return sliding;
+}
+
 ModelConfig parse_llama_like(const JsonObject& c, ModelConfig m, const std::string& type) {
   const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
   AttentionSpec a = read_gqa(c, m.hidden);
@@ -84,16 +129,58 @@ ModelConfig parse_llama_like(const JsonObject& c, ModelConfig m, const std::stri
     a.qkv_bias = (type == "qwen2") ? true : c.bool_or("attention_bias", false);
     a.o_bias = false;
     a.qk_norm = (type == "qwen3");
-    if (c.bool_or("use_sliding_window", false)) {
-      window = read_window(c);
-      window_from = c.int_or("max_window_layers", 0, 0, kMaxLayers);
+    // Qwen's sliding window applies only with use_sliding_window, from layer
+    // max_window_layers on; both are read (and ignored) otherwise.
+    const bool use = c.bool_or("use_sliding_window", false);
+    const int64_t w = read_window(c);
+    const int64_t from = c.int_or("max_window_layers", 0, 0, kMaxLayers);
+    if (use) {
+      window = w;
+      window_from = from;
     }
-  } else if (type == "mistral") {
+  } else if (type == "mistral" || type == "phi3") {
     window = read_window(c);
+  }
+  const std::vector<char> sliding =
+      read_layer_types(c, layers, window > 0 ? window : read_window(c));
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerSpec l{a, mlp};
+    if (!sliding.empty()) {
+      if (sliding[static_cast<size_t>(i)]) l.attn.sliding_window = read_window(c);
+    } else if (window > 0 && i >= window_from) {
+      l.attn.sliding_window = window;
+    }
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+// Gemma 2 and Gemma 3 (text): GQA with a given head_dim, four RMSNorms a layer (the
+// sandwich: pre- and post-feedforward besides the usual two), GeGLU MLP (three matrices,
+// as SwiGLU), tied embeddings by default. Sliding windows: layer_types when given; else
+// Gemma 2 slides on even layers, Gemma 3 on all but every sliding_window_pattern-th
+// (default 6). Gemma 3 adds per-head q/k norms.
+ModelConfig parse_gemma(const JsonObject& c, ModelConfig m, const std::string& type) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a = read_gqa(c, m.hidden);
+  a.qk_norm = type != "gemma2";
+  const MlpSpec mlp = dense_mlp(c);
+  const int64_t window = read_window(c);
+  std::vector<char> sliding = read_layer_types(c, layers, window);
+  if (sliding.empty() && window > 0) {
+    sliding.assign(static_cast<size_t>(layers), 0);
+    const int64_t pattern =
+        type == "gemma2" ? 2 : c.int_or("sliding_window_pattern", 6, 1, kMaxLayers);
+    for (int64_t i = 0; i < layers; ++i) {
+      sliding[static_cast<size_t>(i)] = type == "gemma2" ? (i % 2 == 0) : ((i + 1) % pattern != 0);
+    }
+  } else {
+    (void)c.has("sliding_window_pattern");  // layer_types decides
   }
   for (int64_t i = 0; i < layers; ++i) {
     LayerSpec l{a, mlp};
-    if (window > 0 && i >= window_from) l.attn.sliding_window = window;
+    l.extra_norms = 2;
+    if (!sliding.empty() && sliding[static_cast<size_t>(i)]) l.attn.sliding_window = window;
     m.layers.push_back(l);
   }
   return m;
@@ -108,10 +195,24 @@ ModelConfig parse_qwen_moe(const JsonObject& c, ModelConfig m, const std::string
   a.qk_norm = (type == "qwen3_moe");
   MlpSpec moe;
   moe.kind = MlpKind::kMoe;
-  moe.experts = c.req_int("num_experts", 1, kMaxDim);
+  // transformers 5 spells the expert count num_local_experts.
+  const char* experts_key = alias(c, {"num_experts", "num_local_experts"});
+  moe.experts = c.req_int(experts_key, 1, kMaxDim);
   moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
-  check_topk(c, "num_experts_per_tok", moe.top_k, "num_experts", moe.experts);
+  check_topk(c, "num_experts_per_tok", moe.top_k, experts_key, moe.experts);
   moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
+  // Qwen's sliding-window keys, read as in parse_llama_like (MoE releases have it off).
+  if (c.bool_or("use_sliding_window", false)) {
+    a.sliding_window = read_window(c);
+    if (c.int_or("max_window_layers", 0, 0, kMaxLayers) > 0) {
+      c.fail("use_sliding_window",
+             "is true with \"max_window_layers\" > 0 on an MoE model; spillway reads sliding "
+             "windows on every layer or none here");
+    }
+  } else {
+    (void)read_window(c);
+    (void)c.has("max_window_layers");
+  }
   if (type == "qwen2_moe") {
     moe.shared_ffn = c.int_or("shared_expert_intermediate_size", 0, 0, kMaxDim);
     moe.shared_gate = moe.shared_ffn > 0;
@@ -122,6 +223,7 @@ ModelConfig parse_qwen_moe(const JsonObject& c, ModelConfig m, const std::string
   const bool any_dense = !dense_set.empty() || step > 1;  // only then is intermediate_size needed
   MlpSpec dense;
   if (any_dense) dense = dense_mlp(c);
+  (void)c.has("intermediate_size");  // the dense layers' width: unused when there are none
   for (int64_t i = 0; i < layers; ++i) {
     const bool sparse = !dense_set.count(i) && (i + 1) % step == 0;
     m.layers.push_back(LayerSpec{a, sparse ? moe : dense});
@@ -143,12 +245,13 @@ ModelConfig parse_mixtral(const JsonObject& c, ModelConfig m) {
   return m;
 }
 
-ModelConfig parse_deepseek(const JsonObject& c, ModelConfig m, const std::string& type) {
-  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+// DeepSeek's multi-head latent attention (V2, V3, V3.2, Kimi-K2).
+AttentionSpec read_mla(const JsonObject& c) {
   AttentionSpec a;
   a.kind = AttentionKind::kMla;
   a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
   a.kv_heads = a.heads;
+  (void)c.has("num_key_value_heads");  // MLA: every head has its own K and V
   a.q_lora_rank = c.int_or("q_lora_rank", 0, 0, kMaxDim);
   a.kv_lora_rank = c.req_int("kv_lora_rank", 1, kMaxDim);
   const int64_t nope = c.req_int("qk_nope_head_dim", 0, kMaxDim);
@@ -158,26 +261,67 @@ ModelConfig parse_deepseek(const JsonObject& c, ModelConfig m, const std::string
     c.fail("qk_nope_head_dim",
            "and \"qk_rope_head_dim\" are both 0; the query/key head needs a width");
   a.v_head_dim = c.req_int("v_head_dim", 1, kMaxDim);
+  (void)c.has("head_dim");  // transformers sets it to qk_rope_head_dim; the widths above rule
   a.qkv_bias = c.bool_or("attention_bias", false);
+  return a;
+}
+
+// Multi-token-prediction layers (num_nextn_predict_layers): counted, not planned.
+void read_mtp(const JsonObject& c, ModelConfig& m) {
+  m.mtp_layers = c.int_or("num_nextn_predict_layers", 0, 0, kMaxLayers);
+  if (m.mtp_layers > 0) {
+    m.notes.push_back(fmt::format(
+        "{} multi-token-prediction layer(s) (num_nextn_predict_layers) are not planned and not "
+        "in the parameter counts (published counts leave them out)",
+        m.mtp_layers));
+  }
+}
+
+ModelConfig parse_deepseek(const JsonObject& c, ModelConfig m, const std::string& type) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a;
+  if (type == "deepseek") {
+    // DeepSeek V1 (DeepSeekMoE): standard multi-head attention, no MLA.
+    a = read_gqa(c, m.hidden);
+  } else {
+    a = read_mla(c);
+  }
+  if (type == "deepseek_v32") {
+    a.indexer_heads = c.req_int("index_n_heads", 1, kMaxDim);
+    a.indexer_head_dim = c.req_int("index_head_dim", 1, kMaxDim);
+    if (a.q_lora_rank == 0)
+      c.fail("q_lora_rank", "is 0; DeepSeek-V3.2's indexer projects from the query's LoRA rank");
+  }
 
   MlpSpec moe;
   moe.kind = MlpKind::kMoe;
-  moe.experts = c.int_or("n_routed_experts", 0, 0, kMaxDim);
+  // transformers 5 and some copies spell these num_routed_experts / num_shared_experts.
+  const char* routed = alias(c, {"n_routed_experts", "num_routed_experts"});
+  const char* shared = alias(c, {"n_shared_experts", "num_shared_experts"});
+  if (type == "deepseek_v2") {
+    moe.experts = c.int_or(routed, 0, 0, kMaxDim);  // transformers: None -> a dense model
+  } else {
+    // transformers' DeepseekV3Config would default a missing count to 256 experts; a
+    // copy that drops it is more likely damaged than relying on that: name it.
+    moe.experts = c.req_int(routed, 1, kMaxDim);
+  }
   MlpSpec dense = dense_mlp(c);
   const int64_t first_dense = c.int_or("first_k_dense_replace", 0, 0, kMaxLayers);
   const int64_t freq = c.int_or("moe_layer_freq", 1, 1, kMaxLayers);
   if (moe.experts > 0) {
     moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
-    check_topk(c, "num_experts_per_tok", moe.top_k, "n_routed_experts", moe.experts);
+    check_topk(c, "num_experts_per_tok", moe.top_k, routed, moe.experts);
     moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
-    moe.shared_ffn = checked_mul(c.int_or("n_shared_experts", 0, 0, kMaxDim), moe.ffn,
+    moe.shared_ffn = checked_mul(c.int_or(shared, 0, 0, kMaxDim), moe.ffn,
                                  "model config: n_shared_experts * moe_intermediate_size");
-    moe.router_bias = (type == "deepseek_v3");  // e_score_correction_bias
+    // e_score_correction_bias (V3 routing: sigmoid scores with a bias)
+    moe.router_bias = type != "deepseek" && type != "deepseek_v2";
   }
   for (int64_t i = 0; i < layers; ++i) {
     const bool sparse = moe.experts > 0 && i >= first_dense && i % freq == 0;
     m.layers.push_back(LayerSpec{a, sparse ? moe : dense});
   }
+  read_mtp(c, m);
   return m;
 }
 
@@ -190,9 +334,9 @@ ModelConfig parse_gpt_oss(const JsonObject& c, ModelConfig m) {
   MlpSpec moe;
   moe.kind = MlpKind::kMoe;
   moe.experts = c.req_int("num_local_experts", 1, kMaxDim);
-  moe.top_k = c.has("num_experts_per_tok") ? c.req_int("num_experts_per_tok", 1, kMaxDim)
-                                           : c.req_int("experts_per_token", 1, kMaxDim);
-  check_topk(c, "num_experts_per_tok", moe.top_k, "num_local_experts", moe.experts);
+  const char* top_k_key = alias(c, {"num_experts_per_tok", "experts_per_token"});
+  moe.top_k = c.req_int(top_k_key, 1, kMaxDim);
+  check_topk(c, top_k_key, moe.top_k, "num_local_experts", moe.experts);
   moe.ffn = c.req_int("intermediate_size", 1, kMaxDim);
   moe.bias = true;
   moe.router_bias = true;
@@ -218,6 +362,70 @@ ModelConfig parse_gpt_oss(const JsonObject& c, ModelConfig m) {
   return m;
 }
 
+// GLM-4.5/4.6 (glm4_moe): GQA with q/k/v biases (attention_bias) and optional per-head
+// q/k norms (use_qk_norm), the first first_k_dense_replace layers dense, the others
+// n_routed_experts experts plus n_shared_experts shared ones of moe_intermediate_size, a
+// sigmoid router with a correction bias (as DeepSeek-V3); MTP layers counted apart.
+ModelConfig parse_glm4_moe(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a = read_gqa(c, m.hidden);
+  a.o_bias = false;
+  a.qk_norm = c.bool_or("use_qk_norm", false);
+  MlpSpec moe;
+  moe.kind = MlpKind::kMoe;
+  const char* routed = alias(c, {"n_routed_experts", "num_routed_experts"});
+  moe.experts = c.req_int(routed, 1, kMaxDim);
+  moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+  check_topk(c, "num_experts_per_tok", moe.top_k, routed, moe.experts);
+  moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
+  moe.shared_ffn =
+      checked_mul(c.int_or(alias(c, {"n_shared_experts", "num_shared_experts"}), 0, 0, kMaxDim),
+                  moe.ffn, "model config: n_shared_experts * moe_intermediate_size");
+  moe.router_bias = true;
+  const MlpSpec dense = dense_mlp(c);
+  const int64_t first_dense = c.int_or("first_k_dense_replace", 0, 0, kMaxLayers);
+  for (int64_t i = 0; i < layers; ++i)
+    m.layers.push_back(LayerSpec{a, i >= first_dense ? moe : dense});
+  read_mtp(c, m);
+  return m;
+}
+
+// Llama 4 (text): GQA, MoE layers every interleave_moe_layer_step-th layer (or the list
+// moe_layers) with num_local_experts experts of intermediate_size, top-k routing and one
+// shared expert of the same width; the other layers a dense MLP of intermediate_size_mlp.
+// Its q/k norm is an L2 norm without weights, and chunked attention (attention_chunk_size
+// on the RoPE layers) is planned as full causal attention (an upper bound on its FLOPs).
+ModelConfig parse_llama4(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a = read_gqa(c, m.hidden);
+  (void)c.has("attention_chunk_size");
+  (void)c.has("no_rope_layers");
+  MlpSpec moe;
+  moe.kind = MlpKind::kMoe;
+  const char* experts_key = alias(c, {"num_local_experts", "num_experts"});
+  moe.experts = c.req_int(experts_key, 1, kMaxDim);
+  moe.top_k = c.int_or("num_experts_per_tok", 1, 1, kMaxDim);
+  check_topk(c, "num_experts_per_tok", moe.top_k, experts_key, moe.experts);
+  moe.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  moe.shared_ffn = moe.ffn;
+  std::vector<char> sparse(static_cast<size_t>(layers), 0);
+  if (c.has("moe_layers")) {
+    for (int64_t i : c.int_array_or("moe_layers", 0, layers - 1))
+      sparse[static_cast<size_t>(i)] = 1;
+    (void)c.has("interleave_moe_layer_step");
+  } else {
+    const int64_t step = c.int_or("interleave_moe_layer_step", 1, 1, kMaxLayers);
+    for (int64_t i = 0; i < layers; ++i) sparse[static_cast<size_t>(i)] = (i + 1) % step == 0;
+  }
+  const bool any_dense = std::find(sparse.begin(), sparse.end(), 0) != sparse.end();
+  MlpSpec dense;
+  if (any_dense) dense = dense_mlp(c, "intermediate_size_mlp");
+  (void)c.has("intermediate_size_mlp");
+  for (int64_t i = 0; i < layers; ++i)
+    m.layers.push_back(LayerSpec{a, sparse[static_cast<size_t>(i)] ? moe : dense});
+  return m;
+}
+
 // Grok-1 and Grok-2: 8 experts, top-2; Grok-2 adds a dense MLP beside the experts
 // ("residual_moe"), sized by intermediate_size, with experts sized by moe_intermediate_size.
 ModelConfig parse_grok(const JsonObject& c, ModelConfig m) {
@@ -238,6 +446,10 @@ ModelConfig parse_grok(const JsonObject& c, ModelConfig m) {
     if (residual)
       c.fail("moe_intermediate_size", "is missing; it is required when \"residual_moe\" is true");
   }
+  // Grok's sliding_window_size: -1 (or absent) is full attention.
+  const int64_t window = c.int_or("sliding_window_size", -1, -1, kMaxDim);
+  if (window == 0) c.fail("sliding_window_size", "is 0; must be -1 (full attention) or >= 1");
+  if (window > 0) a.sliding_window = window;
   m.layers.assign(static_cast<size_t>(layers), LayerSpec{a, moe});
   return m;
 }
@@ -246,21 +458,141 @@ ModelConfig parse_grok(const JsonObject& c, ModelConfig m) {
   std::string known;
   for (const std::string& t : supported_model_types()) known += (known.empty() ? "" : ", ") + t;
   c.fail("model_type",
-         fmt::format("is \"{}\", which spillway does not know. Known: {}. To plan another "
-                     "architecture, describe it as the nearest known type: a dense model needs "
-                     "model_type \"llama\" with hidden_size, num_hidden_layers, "
-                     "num_attention_heads, num_key_value_heads, head_dim, intermediate_size, "
-                     "vocab_size; an MoE model needs model_type \"qwen3_moe\" with those plus "
-                     "num_experts, num_experts_per_tok, moe_intermediate_size",
+         fmt::format("is \"{}\", which spillway cannot plan yet. Known: {}. Relabelling the "
+                     "config as a known type would plan a different model (tied embeddings, "
+                     "sliding windows, dense first layers, shared experts, linear attention and "
+                     "extra norms would be lost or invented); docs/models.md says what each "
+                     "family reads",
                      type, known));
+}
+
+// Note [Reading a config] (docs/models.md):
+//   - the language model's keys are the root's, or those of a nested `text_config` (the
+//     multimodal wrappers: Gemma 3, Llama 4); a vision tower is not planned (a note says so);
+//   - the family is `model_type` (the text config's, else the wrapper's text family), else
+//     the one of `architectures`; when both are known and name different families, the
+//     architecture wins (it is the class that holds the weights) and a note says so;
+//   - each family reads its keys under their transformers 4 and 5 names (alias());
+//   - after reading, a key of the language model that looks like a size, a count or a
+//     layer pattern (shape_like) and that the family did not read is an error naming it:
+//     an unread shape key would plan a different model silently.
+struct FamilyName {
+  const char* type;
+  const char* family;  // the parser
+};
+constexpr FamilyName kFamilies[] = {{"llama", "llama"},
+                                    {"mistral", "llama"},
+                                    {"qwen2", "llama"},
+                                    {"qwen3", "llama"},
+                                    {"phi3", "llama"},
+                                    {"qwen2_moe", "qwen_moe"},
+                                    {"qwen3_moe", "qwen_moe"},
+                                    {"mixtral", "mixtral"},
+                                    {"deepseek", "deepseek"},
+                                    {"deepseek_v2", "deepseek"},
+                                    {"deepseek_v3", "deepseek"},
+                                    {"deepseek_v32", "deepseek"},
+                                    {"kimi_k2", "deepseek"},
+                                    {"gpt_oss", "gpt_oss"},
+                                    {"grok-1", "grok"},
+                                    {"grok-2", "grok"},
+                                    {"grok", "grok"},
+                                    {"git", "grok"},
+                                    {"gemma2", "gemma"},
+                                    {"gemma3_text", "gemma"},
+                                    {"glm4_moe", "glm4_moe"},
+                                    {"llama4_text", "llama4"}};
+
+const char* family_of(const std::string& type) {
+  for (const FamilyName& f : kFamilies)
+    if (type == f.type) return f.family;
+  return nullptr;
+}
+
+// The model_type an architecture class stands for.
+std::string type_of_architecture(const std::string& arch) {
+  static const std::pair<const char*, const char*> kArch[] = {
+      {"LlamaForCausalLM", "llama"},
+      {"MistralForCausalLM", "mistral"},
+      {"Qwen2ForCausalLM", "qwen2"},
+      {"Qwen3ForCausalLM", "qwen3"},
+      {"Phi3ForCausalLM", "phi3"},
+      {"Qwen2MoeForCausalLM", "qwen2_moe"},
+      {"Qwen3MoeForCausalLM", "qwen3_moe"},
+      {"MixtralForCausalLM", "mixtral"},
+      {"DeepseekForCausalLM", "deepseek"},
+      {"DeepseekV2ForCausalLM", "deepseek_v2"},
+      {"DeepseekV3ForCausalLM", "deepseek_v3"},
+      {"DeepseekV32ForCausalLM", "deepseek_v32"},
+      {"GptOssForCausalLM", "gpt_oss"},
+      {"Grok1ForCausalLM", "grok-1"},
+      {"Grok1ModelForCausalLM", "grok-1"},
+      {"GrokForCausalLM", "grok"},
+      {"Gemma2ForCausalLM", "gemma2"},
+      {"Gemma3ForCausalLM", "gemma3_text"},
+      {"Gemma3ForConditionalGeneration", "gemma3_text"},
+      {"Glm4MoeForCausalLM", "glm4_moe"},
+      {"Llama4ForCausalLM", "llama4_text"},
+      {"Llama4ForConditionalGeneration", "llama4_text"}};
+  for (const auto& [a, t] : kArch)
+    if (arch == a) return t;
+  return {};
+}
+
+// The text family of a multimodal wrapper's model_type.
+std::string text_type_of_wrapper(const std::string& type) {
+  if (type == "gemma3") return "gemma3_text";
+  if (type == "llama4") return "llama4_text";
+  return type;
+}
+
+// A key that looks like a size, a count or a layer pattern.
+bool shape_like(std::string_view k) {
+  static constexpr std::string_view kNotShape[] = {"max_position_embeddings",
+                                                   "original_max_position_embeddings",
+                                                   "initializer_range",
+                                                   "ep_size",
+                                                   "n_group",
+                                                   "topk_group",
+                                                   "num_nextn_predict_layers",
+                                                   "max_batch_size",
+                                                   "index_topk",
+                                                   "rope_scaling",
+                                                   "rope_parameters"};
+  for (std::string_view n : kNotShape)
+    if (k == n) return false;
+  if (k.starts_with("num_") || k.starts_with("n_")) return true;
+  static constexpr std::string_view kParts[] = {
+      "size",   "dim",    "heads",   "layer",    "expert", "rank",        "window",
+      "period", "offset", "pattern", "interval", "freq",   "replace",     "ffn",
+      "groups", "chunk",  "state",   "conv",     "expand", "block_types", "attn_type"};
+  for (std::string_view p : kParts)
+    if (k.find(p) != std::string_view::npos) return true;
+  return false;
+}
+
+void refuse_unread(const JsonObject& c, const std::set<std::string, std::less<>>& reads,
+                   const std::string& type) {
+  for (const auto& [key, value] : c.raw().items()) {
+    if (reads.count(key) != 0 || value.is_null() || value == false) continue;
+    if (!shape_like(key)) continue;
+    c.fail(key, fmt::format("is {}: it looks like it shapes the model, but spillway does not read "
+                            "it for model_type \"{}\", so the plan would be of another model. "
+                            "docs/models.md lists the keys each family reads",
+                            json_value_text(value), type));
+  }
 }
 
 }  // namespace
 
 const std::vector<std::string>& supported_model_types() {
-  static const std::vector<std::string> types = {
-      "llama",       "mistral",     "qwen2",   "qwen3",  "qwen2_moe", "qwen3_moe", "mixtral",
-      "deepseek_v2", "deepseek_v3", "gpt_oss", "grok-1", "grok-2",    "grok",      "git"};
+  static const std::vector<std::string> types = [] {
+    std::vector<std::string> t;
+    for (const FamilyName& f : kFamilies) t.emplace_back(f.type);
+    t.emplace_back("gemma3");  // wrappers of a text_config
+    t.emplace_back("llama4");
+    return t;
+  }();
   return types;
 }
 
@@ -281,30 +613,86 @@ std::string LayerSpec::block_name() const {
 
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& name,
                                const std::string& file) {
-  JsonObject c(config, kWhat, file);
+  JsonObject root(config, kWhat, file);
   ModelConfig m;
   m.name = name;
   m.source = file;
-  m.model_type = c.req_str("model_type");
-  const std::string type = lower(m.model_type);
-  m.hidden = c.req_int("hidden_size", 1, kMaxDim);
-  m.vocab = c.req_int("vocab_size", 1, kMaxDim);
-  m.tied_embeddings = c.bool_or("tie_word_embeddings", false);
-  if (type == "llama" || type == "mistral" || type == "qwen2" || type == "qwen3") {
-    m = parse_llama_like(c, std::move(m), type);
-  } else if (type == "qwen2_moe" || type == "qwen3_moe") {
-    m = parse_qwen_moe(c, std::move(m), type);
-  } else if (type == "mixtral") {
-    m = parse_mixtral(c, std::move(m));
-  } else if (type == "deepseek_v2" || type == "deepseek_v3") {
-    m = parse_deepseek(c, std::move(m), type);
-  } else if (type == "gpt_oss") {
-    m = parse_gpt_oss(c, std::move(m));
-  } else if (type == "grok-1" || type == "grok-2" || type == "grok" || type == "git") {
-    m = parse_grok(c, std::move(m));
+  // The language model's object (Note [Reading a config]).
+  const bool nested = root.has("text_config") && !root.has("hidden_size");
+  const JsonObject c = nested ? root.req_obj("text_config") : root;
+  auto reads = std::make_shared<std::set<std::string, std::less<>>>();
+  JsonObject tracked = c;
+  tracked.track_reads(reads);
+  const std::string root_type = root.has("model_type") ? lower(root.req_str("model_type")) : "";
+  std::string type;
+  if (nested) {
+    type = c.has("model_type") ? lower(c.req_str("model_type")) : text_type_of_wrapper(root_type);
+    if (root.has("vision_config")) {
+      m.notes.push_back(
+          fmt::format("the vision tower (vision_config of \"{}\") is not planned: "
+                      "the language model of text_config is",
+                      root_type));
+    }
   } else {
-    unknown_type(c, m.model_type);
+    type = root_type;
+    (void)tracked.has("model_type");
   }
+  const std::vector<std::string> archs = root.str_array_or("architectures");
+  (void)tracked.has("architectures");
+  const std::string arch_type = archs.empty() ? "" : type_of_architecture(archs.front());
+  if (type.empty()) {
+    if (arch_type.empty()) {
+      root.fail("model_type", archs.empty()
+                                  ? std::string("is missing, and so is \"architectures\"; one of "
+                                                "them must say which model this is")
+                                  : fmt::format("is missing, and \"architectures\" ({}) is not "
+                                                "one spillway knows",
+                                                archs.front()));
+    }
+    type = arch_type;
+  } else if (!arch_type.empty() && family_of(type) != nullptr &&
+             std::string_view(family_of(type)) != family_of(arch_type)) {
+    m.notes.push_back(
+        fmt::format("model_type \"{}\" but architectures {}: planned as \"{}\", "
+                    "the architecture's family (the class that holds the weights)",
+                    type, archs.front(), arch_type));
+    type = arch_type;
+  }
+  // As written in the config (case kept), unless the architecture decided.
+  const JsonObject& typed = nested && c.has("model_type") ? c : root;
+  m.model_type = typed.has("model_type") && lower(typed.req_str("model_type")) == type
+                     ? typed.req_str("model_type")
+                     : type;
+  m.hidden = tracked.req_int("hidden_size", 1, kMaxDim);
+  m.vocab = tracked.req_int("vocab_size", 1, kMaxDim);
+  const char* fam = family_of(type);
+  const bool tied_default = fam != nullptr && std::string_view(fam) == "gemma";
+  m.tied_embeddings = tracked.has("tie_word_embeddings")
+                          ? tracked.bool_or("tie_word_embeddings", tied_default)
+                          : root.bool_or("tie_word_embeddings", tied_default);
+  const std::string f = fam != nullptr ? fam : "";
+  if (f == "llama") {
+    m = parse_llama_like(tracked, std::move(m), type);
+  } else if (f == "qwen_moe") {
+    m = parse_qwen_moe(tracked, std::move(m), type);
+  } else if (f == "mixtral") {
+    m = parse_mixtral(tracked, std::move(m));
+  } else if (f == "deepseek") {
+    m = parse_deepseek(tracked, std::move(m), type == "kimi_k2" ? "deepseek_v3" : type);
+  } else if (f == "gpt_oss") {
+    m = parse_gpt_oss(tracked, std::move(m));
+  } else if (f == "grok") {
+    m = parse_grok(tracked, std::move(m));
+  } else if (f == "gemma") {
+    m = parse_gemma(tracked, std::move(m), type);
+  } else if (f == "glm4_moe") {
+    m = parse_glm4_moe(tracked, std::move(m));
+  } else if (f == "llama4") {
+    m = parse_llama4(tracked, std::move(m));
+  } else {
+    unknown_type(nested ? c : root, nested ? type : m.model_type);
+  }
+  refuse_unread(c, *reads, type);
   // Validate that the totals fit 64 bits once, here, naming the sizes and the file.
   try {
     (void)parameter_count(m);
@@ -403,6 +791,13 @@ int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
   if (a.o_bias) p = add(p, d);
   if (a.qk_norm) p = add(p, 2 * a.qk_head_dim);
   if (a.sinks) p = add(p, a.heads);
+  if (a.indexer_heads > 0) {  // DeepSeek-V3.2's lightning indexer
+    p = add(p, mul(a.q_lora_rank, mul(a.indexer_heads, a.indexer_head_dim)));  // wq_b
+    p = add(p, mul(d, a.indexer_head_dim));                                    // wk
+    p = add(p, mul(2, a.indexer_head_dim));                                    // k_norm
+    p = add(p, mul(d, a.indexer_heads));                                       // weights_proj
+  }
+  p = add(p, mul(l.extra_norms, d));
 
   const MlpSpec& m = l.mlp;
   p = add(p, d);  // post-attention RMSNorm

@@ -447,6 +447,8 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   const int64_t emb = checked_mul(r.model.vocab, r.model.hidden, "embedding size") / s.tp;
   params += emb;
   if (r.work.pp == 1 && !r.model.tied_embeddings) params += emb;
+  // The final norm lives on the last stage (the only one at pp = 1), whole on every TP rank.
+  if (r.work.pp == 1) params += r.model.hidden;
   plan.params_per_gpu = params;
   plan.params_total = parameter_count(r.model);
   // Note [Collectives in the plan].

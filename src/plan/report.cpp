@@ -39,6 +39,7 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                      r.model.layers.size(), r.model.hidden,
                      static_cast<double>(plan.params_total) / 1e9,
                      static_cast<double>(plan.params_per_gpu) / 1e9);
+  for (const std::string& note : r.model.notes) out += fmt::format("  note      {}\n", note);
   out += fmt::format(
       "  workload  micro-batch {} x seq {} = {} tokens/GPU, {}, tp {} ep {} cp {} pp {} dp {}, "
       "grad-accum {}{}\n",

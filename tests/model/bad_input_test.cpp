@@ -162,13 +162,42 @@ TEST_F(BadModel, TopKAboveExperts) {
            {"\"num_experts_per_tok\" is 10; must be <= \"num_local_experts\" (8)"});
 }
 
-TEST_F(BadModel, UnknownModelTypeListsTheNeededFields) {
+// The unknown-type error lists the known types and no longer advises relabelling the
+// config as llama or qwen3_moe (which silently drops tied embeddings, sliding windows,
+// shared experts, linear attention).
+TEST_F(BadModel, UnknownModelTypeListsTheKnownOnesAndAdvisesNoRelabel) {
   Json j = llama();
   j["model_type"] = "bert";
-  contains(load_error(j),
-           {"\"model_type\" is \"bert\"", "Known:", "llama", "qwen3_moe", "hidden_size",
-            "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size"});
+  const std::string e = load_error(j);
+  contains(
+      e, {"\"model_type\" is \"bert\"", "Known:", "llama", "qwen3_moe", "gemma2", "glm4_moe",
+          "Relabelling the config as a known type would plan a different model", "docs/models.md"});
+  EXPECT_EQ(e.find("needs model_type"), std::string::npos) << e;
+}
+
+// Note [Reading a config]: a key that shapes the model and that the family does not read is
+// an error naming it, never ignored.
+TEST_F(BadModel, UnreadShapeKeysAreErrors) {
+  struct Case {
+    const char* key;
+    Json value;
+  };
+  for (const Case& c : {Case{"num_experts", 8}, Case{"n_routed_experts", 64},
+                        Case{"hybrid_override_pattern", "M-M*"}, Case{"attn_layer_period", 8},
+                        Case{"full_attention_interval", 4}, Case{"moe_intermediate_size", 512},
+                        Case{"linear_num_value_heads", 32}, Case{"layers_block_type", "mamba"}}) {
+    Json j = llama();
+    j[c.key] = c.value;
+    contains(load_error(j), {fmt::format("\"{}\" is", c.key), "looks like it shapes the model",
+                             "model_type \"llama\""});
+  }
+  // Keys that do not shape the model, and nulls, are fine.
+  Json ok = llama();
+  ok["max_position_embeddings"] = 131072;
+  ok["initializer_range"] = 0.02;
+  ok["rope_scaling"] = Json::object();
+  ok["num_experts"] = nullptr;
+  EXPECT_NO_THROW(parse_model_config(ok, "ok", "ok.json"));
 }
 
 TEST_F(BadModel, WrongTypes) {

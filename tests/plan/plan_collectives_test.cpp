@@ -73,7 +73,9 @@ TEST(PlanCollectives, EachParallelismBringsItsCollectives) {
     EXPECT_EQ(c.bytes, z1.layers[5].params * 2);
     EXPECT_EQ(c.link, "nvlink");
     // ZeRO-1: each GPU steps its shard: reduce-scatter, then the weights gathered.
-    if (c.what == "dp.grad_reduce") EXPECT_EQ(c.kind, CollectiveKind::kReduceScatter);
+    if (c.what == "dp.grad_reduce") {
+      EXPECT_EQ(c.kind, CollectiveKind::kReduceScatter);
+    }
   }
   dp.zero = 0;
   const Plan z0 = make_plan(dp);
@@ -87,7 +89,9 @@ TEST(PlanCollectives, EachParallelismBringsItsCollectives) {
                                                                      {"dp.grad_reduce bwd", 1}}));
   for (const CollectivePlan& c : z3.layers[5].collectives) {
     EXPECT_EQ(c.link, "network");
-    if (c.what == "dp.grad_reduce") EXPECT_EQ(c.kind, CollectiveKind::kReduceScatter);
+    if (c.what == "dp.grad_reduce") {
+      EXPECT_EQ(c.kind, CollectiveKind::kReduceScatter);
+    }
   }
 }
 

@@ -186,14 +186,24 @@ TEST(Summary, LinkAndBudgetDefaults) {
   EXPECT_EQ(given.summary.hbm_budget_bytes, 50'500'000'000);
 }
 
+// At tp = ep = pp = 1 one GPU holds the whole model: embeddings, every layer, the final
+// norm and an untied head (the final norm used to be missing).
+TEST(Summary, OneGpuHoldsEveryParameterOfEveryCatalogModel) {
+  for (const ModelCatalogEntry& e : model_catalog()) {
+    PlanRequest r = request(e.name, "gh200", 1, 256, Policy::kRecompute);
+    const Plan p = make_plan(r);
+    EXPECT_EQ(p.params_per_gpu, p.params_total) << e.name;
+  }
+}
+
 TEST(Summary, StaticMemoryFollowsParameters) {
   for (int64_t dp : {1, 8}) {
     PlanRequest r = request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);
     r.work.dp = dp;
     const Plan p = make_plan(r);
     EXPECT_EQ(p.params_total, parameter_count(model("Llama-3.1-8B")));
-    // tp 1, pp 1: everything on one GPU (the final norm, `hidden` parameters, aside).
-    EXPECT_NEAR(static_cast<double>(p.params_per_gpu), static_cast<double>(p.params_total), 1e4);
+    // tp 1, pp 1: everything on one GPU, the final norm included.
+    EXPECT_EQ(p.params_per_gpu, p.params_total);
     EXPECT_EQ(p.summary.peak.weights, 2 * p.params_per_gpu);
     EXPECT_EQ(p.summary.peak.gradients, 2 * p.params_per_gpu);
     EXPECT_EQ(p.summary.peak.optimizer_states, 12 * p.params_per_gpu / dp);

@@ -413,8 +413,9 @@ TEST(SimCollectives, WeightStreamingSharesTheHostLinkWithTheCollectives) {
       if (t.gpu == 0 && t.kind == TaskKind::kCollective)
         last_comm[t.layer] = std::max(last_comm[t.layer], t.end_ms);
     for (const TaskRecord& t : with.tasks) {
-      if (t.gpu == 0 && t.kind == TaskKind::kForward && t.layer > 0)
+      if (t.gpu == 0 && t.kind == TaskKind::kForward && t.layer > 0) {
         EXPECT_GE(t.start_ms, last_comm[t.layer - 1] - 1e-9);
+      }
     }
   }
 }
