@@ -36,10 +36,51 @@ struct AttentionSpec {
   // parameters q_lora_rank x heads x dim + d x dim + 2 dim (LayerNorm) + d x heads.
   int64_t indexer_heads = 0;
   int64_t indexer_head_dim = 0;
+  // A sigmoid gate on the core output from a second half of the Q projection (Qwen3-Next's
+  // gated attention: q_proj is heads x qk_head_dim x 2 wide).
+  bool output_gate = false;
   friend bool operator==(const AttentionSpec&, const AttentionSpec&) = default;
 };
 
-enum class MlpKind { kDense, kMoe };
+// What mixes tokens in a layer: attention, a state-space model, linear attention, or
+// nothing (an MLP-only layer of Nemotron-H).
+enum class MixerKind { kAttention, kMamba, kLinearAttention, kNone };
+
+// A state-space mixer (Transformers' MambaMixer / Mamba2Mixer). Mamba-1 (`version` 1;
+// Jamba): a selective scan per channel, x_proj to dt_rank + 2 N, dt_proj back to the inner
+// width. Mamba-2 (`version` 2; Mamba2, Nemotron-H, Granite 4.0-H): SSD over `heads` heads of
+// `head_dim` (inner = heads x head_dim) with `groups` shared B/C groups, in chunks.
+struct SsmSpec {
+  int version = 2;
+  int64_t inner = 0;     // d_inner
+  int64_t state = 0;     // N, the state per channel (Mamba-1) or per head dim (Mamba-2)
+  int64_t heads = 0;     // Mamba-2
+  int64_t head_dim = 0;  // Mamba-2
+  int64_t groups = 1;    // Mamba-2: B/C groups
+  int64_t conv = 4;      // causal depthwise convolution width
+  int64_t dt_rank = 0;   // Mamba-1
+  int64_t chunk = 256;   // Mamba-2: SSD chunk length
+  bool conv_bias = true;
+  bool proj_bias = false;   // in_proj and out_proj biases
+  bool gated_norm = true;   // Mamba-2: gated RMSNorm over the inner width before out_proj
+  bool bcdt_norms = false;  // Jamba: RMSNorms on dt (dt_rank), B and C (N each)
+  friend bool operator==(const SsmSpec&, const SsmSpec&) = default;
+};
+
+// Linear attention with a gated delta rule (Qwen3-Next's Gated DeltaNet): q and k of
+// k_heads x k_head_dim, v of v_heads x v_head_dim, a causal depthwise convolution over q, k
+// and v, a recurrent state of k_head_dim x v_head_dim per value head, computed in chunks.
+struct LinearAttentionSpec {
+  int64_t k_heads = 0;
+  int64_t v_heads = 0;
+  int64_t k_head_dim = 0;
+  int64_t v_head_dim = 0;
+  int64_t conv = 4;
+  int64_t chunk = 64;
+  friend bool operator==(const LinearAttentionSpec&, const LinearAttentionSpec&) = default;
+};
+
+enum class MlpKind { kDense, kMoe, kNone };
 
 struct MlpSpec {
   MlpKind kind = MlpKind::kDense;
@@ -51,18 +92,24 @@ struct MlpSpec {
   int64_t residual_ffn = 0;  // MoE: a dense MLP beside the experts (Grok), 0 if none
   bool bias = false;         // biases on the MLP/expert projections (GPT-OSS)
   bool router_bias = false;  // a bias on the router (GPT-OSS, DeepSeek-V3's correction)
+  bool gated = true;         // gate, up and down (SwiGLU, GeGLU); false: up and down only
+                             // (Nemotron-H's squared ReLU)
   // The width a token activates: top_k * ffn + shared_ffn + residual_ffn (dense: ffn).
   int64_t active_ffn() const;
   friend bool operator==(const MlpSpec&, const MlpSpec&) = default;
 };
 
 struct LayerSpec {
-  AttentionSpec attn;
-  MlpSpec mlp;
+  AttentionSpec attn;  // used when mixer is kAttention
+  MlpSpec mlp;         // kNone: a mixer-only layer
+  MixerKind mixer = MixerKind::kAttention;
+  SsmSpec ssm{};                 // mixer kMamba
+  LinearAttentionSpec linear{};  // mixer kLinearAttention
   // RMSNorms beyond the input and post-attention ones, d parameters each (Gemma 2/3's
   // sandwich: pre- and post-feedforward norms).
   int64_t extra_norms = 0;
-  // Short block name used in plans: "gqa+dense", "swa+moe", "mla+moe", "gqa+moe+dense".
+  // Short block name used in plans: "gqa+dense", "swa+moe", "mla+moe", "gqa+moe+dense",
+  // "mamba2", "mamba+moe", "gdn+moe", "dense" (an MLP-only layer).
   std::string block_name() const;
   friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
 };

@@ -142,6 +142,160 @@ class Builder {
   LayerInventory& inv_;
 };
 
+void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh, int h);
+
+// What every block part needs: tokens, widths and byte helpers of one shard shape.
+struct Dims {
+  int64_t e, tp, T, Tsp;
+  double Tf, df, tpf;
+  std::string dt;
+  Dims(int64_t d, const ShardShape& sh)
+      : e(dtype_bytes(sh.dtype)),
+        tp(sh.tp),
+        T(ceil_div(mul(sh.micro_batch, sh.seq_len), sh.cp)),
+        Tsp(ceil_div(T, sh.tp)),
+        Tf(static_cast<double>(T)),
+        df(static_cast<double>(d)),
+        tpf(static_cast<double>(sh.tp)),
+        dt(to_string(sh.dtype)) {}
+  // inputs + weights + outputs of a GEMM, per GPU (widths split by tp)
+  int64_t gemm_bytes(int64_t M, int64_t K, int64_t N) const {
+    return mul(checked_add(checked_add(mul(M, K), mul(K, N), kOverflow), mul(M, N), kOverflow) / tp,
+               e);
+  }
+  static OpShape gemm(int64_t M, int64_t K, int64_t N) {
+    OpShape g;
+    g.m = M;
+    g.n = N;
+    g.k = K;
+    return g;
+  }
+};
+
+// Note [Block inventories]: a layer is a token mixer (attention, a state-space model,
+// linear attention, or none) and an MLP (dense, MoE, or none), each with its pre-norm and
+// residual; the mixer's output is "mlp.input" when an MLP follows, else the unsaved
+// "layer.output". Widths split by tp as heads do.
+//
+// Mamba (docs/plan-schema.md, "ssm.*"): norm; in_proj (GEMM) to z, x, B, C, dt; a causal
+// depthwise conv over x, B, C; the scan; the gate (Mamba-2: gated RMSNorm; Mamba-1:
+// y * silu(z)); out_proj (GEMM). The scan saves its output and its chunk states (fp32):
+// the block policy recomputes in_proj, conv and gate from the kept input and never reruns
+// the scan (DESIGN section 3). Mamba-2's scan is the chunked SSD: per token and head,
+// Q (N + P) FLOPs inside its chunk of Q (a causal matmul pair, attention-like: costed at
+// the attention efficiency with Q / 2 keys) and 4 N P across chunks. Mamba-1's is a
+// per-channel recurrence, 9 N FLOPs per token and channel, memory-bound; its states are
+// kept every 2048 tokens (the kernel's chunk).
+void mamba_inventory(Builder& b, const SsmSpec& s, int64_t d, const ShardShape& sh,
+                     const char* out_name, bool out_saved) {
+  const Dims k(d, sh);
+  const char* dt = k.dt.c_str();
+  const int x = b.tensor("ssm.input", k.Tsp, d, dt, k.e);
+  const int xn = b.tensor("ssm.norm_out", k.Tsp, d, dt, k.e);
+  b.op("ssm.norm", OpKind::kMemory, 4.0 * k.Tf * k.df / k.tpf, mul(mul(2, k.Tsp), mul(d, k.e)), {x},
+       {xn});
+  const bool v1 = s.version == 1;
+  // in_proj: Mamba-1 x and z; Mamba-2 z, x, B, C (groups) and dt (heads).
+  const int64_t conv_dim = v1 ? s.inner : s.inner + mul(2, mul(s.groups, s.state));
+  const int64_t in_width = v1 ? mul(2, s.inner) : s.inner + conv_dim + s.heads;
+  const int in = b.tensor("ssm.in_proj_out", k.T, ceil_div(in_width, k.tp), dt, k.e);
+  b.op("ssm.in_proj", OpKind::kGemm, 2.0 * k.Tf * k.df * static_cast<double>(in_width) / k.tpf,
+       k.gemm_bytes(k.T, d, in_width), {xn}, {in}, Dims::gemm(k.T, d, ceil_div(in_width, k.tp)));
+  const int conv = b.tensor("ssm.conv_out", k.T, ceil_div(conv_dim, k.tp), dt, k.e);
+  b.op("ssm.conv", OpKind::kMemory,
+       2.0 * k.Tf * static_cast<double>(conv_dim) * static_cast<double>(s.conv) / k.tpf,
+       mul(mul(2, k.T), mul(ceil_div(conv_dim, k.tp), k.e)), {in}, {conv});
+  std::vector<int> scan_in = {conv, in};
+  if (v1) {
+    // x_proj (to dt, B, C) and dt_proj (back to the inner width), on every channel.
+    const int64_t xw = s.dt_rank + mul(2, s.state);
+    const int xp = b.tensor("ssm.x_proj_out", k.T, xw, dt, k.e);
+    b.op("ssm.x_proj", OpKind::kGemm,
+         2.0 * k.Tf * static_cast<double>(s.inner) * static_cast<double>(xw) / k.tpf,
+         k.gemm_bytes(k.T, s.inner, xw), {conv}, {xp},
+         Dims::gemm(k.T, ceil_div(s.inner, k.tp), xw));
+    const int dtp = b.tensor("ssm.dt", k.T, ceil_div(s.inner, k.tp), dt, k.e);
+    b.op("ssm.dt_proj", OpKind::kGemm,
+         2.0 * k.Tf * static_cast<double>(s.dt_rank) * static_cast<double>(s.inner) / k.tpf,
+         k.gemm_bytes(k.T, s.dt_rank, s.inner), {xp}, {dtp},
+         Dims::gemm(k.T, s.dt_rank, ceil_div(s.inner, k.tp)));
+    scan_in = {conv, xp, dtp, in};
+  }
+  const int y = b.tensor("ssm.scan_out", k.T, ceil_div(s.inner, k.tp), dt, k.e);
+  const int64_t chunk = v1 ? 2048 : s.chunk;
+  const int64_t state_width = v1 ? mul(s.inner, s.state) : mul(mul(s.heads, s.head_dim), s.state);
+  const int states =
+      b.tensor("ssm.chunk_states", ceil_div(k.T, chunk), ceil_div(state_width, k.tp), "fp32", 4);
+  if (v1) {
+    b.op("ssm.scan", OpKind::kMemory,
+         9.0 * k.Tf * static_cast<double>(s.inner) * static_cast<double>(s.state) / k.tpf,
+         mul(mul(k.T, ceil_div(mul(4, s.inner) + mul(2, s.state), k.tp)), k.e), scan_in,
+         {y, states});
+  } else {
+    const double Q = static_cast<double>(s.chunk);
+    const double N = static_cast<double>(s.state);
+    const double P = static_cast<double>(s.head_dim);
+    OpShape scan_shape;
+    scan_shape.keys = Q / 2.0;
+    b.op("ssm.scan", OpKind::kAttention,
+         k.Tf * static_cast<double>(s.heads) * (Q * (N + P) + 4.0 * N * P) / k.tpf,
+         mul(mul(k.T, ceil_div(conv_dim + s.inner + s.heads, k.tp)), k.e), scan_in, {y, states},
+         scan_shape, 2.5);
+  }
+  const int gated = b.tensor("ssm.out_proj_in", k.T, ceil_div(s.inner, k.tp), dt, k.e);
+  b.op("ssm.gate", OpKind::kMemory, 6.0 * k.Tf * static_cast<double>(s.inner) / k.tpf,
+       mul(mul(3, k.T), mul(ceil_div(s.inner, k.tp), k.e)), {y, in}, {gated});
+  const int out = b.tensor(out_name, k.Tsp, d, dt, k.e, out_saved);
+  b.op("ssm.out_proj", OpKind::kGemm, 2.0 * k.Tf * static_cast<double>(s.inner) * k.df / k.tpf,
+       k.gemm_bytes(k.T, s.inner, d), {gated, x}, {out},
+       Dims::gemm(k.T, ceil_div(s.inner, k.tp), d));
+}
+
+// Gated DeltaNet (docs/plan-schema.md, "lin.*"), as Mamba-2 with the chunked gated delta
+// rule as its scan: per token and value head, C (dk + dv) FLOPs inside its chunk of C and
+// 4 dk dv across chunks (the recurrent state is dk x dv per value head); the block policy
+// recomputes the projections, conv and gate and keeps the core output and chunk states.
+void linear_attention_inventory(Builder& b, const LinearAttentionSpec& g, int64_t d,
+                                const ShardShape& sh, const char* out_name, bool out_saved) {
+  const Dims k(d, sh);
+  const char* dt = k.dt.c_str();
+  const int64_t key = mul(g.k_heads, g.k_head_dim);
+  const int64_t value = mul(g.v_heads, g.v_head_dim);
+  const int x = b.tensor("lin.input", k.Tsp, d, dt, k.e);
+  const int xn = b.tensor("lin.norm_out", k.Tsp, d, dt, k.e);
+  b.op("lin.norm", OpKind::kMemory, 4.0 * k.Tf * k.df / k.tpf, mul(mul(2, k.Tsp), mul(d, k.e)), {x},
+       {xn});
+  // q, k, v, z (the output gate), and b, a (the delta rule's beta and decay) per value head.
+  const int64_t in_width = mul(2, key) + mul(2, value) + mul(2, g.v_heads);
+  const int in = b.tensor("lin.in_proj_out", k.T, ceil_div(in_width, k.tp), dt, k.e);
+  b.op("lin.in_proj", OpKind::kGemm, 2.0 * k.Tf * k.df * static_cast<double>(in_width) / k.tpf,
+       k.gemm_bytes(k.T, d, in_width), {xn}, {in}, Dims::gemm(k.T, d, ceil_div(in_width, k.tp)));
+  const int64_t conv_dim = mul(2, key) + value;
+  const int conv = b.tensor("lin.conv_out", k.T, ceil_div(conv_dim, k.tp), dt, k.e);
+  b.op("lin.conv", OpKind::kMemory,
+       2.0 * k.Tf * static_cast<double>(conv_dim) * static_cast<double>(g.conv) / k.tpf,
+       mul(mul(2, k.T), mul(ceil_div(conv_dim, k.tp), k.e)), {in}, {conv});
+  const int y = b.tensor("lin.core_out", k.T, ceil_div(value, k.tp), dt, k.e);
+  const int states =
+      b.tensor("lin.chunk_states", ceil_div(k.T, g.chunk),
+               ceil_div(mul(g.v_heads, mul(g.k_head_dim, g.v_head_dim)), k.tp), "fp32", 4);
+  const double C = static_cast<double>(g.chunk);
+  const double dk = static_cast<double>(g.k_head_dim);
+  const double dv = static_cast<double>(g.v_head_dim);
+  OpShape core_shape;
+  core_shape.keys = C / 2.0;
+  b.op("lin.core", OpKind::kAttention,
+       k.Tf * static_cast<double>(g.v_heads) * (C * (dk + dv) + 4.0 * dk * dv) / k.tpf,
+       mul(mul(k.T, ceil_div(conv_dim + value + mul(2, g.v_heads), k.tp)), k.e), {conv, in},
+       {y, states}, core_shape, 2.5);
+  const int gated = b.tensor("lin.out_proj_in", k.T, ceil_div(value, k.tp), dt, k.e);
+  b.op("lin.gate", OpKind::kMemory, 6.0 * k.Tf * static_cast<double>(value) / k.tpf,
+       mul(mul(3, k.T), mul(ceil_div(value, k.tp), k.e)), {y, in}, {gated});
+  const int out = b.tensor(out_name, k.Tsp, d, dt, k.e, out_saved);
+  b.op("lin.out_proj", OpKind::kGemm, 2.0 * k.Tf * static_cast<double>(value) * k.df / k.tpf,
+       k.gemm_bytes(k.T, value, d), {gated, x}, {out}, Dims::gemm(k.T, ceil_div(value, k.tp), d));
+}
+
 }  // namespace
 
 LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardShape& sh) {
@@ -177,12 +331,29 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
                e);
   };
 
+  // The mixer's output plus the residual: the MLP's input, or the layer's output in a
+  // mixer-only layer (Note [Block inventories]).
+  const bool has_mlp = m.kind != MlpKind::kNone;
+  const char* mixer_out = has_mlp ? "mlp.input" : "layer.output";
+  if (layer.mixer == MixerKind::kMamba) {
+    mamba_inventory(b, layer.ssm, d, sh, mixer_out, has_mlp);
+  } else if (layer.mixer == MixerKind::kLinearAttention) {
+    linear_attention_inventory(b, layer.linear, d, sh, mixer_out, has_mlp);
+  }
+  if (layer.mixer != MixerKind::kAttention) {
+    if (!has_mlp) return inv;
+    if (layer.mixer == MixerKind::kNone) b.tensor("mlp.input", Tsp, d, dt, e);  // layer input
+    mlp_inventory(b, m, d, sh, inv.find("mlp.input"));
+    return inv;
+  }
+
   // ---- attention -----------------------------------------------------------------
   const int x = b.tensor("attn.input", Tsp, d, dt, e);
   const int xn = b.tensor("attn.norm_out", Tsp, d, dt, e);
   b.op("attn.norm", OpKind::kMemory, 4.0 * Tf * df / tpf, mul(mul(2, Tsp), mul(d, e)), {x}, {xn});
 
-  const int64_t q_width = mul(a.heads, a.qk_head_dim);
+  // Gated attention (Qwen3-Next): the Q projection also makes the output gate.
+  const int64_t q_width = mul(mul(a.heads, a.qk_head_dim), a.output_gate ? 2 : 1);
   const int64_t kv_width = a.kind == AttentionKind::kMla
                                ? mul(a.heads, a.qk_head_dim + a.v_head_dim)
                                : mul(a.kv_heads, a.qk_head_dim + a.v_head_dim);
@@ -228,11 +399,39 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
        mul(checked_add(qkv_width, o_width, kOverflow), mul(T, e)) / tp, {qkv}, {core, lse},
        core_shape, 2.5);
 
-  const int h = b.tensor("mlp.input", Tsp, d, dt, e);
+  const int h = b.tensor(mixer_out, Tsp, d, dt, e, has_mlp);
   b.op("attn.out_proj", OpKind::kGemm, 2.0 * Tf * static_cast<double>(o_width) * df / tpf,
        gemm_bytes(T, o_width, d), {core, x}, {h}, gemm_shape(T, ceil_div(o_width, tp), d));
+  if (has_mlp) mlp_inventory(b, m, d, sh, h);
+  return inv;
+}
 
-  // ---- MLP (dense or MoE) --------------------------------------------------------
+namespace {
+
+// ---- MLP (dense or MoE), from its input tensor `h` -------------------------------------
+void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh, int h) {
+  const int64_t e = dtype_bytes(sh.dtype);
+  const std::string dtype_name = to_string(sh.dtype);
+  const char* dt = dtype_name.c_str();
+  const int64_t tp = sh.tp;
+  const int64_t T = ceil_div(mul(sh.micro_batch, sh.seq_len), sh.cp);
+  const int64_t Tsp = ceil_div(T, tp);
+  const double Tf = static_cast<double>(T);
+  const double df = static_cast<double>(d);
+  const double tpf = static_cast<double>(tp);
+  auto gemm_shape = [](int64_t M, int64_t K, int64_t N) {
+    OpShape g;
+    g.m = M;
+    g.n = N;
+    g.k = K;
+    return g;
+  };
+  auto gemm_bytes = [&](int64_t M, int64_t K, int64_t N, int64_t weight_copies = 1) {
+    return mul(checked_add(checked_add(mul(M, K), mul(mul(K, N), weight_copies), kOverflow),
+                           mul(M, N), kOverflow) /
+                   tp,
+               e);
+  };
   const int hn = b.tensor("mlp.norm_out", Tsp, d, dt, e);
   b.op("mlp.norm", OpKind::kMemory, 4.0 * Tf * df / tpf, mul(mul(2, Tsp), mul(d, e)), {h}, {hn});
 
@@ -277,15 +476,22 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     proj_bytes = gemm_bytes(T, d, m.ffn);
     down_bytes = proj_bytes;
   }
-  const int g = b.tensor("mlp.gate_out", T, f_cols, dt, e);
+  std::vector<int> act_in;
+  if (m.gated) {
+    const int g = b.tensor("mlp.gate_out", T, f_cols, dt, e);
+    b.op("mlp.gate", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {g}, proj_shape);
+    act_in.push_back(g);
+  }
   const int u = b.tensor("mlp.up_out", T, f_cols, dt, e);
-  b.op("mlp.gate", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {g}, proj_shape);
   b.op("mlp.up", OpKind::kGemm, proj_flops, proj_bytes, gate_in, {u}, proj_shape);
+  act_in.push_back(u);
   OpShape down_shape = proj_shape;
   std::swap(down_shape.n, down_shape.k);
-  const int act = b.tensor("mlp.act", T, f_cols, dt, e, !sh.fused_swiglu);
+  // Gated: silu(gate) * up (fused SwiGLU recomputes it in the down projection's backward);
+  // ungated: an element-wise activation of up (squared ReLU), always saved.
+  const int act = b.tensor("mlp.act", T, f_cols, dt, e, !(sh.fused_swiglu && m.gated));
   b.op("mlp.act", OpKind::kMemory, 4.0 * Tf * static_cast<double>(f_cols),
-       mul(mul(3, T), mul(f_cols, e)), {g, u}, {act});
+       mul(mul(m.gated ? 3 : 2, T), mul(f_cols, e)), act_in, {act});
   if (m.kind == MlpKind::kMoe) {
     const int64_t rows = mul(T, m.top_k);
     const int eo = b.tensor("moe.expert_out", ceil_div(rows, tp), d, dt, e);
@@ -297,7 +503,8 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
     b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {out}, down_shape);
   }
-  return inv;
 }
+
+}  // namespace
 
 }  // namespace spillway

@@ -426,6 +426,301 @@ ModelConfig parse_llama4(const JsonObject& c, ModelConfig m) {
   return m;
 }
 
+// A Mamba-2 mixer from the keys of Mamba2, Nemotron-H and Granite 4.0-H (aliases: the
+// mamba_-prefixed names of the latter two and the plain ones of Mamba2 and remote-code
+// Nemotron-H copies).
+SsmSpec read_mamba2(const JsonObject& c, int64_t hidden) {
+  SsmSpec s;
+  s.version = 2;
+  s.state = c.req_int(alias(c, {"ssm_state_size", "state_size", "mamba_d_state"}), 1, kMaxDim);
+  s.heads = c.req_int(alias(c, {"mamba_num_heads", "num_heads", "mamba_n_heads"}), 1, kMaxDim);
+  s.head_dim = c.req_int(alias(c, {"mamba_head_dim", "head_dim", "mamba_d_head"}), 1, kMaxDim);
+  s.groups = c.int_or(alias(c, {"n_groups", "mamba_n_groups"}), 1, 1, kMaxDim);
+  s.conv = c.int_or(alias(c, {"conv_kernel", "mamba_d_conv"}), 4, 1, kMaxDim);
+  s.chunk = c.int_or(alias(c, {"chunk_size", "mamba_chunk_size"}), 256, 1, kMaxDim);
+  s.conv_bias = c.bool_or(alias(c, {"use_conv_bias", "mamba_conv_bias"}), true);
+  s.proj_bias = c.bool_or(alias(c, {"use_bias", "mamba_proj_bias"}), false);
+  s.inner = checked_mul(s.heads, s.head_dim, "model config: mamba heads * head_dim");
+  const char* expand_key = alias(c, {"expand", "mamba_expand"});
+  if (c.has(expand_key)) {
+    const int64_t expand = c.req_int(expand_key, 1, 1024);
+    if (s.inner != expand * hidden) {
+      c.fail(expand_key,
+             fmt::format("is {}: expand x hidden_size ({}) must equal the Mamba heads x head "
+                         "dim ({} x {} = {})",
+                         expand, expand * hidden, s.heads, s.head_dim, s.inner));
+    }
+  }
+  if (s.heads % s.groups != 0) {
+    c.fail(alias(c, {"n_groups", "mamba_n_groups"}),
+           fmt::format("is {}; must divide the Mamba heads ({})", s.groups, s.heads));
+  }
+  return s;
+}
+
+// Nemotron-H: one block a layer, by hybrid_override_pattern: 'M' a Mamba-2 mixer, '*'
+// attention, '-' a squared-ReLU MLP (up and down), 'E' an MoE (routed experts plus a shared
+// one, squared-ReLU as well).
+ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  const std::string pattern = c.req_str("hybrid_override_pattern");
+  if (static_cast<int64_t>(pattern.size()) != layers) {
+    c.fail("hybrid_override_pattern",
+           fmt::format("has {} characters; must have one per layer ({})", pattern.size(), layers));
+  }
+  AttentionSpec a;
+  a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
+  a.kv_heads = c.int_or("num_key_value_heads", a.heads, 1, kMaxDim);
+  a.qk_head_dim = c.req_int(alias(c, {"attention_head_dim", "head_dim"}), 1, kMaxDim);
+  a.v_head_dim = a.qk_head_dim;
+  a.qkv_bias = c.bool_or("attention_bias", false);
+  a.o_bias = a.qkv_bias;
+  // Mamba's head_dim is mamba_head_dim here; head_dim, when present, is attention's.
+  SsmSpec ssm;
+  if (pattern.find('M') != std::string::npos) {
+    ssm.version = 2;
+    ssm.state = c.req_int("ssm_state_size", 1, kMaxDim);
+    ssm.heads = c.req_int("mamba_num_heads", 1, kMaxDim);
+    ssm.head_dim = c.req_int("mamba_head_dim", 1, kMaxDim);
+    ssm.groups = c.int_or(alias(c, {"n_groups", "mamba_n_groups"}), 1, 1, kMaxDim);
+    ssm.conv = c.int_or(alias(c, {"conv_kernel", "mamba_d_conv"}), 4, 1, kMaxDim);
+    ssm.chunk = c.int_or(alias(c, {"chunk_size", "mamba_chunk_size"}), 256, 1, kMaxDim);
+    ssm.conv_bias = c.bool_or(alias(c, {"use_conv_bias", "mamba_conv_bias"}), true);
+    ssm.proj_bias = c.bool_or(alias(c, {"use_bias", "mamba_proj_bias"}), false);
+    ssm.inner = checked_mul(ssm.heads, ssm.head_dim, "model config: mamba heads * head_dim");
+    (void)c.has(alias(c, {"expand", "mamba_expand"}));  // heads x head_dim rule
+  }
+  MlpSpec mlp;
+  mlp.gated = false;
+  mlp.bias = c.bool_or("mlp_bias", false);
+  if (pattern.find('-') != std::string::npos) mlp.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  MlpSpec moe;
+  if (pattern.find('E') != std::string::npos) {
+    moe.kind = MlpKind::kMoe;
+    moe.gated = false;
+    const char* routed = alias(c, {"n_routed_experts", "num_experts"});
+    moe.experts = c.req_int(routed, 1, kMaxDim);
+    moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+    check_topk(c, "num_experts_per_tok", moe.top_k, routed, moe.experts);
+    moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
+    moe.shared_ffn = c.int_or("moe_shared_expert_intermediate_size", 0, 0, kMaxDim) *
+                     c.int_or(alias(c, {"n_shared_experts", "num_shared_experts"}), 1, 0, 64);
+    moe.router_bias = true;  // e_score_correction_bias
+  }
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerSpec l;
+    l.mlp.kind = MlpKind::kNone;
+    switch (pattern[static_cast<size_t>(i)]) {
+      case 'M':
+        l.mixer = MixerKind::kMamba;
+        l.ssm = ssm;
+        break;
+      case '*':
+        l.mixer = MixerKind::kAttention;
+        l.attn = a;
+        break;
+      case '-':
+        l.mixer = MixerKind::kNone;
+        l.mlp = mlp;
+        break;
+      case 'E':
+        l.mixer = MixerKind::kNone;
+        l.mlp = moe;
+        break;
+      default:
+        c.fail("hybrid_override_pattern",
+               fmt::format("has '{}' at layer {}; must be M (Mamba-2), * (attention), - (MLP) or "
+                           "E (MoE)",
+                           pattern[static_cast<size_t>(i)], i));
+    }
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+// Mamba2 (transformers' Mamba2ForCausalLM): every layer a norm and a Mamba-2 mixer.
+ModelConfig parse_mamba2(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  LayerSpec l;
+  l.mixer = MixerKind::kMamba;
+  l.ssm = read_mamba2(c, m.hidden);
+  l.ssm.gated_norm = c.bool_or("rms_norm", true);
+  l.mlp.kind = MlpKind::kNone;
+  m.layers.assign(static_cast<size_t>(layers), l);
+  return m;
+}
+
+// Jamba: attention where i % attn_layer_period == attn_layer_offset, else a Mamba-1 mixer
+// (with dt, B and C norms); MoE where i % expert_layer_period == expert_layer_offset,
+// else a dense SwiGLU MLP. mamba_dt_rank "auto" is ceil(hidden / 16).
+ModelConfig parse_jamba(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  const AttentionSpec a = read_gqa(c, m.hidden);
+  SsmSpec ssm;
+  ssm.version = 1;
+  ssm.state = c.int_or("mamba_d_state", 16, 1, kMaxDim);
+  ssm.conv = c.int_or("mamba_d_conv", 4, 1, kMaxDim);
+  ssm.inner = checked_mul(c.int_or("mamba_expand", 2, 1, 1024), m.hidden, "model config: inner");
+  if (c.has("mamba_dt_rank") && c.raw().at("mamba_dt_rank").is_string()) {
+    if (c.req_str("mamba_dt_rank") != "auto")
+      c.fail("mamba_dt_rank", "must be an integer or \"auto\"");
+    ssm.dt_rank = (m.hidden + 15) / 16;
+  } else {
+    ssm.dt_rank = c.int_or("mamba_dt_rank", (m.hidden + 15) / 16, 1, kMaxDim);
+  }
+  ssm.conv_bias = c.bool_or("mamba_conv_bias", true);
+  ssm.proj_bias = c.bool_or("mamba_proj_bias", false);
+  ssm.bcdt_norms = true;
+  ssm.gated_norm = false;
+  MlpSpec moe;
+  moe.kind = MlpKind::kMoe;
+  moe.experts = c.req_int("num_experts", 1, kMaxDim);
+  moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+  check_topk(c, "num_experts_per_tok", moe.top_k, "num_experts", moe.experts);
+  moe.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  MlpSpec dense = dense_mlp(c);
+  const int64_t ap = c.int_or("attn_layer_period", 8, 1, kMaxLayers);
+  const int64_t ao = c.int_or("attn_layer_offset", 4, 0, kMaxLayers);
+  const int64_t ep = c.int_or("expert_layer_period", 2, 1, kMaxLayers);
+  const int64_t eo = c.int_or("expert_layer_offset", 1, 0, kMaxLayers);
+  if (ao >= ap)
+    c.fail("attn_layer_offset", fmt::format("is {}; must be < attn_layer_period ({})", ao, ap));
+  if (eo >= ep)
+    c.fail("expert_layer_offset", fmt::format("is {}; must be < expert_layer_period ({})", eo, ep));
+  const int64_t window = read_window(c);
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerSpec l;
+    if (i % ap == ao) {
+      l.attn = a;
+      l.attn.sliding_window = window;
+    } else {
+      l.mixer = MixerKind::kMamba;
+      l.ssm = ssm;
+    }
+    l.mlp = moe.experts > 1 && i % ep == eo ? moe : dense;
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+// Qwen3-Next: full attention where layer_types says "full_attention" (else every
+// full_attention_interval-th layer), Gated DeltaNet elsewhere; the attention is gated (its
+// Q projection is twice as wide) with q/k norms; the MLP as Qwen2-MoE's (routed experts, a
+// shared expert with its sigmoid gate; decoder_sparse_step, mlp_only_layers).
+ModelConfig parse_qwen3_next(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a = read_gqa(c, m.hidden);
+  a.o_bias = false;
+  a.qk_norm = true;
+  a.output_gate = true;
+  LinearAttentionSpec lin;
+  lin.k_heads = c.req_int("linear_num_key_heads", 1, kMaxDim);
+  lin.v_heads = c.req_int("linear_num_value_heads", 1, kMaxDim);
+  lin.k_head_dim = c.req_int("linear_key_head_dim", 1, kMaxDim);
+  lin.v_head_dim = c.req_int("linear_value_head_dim", 1, kMaxDim);
+  lin.conv = c.int_or("linear_conv_kernel_dim", 4, 1, kMaxDim);
+  if (lin.v_heads % lin.k_heads != 0) {
+    c.fail("linear_num_value_heads", fmt::format("is {}; must be a multiple of "
+                                                 "\"linear_num_key_heads\" ({})",
+                                                 lin.v_heads, lin.k_heads));
+  }
+  std::vector<char> full(static_cast<size_t>(layers), 0);
+  const std::vector<std::string> types = c.str_array_or("layer_types");
+  if (!types.empty()) {
+    if (static_cast<int64_t>(types.size()) != layers) {
+      c.fail("layer_types",
+             fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
+    }
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (types[i] != "full_attention" && types[i] != "linear_attention") {
+        c.fail(
+            fmt::format("layer_types[{}]", i),
+            fmt::format("is \"{}\"; must be \"full_attention\" or \"linear_attention\"", types[i]));
+      }
+      full[i] = types[i] == "full_attention";
+    }
+    (void)c.has("full_attention_interval");
+  } else {
+    const int64_t interval = c.int_or("full_attention_interval", 4, 1, kMaxLayers);
+    for (int64_t i = 0; i < layers; ++i) full[static_cast<size_t>(i)] = (i + 1) % interval == 0;
+  }
+  MlpSpec moe;
+  moe.kind = MlpKind::kMoe;
+  const char* experts_key = alias(c, {"num_experts", "num_local_experts"});
+  moe.experts = c.req_int(experts_key, 1, kMaxDim);
+  moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+  check_topk(c, "num_experts_per_tok", moe.top_k, experts_key, moe.experts);
+  moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
+  moe.shared_ffn = c.int_or("shared_expert_intermediate_size", 0, 0, kMaxDim);
+  moe.shared_gate = moe.shared_ffn > 0;
+  const int64_t step = c.int_or("decoder_sparse_step", 1, 1, kMaxLayers);
+  const std::vector<int64_t> dense_only = c.int_array_or("mlp_only_layers", 0, layers - 1);
+  const std::set<int64_t> dense_set(dense_only.begin(), dense_only.end());
+  MlpSpec dense;
+  if (!dense_set.empty() || step > 1) dense = dense_mlp(c);
+  (void)c.has("intermediate_size");
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerSpec l;
+    if (full[static_cast<size_t>(i)]) {
+      l.attn = a;
+    } else {
+      l.mixer = MixerKind::kLinearAttention;
+      l.linear = lin;
+    }
+    l.mlp = !dense_set.count(i) && (i + 1) % step == 0 ? moe : dense;
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+// Granite 4.0-H (granitemoehybrid): layer_types ("mamba" or "attention") pick the mixer;
+// every layer has an MLP: routed experts (num_local_experts, if any) plus a shared SwiGLU
+// MLP of shared_intermediate_size.
+ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a = read_gqa(c, m.hidden);
+  const std::vector<std::string> types = c.str_array_or("layer_types");
+  if (static_cast<int64_t>(types.size()) != layers) {
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
+  }
+  const bool any_mamba = std::find(types.begin(), types.end(), "mamba") != types.end();
+  SsmSpec ssm;
+  if (any_mamba) ssm = read_mamba2(c, m.hidden);
+  MlpSpec mlp;
+  const int64_t experts = c.int_or(alias(c, {"num_local_experts", "num_experts"}), 0, 0, kMaxDim);
+  const int64_t shared = c.int_or("shared_intermediate_size", 0, 0, kMaxDim);
+  if (experts > 0) {
+    mlp.kind = MlpKind::kMoe;
+    mlp.experts = experts;
+    mlp.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+    check_topk(c, "num_experts_per_tok", mlp.top_k, "num_local_experts", experts);
+    mlp.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+    mlp.shared_ffn = shared;
+  } else {
+    mlp.kind = MlpKind::kDense;
+    mlp.ffn = shared > 0 ? shared : c.req_int("intermediate_size", 1, kMaxDim);
+    (void)c.has("intermediate_size");
+    (void)c.has("num_experts_per_tok");
+  }
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerSpec l;
+    const std::string& t = types[static_cast<size_t>(i)];
+    if (t == "mamba") {
+      l.mixer = MixerKind::kMamba;
+      l.ssm = ssm;
+    } else if (t == "attention") {
+      l.attn = a;
+    } else {
+      c.fail(fmt::format("layer_types[{}]", i),
+             fmt::format("is \"{}\"; must be \"mamba\" or \"attention\"", t));
+    }
+    l.mlp = mlp;
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
 // Grok-1 and Grok-2: 8 experts, top-2; Grok-2 adds a dense MLP beside the experts
 // ("residual_moe"), sized by intermediate_size, with experts sized by moe_intermediate_size.
 ModelConfig parse_grok(const JsonObject& c, ModelConfig m) {
@@ -501,7 +796,12 @@ constexpr FamilyName kFamilies[] = {{"llama", "llama"},
                                     {"gemma2", "gemma"},
                                     {"gemma3_text", "gemma"},
                                     {"glm4_moe", "glm4_moe"},
-                                    {"llama4_text", "llama4"}};
+                                    {"llama4_text", "llama4"},
+                                    {"nemotron_h", "nemotron_h"},
+                                    {"mamba2", "mamba2"},
+                                    {"jamba", "jamba"},
+                                    {"qwen3_next", "qwen3_next"},
+                                    {"granitemoehybrid", "granite_hybrid"}};
 
 const char* family_of(const std::string& type) {
   for (const FamilyName& f : kFamilies)
@@ -533,7 +833,12 @@ std::string type_of_architecture(const std::string& arch) {
       {"Gemma3ForConditionalGeneration", "gemma3_text"},
       {"Glm4MoeForCausalLM", "glm4_moe"},
       {"Llama4ForCausalLM", "llama4_text"},
-      {"Llama4ForConditionalGeneration", "llama4_text"}};
+      {"Llama4ForConditionalGeneration", "llama4_text"},
+      {"NemotronHForCausalLM", "nemotron_h"},
+      {"Mamba2ForCausalLM", "mamba2"},
+      {"JambaForCausalLM", "jamba"},
+      {"Qwen3NextForCausalLM", "qwen3_next"},
+      {"GraniteMoeHybridForCausalLM", "granitemoehybrid"}};
   for (const auto& [a, t] : kArch)
     if (arch == a) return t;
   return {};
@@ -604,10 +909,27 @@ int64_t MlpSpec::active_ffn() const {
 }
 
 std::string LayerSpec::block_name() const {
-  std::string s =
-      attn.kind == AttentionKind::kMla ? "mla" : (attn.sliding_window > 0 ? "swa" : "gqa");
-  s += mlp.kind == MlpKind::kMoe ? "+moe" : "+dense";
-  if (mlp.kind == MlpKind::kMoe && mlp.residual_ffn > 0) s += "+dense";
+  std::string s;
+  switch (mixer) {
+    case MixerKind::kAttention:
+      s = attn.kind == AttentionKind::kMla ? "mla" : (attn.sliding_window > 0 ? "swa" : "gqa");
+      break;
+    case MixerKind::kMamba:
+      s = ssm.version == 1 ? "mamba" : "mamba2";
+      break;
+    case MixerKind::kLinearAttention:
+      s = "gdn";
+      break;
+    case MixerKind::kNone:
+      break;
+  }
+  auto add = [&](const char* part) { s += s.empty() ? part : std::string("+") + part; };
+  if (mlp.kind == MlpKind::kMoe) {
+    add("moe");
+    if (mlp.residual_ffn > 0) add("dense");
+  } else if (mlp.kind == MlpKind::kDense) {
+    add("dense");
+  }
   return s;
 }
 
@@ -689,6 +1011,16 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
     m = parse_glm4_moe(tracked, std::move(m));
   } else if (f == "llama4") {
     m = parse_llama4(tracked, std::move(m));
+  } else if (f == "nemotron_h") {
+    m = parse_nemotron_h(tracked, std::move(m));
+  } else if (f == "mamba2") {
+    m = parse_mamba2(tracked, std::move(m));
+  } else if (f == "jamba") {
+    m = parse_jamba(tracked, std::move(m));
+  } else if (f == "qwen3_next") {
+    m = parse_qwen3_next(tracked, std::move(m));
+  } else if (f == "granite_hybrid") {
+    m = parse_granite_hybrid(tracked, std::move(m));
   } else {
     unknown_type(nested ? c : root, nested ? type : m.model_type);
   }
@@ -760,61 +1092,126 @@ ModelConfig load_model(const std::string& name_or_path) {
   return parse_model_config(load_json_file(p.string(), kWhat), stem, p.string());
 }
 
-int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
-  auto mul = [](int64_t a, int64_t b) {
-    return checked_mul(a, b, "model config: parameter count");
-  };
-  auto add = [](int64_t a, int64_t b) {
-    return checked_add(a, b, "model config: parameter count");
-  };
-  const AttentionSpec& a = l.attn;
-  int64_t p = d;  // input RMSNorm
-  if (a.kind == AttentionKind::kGqa) {
-    p = add(p, mul(d, mul(a.heads, a.qk_head_dim)));                    // q
-    p = add(p, mul(d, mul(a.kv_heads, a.qk_head_dim + a.v_head_dim)));  // k, v
-    if (a.qkv_bias)
-      p = add(p, mul(a.heads, a.qk_head_dim) + mul(a.kv_heads, a.qk_head_dim + a.v_head_dim));
-  } else {
-    const int64_t q_out = mul(a.heads, a.qk_head_dim);
-    if (a.q_lora_rank > 0) {
-      p = add(p, add(mul(d, a.q_lora_rank), a.q_lora_rank));  // q_a + its norm
-      p = add(p, mul(a.q_lora_rank, q_out));                  // q_b
-    } else {
-      p = add(p, mul(d, q_out));
-    }
-    p = add(p, mul(d, a.kv_lora_rank + a.qk_rope_head_dim));  // kv_a
-    p = add(p, a.kv_lora_rank);                               // kv_a norm
-    p = add(p,
-            mul(a.kv_lora_rank, mul(a.heads, a.qk_head_dim - a.qk_rope_head_dim + a.v_head_dim)));
-  }
-  p = add(p, mul(mul(a.heads, a.v_head_dim), d));  // o
-  if (a.o_bias) p = add(p, d);
-  if (a.qk_norm) p = add(p, 2 * a.qk_head_dim);
-  if (a.sinks) p = add(p, a.heads);
-  if (a.indexer_heads > 0) {  // DeepSeek-V3.2's lightning indexer
-    p = add(p, mul(a.q_lora_rank, mul(a.indexer_heads, a.indexer_head_dim)));  // wq_b
-    p = add(p, mul(d, a.indexer_head_dim));                                    // wk
-    p = add(p, mul(2, a.indexer_head_dim));                                    // k_norm
-    p = add(p, mul(d, a.indexer_heads));                                       // weights_proj
-  }
-  p = add(p, mul(l.extra_norms, d));
+namespace {
 
-  const MlpSpec& m = l.mlp;
-  p = add(p, d);  // post-attention RMSNorm
-  auto swiglu = [&](int64_t f, bool bias) {
-    int64_t w = mul(3, mul(d, f));
-    return bias ? add(w, add(mul(2, f), d)) : w;
-  };
-  if (m.kind == MlpKind::kDense) {
-    p = add(p, swiglu(m.ffn, m.bias));
+using ParamFn = int64_t (*)(int64_t, int64_t);
+int64_t pmul(int64_t a, int64_t b) {
+  return checked_mul(a, b, "model config: parameter count");
+}
+int64_t padd(int64_t a, int64_t b) {
+  return checked_add(a, b, "model config: parameter count");
+}
+
+int64_t attention_parameters(const AttentionSpec& a, int64_t d) {
+  int64_t p = 0;
+  if (a.kind == AttentionKind::kGqa) {
+    const int64_t q = pmul(pmul(a.heads, a.qk_head_dim), a.output_gate ? 2 : 1);
+    p = padd(p, pmul(d, q));                                               // q (and its gate)
+    p = padd(p, pmul(d, pmul(a.kv_heads, a.qk_head_dim + a.v_head_dim)));  // k, v
+    if (a.qkv_bias) p = padd(p, q + pmul(a.kv_heads, a.qk_head_dim + a.v_head_dim));
   } else {
-    p = add(p, mul(m.experts, swiglu(m.ffn, m.bias)));
-    p = add(p, mul(d, m.experts));  // router
-    if (m.router_bias) p = add(p, m.experts);
-    if (m.shared_ffn > 0) p = add(p, swiglu(m.shared_ffn, false));
-    if (m.shared_gate) p = add(p, d);
-    if (m.residual_ffn > 0) p = add(p, swiglu(m.residual_ffn, false));
+    const int64_t q_out = pmul(a.heads, a.qk_head_dim);
+    if (a.q_lora_rank > 0) {
+      p = padd(p, padd(pmul(d, a.q_lora_rank), a.q_lora_rank));  // q_a + its norm
+      p = padd(p, pmul(a.q_lora_rank, q_out));                   // q_b
+    } else {
+      p = padd(p, pmul(d, q_out));
+    }
+    p = padd(p, pmul(d, a.kv_lora_rank + a.qk_rope_head_dim));  // kv_a
+    p = padd(p, a.kv_lora_rank);                                // kv_a norm
+    p = padd(
+        p, pmul(a.kv_lora_rank, pmul(a.heads, a.qk_head_dim - a.qk_rope_head_dim + a.v_head_dim)));
   }
+  p = padd(p, pmul(pmul(a.heads, a.v_head_dim), d));  // o
+  if (a.o_bias) p = padd(p, d);
+  if (a.qk_norm) p = padd(p, 2 * a.qk_head_dim);
+  if (a.sinks) p = padd(p, a.heads);
+  if (a.indexer_heads > 0) {  // DeepSeek-V3.2's lightning indexer
+    p = padd(p, pmul(a.q_lora_rank, pmul(a.indexer_heads, a.indexer_head_dim)));  // wq_b
+    p = padd(p, pmul(d, a.indexer_head_dim));                                     // wk
+    p = padd(p, pmul(2, a.indexer_head_dim));                                     // k_norm
+    p = padd(p, pmul(d, a.indexer_heads));                                        // weights_proj
+  }
+  return p;
+}
+
+// Transformers' MambaMixer (version 1) and Mamba2Mixer (version 2).
+int64_t ssm_parameters(const SsmSpec& s, int64_t d) {
+  int64_t p = 0;
+  const int64_t e = s.inner;
+  if (s.version == 1) {
+    p = padd(p, pmul(d, 2 * e));  // in_proj: x and z
+    if (s.proj_bias) p = padd(p, 2 * e);
+    p = padd(p, pmul(e, s.conv));  // conv1d
+    if (s.conv_bias) p = padd(p, e);
+    p = padd(p, pmul(e, s.dt_rank + 2 * s.state));           // x_proj: dt, B, C
+    p = padd(p, padd(pmul(s.dt_rank, e), e));                // dt_proj with its bias
+    p = padd(p, padd(pmul(e, s.state), e));                  // A_log, D
+    if (s.bcdt_norms) p = padd(p, s.dt_rank + 2 * s.state);  // Jamba's dt, B, C norms
+  } else {
+    const int64_t conv_dim = padd(e, pmul(2, pmul(s.groups, s.state)));
+    const int64_t in_out = padd(padd(e, conv_dim), s.heads);  // z, x B C, dt
+    p = padd(p, pmul(d, in_out));
+    if (s.proj_bias) p = padd(p, in_out);
+    p = padd(p, pmul(conv_dim, s.conv));
+    if (s.conv_bias) p = padd(p, conv_dim);
+    p = padd(p, pmul(3, s.heads));  // dt_bias, A_log, D
+    if (s.gated_norm) p = padd(p, e);
+  }
+  p = padd(p, pmul(e, d));  // out_proj
+  if (s.proj_bias) p = padd(p, d);
+  return p;
+}
+
+// Qwen3-Next's Gated DeltaNet.
+int64_t linear_attention_parameters(const LinearAttentionSpec& g, int64_t d) {
+  const int64_t key = pmul(g.k_heads, g.k_head_dim);
+  const int64_t value = pmul(g.v_heads, g.v_head_dim);
+  int64_t p = pmul(d, padd(pmul(2, key), pmul(2, value)));  // in_proj_qkvz
+  p = padd(p, pmul(d, 2 * g.v_heads));                      // in_proj_ba
+  p = padd(p, pmul(padd(pmul(2, key), value), g.conv));     // conv1d (no bias)
+  p = padd(p, pmul(2, g.v_heads));                          // dt_bias, A_log
+  p = padd(p, g.v_head_dim);                                // gated RMSNorm
+  p = padd(p, pmul(value, d));                              // out_proj
+  return p;
+}
+
+int64_t mlp_parameters(const MlpSpec& m, int64_t d) {
+  auto ffn = [&](int64_t f, bool bias, bool gated) {
+    const int64_t w = pmul(gated ? 3 : 2, pmul(d, f));
+    return bias ? padd(w, padd(pmul(gated ? 2 : 1, f), d)) : w;
+  };
+  if (m.kind == MlpKind::kNone) return 0;
+  if (m.kind == MlpKind::kDense) return ffn(m.ffn, m.bias, m.gated);
+  int64_t p = pmul(m.experts, ffn(m.ffn, m.bias, m.gated));
+  p = padd(p, pmul(d, m.experts));  // router
+  if (m.router_bias) p = padd(p, m.experts);
+  if (m.shared_ffn > 0) p = padd(p, ffn(m.shared_ffn, false, m.gated));
+  if (m.shared_gate) p = padd(p, d);
+  if (m.residual_ffn > 0) p = padd(p, ffn(m.residual_ffn, false, m.gated));
+  return p;
+}
+
+}  // namespace
+
+int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
+  // Each part brings its pre-norm (RMSNorm, d): the input norm of the mixer, the
+  // post-attention norm of the MLP; Gemma's sandwich norms are extra_norms.
+  int64_t p = pmul(l.extra_norms, d);
+  switch (l.mixer) {
+    case MixerKind::kAttention:
+      p = padd(p, padd(d, attention_parameters(l.attn, d)));
+      break;
+    case MixerKind::kMamba:
+      p = padd(p, padd(d, ssm_parameters(l.ssm, d)));
+      break;
+    case MixerKind::kLinearAttention:
+      p = padd(p, padd(d, linear_attention_parameters(l.linear, d)));
+      break;
+    case MixerKind::kNone:
+      break;
+  }
+  if (l.mlp.kind != MlpKind::kNone) p = padd(p, padd(d, mlp_parameters(l.mlp, d)));
   return p;
 }
 

@@ -85,12 +85,17 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
   for (size_t i = 0; i < a.size(); ++i) {
     const std::string& n = c.inv.tensors[i].name;
     // Block inputs are the checkpoints; MoE keeps router and dispatch results and the
-    // input of the expert GEMMs, recomputing only the expert GEMMs (DESIGN section 3).
-    const bool block_input = n == "attn.input" || n == "mlp.input";
+    // input of the expert GEMMs, recomputing only the expert GEMMs; a Mamba or Gated
+    // DeltaNet block keeps its scan's output and chunk states and recomputes only its
+    // projections, convolution and gate: the scan never runs again (DESIGN section 3).
+    const bool block_input =
+        n == "attn.input" || n == "mlp.input" || n == "ssm.input" || n == "lin.input";
     const bool moe_kept =
         moe && (n == "mlp.norm_out" || n == "moe.router_probs" || n == "moe.topk_idx" ||
                 n == "moe.topk_weights" || n == "moe.dispatch_in");
-    if (block_input || moe_kept) a[i] = Action::kKeep;
+    const bool scan_kept = n == "ssm.scan_out" || n == "ssm.chunk_states" || n == "lin.core_out" ||
+                           n == "lin.chunk_states";
+    if (block_input || moe_kept || scan_kept) a[i] = Action::kKeep;
   }
   return a;
 }

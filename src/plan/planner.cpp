@@ -54,6 +54,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <numeric>
 
 #include "core/json_io.hpp"
 #include "plan/cost_model.hpp"
@@ -287,9 +288,19 @@ void validate(const PlanRequest& r) {
     SPILLWAY_FIELD_ERROR("pp", r.work.pp, "must be <= the model's layers ({})", layers);
   }
   for (const LayerSpec& l : r.model.layers) {
-    if (l.attn.heads % s.tp != 0) {
+    if (l.mixer == MixerKind::kAttention && l.attn.heads % s.tp != 0) {
       SPILLWAY_FIELD_ERROR("tp", s.tp, "must divide the attention heads ({}) of {}", l.attn.heads,
                            r.model.name);
+    }
+    // A Mamba or Gated DeltaNet mixer splits over tp by heads (Mamba-1 by channels).
+    const int64_t mixer_heads =
+        l.mixer == MixerKind::kMamba
+            ? (l.ssm.version == 1 ? l.ssm.inner : l.ssm.heads)
+            : (l.mixer == MixerKind::kLinearAttention ? std::gcd(l.linear.k_heads, l.linear.v_heads)
+                                                      : 0);
+    if (mixer_heads > 0 && mixer_heads % s.tp != 0) {
+      SPILLWAY_FIELD_ERROR("tp", s.tp, "must divide the {} heads ({}) of {}", l.block_name(),
+                           mixer_heads, r.model.name);
     }
     if (l.mlp.kind == MlpKind::kMoe && l.mlp.experts % s.ep != 0) {
       SPILLWAY_FIELD_ERROR("ep", s.ep, "must divide the routed experts ({}) of {}", l.mlp.experts,
