@@ -124,4 +124,49 @@ void add(const T* a, const T* b, T* y, size_t n);
 // Threads OpenBLAS may use: 1 by default (see Note [Deterministic GEMM] in ops.cpp).
 void set_blas_threads(int threads);
 
+// --- Mamba-2 (ssm_ops.cpp) ---------------------------------------------------------------
+
+// Causal depthwise convolution then SiLU, per sequence (zero before its start):
+// y[t, c] = silu(bias[c] + sum_j w[c, j] x[t - (width - 1) + j, c]); x, y (batch * seq,
+// channels), w (channels, width), bias (channels) or null. y overwritten.
+template <class T>
+void causal_conv1d_silu_fwd(const T* x, const T* w, const T* bias, T* y, int batch, int seq,
+                            int channels, int width);
+// dx overwritten; dw, dbias (null when bias is) accumulated.
+template <class T>
+void causal_conv1d_silu_bwd(const T* x, const T* w, const T* bias, const T* dy, T* dx, T* dw,
+                            T* dbias, int batch, int seq, int channels, int width);
+
+struct SsdShape {
+  int batch = 1, seq = 1, heads = 1, head_dim = 1, groups = 1, state = 1, chunk = 1;
+  int chunks() const { return (seq + chunk - 1) / chunk; }
+};
+
+// Mamba-2's selective scan in its sequential form, per sequence and head h (group
+// g = h / (heads / groups)): dt = softplus(dt_raw + dt_bias[h]), A = -exp(a_log[h]),
+// S_t = exp(dt A) S_{t-1} + dt x_t B_t^T (S: head_dim x state, zero at the start),
+// y_t = S_t C_t + dskip[h] x_t. x, y (batch * seq, heads * head_dim); dt_raw (batch * seq,
+// heads); B, C (batch * seq, groups * state). states (batch * chunks, heads * head_dim *
+// state): S just before each chunk's first token, what backward restarts from (the scan
+// is never rerun whole). y and states overwritten.
+template <class T>
+void ssd_scan_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bias, const T* a_log,
+                  const T* bmat, const T* cmat, const T* dskip, T* y, T* states);
+// From the forward's inputs, its states and dy: dx, ddt_raw, db, dc overwritten; ddt_bias,
+// da_log, ddskip accumulated. Each chunk's states are recomputed from its saved start
+// (the forward's own arithmetic: the same bits).
+template <class T>
+void ssd_scan_bwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bias, const T* a_log,
+                  const T* bmat, const T* cmat, const T* dskip, const T* states, const T* dy, T* dx,
+                  T* ddt_raw, T* ddt_bias, T* da_log, T* db, T* dc, T* ddskip);
+
+// Mamba-2's gated RMSNorm (gate before the norm): h = x * silu(z), y = h / rms(h) * w;
+// x, z, y (n, d), w (d). y overwritten.
+template <class T>
+void gated_rmsnorm_fwd(const T* x, const T* z, const T* w, T* y, int n, int d, double eps);
+// dx, dz overwritten; dw accumulated.
+template <class T>
+void gated_rmsnorm_bwd(const T* x, const T* z, const T* w, const T* dy, T* dx, T* dz, T* dw, int n,
+                       int d, double eps);
+
 }  // namespace spillway::nn

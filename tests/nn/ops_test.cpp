@@ -709,5 +709,118 @@ TEST(NnOps, BadShapesThrowNamingTheValue) {
             std::string::npos);
 }
 
+// --- Mamba-2 (ssm_ops.cpp) --------------------------------------------------------------
+
+TEST(NnOps, CausalConvSiluGradients) {
+  auto rng = make_rng();
+  const int batch = 2, seq = 5, ch = 3, width = 4;
+  const size_t n = sz(batch * seq * ch);
+  Case c;
+  c.in = {randn(rng, n), randn(rng, sz(ch * width), 0.5), randn(rng, sz(ch), 0.5), randn(rng, n)};
+  c.upstream = {3};
+  c.grads = {{0, 1}, {1, 2}, {2, 3}};
+  c.accumulated = {2, 3};
+  check_case(c, [&](auto tag, const std::vector<Vec>& v, double pre) {
+    using T = decltype(tag);
+    const auto x = cast<T>(v[0]), w = cast<T>(v[1]), bias = cast<T>(v[2]), dy = cast<T>(v[3]);
+    auto y = nans<T>(n), dx = nans<T>(n);
+    auto dw = filled<T>(v[1].size(), pre), db = filled<T>(v[2].size(), pre);
+    causal_conv1d_silu_fwd<T>(x.data(), w.data(), bias.data(), y.data(), batch, seq, ch, width);
+    causal_conv1d_silu_bwd<T>(x.data(), w.data(), bias.data(), dy.data(), dx.data(), dw.data(),
+                              db.data(), batch, seq, ch, width);
+    return Outs<T>{y, dx, dw, db};
+  });
+}
+
+// The scan over two sequences of 7 tokens in chunks of 3 (the last one partial), 4 heads of
+// 2 in 2 groups, state 3: every input's gradient, the states restarted from in backward.
+TEST(NnOps, SsdScanGradients) {
+  auto rng = make_rng();
+  SsdShape s;
+  s.batch = 2;
+  s.seq = 7;
+  s.heads = 4;
+  s.head_dim = 2;
+  s.groups = 2;
+  s.state = 3;
+  s.chunk = 3;
+  const size_t tok = sz(s.batch * s.seq);
+  const size_t hp = sz(s.heads * s.head_dim), gn = sz(s.groups * s.state);
+  const size_t st = sz(s.batch * s.chunks()) * hp * sz(s.state);
+  Case c;
+  c.in = {randn(rng, tok * hp),         randn(rng, tok * sz(s.heads), 0.5),
+          randn(rng, sz(s.heads), 0.5), uniform(rng, sz(s.heads), -1.0, 0.5),
+          randn(rng, tok * gn),         randn(rng, tok * gn),
+          randn(rng, sz(s.heads)),      randn(rng, tok * hp)};
+  c.upstream = {7, -1};
+  c.grads = {{0, 2}, {1, 3}, {2, 4}, {3, 5}, {4, 6}, {5, 7}, {6, 8}};
+  c.accumulated = {4, 5, 8};
+  check_case(c, [&](auto tag, const std::vector<Vec>& v, double pre) {
+    using T = decltype(tag);
+    const auto x = cast<T>(v[0]), dtr = cast<T>(v[1]), dtb = cast<T>(v[2]), alog = cast<T>(v[3]);
+    const auto bm = cast<T>(v[4]), cm = cast<T>(v[5]), dsk = cast<T>(v[6]), dy = cast<T>(v[7]);
+    auto y = nans<T>(tok * hp), states = nans<T>(st), dx = nans<T>(tok * hp);
+    auto ddt = nans<T>(v[1].size()), db = nans<T>(tok * gn), dc = nans<T>(tok * gn);
+    auto ddtb = filled<T>(v[2].size(), pre), dalog = filled<T>(v[3].size(), pre);
+    auto dd = filled<T>(v[6].size(), pre);
+    ssd_scan_fwd<T>(s, x.data(), dtr.data(), dtb.data(), alog.data(), bm.data(), cm.data(),
+                    dsk.data(), y.data(), states.data());
+    ssd_scan_bwd<T>(s, x.data(), dtr.data(), dtb.data(), alog.data(), bm.data(), cm.data(),
+                    dsk.data(), states.data(), dy.data(), dx.data(), ddt.data(), ddtb.data(),
+                    dalog.data(), db.data(), dc.data(), dd.data());
+    return Outs<T>{y, states, dx, ddt, ddtb, dalog, db, dc, dd};
+  });
+}
+
+// The chunk states are the recurrence's own: with one chunk per token, state t + 1 is the
+// forward's S_t; and chunking does not change y.
+TEST(NnOps, SsdScanStatesAreTheRecurrence) {
+  auto rng = make_rng();
+  SsdShape one;
+  one.seq = 6;
+  one.heads = 2;
+  one.head_dim = 2;
+  one.state = 2;
+  one.chunk = 1;
+  SsdShape whole = one;
+  whole.chunk = 6;
+  const size_t tok = sz(one.seq), hp = 4, gn = 2;
+  const auto x = cast<float>(randn(rng, tok * hp)), dtr = cast<float>(randn(rng, tok * 2, 0.5));
+  const auto dtb = cast<float>(randn(rng, 2)), alog = cast<float>(randn(rng, 2, 0.3));
+  const auto bm = cast<float>(randn(rng, tok * gn)), cm = cast<float>(randn(rng, tok * gn));
+  const auto dsk = cast<float>(randn(rng, 2));
+  std::vector<float> y1(tok * hp), y6(tok * hp), s1(tok * hp * 2), s6(hp * 2);
+  ssd_scan_fwd<float>(one, x.data(), dtr.data(), dtb.data(), alog.data(), bm.data(), cm.data(),
+                      dsk.data(), y1.data(), s1.data());
+  ssd_scan_fwd<float>(whole, x.data(), dtr.data(), dtb.data(), alog.data(), bm.data(), cm.data(),
+                      dsk.data(), y6.data(), s6.data());
+  EXPECT_EQ(std::memcmp(y1.data(), y6.data(), y1.size() * sizeof(float)), 0);
+  for (float v : s6) EXPECT_EQ(v, 0.0f);  // the state before the first token
+  // y_0 = S_0 C_0 + D x_0 with S_0 = dt x_0 B_0^T: the state saved before token 1.
+  const double dt0 = std::log1p(std::exp(static_cast<double>(dtr[0]) + dtb[0]));
+  EXPECT_NEAR(s1[hp * 2 + 0], static_cast<float>(dt0 * x[0] * bm[0]), 1e-6);
+}
+
+TEST(NnOps, GatedRmsNormGradients) {
+  auto rng = make_rng();
+  const int n = 4, d = 6;
+  Case c;
+  c.in = {randn(rng, sz(n * d)), randn(rng, sz(n * d), 1.5), randn(rng, sz(d)),
+          randn(rng, sz(n * d))};
+  c.upstream = {3};
+  c.grads = {{0, 1}, {1, 2}, {2, 3}};
+  c.accumulated = {3};
+  check_case(c, [&](auto tag, const std::vector<Vec>& v, double pre) {
+    using T = decltype(tag);
+    const auto x = cast<T>(v[0]), z = cast<T>(v[1]), w = cast<T>(v[2]), dy = cast<T>(v[3]);
+    auto y = nans<T>(v[0].size()), dx = nans<T>(v[0].size()), dz = nans<T>(v[0].size());
+    auto dw = filled<T>(v[2].size(), pre);
+    gated_rmsnorm_fwd<T>(x.data(), z.data(), w.data(), y.data(), n, d, 1e-5);
+    gated_rmsnorm_bwd<T>(x.data(), z.data(), w.data(), dy.data(), dx.data(), dz.data(), dw.data(),
+                         n, d, 1e-5);
+    return Outs<T>{y, dx, dz, dw};
+  });
+}
+
 }  // namespace
 }  // namespace spillway::nn
