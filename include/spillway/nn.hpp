@@ -71,6 +71,8 @@ struct StepStats {
   std::vector<double> layer_fwd_ms;  // host time of each layer's forward
   std::vector<double> layer_bwd_ms;
   int64_t peak_device_bytes = 0;  // arena peak during the step
+  int64_t recomputed_ops = 0;     // forward ops run again in backward (recompute)
+  int64_t recomputed_scans = 0;   // of them, Mamba selective scans
 };
 
 class Model {

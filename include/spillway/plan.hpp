@@ -11,6 +11,9 @@
 //              offloaded and reloaded instead of recomputed;
 //   selective  a knapsack over the whole layer's tensors: the subset to offload that fits
 //              the forward window, the rest recomputed (block policy) or kept;
+//   checkpoint full-layer checkpointing (torch.utils.checkpoint around each block): only
+//              the layer input kept, everything else recomputed, a Mamba scan included;
+//              the baseline the block-type policy is measured against (never chosen by auto);
 //   hybrid     the GEMM/attention outputs are offloaded (as many as the window holds) and
 //              the cheap element-wise tensors are recomputed from the reloaded ones.
 // The last layer(s) never offload: backward starts there, so there is no window.

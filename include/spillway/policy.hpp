@@ -19,7 +19,7 @@ enum class Action { kKeep, kOffload, kRecompute };
 // The per-layer policy names the planner chooses among (DESIGN sections 2 and 3); a
 // strategy asks for one of them in every layer, or for the best per layer (kAuto, never a
 // layer's policy).
-enum class Policy { kAuto, kKeep, kRecompute, kOffload, kSelective, kHybrid };
+enum class Policy { kAuto, kKeep, kRecompute, kOffload, kSelective, kHybrid, kCheckpoint };
 
 // Names from one table each ("keep", "offload", ...); parse_* throws spillway::Error naming
 // the field and the value when the name is unknown.

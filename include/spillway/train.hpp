@@ -38,7 +38,7 @@ struct TrainOptions {
   int steps = 20;
   int micro_batch = 8;
   int seq_len = 128;
-  std::string policy = "keep";  // keep|recompute|offload|selective|hybrid|auto|PATH.json
+  std::string policy = "keep";  // keep|recompute|offload|selective|hybrid|checkpoint|auto|PATH.json
   std::string device = "host";
   double device_memory_mb = 256;  // the emulated device's capacity (MiB)
   double d2h_gbps = 0;            // copy throttles (0 = memcpy speed)
@@ -96,6 +96,8 @@ struct PolicyResult {
   // times), not calibrated to this run's measured layers.
   bool prediction_calibrated = true;
   std::string plan_note;               // e.g. "auto chose recompute in 3 layers, offload in 1"
+  int64_t recomputed_ops = 0;          // forward ops run again in backward, per step (the last)
+  int64_t recomputed_scans = 0;        // of them, Mamba selective scans
   std::vector<float> final_gradients;  // of the last step (for identity checks)
   // The optimizer's median time after backward (steps after the first: the model's AdamW,
   // or the offloaded end_step); offloaded: STV's counters and the fp32 master weights

@@ -58,14 +58,16 @@ void add_train_command(CLI::App& app) {
            closed(2, L::kMaxSeqLen));
   CLI::Option* policy_opt =
       cmd->add_option("--policy", o->policy,
-                      "keep, recompute, offload, selective, hybrid or auto (a plan file: --plan)")
+                      "keep, recompute, offload, selective, hybrid, checkpoint or auto (a plan "
+                      "file: --plan)")
           ->capture_default_str();
   cmd->add_option("--plan", *plan_file,
                   "A plan JSON file (spillway.plan/1, `spillway plan --json`): its per-tensor "
                   "actions are the policy (as for `spillway simulate --plan`)")
       ->excludes(policy_opt);
   cmd->add_flag("--compare", o->compare,
-                "Run keep, recompute, offload, selective, hybrid and auto on the same seed and "
+                "Run keep, checkpoint, recompute, offload, selective, hybrid and auto on the same "
+                "seed and "
                 "print one table");
   cmd->add_option("--device", o->device, "host (cuda: refused with the reason)")
       ->capture_default_str();

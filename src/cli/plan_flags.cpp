@@ -161,7 +161,8 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   CLI::Option* policy =
       cmd.add_option("--policy", f.strategy,
                      "auto (fastest feasible mix, layer by layer), keep, recompute, offload, "
-                     "selective, hybrid (applied to every layer, then judged); as for `spillway "
+                     "selective, hybrid, checkpoint (full-layer: only the layer input kept) "
+                     "(applied to every layer, then judged); as for `spillway "
                      "train --policy`")
           ->capture_default_str()
           ->group("Policy");

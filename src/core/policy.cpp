@@ -18,13 +18,14 @@ constexpr std::array<std::pair<Action, std::string_view>, 3> kActionNames = {{
     {Action::kRecompute, "recompute"},
 }};
 
-constexpr std::array<std::pair<Policy, std::string_view>, 6> kPolicyNames = {{
+constexpr std::array<std::pair<Policy, std::string_view>, 7> kPolicyNames = {{
     {Policy::kAuto, "auto"},
     {Policy::kKeep, "keep"},
     {Policy::kRecompute, "recompute"},
     {Policy::kOffload, "offload"},
     {Policy::kSelective, "selective"},
     {Policy::kHybrid, "hybrid"},
+    {Policy::kCheckpoint, "checkpoint"},
 }};
 
 template <typename E, size_t N>
@@ -46,8 +47,9 @@ std::string to_string(Policy p) {
 Policy parse_policy(std::string_view name, std::string_view field) {
   for (const auto& [p, n] : kPolicyNames)
     if (n == name) return p;
-  SPILLWAY_FIELD_ERROR(std::string(field), fmt::format("'{}'", name),
-                       "must be one of auto, keep, recompute, offload, selective, hybrid");
+  SPILLWAY_FIELD_ERROR(
+      std::string(field), fmt::format("'{}'", name),
+      "must be one of auto, keep, recompute, offload, selective, hybrid, checkpoint");
 }
 
 Action LayerActions::action(std::string_view tensor) const {

@@ -1068,7 +1068,7 @@ ModelConfig load_model(const std::string& name_or_path) {
       return parse_model_config(parse_json_text(f->text, kWhat, label), e.name, label);
     }
   }
-  // The reference model's embedded configs (data/nn/: tiny-moe, small-moe, what `spillway
+  // The reference model's embedded configs (data/nn/: tiny-moe, small-moe, tiny-hybrid, what `spillway
   // train` runs) plan by the same name.
   if (const EmbeddedFile* f = find_embedded("nn", key + ".json"); f != nullptr) {
     const std::string label = "data/nn/" + key + ".json";
@@ -1081,7 +1081,7 @@ ModelConfig load_model(const std::string& name_or_path) {
       names += (names.empty() ? "" : ", ") + e.name;
     SPILLWAY_INPUT_ERROR(
         "model: '{}' is neither a catalog model nor an existing file. Catalog: {}; the reference "
-        "models of `spillway train`: tiny-moe, small-moe (or pass the path of a Hugging Face "
+        "models of `spillway train`: tiny-moe, small-moe, tiny-hybrid (or pass the path of a Hugging Face "
         "config.json)",
         name_or_path, names);
   }

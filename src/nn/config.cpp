@@ -15,8 +15,14 @@
 namespace spillway::nn {
 
 std::vector<std::string> saved_tensor_names(const RefConfig& c, int layer) {
-  if (is_moe(c, layer)) return {std::begin(kMoeNames), std::end(kMoeNames)};
-  return {std::begin(kDenseNames), std::end(kDenseNames)};
+  std::vector<std::string> names =
+      is_moe(c, layer) ? std::vector<std::string>(std::begin(kMoeNames), std::end(kMoeNames))
+                       : std::vector<std::string>(std::begin(kDenseNames), std::end(kDenseNames));
+  if (is_mamba(c, layer)) {  // Note [Mamba slots]
+    for (size_t s = 0; s < 5; ++s) names[s] = kMambaMixerNames[s];
+    names.insert(names.end(), std::begin(kMambaTailNames), std::end(kMambaTailNames));
+  }
+  return names;
 }
 
 RefConfig load_reference_config(const std::string& name_or_path) {
@@ -30,7 +36,8 @@ RefConfig load_reference_config(const std::string& name_or_path) {
     std::ifstream in(name_or_path);
     if (!in)
       SPILLWAY_INPUT_ERROR(
-          "--model: '{}' is neither an embedded reference model (tiny-moe, small-moe) nor a "
+          "--model: '{}' is neither an embedded reference model (tiny-moe, small-moe, tiny-hybrid) "
+          "nor a "
           "readable config.json",
           name_or_path);
     std::stringstream ss;
@@ -54,24 +61,63 @@ RefConfig load_reference_config(const std::string& name_or_path) {
         c.model.vocab, file);
   c.vocab = to_int(c.model.vocab, "vocab_size");
   if (c.model.layers.empty()) SPILLWAY_INPUT_ERROR("model config: no layers (file: {})", file);
-  const AttentionSpec& a = c.model.layers[0].attn;
+  // Attention's shape from the first attention layer (a hybrid stack may start with Mamba).
+  AttentionSpec a;
+  for (const LayerSpec& s : c.model.layers) {
+    if (s.mixer == MixerKind::kAttention) {
+      a = s.attn;
+      break;
+    }
+  }
   for (size_t l = 0; l < c.model.layers.size(); ++l) {
     const LayerSpec& s = c.model.layers[l];
-    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.qkv_bias ||
-        s.attn.o_bias || s.attn.sinks || s.attn.qk_head_dim != s.attn.v_head_dim ||
-        !(s.attn == a)) {
+    if (s.mlp.kind == MlpKind::kNone || !s.mlp.gated) {
       SPILLWAY_INPUT_ERROR(
-          "model config: layer {} ({}) is not supported by the reference model: it runs full "
-          "causal GQA attention without biases, sinks or sliding windows (file: {})",
+          "model config: layer {} ({}) has no MLP or an ungated one; the reference model runs a "
+          "SwiGLU MLP (dense or routed experts) in every layer (file: {})",
           l, s.block_name(), file);
     }
-    if (s.mlp.kind == MlpKind::kMoe &&
-        (s.mlp.shared_ffn != 0 || s.mlp.residual_ffn != 0 || s.mlp.bias || s.mlp.router_bias)) {
+    if (s.mlp.kind == MlpKind::kMoe && (s.mlp.shared_ffn != 0 || s.mlp.residual_ffn != 0 ||
+                                        s.mlp.bias || s.mlp.router_bias || s.mlp.shared_gate)) {
       SPILLWAY_INPUT_ERROR(
           "model config: layer {} has a shared or residual expert, or biases; the reference "
           "model runs routed experts only (file: {})",
           l, file);
     }
+    if (s.mixer == MixerKind::kMamba) {
+      const SsmSpec& m = s.ssm;
+      if (m.version != 2 || !m.gated_norm || m.proj_bias || !m.conv_bias) {
+        SPILLWAY_INPUT_ERROR(
+            "model config: layer {} ({}) is not supported by the reference model: it runs "
+            "Mamba-2 with a gated norm, a conv bias and no projection biases (file: {})",
+            l, s.block_name(), file);
+      }
+      (void)to_int(m.heads, "mamba heads");
+      (void)to_int(m.head_dim, "mamba head_dim");
+      (void)to_int(m.state, "mamba state size");
+      (void)to_int(m.conv, "mamba conv kernel");
+      (void)to_int(m.chunk, "mamba chunk size");
+      continue;
+    }
+    if (s.mixer != MixerKind::kAttention) {
+      SPILLWAY_INPUT_ERROR(
+          "model config: layer {} ({}) is not supported by the reference model: it runs GQA "
+          "attention and Mamba-2 mixers (file: {})",
+          l, s.block_name(), file);
+    }
+    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.qkv_bias ||
+        s.attn.o_bias || s.attn.sinks || s.attn.output_gate ||
+        s.attn.qk_head_dim != s.attn.v_head_dim || !(s.attn == a)) {
+      SPILLWAY_INPUT_ERROR(
+          "model config: layer {} ({}) is not supported by the reference model: it runs full "
+          "causal GQA attention without biases, sinks or sliding windows (file: {})",
+          l, s.block_name(), file);
+    }
+  }
+  if (a.heads == 0) {
+    SPILLWAY_INPUT_ERROR(
+        "model config: no attention layer; the reference model needs at least one (file: {})",
+        file);
   }
   c.heads = to_int(a.heads, "num_attention_heads");
   c.kv_heads = to_int(a.kv_heads, "num_key_value_heads");

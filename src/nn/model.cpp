@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 
 #include "core/stats.hpp"
@@ -37,11 +38,37 @@ struct Model::Impl {
 
   // Parameters: one device block each for weights, gradients, and the two moments.
   struct LayerParams {
-    size_t attn_norm = 0, wqkv = 0, wo = 0, mlp_norm = 0;
-    size_t router = 0, w1 = 0, w3 = 0, w2 = 0;  // MoE: experts contiguous; dense: one
-    int experts = 0, top_k = 0, ffn = 0;        // dense: experts = 1, top_k = 1
+    size_t attn_norm = 0, wqkv = 0, wo = 0, mlp_norm = 0;  // attn_norm: the mixer's input norm
+    size_t router = 0, w1 = 0, w3 = 0, w2 = 0;             // MoE: experts contiguous; dense: one
+    int experts = 0, top_k = 0, ffn = 0;                   // dense: experts = 1, top_k = 1
     bool moe = false;
+    // A Mamba-2 mixer (Note [Mamba slots]): in_proj (in_width, d) to z, x B C, dt; the
+    // conv's weight (conv_dim, conv) and bias; dt_bias, a_log, dskip (heads); the gated
+    // norm's weight (inner); out_proj (d, inner).
+    bool mamba = false;
+    size_t w_in = 0, conv_w = 0, conv_b = 0, dt_bias = 0, a_log = 0, dskip = 0, gnorm = 0,
+           w_out = 0;
+    int heads = 0, head_dim = 0, groups = 0, state = 0, conv = 0, chunk = 0;
+    int inner = 0, conv_dim = 0, in_width = 0;
+    int mlp_slots() const { return moe ? kMoeSlots : kDenseSlots; }
+    int slots() const { return mlp_slots() + (mamba ? 2 : 0); }
+    int states_slot() const { return mlp_slots(); }
+    int gated_slot() const { return mlp_slots() + 1; }
+    SsdShape ssd(int batch, int seq) const {
+      SsdShape s;
+      s.batch = batch;
+      s.seq = seq;
+      s.heads = heads;
+      s.head_dim = head_dim;
+      s.groups = groups;
+      s.state = state;
+      s.chunk = chunk;
+      return s;
+    }
   };
+  std::vector<std::vector<std::string>> names;  // per layer, per slot (saved_tensor_names)
+  int64_t recomputed_ops = 0;                   // this step's (StepStats)
+  int64_t recomputed_scans = 0;
   std::vector<LayerParams> lp;
   size_t embed = 0, final_norm = 0, lm_head = 0;
   size_t n_params = 0;
@@ -107,11 +134,19 @@ struct Model::Impl {
     return static_cast<X*>(alloc(n * sizeof(X)));
   }
 
-  size_t slot_bytes(int layer, int s, int tokens) const {
+  size_t slot_bytes(int layer, int s, int batch, int seq) const {
     const LayerParams& L = lp[static_cast<size_t>(layer)];
-    const size_t T = static_cast<size_t>(tokens);
+    const size_t T = static_cast<size_t>(batch) * static_cast<size_t>(seq);
     const size_t rows = L.moe ? T * static_cast<size_t>(L.top_k) : T;
     const size_t f = static_cast<size_t>(L.ffn);
+    if (L.mamba) {  // Note [Mamba slots]
+      if (s == kSsmInProj) return T * static_cast<size_t>(L.in_width) * 4;
+      if (s == kSsmConv) return T * static_cast<size_t>(L.conv_dim) * 4;
+      if (s == kSsmScan || s == L.gated_slot()) return T * static_cast<size_t>(L.inner) * 4;
+      if (s == L.states_slot())
+        return static_cast<size_t>(L.ssd(batch, seq).chunks()) * static_cast<size_t>(batch) *
+               static_cast<size_t>(L.inner) * static_cast<size_t>(L.state) * 4;
+    }
     switch (s) {
       case kInput:
       case kNorm1:
@@ -191,13 +226,14 @@ struct Model::Impl {
       Saved& sv = saved[layer][o];
       if (sv.p == nullptr) {
         where_layer = layer;
-        where_what = L.moe ? kMoeNames[o] : kDenseNames[o];
-        sv.bytes = slot_bytes(layer, o, T);
+        where_what = names[static_cast<size_t>(layer)][static_cast<size_t>(o)].c_str();
+        sv.bytes = slot_bytes(layer, o, batch, seq);
         sv.p = alloc(sv.bytes);
       }
       return static_cast<float*>(sv.p);
     };
     const auto eps = c.rms_eps;
+    if (L.mamba && produce_mamba(layer, s, batch, seq, out)) return;
     switch (s) {
       case kNorm1:
         rmsnorm_fwd(F(layer, kInput), w + L.attn_norm, out(kNorm1), T, d, eps);
@@ -282,7 +318,16 @@ struct Model::Impl {
 
   // The slots an op reads (to recompute s, these must be present first).
   std::vector<int> inputs_of(int layer, int s) const {
-    const bool moe = lp[static_cast<size_t>(layer)].moe;
+    const LayerParams& L = lp[static_cast<size_t>(layer)];
+    const bool moe = L.moe;
+    if (L.mamba) {  // Note [Mamba slots]
+      if (s == kNorm1) return {kInput};
+      if (s == kSsmInProj) return {kNorm1};
+      if (s == kSsmConv) return {kSsmInProj};
+      if (s == kSsmScan || s == L.states_slot()) return {kSsmConv, kSsmInProj};
+      if (s == L.gated_slot()) return {kSsmScan, kSsmInProj};
+      if (s == kMid) return {kInput, L.gated_slot()};
+    }
     switch (s) {
       case kNorm1:
         return {kInput};
@@ -326,6 +371,10 @@ struct Model::Impl {
     SPILLWAY_CHECK(saved[layer][s].action == Action::kRecompute,
                    "layer {} slot {} is missing in backward", layer, s);
     for (int i : inputs_of(layer, s)) materialize(layer, i, batch, seq);
+    if (saved[layer][s].p != nullptr) return;  // an op with two outputs made it
+    ++recomputed_ops;
+    const LayerParams& L = lp[static_cast<size_t>(layer)];
+    if (L.mamba && (s == kSsmScan || s == L.states_slot())) ++recomputed_scans;
     produce(layer, s, batch, seq);
   }
 
@@ -333,13 +382,13 @@ struct Model::Impl {
                      const MemoryPolicy& policy, TrainingHooks& hooks) {
     const LayerParams& L = lp[static_cast<size_t>(layer)];
     const int T = batch * seq;
-    const int n_slots = L.moe ? kMoeSlots : kDenseSlots;
+    const int n_slots = L.slots();
     saved[layer].assign(static_cast<size_t>(n_slots), Saved{});
     for (int s = 0; s < n_slots; ++s)
       saved[layer][s].action =
           policy.layers[static_cast<size_t>(layer)].actions[static_cast<size_t>(s)];
     saved[layer][kInput].p = x;
-    saved[layer][kInput].bytes = slot_bytes(layer, kInput, T);
+    saved[layer][kInput].bytes = slot_bytes(layer, kInput, batch, seq);
     // Note [Saved tensors]: an offloaded tensor goes to the hooks as soon as its producer
     // has run (its copy overlaps the rest of this layer's forward and the next one, the
     // window the planner assumes); it is given (Note [Saved tensor ownership] in
@@ -349,7 +398,7 @@ struct Model::Impl {
       for (int s = 0; s < n_slots; ++s) {
         Saved& sv = saved[layer][s];
         if (sv.action != Action::kOffload || sv.p == nullptr || sv.ticket) continue;
-        const char* name = L.moe ? kMoeNames[s] : kDenseNames[s];
+        const char* name = names[static_cast<size_t>(layer)][static_cast<size_t>(s)].c_str();
         SavedTensor t;
         t.data = sv.p;
         t.bytes = sv.bytes;
@@ -363,11 +412,15 @@ struct Model::Impl {
     hooks.forward_begin(layer);
     at(layer, "", "forward");
     hand_over();
-    for (int s = 1; s < n_slots; ++s) {
-      if (saved[layer][s].p != nullptr) continue;
+    // Each slot after its inputs (Note [Mamba slots]: the numbering is not the order).
+    std::function<void(int)> ensure = [&](int s) {
+      if (saved[layer][s].p != nullptr) return;
+      for (int i : inputs_of(layer, s)) ensure(i);
+      if (saved[layer][s].p != nullptr) return;  // an op with two outputs made it
       produce(layer, s, batch, seq);
       hand_over();
-    }
+    };
+    for (int s = 1; s < n_slots; ++s) ensure(s);
     at(layer, "output", "forward");
     float* y = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(d));
     if (L.moe) {
@@ -397,7 +450,7 @@ struct Model::Impl {
     const LayerParams& L = lp[static_cast<size_t>(layer)];
     const int T = batch * seq;
     const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(d);
-    const int n_slots = L.moe ? kMoeSlots : kDenseSlots;
+    const int n_slots = L.slots();
     hooks.backward_begin(layer);
     bool reloaded = false;
     for (int s = 0; s < n_slots; ++s) {
@@ -405,7 +458,7 @@ struct Model::Impl {
       if (sv.action != Action::kOffload) continue;
       sv.p = hooks.needed(sv.ticket, nullptr);
       SPILLWAY_CHECK(sv.p != nullptr, "no hook gave back {} of layer {}",
-                     L.moe ? kMoeNames[s] : kDenseNames[s], layer);
+                     names[static_cast<size_t>(layer)][static_cast<size_t>(s)], layer);
       sv.reloaded = true;
       reloaded = true;
     }
@@ -468,15 +521,11 @@ struct Model::Impl {
     float* tmp = alloc_n<float>(Td);
     rmsnorm_bwd(F(layer, kMid), w + L.mlp_norm, dnorm, tmp, g + L.mlp_norm, T, d, c.rms_eps);
     add(dmid, tmp, dmid, Td);
-    // Attention block: mlp.input = attn.input + out_proj(attention(qkv(norm(attn.input)))).
-    float* dcore = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(q_dim));
-    linear_bwd(F(layer, kCoreOut), w + L.wo, dmid, dcore, g + L.wo, T, q_dim, d, false);
-    float* dqkv = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(qkv_dim));
-    attention_bwd(F(layer, kQkv), F(layer, kCoreOut), F(layer, kLse), dcore, dqkv, batch, seq,
-                  c.heads, c.kv_heads, c.head_dim, c.rope_theta);
-    release(dcore);
-    linear_bwd(F(layer, kNorm1), w + L.wqkv, dqkv, dnorm, g + L.wqkv, T, d, qkv_dim, false);
-    release(dqkv);
+    if (L.mamba) {
+      mamba_backward(layer, dmid, dnorm, batch, seq);
+    } else {
+      attention_backward(layer, dmid, dnorm, batch, seq);
+    }
     rmsnorm_bwd(F(layer, kInput), w + L.attn_norm, dnorm, tmp, g + L.attn_norm, T, d, c.rms_eps);
     add(dmid, tmp, dx, Td);
     release(tmp);
@@ -491,6 +540,127 @@ struct Model::Impl {
       }
       sv = Saved{};
     }
+  }
+
+  // Attention block backward: mlp.input = attn.input + out_proj(attention(qkv(norm(
+  // attn.input)))); from dmid (the gradient at mlp.input), dnorm = the gradient at
+  // attn.norm_out (overwritten).
+  void attention_backward(int layer, const float* dmid, float* dnorm, int batch, int seq) {
+    const LayerParams& L = lp[static_cast<size_t>(layer)];
+    const int T = batch * seq;
+    float* dcore = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(q_dim));
+    linear_bwd(F(layer, kCoreOut), w + L.wo, dmid, dcore, g + L.wo, T, q_dim, d, false);
+    float* dqkv = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(qkv_dim));
+    attention_bwd(F(layer, kQkv), F(layer, kCoreOut), F(layer, kLse), dcore, dqkv, batch, seq,
+                  c.heads, c.kv_heads, c.head_dim, c.rope_theta);
+    release(dcore);
+    linear_bwd(F(layer, kNorm1), w + L.wqkv, dqkv, dnorm, g + L.wqkv, T, d, qkv_dim, false);
+    release(dqkv);
+  }
+
+  // Columns [col, col + width) of a (rows, stride) matrix into a new (rows, width) one.
+  float* columns(const float* m, int rows, int stride, int col, int width) {
+    float* out = alloc_n<float>(static_cast<size_t>(rows) * static_cast<size_t>(width));
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(out + static_cast<size_t>(r) * static_cast<size_t>(width),
+                  m + static_cast<size_t>(r) * static_cast<size_t>(stride) + col,
+                  static_cast<size_t>(width) * sizeof(float));
+    return out;
+  }
+  // And back: a (rows, width) matrix into columns [col, col + width) of (rows, stride).
+  static void put_columns(const float* src, float* m, int rows, int stride, int col, int width) {
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(m + static_cast<size_t>(r) * static_cast<size_t>(stride) + col,
+                  src + static_cast<size_t>(r) * static_cast<size_t>(width),
+                  static_cast<size_t>(width) * sizeof(float));
+  }
+
+  // The Mamba-2 mixer's forward ops (Note [Mamba slots]); false for a slot that is not its.
+  template <class Out>
+  bool produce_mamba(int layer, int s, int batch, int seq, Out& out) {
+    const LayerParams& L = lp[static_cast<size_t>(layer)];
+    const int T = batch * seq;
+    const int gn = L.groups * L.state;
+    if (s == kNorm1) {
+      rmsnorm_fwd(F(layer, kInput), w + L.attn_norm, out(kNorm1), T, d, c.rms_eps);
+    } else if (s == kSsmInProj) {
+      linear_fwd(F(layer, kNorm1), w + L.w_in, out(kSsmInProj), T, d, L.in_width);
+    } else if (s == kSsmConv) {
+      float* xbc = columns(F(layer, kSsmInProj), T, L.in_width, L.inner, L.conv_dim);
+      causal_conv1d_silu_fwd(xbc, w + L.conv_w, w + L.conv_b, out(kSsmConv), batch, seq, L.conv_dim,
+                             L.conv);
+      release(xbc);
+    } else if (s == kSsmScan || s == L.states_slot()) {
+      const float* conv = F(layer, kSsmConv);
+      float* x = columns(conv, T, L.conv_dim, 0, L.inner);
+      float* bm = columns(conv, T, L.conv_dim, L.inner, gn);
+      float* cm = columns(conv, T, L.conv_dim, L.inner + gn, gn);
+      float* dt = columns(F(layer, kSsmInProj), T, L.in_width, L.inner + L.conv_dim, L.heads);
+      float* y = out(kSsmScan);
+      float* states = out(L.states_slot());
+      ssd_scan_fwd(L.ssd(batch, seq), x, dt, w + L.dt_bias, w + L.a_log, bm, cm, w + L.dskip, y,
+                   states);
+      for (float* p : {x, bm, cm, dt}) release(p);
+    } else if (s == L.gated_slot()) {
+      float* z = columns(F(layer, kSsmInProj), T, L.in_width, 0, L.inner);
+      gated_rmsnorm_fwd(F(layer, kSsmScan), z, w + L.gnorm, out(L.gated_slot()), T, L.inner,
+                        c.rms_eps);
+      release(z);
+    } else if (s == kMid) {
+      float* mid = out(kMid);
+      linear_fwd(F(layer, L.gated_slot()), w + L.w_out, mid, T, L.inner, d);
+      add(F(layer, kInput), mid, mid, static_cast<size_t>(T) * static_cast<size_t>(d));
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  // The Mamba-2 mixer's backward, as attention_backward: from dmid, dnorm overwritten.
+  void mamba_backward(int layer, const float* dmid, float* dnorm, int batch, int seq) {
+    const LayerParams& L = lp[static_cast<size_t>(layer)];
+    const int T = batch * seq;
+    const int gn = L.groups * L.state;
+    const size_t te = static_cast<size_t>(T) * static_cast<size_t>(L.inner);
+    float* dgated = alloc_n<float>(te);
+    linear_bwd(F(layer, L.gated_slot()), w + L.w_out, dmid, dgated, g + L.w_out, T, L.inner, d,
+               false);
+    const float* in = F(layer, kSsmInProj);
+    float* din = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(L.in_width));
+    float* z = columns(in, T, L.in_width, 0, L.inner);
+    float* dscan = alloc_n<float>(te);
+    float* dz = alloc_n<float>(te);
+    gated_rmsnorm_bwd(F(layer, kSsmScan), z, w + L.gnorm, dgated, dscan, dz, g + L.gnorm, T,
+                      L.inner, c.rms_eps);
+    put_columns(dz, din, T, L.in_width, 0, L.inner);
+    for (float* p : {dgated, z, dz}) release(p);
+    const float* conv = F(layer, kSsmConv);
+    float* x = columns(conv, T, L.conv_dim, 0, L.inner);
+    float* bm = columns(conv, T, L.conv_dim, L.inner, gn);
+    float* cm = columns(conv, T, L.conv_dim, L.inner + gn, gn);
+    float* dt = columns(in, T, L.in_width, L.inner + L.conv_dim, L.heads);
+    float* dx = alloc_n<float>(te);
+    float* ddt = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(L.heads));
+    float* db = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(gn));
+    float* dc = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(gn));
+    ssd_scan_bwd(L.ssd(batch, seq), x, dt, w + L.dt_bias, w + L.a_log, bm, cm, w + L.dskip,
+                 F(layer, L.states_slot()), dscan, dx, ddt, g + L.dt_bias, g + L.a_log, db, dc,
+                 g + L.dskip);
+    put_columns(ddt, din, T, L.in_width, L.inner + L.conv_dim, L.heads);
+    const size_t tc = static_cast<size_t>(T) * static_cast<size_t>(L.conv_dim);
+    float* dconv = alloc_n<float>(tc);
+    put_columns(dx, dconv, T, L.conv_dim, 0, L.inner);
+    put_columns(db, dconv, T, L.conv_dim, L.inner, gn);
+    put_columns(dc, dconv, T, L.conv_dim, L.inner + gn, gn);
+    for (float* p : {x, bm, cm, dt, dx, ddt, db, dc, dscan}) release(p);
+    float* xbc = columns(in, T, L.in_width, L.inner, L.conv_dim);
+    float* dxbc = alloc_n<float>(tc);
+    causal_conv1d_silu_bwd(xbc, w + L.conv_w, w + L.conv_b, dconv, dxbc, g + L.conv_w, g + L.conv_b,
+                           batch, seq, L.conv_dim, L.conv);
+    put_columns(dxbc, din, T, L.in_width, L.inner, L.conv_dim);
+    for (float* p : {xbc, dxbc, dconv}) release(p);
+    linear_bwd(F(layer, kNorm1), w + L.w_in, din, dnorm, g + L.w_in, T, d, L.in_width, false);
+    release(din);
   }
 };
 
@@ -522,8 +692,31 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
     L.top_k = L.moe ? to_int(mlp.top_k, "num_experts_per_tok") : 1;
     L.ffn = to_int(mlp.ffn, L.moe ? "moe_intermediate_size" : "intermediate_size");
     L.attn_norm = take(d);
-    L.wqkv = take(static_cast<size_t>(m.qkv_dim) * d);
-    L.wo = take(d * static_cast<size_t>(m.q_dim));
+    const LayerSpec& spec = c.model.layers[static_cast<size_t>(l)];
+    if (spec.mixer == MixerKind::kMamba) {  // Note [Mamba slots]
+      const SsmSpec& s = spec.ssm;
+      L.mamba = true;
+      L.heads = to_int(s.heads, "mamba heads");
+      L.head_dim = to_int(s.head_dim, "mamba head_dim");
+      L.groups = to_int(s.groups, "mamba groups");
+      L.state = to_int(s.state, "mamba state size");
+      L.conv = to_int(s.conv, "mamba conv kernel");
+      L.chunk = to_int(s.chunk, "mamba chunk size");
+      L.inner = L.heads * L.head_dim;
+      L.conv_dim = L.inner + 2 * L.groups * L.state;
+      L.in_width = L.inner + L.conv_dim + L.heads;
+      L.w_in = take(static_cast<size_t>(L.in_width) * d);
+      L.conv_w = take(static_cast<size_t>(L.conv_dim) * static_cast<size_t>(L.conv));
+      L.conv_b = take(static_cast<size_t>(L.conv_dim));
+      L.dt_bias = take(static_cast<size_t>(L.heads));
+      L.a_log = take(static_cast<size_t>(L.heads));
+      L.dskip = take(static_cast<size_t>(L.heads));
+      L.gnorm = take(static_cast<size_t>(L.inner));
+      L.w_out = take(d * static_cast<size_t>(L.inner));
+    } else {
+      L.wqkv = take(static_cast<size_t>(m.qkv_dim) * d);
+      L.wo = take(d * static_cast<size_t>(m.q_dim));
+    }
     L.mlp_norm = take(d);
     if (L.moe) L.router = take(static_cast<size_t>(L.experts) * d);
     const size_t ew = static_cast<size_t>(L.experts) * static_cast<size_t>(L.ffn) * d;
@@ -562,6 +755,17 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
   for (const Impl::LayerParams& L : m.lp) {
     ones(L.attn_norm);
     ones(L.mlp_norm);
+    if (!L.mamba) continue;
+    // Mamba-2's usual start: A = -(1 .. 16) over the heads, dt from 0.001 to 0.1
+    // (log-spaced; dt_bias its inverse softplus), D = 1, the gated norm's weight 1.
+    for (int h = 0; h < L.heads; ++h) {
+      const double f = L.heads > 1 ? static_cast<double>(h) / (L.heads - 1) : 0.0;
+      const double dt = 0.001 * std::pow(100.0, f);
+      m.w[L.a_log + static_cast<size_t>(h)] = static_cast<float>(std::log(1.0 + 15.0 * f));
+      m.w[L.dt_bias + static_cast<size_t>(h)] = static_cast<float>(dt + std::log(-std::expm1(-dt)));
+      m.w[L.dskip + static_cast<size_t>(h)] = 1.0f;
+    }
+    std::fill(m.w + L.gnorm, m.w + L.gnorm + L.inner, 1.0f);
   }
   ones(m.final_norm);
   std::fill(m.g, m.g + at, 0.0f);
@@ -574,6 +778,7 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
   }
   m.at(-1, "", "");
   m.saved.resize(static_cast<size_t>(c.layers()));
+  for (int l = 0; l < c.layers(); ++l) m.names.push_back(saved_tensor_names(c, l));
   m.compute = device.create_stream(StreamRole::kCompute);
   set_blas_threads(1);
 }
@@ -611,18 +816,18 @@ std::vector<float> Model::gradients() const {
   return {impl_->g, impl_->g + impl_->n_params};
 }
 int64_t Model::saved_bytes(int layer, int batch, int seq) const {
-  const int n = impl_->lp[static_cast<size_t>(layer)].moe ? kMoeSlots : kDenseSlots;
+  const int n = impl_->lp[static_cast<size_t>(layer)].slots();
   int64_t total = 0;
   for (int s = 0; s < n; ++s)
-    total += static_cast<int64_t>(impl_->slot_bytes(layer, s, batch * seq));
+    total += static_cast<int64_t>(impl_->slot_bytes(layer, s, batch, seq));
   return total;
 }
 
 std::vector<int64_t> Model::saved_tensor_bytes(int layer, int batch, int seq) const {
-  const int n = impl_->lp[static_cast<size_t>(layer)].moe ? kMoeSlots : kDenseSlots;
+  const int n = impl_->lp[static_cast<size_t>(layer)].slots();
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (int s = 0; s < n; ++s)
-    out[static_cast<size_t>(s)] = static_cast<int64_t>(impl_->slot_bytes(layer, s, batch * seq));
+    out[static_cast<size_t>(s)] = static_cast<int64_t>(impl_->slot_bytes(layer, s, batch, seq));
   return out;
 }
 
@@ -641,8 +846,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
                  policy.name, policy.layer_count(), c.layers());
   for (int l = 0; l < c.layers(); ++l) {
     const LayerActions& la = policy.layers[static_cast<size_t>(l)];
-    const size_t slots =
-        static_cast<size_t>(m.lp[static_cast<size_t>(l)].moe ? kMoeSlots : kDenseSlots);
+    const size_t slots = static_cast<size_t>(m.lp[static_cast<size_t>(l)].slots());
     SPILLWAY_CHECK(la.actions.size() == slots && la.tensors.size() == slots,
                    "policy {}: layer {} lists {} tensors; the model saves {} (reference_policy() "
                    "puts a policy in this model's terms)",
@@ -691,6 +895,8 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     hooks.grad_ready(b);
   };
   m.dev.reset_peaks();
+  m.recomputed_ops = 0;
+  m.recomputed_scans = 0;
   const auto t0 = Clock::now();
   std::fill(m.g, m.g + m.n_params, 0.0f);
   m.at(-1, "embedding", "at the");
@@ -746,6 +952,8 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     }
   }
   st.peak_device_bytes = m.dev.memory_stats().peak[0];
+  st.recomputed_ops = m.recomputed_ops;
+  st.recomputed_scans = m.recomputed_scans;
   if (lr > 0 && !offloaded_optimizer) {
     // AdamW in its textbook form (decoupled weight decay 0.1 on matrices and embeddings
     // alike; the reference model keeps it simple), bias-corrected.

@@ -50,5 +50,19 @@ inline const char* const kDenseNames[kDenseSlots] = {
 inline bool is_moe(const RefConfig& c, int layer) {
   return c.model.layers[static_cast<size_t>(layer)].mlp.kind == MlpKind::kMoe;
 }
+inline bool is_mamba(const RefConfig& c, int layer) {
+  return c.model.layers[static_cast<size_t>(layer)].mixer == MixerKind::kMamba;
+}
+
+// Note [Mamba slots]: a Mamba-2 layer (mixer + MLP) reuses the attention slots' numbers
+// for its mixer's first five tensors, so that the MLP's slots keep theirs, and puts the
+// last two after the MLP's: ssm.input (kInput), ssm.norm_out (kNorm1), ssm.in_proj_out
+// (kSsmInProj), ssm.conv_out (kSsmConv), ssm.scan_out (kSsmScan), then mlp.input... and
+// ssm.chunk_states, ssm.out_proj_in at mlp_slots and mlp_slots + 1. Production follows the
+// inputs (the forward ensures a slot's inputs first), not the numbering.
+enum MambaSlot : int { kSsmInProj = kQkv, kSsmConv = kCoreOut, kSsmScan = kLse };
+inline const char* const kMambaMixerNames[5] = {"ssm.input", "ssm.norm_out", "ssm.in_proj_out",
+                                                "ssm.conv_out", "ssm.scan_out"};
+inline const char* const kMambaTailNames[2] = {"ssm.chunk_states", "ssm.out_proj_in"};
 
 }  // namespace spillway::nn

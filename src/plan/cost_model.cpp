@@ -100,6 +100,14 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
   return a;
 }
 
+std::vector<Action> checkpoint_actions(const CostedLayer& c) {
+  std::vector<Action> a(c.inv.tensors.size(), Action::kRecompute);
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (c.inv.tensors[i].producer < 0) a[i] = Action::kKeep;  // the layer input
+  }
+  return a;
+}
+
 ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& actions) {
   constexpr const char* kWhat = "plan: a layer's saved bytes";
   SPILLWAY_CHECK(actions.size() == c.inv.tensors.size(), "one action per tensor");

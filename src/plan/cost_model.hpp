@@ -55,6 +55,8 @@ ActionCost evaluate_actions(const CostedLayer& layer, const std::vector<Action>&
 
 // The block-type recompute policy of DESIGN section 3 for this layer.
 std::vector<Action> recompute_actions(const CostedLayer& layer);
+// Full-layer checkpointing: the layer input kept, every other saved tensor recomputed.
+std::vector<Action> checkpoint_actions(const CostedLayer& layer);
 
 // Time (ms after the layer's start) at which a D2H engine, free at `engine_free_ms`, ends
 // copying the offloaded tensors of the layer in production order at `bytes_per_ms`.

@@ -376,11 +376,12 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
   auto policy_of = [](const JsonObject& l) -> Policy {
     const std::string p = l.req_str("policy");
     for (Policy v : {Policy::kKeep, Policy::kRecompute, Policy::kOffload, Policy::kSelective,
-                     Policy::kHybrid}) {
+                     Policy::kHybrid, Policy::kCheckpoint}) {
       if (to_string(v) == p) return v;
     }
     l.fail("policy",
-           fmt::format("is \"{}\"; must be keep, recompute, offload, selective or hybrid", p));
+           fmt::format(
+               "is \"{}\"; must be keep, recompute, offload, selective, hybrid or checkpoint", p));
   };
   for (const JsonObject& l : root.obj_array("layers")) {
     LayerPlan lp;

@@ -567,7 +567,7 @@ bool is_mlp_tensor(const std::string& n) {
 }
 
 struct OptionSet {
-  Option keep, recompute, offload, hybrid, selective_recompute, selective_keep;
+  Option keep, recompute, offload, hybrid, selective_recompute, selective_keep, checkpoint;
   bool can_offload = false;
 };
 
@@ -594,6 +594,8 @@ OptionSet build_options(const Stage& st, size_t l, Policy strategy) {
   os.keep = make_option(c, Policy::kKeep, std::vector<Action>(nt, Action::kKeep));
   const std::vector<Action> rec = recompute_actions(c);
   os.recompute = make_option(c, Policy::kRecompute, rec);
+  if (strategy == Policy::kCheckpoint)
+    os.checkpoint = make_option(c, Policy::kCheckpoint, checkpoint_actions(c));
   os.can_offload = l + static_cast<size_t>(st.keep_last) < st.layers.size();
   if (!os.can_offload) return os;
 
@@ -1047,6 +1049,9 @@ Allowed allowed_options(const LayerOptions& lo, const Stage& st, Policy strategy
         break;
       case Policy::kRecompute:
         a = {&os.recompute};
+        break;
+      case Policy::kCheckpoint:
+        a = {&os.checkpoint};
         break;
       case Policy::kOffload:
         a = {os.can_offload ? &os.offload : &os.recompute};

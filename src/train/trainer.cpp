@@ -257,6 +257,8 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
       }
     }
     r.peak_device_bytes = std::max(r.peak_device_bytes, st.peak_device_bytes);
+    r.recomputed_ops = st.recomputed_ops;
+    r.recomputed_scans = st.recomputed_scans;
     // The summary's verdict is the steady state's: the first step also pays first-touch
     // page faults (its per-step line still warns).
     if (rec.snowball && !r.snowball && (s > 0 || o.steps == 1)) {
@@ -309,9 +311,11 @@ Policy strategy_of(const std::string& name) {
   if (name == "offload") return Policy::kOffload;
   if (name == "selective") return Policy::kSelective;
   if (name == "hybrid") return Policy::kHybrid;
+  if (name == "checkpoint") return Policy::kCheckpoint;
   if (name == "auto") return Policy::kAuto;
   SPILLWAY_INPUT_ERROR(
-      "--policy is '{}'; must be keep, recompute, offload, selective, hybrid, auto or a plan "
+      "--policy is '{}'; must be keep, recompute, offload, selective, hybrid, checkpoint, auto or "
+      "a plan "
       "JSON file (spillway plan --json)",
       name);
 }
@@ -503,7 +507,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
   // forward is the same as every policy's), the second one measured.
   std::vector<std::string> names;
   if (o.compare) {
-    names = {"keep", "recompute", "offload", "selective", "hybrid", "auto"};
+    names = {"keep", "checkpoint", "recompute", "offload", "selective", "hybrid", "auto"};
   } else {
     names = {o.policy};
     if (!is_plan_path(o.policy)) strategy_of(o.policy);  // a bad name fails before any work
@@ -619,8 +623,11 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
   out += "\n";
   for (const PolicyResult& p : r.policies) {
     if (p.error.empty())
-      out += fmt::format("{:<10} loss {:.4f} -> {:.4f}; {}\n", p.name, p.steps.front().loss, p.loss,
-                         p.plan_note);
+      out += fmt::format("{:<10} loss {:.4f} -> {:.4f}; {}; {} ops recomputed a step{}\n", p.name,
+                         p.steps.front().loss, p.loss, p.plan_note, p.recomputed_ops,
+                         p.recomputed_scans > 0
+                             ? fmt::format(" ({} of them Mamba scans)", p.recomputed_scans)
+                             : std::string());
   }
   if (o.optimizer == "device" && o.lr > 0) {
     for (const PolicyResult& p : r.policies) {
@@ -705,6 +712,8 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
     q["loss"] = p.loss;
     q["first_loss"] = p.steps.front().loss;
     q["peak_device_bytes"] = p.peak_device_bytes;
+    q["recomputed_ops"] = p.recomputed_ops;
+    q["recomputed_scans"] = p.recomputed_scans;
     q["step_ms"] = p.step_ms;
     q["offloaded_bytes"] = p.offloaded_bytes;
     q["stall_ms"] = p.stall_ms;

@@ -409,7 +409,7 @@ TEST(Cli, InputErrorsNameTheFlagNotTheField) {
       {"plan --hbm-budget-gb -2", "--hbm-budget-gb is -2; must be in [0.001, 1000000000]"},
       {"plan --d2h-gbps 1e-300", "--d2h-gbps is 1e-300; must be in [1e-06, 1000000]"},
       {"plan --policy tp",
-       "--policy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
+       "--policy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid, checkpoint"},
       {"plan --dtype seq_len", "--dtype is 'seq_len'; must be one of bf16, fp16, fp8, fp32"},
       {"plan --micro-batch 1099511627776 --seq-len 1099511627776",
        "--micro-batch is 1099511627776; must be in [1, 1048576]"},

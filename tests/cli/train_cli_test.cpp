@@ -69,8 +69,8 @@ Json parse_or_fail(const std::string& text) {
   }
 }
 
-const std::vector<std::string> kPolicies = {"keep",      "recompute", "offload",
-                                            "selective", "hybrid",    "auto"};
+const std::vector<std::string> kPolicies = {"keep",      "checkpoint", "recompute", "offload",
+                                            "selective", "hybrid",     "auto"};
 
 TEST(TrainCli, HelpTeachesPoliciesFlagsAndAnExample) {
   TempDir dir;
@@ -175,14 +175,26 @@ TEST(TrainCli, CompareJsonFileHasEveryPolicyWithBitwiseIdenticalLosses) {
     EXPECT_EQ(p["loss"].get<double>(), ps[0]["loss"].get<double>());
     EXPECT_EQ(p["losses"], ps[0]["losses"]);
   }
-  const double loss = ps[0]["loss"].get<double>();
+  auto by = [&](const std::string& name) -> const Json& {
+    for (const Json& p : ps)
+      if (p["name"] == name) return p;
+    ADD_FAILURE() << "no policy " << name;
+    return ps[0];
+  };
+  const double loss = by("keep")["loss"].get<double>();
   EXPECT_GT(loss, 3.0);
   EXPECT_LT(loss, 7.0);
-  EXPECT_GT(ps[0]["peak_device_bytes"].get<int64_t>(), ps[1]["peak_device_bytes"].get<int64_t>())
+  EXPECT_GT(by("keep")["peak_device_bytes"].get<int64_t>(),
+            by("recompute")["peak_device_bytes"].get<int64_t>())
       << "keep holds every saved tensor; recompute holds fewer";
-  EXPECT_EQ(ps[0]["offloaded_bytes"].get<int64_t>(), 0) << "keep offloads nothing";
-  EXPECT_EQ(ps[1]["offloaded_bytes"].get<int64_t>(), 0) << "recompute offloads nothing";
-  EXPECT_GT(ps[2]["offloaded_bytes"].get<int64_t>(), 0) << "offload offloads";
+  EXPECT_GT(by("recompute")["peak_device_bytes"].get<int64_t>(),
+            by("checkpoint")["peak_device_bytes"].get<int64_t>())
+      << "checkpoint holds only the layer inputs";
+  EXPECT_LT(by("recompute")["recomputed_ops"].get<int64_t>(),
+            by("checkpoint")["recomputed_ops"].get<int64_t>());
+  EXPECT_EQ(by("keep")["offloaded_bytes"].get<int64_t>(), 0) << "keep offloads nothing";
+  EXPECT_EQ(by("recompute")["offloaded_bytes"].get<int64_t>(), 0) << "recompute offloads nothing";
+  EXPECT_GT(by("offload")["offloaded_bytes"].get<int64_t>(), 0) << "offload offloads";
 
   // The table on stdout shows every policy and the identity verdict.
   for (const std::string& p : kPolicies)
@@ -437,9 +449,9 @@ TEST(TrainCli, PlanFileForAnotherModelOrWorkloadIsRefused) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.plan_args);
     const std::string plan = dir.file("plan.json");
-    const TrainRun p = run("plan " + c.plan_args +
-                               " --hardware gh200 --policy offload --quiet --json '" + plan + "'",
-                           dir);
+    const TrainRun p = run(
+        "plan " + c.plan_args + " --hardware gh200 --policy offload --quiet --json '" + plan + "'",
+        dir);
     ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
     const std::string out = dir.file("out.json");
     const TrainRun r = run("train --model '" + model + "' --policy '" + plan + "' " + kTiny +

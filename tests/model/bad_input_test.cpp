@@ -570,7 +570,8 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
       {plan_with([](PlanRequest& r) { r.prefetch_depth = 0; }), "prefetch_depth",
        "prefetch_depth is 0; must be >= 1"},
       {[] { (void)parse_policy("tp"); }, "strategy",
-       "strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid"},
+       "strategy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid, "
+       "checkpoint"},
       {[] { (void)parse_dtype("bf8"); }, "dtype",
        "dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32"},
       {[] {
@@ -612,7 +613,7 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
 TEST(BadRequest, StrategyAndDtypeNames) {
   EXPECT_EQ(error_of([] { (void)parse_policy("bogus"); }),
             "strategy is 'bogus'; must be one of auto, keep, recompute, offload, selective, "
-            "hybrid");
+            "hybrid, checkpoint");
   EXPECT_EQ(error_of([] { (void)parse_dtype("bf8"); }),
             "dtype is 'bf8'; must be one of bf16, fp16, fp8, fp32");
   EXPECT_EQ(parse_policy("hybrid"), Policy::kHybrid);

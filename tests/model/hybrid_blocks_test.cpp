@@ -193,5 +193,37 @@ TEST(HybridBlocks, EachFamilyPlans) {
   }
 }
 
+// The checkpoint policy (full-layer checkpointing) keeps only each layer's input: less
+// memory than the block policy, more recompute, on attention and Mamba layers alike.
+TEST(HybridBlocks, CheckpointKeepsOnlyTheLayerInput) {
+  Json j = nemotron();
+  j["num_hidden_layers"] = 8;  // enough layers that the kept bytes make the peak
+  j["hybrid_override_pattern"] = "M-M-M*M-";
+  PlanRequest r;
+  r.model = parse_model_config(j, "n", "n.json");
+  r.hardware = load_hardware("h100-sxm");
+  r.work.shape.seq_len = 256;
+  r.strategy = Policy::kRecompute;
+  const Plan rec = make_plan(r);
+  r.strategy = Policy::kCheckpoint;
+  const Plan ck = make_plan(r);
+  double rec_ms = 0.0;
+  double ck_ms = 0.0;
+  for (size_t l = 0; l < ck.layers.size(); ++l) {
+    const LayerPlan& lp = ck.layers[l];
+    EXPECT_EQ(lp.policy, Policy::kCheckpoint);
+    for (const TensorPlan& t : lp.tensors) {
+      const bool input = t.name == "ssm.input" || t.name == "attn.input" ||
+                         (t.name == "mlp.input" && r.model.layers[l].mixer == MixerKind::kNone);
+      EXPECT_EQ(t.action, input ? Action::kKeep : Action::kRecompute) << l << " " << t.name;
+    }
+    EXPECT_LE(lp.kept_bytes, rec.layers[l].kept_bytes);
+    rec_ms += rec.layers[l].recompute_ms;
+    ck_ms += lp.recompute_ms;
+  }
+  EXPECT_GT(ck_ms, rec_ms);  // the Mamba scan and attention's output projection rerun
+  EXPECT_LT(ck.summary.peak.activations, rec.summary.peak.activations);
+}
+
 }  // namespace
 }  // namespace spillway

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <random>
 
 #include "spillway/error.hpp"
@@ -238,7 +239,7 @@ TEST(Train, CompareRunsEveryPolicyBitwiseIdentically) {
   TrainOptions o = small("keep");
   o.compare = true;
   const TrainReport r = train::run(o, nullptr);
-  ASSERT_EQ(r.policies.size(), 6u);
+  ASSERT_EQ(r.policies.size(), 7u);
   EXPECT_TRUE(r.losses_identical);
   for (const PolicyResult& p : r.policies) {
     SCOPED_TRACE(p.name);
@@ -251,6 +252,83 @@ TEST(Train, CompareRunsEveryPolicyBitwiseIdentically) {
                           "\"step_ms\"", "\"offloaded_bytes\"", "\"stall_ms\"", "\"snowball\""}) {
     EXPECT_NE(json.find(key), std::string::npos) << key;
   }
+}
+
+// The hybrid stack (data/nn/tiny-hybrid: Mamba-2 and attention mixers, routed-expert MLPs)
+// under random mixes of keep, offload and recompute, and under the planner's policies:
+// loss, gradients and weights bitwise those of keep (Note [Saved tensors], Note [Mamba
+// slots]); the block policy (recompute) never reruns a selective scan and reruns fewer
+// ops than full-layer checkpointing, which reruns every Mamba layer's scan.
+TEST(HybridReferenceModel, BitwiseUnderEveryPolicyAndTheScanIsNeverRerun) {
+  const RefConfig c = load_reference_config("tiny-hybrid");
+  ASSERT_EQ(c.layers(), 4);
+  EXPECT_EQ(saved_tensor_names(c, 0)[4], "ssm.scan_out");
+  EXPECT_EQ(saved_tensor_names(c, 0).back(), "ssm.out_proj_in");
+  const PolicyRun keep = run(c, keep_policy(c));
+  ASSERT_TRUE(std::isfinite(keep.losses[0]));
+  std::vector<MemoryPolicy> policies = {uniform(c, Action::kRecompute, "recompute-all"),
+                                        uniform(c, Action::kOffload, "offload-all")};
+  std::mt19937 g(77);
+  for (int k = 0; k < 3; ++k) {
+    MemoryPolicy p = keep_policy(c);
+    p.name = "mix" + std::to_string(k);
+    for (LayerActions& la : p.layers) {
+      for (size_t i = 1; i < la.actions.size(); ++i) {
+        const auto r = g() % 3;
+        la.actions[i] = r == 0 ? Action::kKeep : r == 1 ? Action::kOffload : Action::kRecompute;
+      }
+    }
+    policies.push_back(p);
+  }
+  for (const MemoryPolicy& p : policies) {
+    SCOPED_TRACE(p.name);
+    const PolicyRun r = run(c, p);
+    EXPECT_EQ(r.losses, keep.losses);
+    EXPECT_TRUE(same_bits(r.grads, keep.grads));
+    EXPECT_TRUE(same_bits(r.params, keep.params));
+  }
+
+  TrainOptions o;
+  o.model = "tiny-hybrid";
+  o.steps = 1;
+  o.micro_batch = 2;
+  o.seq_len = 32;
+  o.compare = true;
+  const TrainReport rep = train::run(o, nullptr);
+  EXPECT_TRUE(rep.losses_identical);
+  const PolicyResult* narrow = nullptr;
+  const PolicyResult* full = nullptr;
+  for (const PolicyResult& p : rep.policies) {
+    EXPECT_TRUE(p.error.empty()) << p.name << ": " << p.error;
+    if (p.name == "recompute") narrow = &p;
+    if (p.name == "checkpoint") full = &p;
+  }
+  ASSERT_TRUE(narrow != nullptr && full != nullptr);
+  EXPECT_EQ(narrow->recomputed_scans, 0);
+  EXPECT_EQ(full->recomputed_scans, 3);  // one per Mamba layer
+  EXPECT_GT(narrow->recomputed_ops, 0);
+  EXPECT_LT(narrow->recomputed_ops, full->recomputed_ops);
+  EXPECT_LT(full->peak_device_bytes, narrow->peak_device_bytes);  // what checkpointing buys
+}
+
+// A Mamba layer with a dense MLP (the MoE one is tiny-hybrid's): same bits as keep.
+TEST(HybridReferenceModel, MambaWithADenseMlp) {
+  spillway::testing::TempDir dir;
+  const std::string path = (dir.path() / "hybrid-dense.json").string();
+  {
+    std::ofstream f(path);
+    f << R"({"model_type": "granitemoehybrid", "hidden_size": 32, "num_hidden_layers": 2,
+      "layer_types": ["attention", "mamba"], "num_attention_heads": 2, "num_key_value_heads": 1,
+      "head_dim": 16, "num_local_experts": 0, "shared_intermediate_size": 48,
+      "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8,
+      "mamba_d_conv": 3, "mamba_expand": 2, "mamba_chunk_size": 8, "vocab_size": 256})";
+  }
+  const RefConfig c = load_reference_config(path);
+  EXPECT_EQ(c.model.layers[1].block_name(), "mamba2+dense");
+  const PolicyRun keep = run(c, keep_policy(c));
+  const PolicyRun rec = run(c, uniform(c, Action::kRecompute, "recompute-all"));
+  EXPECT_EQ(rec.losses, keep.losses);
+  EXPECT_TRUE(same_bits(rec.grads, keep.grads));
 }
 
 TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {

@@ -269,11 +269,13 @@ TEST(SimVerdict, PeakOverHbmAndBudgetIsInfeasibleWithReasonsInGb) {
   ASSERT_GT(s.peak_hbm_bytes, s.hbm_capacity_bytes);
   EXPECT_FALSE(s.feasible);
   ASSERT_EQ(s.reasons.size(), 2u);
-  EXPECT_NE(s.reasons[0].find(fmt::format("peak HBM {:.2f} GB", s.peak_hbm_bytes / 1e9)),
+  EXPECT_NE(s.reasons[0].find(
+                fmt::format("peak HBM {:.2f} GB", static_cast<double>(s.peak_hbm_bytes) / 1e9)),
             std::string::npos)
       << s.reasons[0];
   EXPECT_NE(s.reasons[0].find("80.00 GB of HBM on h100-sxm"), std::string::npos) << s.reasons[0];
-  EXPECT_NE(s.reasons[1].find(fmt::format("budget {:.2f} GB", s.hbm_budget_bytes / 1e9)),
+  EXPECT_NE(s.reasons[1].find(
+                fmt::format("budget {:.2f} GB", static_cast<double>(s.hbm_budget_bytes) / 1e9)),
             std::string::npos)
       << s.reasons[1];
   // The peak's time is a point of the curve holding the peak.
@@ -289,7 +291,9 @@ TEST(SimVerdict, PeakOverHbmAndBudgetIsInfeasibleWithReasonsInGb) {
   EXPECT_NE(format_sim_report(sim, r).find("feasible         NO"), std::string::npos);
   const std::string svg = sim_plot_svg(sim, "t");
   EXPECT_NE(svg.find("GPU HBM 80.0 GB"), std::string::npos);
-  EXPECT_NE(svg.find(fmt::format("budget {:.1f} GB", s.hbm_budget_bytes / 1e9)), std::string::npos);
+  EXPECT_NE(
+      svg.find(fmt::format("budget {:.1f} GB", static_cast<double>(s.hbm_budget_bytes) / 1e9)),
+      std::string::npos);
 
   // Over the budget alone (a budget below the card) is infeasible too, with one reason.
   PlanRequest tight = request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kAuto);
