@@ -286,6 +286,19 @@ struct TrainingStatePlan {
   double loss_recompute_ms = 0.0;   // the logits recomputed in backward, per micro-batch
 };
 
+// Note [Per-block policy] (planner.cpp): what the block-type policy of DESIGN section 3
+// does to one kind of block, against full-layer checkpointing, per layer.
+struct BlockSummary {
+  std::string block;                  // LayerSpec::block_name
+  int layers = 0;                     // of the stage
+  std::string chosen;                 // the plan's policies for them, "recompute x3"
+  std::vector<std::string> kept;      // what the block policy keeps besides the layer input
+  int64_t block_kept_bytes = 0;       // saved bytes the block policy keeps
+  double block_recompute_ms = 0.0;    // what it reruns in backward
+  int64_t checkpoint_kept_bytes = 0;  // full-layer checkpointing: the layer input
+  double checkpoint_recompute_ms = 0.0;
+};
+
 struct PlanSummary {
   bool feasible = true;
   std::vector<std::string> reasons;  // why not, in words and numbers
@@ -309,6 +322,7 @@ struct PlanSummary {
   // path per step (exposed ones, and what the overlapped ones do not hide), and all of it.
   double collective_ms = 0.0;
   double collective_total_ms = 0.0;
+  std::vector<BlockSummary> blocks;  // one per block kind, in order of first appearance
 };
 
 struct Plan {

@@ -125,6 +125,23 @@ CollectivePlan collective_of(const JsonObject& c) {
   return cp;
 }
 
+// Note [Per-block policy]: written for readers; the planner recomputes it, so a plan read
+// back does not carry it.
+Json blocks_json(const std::vector<BlockSummary>& blocks) {
+  Json a = Json::array();
+  for (const BlockSummary& b : blocks) {
+    a.push_back({{"block", b.block},
+                 {"layers", b.layers},
+                 {"chosen", b.chosen},
+                 {"block_policy_keeps", b.kept},
+                 {"block_policy_kept_bytes", b.block_kept_bytes},
+                 {"block_policy_recompute_ms", b.block_recompute_ms},
+                 {"checkpoint_kept_bytes", b.checkpoint_kept_bytes},
+                 {"checkpoint_recompute_ms", b.checkpoint_recompute_ms}});
+  }
+  return a;
+}
+
 std::string shape_text(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
@@ -310,6 +327,7 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                   {"head_ms", m.head_ms},
                   {"collective_ms", m.collective_ms},
                   {"collective_total_ms", m.collective_total_ms},
+                  {"blocks", blocks_json(m.blocks)},
                   {"logits_bytes", m.logits_bytes}};
   return j.dump(2) + "\n";
 }

@@ -1520,6 +1520,49 @@ void plan_collective_time(const PlanRequest& r, double overlapped, Plan& plan) {
   plan.summary.collective_total_ms = total;
 }
 
+// Note [Per-block policy]: per kind of block (LayerSpec::block_name) in the stage, the
+// block-type policy of DESIGN section 3 (recompute_actions: attention from its input, MoE
+// only the expert GEMMs, a Mamba or Gated DeltaNet mixer keeping its scan's output and
+// chunk states) against full-layer checkpointing (checkpoint_actions), per layer, and the
+// policies the plan chose for those layers: the numbers behind the per-block choice.
+void summarize_blocks(const Stage& st, const PlanRequest& r, Plan& plan) {
+  std::vector<BlockSummary>& out = plan.summary.blocks;
+  std::vector<std::map<std::string, int>> chosen;
+  for (size_t l = 0; l < st.layers.size(); ++l) {
+    const CostedLayer& c = st.layers[l];
+    const std::string name = c.spec.block_name();
+    auto it = std::find_if(out.begin(), out.end(),
+                           [&](const BlockSummary& b) { return b.block == name; });
+    if (it == out.end()) {
+      BlockSummary b;
+      b.block = name;
+      const std::vector<Action> rec = recompute_actions(c);
+      const ActionCost rc = evaluate_actions(c, rec);
+      const ActionCost ck = evaluate_actions(c, checkpoint_actions(c));
+      b.block_kept_bytes = rc.kept_bytes;
+      b.block_recompute_ms = rc.recompute_ms;
+      b.checkpoint_kept_bytes = ck.kept_bytes;
+      b.checkpoint_recompute_ms = ck.recompute_ms;
+      for (size_t i = 0; i < rec.size(); ++i) {
+        const TensorInfo& t = c.inv.tensors[i];
+        if (t.saved && t.producer >= 0 && rec[i] == Action::kKeep) b.kept.push_back(t.name);
+      }
+      out.push_back(std::move(b));
+      chosen.emplace_back();
+      it = out.end() - 1;
+    }
+    ++it->layers;
+    ++chosen[static_cast<size_t>(it - out.begin())][to_string(plan.layers[l].policy)];
+  }
+  for (size_t b = 0; b < out.size(); ++b) {
+    std::string s;
+    for (const auto& [policy, count] : chosen[b])
+      s += fmt::format("{}{} x{}", s.empty() ? "" : ", ", policy, count);
+    out[b].chosen = s;
+  }
+  (void)r;
+}
+
 // Why the plan is infeasible, in words and numbers (empty when it is feasible): the layers
 // that miss their window, the snowball, the peak over budget, the host memory.
 std::vector<std::string> infeasibility_reasons(const Plan& plan, const Timelines& tl,
@@ -1632,6 +1675,7 @@ Plan make_plan(const PlanRequest& r) {
     s.keep_step_ms += s.state.optimizer_ms + keep_unhidden;
     s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
   }
+  summarize_blocks(st, r, plan);
   plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);
   plan.summary.feasible = plan.summary.reasons.empty();
   return plan;

@@ -134,6 +134,20 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
     out +=
         fmt::format("  stage     the first pipeline stage: layers 0-{}\n", plan.layers.size() - 1);
   }
+  // Note [Per-block policy]: the numbers behind the per-block choice, when the stack mixes
+  // kinds of blocks.
+  if (m.blocks.size() > 1) {
+    for (const BlockSummary& b : m.blocks) {
+      out += fmt::format(
+          "  block     {} x{}: {}; the block policy keeps {}{:.2f} MB a layer and reruns {:.2f} "
+          "ms; full-layer checkpointing {:.2f} MB and {:.2f} ms\n",
+          b.block, b.layers, b.chosen,
+          b.kept.empty() ? std::string("the input, ")
+                         : fmt::format("the input and {}: ", fmt::join(b.kept, ", ")),
+          static_cast<double>(b.block_kept_bytes) / 1e6, b.block_recompute_ms,
+          static_cast<double>(b.checkpoint_kept_bytes) / 1e6, b.checkpoint_recompute_ms);
+    }
+  }
   out += "\n";
   out +=
       fmt::format("{:>7}  {:<14} {:<10} {:>10} {:>8} {:>9} {:>7} {:>9} {:>9}\n", "layer", "block",

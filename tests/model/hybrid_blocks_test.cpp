@@ -225,5 +225,32 @@ TEST(HybridBlocks, CheckpointKeepsOnlyTheLayerInput) {
   EXPECT_LT(ck.summary.peak.activations, rec.summary.peak.activations);
 }
 
+// Note [Per-block policy]: the plan says, per kind of block, what the block policy keeps
+// and reruns against full-layer checkpointing, and what it chose.
+TEST(HybridBlocks, ThePlanSaysPerBlockWhyInNumbers) {
+  PlanRequest r;
+  r.model = parse_model_config(nemotron(), "n", "n.json");
+  r.hardware = load_hardware("h100-sxm");
+  r.work.shape.seq_len = 256;
+  const Plan p = make_plan(r);
+  ASSERT_EQ(p.summary.blocks.size(), 3u);  // mamba2, dense, gqa
+  const BlockSummary& m = p.summary.blocks[0];
+  EXPECT_EQ(m.block, "mamba2");
+  EXPECT_EQ(m.layers, 1);
+  EXPECT_EQ(m.kept, (std::vector<std::string>{"ssm.scan_out", "ssm.chunk_states"}));
+  EXPECT_GT(m.block_kept_bytes, m.checkpoint_kept_bytes);
+  EXPECT_LT(m.block_recompute_ms, m.checkpoint_recompute_ms);  // the scan is not rerun
+  EXPECT_FALSE(m.chosen.empty());
+  EXPECT_EQ(p.summary.blocks[1].block, "dense");
+  EXPECT_EQ(p.summary.blocks[2].block, "gqa");
+  const std::string report = format_plan_report(p, r);
+  EXPECT_NE(report.find("  block     mamba2 x1: "), std::string::npos) << report;
+  EXPECT_NE(report.find("the block policy keeps the input and ssm.scan_out, ssm.chunk_states"),
+            std::string::npos)
+      << report;
+  const std::string json = plan_to_json(p, r);
+  EXPECT_NE(json.find("\"checkpoint_recompute_ms\""), std::string::npos);
+}
+
 }  // namespace
 }  // namespace spillway
