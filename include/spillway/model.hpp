@@ -44,7 +44,7 @@ struct AttentionSpec {
 
 // What mixes tokens in a layer: attention, a state-space model, linear attention, or
 // nothing (an MLP-only layer of Nemotron-H).
-enum class MixerKind { kAttention, kMamba, kLinearAttention, kNone };
+enum class MixerKind { kAttention, kMamba, kLinearAttention, kRecurrent, kNone };
 
 // A state-space mixer (Transformers' MambaMixer / Mamba2Mixer). Mamba-1 (`version` 1;
 // Jamba): a selective scan per channel, x_proj to dt_rank + 2 N, dt_proj back to the inner
@@ -65,6 +65,18 @@ struct SsmSpec {
   bool gated_norm = true;   // Mamba-2: gated RMSNorm over the inner width before out_proj
   bool bcdt_norms = false;  // Jamba: RMSNorms on dt (dt_rank), B and C (N each)
   friend bool operator==(const SsmSpec&, const SsmSpec&) = default;
+};
+
+// Griffin's recurrent block (RecurrentGemma): two branches from the input, y = gelu(W_y x)
+// and x' = W_x x through a causal depthwise conv and the RG-LRU (a gated linear recurrence
+// of width `width`, its input and recurrence gates block-diagonal over `heads` blocks),
+// multiplied and projected back; every projection with a bias.
+struct RecurrentSpec {
+  int64_t width = 0;  // lru_width
+  int64_t heads = 1;  // the gates' diagonal blocks
+  int64_t conv = 4;
+  int64_t chunk = 256;  // the recurrence's state is saved every chunk tokens
+  friend bool operator==(const RecurrentSpec&, const RecurrentSpec&) = default;
 };
 
 // Linear attention with a gated delta rule (Qwen3-Next's Gated DeltaNet): q and k of
@@ -105,6 +117,7 @@ struct LayerSpec {
   MixerKind mixer = MixerKind::kAttention;
   SsmSpec ssm{};                 // mixer kMamba
   LinearAttentionSpec linear{};  // mixer kLinearAttention
+  RecurrentSpec recurrent{};     // mixer kRecurrent
   // RMSNorms beyond the input and post-attention ones, d parameters each (Gemma 2/3's
   // sandwich: pre- and post-feedforward norms).
   int64_t extra_norms = 0;
@@ -142,6 +155,11 @@ struct ModelCatalogEntry {
   std::string hf_repo;
   double published_params_b = 0.0;
   double published_active_params_b = 0.0;  // 0 when not published
+  // How far the counts may be from the published figures (fractions): 1% unless the
+  // catalog says why a figure is rounded further (its params_source).
+  double params_tolerance = 0.01;
+  double active_tolerance = 0.01;
+  bool active_counts_embedding = true;  // false: the published active count leaves it out
 };
 std::vector<ModelCatalogEntry> model_catalog();
 

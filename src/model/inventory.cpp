@@ -296,6 +296,46 @@ void linear_attention_inventory(Builder& b, const LinearAttentionSpec& g, int64_
        k.gemm_bytes(k.T, value, d), {gated, x}, {out}, Dims::gemm(k.T, ceil_div(value, k.tp), d));
 }
 
+// Griffin's recurrent block (docs/plan-schema.md, "rec.*"): norm; y = W_y x (GEMM, its GeLU
+// applied in the gate); x' = W_x x (GEMM); a causal depthwise conv over x'; the RG-LRU (its
+// two block-diagonal gates, 2 x 2 w (w / heads) FLOPs a token, and the recurrence, ~10 w);
+// the gate h * gelu(y); out_proj (GEMM). The RG-LRU saves its output and its state every
+// chunk tokens; the block policy recomputes the whole block from its input but keeps those
+// chunk states (DESIGN section 3: full-block plus a narrow recompute of the recurrence).
+void recurrent_inventory(Builder& b, const RecurrentSpec& r, int64_t d, const ShardShape& sh,
+                         const char* out_name, bool out_saved) {
+  const Dims k(d, sh);
+  const char* dt = k.dt.c_str();
+  const int64_t w = r.width;
+  const int64_t wt = ceil_div(w, k.tp);
+  const int x = b.tensor("rec.input", k.Tsp, d, dt, k.e);
+  const int xn = b.tensor("rec.norm_out", k.Tsp, d, dt, k.e);
+  b.op("rec.norm", OpKind::kMemory, 4.0 * k.Tf * k.df / k.tpf, mul(mul(2, k.Tsp), mul(d, k.e)), {x},
+       {xn});
+  const double proj = 2.0 * k.Tf * k.df * static_cast<double>(w) / k.tpf;
+  const int y = b.tensor("rec.y_out", k.T, wt, dt, k.e);
+  b.op("rec.y_proj", OpKind::kGemm, proj, k.gemm_bytes(k.T, d, w), {xn}, {y},
+       Dims::gemm(k.T, d, wt));
+  const int xp = b.tensor("rec.x_out", k.T, wt, dt, k.e);
+  b.op("rec.x_proj", OpKind::kGemm, proj, k.gemm_bytes(k.T, d, w), {xn}, {xp},
+       Dims::gemm(k.T, d, wt));
+  const int conv = b.tensor("rec.conv_out", k.T, wt, dt, k.e);
+  b.op("rec.conv", OpKind::kMemory,
+       2.0 * k.Tf * static_cast<double>(w) * static_cast<double>(r.conv) / k.tpf,
+       mul(mul(2, k.T), mul(wt, k.e)), {xp}, {conv});
+  const int h = b.tensor("rec.lru_out", k.T, wt, dt, k.e);
+  const int states = b.tensor("rec.chunk_states", ceil_div(k.T, r.chunk), wt, "fp32", 4);
+  const double block = static_cast<double>(w / r.heads);
+  b.op("rec.lru", OpKind::kMemory, k.Tf * static_cast<double>(w) * (4.0 * block + 10.0) / k.tpf,
+       mul(mul(3, k.T), mul(wt, k.e)), {conv}, {h, states});
+  const int gated = b.tensor("rec.out_proj_in", k.T, wt, dt, k.e);
+  b.op("rec.gate", OpKind::kMemory, 10.0 * k.Tf * static_cast<double>(w) / k.tpf,
+       mul(mul(3, k.T), mul(wt, k.e)), {h, y}, {gated});
+  const int out = b.tensor(out_name, k.Tsp, d, dt, k.e, out_saved);
+  b.op("rec.out_proj", OpKind::kGemm, 2.0 * k.Tf * static_cast<double>(w) * k.df / k.tpf,
+       k.gemm_bytes(k.T, w, d), {gated, x}, {out}, Dims::gemm(k.T, wt, d));
+}
+
 }  // namespace
 
 LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardShape& sh) {
@@ -339,6 +379,8 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     mamba_inventory(b, layer.ssm, d, sh, mixer_out, has_mlp);
   } else if (layer.mixer == MixerKind::kLinearAttention) {
     linear_attention_inventory(b, layer.linear, d, sh, mixer_out, has_mlp);
+  } else if (layer.mixer == MixerKind::kRecurrent) {
+    recurrent_inventory(b, layer.recurrent, d, sh, mixer_out, has_mlp);
   }
   if (layer.mixer != MixerKind::kAttention) {
     if (!has_mlp) return inv;

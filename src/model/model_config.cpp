@@ -165,7 +165,9 @@ ModelConfig parse_gemma(const JsonObject& c, ModelConfig m, const std::string& t
   AttentionSpec a = read_gqa(c, m.hidden);
   a.qk_norm = type != "gemma2";
   const MlpSpec mlp = dense_mlp(c);
-  const int64_t window = read_window(c);
+  // Early Gemma 2 configs also spell the window sliding_window_size.
+  const char* window_key = alias(c, {"sliding_window", "sliding_window_size"});
+  const int64_t window = c.has(window_key) ? c.req_int(window_key, 1, kMaxDim) : 0;
   std::vector<char> sliding = read_layer_types(c, layers, window);
   if (sliding.empty() && window > 0) {
     sliding.assign(static_cast<size_t>(layers), 0);
@@ -268,7 +270,8 @@ AttentionSpec read_mla(const JsonObject& c) {
 
 // Multi-token-prediction layers (num_nextn_predict_layers): counted, not planned.
 void read_mtp(const JsonObject& c, ModelConfig& m) {
-  m.mtp_layers = c.int_or("num_nextn_predict_layers", 0, 0, kMaxLayers);
+  m.mtp_layers =
+      c.int_or(alias(c, {"num_nextn_predict_layers", "mtp_num_hidden_layers"}), 0, 0, kMaxLayers);
   if (m.mtp_layers > 0) {
     m.notes.push_back(fmt::format(
         "{} multi-token-prediction layer(s) (num_nextn_predict_layers) are not planned and not "
@@ -494,6 +497,7 @@ ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m) {
   mlp.gated = false;
   mlp.bias = c.bool_or("mlp_bias", false);
   if (pattern.find('-') != std::string::npos) mlp.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  (void)c.has("intermediate_size");  // the '-' layers' width: unused without them
   MlpSpec moe;
   if (pattern.find('E') != std::string::npos) {
     moe.kind = MlpKind::kMoe;
@@ -612,7 +616,7 @@ ModelConfig parse_qwen3_next(const JsonObject& c, ModelConfig m) {
   AttentionSpec a = read_gqa(c, m.hidden);
   a.o_bias = false;
   a.qk_norm = true;
-  a.output_gate = true;
+  a.output_gate = c.bool_or("attn_output_gate", true);
   LinearAttentionSpec lin;
   lin.k_heads = c.req_int("linear_num_key_heads", 1, kMaxDim);
   lin.v_heads = c.req_int("linear_num_value_heads", 1, kMaxDim);
@@ -670,6 +674,7 @@ ModelConfig parse_qwen3_next(const JsonObject& c, ModelConfig m) {
     l.mlp = !dense_set.count(i) && (i + 1) % step == 0 ? moe : dense;
     m.layers.push_back(l);
   }
+  read_mtp(c, m);
   return m;
 }
 
@@ -718,6 +723,93 @@ ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m) {
     l.mlp = mlp;
     m.layers.push_back(l);
   }
+  return m;
+}
+
+// RecurrentGemma (Griffin): block_types cycles over the layers (transformers' default
+// recurrent, recurrent, attention); attention is local (attention_window_size) MQA with a
+// bias on its output projection; the MLP is a gated GeLU of intermediate_size / 2 with
+// biases; embeddings tied.
+ModelConfig parse_recurrent_gemma(const JsonObject& c, ModelConfig m) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  AttentionSpec a = read_gqa(c, m.hidden);
+  a.qkv_bias = false;
+  a.o_bias = true;
+  (void)c.has("attention_bias");
+  a.sliding_window = c.int_or("attention_window_size", 2048, 1, kMaxDim);
+  RecurrentSpec r;
+  r.width = c.int_or("lru_width", m.hidden, 1, kMaxDim);
+  r.heads = a.heads;
+  r.conv = c.int_or("conv1d_width", 4, 1, kMaxDim);
+  if (r.width % r.heads != 0) {
+    c.fail("lru_width", fmt::format("is {}; must be a multiple of \"num_attention_heads\" ({})",
+                                    r.width, r.heads));
+  }
+  MlpSpec mlp;
+  const int64_t inter = c.req_int("intermediate_size", 2, kMaxDim);
+  mlp.ffn = inter / 2;
+  mlp.bias = true;
+  // Transformers saves the pattern as _block_types (a property over it).
+  std::vector<std::string> types = c.str_array_or(alias(c, {"block_types", "_block_types"}));
+  if (types.empty()) types = {"recurrent", "recurrent", "attention"};
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string& t = types[static_cast<size_t>(i) % types.size()];
+    LayerSpec l;
+    if (t == "recurrent") {
+      l.mixer = MixerKind::kRecurrent;
+      l.recurrent = r;
+    } else if (t == "attention") {
+      l.attn = a;
+    } else {
+      c.fail(fmt::format("block_types[{}]", static_cast<size_t>(i) % types.size()),
+             fmt::format("is \"{}\"; must be \"recurrent\" or \"attention\"", t));
+    }
+    l.mlp = mlp;
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+// The mamba_ssm package's own config.json (state-spaces/mamba2-*: no model_type): d_model,
+// n_layer, the vocabulary padded to pad_vocab_size_multiple, ssm_cfg with the Mamba2
+// module's arguments (its defaults: d_state 128, d_conv 4, expand 2, headdim 64, ngroups 1,
+// chunk_size 256, conv bias, no projection bias, the gated norm), d_intermediate 0 (no MLP).
+// Attention layers (attn_layer_idx) and MLPs are refused, not ignored.
+ModelConfig parse_mamba_ssm(const JsonObject& c, ModelConfig m) {
+  m.model_type = "mamba_ssm";
+  m.hidden = c.req_int("d_model", 1, kMaxDim);
+  const int64_t vocab = c.req_int("vocab_size", 1, kMaxDim);
+  const int64_t pad = c.int_or("pad_vocab_size_multiple", 1, 1, kMaxDim);
+  m.vocab = (vocab + pad - 1) / pad * pad;
+  m.tied_embeddings = c.bool_or("tie_embeddings", true);
+  const int64_t layers = c.req_int("n_layer", 1, kMaxLayers);
+  if (c.int_or("d_intermediate", 0, 0, kMaxDim) != 0)
+    c.fail("d_intermediate", "is not 0: spillway plans mamba_ssm configs without MLPs");
+  if (!c.int_array_or("attn_layer_idx", 0, layers - 1).empty())
+    c.fail("attn_layer_idx", "is not empty: spillway plans mamba_ssm configs without attention");
+  (void)c.has("attn_cfg");
+  const JsonObject s = c.has("ssm_cfg") ? c.req_obj("ssm_cfg") : c;
+  if (s.str_or("layer", "Mamba1") != "Mamba2")
+    c.fail("ssm_cfg", "has no \"layer\": \"Mamba2\"; spillway plans Mamba-2 mamba_ssm models");
+  LayerSpec l;
+  l.mixer = MixerKind::kMamba;
+  l.mlp.kind = MlpKind::kNone;
+  SsmSpec& ssm = l.ssm;
+  ssm.version = 2;
+  ssm.state = s.int_or("d_state", 128, 1, kMaxDim);
+  ssm.conv = s.int_or("d_conv", 4, 1, kMaxDim);
+  ssm.head_dim = s.int_or("headdim", 64, 1, kMaxDim);
+  ssm.groups = s.int_or("ngroups", 1, 1, kMaxDim);
+  ssm.chunk = s.int_or("chunk_size", 256, 1, kMaxDim);
+  ssm.inner = checked_mul(s.int_or("expand", 2, 1, 1024), m.hidden, "model config: inner");
+  if (ssm.inner % ssm.head_dim != 0)
+    c.fail("ssm_cfg", fmt::format("has expand x d_model = {}, not a multiple of headdim ({})",
+                                  ssm.inner, ssm.head_dim));
+  ssm.heads = ssm.inner / ssm.head_dim;
+  ssm.conv_bias = s.bool_or("conv_bias", true);
+  ssm.proj_bias = s.bool_or("bias", false);
+  ssm.gated_norm = s.bool_or("rmsnorm", true);
+  m.layers.assign(static_cast<size_t>(layers), l);
   return m;
 }
 
@@ -801,7 +893,9 @@ constexpr FamilyName kFamilies[] = {{"llama", "llama"},
                                     {"mamba2", "mamba2"},
                                     {"jamba", "jamba"},
                                     {"qwen3_next", "qwen3_next"},
-                                    {"granitemoehybrid", "granite_hybrid"}};
+                                    {"granitemoehybrid", "granite_hybrid"},
+                                    {"recurrent_gemma", "recurrent_gemma"},
+                                    {"qwen3_5_moe_text", "qwen3_next"}};
 
 const char* family_of(const std::string& type) {
   for (const FamilyName& f : kFamilies)
@@ -838,7 +932,9 @@ std::string type_of_architecture(const std::string& arch) {
       {"Mamba2ForCausalLM", "mamba2"},
       {"JambaForCausalLM", "jamba"},
       {"Qwen3NextForCausalLM", "qwen3_next"},
-      {"GraniteMoeHybridForCausalLM", "granitemoehybrid"}};
+      {"GraniteMoeHybridForCausalLM", "granitemoehybrid"},
+      {"RecurrentGemmaForCausalLM", "recurrent_gemma"},
+      {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"}};
   for (const auto& [a, t] : kArch)
     if (arch == a) return t;
   return {};
@@ -847,6 +943,7 @@ std::string type_of_architecture(const std::string& arch) {
 // The text family of a multimodal wrapper's model_type.
 std::string text_type_of_wrapper(const std::string& type) {
   if (type == "gemma3") return "gemma3_text";
+  if (type == "qwen3_5_moe") return "qwen3_5_moe_text";
   if (type == "llama4") return "llama4_text";
   return type;
 }
@@ -863,9 +960,14 @@ bool shape_like(std::string_view k) {
                                                    "max_batch_size",
                                                    "index_topk",
                                                    "rope_scaling",
-                                                   "rope_parameters"};
+                                                   "rope_parameters",
+                                                   "num_logits_to_keep",
+                                                   "rope_local_base_freq",
+                                                   "embeddings_scale_by_sqrt_dim",
+                                                   "mtp_use_dedicated_embeddings"};
   for (std::string_view n : kNotShape)
     if (k == n) return false;
+  if (k.find("eps") != std::string_view::npos) return false;  // norm epsilons
   if (k.starts_with("num_") || k.starts_with("n_")) return true;
   static constexpr std::string_view kParts[] = {
       "size",   "dim",    "heads",   "layer",    "expert", "rank",        "window",
@@ -896,6 +998,8 @@ const std::vector<std::string>& supported_model_types() {
     for (const FamilyName& f : kFamilies) t.emplace_back(f.type);
     t.emplace_back("gemma3");  // wrappers of a text_config
     t.emplace_back("llama4");
+    t.emplace_back("qwen3_5_moe");
+    t.emplace_back("mamba_ssm");  // the mamba_ssm package's format (no model_type)
     return t;
   }();
   return types;
@@ -920,6 +1024,9 @@ std::string LayerSpec::block_name() const {
     case MixerKind::kLinearAttention:
       s = "gdn";
       break;
+    case MixerKind::kRecurrent:
+      s = "rglru";
+      break;
     case MixerKind::kNone:
       break;
   }
@@ -940,6 +1047,16 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
   m.name = name;
   m.source = file;
   // The language model's object (Note [Reading a config]).
+  // The mamba_ssm package's own format (no model_type, no architectures).
+  if (!root.has("model_type") && !root.has("architectures") && root.has("d_model") &&
+      root.has("n_layer")) {
+    auto reads = std::make_shared<std::set<std::string, std::less<>>>();
+    JsonObject tracked = root;
+    tracked.track_reads(reads);
+    m = parse_mamba_ssm(tracked, std::move(m));
+    refuse_unread(root, *reads, "mamba_ssm");
+    return m;
+  }
   const bool nested = root.has("text_config") && !root.has("hidden_size");
   const JsonObject c = nested ? root.req_obj("text_config") : root;
   auto reads = std::make_shared<std::set<std::string, std::less<>>>();
@@ -986,9 +1103,17 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
                      ? typed.req_str("model_type")
                      : type;
   m.hidden = tracked.req_int("hidden_size", 1, kMaxDim);
-  m.vocab = tracked.req_int("vocab_size", 1, kMaxDim);
+  if (!tracked.has("vocab_size") && type == "gemma3_text") {
+    // Gemma 3's wrapper configs leave the text vocabulary at transformers' default.
+    m.vocab = 262208;
+    m.notes.push_back(
+        "vocab_size is not given: transformers' Gemma3TextConfig default, 262,208, is used");
+  } else {
+    m.vocab = tracked.req_int("vocab_size", 1, kMaxDim);
+  }
   const char* fam = family_of(type);
-  const bool tied_default = fam != nullptr && std::string_view(fam) == "gemma";
+  const bool tied_default = fam != nullptr && (std::string_view(fam) == "gemma" ||
+                                               std::string_view(fam) == "recurrent_gemma");
   m.tied_embeddings = tracked.has("tie_word_embeddings")
                           ? tracked.bool_or("tie_word_embeddings", tied_default)
                           : root.bool_or("tie_word_embeddings", tied_default);
@@ -1021,6 +1146,8 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
     m = parse_qwen3_next(tracked, std::move(m));
   } else if (f == "granite_hybrid") {
     m = parse_granite_hybrid(tracked, std::move(m));
+  } else if (f == "recurrent_gemma") {
+    m = parse_recurrent_gemma(tracked, std::move(m));
   } else {
     unknown_type(nested ? c : root, nested ? type : m.model_type);
   }
@@ -1053,6 +1180,9 @@ std::vector<ModelCatalogEntry> model_catalog() {
     m.hf_repo = e.str_or("hf_repo", "");
     m.published_params_b = e.req_num("published_params_b", 0.0, 1e6);
     m.published_active_params_b = e.num_or("published_active_params_b", 0.0, 0.0, 1e6);
+    m.params_tolerance = e.num_or("params_tolerance", 0.01, 0.0, 0.5);
+    m.active_tolerance = e.num_or("active_tolerance", 0.01, 0.0, 0.5);
+    m.active_counts_embedding = e.bool_or("active_counts_embedding", true);
     out.push_back(std::move(m));
   }
   return out;
@@ -1068,8 +1198,8 @@ ModelConfig load_model(const std::string& name_or_path) {
       return parse_model_config(parse_json_text(f->text, kWhat, label), e.name, label);
     }
   }
-  // The reference model's embedded configs (data/nn/: tiny-moe, small-moe, tiny-hybrid, what `spillway
-  // train` runs) plan by the same name.
+  // The reference model's embedded configs (data/nn/: tiny-moe, small-moe, tiny-hybrid, what
+  // `spillway train` runs) plan by the same name.
   if (const EmbeddedFile* f = find_embedded("nn", key + ".json"); f != nullptr) {
     const std::string label = "data/nn/" + key + ".json";
     return parse_model_config(parse_json_text(f->text, kWhat, label), key, label);
@@ -1081,7 +1211,8 @@ ModelConfig load_model(const std::string& name_or_path) {
       names += (names.empty() ? "" : ", ") + e.name;
     SPILLWAY_INPUT_ERROR(
         "model: '{}' is neither a catalog model nor an existing file. Catalog: {}; the reference "
-        "models of `spillway train`: tiny-moe, small-moe, tiny-hybrid (or pass the path of a Hugging Face "
+        "models of `spillway train`: tiny-moe, small-moe, tiny-hybrid (or pass the path of a "
+        "Hugging Face "
         "config.json)",
         name_or_path, names);
   }
@@ -1176,6 +1307,18 @@ int64_t linear_attention_parameters(const LinearAttentionSpec& g, int64_t d) {
   return p;
 }
 
+// Griffin's recurrent block (transformers' RecurrentGemmaRecurrentBlock).
+int64_t recurrent_parameters(const RecurrentSpec& r, int64_t d) {
+  const int64_t w = r.width;
+  const int64_t block = w / r.heads;
+  int64_t p = pmul(2, padd(pmul(d, w), w));       // linear_y, linear_x with biases
+  p = padd(p, padd(pmul(w, d), d));               // linear_out with its bias
+  p = padd(p, padd(pmul(w, r.conv), w));          // conv_1d with its bias
+  p = padd(p, w);                                 // recurrent_param
+  p = padd(p, pmul(2, padd(pmul(w, block), w)));  // input and recurrence gates
+  return p;
+}
+
 int64_t mlp_parameters(const MlpSpec& m, int64_t d) {
   auto ffn = [&](int64_t f, bool bias, bool gated) {
     const int64_t w = pmul(gated ? 3 : 2, pmul(d, f));
@@ -1207,6 +1350,9 @@ int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
       break;
     case MixerKind::kLinearAttention:
       p = padd(p, padd(d, linear_attention_parameters(l.linear, d)));
+      break;
+    case MixerKind::kRecurrent:
+      p = padd(p, padd(d, recurrent_parameters(l.recurrent, d)));
       break;
     case MixerKind::kNone:
       break;

@@ -88,13 +88,15 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
     // input of the expert GEMMs, recomputing only the expert GEMMs; a Mamba or Gated
     // DeltaNet block keeps its scan's output and chunk states and recomputes only its
     // projections, convolution and gate: the scan never runs again (DESIGN section 3).
-    const bool block_input =
-        n == "attn.input" || n == "mlp.input" || n == "ssm.input" || n == "lin.input";
+    const bool block_input = n == "attn.input" || n == "mlp.input" || n == "ssm.input" ||
+                             n == "lin.input" || n == "rec.input";
     const bool moe_kept =
         moe && (n == "mlp.norm_out" || n == "moe.router_probs" || n == "moe.topk_idx" ||
                 n == "moe.topk_weights" || n == "moe.dispatch_in");
+    // A recurrent block is recomputed whole from its input but keeps the recurrence's
+    // chunk states (full-block plus a narrow recompute of the recurrence).
     const bool scan_kept = n == "ssm.scan_out" || n == "ssm.chunk_states" || n == "lin.core_out" ||
-                           n == "lin.chunk_states";
+                           n == "lin.chunk_states" || n == "rec.chunk_states";
     if (block_input || moe_kept || scan_kept) a[i] = Action::kKeep;
   }
   return a;

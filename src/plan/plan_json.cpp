@@ -83,6 +83,14 @@ constexpr KnownTensor kKnownTensors[] = {
     {"lin.core_out", "gdn"},
     {"lin.chunk_states", "gdn"},
     {"lin.out_proj_in", "gdn"},
+    {"rec.input", "rglru"},
+    {"rec.norm_out", "rglru"},
+    {"rec.y_out", "rglru"},
+    {"rec.x_out", "rglru"},
+    {"rec.conv_out", "rglru"},
+    {"rec.lru_out", "rglru"},
+    {"rec.chunk_states", "rglru"},
+    {"rec.out_proj_in", "rglru"},
 };
 
 // Bytes of one element of a tensor dtype as the plan writes it; 0 when unknown.

@@ -294,8 +294,9 @@ void validate(const PlanRequest& r) {
     }
     // A Mamba or Gated DeltaNet mixer splits over tp by heads (Mamba-1 by channels).
     const int64_t mixer_heads =
-        l.mixer == MixerKind::kMamba
-            ? (l.ssm.version == 1 ? l.ssm.inner : l.ssm.heads)
+        l.mixer == MixerKind::kMamba ? (l.ssm.version == 1 ? l.ssm.inner : l.ssm.heads)
+        : l.mixer == MixerKind::kRecurrent
+            ? l.recurrent.heads
             : (l.mixer == MixerKind::kLinearAttention ? std::gcd(l.linear.k_heads, l.linear.v_heads)
                                                       : 0);
     if (mixer_heads > 0 && mixer_heads % s.tp != 0) {

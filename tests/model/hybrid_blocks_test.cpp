@@ -252,5 +252,37 @@ TEST(HybridBlocks, ThePlanSaysPerBlockWhyInNumbers) {
   EXPECT_NE(json.find("\"checkpoint_recompute_ms\""), std::string::npos);
 }
 
+// Griffin's recurrent block (RecurrentGemma): parameters by hand, and its block policy:
+// the whole block recomputed from its input, the recurrence's chunk states kept.
+TEST(HybridBlocks, RecurrentGemmaBlocks) {
+  const Json j = Json::parse(R"({
+    "model_type": "recurrent_gemma", "hidden_size": 8, "num_hidden_layers": 4,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "lru_width": 8,
+    "conv1d_width": 4, "attention_window_size": 16, "intermediate_size": 32,
+    "vocab_size": 10, "_block_types": ["recurrent", "recurrent", "attention"],
+    "embeddings_scale_by_sqrt_dim": true})");
+  const ModelConfig m = parse_model_config(j, "rg", "rg.json");
+  ASSERT_EQ(m.layers.size(), 4u);
+  EXPECT_EQ(m.layers[0].block_name(), "rglru+dense");
+  EXPECT_EQ(m.layers[2].block_name(), "swa+dense");
+  EXPECT_EQ(m.layers[3].block_name(), "rglru+dense");  // the pattern cycles
+  EXPECT_TRUE(m.tied_embeddings);
+  // Recurrent (w 8, 2 blocks of 4): linear_y, linear_x 2 * (64 + 8); linear_out 64 + 8;
+  // conv 32 + 8; recurrent_param 8; gates 2 * (8 * 4 + 8) -> 344; + norm 8.
+  // MLP of 32 / 2 = 16 with biases: 3 * 8 * 16 + 2 * 16 + 8 = 424; + norm 8.
+  EXPECT_EQ(layer_parameter_count(m.layers[0], 8), 352 + 432);
+  ShardShape sh;
+  sh.seq_len = 512;
+  const CostedLayer c = cost_layer(m.layers[0], 8, sh, load_hardware("h100-sxm"), Efficiency{});
+  const std::vector<Action> rec = recompute_actions(c);
+  for (size_t i = 0; i < rec.size(); ++i) {
+    const std::string& n = c.inv.tensors[i].name;
+    if (n.rfind("rec.", 0) != 0) continue;
+    EXPECT_EQ(rec[i],
+              n == "rec.input" || n == "rec.chunk_states" ? Action::kKeep : Action::kRecompute)
+        << n;
+  }
+}
+
 }  // namespace
 }  // namespace spillway

@@ -115,7 +115,8 @@ TEST(Inventory, FusedSwigluDoesNotSaveAct) {
 }
 
 TEST(Inventory, MlpVolumeIsTheDesignFormula) {
-  // V = 3 * T * f_act * b unfused, 2 * T * f_act * b fused (DESIGN section 2).
+  // V = 3 * T * f_act * b unfused, 2 * T * f_act * b fused (DESIGN section 2); an ungated
+  // MLP (up and down, Nemotron-H) saves 2 * T * f_act * b either way; none, nothing.
   for (const ModelCatalogEntry& e : model_catalog()) {
     const ModelConfig m = load_model(e.name);
     for (const LayerSpec& l : distinct_layers(m)) {
@@ -123,8 +124,9 @@ TEST(Inventory, MlpVolumeIsTheDesignFormula) {
       for (int64_t mb : {1, 3}) {
         ShardShape s = shape(mb, 2048);
         const int64_t T = mb * 2048;
-        const int64_t f = l.mlp.active_ffn();
-        EXPECT_EQ(mlp_bytes(build_inventory(l, m.hidden, s)), 3 * T * f * 2);
+        const int64_t f = l.mlp.kind == MlpKind::kNone ? 0 : l.mlp.active_ffn();
+        const int64_t unfused = l.mlp.gated ? 3 : 2;
+        EXPECT_EQ(mlp_bytes(build_inventory(l, m.hidden, s)), unfused * T * f * 2);
         s.fused_swiglu = true;
         EXPECT_EQ(mlp_bytes(build_inventory(l, m.hidden, s)), 2 * T * f * 2);
         s.dtype = DType::kFp32;
@@ -142,7 +144,7 @@ TEST(Inventory, LinearInTokensForEveryCatalogModel) {
       const LayerInventory base = build_inventory(l, m.hidden, shape(1, 4096));
       const LayerInventory mb2 = build_inventory(l, m.hidden, shape(2, 4096));
       const LayerInventory seq2 = build_inventory(l, m.hidden, shape(1, 8192));
-      ASSERT_GT(mlp_bytes(base), 0);
+      ASSERT_EQ(mlp_bytes(base) > 0, l.mlp.kind != MlpKind::kNone);
       EXPECT_EQ(mlp_bytes(mb2), 2 * mlp_bytes(base));
       EXPECT_EQ(mlp_bytes(seq2), 2 * mlp_bytes(base));
       // Every saved tensor is token-major: the whole layer doubles too.
@@ -205,7 +207,8 @@ TEST(Inventory, GateShapeIsTokensByActiveWidthOverTp) {
 }
 
 TEST(Inventory, RecomputeFlopsOfTheProjectionsAreSixTdf) {
-  // DESIGN: the three projections cost 6 * T * d * f_act FLOPs forward.
+  // DESIGN: the three projections cost 6 * T * d * f_act FLOPs forward (an ungated MLP's
+  // two, 4 * T * d * f_act; no MLP, none).
   for (const ModelCatalogEntry& e : model_catalog()) {
     const ModelConfig m = load_model(e.name);
     for (const LayerSpec& l : distinct_layers(m)) {
@@ -222,9 +225,11 @@ TEST(Inventory, RecomputeFlopsOfTheProjectionsAreSixTdf) {
           EXPECT_DOUBLE_EQ(op.bwd_flops, 2.0 * op.fwd_flops);
         }
       }
-      EXPECT_EQ(found, 3);
-      const double want =
-          6.0 * T * static_cast<double>(m.hidden) * static_cast<double>(l.mlp.active_ffn());
+      const int projections = l.mlp.kind == MlpKind::kNone ? 0 : (l.mlp.gated ? 3 : 2);
+      EXPECT_EQ(found, projections);
+      if (projections == 0) continue;
+      const double want = 2.0 * projections * T * static_cast<double>(m.hidden) *
+                          static_cast<double>(l.mlp.active_ffn());
       EXPECT_NEAR(proj, want, want * 1e-12);
     }
   }
@@ -251,12 +256,19 @@ TEST(Inventory, OpGraphIsInForwardOrder) {
           EXPECT_TRUE(produced.insert(out).second) << "tensor produced twice";
         }
       }
-      // Only the layer input comes from outside the layer.
+      // Only the layer input comes from outside the layer: the mixer's input, or the MLP's
+      // in an MLP-only layer (Note [Block inventories]).
+      int inputs = 0;
       for (const TensorInfo& t : inv.tensors) {
         if (t.producer < 0) {
-          EXPECT_EQ(t.name, "attn.input");
+          ++inputs;
+          EXPECT_TRUE(t.name == "attn.input" || t.name == "ssm.input" || t.name == "lin.input" ||
+                      t.name == "rec.input" ||
+                      (t.name == "mlp.input" && l.mixer == MixerKind::kNone))
+              << t.name;
         }
       }
+      EXPECT_EQ(inputs, 1);
     }
   }
 }
