@@ -119,8 +119,12 @@ struct LayerSpec {
   LinearAttentionSpec linear{};  // mixer kLinearAttention
   RecurrentSpec recurrent{};     // mixer kRecurrent
   // RMSNorms beyond the input and post-attention ones, d parameters each (Gemma 2/3's
-  // sandwich: pre- and post-feedforward norms).
+  // sandwich: pre- and post-feedforward norms; an MTP module's two input norms).
   int64_t extra_norms = 0;
+  // A multi-token-prediction module (with_mtp_layers): the layer plus its projection of
+  // the concatenated [hidden, next-token embedding] (2d x d), in extra_params.
+  bool mtp = false;
+  int64_t extra_params = 0;
   // Short block name used in plans: "gqa+dense", "swa+moe", "mla+moe", "gqa+moe+dense",
   // "mamba2", "mamba+moe", "gdn+moe", "dense" (an MLP-only layer).
   std::string block_name() const;
@@ -142,6 +146,12 @@ struct ModelConfig {
   // from `architectures`, a vision tower left out, MTP layers left out).
   std::vector<std::string> notes;
 };
+
+// The model with its multi-token-prediction layers appended (`spillway plan --mtp`): each
+// one a copy of the last layer with the MTP module's two norms and 2d x d projection (the
+// DeepSeek-V3 / GLM-4.5 module; its head is shared with the model's). Throws InputError
+// when the model declares none.
+ModelConfig with_mtp_layers(ModelConfig model);
 
 // Parses a Hugging Face config.json. `name` labels the model, `file` is used in messages.
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& name,

@@ -158,6 +158,11 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
   cmd.add_flag("--fused-swiglu", f.fused_swiglu,
                "SwiGLU backward recomputes silu(g)*u in-kernel: only gate and up outputs are saved")
       ->group("Workload");
+  cmd.add_flag("--mtp", f.mtp,
+               "Plan the model's multi-token-prediction layers too (DeepSeek-V3, GLM-4.5, Qwen3.5: "
+               "num_nextn_predict_layers), each after the last layer; without it they are "
+               "counted apart and left out, as published parameter counts leave them out")
+      ->group("Workload");
   CLI::Option* policy =
       cmd.add_option("--policy", f.strategy,
                      "auto (fastest feasible mix, layer by layer), keep, recompute, offload, "
@@ -316,6 +321,7 @@ PlanRequest make_request(const PlanFlags& f) {
   r.grad_offload = f.grad_offload;
   r.loss_chunk = f.loss_chunk;
   r.model = load_model(f.model);
+  if (f.mtp) r.model = with_mtp_layers(std::move(r.model));
   r.hardware = load_hardware(f.hardware);
   if (!f.profile.empty()) {
     r.profile = load_profile(f.profile);
@@ -388,6 +394,7 @@ void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Pla
   if (given("--model")) {
     PlanRequest used = planned;
     used.model = load_model(f.model);
+    if (f.mtp) used.model = with_mtp_layers(std::move(used.model));
     agree("--model", "model", used.model.name, planned.model.name);
     check_plan_matches(plan, planned, used, plan_path);
   }

@@ -21,6 +21,7 @@ struct PlanFlags {
   int64_t tp = 1, ep = 1, cp = 1, pp = 1, dp = 1;
   int64_t grad_accum = 1;
   bool fused_swiglu = false;
+  bool mtp = false;
   std::string strategy = "auto";
   std::string margin = "10%";
   std::optional<double> layer_fwd_ms;

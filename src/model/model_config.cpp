@@ -1031,13 +1031,33 @@ std::string LayerSpec::block_name() const {
       break;
   }
   auto add = [&](const char* part) { s += s.empty() ? part : std::string("+") + part; };
+  const bool is_mtp = mtp;
   if (mlp.kind == MlpKind::kMoe) {
     add("moe");
     if (mlp.residual_ffn > 0) add("dense");
   } else if (mlp.kind == MlpKind::kDense) {
     add("dense");
   }
+  if (is_mtp) add("mtp");
   return s;
+}
+
+ModelConfig with_mtp_layers(ModelConfig m) {
+  if (m.mtp_layers <= 0 || m.layers.empty())
+    SPILLWAY_INPUT_ERROR("--mtp: {} declares no multi-token-prediction layers", m.name);
+  LayerSpec l = m.layers.back();
+  l.mtp = true;
+  l.extra_norms += 2;  // enorm, hnorm
+  l.extra_params = checked_mul(2 * m.hidden, m.hidden, "model config: MTP projection");
+  for (int64_t i = 0; i < m.mtp_layers; ++i) m.layers.push_back(l);
+  m.notes.push_back(fmt::format(
+      "{} multi-token-prediction layer(s) planned after the last layer (--mtp), each a copy of "
+      "it with the MTP module's norms and {} x {} projection",
+      m.mtp_layers, 2 * m.hidden, m.hidden));
+  // The notes said they were left out: no longer.
+  std::erase_if(m.notes, [](const std::string& n) { return n.find("are not planned") != n.npos; });
+  m.mtp_layers = 0;
+  return m;
 }
 
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& name,
@@ -1340,7 +1360,7 @@ int64_t mlp_parameters(const MlpSpec& m, int64_t d) {
 int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
   // Each part brings its pre-norm (RMSNorm, d): the input norm of the mixer, the
   // post-attention norm of the MLP; Gemma's sandwich norms are extra_norms.
-  int64_t p = pmul(l.extra_norms, d);
+  int64_t p = padd(pmul(l.extra_norms, d), l.extra_params);
   switch (l.mixer) {
     case MixerKind::kAttention:
       p = padd(p, padd(d, attention_parameters(l.attn, d)));

@@ -277,5 +277,30 @@ TEST(ConfigFamilies, QwenLayerTypesAndIgnoredWindowKeys) {
   EXPECT_NE(error_of(j).find("\"layer_types[0]\" is \"local\""), std::string::npos);
 }
 
+// MTP layers: counted apart and left out by default (the notes say so), planned with
+// with_mtp_layers (`spillway plan --mtp`): each a copy of the last layer with the module's
+// two norms and 2d x d projection.
+TEST(ConfigFamilies, MtpLayersAreOptional) {
+  const ModelConfig m = parse_model_config(embedded("deepseek-v3.json"), "d", "d.json");
+  EXPECT_EQ(m.mtp_layers, 1);
+  EXPECT_TRUE(has_note(m, "are not planned"));
+  const ModelConfig w = with_mtp_layers(m);
+  ASSERT_EQ(w.layers.size(), m.layers.size() + 1);
+  EXPECT_EQ(w.layers.back().block_name(), "mla+moe+mtp");
+  const int64_t d = m.hidden;
+  EXPECT_EQ(parameter_count(w) - parameter_count(m),
+            layer_parameter_count(m.layers.back(), d) + 2 * d * d + 2 * d);
+  EXPECT_FALSE(has_note(w, "are not planned"));
+  EXPECT_TRUE(has_note(w, "planned after the last layer (--mtp)"));
+  const ModelConfig llama = parse_model_config(embedded("llama-3.1-8b.json"), "l", "l.json");
+  try {
+    (void)with_mtp_layers(llama);
+    ADD_FAILURE() << "no MTP layers to add";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("declares no multi-token-prediction layers"),
+              std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace spillway
