@@ -297,6 +297,9 @@ struct BlockSummary {
   double block_recompute_ms = 0.0;    // what it reruns in backward
   int64_t checkpoint_kept_bytes = 0;  // full-layer checkpointing: the layer input
   double checkpoint_recompute_ms = 0.0;
+  // The offload candidates: the saved tensors the block policy recomputes, which an
+  // offload moves to the host instead, largest first, with their bytes per layer.
+  std::vector<std::pair<std::string, int64_t>> candidates;
 };
 
 struct PlanSummary {

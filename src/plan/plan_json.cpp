@@ -145,7 +145,13 @@ Json blocks_json(const std::vector<BlockSummary>& blocks) {
                  {"block_policy_kept_bytes", b.block_kept_bytes},
                  {"block_policy_recompute_ms", b.block_recompute_ms},
                  {"checkpoint_kept_bytes", b.checkpoint_kept_bytes},
-                 {"checkpoint_recompute_ms", b.checkpoint_recompute_ms}});
+                 {"checkpoint_recompute_ms", b.checkpoint_recompute_ms},
+                 {"offload_candidates", [&] {
+                    Json c = Json::array();
+                    for (const auto& [name, bytes] : b.candidates)
+                      c.push_back({{"name", name}, {"bytes", bytes}});
+                    return c;
+                  }()}});
   }
   return a;
 }

@@ -1547,7 +1547,10 @@ void summarize_blocks(const Stage& st, const PlanRequest& r, Plan& plan) {
       for (size_t i = 0; i < rec.size(); ++i) {
         const TensorInfo& t = c.inv.tensors[i];
         if (t.saved && t.producer >= 0 && rec[i] == Action::kKeep) b.kept.push_back(t.name);
+        if (t.saved && rec[i] == Action::kRecompute) b.candidates.emplace_back(t.name, t.bytes);
       }
+      std::stable_sort(b.candidates.begin(), b.candidates.end(),
+                       [](const auto& x, const auto& y) { return x.second > y.second; });
       out.push_back(std::move(b));
       chosen.emplace_back();
       it = out.end() - 1;

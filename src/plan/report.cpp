@@ -146,6 +146,13 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                          : fmt::format("the input and {}: ", fmt::join(b.kept, ", ")),
           static_cast<double>(b.block_kept_bytes) / 1e6, b.block_recompute_ms,
           static_cast<double>(b.checkpoint_kept_bytes) / 1e6, b.checkpoint_recompute_ms);
+      std::string cands;
+      for (size_t i = 0; i < b.candidates.size() && i < 4; ++i) {
+        cands += fmt::format("{}{} {:.2f} MB", i == 0 ? "" : ", ", b.candidates[i].first,
+                             static_cast<double>(b.candidates[i].second) / 1e6);
+      }
+      if (b.candidates.size() > 4) cands += fmt::format(", {} more", b.candidates.size() - 4);
+      if (!cands.empty()) out += fmt::format("            offload candidates: {}\n", cands);
     }
   }
   out += "\n";

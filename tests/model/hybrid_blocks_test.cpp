@@ -241,6 +241,14 @@ TEST(HybridBlocks, ThePlanSaysPerBlockWhyInNumbers) {
   EXPECT_GT(m.block_kept_bytes, m.checkpoint_kept_bytes);
   EXPECT_LT(m.block_recompute_ms, m.checkpoint_recompute_ms);  // the scan is not rerun
   EXPECT_FALSE(m.chosen.empty());
+  ASSERT_FALSE(m.candidates.empty());
+  for (size_t i = 1; i < m.candidates.size(); ++i)
+    EXPECT_GE(m.candidates[i - 1].second, m.candidates[i].second);
+  int64_t candidate_bytes = 0;
+  for (const auto& [name, bytes] : m.candidates) {
+    EXPECT_NE(name, "ssm.scan_out");  // kept, not a candidate
+    candidate_bytes += bytes;
+  }
   EXPECT_EQ(p.summary.blocks[1].block, "dense");
   EXPECT_EQ(p.summary.blocks[2].block, "gqa");
   const std::string report = format_plan_report(p, r);
@@ -248,7 +256,9 @@ TEST(HybridBlocks, ThePlanSaysPerBlockWhyInNumbers) {
   EXPECT_NE(report.find("the block policy keeps the input and ssm.scan_out, ssm.chunk_states"),
             std::string::npos)
       << report;
+  EXPECT_NE(report.find("offload candidates: "), std::string::npos) << report;
   const std::string json = plan_to_json(p, r);
+  EXPECT_NE(json.find("\"offload_candidates\""), std::string::npos);
   EXPECT_NE(json.find("\"checkpoint_recompute_ms\""), std::string::npos);
 }
 
