@@ -17,8 +17,14 @@ void add_models_command(CLI::App& app) {
       "List the embedded model catalog (Hugging Face config.json files in data/models/). Any "
       "other config.json can be passed by path to --model.");
   cmd->callback([]() {
-    std::string out = fmt::format("{:<18} {:<10} {:>7} {:>11} {:>9} {:>8}  {}\n", "name", "type",
-                                  "layers", "params (B)", "published", "active", "blocks");
+    struct Row {
+      std::string name, type, blocks;
+      size_t layers = 0;
+      double params = 0, published = 0, active = 0, published_active = 0;
+    };
+    std::vector<Row> rows;
+    size_t name_w = 4;
+    size_t type_w = 4;
     for (const ModelCatalogEntry& e : model_catalog()) {
       const ModelConfig m = load_model(e.name);
       // Layer counts per block type, in order of first appearance.
@@ -33,14 +39,32 @@ void add_models_command(CLI::App& app) {
           ++it->second;
         }
       }
-      std::string blocks;
+      Row r;
+      r.name = e.name;
+      r.type = m.model_type;
+      r.layers = m.layers.size();
+      r.params = static_cast<double>(parameter_count(m)) / 1e9;
+      r.published = e.published_params_b;
+      r.active = static_cast<double>(active_parameter_count(m)) / 1e9;
+      r.published_active = e.published_active_params_b;
       for (const auto& [b, n] : counts)
-        blocks += fmt::format("{}{}x {}", blocks.empty() ? "" : ", ", n, b);
-      out += fmt::format("{:<18} {:<10} {:>7} {:>11.2f} {:>9.1f} {:>8.2f}  {}\n", e.name,
-                         m.model_type, m.layers.size(),
-                         static_cast<double>(parameter_count(m)) / 1e9, e.published_params_b,
-                         static_cast<double>(active_parameter_count(m)) / 1e9, blocks);
+        r.blocks += fmt::format("{}{}x {}", r.blocks.empty() ? "" : ", ", n, b);
+      name_w = std::max(name_w, r.name.size());
+      type_w = std::max(type_w, r.type.size());
+      rows.push_back(std::move(r));
     }
+    std::string out =
+        fmt::format("{:<{}} {:<{}} {:>7} {:>11} {:>9} {:>8} {:>9}  {}\n", "name", name_w, "type",
+                    type_w, "layers", "params (B)", "published", "active", "published", "blocks");
+    for (const Row& r : rows) {
+      out += fmt::format("{:<{}} {:<{}} {:>7} {:>11.2f} {:>9.1f} {:>8.2f} {:>9.1f}  {}\n", r.name,
+                         name_w, r.type, type_w, r.layers, r.params, r.published, r.active,
+                         r.published_active, r.blocks);
+    }
+    out +=
+        "\nparams and active: counted from the config (embeddings, final norm and an untied head "
+        "included; MTP layers left out); published: the model card's figures "
+        "(data/models/catalog.json says where from). Any other config.json plans by path.\n";
     write_output("-", out);
   });
 }
