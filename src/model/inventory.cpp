@@ -325,7 +325,8 @@ void recurrent_inventory(Builder& b, const RecurrentSpec& r, int64_t d, const Sh
        mul(mul(2, k.T), mul(wt, k.e)), {xp}, {conv});
   const int h = b.tensor("rec.lru_out", k.T, wt, dt, k.e);
   const int states = b.tensor("rec.chunk_states", ceil_div(k.T, r.chunk), wt, "fp32", 4);
-  const double block = static_cast<double>(w / r.heads);
+  const int64_t block_width = w / r.heads;  // the gates' diagonal blocks
+  const double block = static_cast<double>(block_width);
   b.op("rec.lru", OpKind::kMemory, k.Tf * static_cast<double>(w) * (4.0 * block + 10.0) / k.tpf,
        mul(mul(3, k.T), mul(wt, k.e)), {conv}, {h, states});
   const int gated = b.tensor("rec.out_proj_in", k.T, wt, dt, k.e);

@@ -107,7 +107,7 @@ void ssd_scan_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bi
               states + at(b * chunks + t / s.chunk, hp * s.state) + at(h, s.head_dim * s.state);
           std::copy(st.begin(), st.end(), saved);
         }
-        const size_t tok = static_cast<size_t>(b * s.seq + t);
+        const size_t tok = (at(b, s.seq) + static_cast<size_t>(t));
         const double dt =
             softplus(static_cast<double>(
                          dt_raw[tok * static_cast<size_t>(s.heads) + static_cast<size_t>(h)]) +
@@ -161,7 +161,7 @@ void ssd_scan_bwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bi
         const T* saved = states + at(b * chunks + c, hp * s.state) + at(h, s.head_dim * s.state);
         std::copy(saved, saved + pn, run.begin());
         for (int t = t0; t < t1; ++t) {  // the forward's recurrence, the same bits
-          const size_t tok = static_cast<size_t>(b * s.seq + t);
+          const size_t tok = (at(b, s.seq) + static_cast<size_t>(t));
           const double dt =
               softplus(static_cast<double>(
                            dt_raw[tok * static_cast<size_t>(s.heads) + static_cast<size_t>(h)]) +
@@ -179,7 +179,7 @@ void ssd_scan_bwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bi
           }
         }
         for (int t = t1 - 1; t >= t0; --t) {
-          const size_t tok = static_cast<size_t>(b * s.seq + t);
+          const size_t tok = (at(b, s.seq) + static_cast<size_t>(t));
           const size_t hi = tok * static_cast<size_t>(s.heads) + static_cast<size_t>(h);
           const double u = static_cast<double>(dt_raw[hi]) + dt_bias[h];
           const double dt = softplus(u);
