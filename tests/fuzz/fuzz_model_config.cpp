@@ -138,7 +138,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (last != nullptr && l == *last) continue;  // distinct specs only
       last = &l;
       const spillway::LayerInventory inv = spillway::build_inventory(l, m.hidden, shape);
-      if (inv.find("mlp.gate_out") < 0) finding("inventory without mlp.gate_out", l.block_name());
+      // A gated MLP saves its gate's output; a layer without an MLP saves no MLP tensor
+      // (Note [Block inventories]).
+      const bool gated = l.mlp.kind != spillway::MlpKind::kNone && l.mlp.gated;
+      if (gated && inv.find("mlp.gate_out") < 0)
+        finding("inventory without mlp.gate_out", l.block_name());
+      if (l.mlp.kind == spillway::MlpKind::kNone && inv.find("mlp.up_out") >= 0)
+        finding("an MLP tensor in a layer without an MLP", l.block_name());
+      if (inv.saved_bytes() <= 0) finding("a layer that saves nothing", l.block_name());
     }
   } catch (const spillway::Error& e) {
     accept_error(e);
