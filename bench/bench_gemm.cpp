@@ -13,8 +13,10 @@
 #include <set>
 
 #include "bench_json.hpp"
+#include "cuda/gemm_cuda.hpp"
 #include "nn/ops.hpp"
 #include "spillway/error.hpp"
+#include "spillway/hardware.hpp"
 #include "spillway/inventory.hpp"
 #include "spillway/model.hpp"
 
@@ -181,6 +183,59 @@ std::vector<GemmShapeResult> gemm_bench_shapes(const GemmBenchOptions& o) {
   return out;
 }
 
+void summarize_gemm_bench(GemmBenchResult& r) {
+  const GemmBenchOptions& o = r.options;
+  r.square_gflops = median(r.samples_square_gflops);
+  r.limit_measured = !(o.peak_gflops > 0.0);
+  r.limit_gflops = r.limit_measured ? r.square_gflops : o.peak_gflops;
+  for (GemmShapeResult& s : r.shapes) {
+    s.op.ms = median(s.samples_ms);
+    s.gflops = shape_flops(s.op) / (s.op.ms * 1e-3) / 1e9;
+    // A shape faster than a measured limit counts as at the limit (efficiency <= 1).
+    s.op.efficiency = std::min(1.0, s.gflops / r.limit_gflops);
+  }
+}
+
+namespace {
+
+// The CUDA twin: the same shapes, in bf16 on the GPU (bench/cuda/gemm_cuda.hpp).
+GemmBenchResult run_cuda(GemmBenchResult r) {
+  GemmBenchOptions& o = r.options;
+  if (!(o.peak_gflops > 0.0)) {
+    if (o.hardware.empty()) {
+      SPILLWAY_INPUT_ERROR(
+          "bench gemm --backend cuda: give --hardware PROFILE (its dense bf16 peak is the "
+          "limit efficiencies are taken against) or --peak-gflops");
+    }
+    const HardwareProfile hw = load_hardware(o.hardware);
+    o.peak_gflops = hw.bf16_dense.value * 1e3;
+    r.limit_source = fmt::format("{}'s dense bf16 peak", hw.name);
+  } else {
+    r.limit_source = "--peak-gflops";
+  }
+  if (!cuda_bench::compiled()) {
+    (void)cuda_bench::time_bf16_gemms({}, o.square, o.repeats, o.check_points, o.seed);
+  }
+  std::vector<cuda_bench::GemmShape> shapes;
+  for (GemmShapeResult& s : r.shapes) {
+    s.op.dtype = DType::kBf16;
+    const OpShape& sh = s.op.shape;
+    shapes.push_back({sh.m, sh.n, sh.k, sh.grouped() ? sh.experts : 1});
+  }
+  const cuda_bench::GemmTiming t =
+      cuda_bench::time_bf16_gemms(shapes, o.square, o.repeats, o.check_points, o.seed);
+  r.device = "cuda: " + t.device + ", cuBLAS bf16 (fp32 accumulation)";
+  r.elements_checked = t.elements_checked;
+  const double square_flops = 2.0 * std::pow(static_cast<double>(o.square), 3.0);
+  for (double ms : t.square_ms) r.samples_square_gflops.push_back(square_flops / ms / 1e6);
+  for (size_t i = 0; i < r.shapes.size(); ++i) r.shapes[i].samples_ms = t.shape_ms[i];
+  r.correct = true;
+  summarize_gemm_bench(r);
+  return r;
+}
+
+}  // namespace
+
 GemmBenchResult run_gemm_bench(const GemmBenchOptions& options) {
   GemmBenchResult r;
   r.options = options;
@@ -188,6 +243,13 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& options) {
   const GemmBenchOptions& o = r.options;
   if (o.repeats < 1) SPILLWAY_FIELD_ERROR("repeats", o.repeats, "must be >= 1");
   if (o.threads < 1) SPILLWAY_FIELD_ERROR("threads", o.threads, "must be >= 1");
+  if (o.backend != "host" && o.backend != "cuda")
+    SPILLWAY_FIELD_ERROR("backend", fmt::format("'{}'", o.backend), "must be host or cuda");
+  if (o.backend == "cuda") {
+    r.shapes = gemm_bench_shapes(o);
+    return run_cuda(std::move(r));
+  }
+  r.device = fmt::format("host backend (cblas sgemm, fp32, {} thread(s))", o.threads);
   nn::set_blas_threads(o.threads);
   std::mt19937_64 rng(o.seed);
   r.shapes = gemm_bench_shapes(o);
@@ -235,15 +297,10 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& options) {
       r.shapes[i].samples_ms.push_back(seconds_since(t0) * 1e3);
     }
   }
-  r.square_gflops = median(r.samples_square_gflops);
-  r.limit_measured = !(o.peak_gflops > 0.0);
-  r.limit_gflops = r.limit_measured ? r.square_gflops : o.peak_gflops;
-  for (GemmShapeResult& s : r.shapes) {
-    s.op.ms = median(s.samples_ms);
-    s.gflops = shape_flops(s.op) / (s.op.ms * 1e-3) / 1e9;
-    // A shape faster than a measured limit counts as at the limit (efficiency <= 1).
-    s.op.efficiency = std::min(1.0, s.gflops / r.limit_gflops);
-  }
+  summarize_gemm_bench(r);
+  r.limit_source = r.limit_measured ? "the baseline's rate; give --peak-gflops for the "
+                                      "machine's theoretical peak"
+                                    : "--peak-gflops";
   return r;
 }
 
@@ -275,7 +332,9 @@ std::string gemm_bench_json(const GemmBenchResult& r) {
   doc["ops"] = ops;
   const GemmBenchOptions& o = r.options;
   doc["bench"] = {
-      {"what", "spillway bench gemm: host backend (cblas sgemm), fp32"},
+      {"what", o.backend == "cuda" ? "spillway bench gemm: " + r.device
+                                   : std::string("spillway bench gemm: host backend (cblas "
+                                                 "sgemm), fp32")},
       {"model", o.model},
       {"micro_batch", o.micro_batch},
       {"seq_len", o.seq_len},
@@ -289,26 +348,23 @@ std::string gemm_bench_json(const GemmBenchResult& r) {
       {"baseline_gflops", finite(r.square_gflops)},
       {"samples_baseline_gflops", bench_json::finite_all(r.samples_square_gflops)},
       {"limit_gflops", finite(r.limit_gflops)},
-      {"limit", r.limit_measured ? "the baseline's rate (no --peak-gflops)" : "--peak-gflops"}};
+      {"limit", o.backend == "cuda" ? r.limit_source
+                : r.limit_measured  ? "the baseline's rate (no --peak-gflops)"
+                                    : "--peak-gflops"}};
   return doc.dump(2) + "\n";
 }
 
 std::string format_gemm_bench(const GemmBenchResult& r) {
   const GemmBenchOptions& o = r.options;
-  std::string out = fmt::format(
-      "bench gemm: {} mb {} x seq {} tp {} ep {}, host backend (cblas sgemm, fp32, {} "
-      "thread(s)), seed {}\n",
-      o.model, o.micro_batch, o.seq_len, o.tp, o.ep, o.threads, o.seed);
+  std::string out = fmt::format("bench gemm: {} mb {} x seq {} tp {} ep {}, {}, seed {}\n", o.model,
+                                o.micro_batch, o.seq_len, o.tp, o.ep, r.device, o.seed);
   out += fmt::format(
       "  checked     {} output elements against double dot products (all outputs "
       "finite)\n",
       r.elements_checked);
   out += fmt::format("  baseline    square GEMM {}^3: {:.1f} GFLOP/s (median of {})\n", o.square,
                      r.square_gflops, r.samples_square_gflops.size());
-  out += fmt::format("  limit       {:.1f} GFLOP/s ({})\n", r.limit_gflops,
-                     r.limit_measured ? "the baseline's rate; give --peak-gflops for the "
-                                        "machine's theoretical peak"
-                                      : "--peak-gflops");
+  out += fmt::format("  limit       {:.1f} GFLOP/s ({})\n", r.limit_gflops, r.limit_source);
   out += fmt::format("\n  {:<13} {:<40} {:>8} {:>10} {:>9} {:>9}  {}\n", "kind", "shape", "x", "ms",
                      "GFLOP/s", "eff", "ops");
   for (const GemmShapeResult& s : r.shapes) {

@@ -20,8 +20,11 @@
 //                baseline's rate (said so): efficiencies are rates over this limit.
 //   timing       after one untimed round, each repeat runs the baseline then every shape
 //                once (interleaved; this machine's clock drifts); figures are medians.
-// The CUDA twin (cuBLAS at the same shapes, efficiencies against the GPU profile's peak) is
-// a TODO: this machine has no GPU.
+// The CUDA twin (--backend cuda, bench/cuda/gemm_cuda.hpp): cuBLAS bf16 GEMMs (fp32
+// accumulation) at the same shapes, checked the same way in bf16, timed with CUDA events;
+// the limit is the hardware profile's dense bf16 peak (--hardware) or --peak-gflops. It
+// has not run on this project's machines, which have no GPU: `bench gemm --backend cuda`
+// there says so and writes nothing.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +46,9 @@ struct GemmBenchOptions {
   int repeats = 3;
   int threads = 1;  // OpenBLAS threads
   int check_points = 64;
-  uint64_t seed = 0;  // 0: a fresh one (printed)
+  uint64_t seed = 0;             // 0: a fresh one (printed)
+  std::string backend = "host";  // "host" (cblas sgemm, fp32) or "cuda" (cuBLAS, bf16)
+  std::string hardware;          // cuda: the profile whose dense bf16 peak is the limit
 };
 
 struct GemmShapeResult {
@@ -61,8 +66,16 @@ struct GemmBenchResult {
   std::vector<double> samples_square_gflops;
   double limit_gflops = 0.0;
   bool limit_measured = true;  // the limit is the baseline's rate (no peak_gflops)
+  std::string limit_source;    // what the limit is, in words
+  std::string device;          // what ran the GEMMs
   std::vector<GemmShapeResult> shapes;
 };
+
+// The figures from the samples (the backend-independent part of run_gemm_bench, tested
+// with given samples): per shape its median ms, GFLOP/s and efficiency = GFLOP/s over the
+// limit, capped at 1; the baseline's median; the limit: options.peak_gflops when given,
+// else the baseline's rate (host) -- a cuda run always has a peak.
+void summarize_gemm_bench(GemmBenchResult& result);
 
 // The distinct GEMM shapes of a model's inventory (what run_gemm_bench times).
 std::vector<GemmShapeResult> gemm_bench_shapes(const GemmBenchOptions& options);

@@ -293,9 +293,13 @@ void add_bench_gemm_command(CLI::App& bench) {
       "checked (finite, and random elements against double dot products) before anything "
       "is timed; the baseline and the shapes are interleaved and figures are medians. "
       "--json writes a calibration profile ({\"ops\": [...]}) for `spillway plan --profile` "
-      "with a hardware profile of this machine. The CUDA twin (cuBLAS) is not written yet.\n\n"
+      "with a hardware profile of this machine. --backend cuda is the GPU twin: cuBLAS bf16 "
+      "GEMMs (fp32 accumulation) at the real workload's shapes, checked in bf16, timed with "
+      "CUDA events, efficiencies against --hardware's dense bf16 peak (or --peak-gflops); "
+      "without a GPU it says so and writes nothing.\n\n"
       "Examples:\n"
       "  spillway bench gemm\n"
+      "  spillway bench gemm --backend cuda --hardware h100-sxm --seq-len 4096 --json h100.json\n"
       "  spillway bench gemm --model Qwen3-30B-A3B --seq-len 256 --ep 8 --json profile.json\n"
       "  spillway bench gemm --model Llama-3.1-8B --seq-len 128 --square 1024 --repeats 2");
   GemmBenchOptions& o = st->options;
@@ -336,6 +340,14 @@ void add_bench_gemm_command(CLI::App& bench) {
   in_range(cmd->add_option("--seed", o.seed, "Seed of the inputs (0: a fresh one, printed)")
                ->capture_default_str(),
            up_to(0, "2^64 - 1"));
+  cmd->add_option("--backend", o.backend,
+                  "host: cblas sgemm in fp32 on this CPU (what the reference model runs); cuda: "
+                  "cuBLAS bf16 on GPU 0 (what training runs)")
+      ->check(CLI::IsMember({"host", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--hardware", o.hardware,
+                  "With --backend cuda: the hardware profile whose dense bf16 peak is the "
+                  "limit (or give --peak-gflops)");
   cmd->add_option("--json", st->json_path,
                   "Write the measured points as a calibration profile (schema "
                   "spillway.profile/1, \"ops\") to FILE ('-' for stdout)");

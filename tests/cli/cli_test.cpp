@@ -191,7 +191,8 @@ TEST(Cli, ExplainShowsEveryTermOfOneLayer) {
 }
 
 TEST(Cli, Fp8PlansSayTheRecomputeRule) {
-  const CliRun r = run("plan --model Llama-3.1-8B --dtype fp8 --policy recompute --hbm-budget-gb 500");
+  const CliRun r =
+      run("plan --model Llama-3.1-8B --dtype fp8 --policy recompute --hbm-budget-gb 500");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(contains(r.out,
                        "96 recomputed fp8 GEMM(s) in 32 layer(s) reuse the forward's "
@@ -409,7 +410,8 @@ TEST(Cli, InputErrorsNameTheFlagNotTheField) {
       {"plan --hbm-budget-gb -2", "--hbm-budget-gb is -2; must be in [0.001, 1000000000]"},
       {"plan --d2h-gbps 1e-300", "--d2h-gbps is 1e-300; must be in [1e-06, 1000000]"},
       {"plan --policy tp",
-       "--policy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid, checkpoint"},
+       "--policy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid, "
+       "checkpoint"},
       {"plan --dtype seq_len", "--dtype is 'seq_len'; must be one of bf16, fp16, fp8, fp32"},
       {"plan --micro-batch 1099511627776 --seq-len 1099511627776",
        "--micro-batch is 1099511627776; must be in [1, 1048576]"},
@@ -737,6 +739,23 @@ TEST(CliPlan, EfficiencyFlagWinsAndBenchGemmWritesACalibrationProfile) {
   ASSERT_TRUE(calibrated.code == 0 || calibrated.code == 3) << calibrated.out;
   EXPECT_EQ(Json::parse(calibrated.out)["options"]["efficiency"]["measured_ops"].get<size_t>(),
             ops.size());
+
+  // The CUDA twin on a machine without a GPU (or a build without CUDA): a clear error, exit
+  // 1, no file written.
+  const std::string gpu_profile = dir.file("gpu.json");
+  const CliRun cuda =
+      run("bench gemm --backend cuda --hardware h100-sxm --seq-len 64 --square "
+          "128 --repeats 1 --json '" +
+          gpu_profile + "'");
+  if (cuda.code == 0) GTEST_SKIP() << "a CUDA device is present: the twin ran";
+  EXPECT_EQ(cuda.code, 1) << cuda.out;
+  EXPECT_TRUE(contains(cuda.out, "no CUDA device on this machine") ||
+              contains(cuda.out, "this build has no CUDA backend"))
+      << cuda.out;
+  EXPECT_FALSE(std::filesystem::exists(gpu_profile));
+  const CliRun no_peak = run("bench gemm --backend cuda");
+  EXPECT_EQ(no_peak.code, 1);
+  EXPECT_TRUE(contains(no_peak.out, "give --hardware PROFILE")) << no_peak.out;
 }
 
 }  // namespace
