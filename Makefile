@@ -1,7 +1,8 @@
 # The front door: thin targets over the one CMake build (see README.md).
 #   make run        install what is missing, build, plan the embedded default
 #   make test       the same, then every test (unit, engine, CLI, the installed package, a
-#                   bounded fuzz run)
+#                   bounded fuzz run), then the Python suite (pytest, python/tests)
+#   make test-python  the Python suite alone (the package in build/python)
 #   make bench      the benchmarks (bench/), figures recorded in docs/PERFORMANCE.md
 #   make test-asan  the suite under AddressSanitizer + UBSan
 #   make test-tsan  the suite under ThreadSanitizer
@@ -16,8 +17,11 @@ CMAKE_FLAGS ?=
 FUZZ_SECONDS ?= 60
 FUZZERS ?= fuzz_model_config fuzz_plan_json
 CTEST = ctest --output-on-failure -j $(JOBS)
+# The Python environment (scripts/install-python.sh: pinned, cached under ~/.cache/spillway)
+PYENV := $(shell bash scripts/install-python.sh --print)
+PYTHON = $(PYENV)/bin/python
 
-.PHONY: all deps build run test bench install test-asan test-tsan format fuzz fuzz-smoke clean
+.PHONY: all deps build run test test-python bench install test-asan test-tsan format fuzz fuzz-smoke clean
 
 all: build
 
@@ -25,7 +29,8 @@ deps:
 	@bash scripts/install-deps.sh
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(PYTHON) \
+	  $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -36,6 +41,11 @@ run: build
 
 test: build fuzz-smoke
 	cd $(BUILD) && $(CTEST)
+	@$(MAKE) --no-print-directory test-python
+
+test-python: build
+	PYTHONPATH=$(CURDIR)/$(BUILD)/python SPILLWAY_BUILD=$(CURDIR)/$(BUILD) \
+	  $(PYTHON) -m pytest -q -p no:cacheprovider python/tests
 
 bench: build
 	./$(BUILD)/bin/spillway_bench_plan
@@ -51,18 +61,21 @@ install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
 test-asan: deps
-	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSPILLWAY_SANITIZE=address -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSPILLWAY_SANITIZE=address -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF \
+	  -DSPILLWAY_PYTHON=OFF
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(CTEST)
 
 test-tsan: deps
-	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSPILLWAY_SANITIZE=thread -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSPILLWAY_SANITIZE=thread -DSPILLWAY_CUDA=OFF -DSPILLWAY_BENCH=OFF \
+	  -DSPILLWAY_PYTHON=OFF
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 $(CTEST)
 
 build-fuzz/CMakeCache.txt:
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DSPILLWAY_FUZZ=ON -DSPILLWAY_CUDA=OFF -DSPILLWAY_TESTS=OFF -DSPILLWAY_BENCH=OFF
+	  -DSPILLWAY_FUZZ=ON -DSPILLWAY_CUDA=OFF -DSPILLWAY_TESTS=OFF -DSPILLWAY_BENCH=OFF \
+	  -DSPILLWAY_PYTHON=OFF
 
 fuzz: deps build-fuzz/CMakeCache.txt
 	cmake --build build-fuzz -j $(JOBS) --target $(FUZZERS)

@@ -32,6 +32,9 @@ ARROWS = {
     "nn": ["offload", "optim", "plan"],  # the reference model: engines by public headers
     "train": ["nn", "probe"],  # the training application over the reference model
     "cli": ["train", "sim", "probe"],  # a leaf: nothing depends on it
+    # python/src: the extension module of the Python package, a leaf over the engines'
+    # and the planner's public headers (DESIGN section 10)
+    "python": ["offload", "optim", "plan"],
 }
 # src/ folder -> part
 FOLDERS = {"hw": "catalog", "model": "catalog"}
@@ -132,6 +135,12 @@ def main():
             continue
         check_file(os.path.relpath(os.path.join(inc, fn), ROOT), PUBLIC[name], True,
                    violations)
+    pysrc = os.path.join(ROOT, "python", "src")
+    if os.path.isdir(pysrc):
+        for fn in sorted(os.listdir(pysrc)):
+            if fn.endswith((".cpp", ".hpp")):
+                check_file(os.path.relpath(os.path.join(pysrc, fn), ROOT), "python", False,
+                           violations)
     bench = os.path.join(ROOT, "bench")
     if os.path.isdir(bench):
         for fn in sorted(os.listdir(bench)):

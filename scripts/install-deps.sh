@@ -14,7 +14,7 @@ packages=(
   libnuma-dev                     # NUMA-local pinned memory (device layer)
   libopenblas-dev                 # BLAS for the reference model (src/nn)
   libhwy-dev                      # portable SIMD with run-time dispatch (optimizer offload)
-  python3                         # test helpers that read JSON output
+  python3 python3-venv            # test helpers that read JSON output; the Python env
 )
 
 missing=()
@@ -23,12 +23,15 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  # A fresh machine's package lists are empty: update before installing.
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  echo "install-deps: done"
+fi
 
-echo "install-deps: installing ${missing[*]}"
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-# A fresh machine's package lists are empty: update before installing.
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-echo "install-deps: done"
+# The Python environment of the adapter and its tests (pinned, cached outside the repo).
+bash "$(dirname "$0")/install-python.sh"

@@ -1,0 +1,84 @@
+"""spillway: move what does not fit in GPU memory to CPU memory, and bring it back in time.
+
+The planner (:func:`plan`) and, in :mod:`spillway.torch`, the engines inside a PyTorch
+training step. ``import spillway`` does not import torch; ``import spillway.torch`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from . import _spillway
+from ._spillway import Error
+
+__version__: str = _spillway.__version__
+__all__ = ["Error", "plan", "__version__"]
+
+
+def plan(
+    model: str = "Qwen3-30B-A3B",
+    hardware: str = "gh200",
+    *,
+    micro_batch: int = 1,
+    seq_len: int = 4096,
+    dtype: str = "bf16",
+    tp: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    grad_accum: int = 1,
+    fused_swiglu: bool = False,
+    mtp: bool = False,
+    policy: str = "auto",
+    margin: float = 0.10,
+    layer_fwd_ms: Optional[float] = None,
+    profile: str = "",
+    hbm_budget_gb: Optional[float] = None,
+    d2h_gbps: Optional[float] = None,
+    h2d_gbps: Optional[float] = None,
+    keep_last: int = 1,
+    prefetch_depth: int = 1,
+    zero: int = 1,
+    fsdp: bool = False,
+    optimizer: str = "device",
+    grad_offload: bool = False,
+    loss_chunk: int = 0,
+    cpu_adam_gbps: Optional[float] = None,
+) -> dict[str, Any]:
+    """Plan what to keep, offload or recompute, as ``spillway plan`` does.
+
+    Returns the plan as a dict in the CLI's JSON schema (``spillway plan --json``,
+    schema ``spillway.plan/1``, docs/plan-schema.md): ``plan["summary"]["feasible"]``,
+    ``plan["layers"][i]["tensors"]`` with each saved tensor's ``action``, and so on.
+    An infeasible plan is returned too (``feasible`` is False, ``reasons`` say why).
+
+    Args:
+        model: a catalog name (``spillway catalog``) or the path of a Hugging Face
+            ``config.json``.
+        hardware: a hardware profile name (``gh200``, ``h100-pcie``, ...) or a JSON path.
+        micro_batch, seq_len, dtype, tp, ep, cp, pp, dp, grad_accum: the workload, as the
+            CLI's flags of the same names.
+        policy: ``auto``, ``keep``, ``recompute``, ``offload``, ``selective``, ``hybrid``
+            or ``checkpoint``.
+        margin: transfers must fit their window divided by ``1 + margin`` (0.10 = 10%).
+        zero, fsdp: ZeRO stage over ``dp`` (``fsdp=True`` is ``zero=3``).
+        optimizer: ``device`` or ``offload`` (CPU AdamW, state in host memory).
+
+    Raises:
+        ValueError: a value out of range, naming the field and the value.
+        spillway.Error: a model or hardware file that cannot be read.
+    """
+    if fsdp:
+        if zero not in (1, 3):
+            raise ValueError(f"fsdp is True, which is zero=3; zero={zero} contradicts it")
+        zero = 3
+    text = _spillway.plan_json(
+        model, hardware, micro_batch, seq_len, dtype, tp, ep, cp, pp, dp, grad_accum,
+        fused_swiglu, mtp, policy, float(margin), layer_fwd_ms, profile, hbm_budget_gb,
+        d2h_gbps, h2d_gbps, keep_last, prefetch_depth, zero, optimizer, grad_offload,
+        loss_chunk, cpu_adam_gbps,
+    )
+    result: dict[str, Any] = json.loads(text)
+    return result

@@ -1,0 +1,16 @@
+"""spillway inside a PyTorch training step, with two added lines.
+
+- :func:`offload_activations`: saved activations go to host memory in forward and come
+  back ahead of their use in backward (the activation offload engine, DESIGN section 2).
+- :class:`CPUAdamW`: the optimizer step on the CPU with speculation then validation
+  (the optimizer offload pipeline, DESIGN section 4).
+
+This module imports torch; ``import spillway`` alone does not.
+"""
+
+from __future__ import annotations
+
+from .offload import OffloadActivations, offload_activations, report
+
+
+__all__ = ["OffloadActivations", "offload_activations", "report"]

@@ -1,0 +1,493 @@
+"""Activation offload inside a PyTorch training step (DESIGN sections 2 and 10).
+
+``offload_activations(model)`` installs ``torch.autograd.graph.saved_tensors_hooks`` whose
+pack hook hands each eligible saved tensor of a decoder block to the C++ offload engine
+(borrowed memory: the tensor is kept alive by reference until the engine's copy event says
+its copy has read it; never ``record_stream``), and whose unpack hook returns the tensor
+reloaded into memory allocated where it is used. Reloads are prefetched one block ahead
+(``prefetch_depth``) when backward reaches a block, from a hook on the block's output.
+
+The engine is the one the C++ reference model drives, through the same hooks
+(spillway/hooks.hpp): ``step_begin``, per block ``forward_begin``/``saved``/``forward_end``,
+in backward ``backward_begin``/``needed``, and ``step_end`` when backward has finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .. import _spillway
+
+__all__ = ["OffloadActivations", "offload_activations", "report"]
+
+_last_reports: dict[str, dict[str, Any]] = {}
+
+
+def report() -> dict[str, Any]:
+    """The last step's telemetry of each spillway engine used in this process.
+
+    ``report()["offload"]``: bytes offloaded and reloaded, stall ms, overlap, tensors
+    offloaded and kept (and why), per layer; ``report()["optimizer"]``: the CPU AdamW's
+    last step (when a :class:`CPUAdamW` stepped). Empty before the first step ends.
+    """
+    return {k: dict(v) for k, v in _last_reports.items()}
+
+
+def _record_report(engine: str, value: dict[str, Any]) -> None:
+    _last_reports[engine] = value
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder blocks: the largest ``nn.ModuleList`` of blocks of one class.
+
+    Hugging Face models keep them in ``model.model.layers`` (``transformer.h``, ...); any
+    ModuleList whose children share a class qualifies, and the one holding the most
+    parameters wins. Raises ValueError when there is none (pass ``layers=`` then).
+    """
+    best: Optional[nn.ModuleList] = None
+    best_params = -1
+    for _, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
+            continue
+        kinds = {type(m) for m in mod}
+        if len(kinds) != 1:
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n > best_params:
+            best, best_params = mod, n
+    if best is None or best_params <= 0:
+        raise ValueError(
+            f"offload_activations: no decoder blocks found in {type(model).__name__} (no "
+            "nn.ModuleList of same-class blocks with parameters); pass layers=[...] with the "
+            "blocks in forward order")
+    return list(best)
+
+
+class _Saved:
+    """One offloaded saved tensor: its ticket, how to rebuild it, its reload."""
+
+    __slots__ = ("ticket", "layer", "shape", "dtype", "device", "uses", "dst", "tensor", "step")
+
+    def __init__(self, ticket: int, layer: int, t: torch.Tensor, step: int) -> None:
+        self.ticket = ticket
+        self.layer = layer
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.device = t.device
+        self.uses = 1  # unpacks still to come (a tensor saved twice is offloaded once)
+        self.dst: Optional[torch.Tensor] = None  # prefetch destination
+        self.tensor: Optional[torch.Tensor] = None  # reloaded, until its last use
+        self.step = step
+
+
+_MiB = 1 << 20
+
+
+class OffloadActivations:
+    """Offloads a model's saved activations to host memory, step after step.
+
+    Make it once (the engine's pinned pool is allocated once) and enter it around each
+    training step's forward and backward::
+
+        offload = spillway.torch.offload_activations(model)
+        for batch in data:
+            with offload:
+                loss = model(**batch).loss
+                loss.backward()
+            optimizer.step()
+
+    The step ends when backward ends (also when ``backward()`` runs after the ``with``
+    block); telemetry is in :meth:`last_report` and :func:`spillway.torch.report`.
+
+    Never offloaded: tensors saved outside the decoder blocks, parameters and views of
+    parameters, tensors smaller than ``min_bytes``, non-contiguous or non-strided tensors,
+    and the last ``keep_last`` blocks (backward starts there: no time to bring them back).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Optional[dict[str, Any]] = None,
+        *,
+        layers: Optional[Sequence[nn.Module]] = None,
+        pinned_bytes: Optional[int] = None,
+        min_bytes: int = 64 * 1024,
+        keep_last: int = 1,
+        prefetch_depth: int = 1,
+        inflight_bound_bytes: int = 0,
+        max_tensors: int = 8192,
+        verify: bool = False,
+        d2h_gbps: float = 0.0,
+        h2d_gbps: float = 0.0,
+        on_step: Optional[Callable[[dict[str, Any]], None]] = None,
+    ) -> None:
+        if plan is not None:
+            raise NotImplementedError(
+                "offload_activations(plan=...): selective offload from a plan is not in this "
+                "version yet; call it without a plan to offload every eligible saved tensor")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"offload_activations: model must be an nn.Module, not {type(model)}")
+        if hasattr(model, "_orig_mod"):
+            raise ValueError(
+                "offload_activations: the model is compiled (torch.compile); the saved-tensor "
+                "hooks cannot see inside a compiled graph. Pass the eager model and compile "
+                "inside it, or offload without compiling (docs/python.md)")
+        for name, value in (("min_bytes", min_bytes), ("keep_last", keep_last),
+                            ("inflight_bound_bytes", inflight_bound_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"offload_activations: {name} is {value!r}; must be an int >= 0")
+        if not isinstance(prefetch_depth, int) or not 1 <= prefetch_depth <= 64:
+            raise ValueError(
+                f"offload_activations: prefetch_depth is {prefetch_depth!r}; must be in [1, 64]")
+        if not isinstance(max_tensors, int) or max_tensors < 1:
+            raise ValueError(f"offload_activations: max_tensors is {max_tensors!r}; must be >= 1")
+        if pinned_bytes is not None and (not isinstance(pinned_bytes, int) or pinned_bytes < 1):
+            raise ValueError(
+                f"offload_activations: pinned_bytes is {pinned_bytes!r}; must be an int >= 1 "
+                "(or None: sized by the first step)")
+        self.model = model
+        self.layers: list[nn.Module] = list(layers) if layers is not None else \
+            find_decoder_layers(model)
+        if not self.layers:
+            raise ValueError("offload_activations: layers is empty")
+        self.pinned_bytes = pinned_bytes
+        self.min_bytes = min_bytes
+        self.keep_last = min(keep_last, len(self.layers))
+        self.prefetch_depth = prefetch_depth
+        self.inflight_bound_bytes = inflight_bound_bytes
+        self.max_tensors = max_tensors
+        self.verify = verify
+        self.d2h_gbps = d2h_gbps
+        self.h2d_gbps = h2d_gbps
+        self.on_step = on_step
+
+        self._session: Optional[Any] = None
+        self._device: Optional[torch.device] = None
+        self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self._handles: list[Any] = []
+        self._layer: Optional[int] = None
+        self._step = 0
+        self._open = False  # a step began and has not ended
+        self._in_backward = False
+        self._param_storages: set[int] = set()
+        self._pending: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
+        self._by_layer: list[list[_Saved]] = [[] for _ in self.layers]
+        self._dedup: dict[tuple[Any, ...], tuple[_Saved, weakref.ref[torch.Tensor]]] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._sizing_bytes = 0
+        self._warned: set[str] = set()
+        self._last: dict[str, Any] = {}
+        self._install_module_hooks()
+
+    # ---- the module hooks: which block runs, where backward is -----------------------
+
+    def _install_module_hooks(self) -> None:
+        for i, block in enumerate(self.layers):
+            self._handles.append(block.register_forward_pre_hook(self._make_pre(i)))
+            self._handles.append(block.register_forward_hook(self._make_post(i)))
+
+    def _make_pre(self, i: int) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            if not self._open or self._in_backward or not torch.is_grad_enabled():
+                return
+            self._layer = i
+            if self._session is not None:
+                self._session.forward_begin(i)
+        return pre
+
+    def _make_post(self, i: int) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._open or self._in_backward or not torch.is_grad_enabled():
+                return
+            self._layer = None
+            if self._session is not None:
+                self._session.forward_end(i)
+                self._release_copied()
+            out = _first_tensor(output)
+            if out is not None and out.requires_grad:
+                out.register_hook(self._make_backward_hook(i))
+        return post
+
+    def _make_backward_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        step = self._step
+
+        def on_grad(grad: torch.Tensor) -> None:
+            if step != self._step or not self._open:
+                return
+            if not self._in_backward:
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+            if self._session is None:
+                return
+            # Reloads of the blocks below start now, into tensors allocated here, where
+            # backward will use them.
+            for j in range(i - 1, max(i - 1 - self.prefetch_depth, -1), -1):
+                for s in self._by_layer[j]:
+                    if s.dst is None and s.tensor is None:
+                        s.dst = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+                        self._session.will_need(s.ticket, s.dst.data_ptr())
+            self._session.backward_begin(i)
+        return on_grad
+
+    # ---- the saved-tensor hooks ------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        layer = self._layer
+        if layer is None or self._in_backward:
+            return t
+        if layer >= len(self.layers) - self.keep_last:
+            self._counts["kept_last_layers"] += 1
+            return t
+        reason = self._ineligible(t)
+        if reason:
+            self._counts[reason] += 1
+            return t
+        nbytes = t.numel() * t.element_size()
+        # A tensor saved again (the input of q, k and v projections) is offloaded once: the
+        # same tensor object, alive (a freed tensor's address may come back for another).
+        key = _key(t)
+        dup = self._dedup.get(key)
+        if dup is not None and dup[1]() is t:
+            if self._session is None:
+                return t
+            dup[0].uses += 1
+            self._counts["deduplicated"] += 1
+            return dup[0]
+        if self._session is None:  # the sizing step
+            self._dedup[key] = (_Saved(-1, layer, t, self._step), weakref.ref(t))
+            self._sizing_bytes += nbytes
+            return t
+        ticket = self._session.saved(layer, "saved", t.data_ptr(), nbytes)
+        if ticket < 0:
+            self._counts["kept_pinned_pool_full"] += 1
+            return t
+        self._pending.append((ticket, t))
+        s = _Saved(ticket, layer, t, self._step)
+        self._dedup[key] = (s, weakref.ref(t))
+        self._by_layer[layer].append(s)
+        self._counts["offloaded"] += 1
+        self._counts["offloaded_bytes"] += nbytes
+        if len(self._pending) > 8:
+            self._release_copied()
+        return s
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        s: _Saved = packed
+        if s.step != self._step or (not self._open and s.tensor is None):
+            raise RuntimeError(
+                "spillway: a saved tensor offloaded in a step that has ended is needed again "
+                "(backward run twice with retain_graph=True, or after the step ended); "
+                "offload_activations supports one backward per forward")
+        if s.tensor is None:
+            assert self._session is not None
+            dst = s.dst if s.dst is not None else torch.empty(s.shape, dtype=s.dtype,
+                                                              device=s.device)
+            self._session.needed(s.ticket, dst.data_ptr())
+            s.tensor, s.dst = dst, None
+        out = s.tensor
+        s.uses -= 1
+        if s.uses <= 0:
+            s.tensor = None  # its last use: the memory goes back once autograd is done
+        return out
+
+    def _ineligible(self, t: torch.Tensor) -> str:
+        if t.layout != torch.strided or t.is_sparse or t.is_quantized:
+            return "kept_not_strided"
+        if self._device is not None and t.device != self._device:
+            return "kept_other_device"
+        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._param_storages:
+            return "kept_parameters"
+        if t.numel() * t.element_size() < self.min_bytes:
+            return "kept_small"
+        if not t.is_contiguous():
+            return "kept_not_contiguous"
+        return ""
+
+    def _release_copied(self) -> None:
+        session = self._session
+        pending = self._pending
+        while pending and session is not None and session.copied(pending[0][0]):
+            pending.popleft()
+
+    # ---- steps ---------------------------------------------------------------------
+
+    def __enter__(self) -> "OffloadActivations":
+        if self._open:
+            # The last step had no backward (or it never ended): end it now.
+            self._end_step()
+        self._begin_step()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        self._layer = None
+        if exc[0] is not None and self._open:
+            self._end_step(failed=True)
+
+    def _begin_step(self) -> None:
+        self._step += 1
+        if self._device is None:
+            self._device = _model_device(self.model)
+        if self._session is None and self.pinned_bytes is not None:
+            self._make_session(self.pinned_bytes)
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._counts.clear()
+        self._dedup.clear()
+        self._sizing_bytes = 0
+        for lst in self._by_layer:
+            lst.clear()
+        self._in_backward = False
+        self._open = True
+        if self._session is not None:
+            self._session.step_begin()
+
+    def _make_session(self, pinned_bytes: int) -> None:
+        available = _spillway.host_available_bytes()
+        if available >= 0 and pinned_bytes > 0.9 * available:
+            raise ValueError(
+                f"offload_activations: the pinned pool would be {pinned_bytes / 1e9:.2f} GB but "
+                f"the host has {available / 1e9:.2f} GB available (MemAvailable); at most 90% "
+                f"of it, {0.9 * available / 1e9:.2f} GB, may be pinned. Offload fewer tensors "
+                "(a plan, a larger min_bytes) or free host memory")
+        device = self._device or torch.device("cpu")
+        layers: list[list[tuple[str, str]]] = []
+        for i in range(len(self.layers)):
+            offloaded = i < len(self.layers) - self.keep_last
+            layers.append([("saved", "offload")] if offloaded else [])
+        if device.type == "cuda":
+            kind, ordinal = "cuda", device.index or 0
+            stream = torch.cuda.current_stream(device).cuda_stream
+        elif device.type == "cpu":
+            kind, ordinal, stream = "host", 0, 0
+        else:
+            raise ValueError(f"offload_activations: device {device} is not supported "
+                             "(cpu and cuda are)")
+        self._session = _spillway.OffloadSession(
+            kind, ordinal, stream, layers, self.prefetch_depth, pinned_bytes,
+            64 * _MiB, self.inflight_bound_bytes, self.max_tensors, self.verify,
+            float(self.d2h_gbps), float(self.h2d_gbps))
+        self.pinned_bytes = pinned_bytes
+
+    def _end_step(self, failed: bool = False) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._in_backward = False
+        self._layer = None
+        rep: dict[str, Any] = {"step": self._step}
+        if self._session is not None:
+            rep.update(self._session.step_end())
+        self._pending.clear()
+        for lst in self._by_layer:
+            lst.clear()
+        self._dedup.clear()
+        counts = dict(self._counts)
+        rep["counts"] = counts
+        if self._session is None and not failed:
+            # The sizing step: nothing was offloaded; the pool is sized from what would
+            # have been, with room to spare, and allocated once.
+            rep["sizing_step"] = True
+            rep["would_offload_bytes"] = self._sizing_bytes
+            if self._sizing_bytes > 0:
+                size = max(int(self._sizing_bytes * 1.25), 16 * _MiB)
+                self._make_session(size)
+                self._warn_once(
+                    "sizing",
+                    f"spillway: offload_activations sized its pinned pool from step 1: "
+                    f"{self._sizing_bytes / 1e6:.1f} MB of saved tensors would be offloaded, "
+                    f"pool {size / 1e6:.1f} MB; offloading starts at step 2 (pass "
+                    "pinned_bytes= to start at step 1)")
+        if counts.get("kept_pinned_pool_full", 0):
+            self._warn_once(
+                "pool_full",
+                f"spillway: the pinned pool ({self.pinned_bytes} bytes) was full: "
+                f"{counts['kept_pinned_pool_full']} saved tensors stayed on the device this step "
+                "(raise pinned_bytes)")
+        moved = counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0)
+        if not failed and moved == 0:
+            why = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or \
+                "no tensor was saved inside the decoder blocks"
+            self._warn_once(
+                "nothing",
+                f"spillway: offload_activations offloaded nothing in step {self._step} ({why}); "
+                "it frees no memory. Is the forward compiled, under no_grad, or are the "
+                "blocks not the ones that run?")
+        self._last = rep
+        _record_report("offload", rep)
+        if self.on_step is not None:
+            self.on_step(rep)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def last_report(self) -> dict[str, Any]:
+        """The telemetry of the last step that ended (see :func:`spillway.torch.report`)."""
+        return dict(self._last)
+
+    def remove(self) -> None:
+        """Removes the module hooks and frees the engine's pools."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._session = None
+
+
+def offload_activations(model: nn.Module, plan: Optional[dict[str, Any]] = None,
+                        **kwargs: Any) -> OffloadActivations:
+    """Offload ``model``'s saved activations to host memory; see :class:`OffloadActivations`.
+
+    Args:
+        model: the model; its decoder blocks are found (:func:`find_decoder_layers`) unless
+            ``layers=`` names them.
+        plan: reserved for selective offload from ``spillway.plan(...)`` (not yet).
+        pinned_bytes: the host pool's size, allocated once; None: sized from the first step
+            (which then offloads nothing, and says so).
+        min_bytes: smaller saved tensors stay where they are (default 64 KiB).
+        keep_last: blocks at the end that never offload (default 1).
+        prefetch_depth: blocks ahead that backward reloads (default 1).
+        inflight_bound_bytes: bound on D2H bytes in flight (0: none); an offload beyond it
+            waits (back-pressure, counted as stall).
+        verify: checksum every tensor at offload and check it at reload.
+        d2h_gbps, h2d_gbps: on CPU, throttle the emulated copies (0: memcpy speed).
+        on_step: called with each step's telemetry when the step ends.
+    """
+    return OffloadActivations(model, plan, **kwargs)
+
+
+def _first_tensor(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        for o in output:
+            if isinstance(o, torch.Tensor):
+                return o
+    if isinstance(output, dict):
+        for o in output.values():
+            if isinstance(o, torch.Tensor):
+                return o
+    return None
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t._version)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+

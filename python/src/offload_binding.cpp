@@ -1,0 +1,253 @@
+// The activation offload engine on the socket, driven from Python (spillway.torch's
+// offload_activations): a device (the host backend for CPU tensors, CUDA for GPU ones), the
+// caller's compute stream adopted (Note [Adopted streams]), the engine and its hooks. The
+// adapter calls the hooks in the socket's order (spillway/hooks.hpp) with borrowed memory:
+// a torch tensor's storage, which the adapter keeps alive until the ticket's `copied` event
+// is complete (never record_stream); reloads land in tensors the adapter allocated.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "bindings.hpp"
+#include "spillway/device.hpp"
+#include "spillway/error.hpp"
+#include "spillway/hooks.hpp"
+#include "spillway/offload.hpp"
+#include "spillway/policy.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace spillway::python {
+namespace {
+
+// A tensor's data pointer, as Python hands it over (Tensor.data_ptr()).
+void* as_ptr(uintptr_t p) {
+  return reinterpret_cast<void*>(p);  // NOLINT(performance-no-int-to-ptr)
+}
+
+// Per layer, the saved tensors by name and what happens to each: the engine offloads
+// those marked "offload" (MemoryPolicy, spillway/policy.hpp).
+MemoryPolicy make_policy(
+    const std::vector<std::vector<std::pair<std::string, std::string>>>& layers,
+    int prefetch_depth) {
+  MemoryPolicy p;
+  p.name = "python";
+  p.prefetch_depth = prefetch_depth;
+  for (const auto& layer : layers) {
+    LayerActions a;
+    for (const auto& [name, action] : layer) {
+      a.tensors.push_back(name);
+      if (action == "offload") {
+        a.actions.push_back(Action::kOffload);
+      } else if (action == "keep") {
+        a.actions.push_back(Action::kKeep);
+      } else if (action == "recompute") {
+        a.actions.push_back(Action::kRecompute);
+      } else {
+        SPILLWAY_FIELD_ERROR("action", "'" + action + "'",
+                             "must be 'keep', 'offload' or 'recompute' (tensor {})", name);
+      }
+    }
+    p.layers.push_back(std::move(a));
+  }
+  return p;
+}
+
+// The device, the adopted compute stream, the engine and its hooks, made once and used
+// every step (pools are sized here, never per tensor).
+class OffloadSession {
+ public:
+  OffloadSession(const std::string& device, int ordinal, uintptr_t native_stream,
+                 const std::vector<std::vector<std::pair<std::string, std::string>>>& layers,
+                 int prefetch_depth, int64_t pinned_bytes, int64_t device_pool_bytes,
+                 int64_t inflight_bound_bytes, int max_tensors, bool verify, double d2h_gbps,
+                 double h2d_gbps) {
+    if (prefetch_depth < 1 || prefetch_depth > 64)
+      SPILLWAY_FIELD_ERROR("prefetch_depth", prefetch_depth, "must be in [1, 64]");
+    if (pinned_bytes < 1) SPILLWAY_FIELD_ERROR("pinned_bytes", pinned_bytes, "must be >= 1");
+    if (device_pool_bytes < 1)
+      SPILLWAY_FIELD_ERROR("device_pool_bytes", device_pool_bytes, "must be >= 1");
+    if (inflight_bound_bytes < 0)
+      SPILLWAY_FIELD_ERROR("inflight_bound_bytes", inflight_bound_bytes, "must be >= 0");
+    if (max_tensors < 1) SPILLWAY_FIELD_ERROR("max_tensors", max_tensors, "must be >= 1");
+    if (device == "host") {
+      // CPU tensors: the host backend (its copies are memcpy on the copy streams' threads,
+      // with the given throttles); its arena holds only the engine's own device pool.
+      HostDeviceOptions o;
+      o.device_bytes = device_pool_bytes + (int64_t{1} << 20);
+      o.d2h_gbps = d2h_gbps;
+      o.h2d_gbps = h2d_gbps;
+      device_ = make_host_device(o);
+      host_ = true;
+    } else if (device == "cuda") {
+      std::string why;
+      device_ = make_cuda_device(ordinal, &why);
+      if (!device_) SPILLWAY_INPUT_ERROR("offload: no CUDA device {}: {}", ordinal, why);
+    } else {
+      SPILLWAY_FIELD_ERROR("device", "'" + device + "'", "must be 'host' or 'cuda'");
+    }
+    if (native_stream != 0) {
+      compute_ = device_->adopt_stream(as_ptr(native_stream), StreamRole::kCompute);
+    } else {
+      // No caller stream (CPU tensors: torch runs them on the calling thread, finished when
+      // the hook sees them): a stream of the device's own orders the engine's work.
+      compute_ = device_->create_stream(StreamRole::kCompute);
+    }
+    OffloadOptions oo;
+    oo.pinned_bytes = pinned_bytes;
+    oo.device_pool_bytes = device_pool_bytes;
+    oo.inflight_bound_bytes = inflight_bound_bytes;
+    oo.max_tensors = max_tensors;
+    oo.verify = verify;
+    engine_ = std::make_unique<OffloadEngine>(*device_, compute_,
+                                              make_policy(layers, prefetch_depth), oo);
+    hooks_ = std::make_unique<OffloadHooks>(*engine_);
+    tickets_.resize(static_cast<size_t>(max_tensors));
+  }
+
+  ~OffloadSession() {
+    hooks_.reset();
+    engine_.reset();
+    if (device_) device_->destroy_stream(compute_);
+  }
+  OffloadSession(const OffloadSession&) = delete;
+  OffloadSession& operator=(const OffloadSession&) = delete;
+
+  void step_begin() { hooks_->step_begin(); }
+  void forward_begin(int layer) { hooks_->forward_begin(layer); }
+  bool wants(int layer, const std::string& name) const { return engine_->wants(layer, name); }
+  // A borrowed saved tensor: the ticket id, or -1 when the engine did not take it (not
+  // wanted, or the pinned pool is full: the caller keeps it).
+  int saved(int layer, const std::string& name, uintptr_t data, size_t bytes) {
+    SavedTensor t;
+    t.data = as_ptr(data);
+    t.bytes = bytes;
+    t.give = false;
+    const SavedTicket k = hooks_->saved(layer, name, t);
+    if (!k) return -1;
+    tickets_.at(static_cast<size_t>(k.id)) = k;
+    return k.id;
+  }
+  // Whether the D2H copy of ticket `id` has read its source (the caller may drop it).
+  bool copied(int id) { return device_->query(ticket(id).copied); }
+  void forward_end(int layer) { hooks_->forward_end(layer); }
+  void will_need(int id, uintptr_t dst) { hooks_->will_need(ticket(id), as_ptr(dst)); }
+  void backward_begin(int layer) { hooks_->backward_begin(layer); }
+  // The tensor of ticket `id` back in `dst` (caller-allocated, the ticket's bytes). Work on
+  // the compute stream after this call sees the bytes; with no caller stream (CPU tensors)
+  // the call returns once they are there.
+  void needed(int id, uintptr_t dst) {
+    hooks_->needed(ticket(id), as_ptr(dst));
+    if (host_) device_->synchronize(compute_);
+  }
+  // Ends the step: waits for the engine's streams and returns its telemetry.
+  nb::dict step_end() {
+    hooks_->step_end();
+    const StepTelemetry& t = hooks_->telemetry();
+    nb::dict d;
+    d["d2h_bytes"] = t.d2h_bytes;
+    d["h2d_bytes"] = t.h2d_bytes;
+    d["d2h_gbps"] = t.d2h_gbps;
+    d["h2d_gbps"] = t.h2d_gbps;
+    d["stall_ms"] = t.stall_ms;
+    d["backpressure_ms"] = t.backpressure_ms;
+    d["overlap_ratio"] = t.overlap_ratio;
+    d["snowball"] = t.snowball;
+    if (t.snowball_first_layer) {
+      d["snowball_first_layer"] = *t.snowball_first_layer;
+    } else {
+      d["snowball_first_layer"] = nb::none();
+    }
+    d["tensors_offloaded"] = t.tensors_offloaded;
+    d["fallback_kept"] = t.fallback_kept;
+    d["reloads_staged"] = t.reloads_staged;
+    d["fallback_direct"] = t.fallback_direct;
+    d["device_allocations"] = t.device_allocations;
+    nb::list layers;
+    for (const LayerTelemetry& l : t.layers) {
+      nb::dict ld;
+      ld["layer"] = l.layer;
+      ld["d2h_bytes"] = l.d2h_bytes;
+      ld["h2d_bytes"] = l.h2d_bytes;
+      ld["d2h_gbps"] = l.d2h_gbps;
+      ld["h2d_gbps"] = l.h2d_gbps;
+      ld["backlog_bytes"] = l.backlog_bytes;
+      ld["stall_ms"] = l.stall_ms;
+      ld["late"] = l.late;
+      layers.append(ld);
+    }
+    d["layers"] = layers;
+    return d;
+  }
+  std::string device_name() const { return device_->name(); }
+  int64_t inflight_bytes() const { return engine_->inflight_bytes(); }
+  int max_tensors() const { return engine_->max_tensors(); }
+
+ private:
+  const SavedTicket& ticket(int id) const {
+    if (id < 0 || static_cast<size_t>(id) >= tickets_.size() || !tickets_[static_cast<size_t>(id)])
+      SPILLWAY_FIELD_ERROR("ticket", id, "is not a ticket of this step");
+    return tickets_[static_cast<size_t>(id)];
+  }
+  std::unique_ptr<Device> device_;
+  bool host_ = false;
+  Stream compute_;
+  std::unique_ptr<OffloadEngine> engine_;
+  std::unique_ptr<OffloadHooks> hooks_;
+  std::vector<SavedTicket> tickets_;  // by id (sized once: max_tensors)
+};
+
+// MemAvailable of /proc/meminfo in bytes (-1 when unknown): the adapter refuses a pinned
+// pool larger than the host can give.
+int64_t host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
+}
+
+}  // namespace
+
+void bind_offload(nb::module_& m) {
+  nb::class_<OffloadSession>(m, "OffloadSession",
+                             "The activation offload engine and its hooks on one device "
+                             "(spillway.torch.offload_activations drives it)")
+      .def(nb::init<const std::string&, int, uintptr_t,
+                    const std::vector<std::vector<std::pair<std::string, std::string>>>&, int,
+                    int64_t, int64_t, int64_t, int, bool, double, double>(),
+           "device"_a, "ordinal"_a, "native_stream"_a, "layers"_a, "prefetch_depth"_a,
+           "pinned_bytes"_a, "device_pool_bytes"_a, "inflight_bound_bytes"_a, "max_tensors"_a,
+           "verify"_a, "d2h_gbps"_a, "h2d_gbps"_a)
+      .def("step_begin", &OffloadSession::step_begin)
+      .def("forward_begin", &OffloadSession::forward_begin, "layer"_a)
+      .def("wants", &OffloadSession::wants, "layer"_a, "name"_a)
+      .def("saved", &OffloadSession::saved, "layer"_a, "name"_a, "data"_a, "bytes"_a)
+      .def("copied", &OffloadSession::copied, "ticket"_a)
+      .def("forward_end", &OffloadSession::forward_end, "layer"_a)
+      .def("will_need", &OffloadSession::will_need, "ticket"_a, "dst"_a)
+      .def("backward_begin", &OffloadSession::backward_begin, "layer"_a)
+      .def("needed", &OffloadSession::needed, "ticket"_a, "dst"_a)
+      .def("step_end", &OffloadSession::step_end)
+      .def_prop_ro("device_name", &OffloadSession::device_name)
+      .def_prop_ro("inflight_bytes", &OffloadSession::inflight_bytes)
+      .def_prop_ro("max_tensors", &OffloadSession::max_tensors);
+  m.def("host_available_bytes", &host_available_bytes,
+        "MemAvailable of /proc/meminfo in bytes, -1 when unknown");
+}
+
+}  // namespace spillway::python

@@ -1,0 +1,186 @@
+"""spillway.torch.offload_activations on Hugging Face models (CPU, the host backend).
+
+Every test that compares checks bitwise equality of the loss and of every gradient with
+and without offload, and that the engine really moved bytes (else it could not fail)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import spillway.torch as st
+from hf_models import batch, tiny_llama, tiny_qwen3_moe
+
+MODELS: dict[str, Callable[..., Any]] = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
+
+
+def step(model: Any, data: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**data).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_bitwise(a: tuple[torch.Tensor, dict[str, torch.Tensor]],
+                   b: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    assert torch.equal(a[0], b[0]), f"loss {a[0].item()!r} != {b[0].item()!r}"
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), f"gradient of {name} differs"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_loss_and_every_gradient_are_bitwise_equal(name: str) -> None:
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024, verify=True)
+    for s in range(3):  # the pool is reused step after step
+        data = batch(seed=s)
+        want = step(ref, data)
+        with offload:
+            got = step(model, data)
+        assert_bitwise(want, got)
+        rep = offload.last_report()
+        assert rep["tensors_offloaded"] > 0 and rep["d2h_bytes"] > 0
+        assert rep["h2d_bytes"] == rep["d2h_bytes"], "every offloaded byte comes back"
+        assert rep["counts"]["offloaded"] == rep["tensors_offloaded"]
+        assert rep["fallback_kept"] == 0
+    assert st.report()["offload"]["step"] == offload.last_report()["step"]
+
+
+def test_backward_after_the_with_block_also_works() -> None:
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    data = batch()
+    want = step(ref, data)
+    model.zero_grad(set_to_none=True)
+    with offload:
+        loss = model(**data).loss
+    loss.backward()  # the step ends when backward does
+    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert_bitwise(want, got)
+    assert offload.last_report()["tensors_offloaded"] > 0
+
+
+def test_bf16_model() -> None:
+    model = tiny_llama(dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    data = batch()
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    assert offload.last_report()["d2h_bytes"] > 0
+
+
+def test_prefetch_depth_throttled_links_and_backpressure_keep_every_byte() -> None:
+    model = tiny_qwen3_moe()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024,
+                                     prefetch_depth=2, inflight_bound_bytes=64 << 10,
+                                     d2h_gbps=0.5, h2d_gbps=0.5, verify=True)
+    data = batch()
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    rep = offload.last_report()
+    assert rep["backpressure_ms"] > 0.0, "a 64 KiB bound at 0.5 GB/s must hold offloads back"
+    assert rep["d2h_bytes"] == rep["h2d_bytes"] > 0
+
+
+def test_parameters_small_tensors_and_the_last_block_stay() -> None:
+    model = tiny_llama(layers=3)
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024, keep_last=1)
+    with offload:
+        step(model, batch())
+    rep = offload.last_report()
+    counts = rep["counts"]
+    assert counts.get("kept_parameters", 0) > 0  # the weights Linear saves
+    assert counts.get("kept_small", 0) > 0  # the norms' [T, 1] statistics
+    assert counts.get("kept_last_layers", 0) > 0
+    offloaded_layers = {l["layer"] for l in rep["layers"] if l["d2h_bytes"] > 0}
+    assert offloaded_layers == {0, 1}
+
+
+def test_a_full_pinned_pool_keeps_tensors_on_the_device_and_says_so() -> None:
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, pinned_bytes=64 << 10, min_bytes=1024)
+    data = batch()
+    want = step(ref, data)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with offload:
+            got = step(model, data)
+    assert_bitwise(want, got)
+    rep = offload.last_report()
+    assert rep["counts"]["kept_pinned_pool_full"] > 0
+    assert any("pinned pool" in str(x.message) and "full" in str(x.message) for x in w)
+
+
+def test_without_pinned_bytes_the_first_step_sizes_the_pool_and_says_so() -> None:
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, min_bytes=1024)
+    with pytest.warns(RuntimeWarning, match="offloading starts at step 2"):
+        with offload:
+            step(model, batch(seed=0))
+    first = offload.last_report()
+    assert first["sizing_step"] and first["would_offload_bytes"] > 0
+    step(ref, batch(seed=0))
+    data = batch(seed=1)
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    assert offload.last_report()["d2h_bytes"] > 0
+    assert offload.pinned_bytes >= first["would_offload_bytes"]
+
+
+def test_offloading_nothing_warns() -> None:
+    model = tiny_llama()
+    offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=1 << 40)
+    with pytest.warns(RuntimeWarning, match="offloaded nothing"):
+        with offload:
+            step(model, batch())
+
+
+def test_a_pool_larger_than_the_host_is_refused_with_the_numbers() -> None:
+    model = tiny_llama()
+    offload = st.offload_activations(model, pinned_bytes=1 << 50, min_bytes=1024)
+    with pytest.raises(ValueError, match=r"pinned pool would be .* GB but the host has .* GB"):
+        with offload:
+            pass
+
+
+def test_a_compiled_model_is_refused() -> None:
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="compiled"):
+        st.offload_activations(torch.compile(model))
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="prefetch_depth is 0"):
+        st.offload_activations(model, prefetch_depth=0)
+    with pytest.raises(ValueError, match="min_bytes is -1"):
+        st.offload_activations(model, min_bytes=-1)
+    with pytest.raises(ValueError, match="no decoder blocks"):
+        st.offload_activations(torch.nn.Linear(4, 4, bias=False).requires_grad_(False))
+
+
+def test_retain_graph_second_backward_is_refused_loudly() -> None:
+    model = tiny_llama()
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    with offload:
+        loss = model(**batch()).loss
+        loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="offloaded in a step that has ended"):
+        loss.backward()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The Python environment of the adapter and its tests (python/requirements.txt, every
+# package pinned, installed with --no-deps: the file is the whole closure), a virtual
+# environment cached outside the repository:
+#   ${SPILLWAY_VENV:-~/.cache/spillway/venv-<hash of the requirements and the Python>}
+# Idempotent: an environment that finished installing is reused, silently.
+#   scripts/install-python.sh            create it when missing
+#   scripts/install-python.sh --print    print its path (creates nothing)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${SPILLWAY_PYTHON:-python3}
+req=python/requirements.txt
+key=$( { cat "$req"; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-12)
+venv=${SPILLWAY_VENV:-$HOME/.cache/spillway/venv-$key}
+
+if [ "${1:-}" = "--print" ]; then
+  echo "$venv"
+  exit 0
+fi
+[ -f "$venv/.complete" ] && exit 0
+
+start=$(date +%s)
+echo "install-python: creating $venv (python/requirements.txt; ~2.7 GB of wheels, once)"
+rm -rf "$venv"
+mkdir -p "$(dirname "$venv")"
+"$PY" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --no-deps --no-input --progress-bar off -r "$req"
+# The environment must import what the tests import, on CPU, before it is called complete.
+"$venv/bin/python" - <<'PY'
+import warnings
+warnings.simplefilter("ignore")
+import nanobind, numpy, pytest, torch, transformers  # noqa: F401
+x = torch.ones(4, requires_grad=True)
+(x * x).sum().backward()
+assert torch.equal(x.grad, 2 * torch.ones(4))
+PY
+touch "$venv/.complete"
+echo "install-python: done in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"
