@@ -31,4 +31,4 @@ def tiny_qwen3_moe(seed: int = 0, layers: int = 3, dtype: torch.dtype = torch.fl
 def batch(seed: int = 1, batch_size: int = 2, seq_len: int = 32, vocab: int = 128) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}

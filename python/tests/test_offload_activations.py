@@ -12,6 +12,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+import spillway
 import spillway.torch as st
 from hf_models import batch, tiny_llama, tiny_qwen3_moe
 
@@ -184,3 +185,49 @@ def test_retain_graph_second_backward_is_refused_loudly() -> None:
         loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="offloaded in a step that has ended"):
         loss.backward()
+
+
+@pytest.mark.parametrize("policy", ["offload", "selective", "hybrid", "recompute"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_plan_offloads_only_its_tensors_and_checkpoints_its_recompute_layers(
+        name: str, policy: str, tmp_path: Any) -> None:
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    config = tmp_path / "config.json"
+    model.config.to_json_file(str(config))
+    plan = spillway.plan(str(config), "h100-pcie", micro_batch=2, seq_len=32, policy=policy)
+    planned = [{t["name"] for t in layer["tensors"] if t["action"] == "offload"}
+               for layer in plan["layers"]]
+    recomputed = [i for i, layer in enumerate(plan["layers"])
+                  if layer["policy"] in ("recompute", "checkpoint")]
+    assert recomputed, "the planner recomputes the last layer at least"
+    runs = [0] * len(model.model.layers)
+    for i, block in enumerate(model.model.layers):  # inside the block: seen by a recompute
+        block.mlp.register_forward_pre_hook(lambda m, a, i=i: runs.__setitem__(i, runs[i] + 1))
+    offload = st.offload_activations(model, plan, pinned_bytes=64 << 20, min_bytes=1024)
+    data = batch()
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    rep = offload.last_report()
+    # Every layer runs its forward once, and a recomputed one once more in backward.
+    assert runs == [2 if i in recomputed else 1 for i in range(len(runs))]
+    assert rep["counts"]["checkpointed_layers"] == len(recomputed)
+    offloaded = {k.split(":", 1)[1] for k in rep["counts"] if k.startswith("offloaded:")}
+    assert offloaded <= set().union(*planned)
+    for layer in rep["layers"]:
+        if layer["d2h_bytes"]:
+            assert planned[layer["layer"]], f"layer {layer['layer']} offloads off-plan"
+    if any(planned):
+        assert rep["d2h_bytes"] > 0 and offloaded, "the plan's tensors must be found and moved"
+    offload.remove()
+    assert all(getattr(b.forward, "__self__", None) is b for b in model.model.layers)
+
+
+def test_a_plan_of_another_model_is_refused() -> None:
+    plan = spillway.plan("Llama-3.1-8B", "h100-pcie", policy="offload")
+    with pytest.raises(ValueError, match="the plan has 32 layers, the model 3 decoder blocks"):
+        st.offload_activations(tiny_llama(), plan)
+    with pytest.raises(ValueError, match="schema spillway.plan/1"):
+        st.offload_activations(tiny_llama(), {"layers": []})

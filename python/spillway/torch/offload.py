@@ -15,11 +15,14 @@ in backward ``backward_begin``/``needed``, and ``step_end`` when backward has fi
 from __future__ import annotations
 
 import collections
+import functools
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import _spillway
@@ -127,10 +130,6 @@ class OffloadActivations:
         h2d_gbps: float = 0.0,
         on_step: Optional[Callable[[dict[str, Any]], None]] = None,
     ) -> None:
-        if plan is not None:
-            raise NotImplementedError(
-                "offload_activations(plan=...): selective offload from a plan is not in this "
-                "version yet; call it without a plan to offload every eligible saved tensor")
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations: model must be an nn.Module, not {type(model)}")
         if hasattr(model, "_orig_mod"):
@@ -166,6 +165,18 @@ class OffloadActivations:
         self.d2h_gbps = d2h_gbps
         self.h2d_gbps = h2d_gbps
         self.on_step = on_step
+        self.plan = plan
+        # Plan mode: per layer, the plan's saved-tensor names that go to the host, and the
+        # layers the plan recomputes (wrapped in torch.utils.checkpoint).
+        self._offload_names: Optional[list[frozenset[str]]] = None
+        self._checkpointed: list[int] = []
+        self._originals: dict[int, Any] = {}
+        if plan is not None:
+            self._read_plan(plan)
+        # Plan mode names each saved tensor (Note [Names of Hugging Face tensors]): the
+        # submodules running, and the tensors some of them produced or were given.
+        self._running: list[str] = []
+        self._named: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 
         self._session: Optional[Any] = None
         self._device: Optional[torch.device] = None
@@ -191,12 +202,104 @@ class OffloadActivations:
         for i, block in enumerate(self.layers):
             self._handles.append(block.register_forward_pre_hook(self._make_pre(i)))
             self._handles.append(block.register_forward_hook(self._make_post(i)))
+            if self._offload_names is not None:
+                for path, sub in block.named_modules():
+                    if path:
+                        self._handles.append(sub.register_forward_pre_hook(
+                            self._make_sub_pre(path)))
+                        self._handles.append(sub.register_forward_hook(
+                            self._make_sub_post(path)))
+        for i in self._checkpointed:
+            self._wrap_in_checkpoint(i)
+
+    def _read_plan(self, plan: dict[str, Any]) -> None:
+        if not isinstance(plan, dict) or plan.get("schema") != "spillway.plan/1":
+            raise ValueError(
+                "offload_activations: plan must be a dict of schema spillway.plan/1 (what "
+                "spillway.plan() returns, or json.load of `spillway plan --json`), got "
+                f"{plan.get('schema') if isinstance(plan, dict) else type(plan).__name__!r}")
+        layers = plan.get("layers", [])
+        if len(layers) != len(self.layers):
+            raise ValueError(
+                f"offload_activations: the plan has {len(layers)} layers, the model "
+                f"{len(self.layers)} decoder blocks; plan this model (its config.json) with "
+                "pp=1")
+        names: list[frozenset[str]] = []
+        for i, layer in enumerate(layers):
+            if layer.get("policy") in ("recompute", "checkpoint"):
+                self._checkpointed.append(i)
+                names.append(frozenset())
+                continue
+            names.append(frozenset(t["name"] for t in layer.get("tensors", [])
+                                   if t.get("action") == "offload"))
+        self._offload_names = names
+        self.keep_last = 0  # the plan decides which layers keep everything
+
+    def _wrap_in_checkpoint(self, i: int) -> None:
+        block = self.layers[i]
+        original = block.forward
+        self._originals[i] = original
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            # A recomputed forward would append to a KV cache twice: as Hugging Face's own
+            # gradient checkpointing does, the checkpointed layer runs without the cache.
+            for key in ("past_key_values", "past_key_value"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = None
+                    self._warn_once(
+                        "cache", "spillway: a layer the plan recomputes ran without its KV "
+                        f"cache ({key}); pass use_cache=False when training")
+            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False,
+                                                     **kwargs)
+        block.forward = forward  # type: ignore[method-assign]
+
+    def _make_sub_pre(self, path: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            if self._layer is None or self._in_backward:
+                return
+            self._running.append(path)
+            name = _input_name(path)
+            if name and args and isinstance(args[0], torch.Tensor):
+                self._name_tensor(args[0], name)
+        return pre
+
+    def _make_sub_post(self, path: str) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if self._layer is None or self._in_backward:
+                return
+            if self._running and self._running[-1] == path:
+                self._running.pop()
+            name = _output_name(path)
+            out = _first_tensor(output)
+            if name and out is not None:
+                self._name_tensor(out, name)
+        return post
+
+    def _name_tensor(self, t: torch.Tensor, name: str) -> None:
+        key = id(t)
+        if key not in self._named or self._named[key][0]() is not t:
+            self._named[key] = (weakref.ref(t), name)
+
+    def _plan_name(self, t: torch.Tensor) -> str:
+        hit = self._named.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        for path in reversed(self._running):
+            name = _running_name(path)
+            if name:
+                return name
+        return "block"
 
     def _make_pre(self, i: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
             if not self._open or self._in_backward or not torch.is_grad_enabled():
                 return
             self._layer = i
+            self._running.clear()
+            if self._offload_names is not None and args and isinstance(args[0], torch.Tensor):
+                self._name_tensor(args[0], "attn.input")
             if self._session is not None:
                 self._session.forward_begin(i)
         return pre
@@ -248,6 +351,12 @@ class OffloadActivations:
         if reason:
             self._counts[reason] += 1
             return t
+        name = "saved"
+        if self._offload_names is not None:
+            name = self._plan_name(t)
+            if name not in self._offload_names[layer]:
+                self._counts["kept_by_plan"] += 1
+                return t
         nbytes = t.numel() * t.element_size()
         # A tensor saved again (the input of q, k and v projections) is offloaded once: the
         # same tensor object, alive (a freed tensor's address may come back for another).
@@ -263,7 +372,7 @@ class OffloadActivations:
             self._dedup[key] = (_Saved(-1, layer, t, self._step), weakref.ref(t))
             self._sizing_bytes += nbytes
             return t
-        ticket = self._session.saved(layer, "saved", t.data_ptr(), nbytes)
+        ticket = self._session.saved(layer, name, t.data_ptr(), nbytes)
         if ticket < 0:
             self._counts["kept_pinned_pool_full"] += 1
             return t
@@ -273,6 +382,8 @@ class OffloadActivations:
         self._by_layer[layer].append(s)
         self._counts["offloaded"] += 1
         self._counts["offloaded_bytes"] += nbytes
+        if self._offload_names is not None:
+            self._counts["offloaded:" + name] += 1
         if len(self._pending) > 8:
             self._release_copied()
         return s
@@ -346,6 +457,8 @@ class OffloadActivations:
         self._counts.clear()
         self._dedup.clear()
         self._sizing_bytes = 0
+        self._named.clear()
+        self._running.clear()
         for lst in self._by_layer:
             lst.clear()
         self._in_backward = False
@@ -364,6 +477,9 @@ class OffloadActivations:
         device = self._device or torch.device("cpu")
         layers: list[list[tuple[str, str]]] = []
         for i in range(len(self.layers)):
+            if self._offload_names is not None:
+                layers.append([(n, "offload") for n in sorted(self._offload_names[i])])
+                continue
             offloaded = i < len(self.layers) - self.keep_last
             layers.append([("saved", "offload")] if offloaded else [])
         if device.type == "cuda":
@@ -393,7 +509,10 @@ class OffloadActivations:
         for lst in self._by_layer:
             lst.clear()
         self._dedup.clear()
+        self._named.clear()
         counts = dict(self._counts)
+        if self._checkpointed:
+            counts["checkpointed_layers"] = len(self._checkpointed)
         rep["counts"] = counts
         if self._session is None and not failed:
             # The sizing step: nothing was offloaded; the pool is sized from what would
@@ -415,7 +534,8 @@ class OffloadActivations:
                 f"spillway: the pinned pool ({self.pinned_bytes} bytes) was full: "
                 f"{counts['kept_pinned_pool_full']} saved tensors stayed on the device this step "
                 "(raise pinned_bytes)")
-        moved = counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0)
+        moved = counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0) + \
+            len(self._checkpointed)
         if not failed and moved == 0:
             why = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or \
                 "no tensor was saved inside the decoder blocks"
@@ -443,6 +563,9 @@ class OffloadActivations:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for i, original in self._originals.items():
+            self.layers[i].forward = original  # type: ignore[method-assign]
+        self._originals.clear()
         self._session = None
 
 
@@ -453,7 +576,12 @@ def offload_activations(model: nn.Module, plan: Optional[dict[str, Any]] = None,
     Args:
         model: the model; its decoder blocks are found (:func:`find_decoder_layers`) unless
             ``layers=`` names them.
-        plan: reserved for selective offload from ``spillway.plan(...)`` (not yet).
+        plan: a plan from :func:`spillway.plan` (or ``spillway plan --json``) of this
+            model: only the saved tensors the plan offloads go to the host (named by Note
+            [Names of Hugging Face tensors]), the layers it recomputes are wrapped in
+            ``torch.utils.checkpoint``; tensors it recomputes inside an offloaded layer
+            are kept. None: every eligible saved tensor of the blocks but the last
+            ``keep_last``.
         pinned_bytes: the host pool's size, allocated once; None: sized from the first step
             (which then offloads nothing, and says so).
         min_bytes: smaller saved tensors stay where they are (default 64 KiB).
@@ -466,6 +594,64 @@ def offload_activations(model: nn.Module, plan: Optional[dict[str, Any]] = None,
         on_step: called with each step's telemetry when the step ends.
     """
     return OffloadActivations(model, plan, **kwargs)
+
+
+# Note [Names of Hugging Face tensors]: with a plan, a saved tensor of a decoder block gets
+# the planner's name (docs/plan-schema.md) from the Hugging Face module paths around it:
+# first by what produced it or was given it (the output of `input_layernorm` is
+# attn.norm_out, the input of `post_attention_layernorm` is mlp.input), else by the
+# innermost running module that names its saved tensors (what `o_proj` saves is
+# attn.out_proj_in). A tensor no rule names is "block", which no plan offloads: kept.
+# The rules match the last components of a path, so `mlp.experts.3.gate_proj` is an
+# expert's gate projection; docs/python.md lists them.
+_OUTPUT_RULES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(input_layernorm|attention_norm|ln_1)$", "attn.norm_out"),
+    (r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|c_attn|q_norm|k_norm)$", "attn.qkv_out"),
+    (r"(^|\.)(post_attention_layernorm|ffn_norm|ln_2)$", "mlp.norm_out"),
+    (r"(^|\.)(gate_proj|w1|gate_up_proj|act_fn|act)$", "mlp.gate_out"),
+    (r"(^|\.)(up_proj|w3)$", "mlp.up_out"),
+    (r"(^|\.)(router|gate)$", "moe.router_probs"),
+    (r"experts\.(\d+\.)?(down_proj|w2)$", "moe.expert_out"),
+)
+_INPUT_RULES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(input_layernorm|attention_norm|ln_1)$", "attn.input"),
+    (r"(^|\.)(post_attention_layernorm|ffn_norm|ln_2)$", "mlp.input"),
+    (r"(^|\.)(o_proj|out_proj|c_proj|dense)$", "attn.out_proj_in"),
+    (r"(^|\.)(down_proj|w2)$", "mlp.act"),
+)
+_RUNNING_RULES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(o_proj|out_proj)$", "attn.out_proj_in"),
+    (r"(^|\.)(down_proj|w2)$", "mlp.act"),
+    (r"(^|\.)(gate_proj|up_proj|gate_up_proj|w1|w3)$", "mlp.norm_out"),
+    (r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj)$", "attn.norm_out"),
+    (r"(^|\.)(input_layernorm|attention_norm)$", "attn.norm_out"),
+    (r"(^|\.)(post_attention_layernorm|ffn_norm)$", "mlp.norm_out"),
+    (r"(^|\.)experts$", "moe.dispatch_in"),
+    (r"(^|\.)(router|gate)$", "moe.router_probs"),
+    (r"(^|\.)(self_attn|attention|attn)$", "attn.qkv_out"),
+)
+
+
+def _match(rules: tuple[tuple[str, str], ...], path: str) -> str:
+    for pattern, name in rules:
+        if re.search(pattern, path):
+            return name
+    return ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_name(path: str) -> str:
+    return _match(_OUTPUT_RULES, path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_name(path: str) -> str:
+    return _match(_INPUT_RULES, path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _running_name(path: str) -> str:
+    return _match(_RUNNING_RULES, path)
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
