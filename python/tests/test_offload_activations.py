@@ -231,3 +231,20 @@ def test_a_plan_of_another_model_is_refused() -> None:
         st.offload_activations(tiny_llama(), plan)
     with pytest.raises(ValueError, match="schema spillway.plan/1"):
         st.offload_activations(tiny_llama(), {"layers": []})
+
+
+def test_blocks_compiled_one_by_one_are_offloaded_and_stay_bitwise() -> None:
+    # What torch.compile does with these hooks on this version (docs/python.md): a compiled
+    # block's saved tensors (AOTAutograd's) still go through saved_tensors_hooks. aot_eager
+    # keeps eager kernels, so the result is bitwise the eager one.
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    for block in model.model.layers:
+        block.compile(backend="aot_eager")
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    data = batch()
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    assert offload.last_report()["tensors_offloaded"] > 0

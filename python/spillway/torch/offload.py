@@ -414,7 +414,10 @@ class OffloadActivations:
             return "kept_not_strided"
         if self._device is not None and t.device != self._device:
             return "kept_other_device"
-        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._param_storages:
+        # Parameters, views of them, and leaves that require grad (FSDP2's unsharded
+        # parameters live only while their block runs: they are leaves too).
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or \
+                t.untyped_storage().data_ptr() in self._param_storages:
             return "kept_parameters"
         if t.numel() * t.element_size() < self.min_bytes:
             return "kept_small"
@@ -453,7 +456,7 @@ class OffloadActivations:
             self._device = _model_device(self.model)
         if self._session is None and self.pinned_bytes is not None:
             self._make_session(self.pinned_bytes)
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._param_storages = _parameter_storages(self.model)
         self._counts.clear()
         self._dedup.clear()
         self._sizing_bytes = 0
@@ -670,6 +673,21 @@ def _first_tensor(output: Any) -> Optional[torch.Tensor]:
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), t.dtype, tuple(t.shape), t._version)
+
+
+def _parameter_storages(model: nn.Module) -> set[int]:
+    """The storage addresses of the model's parameters (a DTensor's local shard; a
+    parameter whose storage is freed, as FSDP2's unsharded ones between uses, has none)."""
+    ptrs: set[int] = set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except RuntimeError:
+            continue
+        if ptr:
+            ptrs.add(ptr)
+    return ptrs
 
 
 def _model_device(model: nn.Module) -> torch.device:
