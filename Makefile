@@ -4,6 +4,7 @@
 #                   bounded fuzz run), then the Python suite (pytest, python/tests)
 #   make test-python  the Python suite alone (the package in build/python)
 #   make bench      the benchmarks (bench/), figures recorded in docs/PERFORMANCE.md
+#   make bench-torch  the PyTorch adapter's benchmarks (bench/torch/)
 #   make test-asan  the suite under AddressSanitizer + UBSan
 #   make test-tsan  the suite under ThreadSanitizer
 #   make install    headers, libraries, the CLI and the CMake package under PREFIX
@@ -21,7 +22,7 @@ CTEST = ctest --output-on-failure -j $(JOBS)
 PYENV := $(shell bash scripts/install-python.sh --print)
 PYTHON = $(PYENV)/bin/python
 
-.PHONY: all deps build run test test-python bench install test-asan test-tsan format fuzz fuzz-smoke clean
+.PHONY: all deps build run test test-python bench bench-torch install test-asan test-tsan format fuzz fuzz-smoke clean
 
 all: build
 
@@ -56,6 +57,9 @@ bench: build
 	./$(BUILD)/bin/spillway bench gemm --seq-len 256 --repeats 3
 	./$(BUILD)/bin/spillway train --model small-moe --steps 6 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet --optimizer offload
 	./$(BUILD)/bin/spillway train --model small-moe --compare --steps 4 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet
+
+bench-torch: build
+	PYTHONPATH=$(BUILD)/python $(PYTHON) bench/torch/bench_hooks.py
 
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
