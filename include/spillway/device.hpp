@@ -180,13 +180,21 @@ class HostQueue;  // the host backend's in-order queue of work (src/device/host_
 // adopted by another.
 class HostStream {
  public:
-  HostStream();
+  enum class Mode {
+    kThread,  // work runs in order on the stream's own thread (a GPU stream's twin)
+    // Work runs on the thread that enqueues it, at once: a wait blocks it, a record
+    // completes, a copy is done when the call returns (PyTorch's CPU ops run on the
+    // calling thread; Note [Inline host streams]). One thread at a time enqueues on it.
+    kInline,
+  };
+  explicit HostStream(Mode mode = Mode::kThread);
   ~HostStream();
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
 
   // Runs fn on the stream's thread after all work enqueued before it (the caller's
-  // "kernel"); returns at once. fn must not call a Device and must not throw.
+  // "kernel"); returns at once (kInline: runs it now, on the calling thread). fn must not
+  // call a Device and must not throw.
   void launch(std::function<void()> fn);
   // Blocks until the work enqueued so far has run.
   void synchronize();

@@ -89,7 +89,6 @@ class OffloadSession {
       o.d2h_gbps = d2h_gbps;
       o.h2d_gbps = h2d_gbps;
       device_ = make_host_device(o);
-      host_ = true;
     } else if (device == "cuda") {
       std::string why;
       device_ = make_cuda_device(ordinal, &why);
@@ -100,9 +99,11 @@ class OffloadSession {
     if (native_stream != 0) {
       compute_ = device_->adopt_stream(as_ptr(native_stream), StreamRole::kCompute);
     } else {
-      // No caller stream (CPU tensors: torch runs them on the calling thread, finished when
-      // the hook sees them): a stream of the device's own orders the engine's work.
-      compute_ = device_->create_stream(StreamRole::kCompute);
+      // CPU tensors: torch runs their ops on the calling thread, so the compute stream is
+      // an inline host stream (Note [Inline host streams]): a reload's wait blocks the
+      // unpack hook until the bytes are there, and nothing waits on a worker thread.
+      cpu_stream_ = std::make_unique<HostStream>(HostStream::Mode::kInline);
+      compute_ = device_->adopt_stream(cpu_stream_->native(), StreamRole::kCompute);
     }
     OffloadOptions oo;
     oo.pinned_bytes = pinned_bytes;
@@ -145,12 +146,9 @@ class OffloadSession {
   void will_need(int id, uintptr_t dst) { hooks_->will_need(ticket(id), as_ptr(dst)); }
   void backward_begin(int layer) { hooks_->backward_begin(layer); }
   // The tensor of ticket `id` back in `dst` (caller-allocated, the ticket's bytes). Work on
-  // the compute stream after this call sees the bytes; with no caller stream (CPU tensors)
+  // the compute stream after this call sees the bytes; on the inline stream of CPU tensors
   // the call returns once they are there.
-  void needed(int id, uintptr_t dst) {
-    hooks_->needed(ticket(id), as_ptr(dst));
-    if (host_) device_->synchronize(compute_);
-  }
+  void needed(int id, uintptr_t dst) { hooks_->needed(ticket(id), as_ptr(dst)); }
   // Ends the step: waits for the engine's streams and returns its telemetry.
   nb::dict step_end() {
     hooks_->step_end();
@@ -200,8 +198,8 @@ class OffloadSession {
       SPILLWAY_FIELD_ERROR("ticket", id, "is not a ticket of this step");
     return tickets_[static_cast<size_t>(id)];
   }
+  std::unique_ptr<HostStream> cpu_stream_;  // CPU tensors' inline stream; outlives device_
   std::unique_ptr<Device> device_;
-  bool host_ = false;
   Stream compute_;
   std::unique_ptr<OffloadEngine> engine_;
   std::unique_ptr<OffloadHooks> hooks_;

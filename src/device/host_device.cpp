@@ -145,7 +145,8 @@ namespace detail {
 // registry for its whole life (Note [Host stream registry]).
 class HostQueue {
  public:
-  static std::shared_ptr<HostQueue> create();
+  // `inline_work`: Note [Inline host streams].
+  static std::shared_ptr<HostQueue> create(bool inline_work = false);
   ~HostQueue();
   HostQueue(const HostQueue&) = delete;
   HostQueue& operator=(const HostQueue&) = delete;
@@ -153,6 +154,10 @@ class HostQueue {
   // Note [Host stream wake-ups]: the condition variables are signalled only when a thread
   // sleeps on them, so a busy stream costs a lock and a push per op, no system call.
   void push(Op op) {
+    if (inline_) {
+      run_inline(op);
+      return;
+    }
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -169,6 +174,14 @@ class HostQueue {
   // the event completes here, on the caller's thread: no op, no wake-up of the worker (as
   // an event recorded on an idle CUDA stream completes at once).
   void record(EventState* event, uint64_t target) {
+    if (inline_) {  // everything enqueued before has run: the record completes now
+      Op op;
+      op.kind = Op::kRecord;
+      op.event = event;
+      op.target = target;
+      run_inline(op);
+      return;
+    }
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -186,6 +199,7 @@ class HostQueue {
   }
 
   void synchronize() {
+    if (inline_) return;  // nothing is ever pending
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t target = enqueued_;
     ++sync_waiters_;
@@ -197,7 +211,23 @@ class HostQueue {
   static std::shared_ptr<HostQueue> find(const void* native);
 
  private:
-  HostQueue() : worker_([this] { run(); }) {}
+  explicit HostQueue(bool inline_work) : inline_(inline_work) {
+    if (!inline_) worker_ = std::thread([this] { run(); });
+  }
+
+  // Note [Inline host streams]: the work of an inline queue runs on the thread that
+  // enqueues it, at once: a wait blocks that thread until its event completes, a record
+  // completes, a copy is done when the call returns. It is the host twin of a CPU
+  // framework's "stream" (PyTorch runs CPU ops on the calling thread), so that an engine
+  // adopting it orders its work against the caller's by the same calls it uses on a GPU,
+  // with no worker thread to hand work to and no round trip to wait for. One thread at a
+  // time enqueues on it (the caller's).
+  void run_inline(Op& op) {
+    execute(op);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++enqueued_;
+    ++done_;
+  }
 
   void run() {
     for (;;) {
@@ -273,7 +303,8 @@ class HostQueue {
   int sync_waiters_ = 0;
   bool worker_sleeping_ = false;
   bool stop_ = false;
-  std::thread worker_;  // last: starts after the members it uses
+  const bool inline_;
+  std::thread worker_;  // last: starts after the members it uses (none when inline)
 };
 
 namespace {
@@ -294,8 +325,8 @@ QueueRegistry& registry() {
 
 }  // namespace
 
-std::shared_ptr<HostQueue> HostQueue::create() {
-  std::shared_ptr<HostQueue> q(new HostQueue());
+std::shared_ptr<HostQueue> HostQueue::create(bool inline_work) {
+  std::shared_ptr<HostQueue> q(new HostQueue(inline_work));
   QueueRegistry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.live[q.get()] = q;
@@ -321,12 +352,12 @@ HostQueue::~HostQueue() {
     stop_ = true;
   }
   cv_.notify_all();
-  worker_.join();
+  if (worker_.joinable()) worker_.join();
 }
 
 }  // namespace detail
 
-HostStream::HostStream() : queue_(detail::HostQueue::create()) {}
+HostStream::HostStream(Mode mode) : queue_(detail::HostQueue::create(mode == Mode::kInline)) {}
 HostStream::~HostStream() = default;
 
 void HostStream::launch(std::function<void()> fn) {

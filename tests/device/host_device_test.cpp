@@ -242,6 +242,42 @@ TEST(HostStream, AnAdoptedStreamOrdersTheDevicesWorkAfterTheCallers) {
   dev->free(on_device.ptr, MemoryKind::kDevice);
 }
 
+// Note [Inline host streams]: an adopted inline stream runs the device's work on the
+// calling thread at once. A copy on it is done when the call returns; a wait on it blocks
+// the caller until an event of a throttled copy stream completes (and the bytes are
+// there); a record on it completes at once; synchronize has nothing to wait for.
+TEST(HostStream, AnInlineStreamRunsTheDevicesWorkOnTheCallingThread) {
+  constexpr size_t kBytes = size_t{1} << 20;
+  auto dev = make_host_device(HostDeviceOptions{int64_t{8} << 20, 0.0, 0.05});  // H2D 50 MB/s
+  HostStream caller(HostStream::Mode::kInline);
+  const Stream compute = dev->adopt_stream(caller.native(), StreamRole::kCompute);
+  const Stream h2d = dev->create_stream(StreamRole::kH2D);
+  std::vector<unsigned char> a(kBytes, 0x11), b(kBytes, 0x22), c(kBytes, 0x33);
+  dev->copy_async(b.data(), a.data(), kBytes, compute);
+  EXPECT_EQ(b, a);  // done on return
+  const Event loaded = dev->create_event();
+  dev->copy_async(c.data(), a.data(), kBytes, h2d);  // ~20 ms at 50 MB/s
+  dev->record(loaded, h2d);
+  EXPECT_FALSE(dev->query(loaded));
+  const auto t0 = std::chrono::steady_clock::now();
+  dev->wait(compute, loaded);  // blocks this thread until the copy is done
+  EXPECT_TRUE(dev->query(loaded));
+  EXPECT_EQ(c, a);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(5));
+  const Event marked = dev->create_event();
+  dev->record(marked, compute);
+  EXPECT_TRUE(dev->query(marked));
+  bool ran = false;
+  caller.launch([&] { ran = true; });
+  EXPECT_TRUE(ran);
+  caller.synchronize();
+  dev->synchronize(compute);
+  dev->destroy_event(loaded);
+  dev->destroy_event(marked);
+  dev->destroy_stream(h2d);
+  dev->destroy_stream(compute);
+}
+
 // destroy_stream forgets an adopted stream and leaves it running for its owner; the
 // device's work on it has run by then. A device may also outlive the HostStream object
 // (it shares the queue), and die before the caller's stream.
