@@ -59,6 +59,7 @@ bench: build
 	./$(BUILD)/bin/spillway train --model small-moe --compare --steps 4 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet
 
 bench-torch: build
+	bash scripts/install-python.sh --bench
 	PYTHONPATH=$(BUILD)/python $(PYTHON) bench/torch/bench_hooks.py
 
 install: build

@@ -6,6 +6,7 @@
 # Idempotent: an environment that finished installing is reused, silently.
 #   scripts/install-python.sh            create it when missing
 #   scripts/install-python.sh --print    print its path (creates nothing)
+#   scripts/install-python.sh --bench    also the benchmarks' peers (python/requirements-bench.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +19,17 @@ if [ "${1:-}" = "--print" ]; then
   echo "$venv"
   exit 0
 fi
-[ -f "$venv/.complete" ] && exit 0
+bench=0
+[ "${1:-}" = "--bench" ] && bench=1
+if [ -f "$venv/.complete" ]; then
+  [ $bench -eq 0 ] && exit 0
+  [ -f "$venv/.bench-complete" ] && cmp -s python/requirements-bench.txt "$venv/.bench-complete" && exit 0
+  echo "install-python: adding the benchmarks' peers (python/requirements-bench.txt) to $venv"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-input --no-build-isolation \
+    --progress-bar off -r python/requirements-bench.txt
+  cp python/requirements-bench.txt "$venv/.bench-complete"
+  exit 0
+fi
 
 start=$(date +%s)
 echo "install-python: creating $venv (python/requirements.txt; ~2.7 GB of wheels, once)"
@@ -37,3 +48,5 @@ assert torch.equal(x.grad, 2 * torch.ones(4))
 PY
 touch "$venv/.complete"
 echo "install-python: done in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"
+[ $bench -eq 1 ] && exec bash "$0" --bench
+exit 0
