@@ -73,8 +73,9 @@ def main() -> None:
     def plain() -> None:
         model(x).backward()
 
-    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=0, keep_last=0,
-                                     max_tensors=saved + 64)
+    offload = st.offload_activations(
+        model, pinned_bytes=64 << 20, min_bytes=0, keep_last=0, max_tensors=saved + 64
+    )
 
     def spillway_step() -> None:
         with offload:
@@ -95,12 +96,16 @@ def main() -> None:
             model(x).backward()
 
     base = timed(plain, a.repeats)
-    rows = [("spillway offload_activations", timed(spillway_step, a.repeats)),
-            ("torch save_on_cpu", timed(save_on_cpu, a.repeats)),
-            ("python-only pack/unpack", timed(python_only, a.repeats))]
+    rows = [
+        ("spillway offload_activations", timed(spillway_step, a.repeats)),
+        ("torch save_on_cpu", timed(save_on_cpu, a.repeats)),
+        ("python-only pack/unpack", timed(python_only, a.repeats)),
+    ]
     saved = offload.last_report()["tensors_offloaded"]  # sin()'s inputs and x * scale's
-    print(f"{saved} saved tensors of {a.elements * 4} bytes per step; baseline (no hooks) "
-          f"{base * 1e3:.2f} ms per step")
+    print(
+        f"{saved} saved tensors of {a.elements * 4} bytes per step; baseline (no hooks) "
+        f"{base * 1e3:.2f} ms per step"
+    )
     per = {name: (t - base) / saved * 1e6 for name, t in rows}
     for name, us in per.items():
         print(f"  {name:32s} {us:7.2f} us per tensor over the baseline")

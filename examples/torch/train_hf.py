@@ -21,15 +21,27 @@ import spillway.torch  # added line 1
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--plan", action="store_true",
-                    help="offload what spillway.plan chooses for this model (else every "
-                    "saved tensor of the blocks but the last)")
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="offload what spillway.plan chooses for this model (else every "
+        "saved tensor of the blocks but the last)",
+    )
     args = ap.parse_args()
 
     config = transformers.Qwen3MoeConfig(
-        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
-        num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -38,8 +50,7 @@ def main() -> None:
     if args.plan:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             config.to_json_file(f.name)
-            plan = spillway.plan(f.name, "h100-pcie", micro_batch=4, seq_len=128,
-                                 policy="hybrid")
+            plan = spillway.plan(f.name, "h100-pcie", micro_batch=4, seq_len=128, policy="hybrid")
 
     offload = spillway.torch.offload_activations(model, plan)  # added line 2 (once)
     for step in range(args.steps):
@@ -50,10 +61,12 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         rep = offload.last_report()
-        print(f"step {step}: loss {loss.item():.4f}, offloaded "
-              f"{rep.get('d2h_bytes', 0) / 1e6:.1f} MB in {rep.get('tensors_offloaded', 0)} "
-              f"tensors, reloaded {rep.get('h2d_bytes', 0) / 1e6:.1f} MB, stall "
-              f"{rep.get('stall_ms', 0.0):.2f} ms")
+        print(
+            f"step {step}: loss {loss.item():.4f}, offloaded "
+            f"{rep.get('d2h_bytes', 0) / 1e6:.1f} MB in {rep.get('tensors_offloaded', 0)} "
+            f"tensors, reloaded {rep.get('h2d_bytes', 0) / 1e6:.1f} MB, stall "
+            f"{rep.get('stall_ms', 0.0):.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from . import _spillway
 from ._spillway import Error
 
-__version__: str = _spillway.__version__
+__version__: str = _spillway.version()
 __all__ = ["Error", "plan", "__version__"]
 
 
@@ -75,10 +75,33 @@ def plan(
             raise ValueError(f"fsdp is True, which is zero=3; zero={zero} contradicts it")
         zero = 3
     text = _spillway.plan_json(
-        model, hardware, micro_batch, seq_len, dtype, tp, ep, cp, pp, dp, grad_accum,
-        fused_swiglu, mtp, policy, float(margin), layer_fwd_ms, profile, hbm_budget_gb,
-        d2h_gbps, h2d_gbps, keep_last, prefetch_depth, zero, optimizer, grad_offload,
-        loss_chunk, cpu_adam_gbps,
+        model,
+        hardware,
+        micro_batch,
+        seq_len,
+        dtype,
+        tp,
+        ep,
+        cp,
+        pp,
+        dp,
+        grad_accum,
+        fused_swiglu,
+        mtp,
+        policy,
+        float(margin),
+        layer_fwd_ms,
+        profile,
+        hbm_budget_gb,
+        d2h_gbps,
+        h2d_gbps,
+        keep_last,
+        prefetch_depth,
+        zero,
+        optimizer,
+        grad_offload,
+        loss_chunk,
+        cpu_adam_gbps,
     )
     result: dict[str, Any] = json.loads(text)
     return result

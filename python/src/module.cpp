@@ -1,6 +1,9 @@
 // spillway._spillway: the extension module (DESIGN section 10). The Python package
 // (python/spillway) wraps it; nothing here knows torch.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
 
 #include "bindings.hpp"
 #include "spillway/error.hpp"
@@ -9,7 +12,7 @@ namespace nb = nanobind;
 
 NB_MODULE(_spillway, m) {
   m.doc() = "spillway's engines and planner (the extension module behind `import spillway`)";
-  m.attr("__version__") = "0.1.0";
+  m.def("version", [] { return std::string("0.1.0"); }, "spillway's version");
   // An engine session is referenced from the hooks torch keeps on the user's modules, so it
   // may still be alive when the interpreter exits: freed by the OS then, not a refcount bug.
   nb::set_leak_warnings(false);

@@ -150,7 +150,7 @@ class OffloadSession {
   // the call returns once they are there.
   void needed(int id, uintptr_t dst) { hooks_->needed(ticket(id), as_ptr(dst)); }
   // Ends the step: waits for the engine's streams and returns its telemetry.
-  nb::dict step_end() {
+  nb::typed<nb::dict, nb::str, nb::object> step_end() {
     hooks_->step_end();
     const StepTelemetry& t = hooks_->telemetry();
     nb::dict d;
@@ -186,7 +186,7 @@ class OffloadSession {
       layers.append(ld);
     }
     d["layers"] = layers;
-    return d;
+    return nb::typed<nb::dict, nb::str, nb::object>(d);
   }
   std::string device_name() const { return device_->name(); }
   int64_t inflight_bytes() const { return engine_->inflight_bytes(); }

@@ -10,8 +10,14 @@ import transformers
 
 def tiny_llama(seed: int = 0, layers: int = 3, dtype: torch.dtype = torch.float32) -> Any:
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(dtype)
@@ -19,16 +25,28 @@ def tiny_llama(seed: int = 0, layers: int = 3, dtype: torch.dtype = torch.float3
 
 def tiny_qwen3_moe(seed: int = 0, layers: int = 3, dtype: torch.dtype = torch.float32) -> Any:
     cfg = transformers.Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=128)
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=128,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     return transformers.Qwen3MoeForCausalLM(cfg).to(dtype)
 
 
-def batch(seed: int = 1, batch_size: int = 2, seq_len: int = 32, vocab: int = 128) -> dict[str, Any]:
+def batch(
+    seed: int = 1, batch_size: int = 2, seq_len: int = 32, vocab: int = 128
+) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}

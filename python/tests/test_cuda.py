@@ -23,8 +23,9 @@ def test_cuda_offload_is_bitwise(make: object) -> None:
     ref = copy.deepcopy(model)
     offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024, verify=True)
     for s in range(2):
-        data = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-                for k, v in batch(seed=s).items()}
+        data = {
+            k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch(seed=s).items()
+        }
         want = step(ref, data)
         with offload:
             got = step(model, data)

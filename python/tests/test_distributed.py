@@ -34,8 +34,11 @@ def global_batches() -> list[dict[str, Any]]:
 
 def shard(data: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     n = data["input_ids"].shape[0] // world
-    return {"input_ids": data["input_ids"][rank * n:(rank + 1) * n],
-            "labels": data["labels"][rank * n:(rank + 1) * n], "use_cache": False}
+    return {
+        "input_ids": data["input_ids"][rank * n : (rank + 1) * n],
+        "labels": data["labels"][rank * n : (rank + 1) * n],
+        "use_cache": False,
+    }
 
 
 def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -58,12 +61,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     import spillway.torch as st
+
     model = tiny_llama()
     if mode == "ddp":
         wrapped: Any = torch.nn.parallel.DistributedDataParallel(model)
         inner = model
     else:
         from torch.distributed.fsdp import fully_shard
+
         for block in model.model.layers:
             fully_shard(block)
         fully_shard(model)
@@ -99,8 +104,9 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_gloo_processes_match_one_process(mode: str, tmp_path: Path) -> None:
     out = str(tmp_path / "rank0.pt")
-    mp.start_processes(worker, args=(2, free_port(), mode, out), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(2, free_port(), mode, out), nprocs=2, join=True, start_method="spawn"
+    )
     got = torch.load(out)
     want_losses, want_params = single_process()
     assert got["moved"] > 0, "activation offload ran inside the distributed blocks"
@@ -109,5 +115,6 @@ def test_two_gloo_processes_match_one_process(mode: str, tmp_path: Path) -> None
     for a, b in zip(got["losses"], want_losses):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
     for name, p in want_params.items():
-        torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )

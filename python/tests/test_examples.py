@@ -12,13 +12,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_readme_example_trains_and_offloads() -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "examples/torch/train_hf.py"), "--steps",
-                          "3"], capture_output=True, text=True, env=dict(os.environ),
-                         check=False)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples/torch/train_hf.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert len(lines) == 3
     assert "offloading starts at step 2" in run.stderr  # the sizing step says so
-    moved = [float(m.group(1)) for m in map(re.compile(r"offloaded ([\d.]+) MB").search, lines)
-             if m]
+    moved = [
+        float(m.group(1)) for m in map(re.compile(r"offloaded ([\d.]+) MB").search, lines) if m
+    ]
     assert moved[0] == 0.0 and moved[1] > 0 and moved[2] == moved[1]

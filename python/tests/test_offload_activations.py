@@ -26,8 +26,9 @@ def step(model: Any, data: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torc
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def assert_bitwise(a: tuple[torch.Tensor, dict[str, torch.Tensor]],
-                   b: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+def assert_bitwise(
+    a: tuple[torch.Tensor, dict[str, torch.Tensor]], b: tuple[torch.Tensor, dict[str, torch.Tensor]]
+) -> None:
     assert torch.equal(a[0], b[0]), f"loss {a[0].item()!r} != {b[0].item()!r}"
     assert a[1].keys() == b[1].keys()
     for name in a[1]:
@@ -83,9 +84,16 @@ def test_bf16_model() -> None:
 def test_prefetch_depth_throttled_links_and_backpressure_keep_every_byte() -> None:
     model = tiny_qwen3_moe()
     ref = copy.deepcopy(model)
-    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024,
-                                     prefetch_depth=2, inflight_bound_bytes=64 << 10,
-                                     d2h_gbps=0.5, h2d_gbps=0.5, verify=True)
+    offload = st.offload_activations(
+        model,
+        pinned_bytes=64 << 20,
+        min_bytes=1024,
+        prefetch_depth=2,
+        inflight_bound_bytes=64 << 10,
+        d2h_gbps=0.5,
+        h2d_gbps=0.5,
+        verify=True,
+    )
     data = batch()
     want = step(ref, data)
     with offload:
@@ -106,7 +114,7 @@ def test_parameters_small_tensors_and_the_last_block_stay() -> None:
     assert counts.get("kept_parameters", 0) > 0  # the weights Linear saves
     assert counts.get("kept_small", 0) > 0  # the norms' [T, 1] statistics
     assert counts.get("kept_last_layers", 0) > 0
-    offloaded_layers = {l["layer"] for l in rep["layers"] if l["d2h_bytes"] > 0}
+    offloaded_layers = {x["layer"] for x in rep["layers"] if x["d2h_bytes"] > 0}
     assert offloaded_layers == {0, 1}
 
 
@@ -190,16 +198,22 @@ def test_retain_graph_second_backward_is_refused_loudly() -> None:
 @pytest.mark.parametrize("policy", ["offload", "selective", "hybrid", "recompute"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_plan_offloads_only_its_tensors_and_checkpoints_its_recompute_layers(
-        name: str, policy: str, tmp_path: Any) -> None:
+    name: str, policy: str, tmp_path: Any
+) -> None:
     model = MODELS[name]()
     ref = copy.deepcopy(model)
     config = tmp_path / "config.json"
     model.config.to_json_file(str(config))
     plan = spillway.plan(str(config), "h100-pcie", micro_batch=2, seq_len=32, policy=policy)
-    planned = [{t["name"] for t in layer["tensors"] if t["action"] == "offload"}
-               for layer in plan["layers"]]
-    recomputed = [i for i, layer in enumerate(plan["layers"])
-                  if layer["policy"] in ("recompute", "checkpoint")]
+    planned = [
+        {t["name"] for t in layer["tensors"] if t["action"] == "offload"}
+        for layer in plan["layers"]
+    ]
+    recomputed = [
+        i
+        for i, layer in enumerate(plan["layers"])
+        if layer["policy"] in ("recompute", "checkpoint")
+    ]
     assert recomputed, "the planner recomputes the last layer at least"
     runs = [0] * len(model.model.layers)
     for i, block in enumerate(model.model.layers):  # inside the block: seen by a recompute

@@ -20,15 +20,39 @@ def test_pip_install_builds_a_package_that_plans(tmp_path: Path) -> None:
     # no network. A scratch build directory, so the source tree stays clean.
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps",
-         "--target", str(target), "--config-settings", f"build-dir={tmp_path / 'build'}",
-         str(ROOT)], capture_output=True, text=True, env=env, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-build-isolation",
+            "--no-deps",
+            "--target",
+            str(target),
+            "--config-settings",
+            f"build-dir={tmp_path / 'build'}",
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert build.returncode == 0, build.stderr[-4000:]
     assert (target / "spillway" / "py.typed").exists()
-    code = ("import sys, spillway; p = spillway.plan('Llama-3.1-8B', 'h100-pcie'); "
-            "print(p['schema'], 'torch' in sys.modules, spillway.__file__)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(target)), cwd=tmp_path, check=False)
+    code = (
+        "import sys, spillway; p = spillway.plan('Llama-3.1-8B', 'h100-pcie'); "
+        "print(p['schema'], 'torch' in sys.modules, spillway.__file__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(target)),
+        cwd=tmp_path,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     schema, torch_loaded, where = run.stdout.split()
     assert schema == "spillway.plan/1"

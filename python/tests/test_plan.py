@@ -19,18 +19,40 @@ def test_plan_returns_the_cli_schema() -> None:
     assert p["summary"]["feasible"] is True
     assert len(p["layers"]) == 48
     assert {t["action"] for layer in p["layers"] for t in layer["tensors"]} <= {
-        "keep", "offload", "recompute"}
+        "keep",
+        "offload",
+        "recompute",
+    }
 
 
 @pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI's build tree)")
 def test_plan_equals_the_cli_json() -> None:
-    args = ["--model", "Llama-3.1-8B", "--hardware", "h100-pcie", "--micro-batch", "1",
-            "--seq-len", "4096", "--dp", "2", "--zero", "3", "--policy", "offload"]
-    out = subprocess.run([os.path.join(BUILD, "bin", "spillway"), "plan", *args, "--json", "-"],
-                         check=False, capture_output=True, text=True)
+    args = [
+        "--model",
+        "Llama-3.1-8B",
+        "--hardware",
+        "h100-pcie",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "4096",
+        "--dp",
+        "2",
+        "--zero",
+        "3",
+        "--policy",
+        "offload",
+    ]
+    out = subprocess.run(
+        [os.path.join(BUILD, "bin", "spillway"), "plan", *args, "--json", "-"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     cli = json.loads(out.stdout)
-    py = spillway.plan("Llama-3.1-8B", "h100-pcie", micro_batch=1, seq_len=4096, dp=2, zero=3,
-                       policy="offload")
+    py = spillway.plan(
+        "Llama-3.1-8B", "h100-pcie", micro_batch=1, seq_len=4096, dp=2, zero=3, policy="offload"
+    )
     assert py == cli
 
 

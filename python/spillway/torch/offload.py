@@ -68,7 +68,8 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
         raise ValueError(
             f"offload_activations: no decoder blocks found in {type(model).__name__} (no "
             "nn.ModuleList of same-class blocks with parameters); pass layers=[...] with the "
-            "blocks in forward order")
+            "blocks in forward order"
+        )
     return list(best)
 
 
@@ -136,23 +137,30 @@ class OffloadActivations:
             raise ValueError(
                 "offload_activations: the model is compiled (torch.compile); the saved-tensor "
                 "hooks cannot see inside a compiled graph. Pass the eager model and compile "
-                "inside it, or offload without compiling (docs/python.md)")
-        for name, value in (("min_bytes", min_bytes), ("keep_last", keep_last),
-                            ("inflight_bound_bytes", inflight_bound_bytes)):
+                "inside it, or offload without compiling (docs/python.md)"
+            )
+        for name, value in (
+            ("min_bytes", min_bytes),
+            ("keep_last", keep_last),
+            ("inflight_bound_bytes", inflight_bound_bytes),
+        ):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"offload_activations: {name} is {value!r}; must be an int >= 0")
         if not isinstance(prefetch_depth, int) or not 1 <= prefetch_depth <= 64:
             raise ValueError(
-                f"offload_activations: prefetch_depth is {prefetch_depth!r}; must be in [1, 64]")
+                f"offload_activations: prefetch_depth is {prefetch_depth!r}; must be in [1, 64]"
+            )
         if not isinstance(max_tensors, int) or max_tensors < 1:
             raise ValueError(f"offload_activations: max_tensors is {max_tensors!r}; must be >= 1")
         if pinned_bytes is not None and (not isinstance(pinned_bytes, int) or pinned_bytes < 1):
             raise ValueError(
                 f"offload_activations: pinned_bytes is {pinned_bytes!r}; must be an int >= 1 "
-                "(or None: sized by the first step)")
+                "(or None: sized by the first step)"
+            )
         self.model = model
-        self.layers: list[nn.Module] = list(layers) if layers is not None else \
-            find_decoder_layers(model)
+        self.layers: list[nn.Module] = (
+            list(layers) if layers is not None else find_decoder_layers(model)
+        )
         if not self.layers:
             raise ValueError("offload_activations: layers is empty")
         self.pinned_bytes = pinned_bytes
@@ -205,10 +213,10 @@ class OffloadActivations:
             if self._offload_names is not None:
                 for path, sub in block.named_modules():
                     if path:
-                        self._handles.append(sub.register_forward_pre_hook(
-                            self._make_sub_pre(path)))
-                        self._handles.append(sub.register_forward_hook(
-                            self._make_sub_post(path)))
+                        self._handles.append(
+                            sub.register_forward_pre_hook(self._make_sub_pre(path))
+                        )
+                        self._handles.append(sub.register_forward_hook(self._make_sub_post(path)))
         for i in self._checkpointed:
             self._wrap_in_checkpoint(i)
 
@@ -217,21 +225,26 @@ class OffloadActivations:
             raise ValueError(
                 "offload_activations: plan must be a dict of schema spillway.plan/1 (what "
                 "spillway.plan() returns, or json.load of `spillway plan --json`), got "
-                f"{plan.get('schema') if isinstance(plan, dict) else type(plan).__name__!r}")
+                f"{plan.get('schema') if isinstance(plan, dict) else type(plan).__name__!r}"
+            )
         layers = plan.get("layers", [])
         if len(layers) != len(self.layers):
             raise ValueError(
                 f"offload_activations: the plan has {len(layers)} layers, the model "
                 f"{len(self.layers)} decoder blocks; plan this model (its config.json) with "
-                "pp=1")
+                "pp=1"
+            )
         names: list[frozenset[str]] = []
         for i, layer in enumerate(layers):
             if layer.get("policy") in ("recompute", "checkpoint"):
                 self._checkpointed.append(i)
                 names.append(frozenset())
                 continue
-            names.append(frozenset(t["name"] for t in layer.get("tensors", [])
-                                   if t.get("action") == "offload"))
+            names.append(
+                frozenset(
+                    t["name"] for t in layer.get("tensors", []) if t.get("action") == "offload"
+                )
+            )
         self._offload_names = names
         self.keep_last = 0  # the plan decides which layers keep everything
 
@@ -249,11 +262,13 @@ class OffloadActivations:
                 if kwargs.get(key) is not None:
                     kwargs[key] = None
                     self._warn_once(
-                        "cache", "spillway: a layer the plan recomputes ran without its KV "
-                        f"cache ({key}); pass use_cache=False when training")
-            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False,
-                                                     **kwargs)
-        block.forward = forward  # type: ignore[method-assign]
+                        "cache",
+                        "spillway: a layer the plan recomputes ran without its KV "
+                        f"cache ({key}); pass use_cache=False when training",
+                    )
+            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
 
     def _make_sub_pre(self, path: str) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
@@ -263,6 +278,7 @@ class OffloadActivations:
             name = _input_name(path)
             if name and args and isinstance(args[0], torch.Tensor):
                 self._name_tensor(args[0], name)
+
         return pre
 
     def _make_sub_post(self, path: str) -> Callable[..., None]:
@@ -275,6 +291,7 @@ class OffloadActivations:
             out = _first_tensor(output)
             if name and out is not None:
                 self._name_tensor(out, name)
+
         return post
 
     def _name_tensor(self, t: torch.Tensor, name: str) -> None:
@@ -302,6 +319,7 @@ class OffloadActivations:
                 self._name_tensor(args[0], "attn.input")
             if self._session is not None:
                 self._session.forward_begin(i)
+
         return pre
 
     def _make_post(self, i: int) -> Callable[..., None]:
@@ -314,7 +332,8 @@ class OffloadActivations:
                 self._release_copied()
             out = _first_tensor(output)
             if out is not None and out.requires_grad:
-                out.register_hook(self._make_backward_hook(i))
+                out.register_hook(self._make_backward_hook(i))  # type: ignore[no-untyped-call]
+
         return post
 
     def _make_backward_hook(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -336,6 +355,7 @@ class OffloadActivations:
                         s.dst = torch.empty(s.shape, dtype=s.dtype, device=s.device)
                         self._session.will_need(s.ticket, s.dst.data_ptr())
             self._session.backward_begin(i)
+
         return on_grad
 
     # ---- the saved-tensor hooks ------------------------------------------------------
@@ -396,11 +416,13 @@ class OffloadActivations:
             raise RuntimeError(
                 "spillway: a saved tensor offloaded in a step that has ended is needed again "
                 "(backward run twice with retain_graph=True, or after the step ended); "
-                "offload_activations supports one backward per forward")
+                "offload_activations supports one backward per forward"
+            )
         if s.tensor is None:
             assert self._session is not None
-            dst = s.dst if s.dst is not None else torch.empty(s.shape, dtype=s.dtype,
-                                                              device=s.device)
+            dst = (
+                s.dst if s.dst is not None else torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            )
             self._session.needed(s.ticket, dst.data_ptr())
             s.tensor, s.dst = dst, None
         out = s.tensor
@@ -416,8 +438,11 @@ class OffloadActivations:
             return "kept_other_device"
         # Parameters, views of them, and leaves that require grad (FSDP2's unsharded
         # parameters live only while their block runs: they are leaves too).
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or \
-                t.untyped_storage().data_ptr() in self._param_storages:
+        if (
+            isinstance(t, nn.Parameter)
+            or (t.is_leaf and t.requires_grad)
+            or t.untyped_storage().data_ptr() in self._param_storages
+        ):
             return "kept_parameters"
         if t.numel() * t.element_size() < self.min_bytes:
             return "kept_small"
@@ -433,7 +458,7 @@ class OffloadActivations:
 
     # ---- steps ---------------------------------------------------------------------
 
-    def __enter__(self) -> "OffloadActivations":
+    def __enter__(self) -> OffloadActivations:
         if self._open:
             # The last step had no backward (or it never ended): end it now.
             self._end_step()
@@ -476,7 +501,8 @@ class OffloadActivations:
                 f"offload_activations: the pinned pool would be {pinned_bytes / 1e9:.2f} GB but "
                 f"the host has {available / 1e9:.2f} GB available (MemAvailable); at most 90% "
                 f"of it, {0.9 * available / 1e9:.2f} GB, may be pinned. Offload fewer tensors "
-                "(a plan, a larger min_bytes) or free host memory")
+                "(a plan, a larger min_bytes) or free host memory"
+            )
         device = self._device or torch.device("cpu")
         layers: list[list[tuple[str, str]]] = []
         for i in range(len(self.layers)):
@@ -491,12 +517,23 @@ class OffloadActivations:
         elif device.type == "cpu":
             kind, ordinal, stream = "host", 0, 0
         else:
-            raise ValueError(f"offload_activations: device {device} is not supported "
-                             "(cpu and cuda are)")
+            raise ValueError(
+                f"offload_activations: device {device} is not supported (cpu and cuda are)"
+            )
         self._session = _spillway.OffloadSession(
-            kind, ordinal, stream, layers, self.prefetch_depth, pinned_bytes,
-            64 * _MiB, self.inflight_bound_bytes, self.max_tensors, self.verify,
-            float(self.d2h_gbps), float(self.h2d_gbps))
+            kind,
+            ordinal,
+            stream,
+            layers,
+            self.prefetch_depth,
+            pinned_bytes,
+            64 * _MiB,
+            self.inflight_bound_bytes,
+            self.max_tensors,
+            self.verify,
+            float(self.d2h_gbps),
+            float(self.h2d_gbps),
+        )
         self.pinned_bytes = pinned_bytes
 
     def _end_step(self, failed: bool = False) -> None:
@@ -530,23 +567,29 @@ class OffloadActivations:
                     f"spillway: offload_activations sized its pinned pool from step 1: "
                     f"{self._sizing_bytes / 1e6:.1f} MB of saved tensors would be offloaded, "
                     f"pool {size / 1e6:.1f} MB; offloading starts at step 2 (pass "
-                    "pinned_bytes= to start at step 1)")
+                    "pinned_bytes= to start at step 1)",
+                )
         if counts.get("kept_pinned_pool_full", 0):
             self._warn_once(
                 "pool_full",
                 f"spillway: the pinned pool ({self.pinned_bytes} bytes) was full: "
                 f"{counts['kept_pinned_pool_full']} saved tensors stayed on the device this step "
-                "(raise pinned_bytes)")
-        moved = counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0) + \
-            len(self._checkpointed)
+                "(raise pinned_bytes)",
+            )
+        moved = (
+            counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0) + len(self._checkpointed)
+        )
         if not failed and moved == 0:
-            why = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or \
-                "no tensor was saved inside the decoder blocks"
+            why = (
+                ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+                or "no tensor was saved inside the decoder blocks"
+            )
             self._warn_once(
                 "nothing",
                 f"spillway: offload_activations offloaded nothing in step {self._step} ({why}); "
                 "it frees no memory. Is the forward compiled, under no_grad, or are the "
-                "blocks not the ones that run?")
+                "blocks not the ones that run?",
+            )
         self._last = rep
         _record_report("offload", rep)
         if self.on_step is not None:
@@ -567,13 +610,14 @@ class OffloadActivations:
             h.remove()
         self._handles.clear()
         for i, original in self._originals.items():
-            self.layers[i].forward = original  # type: ignore[method-assign]
+            self.layers[i].forward = original
         self._originals.clear()
         self._session = None
 
 
-def offload_activations(model: nn.Module, plan: Optional[dict[str, Any]] = None,
-                        **kwargs: Any) -> OffloadActivations:
+def offload_activations(
+    model: nn.Module, plan: Optional[dict[str, Any]] = None, **kwargs: Any
+) -> OffloadActivations:
     """Offload ``model``'s saved activations to host memory; see :class:`OffloadActivations`.
 
     Args:
@@ -694,4 +738,3 @@ def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
