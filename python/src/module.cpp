@@ -12,7 +12,8 @@ namespace nb = nanobind;
 
 NB_MODULE(_spillway, m) {
   m.doc() = "spillway's engines and planner (the extension module behind `import spillway`)";
-  m.def("version", [] { return std::string("0.1.0"); }, "spillway's version");
+  m.def(
+      "version", [] { return std::string("0.1.0"); }, "spillway's version");
   // An engine session is referenced from the hooks torch keeps on the user's modules, so it
   // may still be alive when the interpreter exits: freed by the OS then, not a refcount bug.
   nb::set_leak_warnings(false);

@@ -12,5 +12,4 @@ from __future__ import annotations
 
 from .offload import OffloadActivations, offload_activations, report
 
-
 __all__ = ["OffloadActivations", "offload_activations", "report"]
