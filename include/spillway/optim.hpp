@@ -254,6 +254,20 @@ class StvAdamW {
   // restored buckets is stale: the caller rounds p again.
   void set_bf16_copy(uint16_t* copy) { copy_ = copy; }
 
+  // Note [Per-bucket hyperparameters and steps]: each bucket has its own AdamW
+  // hyperparameters (all `hp` at construction) and its own step counter (all 0), as a
+  // framework's parameter groups and per-parameter steps have: a learning-rate schedule
+  // changes them between steps, a parameter without a gradient this step is absent (its
+  // counter does not advance, its state is untouched). Set them between steps only (not
+  // between a bucket's arrival and finish()). The global norm and the skip stay global.
+  void set_hparams(int b, const AdamWParams& hp);
+  const AdamWParams& hparams(int b) const { return bucket_hp_.at(static_cast<size_t>(b)); }
+  int64_t bucket_step(int b) const { return bucket_step_.at(static_cast<size_t>(b)); }
+  void set_bucket_step(int b, int64_t step);
+  // Backward: CPU bucket `b` has no gradient this step (counted as arrived, adds nothing
+  // to the norm, not stepped).
+  void on_absent_bucket(int b);
+
   // Whether CPU bucket `b` is speculated when it arrives (it has a second buffer), or
   // deferred to finish() (Note [Bounded undo]); fixed at construction. A pipeline asks when
   // it enqueues the bucket, to know whether to upload its weights then.
@@ -275,6 +289,12 @@ class StvAdamW {
   // Backward is done: every bucket has arrived. Validates, then commits, replays or skips
   // the CPU buckets; the device buckets are the caller's (see the split above).
   StvOutcome finish();
+  // Sharded training (each process holds a shard of every parameter): the sum of squares
+  // of this process's buckets once all have arrived (bucket order), and finish() with the
+  // global sum (every process's, e.g. all-reduced), so that every shard clips by the same
+  // norm and a NaN anywhere skips the step everywhere.
+  double sum_of_squares() const;
+  StvOutcome finish(double global_sum_of_squares);
   // The step cannot complete (a gradient never arrived): undo every speculative bucket and
   // forget the step's buckets; the step counter does not advance.
   void abort();
@@ -318,8 +338,11 @@ class StvAdamW {
   std::vector<double> lanes_;         // kNormLanes, for the CPU buckets' sums
   std::vector<char> arrived_;         // per bucket, this step
   int arrivals_ = 0;
-  std::vector<char> speculated_;  // per bucket: stepped speculatively this step
-  std::vector<char> late_;        // per bucket: stepped in finish() this step
+  std::vector<char> speculated_;        // per bucket: stepped speculatively this step
+  std::vector<char> late_;              // per bucket: stepped in finish() this step
+  std::vector<char> absent_;            // per bucket: no gradient this step
+  std::vector<AdamWParams> bucket_hp_;  // Note [Per-bucket hyperparameters and steps]
+  std::vector<int64_t> bucket_step_;
 };
 
 // ---- The pipeline ----

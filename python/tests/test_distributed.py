@@ -1,6 +1,7 @@
-"""offload_activations inside torch.distributed jobs (gloo, 2 processes on CPU): DDP and
-FSDP2 (fully_shard) see the same losses and parameters as one process with the same global
-batch, with activation offload running inside every (sharded) block."""
+"""offload_activations and CPUAdamW inside torch.distributed jobs (gloo, 2 processes on
+CPU): DDP and FSDP2 (fully_shard) see the same losses and parameters as one process with
+the same global batch, with activation offload running inside every (sharded) block and
+CPUAdamW stepping each process's shard, clipping by the all-reduced norm."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import batch, tiny_llama  # noqa: E402
 
 STEPS = 3
-LR = 0.05
+LR = 0.01
+CLIP = 0.5  # the norm clips: the shards must agree on it
 
 
 def free_port() -> int:
@@ -42,8 +44,10 @@ def shard(data: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
 
 def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    import spillway.torch as st
+
     model = tiny_llama()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = st.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=CLIP)
     losses = []
     for data in global_batches():
         opt.zero_grad(set_to_none=True)
@@ -74,8 +78,8 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         fully_shard(model)
         wrapped = inner = model
     offload = st.offload_activations(inner, pinned_bytes=64 << 20, min_bytes=1024)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
-    losses, moved = [], 0
+    opt = st.CPUAdamW(wrapped.parameters(), lr=LR, max_grad_norm=CLIP, threads=1)
+    losses, moved, outcomes = [], 0, []
     for data in global_batches():
         opt.zero_grad(set_to_none=True)
         with offload:
@@ -83,6 +87,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             loss.backward()
         moved += offload.last_report()["d2h_bytes"]
         opt.step()
+        outcomes.append(opt.last_step()["outcome"])
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append((mean / world).item())
@@ -91,7 +96,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     else:
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"losses": losses, "params": params, "moved": moved}, out)
+        torch.save({"losses": losses, "params": params, "moved": moved, "outcomes": outcomes}, out)
     offload.remove()
     dist.barrier()
     dist.destroy_process_group()
@@ -110,6 +115,7 @@ def test_two_gloo_processes_match_one_process(mode: str, tmp_path: Path) -> None
     got = torch.load(out)
     want_losses, want_params = single_process()
     assert got["moved"] > 0, "activation offload ran inside the distributed blocks"
+    assert "replay" in got["outcomes"], "the clip must act for the norm to be tested"
     # The reduction order differs (two halves all-reduced vs summed in one process): equal
     # to float rounding, not bitwise.
     for a, b in zip(got["losses"], want_losses):

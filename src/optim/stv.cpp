@@ -124,6 +124,31 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   arrived_.assign(buckets_.size(), 0);
   speculated_.assign(buckets_.size(), 0);
   late_.assign(buckets_.size(), 0);
+  absent_.assign(buckets_.size(), 0);
+  bucket_hp_.assign(buckets_.size(), hp_);
+  bucket_step_.assign(buckets_.size(), 0);
+}
+
+void StvAdamW::set_hparams(int b, const AdamWParams& hp) {
+  SPILLWAY_CHECK(b >= 0 && static_cast<size_t>(b) < buckets_.size(), "STV: unknown bucket {}", b);
+  SPILLWAY_CHECK(arrivals_ == 0, "STV: set_hparams of bucket {} during a step", b);
+  (void)adamw_step_scalars(hp, 1);  // checks the values
+  bucket_hp_[static_cast<size_t>(b)] = hp;
+}
+
+void StvAdamW::set_bucket_step(int b, int64_t step) {
+  SPILLWAY_CHECK(b >= 0 && static_cast<size_t>(b) < buckets_.size(), "STV: unknown bucket {}", b);
+  SPILLWAY_CHECK(arrivals_ == 0, "STV: set_bucket_step of bucket {} during a step", b);
+  if (step < 0) SPILLWAY_FIELD_ERROR("step", step, "must be >= 0 (bucket {})", b);
+  bucket_step_[static_cast<size_t>(b)] = step;
+}
+
+void StvAdamW::on_absent_bucket(int b) {
+  check_bucket(b, false);
+  sq_[static_cast<size_t>(b)] = 0.0;
+  absent_[static_cast<size_t>(b)] = 1;
+  arrived_[static_cast<size_t>(b)] = 1;
+  ++arrivals_;
 }
 
 StvAdamW::BucketState StvAdamW::state(int b) const {
@@ -162,10 +187,11 @@ void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place) {
     a.m_out = o.m;
     a.v_out = o.v;
   }
+  const AdamWParams& hp = bucket_hp_[static_cast<size_t>(b)];
   if (pool_ != nullptr) {
-    pool_->step(hp_, a);
+    pool_->step(hp, a);
   } else {
-    adamw_step_simd(hp_, a);
+    adamw_step_simd(hp, a);
   }
 }
 
@@ -206,7 +232,7 @@ void StvAdamW::arrive(int b, const void* g, GradType type) {
   ++arrivals_;
   if (!speculate) return;  // deferred to finish()
   // Speculate into the other buffer (Note [STV exactness]): the current one stays as it was.
-  run(b, 1.0f, step_ + 1, true);
+  run(b, 1.0f, bucket_step_[static_cast<size_t>(b)] + 1, true);
   speculated_[static_cast<size_t>(b)] = 1;
 }
 
@@ -221,6 +247,7 @@ void StvAdamW::forget_step() {
   std::fill(grads_.begin(), grads_.end(), nullptr);
   std::fill(speculated_.begin(), speculated_.end(), 0);
   std::fill(arrived_.begin(), arrived_.end(), 0);
+  std::fill(absent_.begin(), absent_.end(), 0);
   arrivals_ = 0;
 }
 
@@ -230,12 +257,22 @@ void StvAdamW::abort() {
   forget_step();
 }
 
-StvOutcome StvAdamW::finish() {
+double StvAdamW::sum_of_squares() const {
   SPILLWAY_CHECK(static_cast<size_t>(arrivals_) == buckets_.size(),
-                 "STV: finish() after {} of {} buckets", arrivals_, buckets_.size());
+                 "STV: sum_of_squares() after {} of {} buckets", arrivals_, buckets_.size());
   double sq = 0.0;
   for (double s : sq_) sq += s;  // bucket order, whatever the arrival order
-  const double norm = std::sqrt(sq);
+  return sq;
+}
+
+StvOutcome StvAdamW::finish() {
+  return finish(sum_of_squares());
+}
+
+StvOutcome StvAdamW::finish(double global_sum_of_squares) {
+  SPILLWAY_CHECK(static_cast<size_t>(arrivals_) == buckets_.size(),
+                 "STV: finish() after {} of {} buckets", arrivals_, buckets_.size());
+  const double norm = std::sqrt(global_sum_of_squares);
   const float scale = std::isfinite(norm) ? clip_coefficient(norm, clip_) : 1.0f;
   const bool undo = !std::isfinite(norm) || scale < 1.0f;
   std::fill(late_.begin(), late_.end(), 0);
@@ -245,9 +282,11 @@ StvOutcome StvAdamW::finish() {
     outcome = StvOutcome::kSkip;  // the speculative results are dropped with the buffers
     ++counters_.skips;
   } else {
-    const int64_t t = step_ + 1;
     for (int b = device_buckets_; b < static_cast<int>(buckets_.size()); ++b) {
       const size_t i = static_cast<size_t>(b);
+      if (absent_[i] != 0) continue;  // no gradient: untouched, its counter stays
+      const int64_t t = bucket_step_[i] + 1;
+      bucket_step_[i] = t;
       if (speculated_[i] != 0) {
         if (undo) {  // replay from the untouched current buffer, in bucket order
           run(b, scale, t, true);
@@ -259,7 +298,7 @@ StvOutcome StvAdamW::finish() {
         late_[i] = 1;
       }
     }
-    step_ = t;
+    ++step_;
     if (undo) {
       outcome = StvOutcome::kReplay;
       ++counters_.replays;

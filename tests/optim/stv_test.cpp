@@ -253,4 +253,69 @@ TEST(Stv, MisuseIsAnError) {
 }
 
 }  // namespace
+
+// Note [Per-bucket hyperparameters and steps]: two buckets with their own learning rates
+// and weight decays step as two separate reference optimizers would (no clipping: the norm
+// couples nothing); a bucket absent in a step keeps its state and its counter, and steps
+// at its own count afterwards; a NaN in one bucket skips every bucket.
+TEST(Stv, BucketsKeepTheirOwnHyperparametersAndStepCounters) {
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const size_t na = 1000;
+  const size_t nb = 700;
+  const size_t n = na + nb;
+  std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f);
+  for (float& x : p) x = nd(rng);
+  std::vector<float> ra(p.begin(), p.begin() + na), ma(na, 0.0f), va(na, 0.0f);
+  std::vector<float> rb(p.begin() + na, p.end()), mb(nb, 0.0f), vb(nb, 0.0f);
+  AdamWParams ha;
+  ha.lr = 1e-2;
+  ha.weight_decay = 0.1;
+  AdamWParams hb;
+  hb.lr = 3e-3;
+  hb.weight_decay = 0.0;
+  hb.beta2 = 0.99;
+  StvAdamW stv(ha, 0.0, p.data(), m.data(), v.data(), n, {{0, na}, {na, nb}}, 0, nullptr);
+  stv.set_hparams(1, hb);
+  int64_t step_a = 0;
+  int64_t step_b = 0;
+  for (int s = 0; s < 6; ++s) {
+    std::vector<float> g(n);
+    for (float& x : g) x = nd(rng);
+    const bool b_absent = s == 2;
+    const bool nan = s == 4;
+    if (nan) g[3] = std::numeric_limits<float>::quiet_NaN();
+    if (b_absent) {
+      stv.on_absent_bucket(1);
+    } else {
+      stv.on_bucket(1, g.data() + na);
+    }
+    stv.on_bucket(0, g.data());
+    const StvOutcome out = stv.finish();
+    if (nan) {
+      EXPECT_EQ(out, StvOutcome::kSkip);
+    } else {
+      reference_adamw_step(ha, 0.0, ra.data(), ma.data(), va.data(), g.data(), {{0, na}}, &step_a);
+      if (!b_absent) {
+        reference_adamw_step(hb, 0.0, rb.data(), mb.data(), vb.data(), g.data() + na, {{0, nb}},
+                             &step_b);
+      }
+    }
+    const auto a = stv.state(0);
+    const auto b = stv.state(1);
+    ASSERT_EQ(0, std::memcmp(a.p, ra.data(), na * sizeof(float))) << "step " << s;
+    ASSERT_EQ(0, std::memcmp(a.m, ma.data(), na * sizeof(float))) << "step " << s;
+    ASSERT_EQ(0, std::memcmp(b.p, rb.data(), nb * sizeof(float))) << "step " << s;
+    ASSERT_EQ(0, std::memcmp(b.v, vb.data(), nb * sizeof(float))) << "step " << s;
+    EXPECT_EQ(stv.bucket_step(0), step_a);
+    EXPECT_EQ(stv.bucket_step(1), step_b);
+  }
+  EXPECT_EQ(stv.bucket_step(0), 5);
+  EXPECT_EQ(stv.bucket_step(1), 4);
+  EXPECT_EQ(stv.step(), 5);  // steps that were not skipped
+  EXPECT_THROW(stv.set_bucket_step(0, -1), InputError);
+  stv.on_bucket(0, p.data());
+  EXPECT_THROW(stv.set_hparams(1, hb), Error);  // not during a step
+}
+
 }  // namespace spillway::optim

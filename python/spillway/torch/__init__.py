@@ -12,4 +12,7 @@ from __future__ import annotations
 
 from .offload import OffloadActivations, offload_activations, report
 
-__all__ = ["OffloadActivations", "offload_activations", "report"]
+# CPUAdamW (spillway.torch.optim)
+from .optim import CPUAdamW
+
+__all__ = ["CPUAdamW", "OffloadActivations", "offload_activations", "report"]

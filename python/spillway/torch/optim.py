@@ -1,0 +1,337 @@
+"""CPUAdamW: AdamW on the CPU with speculation then validation (DESIGN sections 4 and 10).
+
+The fp32 master weights and moments live in the C++ optimizer's memory (allocated once).
+Each parameter's gradient is handed over when it is final
+(``Tensor.register_post_accumulate_grad_hook``) and stepped speculatively on C++ threads
+while backward goes on; ``step()`` validates: the global gradient norm clips (replaying the
+speculative buckets with the scaled gradient) or, NaN/Inf, skips the step, bitwise as the
+non-speculative optimizer would (Note [STV exactness]).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed
+
+from .. import _spillway
+from .offload import _record_report
+
+__all__ = ["CPUAdamW"]
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """AdamW whose step runs on the CPU, speculatively, while backward goes on.
+
+    Same update as ``torch.optim.AdamW`` (decoupled weight decay, bias correction), in
+    fp32 master weights: float32 and bfloat16 parameters (a bfloat16 parameter receives the
+    round-to-nearest-even copy of its fp32 master). Within a few ulp of
+    ``torch.optim.AdamW`` (docs/python.md) and bitwise equal to spillway's own
+    non-speculative optimizer, speculative or not.
+
+    Args:
+        params: parameters or parameter groups, as every torch optimizer.
+        lr, betas, eps, weight_decay: AdamW's hyperparameters (per group).
+        max_grad_norm: clip the global gradient norm (over every parameter of every group)
+            to this, as ``torch.nn.utils.clip_grad_norm_`` would before ``step()``; None:
+            no clipping. A NaN or Inf gradient anywhere skips the step.
+        speculative: step each gradient as it arrives (True), or only in ``step()``.
+        accumulation_steps: backward passes per optimizer step (gradient accumulation);
+            gradients are handed over, and speculated, on the last one.
+        threads: CPU threads of the AdamW step (0: every core).
+
+    Telemetry: :meth:`last_step` and ``spillway.torch.report()["optimizer"]``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: Optional[float] = None,
+        speculative: bool = True,
+        accumulation_steps: int = 1,
+        threads: int = 0,
+    ) -> None:
+        _check_hyper(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"CPUAdamW: max_grad_norm is {max_grad_norm!r}; must be > 0 or None")
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(
+                f"CPUAdamW: accumulation_steps is {accumulation_steps!r}; must be an int >= 1"
+            )
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.speculative = speculative
+        self.accumulation_steps = accumulation_steps
+        self._params: list[torch.Tensor] = []
+        for group in self.param_groups:
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                _check_param(p, len(self._params))
+                self._params.append(p)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        # FSDP2 (fully_shard): a parameter is a DTensor; this process steps its local shard,
+        # and the gradient norm is all-reduced over the shards (Note [Sharded norms]).
+        self._sharded = any(hasattr(p, "to_local") for p in self._params)
+        self._core = _spillway.CpuAdamW(
+            [_local(p).numel() for p in self._params],
+            float(max_grad_norm or 0.0),
+            speculative,
+            threads,
+        )
+        for i, p in enumerate(self._params):
+            self._core.load_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
+        # Per parameter, what was handed over: (the gradient stepped, p.grad, its version).
+        self._handed: list[Optional[tuple[torch.Tensor, torch.Tensor, int]]] = [None] * len(
+            self._params
+        )
+        self._seen = [0] * len(self._params)  # backward passes since the last step
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(self._params)
+            if p.requires_grad
+        ]
+        self._last: dict[str, Any] = {}
+        self._synced: Optional[list[tuple[float, ...]]] = None  # hparams of this step
+
+    # ---- hand-over --------------------------------------------------------------------
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self._seen[i] += 1
+            if self._seen[i] % self.accumulation_steps != 0 or self._handed[i] is not None:
+                return
+            self._hand_over(i, p)
+
+        return hook
+
+    def _hand_over(self, i: int, p: torch.Tensor) -> None:
+        if self._synced is None:  # the step's first gradient: its hyperparameters are set
+            self._sync_hparams()
+        grad = p.grad
+        assert grad is not None
+        g = _local(grad)
+        if g.dtype != p.dtype or not g.is_contiguous() or g.layout != torch.strided:
+            g = g.to(dtype=p.dtype).contiguous()
+        self._handed[i] = (g, grad, grad._version)
+        self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype])
+
+    # ---- the step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """Validates the speculative step (clip, NaN/Inf skip) and writes the weights."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        # Gradients changed after their hand-over (clipped in place, say) or not handed
+        # over yet: the speculative work is dropped and the step runs from .grad as it is.
+        # So do hyperparameters changed after the first hand-over.
+        changed = any(
+            h is not None and (self._params[i].grad is not h[1] or h[1]._version != h[2])
+            for i, h in enumerate(self._handed)
+        ) or (self._synced is not None and self._synced != self._hparams())
+        if changed:
+            self._core.abort()
+            self._handed = [None] * len(self._params)
+            self._synced = None
+        if self._synced is None:
+            self._sync_hparams()
+        for i, p in enumerate(self._params):
+            if self._handed[i] is None:
+                if p.grad is None:
+                    self._core.absent(i)
+                else:
+                    self._hand_over(i, p)
+        global_sq = None
+        if (
+            self._sharded
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+        ):
+            # Note [Sharded norms]: each process holds a shard of every parameter: the sum of
+            # squares is all-reduced, so every shard clips by the same norm and a NaN or Inf
+            # anywhere skips the step everywhere. Its rounding differs from one process's
+            # (the shards' sums are added, not the buckets' in one order).
+            sq = torch.tensor([self._core.sum_of_squares()], dtype=torch.float64)
+            torch.distributed.all_reduce(sq)
+            global_sq = float(sq.item())
+        outcome, scale, worker_ms, finish_ms = self._core.finish(global_sq)
+        if outcome != "skip":
+            self._core.store_all(
+                [_local(p).data_ptr() for p in self._params],
+                [_DTYPES[p.dtype] for p in self._params],
+            )
+        self._handed = [None] * len(self._params)
+        self._seen = [0] * len(self._params)
+        self._synced = None
+        self._last = {
+            "step": self._core.step,
+            "outcome": outcome,  # commit, replay (clipped), skip (NaN/Inf)
+            "grad_scale": scale,
+            "cpu_optimizer_ms": worker_ms + finish_ms,
+            "speculated_ms": worker_ms,  # overlapped with backward when speculative
+            "step_call_ms": (time.perf_counter() - t0) * 1e3,
+            "rollbacks": 1 if outcome != "commit" else 0,
+            "regathered": changed,
+            **self._core.counters(),
+        }
+        _record_report("optimizer", self._last)
+        return loss
+
+    def last_step(self) -> dict[str, Any]:
+        """The telemetry of the last ``step()``: outcome, scale, CPU ms, counters."""
+        return dict(self._last)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes (or drops) the gradients; speculative work not yet validated is dropped."""
+        if any(h is not None for h in self._handed):
+            self._core.abort()
+            self._handed = [None] * len(self._params)
+            self._synced = None
+        self._seen = [0] * len(self._params)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _hparams(self) -> list[tuple[float, ...]]:
+        return [
+            (float(g["lr"]), *map(float, g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+            for g in self.param_groups
+        ]
+
+    def _sync_hparams(self) -> None:
+        self._synced = self._hparams()
+        for group in self.param_groups:
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                self._core.set_hparams(
+                    self._index[id(p)],
+                    float(group["lr"]),
+                    float(b1),
+                    float(b2),
+                    float(group["eps"]),
+                    float(group["weight_decay"]),
+                )
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: ``state[i] = {step, exp_avg, exp_avg_sq, master_param}``."""
+        self._sync_state_out()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the master weights, moments, steps and hyperparameters, bitwise."""
+        if any(h is not None for h in self._handed):  # a step in flight: dropped
+            self._core.abort()
+            self._handed = [None] * len(self._params)
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"CPUAdamW.load_state_dict: {len(groups)} parameter groups, the optimizer "
+                f"has {len(self.param_groups)}"
+            )
+        order = [i for g in groups for i in g["params"]]
+        if len(order) != len(self._params):
+            raise ValueError(
+                f"CPUAdamW.load_state_dict: {len(order)} parameters, the optimizer has "
+                f"{len(self._params)}"
+            )
+        for mine, theirs in zip(self.param_groups, groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+        for i, key in enumerate(order):
+            st = state_dict["state"].get(key)
+            if st is None:
+                continue
+            p = self._params[i]
+            master = _local(st.get("master_param", p.detach())).to(torch.float32).contiguous()
+            m = _local(st["exp_avg"]).to(torch.float32).contiguous()
+            v = _local(st["exp_avg_sq"]).to(torch.float32).contiguous()
+            for name, t in (("master_param", master), ("exp_avg", m), ("exp_avg_sq", v)):
+                if t.numel() != _local(p).numel():
+                    raise ValueError(
+                        f"CPUAdamW.load_state_dict: parameter {i}: {name} has {t.numel()} "
+                        f"elements, the parameter {_local(p).numel()}"
+                    )
+            self._core.write_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
+            self._core.set_bucket_step(i, int(st["step"]))
+            self._core.store_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
+        self._synced = None
+
+    def _sync_state_out(self) -> None:
+        for i, p in enumerate(self._params):
+            t = self._core.bucket_step(i)
+            if t == 0:
+                continue
+            master = torch.empty(_local(p).shape, dtype=torch.float32)
+            m = torch.empty_like(master)
+            v = torch.empty_like(master)
+            self._core.read_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
+            st: dict[str, Union[torch.Tensor, float]] = {
+                "step": torch.tensor(float(t)),
+                "exp_avg": m,
+                "exp_avg_sq": v,
+            }
+            if p.dtype != torch.float32:
+                st["master_param"] = master
+            self.state[p] = st
+
+
+def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("CPUAdamW: lr as a tensor is not supported; pass a float")
+    if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"CPUAdamW: lr is {lr!r}; must be a finite float >= 0")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"CPUAdamW: betas is {betas!r}; must be a pair (beta1, beta2)")
+    for name, b in zip(("betas[0]", "betas[1]"), betas):
+        if not (0.0 <= b < 1.0):
+            raise ValueError(f"CPUAdamW: {name} is {b!r}; must be in [0, 1)")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"CPUAdamW: eps is {eps!r}; must be > 0")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"CPUAdamW: weight_decay is {weight_decay!r}; must be >= 0")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    local: torch.Tensor = to_local()
+    return local
+
+
+def _check_param(p: torch.Tensor, i: int) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"CPUAdamW: parameter {i} is a {type(p).__name__}, not a tensor")
+    p = _local(p)
+    if p.device.type != "cpu":
+        raise ValueError(
+            f"CPUAdamW: parameter {i} is on {p.device}; this version steps CPU parameters "
+            "only (the GPU path, through the optimizer-offload pipeline, is not bound yet)"
+        )
+    if p.dtype not in _DTYPES:
+        raise ValueError(
+            f"CPUAdamW: parameter {i} is {p.dtype}; float32 and bfloat16 are supported"
+        )
+    if p.layout != torch.strided or not p.is_contiguous():
+        raise ValueError(f"CPUAdamW: parameter {i} is not a contiguous strided tensor")
+    if p.numel() == 0:
+        raise ValueError(f"CPUAdamW: parameter {i} has no elements")
