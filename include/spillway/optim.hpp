@@ -185,6 +185,9 @@ class AdamW {
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
   void step(const AdamWParams& hp, const AdamWArgs& a);
+  // Runs fn(ctx, w, threads()) on every worker w and returns when all have (the pool's
+  // threads for other memory-bound passes: norm lanes, copies). fn must not throw.
+  void parallel(void (*fn)(void* ctx, size_t worker, size_t workers), void* ctx);
   int threads() const;
 
  private:
@@ -227,6 +230,9 @@ inline constexpr size_t kNormLanes = 16384;
 // lanes (min(n, kNormLanes)) = the lane sums of n fp32 or bf16 (bits) values.
 void norm_lane_sums(const float* g, size_t n, double* lanes);
 void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes);
+// The same sums, the lanes dealt to the pool's workers (null or one thread: the caller).
+void norm_lane_sums(AdamW* pool, const float* g, size_t n, double* lanes);
+void norm_lane_sums_bf16(AdamW* pool, const uint16_t* g, size_t n, double* lanes);
 // The lane sums added in lane order.
 double add_lane_sums(const double* lanes, size_t n);
 // The bucket's sum of squares (allocates its lanes: for references and tests).

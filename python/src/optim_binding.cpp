@@ -10,6 +10,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -138,9 +139,25 @@ class CpuAdamW {
     SPILLWAY_CHECK(dst.size() == bucket_count() && dtypes.size() == dst.size(),
                    "store_all: {} destinations for {} buckets", dst.size(), bucket_count());
     nb::gil_scoped_release release;
-    for (size_t b = 0; b < dst.size(); ++b) {
-      if (dst[b] != 0) store_weights(static_cast<int>(b), dst[b], dtypes[b]);
-    }
+    // The buckets dealt to the pool's workers in contiguous runs of about equal elements.
+    struct Job {
+      CpuAdamW* self;
+      const std::vector<uintptr_t>* dst;
+      const std::vector<int>* dtypes;
+    } job{this, &dst, &dtypes};
+    pool_.parallel(
+        [](void* c, size_t w, size_t nw) {
+          const Job& j = *static_cast<const Job*>(c);
+          const size_t total = j.self->n_;
+          size_t at = 0;
+          for (size_t b = 0; b < j.dst->size(); ++b) {
+            const size_t owner = std::min(nw - 1, (at + j.self->ns_[b] / 2) * nw / total);
+            at += j.self->ns_[b];
+            if (owner != w || (*j.dst)[b] == 0) continue;
+            j.self->store_weights(static_cast<int>(b), (*j.dst)[b], (*j.dtypes)[b]);
+          }
+        },
+        &job);
   }
   // The state of bucket b (p, m, v) copied out to / in from fp32 memory of its size.
   void read_state(int b, uintptr_t p, uintptr_t m, uintptr_t v) {

@@ -165,6 +165,8 @@ struct AdamW::Impl {
   AdamWParams hp{};
   AdamWArgs args{};
   size_t tiles = 0;
+  void (*fn)(void*, size_t, size_t) = nullptr;  // a parallel() job instead of a step
+  void* ctx = nullptr;
 
   void run(int w) {
     if (numa_node >= 0) {
@@ -182,8 +184,16 @@ struct AdamW::Impl {
       const AdamWParams job_hp = hp;
       const AdamWArgs job = args;
       const size_t job_tiles = tiles;
+      auto* const job_fn = fn;
+      void* const job_ctx = ctx;
       lock.unlock();
 
+      if (job_fn != nullptr) {
+        job_fn(job_ctx, static_cast<size_t>(w), nw);
+        lock.lock();
+        if (--pending == 0) done.notify_one();
+        continue;
+      }
       const size_t t0 = job_tiles * static_cast<size_t>(w) / nw;
       const size_t t1 = job_tiles * static_cast<size_t>(w + 1) / nw;
       if (t0 < t1) {
@@ -243,6 +253,7 @@ void AdamW::step(const AdamWParams& hp, const AdamWArgs& a) {
     return;
   }
   std::unique_lock lock(impl_->mu);
+  impl_->fn = nullptr;
   impl_->hp = hp;
   impl_->args = a;
   impl_->tiles = (a.n + kTileElems - 1) / kTileElems;
@@ -250,6 +261,60 @@ void AdamW::step(const AdamWParams& hp, const AdamWArgs& a) {
   ++impl_->generation;
   impl_->wake.notify_all();
   impl_->done.wait(lock, [&] { return impl_->pending == 0; });
+}
+
+void AdamW::parallel(void (*fn)(void* ctx, size_t worker, size_t workers), void* ctx) {
+  SPILLWAY_CHECK(fn != nullptr, "AdamW::parallel: no function");
+  std::unique_lock lock(impl_->mu);
+  impl_->fn = fn;
+  impl_->ctx = ctx;
+  impl_->pending = static_cast<int>(impl_->num_workers);
+  ++impl_->generation;
+  impl_->wake.notify_all();
+  impl_->done.wait(lock, [&] { return impl_->pending == 0; });
+}
+
+void norm_lane_sums(AdamW* pool, const float* g, size_t n, double* lanes) {
+  if (pool == nullptr || pool->threads() == 1 || n < 4 * kNormLanes) {
+    norm_lane_sums(g, n, lanes);
+    return;
+  }
+  // Note [Norm lanes]: each lane is independent; a worker takes a block of lanes and runs
+  // them over every row, each lane in index order: the same sums as on one thread.
+  struct Job {
+    const float* g;
+    size_t n;
+    double* lanes;
+  } job{g, n, lanes};
+  pool->parallel(
+      [](void* c, size_t w, size_t nw) {
+        const Job& j = *static_cast<const Job*>(c);
+        const size_t l0 = kNormLanes * w / nw;
+        const size_t l1 = kNormLanes * (w + 1) / nw;
+        lane_sums_by_rows_in(j.n, kNormLanes, l0, l1, j.lanes, [&](size_t i) { return j.g[i]; });
+      },
+      &job);
+}
+
+void norm_lane_sums_bf16(AdamW* pool, const uint16_t* g, size_t n, double* lanes) {
+  if (pool == nullptr || pool->threads() == 1 || n < 4 * kNormLanes) {
+    norm_lane_sums_bf16(g, n, lanes);
+    return;
+  }
+  struct Job {
+    const uint16_t* g;
+    size_t n;
+    double* lanes;
+  } job{g, n, lanes};
+  pool->parallel(
+      [](void* c, size_t w, size_t nw) {
+        const Job& j = *static_cast<const Job*>(c);
+        const size_t l0 = kNormLanes * w / nw;
+        const size_t l1 = kNormLanes * (w + 1) / nw;
+        lane_sums_by_rows_in(j.n, kNormLanes, l0, l1, j.lanes,
+                             [&](size_t i) { return bf16_to_float(j.g[i]); });
+      },
+      &job);
 }
 
 void adamw_step_textbook(const AdamWParams& hp, int64_t step, float* p, float* m, float* v,

@@ -223,9 +223,9 @@ void StvAdamW::arrive(int b, const void* g, GradType type) {
   grads_[static_cast<size_t>(b)] = g;
   grad_types_[static_cast<size_t>(b)] = type;
   if (type == GradType::kBf16) {
-    norm_lane_sums_bf16(static_cast<const uint16_t*>(g), k.n, lanes_.data());
+    norm_lane_sums_bf16(pool_, static_cast<const uint16_t*>(g), k.n, lanes_.data());
   } else {
-    norm_lane_sums(static_cast<const float*>(g), k.n, lanes_.data());
+    norm_lane_sums(pool_, static_cast<const float*>(g), k.n, lanes_.data());
   }
   sq_[static_cast<size_t>(b)] = add_lane_sums(lanes_.data(), k.n);
   arrived_[static_cast<size_t>(b)] = 1;

@@ -318,4 +318,27 @@ TEST(Stv, BucketsKeepTheirOwnHyperparametersAndStepCounters) {
   EXPECT_THROW(stv.set_hparams(1, hb), Error);  // not during a step
 }
 
+// Note [Norm lanes]: the lanes dealt to a pool's workers sum to the same bits as on one
+// thread, fp32 and bf16, for sizes that end inside a row and cover several rows.
+TEST(Stv, NormLanesOnThePoolEqualTheOneThreadSums) {
+  AdamW pool(3);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (const size_t n : {4 * kNormLanes, 5 * kNormLanes + 123, 9 * kNormLanes - 1}) {
+    std::vector<float> g(n);
+    std::vector<uint16_t> h(n);
+    for (size_t i = 0; i < n; ++i) {
+      g[i] = nd(rng);
+      h[i] = float_to_bf16(g[i]);
+    }
+    std::vector<double> one(kNormLanes, -1.0), many(kNormLanes, -2.0);
+    norm_lane_sums(g.data(), n, one.data());
+    norm_lane_sums(&pool, g.data(), n, many.data());
+    ASSERT_EQ(0, std::memcmp(one.data(), many.data(), kNormLanes * sizeof(double))) << n;
+    norm_lane_sums_bf16(h.data(), n, one.data());
+    norm_lane_sums_bf16(&pool, h.data(), n, many.data());
+    ASSERT_EQ(0, std::memcmp(one.data(), many.data(), kNormLanes * sizeof(double))) << n;
+  }
+}
+
 }  // namespace spillway::optim
