@@ -52,6 +52,21 @@ def make_params(n: int, size: int) -> list[torch.nn.Parameter]:
     return out
 
 
+def critical_path(opt: st.CPUAdamW, ps: list[torch.nn.Parameter], repeats: int) -> float:
+    """step() after backward handed every gradient over and the speculation finished."""
+
+    def after_backward() -> float:
+        for i, p in enumerate(ps):  # what the post-accumulate-grad hooks do in backward
+            opt._hand_over(i, p)
+        opt._core.sum_of_squares()  # the speculative steps are done: backward hid them
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    after_backward()
+    return statistics.median(after_backward() for _ in range(repeats))
+
+
 def stream_gbps(n: int) -> float:
     """a += b over two arrays: 12 bytes per element (read a, b; write a in place, no
     write-allocate read), the access pattern of AdamW's in-place streams."""
@@ -87,21 +102,10 @@ def main() -> None:
         ps = make_params(n, a.tensor)
         opt = st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, threads=threads)
 
-        def ours() -> None:
-            opt.step()  # .grad stays set: handed over and stepped again each time
+        # .grad stays set: each step() hands it over and steps it again
+        rows.append(("spillway CPUAdamW", timed(opt.step, a.repeats)))
 
-        rows.append(("spillway CPUAdamW", timed(ours, a.repeats)))
-
-        def after_backward() -> float:
-            for i, p in enumerate(ps):  # what the post-accumulate-grad hooks do in backward
-                opt._hand_over(i, p)
-            opt._core.sum_of_squares()  # the speculative steps are done: backward hid them
-            t0 = time.perf_counter()
-            opt.step()
-            return time.perf_counter() - t0
-
-        after_backward()
-        critical = statistics.median(after_backward() for _ in range(a.repeats))
+        critical = critical_path(opt, ps, a.repeats)
         del opt, ps
         for name, kw in (
             ("torch AdamW foreach", {"foreach": True}),
