@@ -327,3 +327,9 @@ def test_bad_arguments_name_the_argument() -> None:
         st.CPUAdamW([nn.Parameter(torch.zeros(4, device="meta"))])
     with pytest.raises(ValueError, match="float32 and bfloat16"):
         st.CPUAdamW([nn.Parameter(torch.zeros(4, dtype=torch.float64))])
+
+
+def test_state_larger_than_the_host_is_refused_with_the_numbers(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_spillway, "host_available_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match=r"need .* GB of host memory .* has 0.00 GB available"):
+        st.CPUAdamW([nn.Parameter(torch.zeros(1000))])

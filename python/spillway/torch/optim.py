@@ -85,6 +85,18 @@ class CPUAdamW(torch.optim.Optimizer):
         # FSDP2 (fully_shard): a parameter is a DTensor; this process steps its local shard,
         # and the gradient norm is all-reduced over the shards (Note [Sharded norms]).
         self._sharded = any(hasattr(p, "to_local") for p in self._params)
+        # The state is allocated once, here: refuse what the host cannot hold, with numbers.
+        elements = sum(_local(p).numel() for p in self._params)
+        need = elements * 12 * (2 if speculative else 1)  # p, m, v (+ STV's second buffers)
+        available = _spillway.host_available_bytes()
+        if available >= 0 and need > 0.9 * available:
+            what = " and their undo buffers" if speculative else ""
+            raise ValueError(
+                f"CPUAdamW: {elements} elements need {need / 1e9:.2f} GB of host memory for "
+                f"the fp32 master weights and moments{what}, but the host has "
+                f"{available / 1e9:.2f} GB available (MemAvailable); at most 90% of it may be "
+                "used" + (" (speculative=False halves it)" if speculative else "")
+            )
         self._core = _spillway.CpuAdamW(
             [_local(p).numel() for p in self._params],
             float(max_grad_norm or 0.0),
