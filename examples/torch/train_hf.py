@@ -3,7 +3,7 @@
 A tiny Qwen3-MoE with random weights (no download) on CPU; on a GPU, move the model to
 "cuda" and the same two lines offload to pinned host memory on the copy engines.
 
-  PYTHONPATH=build/python python examples/torch/train_hf.py [--steps 5] [--plan]
+  PYTHONPATH=build/python python examples/torch/train_hf.py [--steps 5] [--plan] [--cpu-adamw]
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ def main() -> None:
         help="offload what spillway.plan chooses for this model (else every "
         "saved tensor of the blocks but the last)",
     )
+    ap.add_argument(
+        "--cpu-adamw",
+        action="store_true",
+        help="step with spillway.torch.CPUAdamW (speculative, clipped at 1.0) instead of "
+        "torch.optim.AdamW",
+    )
     args = ap.parse_args()
 
     config = transformers.Qwen3MoeConfig(
@@ -44,7 +50,12 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.cpu_adamw:  # the optimizer step on the CPU, speculated during backward
+        opt: torch.optim.Optimizer = spillway.torch.CPUAdamW(
+            model.parameters(), lr=1e-3, max_grad_norm=1.0
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     plan = None
     if args.plan:
@@ -67,6 +78,12 @@ def main() -> None:
             f"tensors, reloaded {rep.get('h2d_bytes', 0) / 1e6:.1f} MB, stall "
             f"{rep.get('stall_ms', 0.0):.2f} ms"
         )
+        if args.cpu_adamw:
+            o = spillway.torch.report()["optimizer"]
+            print(
+                f"  CPUAdamW: {o['outcome']}, {o['cpu_optimizer_ms']:.1f} ms of CPU, "
+                f"{o['step_call_ms']:.1f} ms in step()"
+            )
 
 
 if __name__ == "__main__":

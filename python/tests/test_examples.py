@@ -27,3 +27,14 @@ def test_the_readme_example_trains_and_offloads() -> None:
         float(m.group(1)) for m in map(re.compile(r"offloaded ([\d.]+) MB").search, lines) if m
     ]
     assert moved[0] == 0.0 and moved[1] > 0 and moved[2] == moved[1]
+
+
+def test_the_example_with_cpu_adamw() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples/torch/train_hf.py"), "--steps", "2", "--cpu-adamw"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("CPUAdamW: ") == 2
