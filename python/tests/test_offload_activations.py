@@ -262,3 +262,20 @@ def test_blocks_compiled_one_by_one_are_offloaded_and_stay_bitwise() -> None:
         got = step(model, data)
     assert_bitwise(want, got)
     assert offload.last_report()["tensors_offloaded"] > 0
+
+
+def test_an_evaluation_under_no_grad_ends_its_step_quietly() -> None:
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "offloaded nothing" warning for an evaluation
+        with offload, torch.no_grad():
+            model(**batch())
+    assert not offload._open
+    data = batch(seed=3)
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    assert offload.last_report()["tensors_offloaded"] > 0

@@ -200,6 +200,7 @@ class OffloadActivations:
         self._dedup: dict[tuple[Any, ...], tuple[_Saved, weakref.ref[torch.Tensor]]] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self._sizing_bytes = 0
+        self._grad_forwards = 0  # blocks that ran with grad enabled this step
         self._warned: set[str] = set()
         self._last: dict[str, Any] = {}
         self._install_module_hooks()
@@ -314,6 +315,7 @@ class OffloadActivations:
             if not self._open or self._in_backward or not torch.is_grad_enabled():
                 return
             self._layer = i
+            self._grad_forwards += 1
             self._running.clear()
             if self._offload_names is not None and args and isinstance(args[0], torch.Tensor):
                 self._name_tensor(args[0], "attn.input")
@@ -474,6 +476,10 @@ class OffloadActivations:
         self._layer = None
         if exc[0] is not None and self._open:
             self._end_step(failed=True)
+        elif self._open and self._grad_forwards == 0:
+            # No block ran with grad enabled (an evaluation under no_grad): nothing was saved
+            # and no backward will end the step, so it ends here, without a warning.
+            self._end_step(quiet=True)
 
     def _begin_step(self) -> None:
         self._step += 1
@@ -485,6 +491,7 @@ class OffloadActivations:
         self._counts.clear()
         self._dedup.clear()
         self._sizing_bytes = 0
+        self._grad_forwards = 0
         self._named.clear()
         self._running.clear()
         for lst in self._by_layer:
@@ -536,7 +543,7 @@ class OffloadActivations:
         )
         self.pinned_bytes = pinned_bytes
 
-    def _end_step(self, failed: bool = False) -> None:
+    def _end_step(self, failed: bool = False, quiet: bool = False) -> None:
         if not self._open:
             return
         self._open = False
@@ -554,7 +561,7 @@ class OffloadActivations:
         if self._checkpointed:
             counts["checkpointed_layers"] = len(self._checkpointed)
         rep["counts"] = counts
-        if self._session is None and not failed:
+        if self._session is None and not failed and not quiet:
             # The sizing step: nothing was offloaded; the pool is sized from what would
             # have been, with room to spare, and allocated once.
             rep["sizing_step"] = True
@@ -579,7 +586,7 @@ class OffloadActivations:
         moved = (
             counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0) + len(self._checkpointed)
         )
-        if not failed and moved == 0:
+        if not failed and not quiet and moved == 0:
             why = (
                 ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
                 or "no tensor was saved inside the decoder blocks"
