@@ -286,6 +286,11 @@ class StvAdamW {
     float* v;
   };
   BucketState state(int b) const;
+  // CPU bucket `b`'s speculative result: after its arrival, if it was speculated, and until
+  // finish(), the state it will have if the step commits (its other buffer). A caller may
+  // read it to publish the weights early (a commit keeps them; after a replay or a skip it
+  // publishes state(b) again).
+  BucketState speculative_state(int b) const;
   // Backward: CPU bucket `b`'s gradient (n of that bucket, fp32 or bf16 bits) has arrived;
   // the pointer stays valid until finish(). Arrival order is free (normally last first).
   void on_bucket(int b, const float* g);

@@ -80,6 +80,9 @@ class CpuAdamW {
       ns_.push_back(static_cast<size_t>(s));
       off += static_cast<size_t>(s);
     }
+    early_.assign(ns_.size(), 0);
+    early_dst_.assign(ns_.size(), 0);
+    early_dtype_.assign(ns_.size(), Dtype::kFp32);
     p_.assign(n_, 0.0f);
     m_.assign(n_, 0.0f);
     v_.assign(n_, 0.0f);
@@ -125,16 +128,10 @@ class CpuAdamW {
   }
   // The master weights of bucket b into a parameter's memory (bf16: rounded to nearest even).
   void store_weights(int b, uintptr_t dst, int dtype) {
-    const auto s = stv_->state(b);
-    const size_t n = bucket_n(b);
-    if (to_dtype(dtype) == Dtype::kFp32) {
-      std::memcpy(as_ptr(dst), s.p, n * sizeof(float));
-    } else {
-      auto* h = static_cast<uint16_t*>(as_ptr(dst));
-      for (size_t i = 0; i < n; ++i) h[i] = optim::float_to_bf16(s.p[i]);
-    }
+    write_weights(stv_->state(b).p, bucket_n(b), dst, to_dtype(dtype));
   }
-  // Every bucket's weights into its parameter, after finish(): one call, the GIL released.
+  // Every bucket's weights into its parameter, after finish(), where they are not there
+  // yet (Note [Early weights]): one call, the GIL released.
   void store_all(const std::vector<uintptr_t>& dst, const std::vector<int>& dtypes) {
     SPILLWAY_CHECK(dst.size() == bucket_count() && dtypes.size() == dst.size(),
                    "store_all: {} destinations for {} buckets", dst.size(), bucket_count());
@@ -153,11 +150,12 @@ class CpuAdamW {
           for (size_t b = 0; b < j.dst->size(); ++b) {
             const size_t owner = std::min(nw - 1, (at + j.self->ns_[b] / 2) * nw / total);
             at += j.self->ns_[b];
-            if (owner != w || (*j.dst)[b] == 0) continue;
+            if (owner != w || (*j.dst)[b] == 0 || !j.self->needs_store(b)) continue;
             j.self->store_weights(static_cast<int>(b), (*j.dst)[b], (*j.dtypes)[b]);
           }
         },
         &job);
+    std::fill(early_.begin(), early_.end(), 0);
   }
   // The state of bucket b (p, m, v) copied out to / in from fp32 memory of its size.
   void read_state(int b, uintptr_t p, uintptr_t m, uintptr_t v) {
@@ -179,9 +177,15 @@ class CpuAdamW {
 
   // Backward: bucket b's gradient (fp32 or bf16, its size) is final; it stays valid and
   // unchanged until finish(). Queued for the worker: the call returns at once.
-  void grad_ready(int b, uintptr_t g, int dtype) { push({b, g, to_dtype(dtype), false}); }
+  // Note [Early weights]: with `dst` (the parameter's memory, of `dtype`), the worker also
+  // writes the bucket's speculative weights there once its step is done, during backward;
+  // after finish(), store_all() writes only what that did not get right: the buckets
+  // stepped late (deferred, replayed) and, after a skip, restores those written early.
+  void grad_ready(int b, uintptr_t g, int dtype, uintptr_t dst) {
+    push({b, g, to_dtype(dtype), false, dst});
+  }
   // Bucket b has no gradient this step.
-  void absent(int b) { push({b, 0, Dtype::kFp32, true}); }
+  void absent(int b) { push({b, 0, Dtype::kFp32, true, 0}); }
 
   // Waits for the queued steps, validates; returns (outcome, the gradient scale, ms the
   // worker spent on this step's buckets, ms finish() took).
@@ -190,6 +194,7 @@ class CpuAdamW {
     drain();
     const auto t0 = std::chrono::steady_clock::now();
     const StvOutcome o = global_sq ? stv_->finish(*global_sq) : stv_->finish();
+    last_ = o;
     const double finish_ms = ms_since(t0);
     const double worker_ms = worker_ms_;
     worker_ms_ = 0.0;
@@ -206,10 +211,16 @@ class CpuAdamW {
     return stv_->sum_of_squares();
   }
   // The step cannot complete: the speculative buckets are undone, nothing is stepped.
+  // Early weights already written are restored from the untouched state.
   void abort() {
     nb::gil_scoped_release release;
     drain();
     stv_->abort();
+    for (size_t b = 0; b < early_.size(); ++b) {
+      if (early_[b] != 0)
+        write_weights(stv_->state(static_cast<int>(b)).p, ns_[b], early_dst_[b], early_dtype_[b]);
+    }
+    std::fill(early_.begin(), early_.end(), 0);
   }
 
   int64_t step() const { return stv_->step(); }
@@ -232,7 +243,21 @@ class CpuAdamW {
     uintptr_t grad = 0;
     Dtype dtype = Dtype::kFp32;
     bool absent = false;
+    uintptr_t dst = 0;  // Note [Early weights]
   };
+
+  static void write_weights(const float* src, size_t n, uintptr_t dst, Dtype dtype) {
+    if (dtype == Dtype::kFp32) {
+      std::memcpy(as_ptr(dst), src, n * sizeof(float));
+    } else {
+      auto* h = static_cast<uint16_t*>(as_ptr(dst));
+      for (size_t i = 0; i < n; ++i) h[i] = optim::float_to_bf16(src[i]);
+    }
+  }
+  bool needs_store(size_t b) const {
+    if (last_ == StvOutcome::kSkip) return early_[b] != 0;  // restore what was written early
+    return early_[b] == 0 || stv_->stepped_late(static_cast<int>(b));
+  }
 
   static size_t total(const std::vector<int64_t>& sizes) {
     if (sizes.empty()) SPILLWAY_INPUT_ERROR("CPUAdamW: no parameters");
@@ -290,10 +315,20 @@ class CpuAdamW {
       try {
         if (j.absent) {
           stv_->on_absent_bucket(j.bucket);
-        } else if (j.dtype == Dtype::kBf16) {
-          stv_->on_bucket_bf16(j.bucket, static_cast<const uint16_t*>(as_cptr(j.grad)));
         } else {
-          stv_->on_bucket(j.bucket, static_cast<const float*>(as_cptr(j.grad)));
+          const bool speculated = stv_->admit(j.bucket);
+          if (j.dtype == Dtype::kBf16) {
+            stv_->on_bucket_bf16(j.bucket, static_cast<const uint16_t*>(as_cptr(j.grad)));
+          } else {
+            stv_->on_bucket(j.bucket, static_cast<const float*>(as_cptr(j.grad)));
+          }
+          if (speculated && j.dst != 0) {
+            const auto b = static_cast<size_t>(j.bucket);
+            write_weights(stv_->speculative_state(j.bucket).p, ns_[b], j.dst, j.dtype);
+            early_[b] = 1;
+            early_dst_[b] = j.dst;
+            early_dtype_[b] = j.dtype;
+          }
         }
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -311,6 +346,12 @@ class CpuAdamW {
 
  private:
   std::vector<size_t> ns_;  // elements per bucket
+  // Note [Early weights], per bucket: written early this step, where, as what. The worker
+  // writes them, finish()/store_all()/abort() read them after drain().
+  std::vector<char> early_;
+  std::vector<uintptr_t> early_dst_;
+  std::vector<Dtype> early_dtype_;
+  StvOutcome last_ = StvOutcome::kCommit;
   size_t n_;
   AdamW pool_;
   std::vector<float> p_, m_, v_;
@@ -363,7 +404,7 @@ void bind_optim(nb::module_& m) {
       .def("store_all", &CpuAdamW::store_all, "dst"_a, "dtypes"_a)
       .def("read_state", &CpuAdamW::read_state, "bucket"_a, "p"_a, "m"_a, "v"_a)
       .def("write_state", &CpuAdamW::write_state, "bucket"_a, "p"_a, "m"_a, "v"_a)
-      .def("grad_ready", &CpuAdamW::grad_ready, "bucket"_a, "grad"_a, "dtype"_a)
+      .def("grad_ready", &CpuAdamW::grad_ready, "bucket"_a, "grad"_a, "dtype"_a, "dst"_a = 0)
       .def("absent", &CpuAdamW::absent, "bucket"_a)
       .def("finish", &CpuAdamW::finish, "global_sum_of_squares"_a = nb::none())
       .def("sum_of_squares", &CpuAdamW::sum_of_squares)

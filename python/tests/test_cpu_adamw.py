@@ -94,13 +94,20 @@ def poison_hook(state: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]
     return hook
 
 
-@pytest.mark.parametrize("speculative", [True, False])
-def test_bitwise_the_cpp_reference_with_clipping_and_nan_inf(speculative: bool) -> None:
+@pytest.mark.parametrize("speculative,early", [(True, False), (False, False), (True, True)])
+def test_bitwise_the_cpp_reference_with_clipping_and_nan_inf(
+    speculative: bool, early: bool
+) -> None:
     model = mlp()
     params = list(model.parameters())
     ref = Ref(params)
     opt = st.CPUAdamW(
-        params, lr=1e-2, weight_decay=0.05, max_grad_norm=1.0, speculative=speculative
+        params,
+        lr=1e-2,
+        weight_decay=0.05,
+        max_grad_norm=1.0,
+        speculative=speculative,
+        early_weights=early,
     )
     state = {"step": 0}
     params[2].register_hook(poison_hook(state))  # NaN/Inf in one parameter's gradient
@@ -333,3 +340,19 @@ def test_state_larger_than_the_host_is_refused_with_the_numbers(monkeypatch: Any
     monkeypatch.setattr(_spillway, "host_available_bytes", lambda: 1000)
     with pytest.raises(ValueError, match=r"need .* GB of host memory .* has 0.00 GB available"):
         st.CPUAdamW([nn.Parameter(torch.zeros(1000))])
+
+
+def test_early_weights_are_written_during_backward_and_kept_by_a_commit() -> None:
+    model = mlp(seed=12)
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    ref = Ref(params)
+    opt = st.CPUAdamW(params, lr=1e-2, early_weights=True)
+    loss_of(model, 0).backward()
+    ref.step([p.grad for p in params], 1e-2, 0.01, 0.0)
+    opt._core.sum_of_squares()  # the worker is done: as a long backward would have let it
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert_params(model, ref.params(params), "before step()")  # already the new weights
+    opt.step()
+    assert opt.last_step()["outcome"] == "commit"
+    assert_params(model, ref.params(params), "after step()")

@@ -160,6 +160,14 @@ StvAdamW::BucketState StvAdamW::state(int b) const {
   return {u, u + k.n, u + 2 * k.n};
 }
 
+StvAdamW::BucketState StvAdamW::speculative_state(int b) const {
+  SPILLWAY_CHECK(b >= device_buckets_ && static_cast<size_t>(b) < buckets_.size(),
+                 "STV: speculative_state of bucket {}: not a CPU bucket", b);
+  SPILLWAY_CHECK(speculated_[static_cast<size_t>(b)] != 0,
+                 "STV: speculative_state of bucket {}: not speculated this step", b);
+  return other(b);
+}
+
 StvAdamW::BucketState StvAdamW::other(int b) const {
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   if (in_undo_[static_cast<size_t>(b)] != 0) return {p_ + k.offset, m_ + k.offset, v_ + k.offset};

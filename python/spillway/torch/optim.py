@@ -46,6 +46,11 @@ class CPUAdamW(torch.optim.Optimizer):
         accumulation_steps: backward passes per optimizer step (gradient accumulation);
             gradients are handed over, and speculated, on the last one.
         threads: CPU threads of the AdamW step (0: every core).
+        early_weights: write each parameter's new weights as soon as its speculative step
+            is done, during backward (Note [Early weights]): ``step()`` then only validates
+            (a replay rewrites them, a skip restores them), so little is left on the
+            critical path. The parameters change before ``step()`` returns: use it when
+            nothing reads them between backward and ``step()``.
 
     Telemetry: :meth:`last_step` and ``spillway.torch.report()["optimizer"]``.
     """
@@ -62,6 +67,7 @@ class CPUAdamW(torch.optim.Optimizer):
         speculative: bool = True,
         accumulation_steps: int = 1,
         threads: int = 0,
+        early_weights: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -75,6 +81,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.speculative = speculative
         self.accumulation_steps = accumulation_steps
+        self.early_weights = early_weights
         self._params: list[torch.Tensor] = []
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -138,7 +145,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if g.dtype != p.dtype or not g.is_contiguous() or g.layout != torch.strided:
             g = g.to(dtype=p.dtype).contiguous()
         self._handed[i] = (g, grad, grad._version)
-        self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype])
+        dst = _local(p).data_ptr() if self.early_weights else 0
+        self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype], dst)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -183,11 +191,12 @@ class CPUAdamW(torch.optim.Optimizer):
             torch.distributed.all_reduce(sq)
             global_sq = float(sq.item())
         outcome, scale, worker_ms, finish_ms = self._core.finish(global_sq)
-        if outcome != "skip":
-            self._core.store_all(
-                [_local(p).data_ptr() for p in self._params],
-                [_DTYPES[p.dtype] for p in self._params],
-            )
+        # The weights not written yet (all of them, unless early_weights; after a skip, the
+        # early ones are restored).
+        self._core.store_all(
+            [_local(p).data_ptr() for p in self._params],
+            [_DTYPES[p.dtype] for p in self._params],
+        )
         self._handed = [None] * len(self._params)
         self._seen = [0] * len(self._params)
         self._synced = None
