@@ -412,6 +412,28 @@ class OptimizerOffload {
   // replay or a skip. The compute stream is ordered after the weight uploads.
   StvOutcome end_step();
 
+  // Note [Per-bucket hyperparameters and steps], for CPU buckets, between steps: a
+  // framework's parameter groups and learning-rate schedules (the device buckets of the
+  // GPU/CPU split step with the options' hyperparameters).
+  void set_hparams(int b, const AdamWParams& hp);
+  int64_t bucket_step(int b) const;
+  // Backward: CPU bucket b has no gradient this step (its state and step counter stay),
+  // in stream order with the buckets that arrived.
+  void on_bucket_absent(int b);
+  // Drops the step in flight (the training loop will not finish it: its gradients were
+  // changed or zeroed): every speculative bucket is undone and its weights are uploaded
+  // again; the step counter does not advance. The compute stream is ordered after them.
+  void abort_step();
+  // Checkpoints (between steps): CPU bucket b's fp32 state, n of the bucket each; writing
+  // it sets the bucket's step counter and uploads its bf16 weights.
+  void read_bucket(int b, float* p, float* m, float* v) const;
+  void write_bucket(int b, const float* p, const float* m, const float* v, int64_t step);
+  // Milliseconds of CPU work of the last step: its bucket steps during backward and its
+  // end_step (validation, deferred and replayed buckets, uploads enqueued).
+  double last_cpu_ms() const;
+  // The gradient scale of the last end_step (1 unless clipped).
+  float last_scale() const;
+
   CastSite cast_site() const;
   const StvCounters& counters() const;
   int64_t step() const;

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "adopted_device.hpp"
 #include "bindings.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
@@ -81,30 +82,17 @@ class OffloadSession {
     if (inflight_bound_bytes < 0)
       SPILLWAY_FIELD_ERROR("inflight_bound_bytes", inflight_bound_bytes, "must be >= 0");
     if (max_tensors < 1) SPILLWAY_FIELD_ERROR("max_tensors", max_tensors, "must be >= 1");
-    if (device == "host") {
-      // CPU tensors: the host backend (its copies are memcpy on the copy streams' threads,
-      // with the given throttles); its arena holds only the engine's own device pool.
-      HostDeviceOptions o;
-      o.device_bytes = device_pool_bytes + (int64_t{1} << 20);
-      o.d2h_gbps = d2h_gbps;
-      o.h2d_gbps = h2d_gbps;
-      device_ = make_host_device(o);
-    } else if (device == "cuda") {
-      std::string why;
-      device_ = make_cuda_device(ordinal, &why);
-      if (!device_) SPILLWAY_INPUT_ERROR("offload: no CUDA device {}: {}", ordinal, why);
-    } else {
-      SPILLWAY_FIELD_ERROR("device", "'" + device + "'", "must be 'host' or 'cuda'");
-    }
-    if (native_stream != 0) {
-      compute_ = device_->adopt_stream(as_ptr(native_stream), StreamRole::kCompute);
-    } else {
-      // CPU tensors: torch runs their ops on the calling thread, so the compute stream is
-      // an inline host stream (Note [Inline host streams]): a reload's wait blocks the
-      // unpack hook until the bytes are there, and nothing waits on a worker thread.
-      cpu_stream_ = std::make_unique<HostStream>(HostStream::Mode::kInline);
-      compute_ = device_->adopt_stream(cpu_stream_->native(), StreamRole::kCompute);
-    }
+    // CPU tensors: the host backend (its copies are memcpy on the copy streams' threads,
+    // with the given throttles; its arena holds only the engine's own device pool) and an
+    // inline compute stream: a reload's wait blocks the unpack hook until the bytes are
+    // there, and nothing waits on a worker thread.
+    HostDeviceOptions o;
+    o.device_bytes = device_pool_bytes + (int64_t{1} << 20);
+    o.d2h_gbps = d2h_gbps;
+    o.h2d_gbps = h2d_gbps;
+    adopted_ = std::make_unique<AdoptedDevice>(device, ordinal, native_stream, o, "offload");
+    device_ = adopted_->device.get();
+    compute_ = adopted_->compute;
     OffloadOptions oo;
     oo.pinned_bytes = pinned_bytes;
     oo.device_pool_bytes = device_pool_bytes;
@@ -120,7 +108,6 @@ class OffloadSession {
   ~OffloadSession() {
     hooks_.reset();
     engine_.reset();
-    if (device_) device_->destroy_stream(compute_);
   }
   OffloadSession(const OffloadSession&) = delete;
   OffloadSession& operator=(const OffloadSession&) = delete;
@@ -198,8 +185,8 @@ class OffloadSession {
       SPILLWAY_FIELD_ERROR("ticket", id, "is not a ticket of this step");
     return tickets_[static_cast<size_t>(id)];
   }
-  std::unique_ptr<HostStream> cpu_stream_;  // CPU tensors' inline stream; outlives device_
-  std::unique_ptr<Device> device_;
+  std::unique_ptr<AdoptedDevice> adopted_;
+  Device* device_ = nullptr;  // adopted_'s
   Stream compute_;
   std::unique_ptr<OffloadEngine> engine_;
   std::unique_ptr<OffloadHooks> hooks_;

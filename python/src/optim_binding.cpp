@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "adopted_device.hpp"
 #include "bindings.hpp"
 #include "spillway/error.hpp"
 #include "spillway/optim.hpp"
@@ -67,12 +68,36 @@ AdamWParams make_hp(double lr, double beta1, double beta2, double eps, double we
   return hp;
 }
 
+size_t total_elements(const std::vector<int64_t>& sizes) {
+  if (sizes.empty()) SPILLWAY_INPUT_ERROR("CPUAdamW: no parameters");
+  size_t n = 0;
+  for (int64_t s : sizes) {
+    if (s < 1) SPILLWAY_FIELD_ERROR("size", s, "must be >= 1 (a parameter with no elements)");
+    n += static_cast<size_t>(s);
+  }
+  return n;
+}
+
+int checked_threads(int threads) {
+  if (threads < 0) SPILLWAY_FIELD_ERROR("threads", threads, "must be >= 0 (0: every core)");
+  return threads;
+}
+
+nb::typed<nb::dict, nb::str, int64_t> counters_dict(const optim::StvCounters& c) {
+  nb::dict d;
+  d["commits"] = c.commits;
+  d["replays"] = c.replays;
+  d["skips"] = c.skips;
+  d["deferred"] = c.deferred;
+  return nb::typed<nb::dict, nb::str, int64_t>(d);
+}
+
 // The optimizer's state and its worker. Gradients handed over (grad_ready) are stepped in
 // order on the worker thread; finish() waits for them, then validates.
 class CpuAdamW {
  public:
   CpuAdamW(const std::vector<int64_t>& sizes, double clip, bool speculative, int threads)
-      : n_(total(sizes)), pool_(checked_threads(threads)) {
+      : n_(total_elements(sizes)), pool_(checked_threads(threads)) {
     std::vector<Bucket> buckets;
     size_t off = 0;
     for (int64_t s : sizes) {
@@ -224,15 +249,7 @@ class CpuAdamW {
   }
 
   int64_t step() const { return stv_->step(); }
-  nb::typed<nb::dict, nb::str, int64_t> counters() const {
-    const optim::StvCounters& c = stv_->counters();
-    nb::dict d;
-    d["commits"] = c.commits;
-    d["replays"] = c.replays;
-    d["skips"] = c.skips;
-    d["deferred"] = c.deferred;
-    return nb::typed<nb::dict, nb::str, int64_t>(d);
-  }
+  nb::typed<nb::dict, nb::str, int64_t> counters() const { return counters_dict(stv_->counters()); }
   int threads() const { return pool_.threads(); }
   int64_t state_bytes() const { return static_cast<int64_t>(3 * n_ * sizeof(float)); }
   int64_t undo_bytes() const { return stv_->undo_bytes(); }
@@ -259,19 +276,6 @@ class CpuAdamW {
     return early_[b] == 0 || stv_->stepped_late(static_cast<int>(b));
   }
 
-  static size_t total(const std::vector<int64_t>& sizes) {
-    if (sizes.empty()) SPILLWAY_INPUT_ERROR("CPUAdamW: no parameters");
-    size_t n = 0;
-    for (int64_t s : sizes) {
-      if (s < 1) SPILLWAY_FIELD_ERROR("size", s, "must be >= 1 (a parameter with no elements)");
-      n += static_cast<size_t>(s);
-    }
-    return n;
-  }
-  static int checked_threads(int threads) {
-    if (threads < 0) SPILLWAY_FIELD_ERROR("threads", threads, "must be >= 0 (0: every core)");
-    return threads;
-  }
   static double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -368,6 +372,129 @@ class CpuAdamW {
   std::thread worker_;  // last: starts after the members it uses
 };
 
+// Note [The device path of CPUAdamW]: parameters in device memory (GPU bfloat16, or CPU
+// bfloat16 on the host backend, which emulates a GPU) step through the optimizer-offload
+// pipeline (spillway::optim::OptimizerOffload): the adapter lays the parameters and their
+// gradients out in two flat bf16 buffers it owns (each parameter a view), so the pipeline
+// works on caller-owned device memory; one bucket per parameter. A gradient handed over is
+// copied to pinned staging on the pipeline's D2H stream after the work enqueued so far on
+// torch's stream (an event, never a synchronize), stepped on the CPU, and its bf16 weights
+// uploaded on the H2D stream while backward goes on; end_step validates and corrects, and
+// orders torch's stream after the uploads. The interface is CpuAdamW's, so the Python
+// optimizer drives either.
+class OffloadAdamW {
+ public:
+  OffloadAdamW(const std::string& device, int ordinal, uintptr_t native_stream,
+               const std::vector<int64_t>& sizes, uintptr_t weights, uintptr_t grads, double clip,
+               bool speculative, int threads)
+      : n_(total_elements(sizes)), pool_(checked_threads(threads)) {
+    if (weights == 0 || grads == 0)
+      SPILLWAY_INPUT_ERROR("CPUAdamW: the flat weights and gradients must be device memory");
+    HostDeviceOptions host;
+    host.device_bytes = int64_t{1} << 20;  // the pipeline allocates no device memory here
+    dev_ = std::make_unique<AdoptedDevice>(device, ordinal, native_stream, host, "CPUAdamW");
+    std::vector<Bucket> buckets;
+    size_t off = 0;
+    for (int64_t k : sizes) {
+      buckets.push_back({off, static_cast<size_t>(k)});
+      offsets_.push_back(off);
+      off += static_cast<size_t>(k);
+    }
+    grads_ = grads;
+    // The fp32 master weights start as the bf16 weights widened (exact).
+    std::vector<uint16_t> w16(n_);
+    dev_->device->copy_async(w16.data(), as_cptr(weights), n_ * 2, dev_->compute);
+    dev_->device->synchronize(dev_->compute);
+    std::vector<float> w32(n_);
+    for (size_t i = 0; i < n_; ++i) w32[i] = optim::bf16_to_float(w16[i]);
+    optim::OptimOffloadOptions o;
+    o.clip = clip;
+    o.cast = optim::CastSite::kHost;  // bf16 on the link; the step widens in its own pass
+    o.undo_limit_bytes = speculative ? -1 : 0;
+    o.device_weights = static_cast<uint16_t*>(as_ptr(weights));
+    o.device_grads = static_cast<uint16_t*>(as_ptr(grads));
+    pipe_ = std::make_unique<optim::OptimizerOffload>(*dev_->device, dev_->compute, w32.data(), n_,
+                                                      std::move(buckets), o, &pool_);
+  }
+  ~OffloadAdamW() { pipe_.reset(); }
+  OffloadAdamW(const OffloadAdamW&) = delete;
+  OffloadAdamW& operator=(const OffloadAdamW&) = delete;
+
+  void set_hparams(int b, double lr, double beta1, double beta2, double eps, double wd) {
+    pipe_->set_hparams(b, make_hp(lr, beta1, beta2, eps, wd));
+  }
+  int64_t bucket_step(int b) const { return pipe_->bucket_step(b); }
+  void read_state(int b, uintptr_t p, uintptr_t m, uintptr_t v) {
+    nb::gil_scoped_release release;
+    pipe_->read_bucket(b, static_cast<float*>(as_ptr(p)), static_cast<float*>(as_ptr(m)),
+                       static_cast<float*>(as_ptr(v)));
+  }
+  // A checkpoint's state of bucket b and its step; its bf16 weights are uploaded.
+  void write_state(int b, uintptr_t p, uintptr_t m, uintptr_t v, int64_t step) {
+    nb::gil_scoped_release release;
+    pipe_->write_bucket(b, static_cast<const float*>(as_cptr(p)),
+                        static_cast<const float*>(as_cptr(m)),
+                        static_cast<const float*>(as_cptr(v)), step);
+  }
+  // Backward: bucket b's gradient is final in the flat gradient buffer once the work
+  // enqueued so far on the compute stream has run (`grad` must be its slice there).
+  void grad_ready(int b, uintptr_t grad, int dtype, uintptr_t /*dst*/) {
+    const size_t at = offset(b);
+    if (to_dtype(dtype) != Dtype::kBf16 || grad != grads_ + at * 2)
+      SPILLWAY_INPUT_ERROR(
+          "CPUAdamW: the gradient of parameter {} must be its bfloat16 slice of the flat "
+          "gradient buffer",
+          b);
+    nb::gil_scoped_release release;
+    pipe_->on_bucket_grad(b);
+  }
+  void absent(int b) {
+    (void)offset(b);
+    pipe_->on_bucket_absent(b);
+  }
+  // As CpuAdamW::finish: (outcome, scale, CPU ms of the bucket steps and validation, ms the
+  // call took). Sharded norms are not supported here (the caller refuses DTensors).
+  std::tuple<std::string, float, double, double> finish(std::optional<double> global_sq) {
+    if (global_sq)
+      SPILLWAY_INPUT_ERROR("CPUAdamW: a sharded global norm on the device path is not supported");
+    nb::gil_scoped_release release;
+    const auto t0 = std::chrono::steady_clock::now();
+    const StvOutcome o = pipe_->end_step();
+    const double call_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const char* name = o == StvOutcome::kCommit   ? "commit"
+                       : o == StvOutcome::kReplay ? "replay"
+                                                  : "skip";
+    return {name, pipe_->last_scale(), pipe_->last_cpu_ms(), call_ms};
+  }
+  void abort() {
+    nb::gil_scoped_release release;
+    pipe_->abort_step();
+  }
+  int64_t step() const { return pipe_->step(); }
+  nb::typed<nb::dict, nb::str, int64_t> counters() const {
+    return counters_dict(pipe_->counters());
+  }
+  int threads() const { return pool_.threads(); }
+  int64_t state_bytes() const { return static_cast<int64_t>(3 * n_ * sizeof(float)); }
+  int64_t undo_bytes() const { return pipe_->undo_bytes(); }
+  std::string device_name() const { return dev_->device->name(); }
+
+ private:
+  size_t offset(int b) const {
+    if (b < 0 || static_cast<size_t>(b) >= offsets_.size())
+      SPILLWAY_FIELD_ERROR("bucket", b, "must be in [0, {})", offsets_.size());
+    return offsets_[static_cast<size_t>(b)];
+  }
+
+  size_t n_;
+  std::vector<size_t> offsets_;  // per bucket, in elements
+  uintptr_t grads_ = 0;
+  AdamW pool_;
+  std::unique_ptr<AdoptedDevice> dev_;  // before pipe_: outlives it
+  std::unique_ptr<optim::OptimizerOffload> pipe_;
+};
+
 // The project's non-speculative reference (spillway::optim::reference_adamw_step) over
 // fp32 arrays: one bucket per entry of `sizes`. Returns the outcome and the new step.
 std::pair<std::string, int64_t> reference_step(double lr, double beta1, double beta2, double eps,
@@ -414,6 +541,29 @@ void bind_optim(nb::module_& m) {
       .def_prop_ro("threads", &CpuAdamW::threads)
       .def_prop_ro("state_bytes", &CpuAdamW::state_bytes)
       .def_prop_ro("undo_bytes", &CpuAdamW::undo_bytes);
+  nb::class_<OffloadAdamW>(m, "OffloadAdamW",
+                           "CPUAdamW's device path: the optimizer-offload pipeline on flat "
+                           "bf16 device buffers the caller owns (Note [The device path of "
+                           "CPUAdamW])")
+      .def(nb::init<const std::string&, int, uintptr_t, const std::vector<int64_t>&, uintptr_t,
+                    uintptr_t, double, bool, int>(),
+           "device"_a, "ordinal"_a, "native_stream"_a, "sizes"_a, "weights"_a, "grads"_a, "clip"_a,
+           "speculative"_a, "threads"_a)
+      .def("set_hparams", &OffloadAdamW::set_hparams, "bucket"_a, "lr"_a, "beta1"_a, "beta2"_a,
+           "eps"_a, "weight_decay"_a)
+      .def("bucket_step", &OffloadAdamW::bucket_step, "bucket"_a)
+      .def("read_state", &OffloadAdamW::read_state, "bucket"_a, "p"_a, "m"_a, "v"_a)
+      .def("write_state", &OffloadAdamW::write_state, "bucket"_a, "p"_a, "m"_a, "v"_a, "step"_a)
+      .def("grad_ready", &OffloadAdamW::grad_ready, "bucket"_a, "grad"_a, "dtype"_a, "dst"_a = 0)
+      .def("absent", &OffloadAdamW::absent, "bucket"_a)
+      .def("finish", &OffloadAdamW::finish, "global_sum_of_squares"_a = nb::none())
+      .def("abort", &OffloadAdamW::abort)
+      .def("counters", &OffloadAdamW::counters)
+      .def_prop_ro("step", &OffloadAdamW::step)
+      .def_prop_ro("threads", &OffloadAdamW::threads)
+      .def_prop_ro("state_bytes", &OffloadAdamW::state_bytes)
+      .def_prop_ro("undo_bytes", &OffloadAdamW::undo_bytes)
+      .def_prop_ro("device_name", &OffloadAdamW::device_name);
   m.def("reference_adamw_step", &reference_step, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "clip"_a, "p"_a, "m"_a, "v"_a, "g"_a, "sizes"_a, "step"_a,
         "spillway::optim::reference_adamw_step over fp32 arrays (tests)");

@@ -32,3 +32,36 @@ def test_cuda_offload_is_bitwise(make: object) -> None:
         assert_bitwise(want, got)
         rep = offload.last_report()
         assert rep["d2h_bytes"] == rep["h2d_bytes"] > 0
+
+
+def test_cuda_cpu_adamw_steps_bf16_parameters_as_the_emulated_device_path() -> None:
+    # The device path on the CUDA backend against the same path on the host backend. The
+    # loss is linear in the weights (sum of w * c), so every device computes the same
+    # gradients (c in bf16): the same host step on them gives the same bits, with clipping
+    # (large c) and a NaN step.
+    runs = []
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(*shape).to(device=device, dtype=torch.bfloat16))
+            for shape in ((256, 64), (64,), (8, 256))
+        ]
+        opt = st.CPUAdamW(params, lr=1e-2, max_grad_norm=0.5, device_emulation=device == "cpu")
+        assert opt._flat_w is not None and opt._flat_w.device.type == device
+        outcomes = []
+        for s in range(5):
+            g = torch.Generator().manual_seed(s)
+            loss = torch.zeros((), device=device)
+            for p in params:
+                c = (torch.randn(p.shape, generator=g) * (30.0 if s == 2 else 0.001)).to(device)
+                if s == 3:
+                    c.view(-1)[0] = float("nan")
+                loss = loss + (p.float() * c).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outcomes.append(opt.last_step()["outcome"])
+        assert outcomes == ["commit", "commit", "replay", "skip", "commit"]
+        runs.append([p.detach().cpu() for p in params])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

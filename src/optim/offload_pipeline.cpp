@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "spillway/error.hpp"
@@ -49,6 +50,8 @@ struct OptimizerOffload::Impl {
   uint16_t* w_stage = nullptr;       // (n) bf16 weights to upload, written by the step
   double* lanes_host = nullptr;      // (n_lanes)
   std::vector<char> device_arrived;  // per device bucket, this step
+  double cpu_ms = 0.0;       // bucket steps on the cpu stream this step (read after synchronize)
+  double last_cpu_ms = 0.0;  // the last step's, with its end_step
   std::vector<Event> copied, stepped;  // per bucket
   Event produced{-1}, done{-1};
   std::unique_ptr<StvAdamW> stv;
@@ -122,10 +125,11 @@ struct OptimizerOffload::Impl {
   struct Job {
     Impl* s = nullptr;
     int b = 0;
+    bool absent = false;  // this step: no gradient (set before the enqueue)
   };
   std::vector<Job> jobs;
   // The CPU step of bucket b, on the cpu stream.
-  void host_step(int b) const;
+  void host_step(int b);
 
   void enqueue_cpu_bucket(int b);
   void enqueue_device_bucket(int b);
@@ -340,13 +344,18 @@ void OptimizerOffload::Impl::abandon_step(const Error& e) {
 // The CPU bucket's speculative step reads the staged gradient as it came (the host cast
 // widens inside the step) and writes the bf16 weights into the weight staging in the same
 // pass.
-void OptimizerOffload::Impl::host_step(int b) const {
+void OptimizerOffload::Impl::host_step(int b) {
+  const auto t0 = std::chrono::steady_clock::now();
   const size_t at = local[static_cast<size_t>(b)];
-  if (site == CastSite::kHost) {
+  if (jobs[static_cast<size_t>(b)].absent) {
+    stv->on_absent_bucket(b);
+  } else if (site == CastSite::kHost) {
     stv->on_bucket_bf16(b, static_cast<const uint16_t*>(g_stage) + at);
   } else {
     stv->on_bucket(b, static_cast<const float*>(g_stage) + at);
   }
+  cpu_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void OptimizerOffload::Impl::enqueue_device_bucket(int b) {
@@ -372,6 +381,7 @@ void OptimizerOffload::Impl::enqueue_cpu_bucket(int b) {
   const Bucket k = buckets[static_cast<size_t>(b)];
   const size_t at = local[static_cast<size_t>(b)];
   const bool speculate = stv->admit(b);  // checks b; Note [Bounded undo]
+  jobs[static_cast<size_t>(b)].absent = false;
   if (site == CastSite::kDevice) {
     // The device widens bf16 to fp32 before the copy: 4 bytes per element on the link.
     DeviceWidenBf16 op;
@@ -429,11 +439,80 @@ void OptimizerOffload::on_bucket_grad(int b) {
   }
 }
 
+void OptimizerOffload::on_bucket_absent(int b) {
+  Impl& s = *impl_;
+  SPILLWAY_CHECK(b >= s.opt.device_buckets && static_cast<size_t>(b) < s.buckets.size(),
+                 "optimizer offload: bucket {} is not a CPU bucket", b);
+  // In stream order with the arrivals, whose steps run on the cpu stream.
+  s.jobs[static_cast<size_t>(b)].absent = true;
+  s.dev.host_callback(s.cpu, [j = &s.jobs[static_cast<size_t>(b)]] { j->s->host_step(j->b); });
+}
+
+void OptimizerOffload::abort_step() {
+  Impl& s = *impl_;
+  for (Stream st : {s.cpu, s.h2d, s.d2h}) s.dev.synchronize(st);
+  s.stv->abort();
+  std::fill(s.device_arrived.begin(), s.device_arrived.end(), 0);
+  for (int b = s.opt.device_buckets; b < static_cast<int>(s.buckets.size()); ++b) s.upload(b, true);
+  s.dev.record(s.done, s.h2d);
+  s.dev.wait(s.compute, s.done);
+  s.cpu_ms = 0.0;
+}
+
+void OptimizerOffload::set_hparams(int b, const AdamWParams& hp) {
+  Impl& s = *impl_;
+  SPILLWAY_CHECK(b >= s.opt.device_buckets && static_cast<size_t>(b) < s.buckets.size(),
+                 "optimizer offload: bucket {} is not a CPU bucket", b);
+  s.stv->set_hparams(b, hp);
+}
+
+int64_t OptimizerOffload::bucket_step(int b) const {
+  return impl_->stv->bucket_step(b);
+}
+
+void OptimizerOffload::read_bucket(int b, float* p, float* m, float* v) const {
+  Impl& s = *impl_;
+  SPILLWAY_CHECK(b >= s.opt.device_buckets && static_cast<size_t>(b) < s.buckets.size(),
+                 "optimizer offload: bucket {} is not a CPU bucket", b);
+  s.dev.synchronize(s.cpu);
+  const StvAdamW::BucketState cur = s.stv->state(b);
+  const size_t bytes = s.buckets[static_cast<size_t>(b)].n * sizeof(float);
+  std::memcpy(p, cur.p, bytes);
+  std::memcpy(m, cur.m, bytes);
+  std::memcpy(v, cur.v, bytes);
+}
+
+void OptimizerOffload::write_bucket(int b, const float* p, const float* m, const float* v,
+                                    int64_t step) {
+  Impl& s = *impl_;
+  SPILLWAY_CHECK(b >= s.opt.device_buckets && static_cast<size_t>(b) < s.buckets.size(),
+                 "optimizer offload: bucket {} is not a CPU bucket", b);
+  for (Stream st : {s.cpu, s.h2d}) s.dev.synchronize(st);
+  s.stv->set_bucket_step(b, step);  // checks that no step is in flight
+  const StvAdamW::BucketState cur = s.stv->state(b);
+  const size_t bytes = s.buckets[static_cast<size_t>(b)].n * sizeof(float);
+  std::memcpy(cur.p, p, bytes);
+  std::memcpy(cur.m, m, bytes);
+  std::memcpy(cur.v, v, bytes);
+  s.upload(b, true);
+  s.dev.record(s.done, s.h2d);
+  s.dev.wait(s.compute, s.done);
+}
+
+float OptimizerOffload::last_scale() const {
+  return impl_->stv->last_scale();
+}
+
+double OptimizerOffload::last_cpu_ms() const {
+  return impl_->last_cpu_ms;
+}
+
 StvOutcome OptimizerOffload::end_step() {
   Impl& s = *impl_;
   s.dev.synchronize(s.cpu);
   s.dev.synchronize(s.h2d);
   s.dev.synchronize(s.d2h);
+  const auto t0 = std::chrono::steady_clock::now();
   for (int b = 0; b < s.opt.device_buckets; ++b) {
     if (s.device_arrived[static_cast<size_t>(b)] == 0) continue;  // finish() reports it
     s.stv->on_device_bucket(b, add_lane_sums(s.lanes_host + s.lane_at[static_cast<size_t>(b)],
@@ -462,6 +541,10 @@ StvOutcome OptimizerOffload::end_step() {
   }
   s.dev.record(s.done, s.h2d);
   s.dev.wait(s.compute, s.done);
+  s.last_cpu_ms =
+      s.cpu_ms +
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  s.cpu_ms = 0.0;
   return outcome;
 }
 

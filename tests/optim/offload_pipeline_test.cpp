@@ -537,3 +537,107 @@ TEST(OptimizerOffload, OnAnAdoptedComputeStreamItStepsTheGradientsTheCallersWork
 
 }  // namespace
 }  // namespace spillway::optim
+
+namespace spillway::optim {
+namespace {
+
+TEST(OptimizerOffload, PerBucketHyperparametersAbsentBucketsAbortsAndCheckpoints) {
+  // What a framework's optimizer needs of the pipeline (spillway.torch.CPUAdamW on GPU
+  // parameters): per-bucket learning rates changed between steps, a bucket without a
+  // gradient (its state and step counter stay), a step dropped after its speculative
+  // uploads (the weights on the device are the old ones again), and a checkpoint read from
+  // one pipeline and written into a fresh one that then steps identically. Without
+  // clipping each bucket is independent, so the reference steps bucket by bucket.
+  const uint32_t seed = 909;
+  std::cout << "seed " << seed << "\n";
+  auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  const std::vector<float> w0 = initial_weights();
+  OptimOffloadOptions o;
+  o.clip = 0.0;
+  o.cast = CastSite::kHost;
+  const int nb = static_cast<int>(kBuckets.size());
+  OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o);
+  Reference ref{w0, std::vector<float>(kN, 0.0f), std::vector<float>(kN, 0.0f), 0};
+  std::vector<int64_t> steps(kBuckets.size(), 0);
+  auto lr_of = [](int b, int step) { return 1e-3 * (b + 1) / (1.0 + step); };
+  auto reference = [&](const std::vector<uint16_t>& grads, int step, int absent) {
+    for (int b = 0; b < nb; ++b) {
+      if (b == absent) continue;
+      const Bucket& k = kBuckets[static_cast<size_t>(b)];
+      AdamWParams hp = o.hp;
+      hp.lr = lr_of(b, step);
+      std::vector<float> g32(k.n);
+      for (size_t i = 0; i < k.n; ++i) g32[i] = bf16_to_float(grads[k.offset + i]);
+      reference_adamw_step(hp, 0.0, ref.p.data() + k.offset, ref.m.data() + k.offset,
+                           ref.v.data() + k.offset, g32.data(), {{0, k.n}},
+                           &steps[static_cast<size_t>(b)]);
+    }
+  };
+  auto expect_device_weights = [&](const char* when, int step) {
+    dev->synchronize(compute);
+    for (size_t i = 0; i < kN; ++i)
+      ASSERT_EQ(off.device_weights()[i], float_to_bf16(ref.p[i]))
+          << when << ", element " << i << ", step " << step;
+  };
+  std::mt19937 g(seed);
+  for (int step = 0; step < 8; ++step) {
+    for (int b = 0; b < nb; ++b) {
+      AdamWParams hp = o.hp;
+      hp.lr = lr_of(b, step);
+      off.set_hparams(b, hp);
+    }
+    const std::vector<uint16_t> grads = bf16_grads(g, 0);
+    if (step == 3) {  // handed over, speculated and uploaded, then dropped
+      backward(*dev, compute, off, grads);
+      off.abort_step();
+      expect_state(off, ref, step);
+      expect_device_weights("after an abort", step);
+    }
+    const int absent = step % 3 == 1 ? 4 : -1;
+    uint16_t* dst = off.device_grads();
+    dev->host_callback(compute, [dst, &grads] { std::memcpy(dst, grads.data(), kN * 2); });
+    for (int b = nb - 1; b >= 0; --b) {
+      if (b == absent) {
+        off.on_bucket_absent(b);
+      } else {
+        off.on_bucket_grad(b);
+      }
+    }
+    EXPECT_EQ(off.end_step(), StvOutcome::kCommit);
+    EXPECT_GE(off.last_cpu_ms(), 0.0);
+    reference(grads, step, absent);
+    expect_state(off, ref, step);
+    expect_device_weights("after the step", step);
+    for (int b = 0; b < nb; ++b) ASSERT_EQ(off.bucket_step(b), steps[static_cast<size_t>(b)]);
+  }
+  // The checkpoint: every bucket's state and step into a fresh pipeline, whose device
+  // weights are then those of the state; both step the same gradients to the same bits.
+  OptimizerOffload copy(*dev, compute, initial_weights().data(), kN, kBuckets, o);
+  for (int b = 0; b < nb; ++b) {
+    const size_t n = kBuckets[static_cast<size_t>(b)].n;
+    std::vector<float> p(n), m(n), v(n);
+    off.read_bucket(b, p.data(), m.data(), v.data());
+    copy.write_bucket(b, p.data(), m.data(), v.data(), off.bucket_step(b));
+    copy.set_hparams(b, o.hp);
+    off.set_hparams(b, o.hp);
+  }
+  dev->synchronize(compute);
+  ASSERT_EQ(std::memcmp(copy.device_weights(), off.device_weights(), kN * 2), 0);
+  const std::vector<uint16_t> grads = bf16_grads(g, 0);
+  for (OptimizerOffload* pipe : {&off, &copy}) {
+    uint16_t* dst = pipe->device_grads();
+    dev->host_callback(compute, [dst, &grads] { std::memcpy(dst, grads.data(), kN * 2); });
+    for (int b = nb - 1; b >= 0; --b) pipe->on_bucket_grad(b);
+    pipe->end_step();
+  }
+  const OptimState a = off.read_state(), b = copy.read_state();
+  EXPECT_TRUE(same_bits(a.p.data(), b.p.data(), kN));
+  EXPECT_TRUE(same_bits(a.m.data(), b.m.data(), kN));
+  EXPECT_TRUE(same_bits(a.v.data(), b.v.data(), kN));
+  for (int bk = 0; bk < nb; ++bk) EXPECT_EQ(off.bucket_step(bk), copy.bucket_step(bk));
+  EXPECT_THROW(off.set_hparams(nb, o.hp), Error);
+}
+
+}  // namespace
+}  // namespace spillway::optim

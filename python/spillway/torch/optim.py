@@ -50,7 +50,24 @@ class CPUAdamW(torch.optim.Optimizer):
             is done, during backward (Note [Early weights]): ``step()`` then only validates
             (a replay rewrites them, a skip restores them), so little is left on the
             critical path. The parameters change before ``step()`` returns: use it when
-            nothing reads them between backward and ``step()``.
+            nothing reads them between backward and ``step()``. None: False for CPU
+            parameters, True on the device path (its uploads are the overlap).
+        device_emulation: step CPU bfloat16 parameters through the device path on
+            spillway's host backend, which emulates a GPU (copy streams, pinned staging,
+            events): the GPU path, run and tested without a GPU.
+
+    The device path (Note [The device path of CPUAdamW]): bfloat16 parameters on a CUDA
+    device are stepped through spillway's optimizer-offload pipeline. Their fp32 master
+    weights and moments live in pinned host memory; each gradient, once final, is copied
+    to the host on a copy stream ordered after torch's work by an event, stepped on the CPU
+    while backward goes on, and its bf16 weights are uploaded on another copy stream. The
+    parameters and gradients are rearranged into two flat device buffers the optimizer
+    owns (each parameter and each ``.grad`` a view into them, as DDP's
+    ``gradient_as_bucket_view``); ``zero_grad`` zeroes them in place. A parameter's
+    weights are overwritten once its gradient is final, during backward: nothing may read
+    them after that until ``step()`` (true of a model whose layers each read their own
+    weights; not of weights also read through ``.detach()`` or a hook). Not yet supported
+    there: FSDP2's DTensor shards, float32 parameters (keep them bf16, masters are fp32).
 
     Telemetry: :meth:`last_step` and ``spillway.torch.report()["optimizer"]``.
     """
@@ -67,7 +84,8 @@ class CPUAdamW(torch.optim.Optimizer):
         speculative: bool = True,
         accumulation_steps: int = 1,
         threads: int = 0,
-        early_weights: bool = False,
+        early_weights: Optional[bool] = None,
+        device_emulation: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -81,13 +99,21 @@ class CPUAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.speculative = speculative
         self.accumulation_steps = accumulation_steps
-        self.early_weights = early_weights
         self._params: list[torch.Tensor] = []
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             for p in group["params"]:
-                _check_param(p, len(self._params))
                 self._params.append(p)
+        self._device: Optional[torch.device] = _device_path(self._params, device_emulation)
+        for i, p in enumerate(self._params):
+            _check_param(p, i, self._device)
+        if self._device is not None and early_weights is False and speculative:
+            raise ValueError(
+                "CPUAdamW: early_weights=False with speculative=True on the device path: its "
+                "pipeline uploads each speculative step's weights during backward; pass "
+                "speculative=False to write them only in step()"
+            )
+        self.early_weights = self._device is not None or bool(early_weights)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         # FSDP2 (fully_shard): a parameter is a DTensor; this process steps its local shard,
         # and the gradient norm is all-reduced over the shards (Note [Sharded norms]).
@@ -95,6 +121,8 @@ class CPUAdamW(torch.optim.Optimizer):
         # The state is allocated once, here: refuse what the host cannot hold, with numbers.
         elements = sum(_local(p).numel() for p in self._params)
         need = elements * 12 * (2 if speculative else 1)  # p, m, v (+ STV's second buffers)
+        if self._device is not None:
+            need += elements * 4  # the pipeline's bf16 gradient and weight staging
         available = _spillway.host_available_bytes()
         if available >= 0 and need > 0.9 * available:
             what = " and their undo buffers" if speculative else ""
@@ -104,14 +132,22 @@ class CPUAdamW(torch.optim.Optimizer):
                 f"{available / 1e9:.2f} GB available (MemAvailable); at most 90% of it may be "
                 "used" + (" (speculative=False halves it)" if speculative else "")
             )
-        self._core = _spillway.CpuAdamW(
-            [_local(p).numel() for p in self._params],
-            float(max_grad_norm or 0.0),
-            speculative,
-            threads,
-        )
-        for i, p in enumerate(self._params):
-            self._core.load_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
+        self._core: Any
+        self._flat_w: Optional[torch.Tensor] = None
+        self._flat_g: Optional[torch.Tensor] = None
+        self._offsets: list[int] = []
+        self._stream = 0  # the device path: the CUDA stream adopted (0: CPU)
+        if self._device is not None:
+            self._core = self._make_device_path(float(max_grad_norm or 0.0), speculative, threads)
+        else:
+            self._core = _spillway.CpuAdamW(
+                [_local(p).numel() for p in self._params],
+                float(max_grad_norm or 0.0),
+                speculative,
+                threads,
+            )
+            for i, p in enumerate(self._params):
+                self._core.load_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
         # Per parameter, what was handed over: (the gradient stepped, p.grad, its version).
         self._handed: list[Optional[tuple[torch.Tensor, torch.Tensor, int]]] = [None] * len(
             self._params
@@ -141,12 +177,80 @@ class CPUAdamW(torch.optim.Optimizer):
             self._sync_hparams()
         grad = p.grad
         assert grad is not None
+        if self._flat_g is not None:
+            grad = self._into_flat_grad(i, p, grad)
         g = _local(grad)
         if g.dtype != p.dtype or not g.is_contiguous() or g.layout != torch.strided:
             g = g.to(dtype=p.dtype).contiguous()
         self._handed[i] = (g, grad, grad._version)
         dst = _local(p).data_ptr() if self.early_weights else 0
         self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype], dst)
+
+    # ---- the device path (Note [The device path of CPUAdamW]) --------------------------
+
+    def _make_device_path(self, clip: float, speculative: bool, threads: int) -> Any:
+        assert self._device is not None
+        sizes = [p.numel() for p in self._params]
+        n = sum(sizes)
+        dev = self._device
+        with torch.no_grad():
+            self._flat_w = torch.empty(n, dtype=torch.bfloat16, device=dev)
+            self._flat_g = torch.zeros(n, dtype=torch.bfloat16, device=dev)
+            at = 0
+            for p, k in zip(self._params, sizes):
+                self._offsets.append(at)
+                self._flat_w[at : at + k].copy_(p.detach().reshape(-1))
+                at += k
+            for i, p in enumerate(self._params):
+                old_grad = p.grad
+                p.data = self._flat_w[self._offsets[i] : self._offsets[i] + sizes[i]].view(p.shape)
+                view = self._grad_view(i, p)
+                if old_grad is not None:
+                    view.copy_(old_grad)
+                p.grad = view
+        if dev.type == "cuda":
+            kind, ordinal = "cuda", dev.index if dev.index is not None else 0
+            stream = torch.cuda.current_stream(dev).cuda_stream
+        else:
+            kind, ordinal, stream = "host", 0, 0
+        self._stream = stream
+        return _spillway.OffloadAdamW(
+            kind,
+            ordinal,
+            stream,
+            sizes,
+            self._flat_w.data_ptr(),
+            self._flat_g.data_ptr(),
+            clip,
+            speculative,
+            threads,
+        )
+
+    def _grad_ptr(self, i: int) -> int:
+        assert self._flat_g is not None
+        return self._flat_g.data_ptr() + 2 * self._offsets[i]
+
+    def _grad_view(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        assert self._flat_g is not None
+        at = self._offsets[i]
+        return self._flat_g[at : at + p.numel()].view(p.shape)
+
+    def _into_flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient in its slice of the flat buffer (copied there if torch made a new one,
+        after ``set_to_none``), on the stream the pipeline adopted."""
+        if self._device is not None and self._device.type == "cuda":
+            current = torch.cuda.current_stream(self._device).cuda_stream
+            if current != self._stream:
+                raise RuntimeError(
+                    "CPUAdamW: backward runs on a CUDA stream other than the one current when "
+                    "the optimizer was made; make the optimizer under the training stream"
+                )
+        if grad.data_ptr() == self._grad_ptr(i) and grad.dtype == torch.bfloat16:
+            return grad
+        view = self._grad_view(i, p)
+        view.copy_(grad)
+        p.grad = view
+        return view
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -192,11 +296,12 @@ class CPUAdamW(torch.optim.Optimizer):
             global_sq = float(sq.item())
         outcome, scale, worker_ms, finish_ms = self._core.finish(global_sq)
         # The weights not written yet (all of them, unless early_weights; after a skip, the
-        # early ones are restored).
-        self._core.store_all(
-            [_local(p).data_ptr() for p in self._params],
-            [_DTYPES[p.dtype] for p in self._params],
-        )
+        # early ones are restored). The device path's end of step uploaded them already.
+        if self._device is None:
+            self._core.store_all(
+                [_local(p).data_ptr() for p in self._params],
+                [_DTYPES[p.dtype] for p in self._params],
+            )
         self._handed = [None] * len(self._params)
         self._seen = [0] * len(self._params)
         self._synced = None
@@ -219,12 +324,22 @@ class CPUAdamW(torch.optim.Optimizer):
         return dict(self._last)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes (or drops) the gradients; speculative work not yet validated is dropped."""
+        """Zeroes (or drops) the gradients; speculative work not yet validated is dropped.
+
+        On the device path the gradients are views of the optimizer's flat buffer: they
+        are zeroed in place whatever ``set_to_none`` says (one kernel, no allocation).
+        """
         if any(h is not None for h in self._handed):
             self._core.abort()
             self._handed = [None] * len(self._params)
             self._synced = None
         self._seen = [0] * len(self._params)
+        if self._flat_g is not None:
+            self._flat_g.zero_()
+            for i, p in enumerate(self._params):
+                if p.grad is None or p.grad.data_ptr() != self._grad_ptr(i):
+                    p.grad = self._grad_view(i, p)
+            return
         super().zero_grad(set_to_none=set_to_none)
 
     def _hparams(self) -> list[tuple[float, ...]]:
@@ -290,6 +405,11 @@ class CPUAdamW(torch.optim.Optimizer):
                         f"CPUAdamW.load_state_dict: parameter {i}: {name} has {t.numel()} "
                         f"elements, the parameter {_local(p).numel()}"
                     )
+            if self._device is not None:
+                self._core.write_state(
+                    i, master.data_ptr(), m.data_ptr(), v.data_ptr(), int(st["step"])
+                )
+                continue
             self._core.write_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
             self._core.set_bucket_step(i, int(st["step"]))
             self._core.store_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
@@ -339,14 +459,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _check_param(p: torch.Tensor, i: int) -> None:
+def _device_path(params: list[torch.Tensor], emulate: bool) -> Optional[torch.device]:
+    """The device of the device path (Note [The device path of CPUAdamW]), or None."""
+    devices = {_local(p).device for p in params if isinstance(p, torch.Tensor)}
+    if not any(d.type != "cpu" for d in devices) and not emulate:
+        return None
+    if len(devices) != 1:
+        raise ValueError(
+            "CPUAdamW: the parameters are on several devices "
+            f"({', '.join(sorted(map(str, devices)))}); one optimizer steps one device's"
+        )
+    (dev,) = devices
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"CPUAdamW: a parameter is on {dev}; cpu and cuda are supported")
+    if any(hasattr(p, "to_local") for p in params):
+        raise ValueError(
+            "CPUAdamW: FSDP2 (DTensor) parameters on the device path are not supported yet; "
+            "DDP and single-device models are"
+        )
+    return dev
+
+
+def _check_param(p: torch.Tensor, i: int, device: Optional[torch.device]) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"CPUAdamW: parameter {i} is a {type(p).__name__}, not a tensor")
     p = _local(p)
-    if p.device.type != "cpu":
+    if device is not None and p.dtype != torch.bfloat16:
         raise ValueError(
-            f"CPUAdamW: parameter {i} is on {p.device}; this version steps CPU parameters "
-            "only (the GPU path, through the optimizer-offload pipeline, is not bound yet)"
+            f"CPUAdamW: parameter {i} is {p.dtype} on {p.device}; on the device path the "
+            "parameters are bfloat16 (the fp32 master weights live on the host): "
+            "model.to(torch.bfloat16)"
         )
     if p.dtype not in _DTYPES:
         raise ValueError(
