@@ -43,11 +43,11 @@ def shard(data: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+def single_process(device_path: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     import spillway.torch as st
 
-    model = tiny_llama()
-    opt = st.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=CLIP)
+    model = tiny_llama(dtype=torch.bfloat16 if device_path else torch.float32)
+    opt = st.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=CLIP, device_emulation=device_path)
     losses = []
     for data in global_batches():
         opt.zero_grad(set_to_none=True)
@@ -66,8 +66,9 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     import spillway.torch as st
 
-    model = tiny_llama()
-    if mode == "ddp":
+    device_path = mode == "ddp_device"
+    model = tiny_llama(dtype=torch.bfloat16 if device_path else torch.float32)
+    if mode.startswith("ddp"):
         wrapped: Any = torch.nn.parallel.DistributedDataParallel(model)
         inner = model
     else:
@@ -78,7 +79,15 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         fully_shard(model)
         wrapped = inner = model
     offload = st.offload_activations(inner, pinned_bytes=64 << 20, min_bytes=1024)
-    opt = st.CPUAdamW(wrapped.parameters(), lr=LR, max_grad_norm=CLIP, threads=1)
+    # ddp_device: CPUAdamW's device path (emulated) under DDP: its all-reduce writes the
+    # gradients after their hand-over, which the optimizer detects and steps from .grad.
+    opt = st.CPUAdamW(
+        wrapped.parameters(),
+        lr=LR,
+        max_grad_norm=CLIP,
+        threads=1,
+        device_emulation=device_path,
+    )
     losses, moved, outcomes = [], 0, []
     for data in global_batches():
         opt.zero_grad(set_to_none=True)
@@ -91,7 +100,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append((mean / world).item())
-    if mode == "ddp":
+    if mode.startswith("ddp"):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     else:
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -106,14 +115,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp_device"])
 def test_two_gloo_processes_match_one_process(mode: str, tmp_path: Path) -> None:
     out = str(tmp_path / "rank0.pt")
     mp.start_processes(
         worker, args=(2, free_port(), mode, out), nprocs=2, join=True, start_method="spawn"
     )
     got = torch.load(out)
-    want_losses, want_params = single_process()
+    want_losses, want_params = single_process(device_path=mode == "ddp_device")
     assert got["moved"] > 0, "activation offload ran inside the distributed blocks"
     assert "replay" in got["outcomes"], "the clip must act for the norm to be tested"
     # The reduction order differs (two halves all-reduced vs summed in one process): equal

@@ -15,6 +15,7 @@
 // Note [Host stream ops]: an op is a small struct (copy, record, wait, callback, device
 // operation), so enqueueing one allocates nothing but the queue's amortized growth.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -163,6 +164,7 @@ class HostQueue {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push(std::move(op));
       ++enqueued_;
+      pushed_.store(enqueued_, std::memory_order_release);
       wake = worker_sleeping_;
       worker_sleeping_ = false;  // one notification per sleep, not one per op pushed
     }
@@ -192,6 +194,7 @@ class HostQueue {
       op.target = target;
       queue_.push(std::move(op));
       ++enqueued_;
+      pushed_.store(enqueued_, std::memory_order_release);
       wake = worker_sleeping_;
       worker_sleeping_ = false;
     }
@@ -230,8 +233,18 @@ class HostQueue {
   }
 
   void run() {
+    uint64_t popped = 0;  // ops taken from the queue
     for (;;) {
       Op op;
+      // Note [Host stream spin]: an idle worker watches the queue for up to 50 us (yielding
+      // its core to any runnable thread) before it sleeps: work enqueued op by op, a
+      // framework's saved tensors microseconds apart, then costs its producer no wake-up
+      // system call (bench_hooks.py: 8.5-8.8 us per saved tensor with the spin, 11.9-12.2
+      // without, same machine). An idle stream sleeps after the 50 us as before.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+      while (pushed_.load(std::memory_order_acquire) == popped &&
+             std::chrono::steady_clock::now() < until)
+        std::this_thread::yield();
       {
         std::unique_lock<std::mutex> lock(mu_);
         worker_sleeping_ = true;
@@ -239,6 +252,7 @@ class HostQueue {
         worker_sleeping_ = false;
         if (queue_.empty()) return;  // stop requested and drained
         op = queue_.pop();
+        ++popped;
       }
       execute(op);
       bool wake = false;
@@ -302,6 +316,7 @@ class HostQueue {
   uint64_t done_ = 0;
   int sync_waiters_ = 0;
   bool worker_sleeping_ = false;
+  std::atomic<uint64_t> pushed_{0};  // enqueued_, for the worker's spin without the lock
   bool stop_ = false;
   const bool inline_;
   std::thread worker_;  // last: starts after the members it uses (none when inline)
