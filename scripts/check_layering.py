@@ -25,6 +25,7 @@ ARROWS = {
     "memory": ["device"],
     "offload": ["memory"],
     "optim": ["memory"],
+    "stream": ["memory"],  # layerwise weight streaming (DESIGN section 5)
     "catalog": ["core"],  # src/hw + src/model: hardware profiles and model configs
     "probe": ["device", "catalog"],
     "plan": ["catalog"],
@@ -45,6 +46,7 @@ PUBLIC = {
     "memory": "memory",
     "offload": "offload",
     "optim": "optim",
+    "stream": "stream",
     "hardware": "catalog", "model": "catalog", "inventory": "catalog",
     "probe": "probe",
     "plan": "plan", "collectives": "plan",

@@ -1,0 +1,416 @@
+// Layerwise weight streaming on the host backend (its copy and compute streams are threads
+// moving the real bytes): outputs bitwise those of the all-resident model, inference and
+// training; what is copied and reused; a slow link makes compute wait, a slow reader makes
+// the copy wait, never a half-written or overwritten slot; no allocation, no host
+// synchronize and no stream-wide wait in steady state; bad calls name what is wrong.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "allocation_count.hpp"
+#include "forwarding_device.hpp"
+#include "spillway/error.hpp"
+#include "spillway/stream.hpp"
+
+namespace spillway {
+namespace {
+
+// Layer sizes in floats: unequal, so a slot holds layers of every size.
+const std::vector<size_t> kFloats = {4096, 1024, 8192, 3000, 4096, 512, 6000};
+
+std::vector<size_t> layer_bytes(size_t layers) {
+  std::vector<size_t> b;
+  for (size_t i = 0; i < layers; ++i) b.push_back(kFloats[i % kFloats.size()] * sizeof(float));
+  return b;
+}
+
+float weight(int layer, int version, size_t i) {
+  return 0.5f +
+         static_cast<float>((layer * 131 + version * 17 + static_cast<int>(i % 97)) % 251) / 512.0f;
+}
+
+void fill_slab(WeightStreamer& ws, int layer, int version) {
+  auto* w = static_cast<float*>(ws.host_slab(layer));
+  const size_t n = layer_bytes(static_cast<size_t>(ws.layers()))[static_cast<size_t>(layer)] / 4;
+  for (size_t i = 0; i < n; ++i) w[i] = weight(layer, version, i);
+}
+
+// One layer's compute: y <- y * w + w (elementwise over y, w wrapped), in fp32.
+void layer_compute(float* y, size_t ny, const float* w, size_t nw) {
+  for (size_t i = 0; i < ny; ++i) y[i] = y[i] * w[i % nw] + w[(i * 7) % nw];
+}
+
+constexpr size_t kY = 2048;
+
+// A host device whose arena holds the ring.
+std::unique_ptr<Device> host_device(double h2d_gbps = 0.0) {
+  HostDeviceOptions o;
+  o.device_bytes = int64_t{8} << 20;
+  o.h2d_gbps = h2d_gbps;
+  return make_host_device(o);
+}
+
+// Runs `steps` steps of the toy model through the streamer; returns y after each step.
+std::vector<std::vector<float>> run_streamed(Device& dev, int layers, int depth, bool training,
+                                             int steps, int64_t* total_loads = nullptr) {
+  const Stream compute = dev.create_stream(StreamRole::kCompute);
+  StreamOptions o;
+  o.depth = depth;
+  o.training = training;
+  std::vector<std::vector<float>> out;
+  {
+    WeightStreamer ws(dev, compute, layer_bytes(static_cast<size_t>(layers)), o);
+    for (int l = 0; l < layers; ++l) fill_slab(ws, l, 0);
+    std::vector<float> y(kY, 1.0f);
+    const std::vector<size_t> bytes = layer_bytes(static_cast<size_t>(layers));
+    for (int step = 0; step < steps; ++step) {
+      const int visits = training ? 2 * layers : layers;
+      for (int v = 0; v < visits; ++v) {
+        const int l = v < layers ? v : 2 * layers - 1 - v;
+        const auto* w = static_cast<const float*>(ws.acquire(l));
+        const size_t nw = bytes[static_cast<size_t>(l)] / 4;
+        float* yp = y.data();
+        dev.host_callback(compute, [yp, w, nw] { layer_compute(yp, kY, w, nw); });
+        ws.release(l);
+      }
+      dev.synchronize(compute);
+      out.push_back(y);
+      if (training) {
+        // The "optimizer" writes the next step's weights once the copies read the slabs.
+        for (int l = 0; l < layers; ++l) {
+          dev.synchronize(ws.host_slab_read(l));
+          fill_slab(ws, l, step + 1);
+        }
+      }
+      ws.step_end();
+    }
+    const StreamTelemetry t = ws.telemetry();
+    if (total_loads != nullptr) *total_loads = t.loads;
+    EXPECT_EQ(t.visits, static_cast<int64_t>(steps) * (training ? 2 : 1) * layers);
+    // Inference wraps around: the last visit's acquire prefetched the next step's first
+    // `depth` visits (loads not yet visited); training waits for a step_end() to do so.
+    const int64_t ahead = training || layers <= depth + 1 ? 0 : depth;
+    EXPECT_EQ(t.loads + t.hits, t.visits + ahead);
+  }
+  dev.destroy_stream(compute);
+  return out;
+}
+
+std::vector<std::vector<float>> run_resident(int layers, bool training, int steps) {
+  std::vector<std::vector<float>> out;
+  std::vector<float> y(kY, 1.0f);
+  const std::vector<size_t> bytes = layer_bytes(static_cast<size_t>(layers));
+  for (int step = 0; step < steps; ++step) {
+    const int visits = training ? 2 * layers : layers;
+    for (int v = 0; v < visits; ++v) {
+      const int l = v < layers ? v : 2 * layers - 1 - v;
+      const size_t nw = bytes[static_cast<size_t>(l)] / 4;
+      std::vector<float> w(nw);
+      for (size_t i = 0; i < nw; ++i) w[i] = weight(l, training ? step : 0, i);
+      layer_compute(y.data(), kY, w.data(), nw);
+    }
+    out.push_back(y);
+  }
+  return out;
+}
+
+TEST(WeightStreamer, InferenceEqualsAllResidentBitwiseAtEveryDepth) {
+  for (int depth : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "depth " << depth);
+    auto dev = host_device();
+    int64_t loads = 0;
+    const auto got = run_streamed(*dev, 7, depth, false, 4, &loads);
+    const auto want = run_resident(7, false, 4);
+    for (size_t s = 0; s < want.size(); ++s)
+      ASSERT_EQ(std::memcmp(got[s].data(), want[s].data(), kY * 4), 0) << "step " << s;
+    // 7 layers > depth + 1 slots: every layer copied every step, and the first `depth` of
+    // the next step prefetched at the end of the last.
+    EXPECT_EQ(loads, 4 * 7 + depth);
+  }
+}
+
+TEST(WeightStreamer, ALayerSetThatFitsTheRingIsCopiedOnce) {
+  auto dev = host_device();
+  int64_t loads = 0;
+  const auto got = run_streamed(*dev, 3, 2, false, 5, &loads);
+  const auto want = run_resident(3, false, 5);
+  for (size_t s = 0; s < want.size(); ++s)
+    ASSERT_EQ(std::memcmp(got[s].data(), want[s].data(), kY * 4), 0) << "step " << s;
+  EXPECT_EQ(loads, 3);  // 15 visits in 5 steps: 3 loads, the rest hits
+}
+
+TEST(WeightStreamer, TrainingReusesTheTurnAndStreamsTheNewWeightsAfterStepEnd) {
+  for (int depth : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << "depth " << depth);
+    auto dev = host_device();
+    int64_t loads = 0;
+    const auto got = run_streamed(*dev, 6, depth, true, 3, &loads);
+    const auto want = run_resident(6, true, 3);  // each step's weights are that step's
+    for (size_t s = 0; s < want.size(); ++s)
+      ASSERT_EQ(std::memcmp(got[s].data(), want[s].data(), kY * 4), 0) << "step " << s;
+    // Forward loads 6; backward finds the last depth + 1 layers still in the ring.
+    EXPECT_EQ(loads, 3 * (6 + 6 - (depth + 1)));
+  }
+}
+
+// The telemetry of an inference run: every byte counted, the ring kept full.
+TEST(WeightStreamer, TelemetryCountsBytesTimesAndTheRingsOccupancy) {
+  auto dev = host_device(2.0);  // 2 GB/s: copies take measurable time
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  {
+    StreamOptions o;
+    o.depth = 2;
+    WeightStreamer ws(*dev, compute, layer_bytes(7), o);
+    EXPECT_EQ(ws.slot_bytes(), 8192u * 4);
+    for (int l = 0; l < 7; ++l) fill_slab(ws, l, 0);
+    for (int step = 0; step < 3; ++step) {
+      for (int l = 0; l < 7; ++l) {
+        ws.acquire(l);
+        ws.release(l);
+      }
+      ws.step_end();
+    }
+    const StreamTelemetry t = ws.telemetry();
+    const std::vector<size_t> b = layer_bytes(7);
+    // Three steps, and the next step's first two layers prefetched (wrap-around).
+    EXPECT_EQ(t.bytes, 3 * static_cast<int64_t>(std::accumulate(b.begin(), b.end(), size_t{0})) +
+                           static_cast<int64_t>(b[0] + b[1]));
+    EXPECT_EQ(t.loads, 23);
+    EXPECT_EQ(t.hits, 0);
+    EXPECT_EQ(t.steps, 3);
+    EXPECT_GT(t.copy_ms, 0.0);
+    EXPECT_GT(t.gbps, 0.0);
+    EXPECT_LT(t.gbps, 2.5);      // the throttle holds (2 GB/s), with wake-up slack
+    EXPECT_GT(t.stall_ms, 0.0);  // compute does nothing: it waits for every copy
+    EXPECT_GT(t.late_acquires, 0);
+    // At every acquire the visit and the next two have their loads issued.
+    EXPECT_DOUBLE_EQ(t.mean_slots_ahead, 3.0);
+    for (int l = 0; l < 7; ++l) {
+      const int64_t want = l < 2 ? 4 : 3;
+      EXPECT_EQ(t.layers[static_cast<size_t>(l)].loads, want);
+      EXPECT_EQ(t.layers[static_cast<size_t>(l)].bytes,
+                want * static_cast<int64_t>(b[static_cast<size_t>(l)]));
+    }
+    ws.reset_telemetry();
+    EXPECT_EQ(ws.telemetry().bytes, 0);
+  }
+  dev->destroy_stream(compute);
+}
+
+// Checks, when compute reaches a layer, that its slot holds the whole layer: under a slow
+// link (compute would read a half-written slot if it did not wait) and under a slow reader
+// (the next copy would overwrite a slot being read if it did not wait for the release).
+TEST(WeightStreamer, ASlowLinkOrASlowReaderNeverSeesAHalfWrittenSlot) {
+  struct Case {
+    double gbps;
+    int read_sleep_us;
+  };
+  for (const Case c : {Case{0.05, 0}, Case{0.0, 3000}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "link " << c.gbps << " GB/s, reader sleeps " << c.read_sleep_us << " us");
+    auto dev = host_device(c.gbps);
+    const Stream compute = dev->create_stream(StreamRole::kCompute);
+    std::atomic<int> bad{0};
+    {
+      StreamOptions o;
+      o.depth = 2;
+      const std::vector<size_t> bytes = layer_bytes(7);
+      WeightStreamer ws(*dev, compute, bytes, o);
+      for (int l = 0; l < 7; ++l) fill_slab(ws, l, 0);
+      for (int step = 0; step < 2; ++step) {
+        for (int l = 0; l < 7; ++l) {
+          const auto* w = static_cast<const float*>(ws.acquire(l));
+          const size_t n = bytes[static_cast<size_t>(l)] / 4;
+          const int sleep_us = c.read_sleep_us;
+          dev->host_callback(compute, [w, n, l, sleep_us, &bad] {
+            auto check = [&] {
+              for (size_t i = 0; i < n; ++i)
+                if (w[i] != weight(l, 0, i)) return false;
+              return true;
+            };
+            if (!check()) ++bad;
+            if (sleep_us > 0) {
+              std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+              if (!check()) ++bad;  // overwritten while its reader was still at work
+            }
+          });
+          ws.release(l);
+        }
+        ws.step_end();
+      }
+      dev->synchronize(compute);
+    }
+    EXPECT_EQ(bad.load(), 0);
+    dev->destroy_stream(compute);
+  }
+}
+
+// Counts what the streamer asks of the device after its construction.
+class CountingDevice final : public testing::ForwardingDevice {
+ public:
+  using ForwardingDevice::ForwardingDevice;
+  int64_t allocations = 0, synchronizes = 0, waits = 0, copies = 0;
+  bool counting = false;
+  AllocResult allocate(size_t bytes, MemoryKind kind) override {
+    if (counting) ++allocations;
+    return inner().allocate(bytes, kind);
+  }
+  void synchronize(Event e) override {
+    if (counting) ++synchronizes;
+    inner().synchronize(e);
+  }
+  void synchronize(Stream s) override {
+    if (counting) ++synchronizes;
+    inner().synchronize(s);
+  }
+  void wait(Stream s, Event e) override {
+    if (counting) ++waits;
+    inner().wait(s, e);
+  }
+  void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
+    if (counting) ++copies;
+    inner().copy_async(dst, src, bytes, s);
+  }
+};
+
+TEST(WeightStreamer, SteadyStateAllocatesNothingAndOrdersByEventsOnly) {
+  auto host = host_device();
+  CountingDevice dev(*host);
+  const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
+  {
+    StreamOptions o;
+    o.depth = 2;
+    o.timing = false;
+    WeightStreamer ws(dev, compute, layer_bytes(7), o);
+    for (int l = 0; l < 7; ++l) fill_slab(ws, l, 0);
+    // The loop's compute: a callback holding one pointer (no allocation of its own).
+    struct Job {
+      std::vector<float> y = std::vector<float>(kY, 1.0f);
+      const float* w = nullptr;
+      size_t nw = 0;
+    };
+    std::vector<Job> jobs(7);
+    const std::vector<size_t> bytes = layer_bytes(7);
+    auto step = [&] {
+      for (int l = 0; l < 7; ++l) {
+        Job* j = &jobs[static_cast<size_t>(l)];
+        j->w = static_cast<const float*>(ws.acquire(l));
+        j->nw = bytes[static_cast<size_t>(l)] / 4;
+        dev.host_callback(compute, [j] { layer_compute(j->y.data(), kY, j->w, j->nw); });
+        ws.release(l);
+      }
+      ws.step_end();
+      // The loop (not the streamer) keeps the host from running steps ahead of the compute
+      // stream, whose queue would grow: its synchronize is not counted.
+      const bool was = dev.counting;
+      dev.counting = false;
+      dev.synchronize(compute);
+      dev.counting = was;
+    };
+    for (int s = 0; s < 3; ++s) step();  // warm-up: the host streams' queues reach their size
+    dev.counting = true;
+    const int64_t heap0 = testing::heap_allocations();
+    for (int s = 0; s < 5; ++s) step();
+    const int64_t heap = testing::heap_allocations() - heap0;
+    dev.counting = false;
+    EXPECT_EQ(heap, 0) << "heap allocations in 5 steady steps";
+    EXPECT_EQ(dev.allocations, 0);
+    EXPECT_EQ(dev.synchronizes, 0);
+    EXPECT_EQ(dev.copies, 5 * 7);  // one copy per layer: each layer one slab
+    // One event wait per visit on compute (slot ready) and one per copy on the copy stream
+    // (slot free): nothing stream-wide.
+    EXPECT_EQ(dev.waits, 5 * 7 * 2);
+    dev.synchronize(compute);
+  }
+  dev.destroy_stream(compute);
+}
+
+TEST(WeightStreamer, CallerOwnedHostSlabsAreReadInPlace) {
+  auto dev = host_device();
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  {
+    const std::vector<size_t> bytes = layer_bytes(4);
+    std::vector<std::vector<float>> slabs;
+    StreamOptions o;
+    o.depth = 1;
+    for (size_t l = 0; l < 4; ++l) {
+      slabs.emplace_back(bytes[l] / 4);
+      for (size_t i = 0; i < slabs.back().size(); ++i)
+        slabs.back()[i] = weight(static_cast<int>(l), 0, i);
+      o.host_slabs.push_back(slabs.back().data());
+    }
+    WeightStreamer ws(*dev, compute, bytes, o);
+    EXPECT_EQ(ws.host_slab(2), slabs[2].data());
+    std::vector<float> first(4);
+    for (int l = 0; l < 4; ++l) {
+      const auto* w = static_cast<const float*>(ws.acquire(l));
+      float* dst = &first[static_cast<size_t>(l)];
+      dev->host_callback(compute, [dst, w] { *dst = w[5]; });
+      ws.release(l);
+    }
+    dev->synchronize(compute);
+    for (int l = 0; l < 4; ++l) EXPECT_EQ(first[static_cast<size_t>(l)], weight(l, 0, 5));
+  }
+  dev->destroy_stream(compute);
+}
+
+TEST(WeightStreamer, BadCallsNameWhatIsWrong) {
+  auto dev = host_device();
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  StreamOptions bad;
+  bad.depth = 0;
+  EXPECT_NE(message([&] { WeightStreamer(*dev, compute, layer_bytes(3), bad); }).find("depth"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              WeightStreamer(*dev, compute, {64, 0}, {});
+            }).find("layer 1"),
+            std::string::npos);
+  EXPECT_NE(message([&] { WeightStreamer(*dev, compute, {}, {}); }).find("layers"),
+            std::string::npos);
+  StreamOptions huge;
+  huge.depth = 1;
+  EXPECT_NE(message([&] {
+              WeightStreamer(*dev, compute, {size_t{64} << 20}, huge);
+            }).find("device slot 0 of 2"),
+            std::string::npos);
+  {
+    StreamOptions o;
+    o.training = true;
+    WeightStreamer ws(*dev, compute, layer_bytes(3), o);
+    EXPECT_NE(message([&] { ws.acquire(1); }).find("visit 0 of the step is layer 0"),
+              std::string::npos);
+    EXPECT_NE(message([&] { ws.release(0); }).find("without its acquire"), std::string::npos);
+    ws.acquire(0);
+    EXPECT_NE(message([&] { ws.acquire(1); }).find("before release(0)"), std::string::npos);
+    ws.release(0);
+    EXPECT_NE(message([&] { ws.step_end(); }).find("after 1 of the step's 6 visits"),
+              std::string::npos);
+    for (int l : {1, 2, 2, 1, 0}) {
+      ws.acquire(l);
+      ws.release(l);
+    }
+    EXPECT_NE(message([&] { ws.acquire(0); }).find("before step_end()"), std::string::npos);
+    ws.step_end();
+    ws.acquire(0);
+    ws.release(0);
+  }
+  dev->synchronize(compute);
+  dev->destroy_stream(compute);
+}
+
+}  // namespace
+}  // namespace spillway
