@@ -39,10 +39,12 @@
 // A failed launch throws spillway::Error.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "spillway/device_math.hpp"
@@ -156,10 +158,38 @@ class Device {
   virtual bool widen_bf16(const DeviceWidenBf16& /*a*/, Stream /*s*/) { return false; }
 };
 
+// Note [Shared host links]: one host link that several emulated devices share, as GPUs
+// behind one PCIe root complex or MIG slices behind one C2C link do. The copies of every
+// device on it are scheduled on one timeline per direction (first come, first served):
+// a copy ends no earlier than the previous copy on the link in its direction plus its own
+// bytes at the link's bandwidth, so co-running copies slow each other and the link's
+// total never exceeds its bandwidth.
+class HostLink {
+ public:
+  HostLink(double h2d_gbps, double d2h_gbps);  // > 0 each
+  double h2d_gbps() const { return gbps_[0]; }
+  double d2h_gbps() const { return gbps_[1]; }
+  // Books `bytes` in a direction for a copy that started at `start`; returns when it ends.
+  std::chrono::steady_clock::time_point book(bool h2d, size_t bytes,
+                                             std::chrono::steady_clock::time_point start);
+  // Bytes booked so far per direction.
+  int64_t h2d_bytes() const;
+  int64_t d2h_bytes() const;
+
+ private:
+  double gbps_[2];
+  mutable std::mutex mu_;
+  std::chrono::steady_clock::time_point deadline_[2]{};
+  int64_t booked_[2] = {0, 0};
+};
+
 struct HostDeviceOptions {
   int64_t device_bytes = int64_t{1} << 30;  // capacity of the emulated device memory
   double d2h_gbps = 0.0;                    // throttle of device->host copies (0 = none)
   double h2d_gbps = 0.0;                    // throttle of host->device copies (0 = none)
+  // A link shared with other emulated devices (Note [Shared host links]): when set, its
+  // bandwidths throttle this device's host copies instead of d2h_gbps / h2d_gbps.
+  std::shared_ptr<HostLink> link;
 };
 
 // The emulated device. Throws spillway::Error when the arena cannot be reserved.
@@ -208,6 +238,31 @@ class HostStream {
 // The CUDA device `ordinal`, or null with `why` set when the backend is not compiled or
 // no such device exists (an expected outcome: tests skip on it).
 std::unique_ptr<Device> make_cuda_device(int ordinal, std::string* why);
+
+// Note [Device groups]: N devices that gather together, one AllGather per rank, made
+// together. The collective is the backend's: NCCL on CUDA (make_nccl_all_gather), and on
+// the host backend an emulation of N devices of one process (make_host_all_gather), as the
+// host backend emulates copy engines; spillway never runs a collective algorithm of its
+// own over a real interconnect.
+class AllGather {
+ public:
+  virtual ~AllGather() = default;
+  virtual int rank() const = 0;
+  virtual int ranks() const = 0;
+  // In place, on this rank's stream s: `buffer` (ranks() * bytes of this rank's device
+  // memory) holds this rank's part at buffer + rank() * bytes; after the work enqueued here
+  // it holds every rank's part in rank order. Every rank makes the same calls in the same
+  // order (as NCCL requires); a rank's part may be overwritten only after the call's work
+  // on its stream is done (its peers read it until then).
+  virtual void all_gather_in_place(void* buffer, size_t bytes, Stream s) = 0;
+};
+
+// The host backend's group over `devices` (host devices of this process, one per rank):
+// each rank's call runs on its stream's thread, meets its peers (a rendezvous per call),
+// and copies their parts from their buffers; `peer_gbps` > 0 throttles each rank's reads
+// as a device-to-device link of that bandwidth (0: unthrottled). No allocation per call.
+std::vector<std::unique_ptr<AllGather>> make_host_all_gather(const std::vector<Device*>& devices,
+                                                             double peer_gbps = 0.0);
 
 // Whether the CUDA backend is compiled in and how many devices the runtime sees. The
 // answer is a value: "no GPU" is an expected outcome here, not an error.

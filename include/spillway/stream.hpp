@@ -44,16 +44,24 @@ struct StreamOptions {
   int depth = 2;          // d: loads issued ahead of the visit computing; d+1 device slots
   bool training = false;  // the schedule: forward only, or forward then backward
   bool timing = true;     // per-layer copy and stall times (host callbacks on the streams)
-  // Caller-owned pinned host slabs, one per layer (layer_bytes each, alive as long as the
-  // streamer); empty: the streamer allocates them (MemoryKind::kPinnedHost).
+  // Caller-owned pinned host slabs, one per layer (host_slab_bytes each, alive as long as
+  // the streamer); empty: the streamer allocates them (MemoryKind::kPinnedHost).
   std::vector<void*> host_slabs;
+  // Note [Sharded streaming]: GPUs that share one host link each copy 1/N of a layer and
+  // an all-gather (the backend's collective: NCCL, or the host backend's emulation)
+  // assembles it in every rank's slot, so the link carries each layer once instead of N
+  // times. `group` is this rank's member of the N ranks (null: every rank copies whole
+  // layers). Every rank must run the same schedule. A layer is cut in N shards of
+  // ceil(bytes / N) rounded up to 256 bytes; this rank's host slab holds shard rank() of
+  // every layer (zero-padded past the layer's end) and its slots N shards.
+  AllGather* group = nullptr;
 };
 
 // Per layer, over the visits of the steps measured (since construction or reset_telemetry).
 struct LayerStreamStats {
   int64_t loads = 0;      // copies into a slot
   int64_t hits = 0;       // visits that found the layer in a slot
-  int64_t bytes = 0;      // copied host -> device
+  int64_t bytes = 0;      // copied host -> device by this rank (sharded: its shards)
   double copy_ms = 0.0;   // time the copies took on the copy stream (timing)
   double stall_ms = 0.0;  // compute waiting for the layer's slot (timing)
   double gbps = 0.0;      // bytes / copy time
@@ -88,7 +96,11 @@ class WeightStreamer {
 
   int layers() const;
   int depth() const;
-  size_t slot_bytes() const;  // the largest layer
+  size_t slot_bytes() const;  // the largest layer (sharded: N of its shards)
+  // The bytes of layer i's host slab (the layer, or its shard), and where in the layer they
+  // start (0, or rank * shard).
+  size_t host_slab_bytes(int layer) const;
+  size_t host_slab_offset(int layer) const;
   // Layer i's pinned host slab: the caller packs its weights here before the first visit.
   // In training it rewrites them between backward and step_end(), after the copy stream
   // has passed host_slab_read(i) (an event: wait on it from the writer's stream, or

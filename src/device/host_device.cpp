@@ -89,6 +89,8 @@ struct Op {
   const void* src = nullptr;
   size_t bytes = 0;
   double gbps = 0.0;            // a copy's throttle (0: none), the device's for the stream's role
+  HostLink* link = nullptr;     // or the shared link's (Note [Shared host links])
+  bool h2d = false;             // the link's direction
   EventState* event = nullptr;  // alive until the device dies (destroyed ones too)
   uint64_t target = 0;
   std::function<void()> fn;
@@ -273,7 +275,9 @@ class HostQueue {
         // not accumulate over back-to-back copies.
         const auto start = std::chrono::steady_clock::now();
         if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
-        if (op.gbps > 0.0) {
+        if (op.link != nullptr) {
+          std::this_thread::sleep_until(op.link->book(op.h2d, op.bytes, start));
+        } else if (op.gbps > 0.0) {
           const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
               std::chrono::duration<double>(static_cast<double>(op.bytes) / (op.gbps * 1e9)));
           const auto begin = std::max(start, deadline_);
@@ -401,6 +405,8 @@ struct StreamSlot {
   std::shared_ptr<HostQueue> queue;
   double gbps = 0.0;
   bool adopted = false;
+  HostLink* link = nullptr;  // the shared link of the stream's copies, if any
+  bool h2d = false;
   explicit operator bool() const { return queue != nullptr; }
 };
 
@@ -509,7 +515,7 @@ class HostDevice final : public Device {
   }
 
   Stream create_stream(StreamRole role, int /*priority*/) override {
-    return add_stream(StreamSlot{HostQueue::create(), throttle(role), false});
+    return add_stream(with_link(StreamSlot{HostQueue::create(), throttle(role), false}, role));
   }
 
   Stream adopt_stream(void* native, StreamRole role) override {
@@ -518,7 +524,7 @@ class HostDevice final : public Device {
                    "host device: adopt_stream: {} is not a live host stream (a HostStream's "
                    "native() or a host device's native_stream())",
                    native);
-    return add_stream(StreamSlot{std::move(q), throttle(role), true});
+    return add_stream(with_link(StreamSlot{std::move(q), throttle(role), true}, role));
   }
 
   void destroy_stream(Stream s) override {
@@ -607,6 +613,8 @@ class HostDevice final : public Device {
       const StreamSlot& target = slot(s);
       q = target.queue.get();
       op.gbps = target.gbps;
+      op.link = target.link;
+      op.h2d = target.h2d;
     }
     q->push(std::move(op));
   }
@@ -630,6 +638,14 @@ class HostDevice final : public Device {
     stats_.current[k] += bytes;
     stats_.peak[k] = std::max(stats_.peak[k], stats_.current[k]);
     ++stats_.allocations[k];
+  }
+  StreamSlot with_link(StreamSlot s, StreamRole role) const {
+    if (options_.link && (role == StreamRole::kD2H || role == StreamRole::kH2D)) {
+      s.link = options_.link.get();
+      s.h2d = role == StreamRole::kH2D;
+      s.gbps = 0.0;
+    }
+    return s;
   }
   double throttle(StreamRole role) const {
     return role == StreamRole::kD2H   ? options_.d2h_gbps
@@ -713,6 +729,32 @@ class HostDevice final : public Device {
 };
 
 }  // namespace
+
+HostLink::HostLink(double h2d_gbps, double d2h_gbps) : gbps_{h2d_gbps, d2h_gbps} {
+  if (!(h2d_gbps > 0.0)) SPILLWAY_FIELD_ERROR("h2d_gbps", h2d_gbps, "must be > 0 (a shared link)");
+  if (!(d2h_gbps > 0.0)) SPILLWAY_FIELD_ERROR("d2h_gbps", d2h_gbps, "must be > 0 (a shared link)");
+}
+
+std::chrono::steady_clock::time_point HostLink::book(bool h2d, size_t bytes,
+                                                     std::chrono::steady_clock::time_point start) {
+  const int d = h2d ? 0 : 1;
+  const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(static_cast<double>(bytes) / (gbps_[d] * 1e9)));
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto begin = std::max(start, deadline_[d]);
+  deadline_[d] = begin + duration;
+  booked_[d] += static_cast<int64_t>(bytes);
+  return deadline_[d];
+}
+
+int64_t HostLink::h2d_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return booked_[0];
+}
+int64_t HostLink::d2h_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return booked_[1];
+}
 
 std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options) {
   return std::make_unique<HostDevice>(options);

@@ -25,7 +25,12 @@ struct WeightStreamer::Impl {
   Device& dev;
   Stream compute;
   Stream h2d;
-  std::vector<size_t> bytes;  // per layer
+  Stream comm{-1};                 // sharded: the all-gathers' stream
+  std::vector<size_t> bytes;       // per layer
+  std::vector<size_t> host_bytes;  // per layer: its host slab (the layer, or its shard)
+  AllGather* group = nullptr;
+  int ranks = 1;
+  int rank = 0;
   StreamOptions opt;
   int L = 0;
   int n = 0;  // visits per step
@@ -39,7 +44,8 @@ struct WeightStreamer::Impl {
     void* ptr = nullptr;
     int layer = -1;         // the layer it holds (or is loading); -1: empty or stale
     int64_t last_use = -1;  // the latest decided visit reading it
-    Event ready{-1};        // recorded on h2d after its last copy
+    Event ready{-1};        // recorded after its last copy (sharded: after the all-gather)
+    Event copied{-1};       // sharded: recorded on h2d after the copy of this rank's shard
     Event free{-1};         // recorded on compute at the release of each visit reading it
   };
   std::vector<Slot> ring;
@@ -119,19 +125,29 @@ void WeightStreamer::Impl::decide(int64_t a) {
   const auto l = static_cast<size_t>(layer);
   if (opt.timing)
     dev.host_callback(h2d, [this, layer] { copy_start[static_cast<size_t>(layer)] = now_ms(); });
-  dev.copy_async(k.ptr, host[l], bytes[l], h2d);
+  const size_t hb = host_bytes[l];
+  dev.copy_async(static_cast<std::byte*>(k.ptr) + static_cast<size_t>(rank) * (group ? hb : 0),
+                 host[l], hb, h2d);
   if (opt.timing)
     dev.host_callback(h2d, [this, layer] {
       const auto i = static_cast<size_t>(layer);
       copy_ms[i] += now_ms() - copy_start[i];
     });
-  dev.record(k.ready, h2d);
+  if (group != nullptr) {
+    // Note [Sharded streaming]: the all-gather after this rank's shard has landed.
+    dev.record(k.copied, h2d);
+    dev.wait(comm, k.copied);
+    group->all_gather_in_place(k.ptr, hb, comm);
+    dev.record(k.ready, comm);
+  } else {
+    dev.record(k.ready, h2d);
+  }
   dev.record(slab_read[l], h2d);
   k.layer = layer;
   k.last_use = a;
   d = {best, true};
   ++loads[l];
-  copied[l] += static_cast<int64_t>(bytes[l]);
+  copied[l] += static_cast<int64_t>(hb);
 }
 
 void WeightStreamer::Impl::decide_up_to(int64_t last) {
@@ -158,13 +174,29 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
                          "must be empty or one per layer ({})", s.L);
   s.n = options.training ? 2 * s.L : s.L;
   s.slots = options.depth + 1;
-  s.slot_bytes = *std::max_element(s.bytes.begin(), s.bytes.end());
+  s.group = options.group;
+  if (s.group != nullptr) {
+    s.ranks = s.group->ranks();
+    s.rank = s.group->rank();
+    size_t largest = 0;
+    for (size_t b : s.bytes) {
+      const size_t shard = (b + static_cast<size_t>(s.ranks) - 1) / static_cast<size_t>(s.ranks);
+      s.host_bytes.push_back((shard + 255) / 256 * 256);
+      largest = std::max(largest, s.host_bytes.back());
+    }
+    s.slot_bytes = largest * static_cast<size_t>(s.ranks);
+  } else {
+    s.host_bytes = s.bytes;
+    s.slot_bytes = *std::max_element(s.bytes.begin(), s.bytes.end());
+  }
   s.h2d = dev.create_stream(StreamRole::kH2D);
+  if (s.group != nullptr) s.comm = dev.create_stream(StreamRole::kCompute);
   s.owns_host = options.host_slabs.empty();
   s.host = options.host_slabs;
   if (s.owns_host) {
     for (int i = 0; i < s.L; ++i) {
-      const AllocResult r = dev.allocate(s.bytes[static_cast<size_t>(i)], MemoryKind::kPinnedHost);
+      const AllocResult r =
+          dev.allocate(s.host_bytes[static_cast<size_t>(i)], MemoryKind::kPinnedHost);
       if (!r)
         SPILLWAY_INPUT_ERROR(
             "weight streaming: cannot allocate the host slab of layer {} ({} bytes): {}", i,
@@ -184,6 +216,7 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
     k.ptr = r.ptr;
     k.ready = dev.create_event();
     k.free = dev.create_event();
+    k.copied = dev.create_event();
   }
   for (int i = 0; i < s.L; ++i) s.slab_read.push_back(dev.create_event());
   s.plan.resize((2 * static_cast<size_t>(s.slots)) + 2);
@@ -200,16 +233,19 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
 WeightStreamer::~WeightStreamer() {
   Impl& s = *impl_;
   s.dev.synchronize(s.h2d);
+  if (s.group != nullptr) s.dev.synchronize(s.comm);
   s.dev.synchronize(s.compute);
   for (Impl::Slot& k : s.ring) {
     s.dev.destroy_event(k.ready);
     s.dev.destroy_event(k.free);
+    s.dev.destroy_event(k.copied);
     s.dev.free(k.ptr, MemoryKind::kDevice);
   }
   for (Event e : s.slab_read) s.dev.destroy_event(e);
   if (s.owns_host)
     for (void* p : s.host) s.dev.free(p, MemoryKind::kPinnedHost);
   s.dev.destroy_stream(s.h2d);
+  if (s.group != nullptr) s.dev.destroy_stream(s.comm);
 }
 
 int WeightStreamer::layers() const {
@@ -220,6 +256,18 @@ int WeightStreamer::depth() const {
 }
 size_t WeightStreamer::slot_bytes() const {
   return impl_->slot_bytes;
+}
+
+size_t WeightStreamer::host_slab_bytes(int layer) const {
+  (void)host_slab(layer);  // checks the layer
+  return impl_->host_bytes[static_cast<size_t>(layer)];
+}
+
+size_t WeightStreamer::host_slab_offset(int layer) const {
+  (void)host_slab(layer);
+  return impl_->group != nullptr
+             ? static_cast<size_t>(impl_->rank) * impl_->host_bytes[static_cast<size_t>(layer)]
+             : 0;
 }
 
 void* WeightStreamer::host_slab(int layer) const {

@@ -360,6 +360,106 @@ TEST(WeightStreamer, CallerOwnedHostSlabsAreReadInPlace) {
   dev->destroy_stream(compute);
 }
 
+// Note [Sharded streaming]: N emulated GPUs behind one host link. Each rank copies its
+// shard of every layer and the group's all-gather assembles the layer: every rank computes
+// the all-resident result bitwise, and the link carries each layer once per step instead
+// of N times (the full-copy mode, same run).
+struct RankRun {
+  std::vector<float> y;
+  int64_t link_bytes = 0;  // the shared link's host-to-device bytes, all ranks
+  int64_t rank_bytes = 0;  // rank 0's, from its telemetry
+};
+
+RankRun run_ranks(int ranks, bool sharded, int layers, int depth, int steps) {
+  auto link = std::make_shared<HostLink>(8.0, 8.0);
+  std::vector<std::unique_ptr<Device>> devs;
+  std::vector<Device*> raw;
+  for (int r = 0; r < ranks; ++r) {
+    HostDeviceOptions o;
+    o.device_bytes = int64_t{8} << 20;
+    o.link = link;
+    devs.push_back(make_host_device(o));
+    raw.push_back(devs.back().get());
+  }
+  std::vector<std::unique_ptr<AllGather>> group;
+  if (sharded) group = make_host_all_gather(raw);
+  const std::vector<size_t> bytes = layer_bytes(static_cast<size_t>(layers));
+  std::vector<Stream> compute;
+  std::vector<std::unique_ptr<WeightStreamer>> ws;
+  for (int r = 0; r < ranks; ++r) {
+    compute.push_back(devs[static_cast<size_t>(r)]->create_stream(StreamRole::kCompute));
+    StreamOptions o;
+    o.depth = depth;
+    o.group = sharded ? group[static_cast<size_t>(r)].get() : nullptr;
+    ws.push_back(
+        std::make_unique<WeightStreamer>(*devs[static_cast<size_t>(r)], compute.back(), bytes, o));
+    // This rank's part of every layer: its bytes of the layer, zero past the end.
+    for (int l = 0; l < layers; ++l) {
+      WeightStreamer& w = *ws.back();
+      auto* slab = static_cast<char*>(w.host_slab(l));
+      const size_t off = w.host_slab_offset(l);
+      const size_t n = w.host_slab_bytes(l);
+      std::vector<float> full(bytes[static_cast<size_t>(l)] / 4);
+      for (size_t i = 0; i < full.size(); ++i) full[i] = weight(l, 0, i);
+      for (size_t i = 0; i < n; ++i)
+        slab[i] = off + i < bytes[static_cast<size_t>(l)]
+                      ? reinterpret_cast<const char*>(full.data())[off + i]
+                      : char{0};
+    }
+  }
+  std::vector<std::vector<float>> y(static_cast<size_t>(ranks), std::vector<float>(kY, 1.0f));
+  // One thread drives every rank, visit by visit (each rank's work is on its streams).
+  for (int step = 0; step < steps; ++step) {
+    for (int l = 0; l < layers; ++l) {
+      for (int r = 0; r < ranks; ++r) {
+        const auto* w = static_cast<const float*>(ws[static_cast<size_t>(r)]->acquire(l));
+        const size_t nw = bytes[static_cast<size_t>(l)] / 4;
+        float* yp = y[static_cast<size_t>(r)].data();
+        devs[static_cast<size_t>(r)]->host_callback(compute[static_cast<size_t>(r)],
+                                                    [yp, w, nw] { layer_compute(yp, kY, w, nw); });
+        ws[static_cast<size_t>(r)]->release(l);
+      }
+    }
+    for (auto& w : ws) w->step_end();
+  }
+  RankRun out;
+  for (int r = 0; r < ranks; ++r)
+    devs[static_cast<size_t>(r)]->synchronize(compute[static_cast<size_t>(r)]);
+  for (int r = 1; r < ranks; ++r)
+    EXPECT_EQ(std::memcmp(y[0].data(), y[static_cast<size_t>(r)].data(), kY * 4), 0)
+        << "rank " << r << " differs from rank 0";
+  out.y = y[0];
+  out.rank_bytes = ws[0]->telemetry().bytes;
+  ws.clear();
+  out.link_bytes = link->h2d_bytes();
+  for (int r = 0; r < ranks; ++r)
+    devs[static_cast<size_t>(r)]->destroy_stream(compute[static_cast<size_t>(r)]);
+  return out;
+}
+
+TEST(WeightStreamer, ShardedRanksComputeTheAllResidentResultAndMoveEachLayerOnce) {
+  const int layers = 7, depth = 2, steps = 3;
+  const auto want = run_resident(layers, false, steps).back();
+  const std::vector<size_t> b = layer_bytes(layers);
+  const auto model = static_cast<int64_t>(std::accumulate(b.begin(), b.end(), size_t{0}));
+  for (int ranks : {2, 4}) {
+    SCOPED_TRACE(::testing::Message() << ranks << " ranks");
+    const RankRun full = run_ranks(ranks, false, layers, depth, steps);
+    const RankRun sharded = run_ranks(ranks, true, layers, depth, steps);
+    ASSERT_EQ(std::memcmp(full.y.data(), want.data(), kY * 4), 0);
+    ASSERT_EQ(std::memcmp(sharded.y.data(), want.data(), kY * 4), 0);
+    // Full copy: every rank pulls every layer over the link. Sharded: each pulls 1/N
+    // (shards rounded up to 256 bytes). Both also prefetched the next step's first
+    // `depth` layers.
+    const int64_t ahead = static_cast<int64_t>(b[0] + b[1]);
+    EXPECT_EQ(full.link_bytes, ranks * (steps * model + ahead));
+    EXPECT_EQ(full.rank_bytes, steps * model + ahead);
+    EXPECT_EQ(sharded.link_bytes, ranks * sharded.rank_bytes);
+    EXPECT_LE(sharded.link_bytes, steps * model + ahead + ranks * 256 * (steps + 1) * layers);
+    EXPECT_GE(sharded.link_bytes, steps * model + ahead);
+  }
+}
+
 TEST(WeightStreamer, BadCallsNameWhatIsWrong) {
   auto dev = host_device();
   const Stream compute = dev->create_stream(StreamRole::kCompute);
