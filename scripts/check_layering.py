@@ -49,7 +49,7 @@ PUBLIC = {
     "stream": "stream",
     "hardware": "catalog", "model": "catalog", "inventory": "catalog",
     "probe": "probe",
-    "plan": "plan", "collectives": "plan",
+    "plan": "plan", "collectives": "plan", "stream_mode": "plan",
     "sim": "sim",
     "nn": "nn",
     "train": "train",

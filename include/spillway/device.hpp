@@ -189,7 +189,7 @@ struct HostDeviceOptions {
   double h2d_gbps = 0.0;                    // throttle of host->device copies (0 = none)
   // A link shared with other emulated devices (Note [Shared host links]): when set, its
   // bandwidths throttle this device's host copies instead of d2h_gbps / h2d_gbps.
-  std::shared_ptr<HostLink> link;
+  std::shared_ptr<HostLink> link = nullptr;
 };
 
 // The emulated device. Throws spillway::Error when the arena cannot be reserved.

@@ -65,4 +65,21 @@ std::string format_probe_report(const ProbeResult& result, const HardwareProfile
 // JSON, schema "spillway.probe/1".
 std::string probe_json(const ProbeResult& result);
 
+// Which GPUs share a host link, read from the PCI device tree (Linux sysfs): each NVIDIA
+// display or 3D controller under <sysfs_root>/bus/pci/devices, grouped by the root port
+// it hangs under (the first bridge below its root complex), since the GPUs behind one
+// root port share its link to the host. No GPU is an answer, not an error (`note` says
+// why); a GPU directly on a root complex has a link of its own.
+struct PciGpu {
+  std::string address;    // "0000:41:00.0"
+  std::string root_port;  // the bridge whose link it uses ("0000:40:01.1"), or itself
+};
+struct HostTopology {
+  std::vector<PciGpu> gpus;
+  std::vector<std::vector<int>> link_groups;  // indices into gpus, one group per root port
+  int max_gpus_per_link = 0;
+  std::string note;
+};
+HostTopology detect_host_topology(const std::string& sysfs_root = "/sys");
+
 }  // namespace spillway

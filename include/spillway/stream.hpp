@@ -40,7 +40,7 @@
 
 namespace spillway {
 
-struct StreamOptions {
+struct WeightStreamOptions {
   int depth = 2;          // d: loads issued ahead of the visit computing; d+1 device slots
   bool training = false;  // the schedule: forward only, or forward then backward
   bool timing = true;     // per-layer copy and stall times (host callbacks on the streams)
@@ -67,7 +67,7 @@ struct LayerStreamStats {
   double gbps = 0.0;      // bytes / copy time
 };
 
-struct StreamTelemetry {
+struct WeightStreamTelemetry {
   std::vector<LayerStreamStats> layers;
   int64_t visits = 0;
   int64_t loads = 0;
@@ -89,7 +89,7 @@ class WeightStreamer {
   // the d+1 device slots (each of the largest layer) and, unless given, the host slabs:
   // everything it will ever allocate.
   WeightStreamer(Device& dev, Stream compute, std::vector<size_t> layer_bytes,
-                 const StreamOptions& options = {});
+                 const WeightStreamOptions& options = {});
   ~WeightStreamer();
   WeightStreamer(const WeightStreamer&) = delete;
   WeightStreamer& operator=(const WeightStreamer&) = delete;
@@ -121,7 +121,7 @@ class WeightStreamer {
 
   // The telemetry so far: waits for the copy and compute streams when timing is on (call
   // it outside the steps being timed).
-  StreamTelemetry telemetry();
+  WeightStreamTelemetry telemetry();
   void reset_telemetry();
 
  private:

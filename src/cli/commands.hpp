@@ -29,5 +29,6 @@ void add_simulate_command(CLI::App& app);
 void add_probe_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_train_command(CLI::App& app);
+void add_stream_command(CLI::App& app);
 
 }  // namespace spillway::cli

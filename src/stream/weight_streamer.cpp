@@ -31,7 +31,7 @@ struct WeightStreamer::Impl {
   AllGather* group = nullptr;
   int ranks = 1;
   int rank = 0;
-  StreamOptions opt;
+  WeightStreamOptions opt;
   int L = 0;
   int n = 0;  // visits per step
   int slots = 0;
@@ -157,7 +157,7 @@ void WeightStreamer::Impl::decide_up_to(int64_t last) {
 }
 
 WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> layer_bytes,
-                               const StreamOptions& options)
+                               const WeightStreamOptions& options)
     : impl_(std::make_unique<Impl>(dev, compute)) {
   Impl& s = *impl_;
   s.opt = options;
@@ -353,13 +353,13 @@ void WeightStreamer::step_end() {
   ++s.steps_ended;
 }
 
-StreamTelemetry WeightStreamer::telemetry() {
+WeightStreamTelemetry WeightStreamer::telemetry() {
   Impl& s = *impl_;
   if (s.opt.timing) {
     s.dev.synchronize(s.h2d);
     s.dev.synchronize(s.compute);
   }
-  StreamTelemetry t;
+  WeightStreamTelemetry t;
   for (int i = 0; i < s.L; ++i) {
     const auto l = static_cast<size_t>(i);
     LayerStreamStats ls;

@@ -60,7 +60,7 @@ std::unique_ptr<Device> host_device(double h2d_gbps = 0.0) {
 std::vector<std::vector<float>> run_streamed(Device& dev, int layers, int depth, bool training,
                                              int steps, int64_t* total_loads = nullptr) {
   const Stream compute = dev.create_stream(StreamRole::kCompute);
-  StreamOptions o;
+  WeightStreamOptions o;
   o.depth = depth;
   o.training = training;
   std::vector<std::vector<float>> out;
@@ -90,7 +90,7 @@ std::vector<std::vector<float>> run_streamed(Device& dev, int layers, int depth,
       }
       ws.step_end();
     }
-    const StreamTelemetry t = ws.telemetry();
+    const WeightStreamTelemetry t = ws.telemetry();
     if (total_loads != nullptr) *total_loads = t.loads;
     EXPECT_EQ(t.visits, static_cast<int64_t>(steps) * (training ? 2 : 1) * layers);
     // Inference wraps around: the last visit's acquire prefetched the next step's first
@@ -164,7 +164,7 @@ TEST(WeightStreamer, TelemetryCountsBytesTimesAndTheRingsOccupancy) {
   auto dev = host_device(2.0);  // 2 GB/s: copies take measurable time
   const Stream compute = dev->create_stream(StreamRole::kCompute);
   {
-    StreamOptions o;
+    WeightStreamOptions o;
     o.depth = 2;
     WeightStreamer ws(*dev, compute, layer_bytes(7), o);
     EXPECT_EQ(ws.slot_bytes(), 8192u * 4);
@@ -176,7 +176,7 @@ TEST(WeightStreamer, TelemetryCountsBytesTimesAndTheRingsOccupancy) {
       }
       ws.step_end();
     }
-    const StreamTelemetry t = ws.telemetry();
+    const WeightStreamTelemetry t = ws.telemetry();
     const std::vector<size_t> b = layer_bytes(7);
     // Three steps, and the next step's first two layers prefetched (wrap-around).
     EXPECT_EQ(t.bytes, 3 * static_cast<int64_t>(std::accumulate(b.begin(), b.end(), size_t{0})) +
@@ -218,7 +218,7 @@ TEST(WeightStreamer, ASlowLinkOrASlowReaderNeverSeesAHalfWrittenSlot) {
     const Stream compute = dev->create_stream(StreamRole::kCompute);
     std::atomic<int> bad{0};
     {
-      StreamOptions o;
+      WeightStreamOptions o;
       o.depth = 2;
       const std::vector<size_t> bytes = layer_bytes(7);
       WeightStreamer ws(*dev, compute, bytes, o);
@@ -284,7 +284,7 @@ TEST(WeightStreamer, SteadyStateAllocatesNothingAndOrdersByEventsOnly) {
   CountingDevice dev(*host);
   const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
   {
-    StreamOptions o;
+    WeightStreamOptions o;
     o.depth = 2;
     o.timing = false;
     WeightStreamer ws(dev, compute, layer_bytes(7), o);
@@ -337,7 +337,7 @@ TEST(WeightStreamer, CallerOwnedHostSlabsAreReadInPlace) {
   {
     const std::vector<size_t> bytes = layer_bytes(4);
     std::vector<std::vector<float>> slabs;
-    StreamOptions o;
+    WeightStreamOptions o;
     o.depth = 1;
     for (size_t l = 0; l < 4; ++l) {
       slabs.emplace_back(bytes[l] / 4);
@@ -388,7 +388,7 @@ RankRun run_ranks(int ranks, bool sharded, int layers, int depth, int steps) {
   std::vector<std::unique_ptr<WeightStreamer>> ws;
   for (int r = 0; r < ranks; ++r) {
     compute.push_back(devs[static_cast<size_t>(r)]->create_stream(StreamRole::kCompute));
-    StreamOptions o;
+    WeightStreamOptions o;
     o.depth = depth;
     o.group = sharded ? group[static_cast<size_t>(r)].get() : nullptr;
     ws.push_back(
@@ -471,7 +471,7 @@ TEST(WeightStreamer, BadCallsNameWhatIsWrong) {
     }
     return std::string("no error");
   };
-  StreamOptions bad;
+  WeightStreamOptions bad;
   bad.depth = 0;
   EXPECT_NE(message([&] { WeightStreamer(*dev, compute, layer_bytes(3), bad); }).find("depth"),
             std::string::npos);
@@ -481,14 +481,14 @@ TEST(WeightStreamer, BadCallsNameWhatIsWrong) {
             std::string::npos);
   EXPECT_NE(message([&] { WeightStreamer(*dev, compute, {}, {}); }).find("layers"),
             std::string::npos);
-  StreamOptions huge;
+  WeightStreamOptions huge;
   huge.depth = 1;
   EXPECT_NE(message([&] {
               WeightStreamer(*dev, compute, {size_t{64} << 20}, huge);
             }).find("device slot 0 of 2"),
             std::string::npos);
   {
-    StreamOptions o;
+    WeightStreamOptions o;
     o.training = true;
     WeightStreamer ws(*dev, compute, layer_bytes(3), o);
     EXPECT_NE(message([&] { ws.acquire(1); }).find("visit 0 of the step is layer 0"),

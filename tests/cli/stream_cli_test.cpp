@@ -1,0 +1,96 @@
+// `spillway stream --explain` run as a user runs it: the mode choice with its numbers,
+// the GPUs per link from a PCI tree (a fake sysfs), JSON, and what is not built yet.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "cli/run_command.hpp"
+#include "core/json_io.hpp"
+#include "test_support.hpp"
+
+namespace spillway {
+namespace {
+
+using cli_test::contains;
+using spillway::testing::TempDir;
+
+struct StreamRun {
+  int code = -1;
+  std::string out, err;
+};
+
+StreamRun run(const std::string& args, const TempDir& dir) {
+  const std::string err_path = dir.file("stderr.txt");
+  const cli_test::CommandResult c = cli_test::run_command(std::string("'") + SPILLWAY_CLI_PATH +
+                                                          "' " + args + " 2>'" + err_path + "'");
+  return {c.code, c.out, cli_test::read_file(err_path)};
+}
+
+constexpr const char* kPcie = "stream --explain --model Llama-3.1-70B --hardware h100-pcie";
+
+TEST(StreamCli, FourPcieGpusOnOneLinkShardAndTheArithmeticIsShown) {
+  TempDir dir;
+  const StreamRun r =
+      run(std::string(kPcie) + " --gpus-per-link 4 --sysfs " + dir.file("none"), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "GPUs per link 4 (from --gpus-per-link)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "<- chosen")) << r.out;
+  EXPECT_TRUE(contains(r.out, "sharded")) << r.out;
+  EXPECT_TRUE(contains(r.out, "in-place   not available")) << r.out;
+  EXPECT_TRUE(contains(r.out, "simulator (full copy, 4 GPUs on the link)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "warning: the link cannot hide the copies")) << r.out;
+}
+
+TEST(StreamCli, TheGpusPerLinkComeFromThePciTree) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  const fs::path root = dir.file("sys");
+  for (const char* gpu : {"0000:03:00.0", "0000:04:00.0"}) {
+    const fs::path d = root / "devices" / "pci0000:00" / "0000:00:01.0" / "0000:01:00.0" / gpu;
+    fs::create_directories(d);
+    std::ofstream(d / "vendor") << "0x10de\n";
+    std::ofstream(d / "class") << "0x030200\n";
+    fs::create_directories(root / "bus" / "pci" / "devices");
+    fs::create_symlink(d, root / "bus" / "pci" / "devices" / gpu);
+  }
+  const StreamRun r = run(std::string(kPcie) + " --sysfs " + root.string() + " --json -", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "GPUs per link 2 (from the PCI tree (2 GPUs in 1 link groups))"))
+      << r.out;
+  const size_t brace = r.out.find("{\n");
+  ASSERT_NE(brace, std::string::npos) << r.out;
+  const Json j = Json::parse(r.out.substr(brace));
+  EXPECT_EQ(j["schema"], "spillway.stream-choice/1");
+  EXPECT_EQ(j["gpus_per_link"], 2);
+  EXPECT_EQ(j["chosen"], "sharded");
+  ASSERT_EQ(j["modes"].size(), 3u);
+  EXPECT_EQ(j["modes"][0]["link_bytes"].get<int64_t>(),
+            2 * j["modes"][1]["link_bytes"].get<int64_t>());
+}
+
+TEST(StreamCli, OnASuperchipTheWeightsAreReadInPlace) {
+  TempDir dir;
+  const StreamRun r = run(
+      "stream --explain --model Llama-3.1-70B --hardware gh200 --sysfs " + dir.file("none"), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "(coherent, C2C)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "in-place")) << r.out;
+  EXPECT_NE(r.out.find("<- chosen"), std::string::npos);
+  EXPECT_GT(r.out.find("<- chosen"), r.out.find("in-place "));
+}
+
+TEST(StreamCli, WithoutExplainItSaysWhatIsNotBuiltAndExitsTwo) {
+  TempDir dir;
+  const StreamRun r = run("stream --model Llama-3.1-70B", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_TRUE(contains(r.err, "not built yet")) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  const StreamRun bad = run(std::string(kPcie) + " --gpus-per-link 0", dir);
+  EXPECT_EQ(bad.code, 1);  // a bad value, as every command
+  EXPECT_TRUE(contains(bad.err, "--gpus-per-link")) << bad.err;
+}
+
+}  // namespace
+}  // namespace spillway
