@@ -149,6 +149,8 @@ class Device {
     (void)s;
     return nullptr;
   }
+  // (optional) The CUDA ordinal of a CUDA device; -1 for every other backend.
+  virtual int cuda_ordinal() const { return -1; }
 
   // (optional) AdamW over a.n elements on s (Note [Device operations]); default: false.
   virtual bool adamw_step(const DeviceAdamW& /*a*/, Stream /*s*/) { return false; }
@@ -263,6 +265,13 @@ class AllGather {
 // as a device-to-device link of that bandwidth (0: unthrottled). No allocation per call.
 std::vector<std::unique_ptr<AllGather>> make_host_all_gather(const std::vector<Device*>& devices,
                                                              double peer_gbps = 0.0);
+
+// NCCL's all-gather over CUDA devices of this process, one communicator per device
+// (ncclCommInitAll). Each rank's calls must come from its own host thread (or process), as
+// NCCL requires of one GPU per thread without group calls. Empty, with `why`, when the
+// CUDA backend or NCCL is not compiled in, a device is not a CUDA one, or NCCL fails.
+std::vector<std::unique_ptr<AllGather>> make_nccl_all_gather(const std::vector<Device*>& devices,
+                                                             std::string* why);
 
 // Whether the CUDA backend is compiled in and how many devices the runtime sees. The
 // answer is a value: "no GPU" is an expected outcome here, not an error.

@@ -760,6 +760,14 @@ std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options) {
   return std::make_unique<HostDevice>(options);
 }
 
+#ifndef SPILLWAY_HAVE_NCCL
+std::vector<std::unique_ptr<AllGather>> make_nccl_all_gather(
+    const std::vector<Device*>& /*devices*/, std::string* why) {
+  if (why != nullptr) *why = "built without NCCL (no CUDA backend, or nccl.h / libnccl not found)";
+  return {};
+}
+#endif
+
 #ifndef SPILLWAY_HAVE_CUDA
 std::unique_ptr<Device> make_cuda_device(int /*ordinal*/, std::string* why) {
   if (why != nullptr) *why = "built without the CUDA backend (SPILLWAY_CUDA=OFF or no nvcc)";

@@ -439,6 +439,9 @@ class CudaDevice final : public Device {
   void* native_stream(Stream s) override {
     return static_cast<void*>(lookup(s));
   }
+  int cuda_ordinal() const override {
+    return ordinal_;
+  }
 
   // Note [Device operations]: the kernels of adamw_kernels.cu, each launch checked there.
   bool adamw_step(const DeviceAdamW& a, Stream s) override {
