@@ -13,6 +13,7 @@
 #include "bench_adam.hpp"
 #include "bench_gemm.hpp"
 #include "bench_offload.hpp"
+#include "bench_stream.hpp"
 #include "bench_stv.hpp"
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
@@ -364,6 +365,57 @@ void add_bench_gemm_command(CLI::App& bench) {
 
 }  // namespace
 
+void add_bench_stream_command(CLI::App& bench) {
+  struct State {
+    StreamBenchOptions options;
+    double layer_mib = static_cast<double>(StreamBenchOptions{}.layer_bytes) / (1 << 20);
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "stream",
+      "The weight streamer on the host backend with a throttled link (an emulated device: a "
+      "layer's compute is a timed wait on its compute stream, as a kernel's device time). "
+      "Overhead of streaming against every layer resident, same run, when the link time per "
+      "layer is below the compute time (target <= 3%); the copy stream's achieved bandwidth "
+      "against the link's (target >= 0.9); and for 2 and 4 emulated GPUs behind one link, "
+      "full copy against sharded + all-gather: step time and bytes per rank. Every compute "
+      "checks its layer's first and last words.\n\n"
+      "Examples:\n"
+      "  spillway bench stream\n"
+      "  spillway bench stream --layers 8 --layer-mb 4 --compute-ms 2 --json -");
+  StreamBenchOptions& o = st->options;
+  in_range(cmd->add_option("--layers", o.layers, "Layers per step")->capture_default_str(),
+           closed(2, 4096));
+  in_range(cmd->add_option("--layer-mb", st->layer_mib, "Bytes per layer in MiB (2^20 bytes)")
+               ->capture_default_str(),
+           open_closed(0, 65536));
+  in_range(cmd->add_option("--compute-ms", o.compute_ms, "Device time of a layer's compute")
+               ->capture_default_str(),
+           open_closed(0, 100000));
+  in_range(cmd->add_option("--link-gbps", o.link_gbps, "The host link's bandwidth, GB/s")
+               ->capture_default_str(),
+           open_closed(0, 100000));
+  in_range(
+      cmd->add_option("--prefetch-depth", o.depth, "Layers copied ahead")->capture_default_str(),
+      closed(1, 64));
+  in_range(cmd->add_option("--steps", o.steps, "Steps per run; the first is the warm-up")
+               ->capture_default_str(),
+           closed(2, 10000));
+  cmd->add_option("--json", st->json_path, "Write the results as JSON to FILE ('-' for stdout)");
+  cmd->callback([st]() {
+    StreamBenchOptions options = st->options;
+    options.layer_bytes =
+        static_cast<size_t>(std::max(1024.0, std::round(st->layer_mib * (1 << 20))));
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
+    say("running: resident and streamed steps interleaved, then 2 and 4 emulated GPUs on one "
+        "link...\n");
+    const StreamBenchResult result = run_stream_bench(options);
+    say(format_stream_bench(result));
+    if (!st->json_path.empty()) write_output(st->json_path, stream_bench_json(result));
+  });
+}
+
 void add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand(
       "bench",
@@ -374,12 +426,14 @@ void add_bench_command(CLI::App& app) {
       "  spillway bench offload --layers 16 --tensor-mb 4 --json -\n"
       "  spillway bench adam --elements 4000000 --repeats 2\n"
       "  spillway bench optim-offload\n"
-      "  spillway bench gemm --json profile.json");
+      "  spillway bench gemm --json profile.json\n"
+      "  spillway bench stream");
   bench->require_subcommand(1);
   add_bench_offload_command(*bench);
   add_bench_adam_command(*bench);
   add_bench_optim_offload_command(*bench);
   add_bench_gemm_command(*bench);
+  add_bench_stream_command(*bench);
 }
 
 }  // namespace spillway::cli
