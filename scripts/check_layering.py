@@ -30,7 +30,7 @@ ARROWS = {
     "probe": ["device", "catalog"],
     "plan": ["catalog"],
     "sim": ["plan"],
-    "nn": ["offload", "optim", "plan"],  # the reference model: engines by public headers
+    "nn": ["offload", "optim", "stream", "plan"],  # the reference model: engines by public headers
     "train": ["nn", "probe"],  # the training application over the reference model
     "cli": ["train", "sim", "probe"],  # a leaf: nothing depends on it
     # python/src: the extension module of the Python package, a leaf over the engines'

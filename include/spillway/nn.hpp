@@ -30,6 +30,10 @@
 #include "spillway/plan.hpp"
 #include "spillway/policy.hpp"
 
+namespace spillway {
+class WeightStreamer;  // spillway/stream.hpp
+}  // namespace spillway
+
 namespace spillway::nn {
 
 struct RefConfig {
@@ -119,6 +123,23 @@ class Model {
   // memory this model owns (optim::OptimOffloadOptions::device_weights / device_grads).
   uint16_t* device_weights_bf16() const;
   uint16_t* device_grads_bf16() const;
+
+  // Note [Streamed weights] (DESIGN section 5): each layer's weights are the parameters of
+  // its bucket (parameter_buckets()[1 + l]), fp32. layer_weight_bytes() sizes a
+  // WeightStreamer over them; stream_weights(ws) packs the current weights into its host
+  // slabs, and from then on every layer computes from the slot the streamer hands out
+  // (acquire before the layer's forward, and before its backward in a training step,
+  // release after): the streamer's schedule must be the step's (training mode for step(),
+  // inference for forward_loss()). After a step's update the new weights are packed into
+  // the slabs before the streamer's step_end(). The model's own device copy stays the
+  // master the updates write (this is a demonstration of the engine on the reference
+  // model, not of its memory saving, which the planner and simulator show). Null: every
+  // layer reads its device copy again. Not with an offloaded optimizer.
+  std::vector<size_t> layer_weight_bytes() const;
+  void stream_weights(WeightStreamer* weights);
+  // Forward only (inference): the mean cross-entropy of tokens (batch, seq + 1), each
+  // layer's tensors freed as soon as the next layer has its input.
+  double forward_loss(const std::vector<int32_t>& tokens, int batch, int seq);
   // Bytes of the saved tensors of one layer for (batch, seq) (what keep holds per layer).
   int64_t saved_bytes(int layer, int batch, int seq) const;
   // Bytes of each saved tensor of one layer, in saved_tensor_names order.

@@ -16,6 +16,7 @@
 #include "nn/slots.hpp"
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
+#include "spillway/stream.hpp"
 #include "spillway/units.hpp"
 
 namespace spillway::nn {
@@ -74,6 +75,37 @@ struct Model::Impl {
   size_t n_params = 0;
   std::vector<optim::Bucket> buckets;  // Model::parameter_buckets
   float* w = nullptr;
+  // Note [Streamed weights]: while a layer computes from a weight streamer's slot, its
+  // parameters are read there (the slot holds the layer's bucket, from its offset).
+  const float* layer_slot = nullptr;
+  size_t layer_offset = 0;
+  const float* lw(size_t at) const {
+    return layer_slot != nullptr ? layer_slot + (at - layer_offset) : w + at;
+  }
+  WeightStreamer* streamer = nullptr;
+  // A layer's visit to the streamer: its slot, ready for the host ops that read it (the
+  // reference model computes on the calling thread, so the compute stream's wait for the
+  // slot is waited out here), and its release once the layer's ops have run.
+  void visit_begin(int layer) {
+    if (streamer == nullptr) return;
+    layer_slot = static_cast<const float*>(streamer->acquire(layer));
+    dev.synchronize(compute);
+    layer_offset = buckets[static_cast<size_t>(layer) + 1].offset;
+  }
+  void visit_end(int layer) {
+    if (streamer == nullptr) return;
+    streamer->release(layer);
+    layer_slot = nullptr;
+  }
+  // The current weights of every layer into the streamer's host slabs, once the copies
+  // that read them are done.
+  void pack_weights() {
+    for (int l = 0; l < c.layers(); ++l) {
+      const optim::Bucket& k = buckets[static_cast<size_t>(l) + 1];
+      dev.synchronize(streamer->host_slab_read(l));
+      std::memcpy(streamer->host_slab(l), w + k.offset, k.n * sizeof(float));
+    }
+  }
   float* g = nullptr;
   float* m1 = nullptr;
   float* m2 = nullptr;
@@ -236,10 +268,10 @@ struct Model::Impl {
     if (L.mamba && produce_mamba(layer, s, batch, seq, out)) return;
     switch (s) {
       case kNorm1:
-        rmsnorm_fwd(F(layer, kInput), w + L.attn_norm, out(kNorm1), T, d, eps);
+        rmsnorm_fwd(F(layer, kInput), lw(L.attn_norm), out(kNorm1), T, d, eps);
         return;
       case kQkv:
-        linear_fwd(F(layer, kNorm1), w + L.wqkv, out(kQkv), T, d, qkv_dim);
+        linear_fwd(F(layer, kNorm1), lw(L.wqkv), out(kQkv), T, d, qkv_dim);
         return;
       case kCoreOut:
       case kLse: {
@@ -251,12 +283,12 @@ struct Model::Impl {
       }
       case kMid: {
         float* mid = out(kMid);
-        linear_fwd(F(layer, kCoreOut), w + L.wo, mid, T, q_dim, d);
+        linear_fwd(F(layer, kCoreOut), lw(L.wo), mid, T, q_dim, d);
         add(F(layer, kInput), mid, mid, static_cast<size_t>(T) * static_cast<size_t>(d));
         return;
       }
       case kNorm2:
-        rmsnorm_fwd(F(layer, kMid), w + L.mlp_norm, out(kNorm2), T, d, eps);
+        rmsnorm_fwd(F(layer, kMid), lw(L.mlp_norm), out(kNorm2), T, d, eps);
         return;
       default:
         break;
@@ -265,10 +297,10 @@ struct Model::Impl {
       const size_t n = static_cast<size_t>(T) * static_cast<size_t>(L.ffn);
       switch (s) {
         case kDenseGate:
-          linear_fwd(F(layer, kNorm2), w + L.w1, out(kDenseGate), T, d, L.ffn);
+          linear_fwd(F(layer, kNorm2), lw(L.w1), out(kDenseGate), T, d, L.ffn);
           return;
         case kDenseUp:
-          linear_fwd(F(layer, kNorm2), w + L.w3, out(kDenseUp), T, d, L.ffn);
+          linear_fwd(F(layer, kNorm2), lw(L.w3), out(kDenseUp), T, d, L.ffn);
           return;
         case kDenseAct:
           swiglu_fwd(F(layer, kDenseGate), F(layer, kDenseUp), out(kDenseAct), n);
@@ -283,7 +315,7 @@ struct Model::Impl {
       case kIdx:
       case kWeights: {
         float* logits = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(L.experts));
-        linear_fwd(F(layer, kNorm2), w + L.router, logits, T, d, L.experts);
+        linear_fwd(F(layer, kNorm2), lw(L.router), logits, T, d, L.experts);
         float* probs = out(kProbs);
         softmax_fwd(logits, probs, T, L.experts);
         release(logits);
@@ -428,7 +460,7 @@ struct Model::Impl {
       moe_combine_fwd(F(layer, kMid), F(layer, kExpertOut), F(layer, kWeights), inv.data(), y, T,
                       L.top_k, d);
     } else {
-      linear_fwd(F(layer, kDenseAct), w + L.w2, y, T, L.ffn, d);
+      linear_fwd(F(layer, kDenseAct), lw(L.w2), y, T, L.ffn, d);
       add(F(layer, kMid), y, y, static_cast<size_t>(T) * static_cast<size_t>(d));
     }
     for (int s = 0; s < n_slots; ++s) {
@@ -502,31 +534,31 @@ struct Model::Impl {
       float* dlogits = alloc_n<float>(te);
       softmax_bwd(F(layer, kProbs), dprobs, dlogits, T, L.experts);
       release(dprobs);
-      linear_bwd(F(layer, kNorm2), w + L.router, dlogits, dnorm, g + L.router, T, d, L.experts,
+      linear_bwd(F(layer, kNorm2), lw(L.router), dlogits, dnorm, g + L.router, T, d, L.experts,
                  true);
       release(dlogits);
     } else {
       const size_t tf = static_cast<size_t>(T) * static_cast<size_t>(L.ffn);
       float* dact = alloc_n<float>(tf);
-      linear_bwd(F(layer, kDenseAct), w + L.w2, dy, dact, g + L.w2, T, L.ffn, d, false);
+      linear_bwd(F(layer, kDenseAct), lw(L.w2), dy, dact, g + L.w2, T, L.ffn, d, false);
       float* dg = alloc_n<float>(tf);
       float* du = alloc_n<float>(tf);
       swiglu_bwd(F(layer, kDenseGate), F(layer, kDenseUp), dact, dg, du, tf);
       release(dact);
-      linear_bwd(F(layer, kNorm2), w + L.w1, dg, dnorm, g + L.w1, T, d, L.ffn, false);
-      linear_bwd(F(layer, kNorm2), w + L.w3, du, dnorm, g + L.w3, T, d, L.ffn, true);
+      linear_bwd(F(layer, kNorm2), lw(L.w1), dg, dnorm, g + L.w1, T, d, L.ffn, false);
+      linear_bwd(F(layer, kNorm2), lw(L.w3), du, dnorm, g + L.w3, T, d, L.ffn, true);
       release(dg);
       release(du);
     }
     float* tmp = alloc_n<float>(Td);
-    rmsnorm_bwd(F(layer, kMid), w + L.mlp_norm, dnorm, tmp, g + L.mlp_norm, T, d, c.rms_eps);
+    rmsnorm_bwd(F(layer, kMid), lw(L.mlp_norm), dnorm, tmp, g + L.mlp_norm, T, d, c.rms_eps);
     add(dmid, tmp, dmid, Td);
     if (L.mamba) {
       mamba_backward(layer, dmid, dnorm, batch, seq);
     } else {
       attention_backward(layer, dmid, dnorm, batch, seq);
     }
-    rmsnorm_bwd(F(layer, kInput), w + L.attn_norm, dnorm, tmp, g + L.attn_norm, T, d, c.rms_eps);
+    rmsnorm_bwd(F(layer, kInput), lw(L.attn_norm), dnorm, tmp, g + L.attn_norm, T, d, c.rms_eps);
     add(dmid, tmp, dx, Td);
     release(tmp);
     release(dnorm);
@@ -549,12 +581,12 @@ struct Model::Impl {
     const LayerParams& L = lp[static_cast<size_t>(layer)];
     const int T = batch * seq;
     float* dcore = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(q_dim));
-    linear_bwd(F(layer, kCoreOut), w + L.wo, dmid, dcore, g + L.wo, T, q_dim, d, false);
+    linear_bwd(F(layer, kCoreOut), lw(L.wo), dmid, dcore, g + L.wo, T, q_dim, d, false);
     float* dqkv = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(qkv_dim));
     attention_bwd(F(layer, kQkv), F(layer, kCoreOut), F(layer, kLse), dcore, dqkv, batch, seq,
                   c.heads, c.kv_heads, c.head_dim, c.rope_theta);
     release(dcore);
-    linear_bwd(F(layer, kNorm1), w + L.wqkv, dqkv, dnorm, g + L.wqkv, T, d, qkv_dim, false);
+    linear_bwd(F(layer, kNorm1), lw(L.wqkv), dqkv, dnorm, g + L.wqkv, T, d, qkv_dim, false);
     release(dqkv);
   }
 
@@ -582,12 +614,12 @@ struct Model::Impl {
     const int T = batch * seq;
     const int gn = L.groups * L.state;
     if (s == kNorm1) {
-      rmsnorm_fwd(F(layer, kInput), w + L.attn_norm, out(kNorm1), T, d, c.rms_eps);
+      rmsnorm_fwd(F(layer, kInput), lw(L.attn_norm), out(kNorm1), T, d, c.rms_eps);
     } else if (s == kSsmInProj) {
-      linear_fwd(F(layer, kNorm1), w + L.w_in, out(kSsmInProj), T, d, L.in_width);
+      linear_fwd(F(layer, kNorm1), lw(L.w_in), out(kSsmInProj), T, d, L.in_width);
     } else if (s == kSsmConv) {
       float* xbc = columns(F(layer, kSsmInProj), T, L.in_width, L.inner, L.conv_dim);
-      causal_conv1d_silu_fwd(xbc, w + L.conv_w, w + L.conv_b, out(kSsmConv), batch, seq, L.conv_dim,
+      causal_conv1d_silu_fwd(xbc, lw(L.conv_w), lw(L.conv_b), out(kSsmConv), batch, seq, L.conv_dim,
                              L.conv);
       release(xbc);
     } else if (s == kSsmScan || s == L.states_slot()) {
@@ -598,17 +630,17 @@ struct Model::Impl {
       float* dt = columns(F(layer, kSsmInProj), T, L.in_width, L.inner + L.conv_dim, L.heads);
       float* y = out(kSsmScan);
       float* states = out(L.states_slot());
-      ssd_scan_fwd(L.ssd(batch, seq), x, dt, w + L.dt_bias, w + L.a_log, bm, cm, w + L.dskip, y,
+      ssd_scan_fwd(L.ssd(batch, seq), x, dt, lw(L.dt_bias), lw(L.a_log), bm, cm, lw(L.dskip), y,
                    states);
       for (float* p : {x, bm, cm, dt}) release(p);
     } else if (s == L.gated_slot()) {
       float* z = columns(F(layer, kSsmInProj), T, L.in_width, 0, L.inner);
-      gated_rmsnorm_fwd(F(layer, kSsmScan), z, w + L.gnorm, out(L.gated_slot()), T, L.inner,
+      gated_rmsnorm_fwd(F(layer, kSsmScan), z, lw(L.gnorm), out(L.gated_slot()), T, L.inner,
                         c.rms_eps);
       release(z);
     } else if (s == kMid) {
       float* mid = out(kMid);
-      linear_fwd(F(layer, L.gated_slot()), w + L.w_out, mid, T, L.inner, d);
+      linear_fwd(F(layer, L.gated_slot()), lw(L.w_out), mid, T, L.inner, d);
       add(F(layer, kInput), mid, mid, static_cast<size_t>(T) * static_cast<size_t>(d));
     } else {
       return false;
@@ -623,14 +655,14 @@ struct Model::Impl {
     const int gn = L.groups * L.state;
     const size_t te = static_cast<size_t>(T) * static_cast<size_t>(L.inner);
     float* dgated = alloc_n<float>(te);
-    linear_bwd(F(layer, L.gated_slot()), w + L.w_out, dmid, dgated, g + L.w_out, T, L.inner, d,
+    linear_bwd(F(layer, L.gated_slot()), lw(L.w_out), dmid, dgated, g + L.w_out, T, L.inner, d,
                false);
     const float* in = F(layer, kSsmInProj);
     float* din = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(L.in_width));
     float* z = columns(in, T, L.in_width, 0, L.inner);
     float* dscan = alloc_n<float>(te);
     float* dz = alloc_n<float>(te);
-    gated_rmsnorm_bwd(F(layer, kSsmScan), z, w + L.gnorm, dgated, dscan, dz, g + L.gnorm, T,
+    gated_rmsnorm_bwd(F(layer, kSsmScan), z, lw(L.gnorm), dgated, dscan, dz, g + L.gnorm, T,
                       L.inner, c.rms_eps);
     put_columns(dz, din, T, L.in_width, 0, L.inner);
     for (float* p : {dgated, z, dz}) release(p);
@@ -643,7 +675,7 @@ struct Model::Impl {
     float* ddt = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(L.heads));
     float* db = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(gn));
     float* dc = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(gn));
-    ssd_scan_bwd(L.ssd(batch, seq), x, dt, w + L.dt_bias, w + L.a_log, bm, cm, w + L.dskip,
+    ssd_scan_bwd(L.ssd(batch, seq), x, dt, lw(L.dt_bias), lw(L.a_log), bm, cm, lw(L.dskip),
                  F(layer, L.states_slot()), dscan, dx, ddt, g + L.dt_bias, g + L.a_log, db, dc,
                  g + L.dskip);
     put_columns(ddt, din, T, L.in_width, L.inner + L.conv_dim, L.heads);
@@ -655,11 +687,11 @@ struct Model::Impl {
     for (float* p : {x, bm, cm, dt, dx, ddt, db, dc, dscan}) release(p);
     float* xbc = columns(in, T, L.in_width, L.inner, L.conv_dim);
     float* dxbc = alloc_n<float>(tc);
-    causal_conv1d_silu_bwd(xbc, w + L.conv_w, w + L.conv_b, dconv, dxbc, g + L.conv_w, g + L.conv_b,
+    causal_conv1d_silu_bwd(xbc, lw(L.conv_w), lw(L.conv_b), dconv, dxbc, g + L.conv_w, g + L.conv_b,
                            batch, seq, L.conv_dim, L.conv);
     put_columns(dxbc, din, T, L.in_width, L.inner, L.conv_dim);
     for (float* p : {xbc, dxbc, dconv}) release(p);
-    linear_bwd(F(layer, kNorm1), w + L.w_in, din, dnorm, g + L.w_in, T, d, L.in_width, false);
+    linear_bwd(F(layer, kNorm1), lw(L.w_in), din, dnorm, g + L.w_in, T, d, L.in_width, false);
     release(din);
   }
 };
@@ -905,7 +937,9 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   for (int l = 0; l < c.layers(); ++l) {
     const auto tl = Clock::now();
     float* y = nullptr;
+    m.visit_begin(l);
     m.forward_layer(l, x, &y, batch, seq, policy, hooks);
+    m.visit_end(l);
     x = y;  // the layer's input now belongs to its saved tensors
     st.layer_fwd_ms[static_cast<size_t>(l)] = ms_since(tl);
   }
@@ -931,7 +965,9 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   float* dx = m.alloc_n<float>(Td);
   for (int l = c.layers() - 1; l >= 0; --l) {
     const auto tl = Clock::now();
+    m.visit_begin(l);
     m.backward_layer(l, dy, dx, batch, seq, hooks);
+    m.visit_end(l);
     std::swap(dy, dx);
     hand_over(l + 1);
     st.layer_bwd_ms[static_cast<size_t>(l)] = ms_since(tl);
@@ -968,7 +1004,97 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     optim::adamw_step_textbook(hp, m.adam_step, m.w, m.m1, m.m2, m.g, m.n_params);
     st.optimizer_ms = ms_since(to);
   }
+  if (m.streamer != nullptr) {
+    // Note [Streamed weights]: the next step streams the updated weights.
+    if (lr > 0) m.pack_weights();
+    m.streamer->step_end();
+  }
   return st;
+}
+
+std::vector<size_t> Model::layer_weight_bytes() const {
+  std::vector<size_t> out;
+  out.reserve(static_cast<size_t>(impl_->c.layers()));
+  for (int l = 0; l < impl_->c.layers(); ++l)
+    out.push_back(impl_->buckets[static_cast<size_t>(l) + 1].n * sizeof(float));
+  return out;
+}
+
+void Model::stream_weights(WeightStreamer* weights) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(m.w16 == nullptr,
+                 "stream_weights: this Model's optimizer is offloaded; streamed weights need "
+                 "the device optimizer");
+  if (weights != nullptr) {
+    SPILLWAY_CHECK(weights->layers() == m.c.layers(),
+                   "stream_weights: the streamer has {} layers; the model {}", weights->layers(),
+                   m.c.layers());
+    const std::vector<size_t> want = layer_weight_bytes();
+    for (int l = 0; l < m.c.layers(); ++l)
+      SPILLWAY_CHECK(weights->host_slab_bytes(l) == want[static_cast<size_t>(l)] &&
+                         weights->host_slab_offset(l) == 0,
+                     "stream_weights: layer {} of the streamer holds {} bytes; the model's "
+                     "layer has {} (a full-copy streamer of layer_weight_bytes())",
+                     l, weights->host_slab_bytes(l), want[static_cast<size_t>(l)]);
+  }
+  m.streamer = weights;
+  if (weights != nullptr) m.pack_weights();
+}
+
+double Model::forward_loss(const std::vector<int32_t>& tokens, int batch, int seq) {
+  Impl& m = *impl_;
+  const RefConfig& c = m.c;
+  SPILLWAY_CHECK(batch > 0 && seq > 0, "forward_loss: batch {} and seq {} must be > 0", batch, seq);
+  SPILLWAY_CHECK(tokens.size() == static_cast<size_t>(batch) * static_cast<size_t>(seq + 1),
+                 "forward_loss: {} tokens for batch {} x (seq {} + 1)", tokens.size(), batch, seq);
+  const int T = batch * seq;
+  const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(m.d);
+  std::vector<int32_t> in(static_cast<size_t>(T)), target(static_cast<size_t>(T));
+  for (int b = 0; b < batch; ++b) {
+    for (int t = 0; t < seq; ++t) {
+      const size_t src =
+          static_cast<size_t>(b) * static_cast<size_t>(seq + 1) + static_cast<size_t>(t);
+      const int32_t tok = tokens[src];
+      const int32_t next = tokens[src + 1];
+      if (tok < 0 || tok >= c.vocab || next < 0 || next >= c.vocab)
+        SPILLWAY_INPUT_ERROR("token {} at position {} is outside the vocabulary [0, {})",
+                             tok < 0 || tok >= c.vocab ? tok : next, src, c.vocab);
+      const size_t at = static_cast<size_t>(b) * static_cast<size_t>(seq) + static_cast<size_t>(t);
+      in[at] = tok;
+      target[at] = next;
+    }
+  }
+  // Every saved tensor recomputed (nothing is kept for a backward): a layer's forward frees
+  // what it made, and its input is freed once its output exists.
+  MemoryPolicy none = keep_policy(c);
+  none.name = "forward";
+  for (LayerActions& la : none.layers)
+    for (size_t s = 1; s < la.actions.size(); ++s) la.actions[s] = Action::kRecompute;
+  TrainingHooks no_hooks;
+  m.policy_name = none.name;
+  m.at(-1, "embedding", "at the");
+  float* x = m.alloc_n<float>(Td);
+  embedding_fwd(in.data(), m.w + m.embed, x, T, m.d);
+  for (int l = 0; l < c.layers(); ++l) {
+    float* y = nullptr;
+    m.visit_begin(l);
+    m.forward_layer(l, x, &y, batch, seq, none, no_hooks);
+    m.visit_end(l);
+    m.release(x);
+    m.saved[static_cast<size_t>(l)][kInput].p = nullptr;
+    x = y;
+  }
+  m.at(-1, "LM head", "at the");
+  float* fn = m.alloc_n<float>(Td);
+  rmsnorm_fwd(x, m.w + m.final_norm, fn, T, m.d, c.rms_eps);
+  const size_t tv = static_cast<size_t>(T) * static_cast<size_t>(c.vocab);
+  float* logits = m.alloc_n<float>(tv);
+  linear_fwd(fn, m.w + m.lm_head, logits, T, m.d, c.vocab);
+  float* dlogits = m.alloc_n<float>(tv);
+  const double loss = cross_entropy(logits, target.data(), dlogits, T, c.vocab);
+  for (float* p : {dlogits, logits, fn, x}) m.release(p);
+  if (m.streamer != nullptr) m.streamer->step_end();
+  return loss;
 }
 
 }  // namespace spillway::nn
