@@ -26,15 +26,6 @@ namespace {
 // Elements of AdamW state a benchmark may ask for: 2^36 (~2 TB of state).
 constexpr double kMaxElements = 68719476736.0;
 
-// Human-readable lines go to stdout, unless the JSON does (then to stderr).
-void say_beside_json(const std::string& json_path, const std::string& text) {
-  if (json_path == "-") {
-    std::fputs(text.c_str(), stderr);
-  } else {
-    write_output("-", text);
-  }
-}
-
 }  // namespace
 
 namespace {

@@ -131,4 +131,12 @@ void finish_stdout() {
   if (::close(STDOUT_FILENO) != 0 && errno != EINTR && errno != EBADF) fail_stdout(errno);
 }
 
+void say_beside_json(const std::string& json_path, const std::string& text) {
+  if (json_path == "-") {
+    std::fputs(text.c_str(), stderr);
+  } else {
+    write_output("-", text);
+  }
+}
+
 }  // namespace spillway::cli

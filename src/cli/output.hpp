@@ -21,6 +21,8 @@ class StdoutClosed : public std::runtime_error {
 // socket (/dev/full, a named pipe) and any path under /dev/ or /proc/ are written in place;
 // a directory is an error.
 void write_output(const std::string& path, const std::string& text);
+// Human-readable lines go to stdout, unless the JSON does (json_path "-": then to stderr).
+void say_beside_json(const std::string& json_path, const std::string& text);
 
 // Flushes and closes stdout at the end of main; throws as write_output("-") does.
 void finish_stdout();

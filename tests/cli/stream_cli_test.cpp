@@ -81,12 +81,41 @@ TEST(StreamCli, OnASuperchipTheWeightsAreReadInPlace) {
   EXPECT_GT(r.out.find("<- chosen"), r.out.find("in-place "));
 }
 
-TEST(StreamCli, WithoutExplainItSaysWhatIsNotBuiltAndExitsTwo) {
+TEST(StreamCli, ARunStreamsTheReferenceModelBitwiseBesideTheResidentOne) {
   TempDir dir;
-  const StreamRun r = run("stream --model Llama-3.1-70B", dir);
-  EXPECT_EQ(r.code, 2);
-  EXPECT_TRUE(contains(r.err, "not built yet")) << r.err;
+  for (const char* mode : {"", " --training --prefetch-depth 2"}) {
+    SCOPED_TRACE(mode);
+    const StreamRun r = run(std::string("stream --ref-model tiny-moe --steps 2 --micro-batch 1 "
+                                        "--seq-len 32 --link-gbps 0.5") +
+                                mode + " --json " + dir.file("run.json"),
+                            dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_TRUE(contains(r.out, "bitwise identical to the resident model's")) << r.out;
+    EXPECT_TRUE(contains(r.out, "all resident")) << r.out;
+    EXPECT_TRUE(contains(r.out, "predicted")) << r.out;
+    const Json j = Json::parse(cli_test::read_file(dir.file("run.json")));
+    EXPECT_EQ(j["schema"], "spillway.stream-run/1");
+    EXPECT_EQ(j["bitwise_identical"], true);
+    // tiny-moe: 4 layers; training re-streams 4 - (2 + 1) of them in backward.
+    EXPECT_GT(j["loads"].get<int64_t>(), 0);
+    if (std::string(mode).empty()) {
+      EXPECT_TRUE(j.contains("simulator_ms"));
+      EXPECT_EQ(j["hits"], 0);
+    } else {
+      EXPECT_EQ(j["hits"], 2 * 3);  // two steps, the turn's 3 layers each
+    }
+  }
+}
+
+TEST(StreamCli, FlagsOfTheOtherModeAreRefusedNotIgnored) {
+  TempDir dir;
+  StreamRun r = run("stream --model Llama-3.1-70B --steps 2", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_TRUE(contains(r.err, "--model")) << r.err;
   EXPECT_TRUE(r.out.empty()) << r.out;
+  r = run(std::string(kPcie) + " --link-gbps 3", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_TRUE(contains(r.err, "--link-gbps")) << r.err;
   const StreamRun bad = run(std::string(kPcie) + " --gpus-per-link 0", dir);
   EXPECT_EQ(bad.code, 1);  // a bad value, as every command
   EXPECT_TRUE(contains(bad.err, "--gpus-per-link")) << bad.err;
