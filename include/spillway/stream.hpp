@@ -55,6 +55,13 @@ struct WeightStreamOptions {
   // ceil(bytes / N) rounded up to 256 bytes; this rank's host slab holds shard rank() of
   // every layer (zero-padded past the layer's end) and its slots N shards.
   AllGather* group = nullptr;
+  // Note [Static slots]: layer l always lands in slot l % (depth + 1) instead of the slot
+  // Belady's choice picks, so that a caller can bind each layer to one fixed slot (a
+  // compiled graph whose weights are views of fixed buffers). Same ordering rules; when
+  // depth + 1 does not divide the layers, the first layers of the next step (and, in
+  // training, of backward past the turn) wait for their slot's reader to be released
+  // instead of being copied ahead.
+  bool static_slots = false;
 };
 
 // Per layer, over the visits of the steps measured (since construction or reset_telemetry).

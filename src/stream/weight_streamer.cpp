@@ -86,19 +86,35 @@ struct WeightStreamer::Impl {
     return a + int64_t{2} * n;
   }
 
-  void decide(int64_t a);
+  bool decide(int64_t a);  // false: not yet (static slots)
+  void load(int64_t a, int slot, int layer);
   void decide_up_to(int64_t last);
 };
 
-void WeightStreamer::Impl::decide(int64_t a) {
+bool WeightStreamer::Impl::decide(int64_t a) {
   const int layer = layer_of(a);
   Decision& d = plan[static_cast<size_t>(a % static_cast<int64_t>(plan.size()))];
+  if (opt.static_slots) {
+    // Note [Static slots]: layer l always in slot l % slots; a load waits (is decided
+    // later) until the slot's last reader has been released.
+    const int s = layer % slots;
+    Slot& k = ring[static_cast<size_t>(s)];
+    if (k.layer == layer) {
+      d = {s, false};
+      k.last_use = a;
+      return true;
+    }
+    if (k.last_use >= next) return false;
+    load(a, s, layer);
+    d = {s, true};
+    return true;
+  }
   // A hit: the layer is in a slot (loaded, or loading for an earlier decided visit).
   for (int s = 0; s < slots; ++s) {
     if (ring[static_cast<size_t>(s)].layer == layer) {
       d = {s, false};
       ring[static_cast<size_t>(s)].last_use = a;
-      return;
+      return true;
     }
   }
   // A load: into a slot no visit in [a - depth, a) reads, the one needed again the latest.
@@ -115,11 +131,17 @@ void WeightStreamer::Impl::decide(int64_t a) {
     }
   }
   SPILLWAY_CHECK(best >= 0, "weight streaming: no free slot for visit {} (layer {})", a, layer);
-  Slot& k = ring[static_cast<size_t>(best)];
+  load(a, best, layer);
+  d = {best, true};
+  return true;
+}
+
+void WeightStreamer::Impl::load(int64_t a, int slot, int layer) {
+  Slot& k = ring[static_cast<size_t>(slot)];
   // Note [Ring ordering]: the previous occupant's last visit is released (it is before the
   // window, and visits are released in order), so its `free` event is recorded.
   SPILLWAY_CHECK(k.last_use < next,
-                 "weight streaming: slot {} reused before its reader {} was released", best,
+                 "weight streaming: slot {} reused before its reader {} was released", slot,
                  k.last_use);
   if (k.last_use >= 0) dev.wait(h2d, k.free);
   const auto l = static_cast<size_t>(layer);
@@ -145,7 +167,6 @@ void WeightStreamer::Impl::decide(int64_t a) {
   dev.record(slab_read[l], h2d);
   k.layer = layer;
   k.last_use = a;
-  d = {best, true};
   ++loads[l];
   copied[l] += static_cast<int64_t>(hb);
 }
@@ -153,7 +174,8 @@ void WeightStreamer::Impl::decide(int64_t a) {
 void WeightStreamer::Impl::decide_up_to(int64_t last) {
   // Training: the next step's visits wait for step_end() (Note [Streaming across steps]).
   if (opt.training) last = std::min(last, (steps_ended + 1) * n - 1);
-  for (; decided <= last; ++decided) decide(decided);
+  for (; decided <= last; ++decided)
+    if (!decide(decided)) return;  // Note [Static slots]: issued after a later release
 }
 
 WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> layer_bytes,
@@ -298,6 +320,7 @@ const void* WeightStreamer::acquire(int layer) {
         "({})",
         layer, a % s.n, s.layer_of(a), s.opt.training ? "forward then backward" : "forward");
   s.decide_up_to(a + s.opt.depth);
+  SPILLWAY_CHECK(s.decided > a, "weight streaming: visit {} could not be decided", a);
   const Impl::Decision d = s.plan[static_cast<size_t>(a % static_cast<int64_t>(s.plan.size()))];
   Impl::Slot& k = s.ring[static_cast<size_t>(d.slot)];
   const auto l = static_cast<size_t>(layer);
@@ -336,6 +359,7 @@ void WeightStreamer::release(int layer) {
   s.dev.record(s.ring[static_cast<size_t>(d.slot)].free, s.compute);
   s.in_visit = false;
   ++s.next;
+  if (s.opt.static_slots) s.decide_up_to(s.next - 1 + s.opt.depth);  // deferred loads
 }
 
 void WeightStreamer::step_end() {

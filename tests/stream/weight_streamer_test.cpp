@@ -460,6 +460,64 @@ TEST(WeightStreamer, ShardedRanksComputeTheAllResidentResultAndMoveEachLayerOnce
   }
 }
 
+// Note [Static slots]: layer l always in slot l % (depth + 1), bitwise the same results,
+// whether or not depth + 1 divides the layers, inference and training.
+TEST(WeightStreamer, StaticSlotsBindEachLayerToOneSlotAndStayBitwise) {
+  for (bool training : {false, true}) {
+    for (int layers : {6, 7}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (training ? "training" : "inference") << ", " << layers << " layers");
+      auto dev = host_device(4.0);
+      const Stream compute = dev->create_stream(StreamRole::kCompute);
+      WeightStreamOptions o;
+      o.depth = 2;
+      o.training = training;
+      o.static_slots = true;
+      const std::vector<size_t> bytes = layer_bytes(static_cast<size_t>(layers));
+      std::vector<float> y(kY, 1.0f);
+      std::vector<const void*> slot_of(static_cast<size_t>(layers), nullptr);
+      {
+        WeightStreamer ws(*dev, compute, bytes, o);
+        for (int l = 0; l < layers; ++l) fill_slab(ws, l, 0);
+        std::vector<const void*> slots;
+        for (int step = 0; step < 3; ++step) {
+          const int visits = training ? 2 * layers : layers;
+          for (int v = 0; v < visits; ++v) {
+            const int l = v < layers ? v : 2 * layers - 1 - v;
+            const auto* w = static_cast<const float*>(ws.acquire(l));
+            auto& seen = slot_of[static_cast<size_t>(l)];
+            if (seen == nullptr) seen = w;
+            ASSERT_EQ(seen, w) << "layer " << l << " moved to another slot";
+            const size_t nw = bytes[static_cast<size_t>(l)] / 4;
+            float* yp = y.data();
+            dev->host_callback(compute, [yp, w, nw] { layer_compute(yp, kY, w, nw); });
+            ws.release(l);
+          }
+          // Training: the same weights every step here (nothing rewrites the slabs).
+          ws.step_end();
+        }
+        dev->synchronize(compute);
+        for (int l = 0; l < layers; ++l)
+          EXPECT_EQ(slot_of[static_cast<size_t>(l)], slot_of[static_cast<size_t>(l % 3)]);
+      }
+      dev->destroy_stream(compute);
+      // The reference: the same visits over all-resident weights (version 0 every step).
+      std::vector<float> want(kY, 1.0f);
+      for (int step = 0; step < 3; ++step) {
+        const int visits = training ? 2 * layers : layers;
+        for (int v = 0; v < visits; ++v) {
+          const int l = v < layers ? v : 2 * layers - 1 - v;
+          const size_t nw = bytes[static_cast<size_t>(l)] / 4;
+          std::vector<float> w(nw);
+          for (size_t i = 0; i < nw; ++i) w[i] = weight(l, 0, i);
+          layer_compute(want.data(), kY, w.data(), nw);
+        }
+      }
+      EXPECT_EQ(std::memcmp(y.data(), want.data(), kY * 4), 0);
+    }
+  }
+}
+
 TEST(WeightStreamer, BadCallsNameWhatIsWrong) {
   auto dev = host_device();
   const Stream compute = dev->create_stream(StreamRole::kCompute);
