@@ -35,7 +35,7 @@ ARROWS = {
     "cli": ["train", "sim", "probe"],  # a leaf: nothing depends on it
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (DESIGN section 10)
-    "python": ["offload", "optim", "plan"],
+    "python": ["offload", "optim", "stream", "plan"],
 }
 # src/ folder -> part
 FOLDERS = {"hw": "catalog", "model": "catalog"}

@@ -62,6 +62,10 @@ struct WeightStreamOptions {
   // training, of backward past the turn) wait for their slot's reader to be released
   // instead of being copied ahead.
   bool static_slots = false;
+  // Caller-owned device slots, depth + 1 of at least slot_bytes() each (the largest layer;
+  // sharded: ranks x its largest shard), alive as long as the streamer; empty: the
+  // streamer allocates them (MemoryKind::kDevice). A framework passes its own tensors.
+  std::vector<void*> device_slots;
 };
 
 // Per layer, over the visits of the steps measured (since construction or reset_telemetry).

@@ -10,5 +10,6 @@ namespace spillway::python {
 void bind_plan(nanobind::module_& m);     // plan_binding.cpp
 void bind_offload(nanobind::module_& m);  // offload_binding.cpp
 void bind_optim(nanobind::module_& m);    // optim_binding.cpp
+void bind_stream(nanobind::module_& m);   // stream_binding.cpp
 
 }  // namespace spillway::python

@@ -32,4 +32,5 @@ NB_MODULE(_spillway, m) {
   spillway::python::bind_plan(m);
   spillway::python::bind_offload(m);
   spillway::python::bind_optim(m);
+  spillway::python::bind_stream(m);
 }

@@ -38,6 +38,7 @@ struct WeightStreamer::Impl {
   size_t slot_bytes = 0;
   std::vector<void*> host;  // per layer
   bool owns_host = true;
+  bool owns_slots = true;
   std::vector<Event> slab_read;  // per layer: recorded on h2d after each copy from its slab
 
   struct Slot {
@@ -227,7 +228,20 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
     }
   }
   s.ring.resize(static_cast<size_t>(s.slots));
+  s.owns_slots = options.device_slots.empty();
+  if (!s.owns_slots && static_cast<int>(options.device_slots.size()) != s.slots)
+    SPILLWAY_FIELD_ERROR("device_slots", options.device_slots.size(),
+                         "must be empty or depth + 1 ({})", s.slots);
   for (int i = 0; i < s.slots; ++i) {
+    if (!s.owns_slots) {
+      Impl::Slot& k = s.ring[static_cast<size_t>(i)];
+      k.ptr = options.device_slots[static_cast<size_t>(i)];
+      if (k.ptr == nullptr) SPILLWAY_FIELD_ERROR("device_slots", "null", "slot {} is null", i);
+      k.ready = dev.create_event();
+      k.free = dev.create_event();
+      k.copied = dev.create_event();
+      continue;
+    }
     const AllocResult r = dev.allocate(s.slot_bytes, MemoryKind::kDevice);
     if (!r)
       SPILLWAY_INPUT_ERROR(
@@ -261,7 +275,7 @@ WeightStreamer::~WeightStreamer() {
     s.dev.destroy_event(k.ready);
     s.dev.destroy_event(k.free);
     s.dev.destroy_event(k.copied);
-    s.dev.free(k.ptr, MemoryKind::kDevice);
+    if (s.owns_slots) s.dev.free(k.ptr, MemoryKind::kDevice);
   }
   for (Event e : s.slab_read) s.dev.destroy_event(e);
   if (s.owns_host)

@@ -4,6 +4,8 @@
   back ahead of their use in backward (the activation offload engine, DESIGN section 2).
 - :class:`CPUAdamW`: the optimizer step on the CPU with speculation then validation
   (the optimizer offload pipeline, DESIGN section 4).
+- :func:`stream_weights`: each decoder block's weights streamed from pinned host memory
+  into a ring of device slots, compile-visible (weight streaming, DESIGN section 5).
 
 This module imports torch; ``import spillway`` alone does not.
 """
@@ -14,5 +16,13 @@ from .offload import OffloadActivations, offload_activations, report
 
 # CPUAdamW (spillway.torch.optim)
 from .optim import CPUAdamW
+from .stream import StreamedWeights, stream_weights
 
-__all__ = ["CPUAdamW", "OffloadActivations", "offload_activations", "report"]
+__all__ = [
+    "CPUAdamW",
+    "OffloadActivations",
+    "StreamedWeights",
+    "offload_activations",
+    "report",
+    "stream_weights",
+]
