@@ -61,6 +61,7 @@ bench: build
 bench-torch: build
 	bash scripts/install-python.sh --bench
 	PYTHONPATH=$(BUILD)/python $(PYTHON) bench/torch/bench_hooks.py
+	PYTHONPATH=$(BUILD)/python $(PYTHON) bench/torch/bench_stream_hooks.py
 	PYTHONPATH=$(BUILD)/python $(PYTHON) bench/torch/bench_cpu_adamw.py
 
 install: build
