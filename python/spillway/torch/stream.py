@@ -2,15 +2,22 @@
 
 ``stream_weights(model, depth=2)`` moves every decoder block's parameters into one pinned
 host slab per block and computes each block from a ring of ``depth + 1`` device slots that
-spillway's weight streamer fills ``depth`` blocks ahead (Note [Ring ordering]). A block's
-parameters become views of its slot (Note [Static slots]: block ``l`` always in slot
-``l % (depth + 1)``); its forward pre-hook waits for the slot (``spillway::stream_wait``) and
-its forward hook releases it (``spillway::stream_release``). Both are ``torch.library``
-custom ops with fake kernels, for ``torch.compile`` to trace through.
+spillway's weight streamer fills ``depth`` blocks ahead (Note [Ring ordering]); block ``l``
+always lands in slot ``l % (depth + 1)`` (Note [Static slots]).
 
-This version streams inference, eagerly. A forward that records gradients through streamed
-blocks raises (the training path, re-streaming backward, is not bound yet), and so does a
-forward under ``torch.compile`` (Note [Compiled streaming]).
+Note [Streamed blocks]: each block is replaced in its parent by a wrapper whose forward
+calls ``spillway::stream_acquire`` (a ``torch.library`` custom op returning the block's
+slot as a flat byte tensor, once its weights are there), runs the block with
+``torch.func.functional_call`` on views of that tensor, then calls
+``spillway::stream_release`` with the block's output (its slot may be refilled after the
+work that made it). Both ops mutate one token (Note [Stream op order]), so a compiler keeps
+them in program order; the slot comes out of the op as a fresh value rather than as a
+mutated input, so a compiled graph never writes weights back into the ring, and
+``torch.compile(model, fullgraph=True)`` traces through with no graph break (tested with
+inductor and aot_eager, bitwise). The blocks' own parameters keep no memory meanwhile.
+
+This version streams inference: a forward that records gradients through streamed blocks
+raises (training, re-streaming the blocks in backward, is not bound yet).
 """
 
 from __future__ import annotations
@@ -32,20 +39,17 @@ _ALIGN = 64  # bytes: every parameter starts aligned in its slab and slot
 
 
 # Note [Stream op order]: both ops mutate the session's token, so a compiler keeps every
-# wait and release in program order (a wait of block l + 1 moved before the release of
-# block l would be refused by the streamer); the wait also mutates the block's weights, so
-# the block's reads of them stay after it.
-@torch.library.custom_op("spillway::stream_wait", mutates_args=("weights", "token"))
-def _stream_wait(
-    weights: list[torch.Tensor], token: torch.Tensor, session: int, layer: int
-) -> None:
-    """Block ``layer``'s weights are in its slot for the work that follows."""
-    _SESSIONS[session]._wait(layer, weights)
+# acquire and release in program order (an acquire of block l + 1 moved before the release
+# of block l would be refused by the streamer).
+@torch.library.custom_op("spillway::stream_acquire", mutates_args=("token",))
+def _stream_acquire(token: torch.Tensor, session: int, layer: int, nbytes: int) -> torch.Tensor:
+    """Block ``layer``'s slot (its first ``nbytes``), holding the block's weights."""
+    return _SESSIONS[session]._acquire(layer, nbytes)
 
 
-@_stream_wait.register_fake
-def _(weights: list[torch.Tensor], token: torch.Tensor, session: int, layer: int) -> None:
-    return None
+@_stream_acquire.register_fake
+def _(token: torch.Tensor, session: int, layer: int, nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=token.device)
 
 
 @torch.library.custom_op("spillway::stream_release", mutates_args=("token",))
@@ -57,6 +61,40 @@ def _stream_release(token: torch.Tensor, output: torch.Tensor, session: int, lay
 @_stream_release.register_fake
 def _(token: torch.Tensor, output: torch.Tensor, session: int, layer: int) -> None:
     return None
+
+
+class _StreamedBlock(nn.Module):
+    """A block computing from its slot (Note [Streamed blocks])."""
+
+    def __init__(self, inner: nn.Module, owner: StreamedWeights, index: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self._owner_id = owner._id
+        self._index = index
+        self._nbytes = owner.layer_bytes[index]
+        self._layout = owner._layouts[index]  # (name, offset, dtype, shape, bytes)
+        self._token = owner._token
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "stream_weights: this version streams inference; run the model under "
+                "torch.no_grad() or torch.inference_mode() (training through streamed "
+                "blocks, re-streaming them in backward, is not bound yet)"
+            )
+        flat = torch.ops.spillway.stream_acquire(
+            self._token, self._owner_id, self._index, self._nbytes
+        )
+        params = {
+            name: flat[off : off + n].view(dtype).view(shape)
+            for name, off, dtype, shape, n in self._layout
+        }
+        out = torch.func.functional_call(self.inner, params, args, kwargs)
+        first = _first_tensor(out)
+        torch.ops.spillway.stream_release(
+            self._token, first if first is not None else self._token, self._owner_id, self._index
+        )
+        return out
 
 
 class StreamedWeights:
@@ -82,17 +120,15 @@ class StreamedWeights:
         self.model = model
         self.depth = depth
         self.blocks = blocks
-        # Per block, its parameters (each once) and their byte offsets in the block's slab.
+        # Where each block sits in the model, to put its wrapper there.
+        self._places = [_place_of(model, b, i) for i, b in enumerate(blocks)]
         owner: dict[int, int] = {}
+        self._layouts: list[list[tuple[str, int, torch.dtype, tuple[int, ...], int]]] = []
         self._params: list[list[nn.Parameter]] = []
-        self._offsets: list[list[int]] = []
-        layer_bytes: list[int] = []
+        self.layer_bytes: list[int] = []
         for i, block in enumerate(blocks):
-            ps = list(dict.fromkeys(block.parameters()))
-            if not ps:
-                raise ValueError(f"stream_weights: block {i} has no parameters")
-            offs, at = [], 0
-            for p in ps:
+            layout, ps, at = [], [], 0
+            for name, p in block.named_parameters():
                 if id(p) in owner:
                     raise ValueError(
                         f"stream_weights: a parameter of block {i} is also block "
@@ -101,11 +137,15 @@ class StreamedWeights:
                 owner[id(p)] = i
                 if not p.is_contiguous() or p.layout != torch.strided:
                     raise ValueError(f"stream_weights: block {i} has a non-contiguous parameter")
-                offs.append(at)
-                at += (p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+                n = p.numel() * p.element_size()
+                layout.append((name, at, p.dtype, tuple(p.shape), n))
+                ps.append(p)
+                at += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+            if not ps:
+                raise ValueError(f"stream_weights: block {i} has no parameters")
+            self._layouts.append(layout)
             self._params.append(ps)
-            self._offsets.append(offs)
-            layer_bytes.append(at)
+            self.layer_bytes.append(at)
         devices = {p.device for ps in self._params for p in ps}
         if len(devices) != 1:
             raise ValueError(
@@ -116,18 +156,18 @@ class StreamedWeights:
             raise ValueError(f"stream_weights: parameters on {device} (cpu and cuda are supported)")
         self.device = device
         pin = device.type == "cuda"
-        slot_bytes = max(layer_bytes)
-        # The slabs (pinned host memory, each block's parameters packed) and the ring.
-        self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in layer_bytes]
+        slot_bytes = max(self.layer_bytes)
+        # The slabs (pinned host memory, each block's parameters packed) and the ring; the
+        # blocks' own parameters give their memory up.
+        self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.layer_bytes]
         self._slots = [
             torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(depth + 1)
         ]
         with torch.no_grad():
             for i, ps in enumerate(self._params):
-                for p, off in zip(ps, self._offsets[i]):
-                    n = p.numel() * p.element_size()
-                    self._slabs[i][off : off + n].view(p.dtype).copy_(p.detach().reshape(-1))
-                    p.data = self._view(self._slots[i % (depth + 1)], off, p)
+                for p, (_, off, dtype, _, n) in zip(ps, self._layouts[i]):
+                    self._slabs[i][off : off + n].view(dtype).copy_(p.detach().reshape(-1))
+                    p.data = torch.empty(0, dtype=dtype, device=device)
         if device.type == "cuda":
             kind, ordinal = "cuda", device.index if device.index is not None else 0
             stream = torch.cuda.current_stream(device).cuda_stream
@@ -137,7 +177,7 @@ class StreamedWeights:
             kind,
             ordinal,
             stream,
-            layer_bytes,
+            self.layer_bytes,
             depth,
             False,
             [s.data_ptr() for s in self._slabs],
@@ -147,73 +187,16 @@ class StreamedWeights:
         self._id = next(_IDS)
         _SESSIONS[self._id] = self
         self._token = torch.zeros(1, device=device)
-        self._handles = []
-        for i, block in enumerate(blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre_hook(i)))
-            self._handles.append(block.register_forward_hook(self._post_hook(i)))
-        self.layer_bytes = layer_bytes
+        self.wrappers = [_StreamedBlock(b, self, i) for i, b in enumerate(blocks)]
+        for (parent, key), w in zip(self._places, self.wrappers):
+            _put(parent, key, w)
 
-    @staticmethod
-    def _view(slot: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
-        n = p.numel() * p.element_size()
-        return slot[off : off + n].view(p.dtype).view(p.shape)
-
-    def _pre_hook(self, i: int) -> Any:
-        sid = self._id
-        weights = self._params[i]
-
-        def hook(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():
-                # Note [Compiled streaming]: traced, the two ops give a graph with no break,
-                # but the functionalized graph treats every slot as one mutated input and
-                # copies its final value back into the slot after the graph, over the blocks
-                # the ring loaded meanwhile (the next pass's first ones): pass 2 computes from
-                # the wrong weights (measured with inductor on torch 2.15). Refused until the
-                # ops stop exposing the slots as mutated inputs.
-                raise RuntimeError(
-                    "stream_weights: torch.compile over streamed blocks is not supported yet "
-                    "(the compiled graph would write stale weights back into the ring); run "
-                    "the model eagerly, or compile the blocks' inner modules only"
-                )
-            if torch.is_grad_enabled() and any(p.requires_grad for p in weights):
-                raise RuntimeError(
-                    "stream_weights: this version streams inference; run the model under "
-                    "torch.no_grad() or torch.inference_mode() (training through streamed "
-                    "blocks, re-streaming them in backward, is not bound yet)"
-                )
-            torch.ops.spillway.stream_wait(weights, self._token, sid, i)
-
-        return hook
-
-    def _post_hook(self, i: int) -> Any:
-        sid = self._id
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            out = _first_tensor(output)
-            torch.ops.spillway.stream_release(
-                self._token, out if out is not None else self._token, sid, i
-            )
-
-        return hook
-
-    def _wait(self, layer: int, weights: list[torch.Tensor]) -> None:
+    def _acquire(self, layer: int, nbytes: int) -> torch.Tensor:
         slot = self._slots[layer % (self.depth + 1)]
         ptr = self._session.acquire(layer)
         if ptr != slot.data_ptr():
             raise RuntimeError(f"stream_weights: block {layer} landed outside its slot")
-        # Note [Functionalized copies]: a compiler backend that functionalizes the op without
-        # re-inplacing it (aot_eager) hands it copies of the parameters and writes them back
-        # into the slots at the end of its graph, over the blocks the ring has loaded since:
-        # refused, loudly. Inductor (torch.compile's default) re-inplaces: the op sees the
-        # slot views themselves.
-        for p, off in zip(weights, self._offsets[layer]):
-            if p.data_ptr() != slot.data_ptr() + off:
-                raise RuntimeError(
-                    "stream_weights: the compiler backend passed copies of block "
-                    f"{layer}'s parameters to spillway::stream_wait and would write them back "
-                    "into the ring after its graph; use torch.compile's default backend "
-                    "(inductor), which re-inplaces the op, or run eagerly"
-                )
+        return slot[:nbytes]
 
     def report(self) -> dict[str, Any]:
         """Loads, hits, bytes copied, copy and stall ms, achieved GB/s (since the start)."""
@@ -222,17 +205,30 @@ class StreamedWeights:
         return t
 
     def remove(self) -> None:
-        """Stops streaming: every block's parameters get device memory of their own again."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        """Stops streaming: the blocks are back in place with device memory of their own."""
         with torch.no_grad():
             for i, ps in enumerate(self._params):
-                for p, off in zip(ps, self._offsets[i]):
-                    n = p.numel() * p.element_size()
-                    host = self._slabs[i][off : off + n].view(p.dtype).view(p.shape)
+                for p, (_, off, dtype, shape, n) in zip(ps, self._layouts[i]):
+                    host = self._slabs[i][off : off + n].view(dtype).view(shape)
                     p.data = host.to(self.device, copy=True)
+        for (parent, key), b in zip(self._places, self.blocks):
+            _put(parent, key, b)
         _SESSIONS.pop(self._id, None)
+
+
+def _place_of(model: nn.Module, block: nn.Module, i: int) -> tuple[nn.Module, str]:
+    for parent in model.modules():
+        for key, child in parent.named_children():
+            if child is block:
+                return parent, key
+    raise ValueError(f"stream_weights: block {i} is not a submodule of the model")
+
+
+def _put(parent: nn.Module, key: str, module: nn.Module) -> None:
+    if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        parent[int(key)] = module
+    else:
+        setattr(parent, key, module)
 
 
 def stream_weights(
@@ -246,7 +242,7 @@ def stream_weights(
 
     Args:
         model: the model; its decoder blocks are found as :func:`offload_activations` finds
-            them, or given as ``layers``.
+            them, or given as ``layers`` (submodules of ``model``).
         depth: blocks copied ahead of the one computing (``depth + 1`` device slots, each the
             size of the largest block).
         h2d_gbps: CPU parameters only (spillway's host backend emulates the device): throttle
