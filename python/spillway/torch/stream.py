@@ -16,6 +16,13 @@ mutated input, so a compiled graph never writes weights back into the ring, and
 ``torch.compile(model, fullgraph=True)`` traces through with no graph break (tested with
 inductor and aot_eager, bitwise). The blocks' own parameters keep no memory meanwhile.
 
+Note [Sharded streaming in PyTorch]: with ``sharded=True`` inside a ``torch.distributed``
+job, each of the N ranks keeps 1/N of every block in its pinned slab (shards of
+ceil(bytes / N) rounded up to 64 bytes) and the streamer copies only that shard into its
+place in the slot; ``stream_acquire`` then assembles the block with the process group's
+in-place ``all_gather_into_tensor`` (the collective is torch.distributed's: gloo on CPU,
+NCCL on GPUs). The host link carries each block once for the N ranks instead of N times.
+
 This version streams inference: a forward that records gradients through streamed blocks
 raises (training, re-streaming the blocks in backward, is not bound yet).
 """
@@ -26,6 +33,7 @@ import itertools
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import _spillway
@@ -106,7 +114,15 @@ class StreamedWeights:
         depth: int = 2,
         layers: Optional[Sequence[nn.Module]] = None,
         h2d_gbps: float = 0.0,
+        sharded: bool = False,
     ) -> None:
+        if sharded and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "stream_weights: sharded=True needs an initialized torch.distributed process "
+                "group (each rank streams 1/N of every block, an all-gather assembles it)"
+            )
+        self.ranks = dist.get_world_size() if sharded else 1
+        self.rank = dist.get_rank() if sharded else 0
         if not isinstance(depth, int) or not 1 <= depth <= 64:
             raise ValueError(f"stream_weights: depth is {depth!r}; must be an int in [1, 64]")
         if h2d_gbps < 0:
@@ -156,32 +172,45 @@ class StreamedWeights:
             raise ValueError(f"stream_weights: parameters on {device} (cpu and cuda are supported)")
         self.device = device
         pin = device.type == "cuda"
-        slot_bytes = max(self.layer_bytes)
-        # The slabs (pinned host memory, each block's parameters packed) and the ring; the
-        # blocks' own parameters give their memory up.
-        self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.layer_bytes]
+        # Note [Sharded streaming in PyTorch]: a block is N shards; this rank's slab holds
+        # shard `rank` (the whole block when N = 1), the slot all N.
+        r, nr = self.rank, self.ranks
+        self._shard = [(n + nr - 1) // nr + _ALIGN - 1 for n in self.layer_bytes]
+        self._shard = [
+            sh // _ALIGN * _ALIGN if nr > 1 else n for sh, n in zip(self._shard, self.layer_bytes)
+        ]
+        slot_bytes = max(sh * nr for sh in self._shard)
+        # The slabs (pinned host memory) and the ring; the blocks' own parameters give their
+        # memory up.
+        self._slabs = [torch.zeros(sh, dtype=torch.uint8, pin_memory=pin) for sh in self._shard]
         self._slots = [
             torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(depth + 1)
         ]
         with torch.no_grad():
             for i, ps in enumerate(self._params):
+                packed = torch.zeros(self._shard[i] * nr, dtype=torch.uint8)
                 for p, (_, off, dtype, _, n) in zip(ps, self._layouts[i]):
-                    self._slabs[i][off : off + n].view(dtype).copy_(p.detach().reshape(-1))
+                    packed[off : off + n].view(dtype).copy_(p.detach().reshape(-1).cpu())
                     p.data = torch.empty(0, dtype=dtype, device=device)
+                self._slabs[i].copy_(packed[r * self._shard[i] : (r + 1) * self._shard[i]])
         if device.type == "cuda":
             kind, ordinal = "cuda", device.index if device.index is not None else 0
             stream = torch.cuda.current_stream(device).cuda_stream
         else:
             kind, ordinal, stream = "host", 0, 0
+        # The streamer moves this rank's shards: its "layers" are the shards, its slots the
+        # shard's place in each slot (static slots: block l in slot l % (depth + 1); every
+        # shard of a slot has the same offset, the largest shard times the rank).
+        self._slot_offset = r * max(self._shard)
         self._session = _spillway.StreamSession(
             kind,
             ordinal,
             stream,
-            self.layer_bytes,
+            self._shard,
             depth,
             False,
             [s.data_ptr() for s in self._slabs],
-            [s.data_ptr() for s in self._slots],
+            [s.data_ptr() + self._slot_offset for s in self._slots],
             h2d_gbps,
         )
         self._id = next(_IDS)
@@ -194,8 +223,19 @@ class StreamedWeights:
     def _acquire(self, layer: int, nbytes: int) -> torch.Tensor:
         slot = self._slots[layer % (self.depth + 1)]
         ptr = self._session.acquire(layer)
-        if ptr != slot.data_ptr():
+        if ptr != slot.data_ptr() + self._slot_offset:
             raise RuntimeError(f"stream_weights: block {layer} landed outside its slot")
+        if self.ranks == 1:
+            return slot[:nbytes]
+        # Note [Sharded streaming in PyTorch]: the shards sit at rank * largest shard; they
+        # are gathered at rank * this block's shard, so a block whose shard is smaller
+        # first moves its own down (a no-op for the largest block).
+        sh, big = self._shard[layer], max(self._shard)
+        if sh != big:
+            mine = slot[self._slot_offset : self._slot_offset + sh].clone()
+            slot[self.rank * sh : (self.rank + 1) * sh].copy_(mine)
+        whole = slot[: sh * self.ranks]
+        dist.all_gather_into_tensor(whole, whole[self.rank * sh : (self.rank + 1) * sh])
         return slot[:nbytes]
 
     def report(self) -> dict[str, Any]:
@@ -205,11 +245,16 @@ class StreamedWeights:
         return t
 
     def remove(self) -> None:
-        """Stops streaming: the blocks are back in place with device memory of their own."""
+        """Stops streaming: the blocks are back in place with device memory of their own
+        (sharded: a collective, every rank calls it)."""
         with torch.no_grad():
             for i, ps in enumerate(self._params):
+                whole = self._slabs[i]
+                if self.ranks > 1:  # every rank calls remove(): the shards are gathered
+                    whole = torch.empty(self._shard[i] * self.ranks, dtype=torch.uint8)
+                    dist.all_gather_into_tensor(whole, self._slabs[i].clone())
                 for p, (_, off, dtype, shape, n) in zip(ps, self._layouts[i]):
-                    host = self._slabs[i][off : off + n].view(dtype).view(shape)
+                    host = whole[off : off + n].view(dtype).view(shape)
                     p.data = host.to(self.device, copy=True)
         for (parent, key), b in zip(self._places, self.blocks):
             _put(parent, key, b)
@@ -237,6 +282,7 @@ def stream_weights(
     *,
     layers: Optional[Sequence[nn.Module]] = None,
     h2d_gbps: float = 0.0,
+    sharded: bool = False,
 ) -> StreamedWeights:
     """Streams the weights of ``model``'s decoder blocks from pinned host memory.
 
@@ -247,7 +293,9 @@ def stream_weights(
             size of the largest block).
         h2d_gbps: CPU parameters only (spillway's host backend emulates the device): throttle
             the emulated host-to-device link, GB/s (0: memcpy speed).
+        sharded: in a torch.distributed job, each rank streams 1/N of every block and an
+            all-gather assembles it (Note [Sharded streaming in PyTorch]).
 
     Returns the :class:`StreamedWeights` handle (``report()``, ``remove()``).
     """
-    return StreamedWeights(model, depth, layers, h2d_gbps)
+    return StreamedWeights(model, depth, layers, h2d_gbps, sharded)
