@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/stats.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/stream.hpp"
@@ -19,11 +20,6 @@ namespace spillway {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 uint32_t tag(int layer) {
   return 0x5a000000u + static_cast<uint32_t>(layer);

@@ -416,7 +416,7 @@ class OffloadAdamW {
     pipe_ = std::make_unique<optim::OptimizerOffload>(*dev_->device, dev_->compute, w32.data(), n_,
                                                       std::move(buckets), o, &pool_);
   }
-  ~OffloadAdamW() { pipe_.reset(); }
+  ~OffloadAdamW() = default;  // pipe_ before dev_ (declaration order)
   OffloadAdamW(const OffloadAdamW&) = delete;
   OffloadAdamW& operator=(const OffloadAdamW&) = delete;
 

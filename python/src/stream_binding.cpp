@@ -48,7 +48,7 @@ class StreamSession {
     o.device_slots = pointers(slots);
     streamer_ = std::make_unique<WeightStreamer>(*dev_->device, dev_->compute, layer_bytes, o);
   }
-  ~StreamSession() { streamer_.reset(); }
+  ~StreamSession() = default;  // streamer_ before dev_ (declaration order)
   StreamSession(const StreamSession&) = delete;
   StreamSession& operator=(const StreamSession&) = delete;
 

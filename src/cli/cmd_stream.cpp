@@ -14,6 +14,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
+#include "core/stats.hpp"
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
 #include "spillway/probe.hpp"
@@ -34,11 +35,6 @@ struct RunFlags {
   bool batch_given = false;  // else 2 x 256 tokens (the planner's defaults are a GPU's)
   bool seq_given = false;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // The reference model, resident and streamed, same seed and batches, interleaved step by
 // step; losses compared bit for bit.

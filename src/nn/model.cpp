@@ -867,6 +867,33 @@ std::vector<optim::Bucket> Model::parameter_buckets() const {
   return impl_->buckets;
 }
 
+namespace {
+
+// Tokens (batch, seq + 1) into the inputs and the shifted targets (batch * seq each),
+// every token checked against the vocabulary.
+void split_tokens(const std::vector<int32_t>& tokens, int batch, int seq, int vocab,
+                  std::vector<int32_t>* in, std::vector<int32_t>* target) {
+  const size_t T = static_cast<size_t>(batch) * static_cast<size_t>(seq);
+  in->assign(T, 0);
+  target->assign(T, 0);
+  for (int b = 0; b < batch; ++b) {
+    for (int t = 0; t < seq; ++t) {
+      const size_t src =
+          static_cast<size_t>(b) * static_cast<size_t>(seq + 1) + static_cast<size_t>(t);
+      const int32_t tok = tokens[src];
+      const int32_t next = tokens[src + 1];
+      if (tok < 0 || tok >= vocab || next < 0 || next >= vocab)
+        SPILLWAY_INPUT_ERROR("token {} at position {} is outside the vocabulary [0, {})",
+                             tok < 0 || tok >= vocab ? tok : next, src, vocab);
+      const size_t at = static_cast<size_t>(b) * static_cast<size_t>(seq) + static_cast<size_t>(t);
+      (*in)[at] = tok;
+      (*target)[at] = next;
+    }
+  }
+}
+
+}  // namespace
+
 StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
                       const MemoryPolicy& policy, TrainingHooks& hooks, double lr) {
   Impl& m = *impl_;
@@ -890,21 +917,8 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   st.layer_bwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   const int T = batch * seq;
   const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(m.d);
-  std::vector<int32_t> in(static_cast<size_t>(T)), target(static_cast<size_t>(T));
-  for (int b = 0; b < batch; ++b) {
-    for (int t = 0; t < seq; ++t) {
-      const size_t src =
-          static_cast<size_t>(b) * static_cast<size_t>(seq + 1) + static_cast<size_t>(t);
-      const int32_t tok = tokens[src];
-      const int32_t next = tokens[src + 1];
-      if (tok < 0 || tok >= c.vocab || next < 0 || next >= c.vocab)
-        SPILLWAY_INPUT_ERROR("token {} at position {} is outside the vocabulary [0, {})",
-                             tok < 0 || tok >= c.vocab ? tok : next, src, c.vocab);
-      const size_t at = static_cast<size_t>(b) * static_cast<size_t>(seq) + static_cast<size_t>(t);
-      in[at] = tok;
-      target[at] = next;
-    }
-  }
+  std::vector<int32_t> in, target;
+  split_tokens(tokens, batch, seq, c.vocab, &in, &target);
   const bool offloaded_optimizer = m.w16 != nullptr;
   SPILLWAY_CHECK(!offloaded_optimizer || lr <= 0,
                  "step: lr is {}; this Model's optimizer is offloaded (built with "
@@ -1049,21 +1063,8 @@ double Model::forward_loss(const std::vector<int32_t>& tokens, int batch, int se
                  "forward_loss: {} tokens for batch {} x (seq {} + 1)", tokens.size(), batch, seq);
   const int T = batch * seq;
   const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(m.d);
-  std::vector<int32_t> in(static_cast<size_t>(T)), target(static_cast<size_t>(T));
-  for (int b = 0; b < batch; ++b) {
-    for (int t = 0; t < seq; ++t) {
-      const size_t src =
-          static_cast<size_t>(b) * static_cast<size_t>(seq + 1) + static_cast<size_t>(t);
-      const int32_t tok = tokens[src];
-      const int32_t next = tokens[src + 1];
-      if (tok < 0 || tok >= c.vocab || next < 0 || next >= c.vocab)
-        SPILLWAY_INPUT_ERROR("token {} at position {} is outside the vocabulary [0, {})",
-                             tok < 0 || tok >= c.vocab ? tok : next, src, c.vocab);
-      const size_t at = static_cast<size_t>(b) * static_cast<size_t>(seq) + static_cast<size_t>(t);
-      in[at] = tok;
-      target[at] = next;
-    }
-  }
+  std::vector<int32_t> in, target;
+  split_tokens(tokens, batch, seq, c.vocab, &in, &target);
   // Every saved tensor recomputed (nothing is kept for a backward): a layer's forward frees
   // what it made, and its input is freed once its output exists.
   MemoryPolicy none = keep_policy(c);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/stats.hpp"
 #include "spillway/error.hpp"
 #include "spillway/optim.hpp"
 
@@ -345,7 +346,7 @@ void OptimizerOffload::Impl::abandon_step(const Error& e) {
 // widens inside the step) and writes the bf16 weights into the weight staging in the same
 // pass.
 void OptimizerOffload::Impl::host_step(int b) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   const size_t at = local[static_cast<size_t>(b)];
   if (jobs[static_cast<size_t>(b)].absent) {
     stv->on_absent_bucket(b);
@@ -354,8 +355,7 @@ void OptimizerOffload::Impl::host_step(int b) {
   } else {
     stv->on_bucket(b, static_cast<const float*>(g_stage) + at);
   }
-  cpu_ms +=
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  cpu_ms += ms_since(t0);
 }
 
 void OptimizerOffload::Impl::enqueue_device_bucket(int b) {
@@ -512,7 +512,7 @@ StvOutcome OptimizerOffload::end_step() {
   s.dev.synchronize(s.cpu);
   s.dev.synchronize(s.h2d);
   s.dev.synchronize(s.d2h);
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   for (int b = 0; b < s.opt.device_buckets; ++b) {
     if (s.device_arrived[static_cast<size_t>(b)] == 0) continue;  // finish() reports it
     s.stv->on_device_bucket(b, add_lane_sums(s.lanes_host + s.lane_at[static_cast<size_t>(b)],
@@ -541,9 +541,7 @@ StvOutcome OptimizerOffload::end_step() {
   }
   s.dev.record(s.done, s.h2d);
   s.dev.wait(s.compute, s.done);
-  s.last_cpu_ms =
-      s.cpu_ms +
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  s.last_cpu_ms = s.cpu_ms + ms_since(t0);
   s.cpu_ms = 0.0;
   return outcome;
 }

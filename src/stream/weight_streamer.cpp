@@ -6,20 +6,11 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/stats.hpp"
 #include "spillway/error.hpp"
 #include "spillway/stream.hpp"
 
 namespace spillway {
-
-namespace {
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 struct WeightStreamer::Impl {
   Device& dev;

@@ -88,7 +88,6 @@ TEST(StreamedReferenceModel, InferenceIsBitwiseTheResidentPass) {
   for (int s = 0; s < 2; ++s) got.push_back(m.forward_loss(tokens(7 + s, 2, 16), 2, 16));
   EXPECT_EQ(got, want);
   EXPECT_EQ(ws.telemetry().visits, 2 * c.layers());
-  // A forward pass leaves nothing on the device but the model and the ring.
   m.stream_weights(nullptr);
 }
 

@@ -605,7 +605,7 @@ TEST(OptimizerOffload, PerBucketHyperparametersAbsentBucketsAbortsAndCheckpoints
       }
     }
     EXPECT_EQ(off.end_step(), StvOutcome::kCommit);
-    EXPECT_GE(off.last_cpu_ms(), 0.0);
+    EXPECT_GT(off.last_cpu_ms(), 0.0);  // its bucket steps ran and were timed
     reference(grads, step, absent);
     expect_state(off, ref, step);
     expect_device_weights("after the step", step);
