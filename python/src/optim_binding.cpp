@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "adopted_device.hpp"
@@ -386,8 +387,10 @@ class OffloadAdamW {
  public:
   OffloadAdamW(const std::string& device, int ordinal, uintptr_t native_stream,
                const std::vector<int64_t>& sizes, uintptr_t weights, uintptr_t grads, double clip,
-               bool speculative, int threads)
-      : n_(total_elements(sizes)), pool_(checked_threads(threads)) {
+               bool speculative, int threads, nb::object keepalive)
+      : keepalive_(std::move(keepalive)),
+        n_(total_elements(sizes)),
+        pool_(checked_threads(threads)) {
     if (weights == 0 || grads == 0)
       SPILLWAY_INPUT_ERROR("CPUAdamW: the flat weights and gradients must be device memory");
     HostDeviceOptions host;
@@ -416,7 +419,9 @@ class OffloadAdamW {
     pipe_ = std::make_unique<optim::OptimizerOffload>(*dev_->device, dev_->compute, w32.data(), n_,
                                                       std::move(buckets), o, &pool_);
   }
-  ~OffloadAdamW() = default;  // pipe_ before dev_ (declaration order)
+  // pipe_ (which waits for its streams) before dev_ and pool_, all before keepalive_: the
+  // owners of the flat buffers outlive every copy (declaration order).
+  ~OffloadAdamW() = default;
   OffloadAdamW(const OffloadAdamW&) = delete;
   OffloadAdamW& operator=(const OffloadAdamW&) = delete;
 
@@ -487,6 +492,7 @@ class OffloadAdamW {
     return offsets_[static_cast<size_t>(b)];
   }
 
+  nb::object keepalive_;  // the Python owners of the flat buffers (destroyed last)
   size_t n_;
   std::vector<size_t> offsets_;  // per bucket, in elements
   uintptr_t grads_ = 0;
@@ -546,9 +552,9 @@ void bind_optim(nb::module_& m) {
                            "bf16 device buffers the caller owns (Note [The device path of "
                            "CPUAdamW])")
       .def(nb::init<const std::string&, int, uintptr_t, const std::vector<int64_t>&, uintptr_t,
-                    uintptr_t, double, bool, int>(),
+                    uintptr_t, double, bool, int, nb::object>(),
            "device"_a, "ordinal"_a, "native_stream"_a, "sizes"_a, "weights"_a, "grads"_a, "clip"_a,
-           "speculative"_a, "threads"_a)
+           "speculative"_a, "threads"_a, "keepalive"_a = nb::none())
       .def("set_hparams", &OffloadAdamW::set_hparams, "bucket"_a, "lr"_a, "beta1"_a, "beta2"_a,
            "eps"_a, "weight_decay"_a)
       .def("bucket_step", &OffloadAdamW::bucket_step, "bucket"_a)

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "adopted_device.hpp"
@@ -35,7 +36,8 @@ class StreamSession {
   StreamSession(const std::string& device, int ordinal, uintptr_t native_stream,
                 const std::vector<size_t>& layer_bytes, int depth, bool training,
                 const std::vector<uintptr_t>& host_slabs, const std::vector<uintptr_t>& slots,
-                double h2d_gbps) {
+                double h2d_gbps, nb::object keepalive)
+      : keepalive_(std::move(keepalive)) {
     HostDeviceOptions host;
     host.device_bytes = int64_t{1} << 20;  // the slots are the caller's
     host.h2d_gbps = h2d_gbps;
@@ -48,7 +50,9 @@ class StreamSession {
     o.device_slots = pointers(slots);
     streamer_ = std::make_unique<WeightStreamer>(*dev_->device, dev_->compute, layer_bytes, o);
   }
-  ~StreamSession() = default;  // streamer_ before dev_ (declaration order)
+  // streamer_ (which waits for its copies) before dev_, both before keepalive_: the owners of
+  // the slabs and slots outlive every copy into them (declaration order).
+  ~StreamSession() = default;
   StreamSession(const StreamSession&) = delete;
   StreamSession& operator=(const StreamSession&) = delete;
 
@@ -83,7 +87,8 @@ class StreamSession {
   std::string device_name() const { return dev_->device->name(); }
 
  private:
-  std::unique_ptr<AdoptedDevice> dev_;  // first: outlives the streamer
+  nb::object keepalive_;                // the Python owners of the slabs and slots (destroyed last)
+  std::unique_ptr<AdoptedDevice> dev_;  // outlives the streamer
   std::unique_ptr<WeightStreamer> streamer_;
 };
 
@@ -94,9 +99,10 @@ void bind_stream(nb::module_& m) {
                             "A WeightStreamer over torch-owned host slabs and device slots "
                             "(spillway.torch.stream_weights drives it)")
       .def(nb::init<const std::string&, int, uintptr_t, const std::vector<size_t>&, int, bool,
-                    const std::vector<uintptr_t>&, const std::vector<uintptr_t>&, double>(),
+                    const std::vector<uintptr_t>&, const std::vector<uintptr_t>&, double,
+                    nb::object>(),
            "device"_a, "ordinal"_a, "native_stream"_a, "layer_bytes"_a, "depth"_a, "training"_a,
-           "host_slabs"_a, "slots"_a, "h2d_gbps"_a = 0.0)
+           "host_slabs"_a, "slots"_a, "h2d_gbps"_a = 0.0, "keepalive"_a = nb::none())
       .def("acquire", &StreamSession::acquire, "layer"_a)
       .def("release", &StreamSession::release, "layer"_a)
       .def("step_end", &StreamSession::step_end)

@@ -224,6 +224,7 @@ class CPUAdamW(torch.optim.Optimizer):
             clip,
             speculative,
             threads,
+            (self._flat_w, self._flat_g),  # alive until the pipeline's copies are done
         )
 
     def _grad_ptr(self, i: int) -> int:

@@ -212,6 +212,9 @@ class StreamedWeights:
             [s.data_ptr() for s in self._slabs],
             [s.data_ptr() + self._slot_offset for s in self._slots],
             h2d_gbps,
+            # The session keeps the slabs and slots alive until its copies are done, whatever
+            # order Python frees this object's attributes in.
+            (self._slabs, self._slots),
         )
         self._id = next(_IDS)
         _SESSIONS[self._id] = self
