@@ -124,6 +124,11 @@ struct StreamOptions {
   int gpus = 1;
   int gpus_per_link = 1;
   bool keep_tasks = true;
+  // Note [Sharded streaming]: the GPUs of one link each copy 1/gpus_per_link of a layer
+  // (shards rounded up to 256 bytes, as the engine cuts them) and all-gather the rest from
+  // their peers over a link of peer_gbps per GPU (GB/s, > 0) before the layer computes.
+  bool sharded = false;
+  double peer_gbps = 0.0;
 };
 SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& request,
                                     const StreamOptions& options);

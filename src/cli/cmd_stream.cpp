@@ -8,9 +8,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <exception>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
@@ -32,107 +35,248 @@ struct RunFlags {
   double link_gbps = 1.0;
   double device_memory_mb = 512;
   uint64_t seed = 1;
+  int gpus_per_link = 1;
+  std::string mode = "auto";
   bool batch_given = false;  // else 2 x 256 tokens (the planner's defaults are a GPU's)
   bool seq_given = false;
 };
 
-// The reference model, resident and streamed, same seed and batches, interleaved step by
-// step; losses compared bit for bit.
+// One emulated GPU of the run: its device behind the shared link, the model all-resident
+// and the same model streamed.
+struct RunRank {
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<nn::Model> resident, streamed;
+  double loss_res = 0, loss_str = 0;
+  double ms_res = 0, ms_str = 0;
+  nn::StepStats st_res;
+  std::unique_ptr<WeightStreamer> ws;  // last: destroyed before the models and the device
+};
+
+// fn(rank) on every rank at once, one thread each (the emulated GPUs run concurrently and
+// contend for the link as GPUs would).
+template <typename F>
+void on_all_ranks(std::vector<RunRank>& ranks, F fn) {
+  if (ranks.size() == 1) {
+    fn(ranks[0]);
+    return;
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(ranks.size());
+  threads.reserve(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i)
+    threads.emplace_back([&, i] {
+      try {
+        fn(ranks[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// The rate at which this machine copies a buffer of `bytes` (the emulated all-gather is
+// such copies among the ranks' device buffers), GB/s: the median of 5.
+double measured_memcpy_gbps(size_t bytes) {
+  std::vector<std::byte> a(bytes, std::byte{1}), b(bytes);
+  std::vector<double> ms;
+  for (int i = 0; i < 6; ++i) {
+    const auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    if (i > 0) ms.push_back(ms_since(t0));
+  }
+  return static_cast<double>(bytes) / 1e6 / std::max(median(ms), 1e-6);
+}
+
+// The reference model on N emulated GPUs behind one throttled link, each resident and
+// streamed (same seed and batches), interleaved step by step; losses compared bit for bit.
+// Inference: every rank its own batch (replicas serving); training: the same batch on
+// every rank (the reference model has no gradient all-reduce, so data-parallel ranks on
+// different batches would drift apart; the link traffic is the same either way).
 void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool training,
                             const std::string& json_path) {
   const nn::RefConfig c = nn::load_reference_config(rf.ref_model);
   const int batch = static_cast<int>(rf.batch_given ? pf.micro_batch : 2);
   const int seq = static_cast<int>(rf.seq_given ? pf.seq_len : 256);
   const int depth = std::max(1, pf.prefetch_depth);
-  HostDeviceOptions o;
-  o.device_bytes = static_cast<int64_t>(rf.device_memory_mb * kMiB);
-  o.h2d_gbps = rf.link_gbps;
-  auto dev = make_host_device(o);
-  nn::Model resident(c, *dev, rf.seed);
-  nn::Model streamed(c, *dev, rf.seed);
-  WeightStreamOptions so;
-  so.depth = depth;
-  so.training = training;
-  WeightStreamer ws(*dev, streamed.compute_stream(), streamed.layer_weight_bytes(), so);
-  streamed.stream_weights(&ws);
+  const int N = rf.gpus_per_link;
+  auto link = std::make_shared<HostLink>(rf.link_gbps, rf.link_gbps);
+  // Declared before the ranks: their streamers (destroyed first, each waiting for its
+  // streams) may still have all-gathers of the next pass in flight.
+  std::vector<std::unique_ptr<AllGather>> group;
+  std::vector<RunRank> ranks(static_cast<size_t>(N));
+  std::vector<Device*> devs;
+  for (RunRank& r : ranks) {
+    HostDeviceOptions o;
+    o.device_bytes = static_cast<int64_t>(rf.device_memory_mb * kMiB);
+    o.link = link;
+    r.dev = make_host_device(o);
+    devs.push_back(r.dev.get());
+    r.resident = std::make_unique<nn::Model>(c, *r.dev, rf.seed);
+    r.streamed = std::make_unique<nn::Model>(c, *r.dev, rf.seed);
+  }
   const MemoryPolicy policy = nn::keep_policy(c);
   TrainingHooks none;
+  const double lr = training ? 1e-3 : 0.0;
   std::mt19937 g(static_cast<uint32_t>(rf.seed));
+  auto batches = [&] {
+    std::vector<std::vector<int32_t>> out;
+    for (int r = 0; r < (training ? 1 : N); ++r) {
+      std::vector<int32_t> tokens(static_cast<size_t>(batch) * static_cast<size_t>(seq + 1));
+      for (int32_t& t : tokens) t = static_cast<int32_t>(g() % static_cast<uint32_t>(c.vocab));
+      out.push_back(std::move(tokens));
+    }
+    return out;
+  };
+  // One step of every rank's resident or streamed model; the step's time is the slowest
+  // rank's.
+  auto step_all = [&](bool streamed, const std::vector<std::vector<int32_t>>& tok, double step_lr) {
+    on_all_ranks(ranks, [&](RunRank& r) {
+      const size_t i = static_cast<size_t>(&r - ranks.data());
+      const std::vector<int32_t>& t = tok[training ? 0 : i];
+      nn::Model& m = streamed ? *r.streamed : *r.resident;
+      const auto t0 = Clock::now();
+      double loss = 0;
+      if (training) {
+        nn::StepStats st = m.step(t, batch, seq, policy, none, step_lr);
+        loss = st.loss;
+        if (!streamed) r.st_res = std::move(st);
+      } else {
+        loss = m.forward_loss(t, batch, seq);
+      }
+      (streamed ? r.ms_str : r.ms_res) = ms_since(t0);
+      (streamed ? r.loss_str : r.loss_res) = loss;
+    });
+    double slowest = 0;
+    for (const RunRank& r : ranks) slowest = std::max(slowest, streamed ? r.ms_str : r.ms_res);
+    return slowest;
+  };
+  const std::vector<size_t> bytes = ranks[0].resident->layer_weight_bytes();
+  int64_t model_bytes = 0;
+  for (size_t b : bytes) model_bytes += static_cast<int64_t>(b);
+  // The mode, from the arithmetic of Note [Stream mode model] over a warm-up step of the
+  // resident models (learning rate 0: the weights stay the streamed models'), the link,
+  // and this machine's copy rate for the emulated all-gather.
+  StreamModeInput in;
+  in.gpus_per_link = N;
+  in.link_h2d_gbps = rf.link_gbps;
+  in.peer_gbps = N > 1 ? measured_memcpy_gbps(*std::max_element(bytes.begin(), bytes.end())) : 0;
+  in.depth = depth;
+  auto fill_compute = [&](double fwd_ms) {
+    in.layer_bytes.clear();
+    in.fwd_ms.clear();
+    in.bwd_ms.clear();
+    for (int l = 0; l < c.layers(); ++l) {
+      const auto u = static_cast<size_t>(l);
+      in.layer_bytes.push_back(static_cast<int64_t>(bytes[u]));
+      in.fwd_ms.push_back(training ? ranks[0].st_res.layer_fwd_ms[u] : fwd_ms / c.layers());
+      if (training) in.bwd_ms.push_back(ranks[0].st_res.layer_bwd_ms[u]);
+    }
+  };
+  fill_compute(step_all(false, batches(), 0.0));
+  std::string mode = rf.mode;
+  if (mode == "auto") mode = choose_stream_mode(in).chosen;
+  if (mode == "sharded" && N < 2)
+    throw CLI::ValidationError("--mode", "sharded needs --gpus-per-link 2 or more");
+  if (mode == "sharded") group = make_host_all_gather(devs);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    RunRank& r = ranks[i];
+    WeightStreamOptions so;
+    so.depth = depth;
+    so.training = training;
+    if (!group.empty()) so.group = group[i].get();
+    r.ws = std::make_unique<WeightStreamer>(*r.dev, r.streamed->compute_stream(),
+                                            r.streamed->layer_weight_bytes(), so);
+    r.streamed->stream_weights(r.ws.get());
+  }
   std::vector<double> t_res, t_str;
   std::vector<std::vector<double>> fwd_ms(static_cast<size_t>(c.layers())),
       bwd_ms(static_cast<size_t>(c.layers()));
   bool bitwise = true;
-  const double lr = training ? 1e-3 : 0.0;
   for (int step = 0; step < rf.steps; ++step) {
-    std::vector<int32_t> tokens(static_cast<size_t>(batch) * static_cast<size_t>(seq + 1));
-    for (int32_t& t : tokens) t = static_cast<int32_t>(g() % static_cast<uint32_t>(c.vocab));
-    double loss_res = 0, loss_str = 0;
-    for (nn::Model* m : {&resident, &streamed}) {
-      const auto t0 = std::chrono::steady_clock::now();
-      double loss = 0;
-      if (training) {
-        const nn::StepStats st = m->step(tokens, batch, seq, policy, none, lr);
-        loss = st.loss;
-        if (m == &resident) {
-          for (int l = 0; l < c.layers(); ++l) {
-            fwd_ms[static_cast<size_t>(l)].push_back(st.layer_fwd_ms[static_cast<size_t>(l)]);
-            bwd_ms[static_cast<size_t>(l)].push_back(st.layer_bwd_ms[static_cast<size_t>(l)]);
-          }
-        }
-      } else {
-        loss = m->forward_loss(tokens, batch, seq);
-      }
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      (m == &resident ? loss_res : loss_str) = loss;
-      if (step > 0) (m == &resident ? t_res : t_str).push_back(ms);
+    const std::vector<std::vector<int32_t>> tok = batches();
+    const double ms_res = step_all(false, tok, lr);
+    const double ms_str = step_all(true, tok, lr);
+    if (step > 0) {
+      t_res.push_back(ms_res);
+      t_str.push_back(ms_str);
     }
-    bitwise = bitwise && loss_res == loss_str;
-    say_beside_json(
-        json_path, fmt::format("step {}: loss {:.6f} resident, {:.6f} streamed{}\n", step, loss_res,
-                               loss_str, loss_res == loss_str ? "" : "  DIFFERENT"));
+    if (training)
+      for (int l = 0; l < c.layers(); ++l) {
+        const auto u = static_cast<size_t>(l);
+        fwd_ms[u].push_back(ranks[0].st_res.layer_fwd_ms[u]);
+        bwd_ms[u].push_back(ranks[0].st_res.layer_bwd_ms[u]);
+      }
+    std::string differ;
+    for (size_t i = 0; i < ranks.size(); ++i)
+      if (ranks[i].loss_res != ranks[i].loss_str) differ += fmt::format(" {}", i);
+    bitwise = bitwise && differ.empty();
+    say_beside_json(json_path, fmt::format("step {}: loss {:.6f} resident, {:.6f} streamed{}{}\n",
+                                           step, ranks[0].loss_res, ranks[0].loss_str,
+                                           N > 1 ? fmt::format(" (rank 0 of {})", N) : "",
+                                           differ.empty() ? "" : "  DIFFERENT on rank" + differ));
   }
-  const WeightStreamTelemetry t = ws.telemetry();
-  streamed.stream_weights(nullptr);
+  const WeightStreamTelemetry t = ranks[0].ws->telemetry();
+  for (RunRank& r : ranks) r.streamed->stream_weights(nullptr);
   const double res_ms = median(t_res), str_ms = median(t_str);
-  const std::vector<size_t> bytes = streamed.layer_weight_bytes();
-  int64_t model_bytes = 0;
-  for (size_t b : bytes) model_bytes += static_cast<int64_t>(b);
   std::string text = fmt::format(
-      "{} ({} layers, {:.1f} MB of layer weights, fp32), batch {} x {} tokens, {}; link {:.2f} "
+      "{} ({} layers, {:.1f} MB of layer weights, fp32), batch {} x {} tokens{}, {}; link {:.2f} "
       "GB/s host->device, depth {} ({} device slots of {:.1f} MB)\n",
       rf.ref_model, c.layers(), static_cast<double>(model_bytes) / 1e6, batch, seq,
+      N > 1 ? (training ? " (the same on every GPU)" : " per GPU") : "",
       training ? "training steps (forward, backward re-streamed, AdamW)" : "inference (forward)",
-      rf.link_gbps, depth, depth + 1, static_cast<double>(ws.slot_bytes()) / 1e6);
-  text += fmt::format("  mode            full-copy (one emulated GPU on its link)\n");
-  text +=
-      fmt::format("  all resident    {:9.2f} ms per step (median of {})\n", res_ms, t_res.size());
+      rf.link_gbps, depth, depth + 1, static_cast<double>(ranks[0].ws->slot_bytes()) / 1e6);
+  if (N == 1) {
+    text += fmt::format("  mode            {} (one emulated GPU on its link)\n", mode);
+  } else {
+    text += fmt::format("  mode            {} ({} emulated GPUs sharing the link{}{})\n", mode, N,
+                        mode == "sharded" ? ", each copying 1/N of a layer and all-gathering" : "",
+                        rf.mode == "auto" ? "; chosen by the model below" : "; --mode");
+  }
+  text += fmt::format("  all resident    {:9.2f} ms per step (median of {}{})\n", res_ms,
+                      t_res.size(), N > 1 ? ", the slowest GPU" : "");
   text += fmt::format("  streamed        {:9.2f} ms per step ({:+.1f}%)\n", str_ms,
                       100.0 * (str_ms / res_ms - 1.0));
   const double steps = static_cast<double>(std::max<int64_t>(1, t.steps));
   text += fmt::format(
-      "  per step        {:.1f} MB copied in {:.1f} loads ({:.1f} hits), stalls {:.2f} ms, copy "
-      "stream {:.2f} GB/s\n",
-      static_cast<double>(t.bytes) / 1e6 / steps, static_cast<double>(t.loads) / steps,
-      static_cast<double>(t.hits) / steps, t.stall_ms / steps, t.gbps);
+      "  per step        {:.1f} MB copied {}in {:.1f} loads ({:.1f} hits), stalls {:.2f} ms, "
+      "copy stream {:.2f} GB/s\n",
+      static_cast<double>(t.bytes) / 1e6 / steps, N > 1 ? "by GPU 0 " : "",
+      static_cast<double>(t.loads) / steps, static_cast<double>(t.hits) / steps, t.stall_ms / steps,
+      t.gbps);
+  if (N > 1)
+    text += fmt::format("  link            {:.1f} MB per step for the {} GPUs\n",
+                        static_cast<double>(t.bytes) * N / 1e6 / steps, N);
   text +=
       fmt::format("  losses          {}\n", bitwise ? "bitwise identical to the resident model's"
                                                     : "DIFFER from the resident model's");
   // The predictions for the same setup, from the measured per-layer compute (training) or
   // the resident pass spread evenly (inference: forward_loss does not time layers).
-  StreamModeInput in;
-  for (int l = 0; l < c.layers(); ++l) {
-    in.layer_bytes.push_back(static_cast<int64_t>(bytes[static_cast<size_t>(l)]));
-    in.fwd_ms.push_back(training ? median(fwd_ms[static_cast<size_t>(l)]) : res_ms / c.layers());
-    if (training) in.bwd_ms.push_back(median(bwd_ms[static_cast<size_t>(l)]));
+  if (training) {
+    in.fwd_ms.clear();
+    in.bwd_ms.clear();
+    for (int l = 0; l < c.layers(); ++l) {
+      in.fwd_ms.push_back(median(fwd_ms[static_cast<size_t>(l)]));
+      in.bwd_ms.push_back(median(bwd_ms[static_cast<size_t>(l)]));
+    }
+  } else {
+    fill_compute(res_ms);
   }
-  in.link_h2d_gbps = rf.link_gbps;
-  in.depth = depth;
   const StreamModeChoice choice = choose_stream_mode(in);
+  const auto est = std::find_if(choice.modes.begin(), choice.modes.end(),
+                                [&](const StreamModeEstimate& e) { return e.mode == mode; });
+  const double predicted = est != choice.modes.end() ? est->step_ms : 0.0;
   text += fmt::format(
-      "  predicted       {:9.2f} ms per step of layers (Note [Stream mode model], "
-      "{:.2f} ms of them compute)\n",
-      choice.modes[0].step_ms, choice.compute_ms);
+      "  predicted       {:9.2f} ms per step of layers (Note [Stream mode model], {:.2f} ms of "
+      "them compute{})\n",
+      predicted, choice.compute_ms,
+      N > 1 ? fmt::format("; peer copies at this machine's memcpy, {:.1f} GB/s", in.peer_gbps)
+            : "");
+  if (rf.mode == "auto" && N > 1)
+    for (const StreamModeEstimate& e : choice.modes)
+      if (e.available && e.mode != mode)
+        text += fmt::format("                  {} would take {:.2f} ms\n", e.mode, e.step_ms);
   double sim_ms = 0.0;
   if (!training) {
     Plan plan;
@@ -142,13 +286,17 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
       lp.fwd_ms = in.fwd_ms[static_cast<size_t>(l)];
       plan.layers.push_back(lp);
     }
-    plan.summary.h2d_gbps = rf.link_gbps;
-    plan.summary.d2h_gbps = rf.link_gbps;
-    plan.summary.gpus_per_link = 1;
+    plan.summary.h2d_gbps = rf.link_gbps / N;  // per GPU; the link: times the GPUs on it
+    plan.summary.d2h_gbps = rf.link_gbps / N;
+    plan.summary.gpus_per_link = N;
     PlanRequest req;
     req.work.shape.dtype = DType::kFp32;
     StreamOptions sim_o;
     sim_o.depth = depth;
+    sim_o.gpus = N;
+    sim_o.gpus_per_link = N;
+    sim_o.sharded = mode == "sharded";
+    sim_o.peer_gbps = in.peer_gbps;
     sim_o.keep_tasks = false;
     sim_ms = simulate_weight_streaming(plan, req, sim_o).summary.step_ms;
     text += fmt::format("  simulator       {:9.2f} ms per forward of the layers\n", sim_ms);
@@ -161,15 +309,19 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
     j["training"] = training;
     j["depth"] = depth;
     j["link_gbps"] = rf.link_gbps;
+    j["gpus_per_link"] = N;
+    j["mode"] = mode;
     j["resident_ms"] = res_ms;
     j["streamed_ms"] = str_ms;
     j["bytes_per_step"] = static_cast<double>(t.bytes) / steps;
+    j["link_bytes_per_step"] = static_cast<double>(t.bytes) * N / steps;
     j["loads"] = t.loads;
     j["hits"] = t.hits;
     j["stall_ms"] = t.stall_ms;
     j["copy_gbps"] = t.gbps;
     j["bitwise_identical"] = bitwise;
-    j["predicted_ms"] = choice.modes[0].step_ms;
+    j["predicted_ms"] = predicted;
+    if (N > 1) j["peer_gbps"] = in.peer_gbps;
     if (!training) j["simulator_ms"] = sim_ms;
     write_output(json_path, j.dump(2) + "\n");
   }
@@ -203,7 +355,9 @@ void add_stream_command(CLI::App& app) {
       "(forward, backward re-streaming the layers in reverse, AdamW), else inference. A run "
       "uses 2 x 256 tokens unless --micro-batch / --seq-len say otherwise. The reference model "
       "computes on the host's cores, which the emulated copy engine shares: its achieved GB/s "
-      "is this machine's, not a GPU's.\n"
+      "is this machine's, not a GPU's. --gpus-per-link N runs N emulated GPUs (threads) behind "
+      "the one link, each with its own batch (training: the same batch), full-copy or sharded "
+      "(--mode).\n"
       "--explain chooses how, for the model and machine given: every GPU copies whole layers "
       "(full-copy), the GPUs sharing one host link each copy 1/N and all-gather (sharded), or, "
       "on a coherent NVLink-C2C link, kernels read the host weights in place; it prints each "
@@ -213,6 +367,7 @@ void add_stream_command(CLI::App& app) {
       "Examples:\n"
       "  spillway stream\n"
       "  spillway stream --training --link-gbps 2 --prefetch-depth 2\n"
+      "  spillway stream --gpus-per-link 4 --mode sharded\n"
       "  spillway stream --explain --model Llama-3.1-70B --hardware h100-pcie --gpus-per-link 4\n"
       "  spillway stream --explain --model Llama-3.1-70B --hardware gh200 --training");
   add_plan_flags(*cmd, st->flags);
@@ -222,7 +377,9 @@ void add_stream_command(CLI::App& app) {
                 "A training step: forward, then backward re-streaming the layers in reverse")
       ->group("Streaming");
   in_range(cmd->add_option("--gpus-per-link", st->gpus_per_link,
-                           "GPUs sharing one host link (default: detected, else the profile's)")
+                           "GPUs sharing one host link (--explain default: detected, else the "
+                           "profile's; a run: emulated GPUs behind the throttled link, 1 to 16, "
+                           "default 1)")
                ->group("Streaming"),
            closed(1, 1024));
   in_range(cmd->add_option("--peer-gbps", st->peer_gbps,
@@ -254,6 +411,13 @@ void add_stream_command(CLI::App& app) {
                ->capture_default_str()
                ->group("Run"),
            closed(16, 1 << 20));
+  cmd->add_option("--mode", st->run.mode,
+                  "Run: auto (the mode the arithmetic of --explain picks for the measured "
+                  "compute), full-copy (every GPU copies whole layers) or sharded (each of the "
+                  "--gpus-per-link GPUs copies 1/N and all-gathers)")
+      ->check(CLI::IsMember({"auto", "full-copy", "sharded"}))
+      ->capture_default_str()
+      ->group("Run");
   cmd->add_option("--json", st->json_path,
                   "Write the run or the choice as JSON to FILE ('-' for stdout)")
       ->group("Output");
@@ -261,17 +425,24 @@ void add_stream_command(CLI::App& app) {
     if (!st->explain) {
       // The catalog-model flags describe --explain's machine; a run uses the reference
       // model: given here they would be silently ignored.
-      for (const char* f : {"--model", "--hardware", "--gpus-per-link", "--peer-gbps"})
+      for (const char* f : {"--model", "--hardware", "--peer-gbps", "--sysfs"})
         if (cmd->count(f) > 0)
           throw CLI::ValidationError(f,
                                      "applies to --explain; a run uses --ref-model and "
-                                     "--link-gbps");
+                                     "--link-gbps (its all-gather copies at this machine's "
+                                     "memcpy speed)");
+      st->run.gpus_per_link = st->gpus_per_link > 0 ? st->gpus_per_link : 1;
+      if (st->run.gpus_per_link > 16)
+        throw InputError("--gpus-per-link", std::to_string(st->run.gpus_per_link),
+                         "must be in [1, 16] for a run (emulated GPUs, one thread each)");
+      if (st->run.mode == "sharded" && st->run.gpus_per_link < 2)
+        throw CLI::ValidationError("--mode", "sharded needs --gpus-per-link 2 or more");
       st->run.batch_given = cmd->count("--micro-batch") > 0;
       st->run.seq_given = cmd->count("--seq-len") > 0;
       run_streamed_reference(st->run, st->flags, st->training, st->json_path);
       return;
     }
-    for (const char* f : {"--ref-model", "--steps", "--link-gbps", "--device-memory-mb"})
+    for (const char* f : {"--ref-model", "--steps", "--link-gbps", "--device-memory-mb", "--mode"})
       if (cmd->count(f) > 0) throw CLI::ValidationError(f, "applies to a run (without --explain)");
     const PlanRequest req = make_request(st->flags);
     const Plan plan = make_plan(req);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -98,12 +99,19 @@ struct Model::Impl {
     layer_slot = nullptr;
   }
   // The current weights of every layer into the streamer's host slabs, once the copies
-  // that read them are done.
+  // that read them are done. A sharded streamer's slab holds this rank's shard of the
+  // layer's bytes (Note [Sharded streaming]), zero past the layer's end.
   void pack_weights() {
     for (int l = 0; l < c.layers(); ++l) {
       const optim::Bucket& k = buckets[static_cast<size_t>(l) + 1];
       dev.synchronize(streamer->host_slab_read(l));
-      std::memcpy(streamer->host_slab(l), w + k.offset, k.n * sizeof(float));
+      const size_t layer_bytes = k.n * sizeof(float);
+      const size_t at = std::min(streamer->host_slab_offset(l), layer_bytes);
+      const size_t slab = streamer->host_slab_bytes(l);
+      const size_t n = std::min(slab, layer_bytes - at);
+      auto* dst = static_cast<std::byte*>(streamer->host_slab(l));
+      std::memcpy(dst, reinterpret_cast<const std::byte*>(w + k.offset) + at, n);
+      std::memset(dst + n, 0, slab - n);
     }
   }
   float* g = nullptr;
@@ -1044,12 +1052,20 @@ void Model::stream_weights(WeightStreamer* weights) {
                    "stream_weights: the streamer has {} layers; the model {}", weights->layers(),
                    m.c.layers());
     const std::vector<size_t> want = layer_weight_bytes();
-    for (int l = 0; l < m.c.layers(); ++l)
-      SPILLWAY_CHECK(weights->host_slab_bytes(l) == want[static_cast<size_t>(l)] &&
-                         weights->host_slab_offset(l) == 0,
-                     "stream_weights: layer {} of the streamer holds {} bytes; the model's "
-                     "layer has {} (a full-copy streamer of layer_weight_bytes())",
-                     l, weights->host_slab_bytes(l), want[static_cast<size_t>(l)]);
+    // A full-copy streamer's slab is the layer; a sharded one's (Note [Sharded streaming])
+    // is this rank's shard and its slots hold the ranks' shards end to end: the layer
+    // from their start.
+    for (int l = 0; l < m.c.layers(); ++l) {
+      const size_t layer = want[static_cast<size_t>(l)];
+      const size_t slab = weights->host_slab_bytes(l);
+      const bool whole = slab == layer && weights->host_slab_offset(l) == 0;
+      const bool shard =
+          slab < layer && weights->host_slab_offset(l) % slab == 0 && weights->slot_bytes() >= layer;
+      SPILLWAY_CHECK(whole || shard,
+                     "stream_weights: layer {} of the streamer holds {} bytes from offset {}; "
+                     "the model's layer has {} (a streamer of layer_weight_bytes())",
+                     l, slab, weights->host_slab_offset(l), layer);
+    }
   }
   m.streamer = weights;
   if (weights != nullptr) m.pack_weights();

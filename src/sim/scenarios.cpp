@@ -753,35 +753,80 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
   int64_t max_layer = 0;
   std::vector<int> comp0(n);
   check_collectives(plan);
-  for (int g = 0; g < o.gpus; ++g) {
-    std::vector<int> comp(n, -1);
-    int after_comm = -1;  // the last collective of the previous layer
-    for (size_t l = 0; l < n; ++l) {
-      const LayerPlan& lp = plan.layers[l];
-      const int64_t bytes = checked_mul(lp.params, wbytes, "layer weight bytes");
-      max_layer = std::max(max_layer, bytes);
-      const int cid = e.add_task(
-          make_task(TaskKind::kH2D, g, static_cast<int>(l), 0, topo.h2d[static_cast<size_t>(g)],
-                    static_cast<double>(bytes), topo.link_h2d[static_cast<size_t>(g)], o.keep_tasks,
-                    b, [&] { return fmt::format("W{} weights", l); }));
-      // Buffer reuse: depth + 1 buffers, so layer l's copy waits for layer l - depth - 1.
-      if (l >= static_cast<size_t>(o.depth) + 1)
-        e.add_dep(cid, comp[l - static_cast<size_t>(o.depth) - 1]);
-      comp[l] = e.add_task(make_task(
-          TaskKind::kForward, g, static_cast<int>(l), 0, topo.compute[static_cast<size_t>(g)],
-          lp.fwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} forward", l); }));
-      e.add_dep(comp[l], cid);
-      if (l > 0 && after_comm >= 0) e.add_dep(comp[l], after_comm);
-      after_comm = -1;
-      // The layer's exposed forward collectives (TP gathers and scatters, EP all-to-alls)
-      // after its compute; the next layer waits for them (Note [Collectives in the
-      // simulator]). A host-link one shares the link with the weight copies.
-      for (const CollectivePlan& c : lp.collectives) {
-        if (c.backward || !c.exposed) continue;
-        after_comm = add_collective(e, topo, b, o.keep_tasks, l, c, g, 0, {comp[l]});
-      }
-      if (g == 0) comp0[l] = comp[l];
+  const bool sharded = o.sharded && o.gpus_per_link > 1;
+  if (o.sharded && !(o.peer_gbps > 0))
+    SPILLWAY_FIELD_ERROR("peer_gbps", o.peer_gbps, "must be > 0 for sharded streaming");
+  if (sharded) {
+    topo.comm.clear();
+    topo.fabric.resize(static_cast<size_t>(o.gpus));
+    for (int k = 0; k < o.gpus; ++k) topo.comm.push_back(e.add_stream(k, ResourceKind::kComm));
+  }
+  const auto per = static_cast<int64_t>(o.gpus_per_link);
+  const auto gpus = static_cast<size_t>(o.gpus);
+  std::vector<std::vector<int>> comp(gpus, std::vector<int>(n, -1));
+  std::vector<int> copy(gpus, -1);        // the layer's copy on each GPU (its shard: sharded)
+  std::vector<int> after_comm(gpus, -1);  // the last collective of the previous layer
+  std::vector<int> peer(gpus, -1);        // sharded: each GPU's link from its peers
+  if (sharded)
+    for (int& p : peer) p = e.add_link(o.peer_gbps * 1e6);
+  auto shard_of = [&](size_t l) {
+    const int64_t bytes = checked_mul(plan.layers[l].params, wbytes, "layer weight bytes");
+    return sharded ? ((bytes + per - 1) / per + 255) / 256 * 256 : bytes;
+  };
+  auto add_copy = [&](size_t gi, size_t l) {
+    const int64_t shard = shard_of(l);
+    max_layer = std::max(max_layer, sharded ? shard * per : shard);
+    copy[gi] = e.add_task(
+        make_task(TaskKind::kH2D, static_cast<int>(gi), static_cast<int>(l), 0, topo.h2d[gi],
+                  static_cast<double>(shard), topo.link_h2d[gi], o.keep_tasks, b,
+                  [&] { return fmt::format("W{} weights{}", l, sharded ? " (shard)" : ""); }));
+    // Buffer reuse: depth + 1 buffers, so layer l's copy waits for layer l - depth - 1.
+    if (l >= static_cast<size_t>(o.depth) + 1)
+      e.add_dep(copy[gi], comp[gi][l - static_cast<size_t>(o.depth) - 1]);
+  };
+  auto add_compute = [&](size_t gi, size_t l) {
+    const int g = static_cast<int>(gi);
+    const LayerPlan& lp = plan.layers[l];
+    int ready = copy[gi];
+    if (sharded) {
+      // The all-gather of the layer's other shards, once every GPU of the link has copied
+      // its own.
+      ready =
+          e.add_task(make_task(TaskKind::kCollective, g, static_cast<int>(l), 0, topo.comm[gi],
+                               static_cast<double>(shard_of(l) * (per - 1)), peer[gi], o.keep_tasks,
+                               b, [&] { return fmt::format("W{} all-gather", l); }));
+      if (o.keep_tasks) b.link_of[ready] = "peer";
+      const size_t first = gi - gi % static_cast<size_t>(per);
+      for (size_t k = first; k < first + static_cast<size_t>(per); ++k) e.add_dep(ready, copy[k]);
     }
+    comp[gi][l] = e.add_task(make_task(TaskKind::kForward, g, static_cast<int>(l), 0,
+                                       topo.compute[gi], lp.fwd_ms, -1, o.keep_tasks, b,
+                                       [&] { return fmt::format("L{} forward", l); }));
+    e.add_dep(comp[gi][l], ready);
+    if (l > 0 && after_comm[gi] >= 0) e.add_dep(comp[gi][l], after_comm[gi]);
+    after_comm[gi] = -1;
+    // The layer's exposed forward collectives (TP gathers and scatters, EP all-to-alls)
+    // after its compute; the next layer waits for them (Note [Collectives in the
+    // simulator]). A host-link one shares the link with the weight copies.
+    for (const CollectivePlan& c : lp.collectives) {
+      if (c.backward || !c.exposed) continue;
+      after_comm[gi] = add_collective(e, topo, b, o.keep_tasks, l, c, g, 0, {comp[gi][l]});
+    }
+    if (gi == 0) comp0[l] = comp[gi][l];
+  };
+  // Tasks are added after their dependencies: GPU by GPU, or (sharded: the all-gathers
+  // need every GPU's copy) layer by layer.
+  if (sharded) {
+    for (size_t l = 0; l < n; ++l) {
+      for (size_t gi = 0; gi < gpus; ++gi) add_copy(gi, l);
+      for (size_t gi = 0; gi < gpus; ++gi) add_compute(gi, l);
+    }
+  } else {
+    for (size_t gi = 0; gi < gpus; ++gi)
+      for (size_t l = 0; l < n; ++l) {
+        add_copy(gi, l);
+        add_compute(gi, l);
+      }
   }
   e.run();
   SimResult r;

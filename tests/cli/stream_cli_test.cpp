@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include "cli/run_command.hpp"
@@ -105,6 +106,48 @@ TEST(StreamCli, ARunStreamsTheReferenceModelBitwiseBesideTheResidentOne) {
       EXPECT_EQ(j["hits"], 2 * 3);  // two steps, the turn's 3 layers each
     }
   }
+}
+
+TEST(StreamCli, EmulatedGpusOnOneLinkShardAndCarryEachLayerOnce) {
+  // 2 emulated GPUs behind one link: full copy puts every layer on the link twice, sharded
+  // once (each GPU copies half and all-gathers); both compute the resident losses. At a
+  // link slow enough to be the bottleneck, auto picks sharded.
+  TempDir dir;
+  const std::string base =
+      "stream --ref-model tiny-moe --steps 2 --micro-batch 1 --seq-len 32 --gpus-per-link 2 "
+      "--link-gbps 0.05";
+  std::map<std::string, Json> runs;
+  for (const char* mode : {"full-copy", "sharded", "auto"}) {
+    SCOPED_TRACE(mode);
+    const StreamRun r =
+        run(base + " --mode " + mode + " --json " + dir.file(std::string(mode) + ".json"), dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_TRUE(contains(r.out, "2 emulated GPUs sharing the link")) << r.out;
+    runs[mode] = Json::parse(cli_test::read_file(dir.file(std::string(mode) + ".json")));
+    EXPECT_EQ(runs[mode]["bitwise_identical"], true);
+    EXPECT_EQ(runs[mode]["gpus_per_link"], 2);
+    EXPECT_TRUE(runs[mode].contains("simulator_ms"));
+  }
+  const double full = runs["full-copy"]["link_bytes_per_step"].get<double>();
+  const double sharded = runs["sharded"]["link_bytes_per_step"].get<double>();
+  EXPECT_NEAR(full / sharded, 2.0, 0.05);
+  EXPECT_EQ(runs["sharded"]["mode"], "sharded");
+  EXPECT_EQ(runs["auto"]["mode"], "sharded");
+  // A training run: the same batch on both GPUs, sharded, bitwise.
+  const StreamRun t = run(base + " --training --mode sharded", dir);
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_TRUE(contains(t.out, "bitwise identical")) << t.out;
+  EXPECT_TRUE(contains(t.out, "the same on every GPU")) << t.out;
+  // Sharding needs peers, and a run emulates at most 16 GPUs.
+  StreamRun bad = run("stream --ref-model tiny-moe --mode sharded", dir);
+  EXPECT_NE(bad.code, 0);
+  EXPECT_TRUE(contains(bad.err, "--gpus-per-link 2 or more")) << bad.err;
+  bad = run("stream --gpus-per-link 17", dir);
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_TRUE(contains(bad.err, "--gpus-per-link is 17")) << bad.err;
+  bad = run(std::string(kPcie) + " --mode sharded", dir);
+  EXPECT_NE(bad.code, 0);
+  EXPECT_TRUE(contains(bad.err, "--mode")) << bad.err;
 }
 
 TEST(StreamCli, FlagsOfTheOtherModeAreRefusedNotIgnored) {

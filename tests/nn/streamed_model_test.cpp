@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
@@ -111,6 +112,85 @@ TEST(StreamedReferenceModel, TheLayersComputeFromTheSlotsNotTheirDeviceCopy) {
   EXPECT_NE(changed, resident);
   m.stream_weights(nullptr);
   EXPECT_EQ(m.forward_loss(tokens(3, 2, 16), 2, 16), resident);
+}
+
+TEST(StreamedReferenceModel, ShardedRanksOnOneLinkComputeTheResidentResults) {
+  // Note [Sharded streaming]: 2 and 3 emulated GPUs behind one throttled link, each packing
+  // its shard of every layer and all-gathering the rest: inference passes (each rank its
+  // own batch) and training steps (the same batch) give the resident model's losses and
+  // parameters to the bit, with 1/N of the layer bytes copied per rank.
+  const RefConfig c = load_reference_config("tiny-moe");
+  const TrainRun want = train(c, false, 1);
+  for (int n : {2, 3}) {
+    for (bool training : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << n << " ranks, training " << training);
+      auto link = std::make_shared<HostLink>(2.0, 2.0);
+      std::vector<std::unique_ptr<Device>> devs;
+      std::vector<Device*> raw;
+      for (int i = 0; i < n; ++i) {
+        HostDeviceOptions o;
+        o.device_bytes = int64_t{96} << 20;
+        o.link = link;
+        devs.push_back(make_host_device(o));
+        raw.push_back(devs.back().get());
+      }
+      std::vector<std::unique_ptr<AllGather>> group = make_host_all_gather(raw);
+      std::vector<std::vector<double>> losses(static_cast<size_t>(n));
+      std::vector<std::vector<float>> params(static_cast<size_t>(n));
+      std::vector<WeightStreamTelemetry> tel(static_cast<size_t>(n));
+      std::vector<char> shard_ok(static_cast<size_t>(n), 1);
+      std::vector<std::thread> threads;
+      for (int i = 0; i < n; ++i)
+        threads.emplace_back([&, i] {
+          const auto u = static_cast<size_t>(i);
+          Model m(c, *raw[u], training ? 7 : 11);
+          WeightStreamOptions so;
+          so.depth = 1;
+          so.training = training;
+          so.group = group[u].get();
+          WeightStreamer ws(*raw[u], m.compute_stream(), m.layer_weight_bytes(), so);
+          m.stream_weights(&ws);
+          TrainingHooks none;
+          for (int s = 0; s < 3; ++s) {
+            if (training)
+              losses[u].push_back(m.step(tokens(40 + static_cast<uint32_t>(s), 2, 16), 2, 16,
+                                         keep_policy(c), none, 1e-3)
+                                      .loss);
+            else
+              losses[u].push_back(m.forward_loss(tokens(100 * i + s, 2, 16), 2, 16));
+          }
+          params[u] = m.parameters();
+          tel[u] = ws.telemetry();
+          // Each load copied this rank's shard: 1/N of the layer, rounded up to 256 bytes.
+          for (int l = 0; l < c.layers(); ++l) {
+            const LayerStreamStats& k = tel[u].layers[static_cast<size_t>(l)];
+            const size_t shard = ws.host_slab_bytes(l);
+            const size_t layer = m.layer_weight_bytes()[static_cast<size_t>(l)];
+            shard_ok[u] = shard_ok[u] && k.loads > 0 &&
+                          k.bytes == k.loads * static_cast<int64_t>(shard) &&
+                          shard * static_cast<size_t>(n) >= layer &&
+                          shard < layer / static_cast<size_t>(n) + 256;
+          }
+          m.stream_weights(nullptr);
+        });
+      for (std::thread& t : threads) t.join();
+      auto dev = make_host_device(HostDeviceOptions{int64_t{96} << 20, 0.0, 0.0});
+      Model resident(c, *dev, 11);
+      for (int i = 0; i < n; ++i) {
+        const auto u = static_cast<size_t>(i);
+        if (training) {
+          EXPECT_EQ(losses[u], want.losses) << "rank " << i;
+          EXPECT_TRUE(same_bits(params[u], want.params)) << "rank " << i;
+        } else {
+          for (int s = 0; s < 3; ++s)
+            EXPECT_EQ(losses[u][static_cast<size_t>(s)],
+                      resident.forward_loss(tokens(100 * i + s, 2, 16), 2, 16))
+                << "rank " << i << " pass " << s;
+        }
+        EXPECT_TRUE(shard_ok[u]) << "rank " << i;
+      }
+    }
+  }
 }
 
 TEST(StreamedReferenceModel, AStreamerOfAnotherShapeIsRefused) {

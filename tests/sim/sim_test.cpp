@@ -198,6 +198,51 @@ TEST(SimLinks, SharedLinkTakesNTimesAsLongOneLinkEachDoesNot) {
   }
 }
 
+TEST(SimLinks, ShardedStreamingCarriesEachLayerOnceOverTheSharedLink) {
+  // Note [Sharded streaming]: copy-bound, N GPUs on one link each copying 1/N of every
+  // layer move one GPU's bytes in one GPU's time; full copy moves N times the bytes.
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 1, 128, Policy::kKeep));
+  r.layer_fwd_ms = 0.001;
+  const Plan plan = make_plan(r);
+  StreamOptions one;
+  one.depth = 2;
+  const SimResult alone = simulate_weight_streaming(plan, r, one);
+  for (int n : {2, 4}) {
+    SCOPED_TRACE(::testing::Message() << n << " GPUs on one link");
+    StreamOptions full = one;
+    full.gpus = n;
+    full.gpus_per_link = n;
+    StreamOptions sharded = full;
+    sharded.sharded = true;
+    sharded.peer_gbps = 1e6;  // peers far faster than the link
+    const SimResult f = simulate_weight_streaming(plan, r, full);
+    const SimResult s = simulate_weight_streaming(plan, r, sharded);
+    EXPECT_NEAR(static_cast<double>(s.summary.h2d_bytes),
+                static_cast<double>(alone.summary.h2d_bytes),
+                256.0 * n * static_cast<double>(plan.layers.size()));
+    EXPECT_EQ(f.summary.h2d_bytes, n * alone.summary.h2d_bytes);
+    EXPECT_NEAR(s.summary.step_ms, alone.summary.step_ms, 0.03 * alone.summary.step_ms);
+    EXPECT_LT(s.summary.step_ms * (n - 0.5), f.summary.step_ms);
+    EXPECT_EQ(s.summary.collectives, n * static_cast<int64_t>(plan.layers.size()));
+    // Slow peers make the all-gathers the bottleneck: each GPU receives (N-1)/N of every
+    // layer over them.
+    StreamOptions slow = sharded;
+    slow.peer_gbps = plan.summary.h2d_gbps * plan.summary.gpus_per_link / 4;
+    const SimResult w = simulate_weight_streaming(plan, r, slow);
+    const double gather_ms =
+        static_cast<double>(alone.summary.h2d_bytes) * (n - 1) / n / (slow.peer_gbps * 1e6);
+    EXPECT_NEAR(w.summary.step_ms, gather_ms, 0.1 * gather_ms);
+  }
+  StreamOptions bad = one;
+  bad.sharded = true;
+  try {
+    (void)simulate_weight_streaming(plan, r, bad);
+    FAIL() << "sharded streaming without a peer bandwidth was accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.field(), "peer_gbps");
+  }
+}
+
 TEST(SimLinks, TwoGpusOnOneLinkSlowTheTrainingStepWhenCopyBound) {
   PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Policy::kOffload));
   r.work.shape.ep = 8;
