@@ -488,12 +488,21 @@ void add_stream_command(CLI::App& app) {
     so.keep_tasks = false;
     nlohmann::json sim_json;
     if (!st->training) {
-      // The simulator runs the full-copy mode as events (its link: the plan's per-GPU
-      // figure times the profile's GPUs per link).
+      // The simulator runs the full-copy and sharded modes as events (its link: the plan's
+      // per-GPU figure times the profile's GPUs per link).
       const SimResult r = simulate_weight_streaming(plan, req, so);
       text += fmt::format("simulator (full copy, {} GPUs on the link): forward {:.2f} ms\n",
                           per_link, r.summary.step_ms);
       sim_json = {{"full_copy_forward_ms", r.summary.step_ms}};
+      if (per_link > 1 && in.peer_gbps > 0) {
+        StreamOptions sh = so;
+        sh.sharded = true;
+        sh.peer_gbps = in.peer_gbps;
+        const SimResult q = simulate_weight_streaming(plan, req, sh);
+        text += fmt::format("simulator (sharded, {} GPUs on the link): forward {:.2f} ms\n",
+                            per_link, q.summary.step_ms);
+        sim_json["sharded_forward_ms"] = q.summary.step_ms;
+      }
     }
     write_output("-", text);
     if (!st->json_path.empty()) {

@@ -41,6 +41,7 @@ TEST(StreamCli, FourPcieGpusOnOneLinkShardAndTheArithmeticIsShown) {
   EXPECT_TRUE(contains(r.out, "sharded")) << r.out;
   EXPECT_TRUE(contains(r.out, "in-place   not available")) << r.out;
   EXPECT_TRUE(contains(r.out, "simulator (full copy, 4 GPUs on the link)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "simulator (sharded, 4 GPUs on the link)")) << r.out;
   EXPECT_TRUE(contains(r.out, "warning: the link cannot hide the copies")) << r.out;
 }
 
