@@ -1,8 +1,9 @@
 """spillway.torch.stream_weights: Hugging Face models whose decoder blocks compute from a ring
 of slots the weight streamer fills from pinned host memory (here the host backend emulates
 the device). Logits bitwise those of the resident model, pass after pass, eager and compiled
-with ``fullgraph=True`` (no graph break); a slow link only makes compute wait; gradients
-through streamed blocks and tied blocks are refused."""
+with ``fullgraph=True`` (no graph break); a slow link only makes compute wait; training
+(blocks re-streamed in backward) gives the resident losses, gradients and weights bitwise,
+with torch's AdamW and spillway's CPUAdamW; tied blocks are refused."""
 
 from __future__ import annotations
 
@@ -73,11 +74,113 @@ def test_compiled_with_fullgraph_has_no_graph_break_and_the_same_bits() -> None:
     assert handle.report()["visits"] >= 4 * 5
 
 
-def test_gradients_through_streamed_blocks_are_refused_loudly() -> None:
+def test_gradients_in_an_inference_session_are_refused_loudly() -> None:
     model = tiny_llama(seed=7, layers=3)
     st.stream_weights(model, depth=1)
-    with pytest.raises(RuntimeError, match="streams inference"):
+    with pytest.raises(RuntimeError, match="streams inference.*training=True"):
         model(input_ids=batch(seed=1)["input_ids"], use_cache=False)
+
+
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, steps: int, accumulate: int = 1
+) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Losses and, after each step's backward, every parameter's gradient."""
+    losses, grads = [], []
+    for s in range(steps):
+        for a in range(accumulate):
+            loss = model(**batch(seed=10 * s + a)).loss
+            loss.backward()
+            losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3_moe])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_training_steps_are_bitwise_the_resident_models(
+    make: Callable[..., Any], depth: int
+) -> None:
+    # Note [Training through streamed blocks]: forward streams blocks 0..L-1, backward
+    # re-streams them L-1..0 and recomputes each from its saved inputs; losses, gradients and
+    # updated weights are the resident model's to the bit, step after step.
+    L = 5
+    model = make(seed=11, layers=L)
+    ref = copy.deepcopy(model)
+    handle = st.stream_weights(model, depth=depth, training=True)
+    assert all(
+        p.device.type == "cpu" and p.numel() > 0 for b in handle.blocks for p in b.parameters()
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    got = train(model, opt, 3)
+    want = train(ref, opt_ref, 3)
+    assert got[0] == want[0]
+    for s, (g, w) in enumerate(zip(got[1], want[1])):
+        assert same(g, w), f"gradients of step {s}"
+    assert same(list(model.parameters()), list(ref.parameters()))
+    rep = handle.report()
+    assert rep["visits"] == 3 * 2 * L
+    # Per step: L forward loads, and backward's past the turn (its depth + 1 blocks are hits).
+    assert rep["loads"] == 3 * (L + L - (depth + 1))
+    assert rep["hits"] == 3 * (depth + 1)
+    # The updated weights reach the slabs: removing gives the trained model back.
+    handle.remove()
+    assert same(list(model.parameters()), list(ref.parameters()))
+    with torch.no_grad():
+        assert torch.equal(logits(model, 5), logits(ref, 5))
+
+
+def test_training_accumulates_and_keeps_frozen_parameters_and_dropout_bitwise() -> None:
+    model = tiny_llama(seed=12, layers=4)
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.model.layers[1].mlp.requires_grad_(False)
+    model.model.embed_tokens.requires_grad_(False)  # block 0's input needs no gradient
+    model.train()
+    ref = copy.deepcopy(model)
+    handle = st.stream_weights(model, depth=1, training=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    torch.manual_seed(5)
+    got = train(model, opt, 2, accumulate=2)
+    torch.manual_seed(5)
+    want = train(ref, opt_ref, 2, accumulate=2)
+    assert got[0] == want[0]
+    assert all(same(g, w) for g, w in zip(got[1], want[1]))
+    assert same(list(model.parameters()), list(ref.parameters()))
+    assert all(p.grad is None for p in handle.blocks[1].mlp.parameters())
+
+
+def test_training_with_spillways_cpu_adamw_is_bitwise_its_resident_run() -> None:
+    # The optimizer offloaded to the CPU beside streamed weights: CPUAdamW steps the
+    # parameters where they live, in the pinned slabs.
+    model = tiny_llama(seed=13, layers=4)
+    ref = copy.deepcopy(model)
+    st.stream_weights(model, depth=2, training=True)
+    got = train(model, st.CPUAdamW(model.parameters(), lr=1e-2), 3)
+    want = train(ref, st.CPUAdamW(ref.parameters(), lr=1e-2), 3)
+    assert got[0] == want[0]
+    assert same(list(model.parameters()), list(ref.parameters()))
+
+
+def test_training_sessions_refuse_what_their_schedule_cannot_do() -> None:
+    model = tiny_llama(seed=14, layers=3)
+    st.stream_weights(model, depth=1, training=True)
+    with pytest.raises(RuntimeError, match="without gradients would leave it waiting"):
+        logits(model, 1)
+    with pytest.raises(ValueError, match="sharded=True streams inference"):
+        st.stream_weights(tiny_llama(seed=1, layers=3), training=True, sharded=True)
+    # A forward whose backward never ran: the next forward is out of the schedule.
+    model(**batch(seed=1))
+    with pytest.raises(Exception, match="block|layer"):
+        model(**batch(seed=2))
 
 
 def test_remove_gives_the_parameters_back() -> None:

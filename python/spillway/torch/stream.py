@@ -23,8 +23,20 @@ place in the slot; ``stream_acquire`` then assembles the block with the process 
 in-place ``all_gather_into_tensor`` (the collective is torch.distributed's: gloo on CPU,
 NCCL on GPUs). The host link carries each block once for the N ranks instead of N times.
 
-This version streams inference: a forward that records gradients through streamed blocks
-raises (training, re-streaming the blocks in backward, is not bound yet).
+Note [Training through streamed blocks]: ``training=True`` (one process, eager mode) runs
+the streamer's training schedule, blocks 0..L-1 in forward and L-1..0 in backward. Each
+block's call is an ``autograd.Function``: forward acquires the slot, runs the block without
+recording a graph and releases it; backward acquires the block again (re-streamed, as the
+reference model does: keeping every block's weights for backward is what streaming avoids;
+the last ``depth + 1`` blocks of forward are still in their slots, hits), recomputes the
+block with its weights as leaves and its saved inputs (the RNG state of the forward
+restored), and returns the gradients of the inputs and of the parameters. The parameters
+are views of the pinned slabs (on the CPU, also for a CUDA model), so autograd accumulates
+their ``.grad`` as for any parameter (hooks fire, accumulation is bitwise the resident
+model's) and any optimizer updates them in place in the slabs; the next forward tells the
+streamer (``step_end``) that the slabs hold the next weights, first copying back any
+parameter an optimizer re-pointed elsewhere. A forward without gradients in a training
+session raises (its backward visits would never come).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import _spillway
@@ -83,12 +96,21 @@ class _StreamedBlock(nn.Module):
         self._layout = owner._layouts[index]  # (name, offset, dtype, shape, bytes)
         self._token = owner._token
 
+    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: flat[off : off + n].view(dtype).view(shape)
+            for name, off, dtype, shape, n in self._layout
+        }
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        owner = _SESSIONS[self._owner_id]
+        if owner.training:
+            return _train_call(self, owner, args, kwargs)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             raise RuntimeError(
-                "stream_weights: this version streams inference; run the model under "
-                "torch.no_grad() or torch.inference_mode() (training through streamed "
-                "blocks, re-streaming them in backward, is not bound yet)"
+                "stream_weights: this session streams inference; run the model under "
+                "torch.no_grad() or torch.inference_mode(), or stream with training=True "
+                "(blocks re-streamed in backward)"
             )
         flat = torch.ops.spillway.stream_acquire(
             self._token, self._owner_id, self._index, self._nbytes
@@ -105,6 +127,126 @@ class _StreamedBlock(nn.Module):
         return out
 
 
+def _train_call(block: _StreamedBlock, owner: StreamedWeights, args: Any, kwargs: Any) -> Any:
+    """Note [Training through streamed blocks]: one block's forward, its backward to come."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "stream_weights: a training=True session runs every forward with its backward "
+            "(the streamer's schedule re-streams the blocks in reverse); a forward without "
+            "gradients would leave it waiting. Evaluate with a separate session (remove() "
+            "this one, stream_weights(model) for inference) or with gradients enabled"
+        )
+    if torch.compiler.is_compiling():
+        raise RuntimeError("stream_weights: training=True streams in eager mode only")
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    params = owner._params[block._index]
+    box: dict[str, Any] = {}
+    outs = _StreamedBlockFn.apply(
+        block, owner, leaves, spec, where, len(params), box, owner._anchor,
+        *[leaves[i] for i in where], *params,
+    )  # fmt: skip
+    out_leaves = list(box["leaves"])
+    for i, t in zip(box["where"], outs):
+        out_leaves[i] = t
+    return pytree.tree_unflatten(out_leaves, box["spec"])
+
+
+class _StreamedBlockFn(torch.autograd.Function):
+    """A streamed block in training (Note [Training through streamed blocks])."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        block: _StreamedBlock,
+        owner: StreamedWeights,
+        leaves: list[Any],
+        spec: Any,
+        where: list[int],
+        n_params: int,
+        box: dict[str, Any],
+        anchor: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        inputs = tensors[: len(tensors) - n_params]
+        layer = block._index
+        if layer == 0 and owner._backward_done:
+            owner._step_end()
+        rng = _rng_state(owner.device)
+        flat = owner._acquire(layer, block._nbytes)
+        call = list(leaves)
+        for i, t in zip(where, inputs):
+            call[i] = t
+        args, kwargs = pytree.tree_unflatten(call, spec)
+        out = torch.func.functional_call(block.inner, block._views(flat), args, kwargs)
+        owner._session.release(layer)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        out_where = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        box.update(leaves=out_leaves, spec=out_spec, where=out_where)
+        ctx.save_for_backward(*inputs)
+        ctx.block, ctx.owner, ctx.rng = block, owner, rng
+        ctx.call, ctx.spec, ctx.where, ctx.out_where = leaves, spec, where, out_where
+        return tuple(out_leaves[i] for i in out_where)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        block, owner = ctx.block, ctx.owner
+        layer = block._index
+        params = owner._params[layer]
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        call = list(ctx.call)
+        for i, t in zip(ctx.where, inputs):
+            call[i] = t
+        args, kwargs = pytree.tree_unflatten(call, ctx.spec)
+        flat = owner._acquire(layer, block._nbytes)
+        weights = {
+            name: w.detach().requires_grad_(p.requires_grad)
+            for (name, w), p in zip(block._views(flat).items(), params)
+        }
+        with torch.random.fork_rng(devices=_rng_devices(owner.device)), torch.enable_grad():
+            _set_rng_state(owner.device, ctx.rng)
+            out = torch.func.functional_call(block.inner, weights, args, kwargs)
+        out_leaves = pytree.tree_leaves(out)
+        outs, gs = [], []
+        for i, g in zip(ctx.out_where, grads):
+            o = out_leaves[i]
+            if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+                outs.append(o)
+                gs.append(g)
+        wanted = [t for t in inputs if t.requires_grad] + [
+            w for w in weights.values() if w.requires_grad
+        ]
+        got = list(torch.autograd.grad(outs, wanted, gs, allow_unused=True)) if outs else []
+        owner._session.release(layer)
+        if layer == 0:
+            owner._backward_done = True
+        it = iter(got + [None] * (len(wanted) - len(got)))
+        d_in = [next(it) if t.requires_grad else None for t in inputs]
+        d_w: list[Optional[torch.Tensor]] = []
+        for w, p in zip(weights.values(), params):
+            g = next(it) if w.requires_grad else None
+            # The parameters live in the slabs (CPU): a CUDA block's gradients come back.
+            d_w.append(g.to(p.device) if g is not None and g.device != p.device else g)
+        return (None,) * 8 + tuple(d_in) + tuple(d_w)
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(
+    device: torch.device, state: tuple[torch.Tensor, Optional[torch.Tensor]]
+) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 class StreamedWeights:
     """What :func:`stream_weights` returns: the handle of a model whose blocks stream."""
 
@@ -115,7 +257,13 @@ class StreamedWeights:
         layers: Optional[Sequence[nn.Module]] = None,
         h2d_gbps: float = 0.0,
         sharded: bool = False,
+        training: bool = False,
     ) -> None:
+        if sharded and training:
+            raise ValueError(
+                "stream_weights: sharded=True streams inference; training=True streams whole "
+                "blocks on each rank"
+            )
         if sharded and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 "stream_weights: sharded=True needs an initialized torch.distributed process "
@@ -135,6 +283,8 @@ class StreamedWeights:
             )
         self.model = model
         self.depth = depth
+        self.training = training
+        self._backward_done = False  # training: a step's backward reached block 0
         self.blocks = blocks
         # Where each block sits in the model, to put its wrapper there.
         self._places = [_place_of(model, b, i) for i, b in enumerate(blocks)]
@@ -193,6 +343,9 @@ class StreamedWeights:
                     packed[off : off + n].view(dtype).copy_(p.detach().reshape(-1).cpu())
                     p.data = torch.empty(0, dtype=dtype, device=device)
                 self._slabs[i].copy_(packed[r * self._shard[i] : (r + 1) * self._shard[i]])
+                if training:  # the parameters are the slabs (Note [Training through ...])
+                    for p, view in zip(ps, self._slab_views(i)):
+                        p.data = view
         if device.type == "cuda":
             kind, ordinal = "cuda", device.index if device.index is not None else 0
             stream = torch.cuda.current_stream(device).cuda_stream
@@ -208,7 +361,7 @@ class StreamedWeights:
             stream,
             self._shard,
             depth,
-            False,
+            training,
             [s.data_ptr() for s in self._slabs],
             [s.data_ptr() + self._slot_offset for s in self._slots],
             h2d_gbps,
@@ -219,6 +372,9 @@ class StreamedWeights:
         self._id = next(_IDS)
         _SESSIONS[self._id] = self
         self._token = torch.zeros(1, device=device)
+        # Training: an input of every block's autograd.Function that requires grad, so that
+        # its backward (and the block's backward visit) runs whatever else is frozen.
+        self._anchor = torch.zeros((), requires_grad=True)
         self.wrappers = [_StreamedBlock(b, self, i) for i, b in enumerate(blocks)]
         for (parent, key), w in zip(self._places, self.wrappers):
             _put(parent, key, w)
@@ -241,6 +397,23 @@ class StreamedWeights:
         dist.all_gather_into_tensor(whole, whole[self.rank * sh : (self.rank + 1) * sh])
         return slot[:nbytes]
 
+    def _slab_views(self, i: int) -> list[torch.Tensor]:
+        """Block ``i``'s parameters as views of its slab (whole blocks only)."""
+        return [
+            self._slabs[i][off : off + n].view(dtype).view(shape)
+            for _, off, dtype, shape, n in self._layouts[i]
+        ]
+
+    def _step_end(self) -> None:
+        """Training: the slabs hold the next step's weights; the streamer may load them."""
+        with torch.no_grad():
+            for i, ps in enumerate(self._params):
+                for p, view in zip(ps, self._slab_views(i)):
+                    if p.data_ptr() != view.data_ptr():  # an optimizer moved it: copy back
+                        view.copy_(p.detach().reshape(view.shape))
+        self._backward_done = False
+        self._session.step_end()
+
     def report(self) -> dict[str, Any]:
         """Loads, hits, bytes copied, copy and stall ms, achieved GB/s (since the start)."""
         t = dict(self._session.telemetry())
@@ -252,6 +425,10 @@ class StreamedWeights:
         (sharded: a collective, every rank calls it)."""
         with torch.no_grad():
             for i, ps in enumerate(self._params):
+                if self.training:  # the slabs hold the newest weights
+                    for p, view in zip(ps, self._slab_views(i)):
+                        if p.data_ptr() != view.data_ptr():
+                            view.copy_(p.detach().reshape(view.shape))
                 whole = self._slabs[i]
                 if self.ranks > 1:  # every rank calls remove(): the shards are gathered
                     whole = torch.empty(self._shard[i] * self.ranks, dtype=torch.uint8)
@@ -286,6 +463,7 @@ def stream_weights(
     layers: Optional[Sequence[nn.Module]] = None,
     h2d_gbps: float = 0.0,
     sharded: bool = False,
+    training: bool = False,
 ) -> StreamedWeights:
     """Streams the weights of ``model``'s decoder blocks from pinned host memory.
 
@@ -298,7 +476,11 @@ def stream_weights(
             the emulated host-to-device link, GB/s (0: memcpy speed).
         sharded: in a torch.distributed job, each rank streams 1/N of every block and an
             all-gather assembles it (Note [Sharded streaming in PyTorch]).
+        training: stream forward and backward, eager mode: each block is re-streamed and
+            recomputed in backward; the parameters are views of the pinned slabs, where
+            their ``.grad`` accumulates and an optimizer updates them (Note [Training
+            through streamed blocks]). Every forward must be followed by its backward.
 
     Returns the :class:`StreamedWeights` handle (``report()``, ``remove()``).
     """
-    return StreamedWeights(model, depth, layers, h2d_gbps, sharded)
+    return StreamedWeights(model, depth, layers, h2d_gbps, sharded, training)
