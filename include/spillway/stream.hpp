@@ -130,6 +130,19 @@ class WeightStreamer {
   // its own).
   void step_end();
 
+  // A visit ahead: the one `ahead` visits after the last acquired (1: the next), its layer
+  // the slot, and the event after which the slot holds what the streamer copies for it (its layer;
+  // sharded: this rank's shard). Layer -1 when that visit's load is not issued yet (beyond
+  // the depth, or deferred: Note [Static slots]). For a caller that moves more data into a
+  // slot before its visit: the PyTorch adapter's all-gathers (Note [Sharded streaming in
+  // PyTorch]), which must neither start before the copy has landed nor wait for compute.
+  struct Upcoming {
+    int layer = -1;
+    Event ready{-1};
+    const void* slot = nullptr;
+  };
+  Upcoming upcoming(int ahead) const;
+
   // The telemetry so far: waits for the copy and compute streams when timing is on (call
   // it outside the steps being timed).
   WeightStreamTelemetry telemetry();

@@ -51,8 +51,12 @@ class StreamSession {
     streamer_ = std::make_unique<WeightStreamer>(*dev_->device, dev_->compute, layer_bytes, o);
   }
   // streamer_ (which waits for its copies) before dev_, both before keepalive_: the owners of
-  // the slabs and slots outlive every copy into them (declaration order).
-  ~StreamSession() = default;
+  // the slabs and slots outlive every copy into them (declaration order); the adopted side
+  // stream is forgotten before dev_ goes.
+  ~StreamSession() {
+    streamer_.reset();
+    if (side_native_ != 0) dev_->device->destroy_stream(side_);
+  }
   StreamSession(const StreamSession&) = delete;
   StreamSession& operator=(const StreamSession&) = delete;
 
@@ -63,6 +67,28 @@ class StreamSession {
     return reinterpret_cast<uintptr_t>(streamer_->acquire(layer));
   }
   void release(int layer) { streamer_->release(layer); }
+  // The visit `ahead` after the last acquired: its layer (-1: its copy is not issued yet),
+  // once `native_stream` waits for its copy (0: the compute stream, which for CPU tensors
+  // is the caller: the call returns when the copy has landed). Note [Sharded streaming in
+  // PyTorch]: the adapter's all-gathers ahead of the block.
+  int ahead_ready(int ahead, uintptr_t native_stream) {
+    const WeightStreamer::Upcoming u = streamer_->upcoming(ahead);
+    if (u.layer < 0) return -1;
+    Stream s = dev_->compute;
+    if (native_stream != 0) {
+      if (side_native_ != native_stream) {
+        if (side_native_ != 0) dev_->device->destroy_stream(side_);
+        side_ = dev_->device->adopt_stream(
+            reinterpret_cast<void*>(native_stream),  // NOLINT(performance-no-int-to-ptr)
+            StreamRole::kCompute);
+        side_native_ = native_stream;
+      }
+      s = side_;
+    }
+    nb::gil_scoped_release release;
+    dev_->device->wait(s, u.ready);
+    return u.layer;
+  }
   void step_end() { streamer_->step_end(); }
   size_t slot_bytes() const { return streamer_->slot_bytes(); }
   nb::typed<nb::dict, nb::str, nb::object> telemetry() {
@@ -90,6 +116,8 @@ class StreamSession {
   nb::object keepalive_;                // the Python owners of the slabs and slots (destroyed last)
   std::unique_ptr<AdoptedDevice> dev_;  // outlives the streamer
   std::unique_ptr<WeightStreamer> streamer_;
+  uintptr_t side_native_ = 0;  // the stream ahead_ready last adopted (CUDA: the gathers')
+  Stream side_{-1};
 };
 
 }  // namespace
@@ -105,6 +133,7 @@ void bind_stream(nb::module_& m) {
            "host_slabs"_a, "slots"_a, "h2d_gbps"_a = 0.0, "keepalive"_a = nb::none())
       .def("acquire", &StreamSession::acquire, "layer"_a)
       .def("release", &StreamSession::release, "layer"_a)
+      .def("ahead_ready", &StreamSession::ahead_ready, "ahead"_a, "native_stream"_a = 0)
       .def("step_end", &StreamSession::step_end)
       .def("telemetry", &StreamSession::telemetry)
       .def_prop_ro("slot_bytes", &StreamSession::slot_bytes)

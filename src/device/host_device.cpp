@@ -3,7 +3,7 @@
 // - Device memory is one arena of fixed capacity (an HBM budget, enforced and measured).
 // - Each stream is a queue (detail::HostQueue) run in order by its worker thread; copies on
 //   a D2H or H2D stream may be throttled to a bandwidth: a copy of n bytes takes at least
-//   n / B of wall time (the memcpy, then a sleep until the deadline), so link ratios of real
+//   n / B of wall time (a sleep until the deadline, then the memcpy), so link ratios of real
 //   hardware can be reproduced. A queue is not tied to a device: a caller makes one as a
 //   HostStream and a device adopts it (Note [Adopted streams], Note [Host stream registry]).
 // - Events are real synchronization objects: record(e, s) bumps e's target and enqueues
@@ -272,9 +272,11 @@ class HostQueue {
       case Op::kCopy: {
         // The throttle is a schedule, not a per-copy sleep: each copy ends no earlier than
         // max(its start, the previous copy's deadline) + n / B, so wake-up lateness does
-        // not accumulate over back-to-back copies.
+        // not accumulate over back-to-back copies. The sleep comes first and the bytes
+        // land at the end, as the last bytes of a real copy do: a reader that does not
+        // wait for the copy's event reads what was there before (the tests of every
+        // engine's ordering rely on it).
         const auto start = std::chrono::steady_clock::now();
-        if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
         if (op.link != nullptr) {
           std::this_thread::sleep_until(op.link->book(op.h2d, op.bytes, start));
         } else if (op.gbps > 0.0) {
@@ -284,6 +286,7 @@ class HostQueue {
           deadline_ = begin + duration;
           std::this_thread::sleep_until(deadline_);
         }
+        if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
         break;
       }
       case Op::kRecord: {

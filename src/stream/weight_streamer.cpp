@@ -367,6 +367,17 @@ void WeightStreamer::release(int layer) {
   if (s.opt.static_slots) s.decide_up_to(s.next - 1 + s.opt.depth);  // deferred loads
 }
 
+WeightStreamer::Upcoming WeightStreamer::upcoming(int ahead) const {
+  const Impl& s = *impl_;
+  if (ahead < 1) SPILLWAY_FIELD_ERROR("ahead", ahead, "must be >= 1");
+  // The last visit acquired: the one in progress, or the one before the next.
+  const int64_t a = (s.in_visit ? s.next : s.next - 1) + ahead;
+  if (a < 0 || a >= s.decided) return {};
+  const Impl::Decision d = s.plan[static_cast<size_t>(a % static_cast<int64_t>(s.plan.size()))];
+  const Impl::Slot& k = s.ring[static_cast<size_t>(d.slot)];
+  return {s.layer_of(a), k.ready, k.ptr};
+}
+
 void WeightStreamer::step_end() {
   Impl& s = *impl_;
   if (s.in_visit) SPILLWAY_INPUT_ERROR("weight streaming: step_end() inside a visit");

@@ -518,6 +518,42 @@ TEST(WeightStreamer, StaticSlotsBindEachLayerToOneSlotAndStayBitwise) {
   }
 }
 
+TEST(WeightStreamer, UpcomingVisitsNameTheirLayerSlotAndTheEventOfTheirCopy) {
+  // A caller moving more data into a slot ahead of its visit (the PyTorch adapter's
+  // all-gathers) learns which layer comes, where, and when its copy has landed: waiting on
+  // the event, the slot holds the layer's bytes, over a slow link. (6 layers in 3 static
+  // slots: no load is deferred; with 5, layer 0's next load would wait for layer 3.)
+  auto dev = host_device(0.5);
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  WeightStreamOptions o;
+  o.depth = 2;
+  o.static_slots = true;
+  const std::vector<size_t> bytes = layer_bytes(6);
+  {
+    WeightStreamer ws(*dev, compute, bytes, o);
+    for (int l = 0; l < 6; ++l) fill_slab(ws, l, 0);
+    EXPECT_EQ(ws.upcoming(1).layer, -1);  // nothing decided before the first acquire
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int l = 0; l < 6; ++l) {
+        ws.acquire(l);
+        for (int ahead = 1; ahead <= 2; ++ahead) {
+          const WeightStreamer::Upcoming u = ws.upcoming(ahead);
+          const int want = (l + ahead) % 6;
+          ASSERT_EQ(u.layer, want) << "layer " << l << ", " << ahead << " ahead";
+          dev->synchronize(u.ready);
+          EXPECT_EQ(std::memcmp(u.slot, ws.host_slab(want), bytes[static_cast<size_t>(want)]), 0)
+              << "layer " << want << " not in its slot after its event";
+        }
+        EXPECT_EQ(ws.upcoming(3).layer, -1);  // beyond the depth: not issued
+        ws.release(l);
+        EXPECT_EQ(ws.upcoming(1).layer, (l + 1) % 6);  // between visits: from the last one
+      }
+    }
+    EXPECT_THROW((void)ws.upcoming(0), InputError);
+  }
+  dev->destroy_stream(compute);
+}
+
 TEST(WeightStreamer, BadCallsNameWhatIsWrong) {
   auto dev = host_device();
   const Stream compute = dev->create_stream(StreamRole::kCompute);

@@ -19,9 +19,14 @@ inductor and aot_eager, bitwise). The blocks' own parameters keep no memory mean
 Note [Sharded streaming in PyTorch]: with ``sharded=True`` inside a ``torch.distributed``
 job, each of the N ranks keeps 1/N of every block in its pinned slab (shards of
 ceil(bytes / N) rounded up to 64 bytes) and the streamer copies only that shard into its
-place in the slot; ``stream_acquire`` then assembles the block with the process group's
-in-place ``all_gather_into_tensor`` (the collective is torch.distributed's: gloo on CPU,
-NCCL on GPUs). The host link carries each block once for the N ranks instead of N times.
+place in the slot; the process group's in-place ``all_gather_into_tensor`` assembles the
+block (the collective is torch.distributed's: gloo on CPU, NCCL on GPUs). The host link
+carries each block once for the N ranks instead of N times. The gathers are pipelined: at
+the acquire of block l, the gathers of blocks l+1 .. l+depth-1 start (asynchronous, on a
+side stream on CUDA) as soon as the streamer says their shard's copy has landed
+(``WeightStreamer::upcoming``), so a block's gather runs while the blocks before it
+compute; with depth 1 (the copy of the next block issued at this acquire) a block is
+gathered at its own acquire.
 
 Note [Training through streamed blocks]: ``training=True`` (one process, eager mode) runs
 the streamer's training schedule, blocks 0..L-1 in forward and L-1..0 in backward. Each
@@ -285,6 +290,9 @@ class StreamedWeights:
         self.depth = depth
         self.training = training
         self._backward_done = False  # training: a step's backward reached block 0
+        # Sharded: the all-gathers started ahead, by block, and how many ran ahead so far.
+        self._gathers: dict[int, Any] = {}
+        self.gathers_ahead = 0
         self.blocks = blocks
         # Where each block sits in the model, to put its wrapper there.
         self._places = [_place_of(model, b, i) for i, b in enumerate(blocks)]
@@ -372,6 +380,10 @@ class StreamedWeights:
         self._id = next(_IDS)
         _SESSIONS[self._id] = self
         self._token = torch.zeros(1, device=device)
+        # Sharded on CUDA: the side stream the gathers ahead run from.
+        self._side: Optional[torch.cuda.Stream] = None
+        if nr > 1 and device.type == "cuda":
+            self._side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # Training: an input of every block's autograd.Function that requires grad, so that
         # its backward (and the block's backward visit) runs whatever else is frozen.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -386,16 +398,51 @@ class StreamedWeights:
             raise RuntimeError(f"stream_weights: block {layer} landed outside its slot")
         if self.ranks == 1:
             return slot[:nbytes]
-        # Note [Sharded streaming in PyTorch]: the shards sit at rank * largest shard; they
-        # are gathered at rank * this block's shard, so a block whose shard is smaller
-        # first moves its own down (a no-op for the largest block).
+        # Note [Sharded streaming in PyTorch]: the block's all-gather was started ahead, or
+        # runs now; then the gathers of the blocks up to depth - 1 ahead start, each once
+        # its shard's copy has landed (the copies run depth ahead), on a side stream on CUDA.
+        work = self._gathers.pop(layer, None)
+        if work is not None:
+            work.wait()
+        else:
+            self._gather(layer, False)
+        for ahead in range(1, self.depth):
+            nxt = (layer + ahead) % len(self.blocks)
+            if nxt in self._gathers:
+                continue
+            side = self._side.cuda_stream if self._side is not None else 0
+            got = self._session.ahead_ready(ahead, side)
+            if got < 0:
+                break  # its copy waits for a slot (Note [Static slots]): gathered at acquire
+            if got != nxt:
+                raise RuntimeError(f"stream_weights: block {got} comes after {layer}, not {nxt}")
+            if self._side is not None:
+                with torch.cuda.stream(self._side):
+                    self._gathers[nxt] = self._gather(nxt, True)
+            else:
+                self._gathers[nxt] = self._gather(nxt, True)
+            self.gathers_ahead += 1
+        return slot[:nbytes]
+
+    def _gather(self, layer: int, async_op: bool) -> Any:
+        """Assembles block ``layer``'s shards in its slot (its own has landed)."""
+        slot = self._slots[layer % (self.depth + 1)]
+        # The shards sit at rank * largest shard; they are gathered at rank * this block's
+        # shard, so a block whose shard is smaller first moves its own down (a no-op for
+        # the largest block).
         sh, big = self._shard[layer], max(self._shard)
         if sh != big:
             mine = slot[self._slot_offset : self._slot_offset + sh].clone()
             slot[self.rank * sh : (self.rank + 1) * sh].copy_(mine)
         whole = slot[: sh * self.ranks]
-        dist.all_gather_into_tensor(whole, whole[self.rank * sh : (self.rank + 1) * sh])
-        return slot[:nbytes]
+        mine = whole[self.rank * sh : (self.rank + 1) * sh]
+        return dist.all_gather_into_tensor(whole, mine, async_op=async_op)
+
+    def _drain(self) -> None:
+        """Waits for the all-gathers started ahead (they write into the slots)."""
+        for work in self._gathers.values():
+            work.wait()
+        self._gathers.clear()
 
     def _slab_views(self, i: int) -> list[torch.Tensor]:
         """Block ``i``'s parameters as views of its slab (whole blocks only)."""
@@ -423,6 +470,7 @@ class StreamedWeights:
     def remove(self) -> None:
         """Stops streaming: the blocks are back in place with device memory of their own
         (sharded: a collective, every rank calls it)."""
+        self._drain()
         with torch.no_grad():
             for i, ps in enumerate(self._params):
                 if self.training:  # the slabs hold the newest weights
