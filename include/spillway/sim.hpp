@@ -129,6 +129,10 @@ struct StreamOptions {
   // their peers over a link of peer_gbps per GPU (GB/s, > 0) before the layer computes.
   bool sharded = false;
   double peer_gbps = 0.0;
+  // A training step's layers: forward, then backward (LayerPlan::bwd_ms) visiting them in
+  // reverse, each re-streamed except the depth + 1 still in their buffers at the turn, as
+  // the engine does (Note [Streaming across steps]). The optimizer is not simulated.
+  bool training = false;
 };
 SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& request,
                                     const StreamOptions& options);

@@ -278,12 +278,13 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
       if (e.available && e.mode != mode)
         text += fmt::format("                  {} would take {:.2f} ms\n", e.mode, e.step_ms);
   double sim_ms = 0.0;
-  if (!training) {
+  {
     Plan plan;
     for (int l = 0; l < c.layers(); ++l) {
       LayerPlan lp;
       lp.params = static_cast<int64_t>(bytes[static_cast<size_t>(l)] / 4);
       lp.fwd_ms = in.fwd_ms[static_cast<size_t>(l)];
+      if (training) lp.bwd_ms = in.bwd_ms[static_cast<size_t>(l)];
       plan.layers.push_back(lp);
     }
     plan.summary.h2d_gbps = rf.link_gbps / N;  // per GPU; the link: times the GPUs on it
@@ -297,9 +298,11 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
     sim_o.gpus_per_link = N;
     sim_o.sharded = mode == "sharded";
     sim_o.peer_gbps = in.peer_gbps;
+    sim_o.training = training;
     sim_o.keep_tasks = false;
     sim_ms = simulate_weight_streaming(plan, req, sim_o).summary.step_ms;
-    text += fmt::format("  simulator       {:9.2f} ms per forward of the layers\n", sim_ms);
+    text += fmt::format("  simulator       {:9.2f} ms per {} of the layers\n", sim_ms,
+                        training ? "forward and backward" : "forward");
   }
   say_beside_json(json_path, text);
   if (!json_path.empty()) {
@@ -322,7 +325,7 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
     j["bitwise_identical"] = bitwise;
     j["predicted_ms"] = predicted;
     if (N > 1) j["peer_gbps"] = in.peer_gbps;
-    if (!training) j["simulator_ms"] = sim_ms;
+    j["simulator_ms"] = sim_ms;
     write_output(json_path, j.dump(2) + "\n");
   }
   if (!bitwise)

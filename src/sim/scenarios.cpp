@@ -763,9 +763,15 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
   }
   const auto per = static_cast<int64_t>(o.gpus_per_link);
   const auto gpus = static_cast<size_t>(o.gpus);
-  std::vector<std::vector<int>> comp(gpus, std::vector<int>(n, -1));
-  std::vector<int> copy(gpus, -1);        // the layer's copy on each GPU (its shard: sharded)
-  std::vector<int> after_comm(gpus, -1);  // the last collective of the previous layer
+  // The visits (Note [Streaming across steps]): layers 0..n-1, and in training n-1..0
+  // again, the first depth + 1 of backward hits (those layers are still in their buffers).
+  const size_t visits = o.training ? 2 * n : n;
+  const auto d = static_cast<size_t>(o.depth);
+  auto layer_of = [&](size_t v) { return v < n ? v : 2 * n - 1 - v; };
+  auto is_hit = [&](size_t v) { return v >= n && v - n <= d; };
+  std::vector<std::vector<int>> comp(gpus, std::vector<int>(visits, -1));
+  std::vector<int> copy(gpus, -1);        // the visit's copy on each GPU (its shard: sharded)
+  std::vector<int> after_comm(gpus, -1);  // the last collective of the previous visit
   std::vector<int> peer(gpus, -1);        // sharded: each GPU's link from its peers
   if (sharded)
     for (int& p : peer) p = e.add_link(o.peer_gbps * 1e6);
@@ -773,22 +779,25 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
     const int64_t bytes = checked_mul(plan.layers[l].params, wbytes, "layer weight bytes");
     return sharded ? ((bytes + per - 1) / per + 255) / 256 * 256 : bytes;
   };
-  auto add_copy = [&](size_t gi, size_t l) {
+  auto add_copy = [&](size_t gi, size_t v) {
+    const size_t l = layer_of(v);
     const int64_t shard = shard_of(l);
     max_layer = std::max(max_layer, sharded ? shard * per : shard);
     copy[gi] = e.add_task(
         make_task(TaskKind::kH2D, static_cast<int>(gi), static_cast<int>(l), 0, topo.h2d[gi],
                   static_cast<double>(shard), topo.link_h2d[gi], o.keep_tasks, b,
                   [&] { return fmt::format("W{} weights{}", l, sharded ? " (shard)" : ""); }));
-    // Buffer reuse: depth + 1 buffers, so layer l's copy waits for layer l - depth - 1.
-    if (l >= static_cast<size_t>(o.depth) + 1)
-      e.add_dep(copy[gi], comp[gi][l - static_cast<size_t>(o.depth) - 1]);
+    // Buffer reuse: depth + 1 buffers, each visit holding one, so a visit's copy waits for
+    // the visit depth + 1 before it (in forward: layer l waits for layer l - depth - 1).
+    if (v >= d + 1) e.add_dep(copy[gi], comp[gi][v - d - 1]);
   };
-  auto add_compute = [&](size_t gi, size_t l) {
+  auto add_compute = [&](size_t gi, size_t v) {
     const int g = static_cast<int>(gi);
+    const size_t l = layer_of(v);
+    const bool backward = v >= n;
     const LayerPlan& lp = plan.layers[l];
-    int ready = copy[gi];
-    if (sharded) {
+    int ready = is_hit(v) ? -1 : copy[gi];
+    if (sharded && ready >= 0) {
       // The all-gather of the layer's other shards, once every GPU of the link has copied
       // its own.
       ready =
@@ -799,33 +808,35 @@ SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,
       const size_t first = gi - gi % static_cast<size_t>(per);
       for (size_t k = first; k < first + static_cast<size_t>(per); ++k) e.add_dep(ready, copy[k]);
     }
-    comp[gi][l] = e.add_task(make_task(TaskKind::kForward, g, static_cast<int>(l), 0,
-                                       topo.compute[gi], lp.fwd_ms, -1, o.keep_tasks, b,
-                                       [&] { return fmt::format("L{} forward", l); }));
-    e.add_dep(comp[gi][l], ready);
-    if (l > 0 && after_comm[gi] >= 0) e.add_dep(comp[gi][l], after_comm[gi]);
+    comp[gi][v] = e.add_task(
+        make_task(backward ? TaskKind::kBackward : TaskKind::kForward, g, static_cast<int>(l), 0,
+                  topo.compute[gi], backward ? lp.bwd_ms : lp.fwd_ms, -1, o.keep_tasks, b,
+                  [&] { return fmt::format("L{} {}", l, backward ? "backward" : "forward"); }));
+    if (ready >= 0) e.add_dep(comp[gi][v], ready);
+    if (v > 0 && after_comm[gi] >= 0) e.add_dep(comp[gi][v], after_comm[gi]);
     after_comm[gi] = -1;
-    // The layer's exposed forward collectives (TP gathers and scatters, EP all-to-alls)
-    // after its compute; the next layer waits for them (Note [Collectives in the
-    // simulator]). A host-link one shares the link with the weight copies.
+    // The layer's exposed collectives of this direction (TP gathers and scatters, EP
+    // all-to-alls) after its compute; the next visit waits for them (Note [Collectives in
+    // the simulator]). A host-link one shares the link with the weight copies.
     for (const CollectivePlan& c : lp.collectives) {
-      if (c.backward || !c.exposed) continue;
-      after_comm[gi] = add_collective(e, topo, b, o.keep_tasks, l, c, g, 0, {comp[gi][l]});
+      if (c.backward != backward || !c.exposed) continue;
+      after_comm[gi] = add_collective(e, topo, b, o.keep_tasks, l, c, g, 0, {comp[gi][v]});
     }
-    if (gi == 0) comp0[l] = comp[gi][l];
+    if (gi == 0 && !backward) comp0[l] = comp[gi][v];
   };
   // Tasks are added after their dependencies: GPU by GPU, or (sharded: the all-gathers
-  // need every GPU's copy) layer by layer.
+  // need every GPU's copy) visit by visit.
   if (sharded) {
-    for (size_t l = 0; l < n; ++l) {
-      for (size_t gi = 0; gi < gpus; ++gi) add_copy(gi, l);
-      for (size_t gi = 0; gi < gpus; ++gi) add_compute(gi, l);
+    for (size_t v = 0; v < visits; ++v) {
+      if (!is_hit(v))
+        for (size_t gi = 0; gi < gpus; ++gi) add_copy(gi, v);
+      for (size_t gi = 0; gi < gpus; ++gi) add_compute(gi, v);
     }
   } else {
     for (size_t gi = 0; gi < gpus; ++gi)
-      for (size_t l = 0; l < n; ++l) {
-        add_copy(gi, l);
-        add_compute(gi, l);
+      for (size_t v = 0; v < visits; ++v) {
+        if (!is_hit(v)) add_copy(gi, v);
+        add_compute(gi, v);
       }
   }
   e.run();

@@ -243,6 +243,41 @@ TEST(SimLinks, ShardedStreamingCarriesEachLayerOnceOverTheSharedLink) {
   }
 }
 
+TEST(SimLinks, StreamedTrainingReStreamsBackwardButTheTurnsLayers) {
+  // Note [Streaming across steps]: a training step visits the layers forward then in
+  // reverse; backward re-streams all but the depth + 1 still in their buffers at the turn.
+  PlanRequest r = generous(request("Llama-3.1-8B", "h100-pcie", 1, 128, Policy::kKeep));
+  r.layer_fwd_ms = 0.001;  // copy-bound
+  const Plan plan = make_plan(r);
+  const auto n = static_cast<int64_t>(plan.layers.size());
+  for (int depth : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << "depth " << depth);
+    StreamOptions fwd;
+    fwd.depth = depth;
+    StreamOptions train = fwd;
+    train.training = true;
+    const SimResult f = simulate_weight_streaming(plan, r, fwd);
+    const SimResult t = simulate_weight_streaming(plan, r, train);
+    const int64_t layer = f.summary.h2d_bytes / n;  // the layers are alike
+    EXPECT_EQ(t.summary.h2d_bytes, (2 * n - depth - 1) * layer);
+    EXPECT_NEAR(t.summary.step_ms, f.summary.step_ms * static_cast<double>(2 * n - depth - 1) / n,
+                0.03 * t.summary.step_ms);
+  }
+  // Compute-bound (a slow backward): the step is the forward and backward compute.
+  PlanRequest slow = r;
+  slow.layer_fwd_ms = 50.0;
+  const Plan p2 = make_plan(slow);
+  StreamOptions train;
+  train.depth = 2;
+  train.training = true;
+  const SimResult t = simulate_weight_streaming(p2, slow, train);
+  double compute = 0.0;
+  for (const LayerPlan& lp : p2.layers) compute += lp.fwd_ms + lp.bwd_ms;
+  EXPECT_GT(p2.layers[0].bwd_ms, 0.0);
+  EXPECT_NEAR(t.summary.step_ms, compute, 0.05 * compute);
+  EXPECT_GE(t.summary.step_ms, compute);
+}
+
 TEST(SimLinks, TwoGpusOnOneLinkSlowTheTrainingStepWhenCopyBound) {
   PlanRequest r = generous(request("Qwen3-30B-A3B", "h100-sxm", 1, 4096, Policy::kOffload));
   r.work.shape.ep = 8;
