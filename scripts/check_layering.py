@@ -32,7 +32,8 @@ ARROWS = {
     "sim": ["plan"],
     "nn": ["offload", "optim", "stream", "plan"],  # the reference model: engines by public headers
     "train": ["nn", "probe"],  # the training application over the reference model
-    "cli": ["train", "sim", "probe"],  # a leaf: nothing depends on it
+    "serve": ["memory", "catalog"],  # host-resident serving (DESIGN section 6)
+    "cli": ["train", "sim", "probe", "serve"],  # a leaf: nothing depends on it
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (DESIGN section 10)
     "python": ["offload", "optim", "stream", "plan"],
@@ -53,6 +54,7 @@ PUBLIC = {
     "sim": "sim",
     "nn": "nn",
     "train": "train",
+    "serve": "serve", "hybrid_gemm": "serve",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')

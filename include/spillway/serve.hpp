@@ -1,0 +1,166 @@
+// Host-resident serving (DESIGN section 6): every model's weights stay in pinned,
+// device-mapped host memory; a GPU or a MIG slice computes on any of them without loading
+// weights into HBM, which holds only activations and KV cache.
+//
+// This header: the safetensors reader (the real format: an 8-byte little-endian header
+// length, a JSON header, then the raw tensors) and the model pool (models loaded once into
+// mapped host memory up to a host budget, least recently used idle models evicted, a
+// switch re-pointing a caller at another model's weights with no weight byte copied).
+//
+// Note [Safetensors checks]: a file is checked whole before any tensor is used: the header
+// length fits the file and the limit (100 MiB, as the format's reference reader), the
+// header is a JSON object, every tensor has a known dtype (BF16, F32; others are refused by
+// name), a shape whose element count times the dtype's size equals its data_offsets span,
+// offsets inside the data region, and no two tensors overlap. Each error names the file,
+// the tensor and the offset.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "spillway/device.hpp"
+#include "spillway/inventory.hpp"
+
+namespace spillway {
+
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kFp32;  // kBf16 or kFp32
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // from the start of the data region
+  int64_t bytes = 0;
+};
+
+inline constexpr int64_t kSafetensorsMaxHeaderBytes = int64_t{100} << 20;
+
+// A safetensors file, memory-mapped read-only and checked (Note [Safetensors checks]).
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t file_bytes() const { return file_bytes_; }
+  int64_t data_bytes() const;  // the tensors' bytes, the header excluded
+  const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }  // by offset
+  const SafetensorsTensor* find(const std::string& name) const;               // null: none
+  // The tensor's bytes in the mapping (valid while this object lives).
+  const std::byte* data(const SafetensorsTensor& t) const;
+
+ private:
+  std::string path_;
+  int64_t file_bytes_ = 0;
+  int64_t data_start_ = 0;
+  void* map_ = nullptr;
+  std::vector<SafetensorsTensor> tensors_;
+};
+
+// Writes tensors as a safetensors file (for tests and demos): names, dtypes, shapes and
+// bytes (each bytes.size() must equal the shape's element count times the dtype's size).
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kFp32;
+  std::vector<int64_t> shape;
+  std::vector<std::byte> bytes;
+};
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& tensors);
+
+// ---- the model pool ---------------------------------------------------------------------
+
+struct ModelPoolOptions {
+  int64_t host_budget_bytes = int64_t{1} << 30;  // mapped host memory for weights, all models
+};
+
+// A model resident in the pool: its tensors in mapped host memory, addressable by the
+// device (a kernel reads them in place; on the host backend the same pointers).
+struct PooledTensor {
+  std::string name;
+  DType dtype = DType::kFp32;
+  std::vector<int64_t> shape;
+  const std::byte* host = nullptr;  // mapped host memory (device-addressable)
+  int64_t bytes = 0;
+};
+
+struct ModelPoolStats {
+  int64_t resident_models = 0;
+  int64_t resident_bytes = 0;       // mapped host memory the resident models take
+  int64_t acquires = 0;             // acquire() calls that returned a model
+  int64_t hits = 0;                 // ...that found it resident
+  int64_t cold_loads = 0;           // loads from disk
+  int64_t cold_load_bytes = 0;      // bytes read from disk into the pool
+  double cold_load_ms = 0.0;        // time those loads took
+  int64_t evictions = 0;            // models dropped to make room (their files stay on disk)
+  int64_t refused = 0;              // acquire() calls answered kFull
+  int64_t device_bytes_copied = 0;  // weight bytes the pool copied to device memory: 0
+};
+
+class ModelPool;
+struct PoolEntry;  // a model's place in its pool (src/serve/model_pool.cpp)
+
+// A model in use: its weights stay resident until the handle is released (destroyed).
+class ModelHandle {
+ public:
+  ModelHandle() = default;
+  ~ModelHandle();
+  ModelHandle(ModelHandle&& o) noexcept;
+  ModelHandle& operator=(ModelHandle&& o) noexcept;
+  ModelHandle(const ModelHandle&) = delete;
+  ModelHandle& operator=(const ModelHandle&) = delete;
+
+  explicit operator bool() const { return pool_ != nullptr; }
+  const std::string& model() const;
+  const std::vector<PooledTensor>& tensors() const;
+  const PooledTensor& tensor(const std::string& name) const;  // throws naming it if absent
+  int64_t weight_bytes() const;
+  void release();
+
+ private:
+  friend class ModelPool;
+  ModelPool* pool_ = nullptr;
+  PoolEntry* entry_ = nullptr;
+};
+
+enum class PoolStatus {
+  kOk,
+  kFull,  // every resident model is in use and the model does not fit beside them
+};
+
+struct PoolAcquire {
+  PoolStatus status = PoolStatus::kOk;
+  ModelHandle handle;  // set when kOk
+  bool cold = false;   // loaded from disk by this call
+  std::string why;     // kFull: what is in use and what was needed
+};
+
+class ModelPool {
+ public:
+  ModelPool(Device& dev, const ModelPoolOptions& options);
+  ~ModelPool();  // every handle must be released first (checked)
+  ModelPool(const ModelPool&) = delete;
+  ModelPool& operator=(const ModelPool&) = delete;
+
+  // Registers a model by its safetensors file: the file is opened and checked now (Note
+  // [Safetensors checks]); its weights are loaded at the first acquire. A model larger than
+  // the whole budget is refused here, naming both.
+  void add(const std::string& model, const std::string& path);
+  std::vector<std::string> models() const;
+  bool resident(const std::string& model) const;
+
+  // The model's weights, resident: at once if they are (a switch: nothing copied), else
+  // loaded from disk after evicting the least recently used idle models until they fit;
+  // kFull when the models in use leave no room. Thread-safe.
+  PoolAcquire acquire(const std::string& model);
+  ModelPoolStats stats() const;
+
+ private:
+  friend class ModelHandle;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spillway
