@@ -79,16 +79,18 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
   const double demand_m = static_cast<double>(m.weight_bytes) / (m.tpot_ms * 1e6);
   const double demand = link_demand_gbps();
   Placement p;
+  // The prefill time with chunks of c: ceil(p / c.tokens) chunks.
+  auto prefill_ms = [&](const ChunkCost& c) {
+    const int64_t chunks = (prompt_tokens + c.tokens - 1) / c.tokens;
+    return static_cast<double>(chunks) * c.ms;
+  };
   // The chunk for a slice with `free` bytes of HBM left after the KV cache.
   auto choose_chunk = [&](int64_t free) {
     const ChunkCost* fastest = nullptr;
     for (const ChunkCost& c : m.chunks) {
       if (c.hbm_bytes > free) continue;
-      const double ms = static_cast<double>((prompt_tokens + c.tokens - 1) / c.tokens) * c.ms;
-      if (fastest == nullptr ||
-          ms < static_cast<double>((prompt_tokens + fastest->tokens - 1) / fastest->tokens) *
-                   fastest->ms)
-        fastest = &c;
+      const double ms = prefill_ms(c);
+      if (fastest == nullptr || ms < prefill_ms(*fastest)) fastest = &c;
       if (ms <= m.ttft_ms) {
         p.chunk_tokens = c.tokens;
         p.prefill_ms = ms;
@@ -98,8 +100,7 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
     }
     if (fastest == nullptr) return false;
     p.chunk_tokens = fastest->tokens;
-    p.prefill_ms =
-        static_cast<double>((prompt_tokens + fastest->tokens - 1) / fastest->tokens) * fastest->ms;
+    p.prefill_ms = prefill_ms(*fastest);
     p.meets_ttft = false;
     return true;
   };
