@@ -13,6 +13,7 @@
 #include "bench_adam.hpp"
 #include "bench_gemm.hpp"
 #include "bench_offload.hpp"
+#include "bench_serve.hpp"
 #include "bench_stream.hpp"
 #include "bench_stv.hpp"
 #include "cli/commands.hpp"
@@ -407,6 +408,47 @@ void add_bench_stream_command(CLI::App& bench) {
   });
 }
 
+void add_bench_serve_command(CLI::App& bench) {
+  struct State {
+    ServeBenchOptions options;
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "serve",
+      "Host-resident serving on emulated MIG slices of a catalog GPU (every rate of the "
+      "hardware times --rate-scale: the ratios of link, HBM and compute are the hardware's). "
+      "A model switch (re-pointing a slice at a pooled model, no byte copied, and its first "
+      "token through HybridGEMM from host memory) against reloading the same weights into "
+      "device memory, same run; then one HybridGEMM on every slice of 1, 3 and 7-way MIG "
+      "profiles at once, across alpha: the slowest slice, link and HBM bytes, the best "
+      "alpha per slice count.\n\n"
+      "Examples:\n"
+      "  spillway bench serve\n"
+      "  spillway bench serve --m 512 --json -");
+  ServeBenchOptions& o = st->options;
+  cmd->add_option("--hardware", o.hardware, "A catalog GPU with MIG profiles")
+      ->capture_default_str();
+  in_range(cmd->add_option("--rate-scale", o.rate_scale, "Every hardware rate times this")
+               ->capture_default_str(),
+           open_closed(0, 1));
+  in_range(cmd->add_option("--m", o.m, "GEMM rows (tokens)")->capture_default_str(),
+           closed(1, 65536));
+  in_range(cmd->add_option("--n", o.n, "GEMM columns (outputs)")->capture_default_str(),
+           closed(1, 65536));
+  in_range(cmd->add_option("--k", o.k, "GEMM depth (inputs)")->capture_default_str(),
+           closed(1, 65536));
+  cmd->add_option("--json", st->json_path, "Write the results as JSON to FILE ('-' for stdout)");
+  cmd->callback([st]() {
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
+    say("running: a model switch against a reload, then HybridGEMM across alpha on 1, 3 and 7 "
+        "slices...\n");
+    const ServeBenchResult result = run_serve_bench(st->options);
+    say(format_serve_bench(result));
+    if (!st->json_path.empty()) write_output(st->json_path, serve_bench_json(result));
+  });
+}
+
 void add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand(
       "bench",
@@ -418,11 +460,13 @@ void add_bench_command(CLI::App& app) {
       "  spillway bench adam --elements 4000000 --repeats 2\n"
       "  spillway bench optim-offload\n"
       "  spillway bench gemm --json profile.json\n"
-      "  spillway bench stream");
+      "  spillway bench stream\n"
+      "  spillway bench serve");
   bench->require_subcommand(1);
   add_bench_offload_command(*bench);
   add_bench_adam_command(*bench);
   add_bench_optim_offload_command(*bench);
+  add_bench_serve_command(*bench);
   add_bench_gemm_command(*bench);
   add_bench_stream_command(*bench);
 }

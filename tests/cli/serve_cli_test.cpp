@@ -1,0 +1,49 @@
+// `spillway bench serve` as a user runs it: a small run's JSON (the switch copies nothing,
+// every MIG profile of the sweep has its slice count, the link bytes follow the dataflows)
+// and a GPU without those MIG profiles refused with the profiles it has.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "cli/run_command.hpp"
+#include "core/json_io.hpp"
+#include "test_support.hpp"
+
+namespace spillway {
+namespace {
+
+using cli_test::contains;
+
+TEST(ServeBenchCli, ASmallRunSwitchesWithoutCopyingAndSweepsAlpha) {
+  const cli_test::CommandResult r = cli_test::run_command(
+      std::string("'") + SPILLWAY_CLI_PATH +
+      "' bench serve --m 8 --n 64 --k 64 --rate-scale 0.001 --json - 2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const Json j = Json::parse(r.out);
+  EXPECT_EQ(j["schema"], "spillway.bench-serve/1");
+  EXPECT_EQ(j["switch"]["switch_copied"], 0);
+  EXPECT_GT(j["switch"]["reload_ms"].get<double>(), 0.0);
+  ASSERT_EQ(j["sweeps"].size(), 3u);
+  const int slices[] = {1, 3, 7};
+  for (size_t i = 0; i < 3; ++i) {
+    const Json& s = j["sweeps"][i];
+    EXPECT_EQ(s["slices"], slices[i]);
+    ASSERT_EQ(s["points"].size(), 5u);
+    // alpha 0: every slice reads the 64 x 64 bf16 weights once over the link.
+    EXPECT_EQ(s["points"][0]["link_bytes"], slices[i] * 64 * 64 * 2);
+    // More symmetric: less HBM per slice.
+    EXPECT_GT(s["points"][0]["hbm_bytes_per_slice"].get<int64_t>(),
+              s["points"][4]["hbm_bytes_per_slice"].get<int64_t>());
+  }
+}
+
+TEST(ServeBenchCli, AGpuWithoutTheProfilesIsRefusedNamingItsOwn) {
+  const cli_test::CommandResult r = cli_test::run_command(
+      std::string("'") + SPILLWAY_CLI_PATH + "' bench serve --hardware h100-pcie 2>&1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "profile")) << r.out;
+  EXPECT_TRUE(contains(r.out, "h100-pcie has")) << r.out;
+}
+
+}  // namespace
+}  // namespace spillway
