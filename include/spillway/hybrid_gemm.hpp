@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "spillway/inventory.hpp"
 
@@ -76,5 +77,13 @@ HybridGemmTraffic hybrid_gemm_traffic(const HybridGemmProblem& p);
 // p.w_dtype, o: (M, N) fp32, all row-major and dense.
 HybridGemmTraffic hybrid_gemm_host(const HybridGemmProblem& p, const float* x, const void* w,
                                    float* o);
+
+// The CUDA kernels of both paths (src/serve/cuda/hybrid_gemm.cu), enqueued on `stream` (a
+// cudaStream_t): x and o in device memory, w in mapped host memory the kernels read in
+// place. The traffic is hybrid_gemm_traffic(p)'s (not counted on the device). Returns
+// false and says why (no CUDA backend in this build, tiles too large for shared memory)
+// without launching anything.
+bool hybrid_gemm_cuda(const HybridGemmProblem& p, const float* x, const void* w, float* o,
+                      void* stream, std::string* why);
 
 }  // namespace spillway
