@@ -17,7 +17,7 @@ struct HybridGemmArgs {
 
 inline constexpr int kHybridGemmThreads = 256;
 inline constexpr int64_t kHybridGemmOutputsPerThread = 16;
-inline constexpr int64_t kHybridGemmSharedBytes = 48 * 1024;
+inline constexpr int64_t kHybridGemmSharedBytes = int64_t{48} * 1024;
 
 // Enqueues both paths on `stream` (a cudaStream_t); x, o device memory, w mapped host
 // memory. Throws spillway::Error when a launch fails.
