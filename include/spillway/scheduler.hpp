@@ -76,9 +76,20 @@ struct SliceStatus {
   int64_t last_use = 0;
 };
 
+// Ablations of Note [Serving scheduler] (the replay's baselines), off by default.
+struct SchedulerOptions {
+  // Placement ignores the link demand: a model not active goes to a uniformly random slice
+  // among those idle or with nothing running (seeded), or waits.
+  bool random_placement = false;
+  uint64_t seed = 1;
+  // > 0: every prefill uses this chunk (the profile table's nearest that fits), whatever
+  // the TTFT target.
+  int64_t fixed_chunk = 0;
+};
+
 class Scheduler {
  public:
-  Scheduler(std::vector<SliceSpec> slices, double link_gbps);
+  Scheduler(std::vector<SliceSpec> slices, double link_gbps, const SchedulerOptions& o = {});
   void add_model(const ServedModel& m);  // checked: names, sizes, a non-empty chunk table
   const ServedModel& model(const std::string& name) const;
 
@@ -97,6 +108,8 @@ class Scheduler {
   std::vector<SliceStatus> status_;
   std::vector<ServedModel> models_;
   double link_gbps_;
+  SchedulerOptions opt_;
+  uint64_t rng_;
   int64_t tick_ = 0;
   const ServedModel* find(const std::string& name) const;
 };

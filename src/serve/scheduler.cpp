@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "spillway/error.hpp"
 
@@ -25,8 +26,13 @@ const char* to_string(PlaceOutcome o) {
   return "?";
 }
 
-Scheduler::Scheduler(std::vector<SliceSpec> slices, double link_gbps)
-    : specs_(std::move(slices)), status_(specs_.size()), link_gbps_(link_gbps) {
+Scheduler::Scheduler(std::vector<SliceSpec> slices, double link_gbps, const SchedulerOptions& o)
+    : specs_(std::move(slices)),
+      status_(specs_.size()),
+      link_gbps_(link_gbps),
+      opt_(o),
+      rng_(o.seed * 0x9E3779B97F4A7C15ULL + 1) {
+  if (o.fixed_chunk < 0) SPILLWAY_FIELD_ERROR("fixed_chunk", o.fixed_chunk, "must be >= 0");
   if (specs_.empty()) SPILLWAY_FIELD_ERROR("slices", 0, "must be >= 1");
   if (!(link_gbps > 0)) SPILLWAY_FIELD_ERROR("link_gbps", link_gbps, "must be > 0");
 }
@@ -86,6 +92,19 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
   };
   // The chunk for a slice with `free` bytes of HBM left after the KV cache.
   auto choose_chunk = [&](int64_t free) {
+    if (opt_.fixed_chunk > 0) {  // ablation: one chunk size, the nearest the table has
+      const ChunkCost* near = nullptr;
+      for (const ChunkCost& c : m.chunks)
+        if (c.hbm_bytes <= free &&
+            (near == nullptr ||
+             std::llabs(c.tokens - opt_.fixed_chunk) < std::llabs(near->tokens - opt_.fixed_chunk)))
+          near = &c;
+      if (near == nullptr) return false;
+      p.chunk_tokens = near->tokens;
+      p.prefill_ms = prefill_ms(*near);
+      p.meets_ttft = p.prefill_ms <= m.ttft_ms;
+      return true;
+    }
     const ChunkCost* fastest = nullptr;
     for (const ChunkCost& c : m.chunks) {
       if (c.hbm_bytes > free) continue;
@@ -133,6 +152,27 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
     const auto b = static_cast<size_t>(best);
     if (choose_chunk(specs_[b].hbm_bytes - status_[b].kv_bytes - kv))
       return take(best, PlaceOutcome::kRouted);
+  }
+  if (opt_.random_placement) {
+    // Ablation: any slice idle or with nothing running, at random; no link-demand check.
+    std::vector<int> free_slices;
+    for (size_t i = 0; i < status_.size(); ++i)
+      if (status_[i].running == 0 && specs_[i].hbm_bytes >= kv)
+        free_slices.push_back(static_cast<int>(i));
+    if (!free_slices.empty()) {
+      rng_ = rng_ * 6364136223846793005ULL + 1442695040888963407ULL;
+      const int pick = free_slices[(rng_ >> 33) % free_slices.size()];
+      const auto v = static_cast<size_t>(pick);
+      if (choose_chunk(specs_[v].hbm_bytes - kv)) {
+        const bool had = !status_[v].model.empty();
+        p.evicted = had ? status_[v].model : "";
+        status_[v] = SliceStatus{};
+        return take(pick, had ? PlaceOutcome::kEvicted : PlaceOutcome::kPlaced);
+      }
+    }
+    p.outcome = PlaceOutcome::kWait;
+    p.why = why + "every slice has requests running";
+    return p;
   }
   // 2. An idle slice, if the link can carry one more active model.
   const bool link_fits = demand + demand_m <= link_gbps_;

@@ -113,6 +113,27 @@ TEST(Scheduler, ThePrefillChunkIsTheSmallestThatMeetsTheTtft) {
   EXPECT_NE(q.why.find("KV cache"), std::string::npos) << q.why;
 }
 
+TEST(Scheduler, TheAblationsIgnoreTheLinkAndTheTtft) {
+  // Random placement: c goes to a free slice though the link cannot carry three models.
+  SchedulerOptions o;
+  o.random_placement = true;
+  Scheduler s(slices(3), 400.0, o);
+  for (const char* n : {"a", "b", "c"}) s.add_model(model(n, 8, 40.0));
+  (void)s.place("a", 100, 10);
+  (void)s.place("b", 100, 10);
+  const Placement c = s.place("c", 100, 10);
+  EXPECT_NE(c.outcome, PlaceOutcome::kWait);
+  EXPECT_GT(s.link_demand_gbps(), 400.0);
+  // Fixed chunk: 512 even when 128 meets the TTFT.
+  SchedulerOptions f;
+  f.fixed_chunk = 512;
+  Scheduler t(slices(1), 1000.0, f);
+  t.add_model(model("m", 1, 10.0));
+  const Placement p = t.place("m", 1000, 0);
+  EXPECT_EQ(p.chunk_tokens, 512);
+  EXPECT_DOUBLE_EQ(p.prefill_ms, 200.0);
+}
+
 TEST(Scheduler, BadModelsAndRequestsNameTheField) {
   Scheduler s(slices(1), 100.0);
   ServedModel m = model("m", 1, 10.0);
