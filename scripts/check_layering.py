@@ -54,7 +54,7 @@ PUBLIC = {
     "sim": "sim",
     "nn": "nn",
     "train": "train",
-    "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve",
+    "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')

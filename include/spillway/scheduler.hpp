@@ -6,7 +6,8 @@
 //   2. else an idle slice (no model) takes it if the active set's link demand with m fits,
 //      sum over active models of S / TPOT <= the link's bandwidth (S: weight bytes; TPOT:
 //      the per-token target: every decode step reads all of S over the link), and the
-//      slice's HBM holds the request's KV cache;
+//      slice's HBM holds the request's KV cache (a model whose demand alone exceeds the
+//      link is placed when no other model is active: served late rather than never);
 //   3. else a slice whose model has no request running is taken from it (eviction: the
 //      lowest priority first, then the least recently used), under the same two checks
 //      with the evicted model's demand gone;

@@ -175,7 +175,9 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
     return p;
   }
   // 2. An idle slice, if the link can carry one more active model.
-  const bool link_fits = demand + demand_m <= link_gbps_;
+  // A model whose demand alone exceeds the link still gets a slice when nothing else is
+  // active (served late rather than never).
+  const bool link_fits = demand + demand_m <= link_gbps_ || demand == 0.0;
   for (size_t i = 0; i < status_.size(); ++i) {
     if (!status_[i].model.empty()) continue;
     if (!link_fits) {

@@ -113,6 +113,15 @@ TEST(Scheduler, ThePrefillChunkIsTheSmallestThatMeetsTheTtft) {
   EXPECT_NE(q.why.find("KV cache"), std::string::npos) << q.why;
 }
 
+TEST(Scheduler, AModelTooBigForTheLinkIsServedAloneRatherThanNever) {
+  Scheduler s(slices(2), 100.0);
+  s.add_model(model("huge", 140, 100.0));  // 1400 GB/s of demand on a 100 GB/s link
+  s.add_model(model("small", 1, 100.0));
+  const Placement h = s.place("huge", 10, 1);
+  EXPECT_EQ(h.outcome, PlaceOutcome::kPlaced);
+  EXPECT_EQ(s.place("small", 10, 1).outcome, PlaceOutcome::kWait);  // not beside it
+}
+
 TEST(Scheduler, TheAblationsIgnoreTheLinkAndTheTtft) {
   // Random placement: c goes to a free slice though the link cannot carry three models.
   SchedulerOptions o;
