@@ -4,8 +4,9 @@
 // Note [Serving scheduler]: per request of model m with p prompt tokens,
 //   1. m is active on a slice: route there;
 //   2. else an idle slice (no model) takes it if the active set's link demand with m fits,
-//      sum over active models of S / TPOT <= the link's bandwidth (S: weight bytes; TPOT:
-//      the per-token target: every decode step reads all of S over the link), and the
+//      sum over the models with requests running of S / TPOT <= the link's bandwidth (S:
+//      weight bytes; TPOT: the per-token target: every decode step reads all of S over the
+//      link; a model on its slice with nothing running streams nothing), and the
 //      slice's HBM holds the request's KV cache (a model whose demand alone exceeds the
 //      link is placed when no other model is active: served late rather than never);
 //   3. else a slice whose model has no request running is taken from it (eviction: the
@@ -13,6 +14,9 @@
 //      with the evicted model's demand gone;
 //   4. else the request waits (kWait, with the reason): a running request is never
 //      preempted or dropped.
+// A request that has waited past its TTFT target (the caller says so: the scheduler has no
+// clock) skips the link-demand check in 2 and 3: the link then carries more than its
+// bandwidth, every active model's tokens slow down, and the waiting one is served.
 // The prefill chunk: the smallest chunk of the model's profile table whose prefill time,
 // ceil(p / chunk) chunks, meets the TTFT target and whose HBM need fits the slice; if none
 // meets the target, the fastest that fits (and the placement says so).
@@ -96,13 +100,16 @@ class Scheduler {
 
   // A request of `model` with `prompt_tokens` and up to `max_new_tokens`: where it runs.
   // A placement other than kWait counts the request as running on its slice until
-  // finish().
-  Placement place(const std::string& model, int64_t prompt_tokens, int64_t max_new_tokens);
+  // finish(). `overdue`: the request has waited past its TTFT target; the link-demand
+  // check no longer holds it back (Note [Serving scheduler]: aging, so that a model whose
+  // demand does not fit beside the others is not starved by a steady stream of them).
+  Placement place(const std::string& model, int64_t prompt_tokens, int64_t max_new_tokens,
+                  bool overdue = false);
   // The request placed on `slice` (with the same token counts) is done.
   void finish(int slice, int64_t prompt_tokens, int64_t max_new_tokens);
 
   const std::vector<SliceStatus>& slices() const { return status_; }
-  double link_demand_gbps() const;  // sum of S / TPOT over the active models
+  double link_demand_gbps() const;  // sum of S / TPOT over the models with requests running
 
  private:
   std::vector<SliceSpec> specs_;

@@ -30,5 +30,6 @@ void add_probe_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_stream_command(CLI::App& app);
+void add_replay_command(CLI::App& app);
 
 }  // namespace spillway::cli

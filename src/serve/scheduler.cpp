@@ -70,14 +70,18 @@ const ServedModel& Scheduler::model(const std::string& name) const {
 }
 
 double Scheduler::link_demand_gbps() const {
+  // Models with requests running: an idle model on its slice streams nothing.
   double d = 0.0;
   for (const SliceStatus& s : status_)
-    if (!s.model.empty())
-      d += static_cast<double>(model(s.model).weight_bytes) / (model(s.model).tpot_ms * 1e6);
+    if (!s.model.empty() && s.running > 0) {
+      const ServedModel& m = model(s.model);
+      d += static_cast<double>(m.weight_bytes) / (m.tpot_ms * 1e6);
+    }
   return d;
 }
 
-Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64_t max_new_tokens) {
+Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64_t max_new_tokens,
+                           bool overdue) {
   const ServedModel& m = model(name);
   if (prompt_tokens < 1) SPILLWAY_FIELD_ERROR("prompt_tokens", prompt_tokens, "must be >= 1");
   if (max_new_tokens < 0) SPILLWAY_FIELD_ERROR("max_new_tokens", max_new_tokens, "must be >= 0");
@@ -177,7 +181,7 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
   // 2. An idle slice, if the link can carry one more active model.
   // A model whose demand alone exceeds the link still gets a slice when nothing else is
   // active (served late rather than never).
-  const bool link_fits = demand + demand_m <= link_gbps_ || demand == 0.0;
+  const bool link_fits = demand + demand_m <= link_gbps_ || demand == 0.0 || overdue;
   for (size_t i = 0; i < status_.size(); ++i) {
     if (!status_[i].model.empty()) continue;
     if (!link_fits) {
@@ -198,9 +202,8 @@ Placement Scheduler::place(const std::string& name, int64_t prompt_tokens, int64
     const SliceStatus& s = status_[i];
     if (s.model.empty() || s.model == name || s.running > 0) continue;
     const ServedModel& o = model(s.model);
-    const double after =
-        demand - static_cast<double>(o.weight_bytes) / (o.tpot_ms * 1e6) + demand_m;
-    if (after > link_gbps_ || specs_[i].hbm_bytes < kv) continue;
+    const double after = demand + demand_m;  // o has nothing running: it streams nothing
+    if ((after > link_gbps_ && !overdue) || specs_[i].hbm_bytes < kv) continue;
     if (victim < 0) {
       victim = static_cast<int>(i);
       continue;

@@ -45,5 +45,24 @@ TEST(ServeBenchCli, AGpuWithoutTheProfilesIsRefusedNamingItsOwn) {
   EXPECT_TRUE(contains(r.out, "h100-pcie has")) << r.out;
 }
 
+TEST(ReplayCli, TheTraceReplaysThroughEveryConfigurationWithAPicture) {
+  spillway::testing::TempDir dir;
+  const cli_test::CommandResult r = cli_test::run_command(
+      std::string("'") + SPILLWAY_CLI_PATH + "' replay --max-requests 300 --json '" +
+      dir.file("r.json") + "' --svg '" + dir.file("t.svg") + "' 2>&1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "token counts are not in the trace")) << r.out;
+  EXPECT_TRUE(contains(r.out, "time sharing + reload")) << r.out;
+  const Json j = Json::parse(cli_test::read_file(dir.file("r.json")));
+  ASSERT_EQ(j["configurations"].size(), 6u);
+  for (const Json& c : j["configurations"]) EXPECT_EQ(c["completed"], 300) << c["name"];
+  EXPECT_TRUE(contains(cli_test::read_file(dir.file("t.svg")), "</svg>"));
+  const cli_test::CommandResult bad =
+      cli_test::run_command(std::string("'") + SPILLWAY_CLI_PATH + "' replay --trace '" +
+                            dir.file("none.csv") + "' 2>&1");
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_TRUE(contains(bad.out, "cannot open the request trace")) << bad.out;
+}
+
 }  // namespace
 }  // namespace spillway

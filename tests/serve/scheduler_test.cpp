@@ -52,14 +52,28 @@ TEST(Scheduler, RoutesPlacesAndEvictsOnlyIdleModels) {
   Placement c = s.place("c", 100, 10);
   EXPECT_EQ(c.outcome, PlaceOutcome::kWait);
   EXPECT_NE(c.why.find("link demand would be 600.0 GB/s of 400.0"), std::string::npos) << c.why;
-  // b finishes: its slice is taken for c (b's demand goes with it).
+  // b finishes: idle on its slice, it streams nothing, so c fits beside a on the idle
+  // slice; b stays resident for its next request.
   s.finish(b.slice, 100, 10);
+  EXPECT_DOUBLE_EQ(s.link_demand_gbps(), 200.0);
   c = s.place("c", 100, 10);
-  EXPECT_EQ(c.outcome, PlaceOutcome::kEvicted);
-  EXPECT_EQ(c.evicted, "b");
-  EXPECT_EQ(c.slice, b.slice);
-  EXPECT_EQ(s.slices()[static_cast<size_t>(c.slice)].model, "c");
+  EXPECT_EQ(c.outcome, PlaceOutcome::kPlaced);
+  EXPECT_NE(c.slice, b.slice);
+  EXPECT_EQ(s.slices()[static_cast<size_t>(b.slice)].model, "b");
   EXPECT_EQ(s.slices()[static_cast<size_t>(a.slice)].running, 2);
+  // Two slices, both running: a third model waits; when one finishes, its slice is taken.
+  Scheduler t(slices(2), 1000.0);
+  for (const char* n : {"a", "b", "c"}) t.add_model(model(n, 8, 40.0));
+  (void)t.place("a", 100, 10);
+  const Placement tb = t.place("b", 100, 10);
+  Placement tc = t.place("c", 100, 10);
+  EXPECT_EQ(tc.outcome, PlaceOutcome::kWait);
+  EXPECT_NE(tc.why.find("requests running"), std::string::npos) << tc.why;
+  t.finish(tb.slice, 100, 10);
+  tc = t.place("c", 100, 10);
+  EXPECT_EQ(tc.outcome, PlaceOutcome::kEvicted);
+  EXPECT_EQ(tc.evicted, "b");
+  EXPECT_EQ(tc.slice, tb.slice);
 }
 
 TEST(Scheduler, EvictsTheLowestPriorityThenTheLeastRecentlyUsed) {
@@ -120,6 +134,8 @@ TEST(Scheduler, AModelTooBigForTheLinkIsServedAloneRatherThanNever) {
   const Placement h = s.place("huge", 10, 1);
   EXPECT_EQ(h.outcome, PlaceOutcome::kPlaced);
   EXPECT_EQ(s.place("small", 10, 1).outcome, PlaceOutcome::kWait);  // not beside it
+  // Past its TTFT target the request is placed anyway (aging): the link is oversubscribed.
+  EXPECT_EQ(s.place("small", 10, 1, /*overdue=*/true).outcome, PlaceOutcome::kPlaced);
 }
 
 TEST(Scheduler, TheAblationsIgnoreTheLinkAndTheTtft) {
