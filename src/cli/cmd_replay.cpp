@@ -39,10 +39,10 @@ void add_replay_command(CLI::App& app) {
   cmd->add_option("--trace", st->trace, "The request trace CSV")->capture_default_str();
   cmd->add_option("--reloads", st->reloads, "The measured reload latencies CSV (ms)")
       ->capture_default_str();
-  in_range(cmd->add_option("--max-requests", st->max_requests,
-                           "Replay the first N requests (0: all)")
-               ->capture_default_str(),
-           closed(0, 1000000));
+  in_range(
+      cmd->add_option("--max-requests", st->max_requests, "Replay the first N requests (0: all)")
+          ->capture_default_str(),
+      closed(0, 1000000));
   in_range(cmd->add_option("--time-scale", st->o.time_scale,
                            "Arrivals this many times faster than the trace's (it spans 23 days)")
                ->capture_default_str(),
@@ -53,7 +53,9 @@ void add_replay_command(CLI::App& app) {
   cmd->add_option("--models", st->o.models, "Catalog architectures the trace's models take")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--seed", st->o.seed, "Seed of the drawn token counts")->capture_default_str();
+  in_range(cmd->add_option("--seed", st->o.seed, "Seed of the drawn token counts")
+               ->capture_default_str(),
+           closed(0, 4294967295.0));
   in_range(cmd->add_option("--ttft-ms", st->o.ttft_ms, "TTFT target")->capture_default_str(),
            open_closed(0, 1e9));
   in_range(cmd->add_option("--tpot-ms", st->o.tpot_ms,
