@@ -257,6 +257,11 @@ class AllGather {
   // order (as NCCL requires); a rank's part may be overwritten only after the call's work
   // on its stream is done (its peers read it until then).
   virtual void all_gather_in_place(void* buffer, size_t bytes, Stream s) = 0;
+  // (optional) A rank failed and will make no more calls: every call of the group, pending
+  // or later, returns without waiting for its peers (its buffer's other parts are left as
+  // they were), so the surviving ranks' streams drain instead of waiting for ever; the
+  // group is unusable afterwards. Any rank may call it, from any thread. Default: nothing.
+  virtual void abort() {}
 };
 
 // The host backend's group over `devices` (host devices of this process, one per rank):

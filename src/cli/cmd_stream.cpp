@@ -53,9 +53,10 @@ struct RunRank {
 };
 
 // fn(rank) on every rank at once, one thread each (the emulated GPUs run concurrently and
-// contend for the link as GPUs would).
-template <typename F>
-void on_all_ranks(std::vector<RunRank>& ranks, F fn) {
+// contend for the link as GPUs would). A rank that throws calls on_error (its peers may be
+// waiting for it in a collective); the first error is rethrown once all have returned.
+template <typename F, typename E>
+void on_all_ranks(std::vector<RunRank>& ranks, F fn, E on_error) {
   if (ranks.size() == 1) {
     fn(ranks[0]);
     return;
@@ -69,6 +70,7 @@ void on_all_ranks(std::vector<RunRank>& ranks, F fn) {
         fn(ranks[i]);
       } catch (...) {
         errors[i] = std::current_exception();
+        on_error();
       }
     });
   for (std::thread& t : threads) t.join();
@@ -132,22 +134,29 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
   // One step of every rank's resident or streamed model; the step's time is the slowest
   // rank's.
   auto step_all = [&](bool streamed, const std::vector<std::vector<int32_t>>& tok, double step_lr) {
-    on_all_ranks(ranks, [&](RunRank& r) {
-      const size_t i = static_cast<size_t>(&r - ranks.data());
-      const std::vector<int32_t>& t = tok[training ? 0 : i];
-      nn::Model& m = streamed ? *r.streamed : *r.resident;
-      const auto t0 = Clock::now();
-      double loss = 0;
-      if (training) {
-        nn::StepStats st = m.step(t, batch, seq, policy, none, step_lr);
-        loss = st.loss;
-        if (!streamed) r.st_res = std::move(st);
-      } else {
-        loss = m.forward_loss(t, batch, seq);
-      }
-      (streamed ? r.ms_str : r.ms_res) = ms_since(t0);
-      (streamed ? r.loss_str : r.loss_res) = loss;
-    });
+    // A failed rank aborts the all-gather group so that its peers do not wait for it.
+    const auto abort_group = [&] {
+      for (const std::unique_ptr<AllGather>& a : group) a->abort();
+    };
+    on_all_ranks(
+        ranks,
+        [&](RunRank& r) {
+          const size_t i = static_cast<size_t>(&r - ranks.data());
+          const std::vector<int32_t>& t = tok[training ? 0 : i];
+          nn::Model& m = streamed ? *r.streamed : *r.resident;
+          const auto t0 = Clock::now();
+          double loss = 0;
+          if (training) {
+            nn::StepStats st = m.step(t, batch, seq, policy, none, step_lr);
+            loss = st.loss;
+            if (!streamed) r.st_res = std::move(st);
+          } else {
+            loss = m.forward_loss(t, batch, seq);
+          }
+          (streamed ? r.ms_str : r.ms_res) = ms_since(t0);
+          (streamed ? r.loss_str : r.loss_res) = loss;
+        },
+        abort_group);
     double slowest = 0;
     for (const RunRank& r : ranks) slowest = std::max(slowest, streamed ? r.ms_str : r.ms_res);
     return slowest;

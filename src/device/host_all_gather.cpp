@@ -25,6 +25,7 @@ struct Group {
   double peer_gbps = 0.0;
   std::mutex mu;
   std::condition_variable cv;
+  bool aborted = false;  // AllGather::abort: every wait gives up
   struct Round {
     std::vector<void*> buffer;  // per rank
     size_t bytes = 0;
@@ -42,6 +43,12 @@ class HostAllGather final : public AllGather {
   }
   int rank() const override { return rank_; }
   int ranks() const override { return group_->n; }
+
+  void abort() override {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    group_->aborted = true;
+    group_->cv.notify_all();
+  }
 
   void all_gather_in_place(void* buffer, size_t bytes, Stream s) override {
     SPILLWAY_CHECK(buffer != nullptr || bytes == 0, "all_gather: null buffer for {} bytes", bytes);
@@ -71,14 +78,22 @@ class HostAllGather final : public AllGather {
     {
       std::unique_lock<std::mutex> lock(g.mu);
       // The slot's previous round must be over for every rank before it is reused.
-      g.cv.wait(lock, [&] { return r.left >= (use - 1) * g.n; });
+      g.cv.wait(lock, [&] { return g.aborted || r.left >= (use - 1) * g.n; });
+      if (g.aborted) {
+        ran_.fetch_add(1, std::memory_order_release);
+        return;
+      }
       if (r.arrived == (use - 1) * g.n) r.bytes = j.bytes;
       SPILLWAY_CHECK(r.bytes == j.bytes, "all_gather: rank {} gathers {} bytes, a peer {}", rank_,
                      j.bytes, r.bytes);
       r.buffer[static_cast<size_t>(rank_)] = j.buffer;
       ++r.arrived;
       g.cv.notify_all();
-      g.cv.wait(lock, [&] { return r.arrived >= use * g.n; });
+      g.cv.wait(lock, [&] { return g.aborted || r.arrived >= use * g.n; });
+      if (g.aborted) {
+        ran_.fetch_add(1, std::memory_order_release);
+        return;
+      }
     }
     const auto start = std::chrono::steady_clock::now();
     auto* mine = static_cast<std::byte*>(j.buffer);
@@ -96,7 +111,7 @@ class HostAllGather final : public AllGather {
     std::unique_lock<std::mutex> lock(g.mu);
     ++r.left;
     g.cv.notify_all();
-    g.cv.wait(lock, [&] { return r.left >= use * g.n; });  // every peer has read my part
+    g.cv.wait(lock, [&] { return g.aborted || r.left >= use * g.n; });  // peers read my part
     ran_.fetch_add(1, std::memory_order_release);
   }
 

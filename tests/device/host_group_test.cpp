@@ -117,6 +117,32 @@ TEST(HostAllGather, EveryRankGetsEveryPartInRankOrderCallAfterCall) {
   }
 }
 
+TEST(HostAllGather, AbortReleasesTheRanksWaitingForAPeerThatFailed) {
+  // Rank 1 never calls (it failed): rank 0's gathers would wait for ever; abort() lets its
+  // stream drain, its own part untouched, and later calls return at once.
+  std::vector<std::unique_ptr<Device>> devs;
+  std::vector<Device*> raw;
+  for (int r = 0; r < 2; ++r) {
+    devs.push_back(make_host_device(HostDeviceOptions{int64_t{4} << 20, 0.0, 0.0}));
+    raw.push_back(devs.back().get());
+  }
+  auto group = make_host_all_gather(raw);
+  const Stream s = devs[0]->create_stream(StreamRole::kCompute);
+  std::vector<char> buf(2 * 64, 'a');
+  group[0]->all_gather_in_place(buf.data(), 64, s);
+  group[0]->all_gather_in_place(buf.data(), 64, s);
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    group[1]->abort();  // any rank, any thread
+  });
+  devs[0]->synchronize(s);  // returns: the waits gave up
+  aborter.join();
+  group[0]->all_gather_in_place(buf.data(), 64, s);
+  devs[0]->synchronize(s);
+  EXPECT_EQ(buf[0], 'a');
+  devs[0]->destroy_stream(s);
+}
+
 TEST(HostAllGather, AGroupOfNonHostDevicesOrNoneIsRefused) {
   EXPECT_THROW(make_host_all_gather({}), InputError);
   EXPECT_THROW(make_host_all_gather({nullptr}), Error);
