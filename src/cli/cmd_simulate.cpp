@@ -17,6 +17,9 @@ void add_simulate_command(CLI::App& app) {
     int gpus_per_link = 0;
     bool no_contention = false;
     double inflight_bound_mb = 0.0;
+    bool sharded = false;
+    bool stream_training = false;
+    double peer_gbps = -1.0;
     std::string trace_path;
     std::string plot_path;
     std::string json_path;
@@ -69,6 +72,19 @@ void add_simulate_command(CLI::App& app) {
                ->capture_default_str()
                ->group("Simulation"),
            closed(0, kMaxHostMiB));
+  cmd->add_flag("--sharded", st->sharded,
+                "stream: the GPUs of a link each copy 1/N of a layer and all-gather the rest "
+                "(Note [Sharded streaming])")
+      ->group("Simulation");
+  cmd->add_flag("--stream-training", st->stream_training,
+                "stream: a training step (forward, then backward re-streaming all layers but the "
+                "turn's prefetch-depth+1)")
+      ->group("Simulation");
+  in_range(cmd->add_option("--peer-gbps", st->peer_gbps,
+                           "stream --sharded: GPU-to-GPU bandwidth per GPU for the all-gather, "
+                           "GB/s (default: the profile's NVLink, else its host link figure)")
+               ->group("Simulation"),
+           open_closed(0, 100000));
   cmd->add_option("--trace", st->trace_path, "Write a Chrome trace-event JSON (open in Perfetto)")
       ->group("Output");
   cmd->add_option("--plot", st->plot_path,
@@ -87,6 +103,9 @@ void add_simulate_command(CLI::App& app) {
       plan = make_plan(req);
     }
     SimResult result;
+    if (st->scenario != "stream")
+      for (const char* f : {"--sharded", "--stream-training", "--peer-gbps"})
+        if (cmd->count(f) > 0) throw CLI::ValidationError(f, "applies to --scenario stream");
     if (st->scenario == "train") {
       SimOptions o;
       o.gpus = st->gpus;
@@ -100,6 +119,17 @@ void add_simulate_command(CLI::App& app) {
       o.depth = req.prefetch_depth;
       o.gpus = st->gpus > 0 ? st->gpus : 1;
       o.gpus_per_link = st->gpus_per_link > 0 ? st->gpus_per_link : o.gpus;
+      o.training = st->stream_training;
+      o.sharded = st->sharded;
+      if (st->sharded) {
+        if (o.gpus_per_link < 2)
+          throw CLI::ValidationError("--sharded",
+                                     "needs 2 or more GPUs per link (--gpus, --gpus-per-link)");
+        o.peer_gbps = st->peer_gbps > 0.0 ? st->peer_gbps
+                      : req.hardware.interconnect.nvlink_gbps > 0.0
+                          ? req.hardware.interconnect.nvlink_gbps
+                          : plan.summary.h2d_gbps;
+      }
       result = simulate_weight_streaming(plan, req, o);
     }
     if (st->json_path != "-") write_output("-", format_sim_report(result, req));

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "cli/run_command.hpp"
 #include "core/json_io.hpp"
@@ -149,6 +150,31 @@ TEST(StreamCli, EmulatedGpusOnOneLinkShardAndCarryEachLayerOnce) {
   bad = run(std::string(kPcie) + " --mode sharded", dir);
   EXPECT_NE(bad.code, 0);
   EXPECT_TRUE(contains(bad.err, "--mode")) << bad.err;
+}
+
+TEST(StreamCli, SimulateStreamsShardedAndTrainingSteps) {
+  // spillway simulate --scenario stream: --sharded puts each layer on the shared link once
+  // for the 4 GPUs (a quarter of full copy's bytes), --stream-training re-streams backward.
+  TempDir dir;
+  const std::string base =
+      "simulate --model Llama-3.1-70B --hardware h100-pcie --scenario stream --gpus 4 "
+      "--gpus-per-link 4 --json - ";
+  auto bytes = [&](const std::string& extra) {
+    const StreamRun r = run(base + extra, dir);
+    EXPECT_EQ(r.code, 0) << r.err;
+    const Json j = Json::parse(r.out);
+    const Json& s = j.contains("summary") ? j["summary"] : j;
+    return std::pair{s["h2d_bytes"].get<double>(), s["step_ms"].get<double>()};
+  };
+  const auto full = bytes("");
+  const auto sharded = bytes("--sharded");
+  const auto training = bytes("--stream-training");
+  EXPECT_NEAR(sharded.first * 4, full.first, 0.001 * full.first);
+  EXPECT_LT(sharded.second, full.second / 3);
+  EXPECT_GT(training.first, 1.9 * full.first);
+  const StreamRun bad = run("simulate --model Llama-3.1-70B --sharded", dir);
+  EXPECT_NE(bad.code, 0);
+  EXPECT_TRUE(contains(bad.err, "applies to --scenario stream")) << bad.err;
 }
 
 TEST(StreamCli, FlagsOfTheOtherModeAreRefusedNotIgnored) {
