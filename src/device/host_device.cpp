@@ -3,7 +3,8 @@
 // - Device memory is one arena of fixed capacity (an HBM budget, enforced and measured).
 // - Each stream is a queue (detail::HostQueue) run in order by its worker thread; copies on
 //   a D2H or H2D stream may be throttled to a bandwidth: a copy of n bytes takes at least
-//   n / B of wall time (a sleep until the deadline, then the memcpy), so link ratios of real
+//   n / B of wall time, its bytes landing as it streams (Note [Throttled copies land as
+//   they stream]), so link ratios of real
 //   hardware can be reproduced. A queue is not tied to a device: a caller makes one as a
 //   HostStream and a device adopts it (Note [Adopted streams], Note [Host stream registry]).
 // - Events are real synchronization objects: record(e, s) bumps e's target and enqueues
@@ -144,6 +145,9 @@ bool complete_in_order(EventState* e, uint64_t target) {
 
 namespace detail {
 
+// Pieces a throttled copy lands in (Note [Throttled copies land as they stream]).
+constexpr size_t kCopyChunks = 16;
+
 // One stream's queue and its worker. Made by HostQueue::create only, so that it is in the
 // registry for its whole life (Note [Host stream registry]).
 class HostQueue {
@@ -272,21 +276,46 @@ class HostQueue {
       case Op::kCopy: {
         // The throttle is a schedule, not a per-copy sleep: each copy ends no earlier than
         // max(its start, the previous copy's deadline) + n / B, so wake-up lateness does
-        // not accumulate over back-to-back copies. The sleep comes first and the bytes
-        // land at the end, as the last bytes of a real copy do: a reader that does not
-        // wait for the copy's event reads what was there before (the tests of every
-        // engine's ordering rely on it).
+        // not accumulate over back-to-back copies. Note [Throttled copies land as they
+        // stream]: within its slot [end - n / B, end] the copy moves its bytes in
+        // kCopyChunks pieces, each when its share of the slot begins, and the op ends at
+        // the slot's end: the last bytes land in the copy's last 1/kCopyChunks, as a real
+        // copy's do, so a reader that does not wait for the copy's event reads a stale
+        // tail (the tests of every engine's ordering rely on it), and the copy takes
+        // max(n / B, the memcpy) rather than their sum.
         const auto start = std::chrono::steady_clock::now();
+        double gbps = 0.0;
+        std::chrono::steady_clock::time_point end = start;
         if (op.link != nullptr) {
-          std::this_thread::sleep_until(op.link->book(op.h2d, op.bytes, start));
+          gbps = op.h2d ? op.link->h2d_gbps() : op.link->d2h_gbps();
+          end = op.link->book(op.h2d, op.bytes, start);
         } else if (op.gbps > 0.0) {
+          gbps = op.gbps;
           const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-              std::chrono::duration<double>(static_cast<double>(op.bytes) / (op.gbps * 1e9)));
-          const auto begin = std::max(start, deadline_);
-          deadline_ = begin + duration;
-          std::this_thread::sleep_until(deadline_);
+              std::chrono::duration<double>(static_cast<double>(op.bytes) / (gbps * 1e9)));
+          end = std::max(start, deadline_) + duration;
+          deadline_ = end;
         }
-        if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
+        const auto* src = static_cast<const std::byte*>(op.src);
+        auto* dst = static_cast<std::byte*>(op.dst);
+        const bool overlap = dst < src + op.bytes && src < dst + op.bytes;
+        if (gbps <= 0.0 || overlap || op.bytes < kCopyChunks) {
+          if (gbps > 0.0) std::this_thread::sleep_until(end);
+          if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
+          break;
+        }
+        const double slot_s = static_cast<double>(op.bytes) / (gbps * 1e9);
+        const auto begin = end - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                     std::chrono::duration<double>(slot_s));
+        const size_t chunk = (op.bytes + kCopyChunks - 1) / kCopyChunks;
+        for (size_t off = 0; off < op.bytes; off += chunk) {
+          std::this_thread::sleep_until(
+              begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(slot_s * static_cast<double>(off) /
+                                                        static_cast<double>(op.bytes))));
+          std::memcpy(dst + off, src + off, std::min(chunk, op.bytes - off));
+        }
+        std::this_thread::sleep_until(end);
         break;
       }
       case Op::kRecord: {
