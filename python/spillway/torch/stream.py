@@ -451,13 +451,18 @@ class StreamedWeights:
             for _, off, dtype, shape, n in self._layouts[i]
         ]
 
-    def _step_end(self) -> None:
-        """Training: the slabs hold the next step's weights; the streamer may load them."""
+    def _sync_slabs(self) -> None:
+        """Training: a parameter an optimizer re-pointed elsewhere is copied back into its
+        slab, which stays what the streamer reads."""
         with torch.no_grad():
             for i, ps in enumerate(self._params):
                 for p, view in zip(ps, self._slab_views(i)):
-                    if p.data_ptr() != view.data_ptr():  # an optimizer moved it: copy back
+                    if p.data_ptr() != view.data_ptr():
                         view.copy_(p.detach().reshape(view.shape))
+
+    def _step_end(self) -> None:
+        """Training: the slabs hold the next step's weights; the streamer may load them."""
+        self._sync_slabs()
         self._backward_done = False
         self._session.step_end()
 
@@ -471,12 +476,10 @@ class StreamedWeights:
         """Stops streaming: the blocks are back in place with device memory of their own
         (sharded: a collective, every rank calls it)."""
         self._drain()
+        if self.training:  # the slabs hold the newest weights
+            self._sync_slabs()
         with torch.no_grad():
             for i, ps in enumerate(self._params):
-                if self.training:  # the slabs hold the newest weights
-                    for p, view in zip(ps, self._slab_views(i)):
-                        if p.data_ptr() != view.data_ptr():
-                            view.copy_(p.detach().reshape(view.shape))
                 whole = self._slabs[i]
                 if self.ranks > 1:  # every rank calls remove(): the shards are gathered
                     whole = torch.empty(self._shard[i] * self.ranks, dtype=torch.uint8)
