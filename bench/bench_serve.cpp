@@ -80,6 +80,7 @@ ServeBenchResult::Switch run_switch(const ServeBenchOptions& o, const SliceSetup
   std::vector<float> x(static_cast<size_t>(o.k), 0.5f), y(static_cast<size_t>(o.n));
   HybridGemmProblem p{1, o.n, o.k, DType::kBf16, 0.0, {16, 64, 64}, {16, 64, 64}};
   // Switch: re-point at b, then its first token through every layer from host memory.
+  const MemoryStats before = slice.device().memory_stats();
   const auto t0 = Clock::now();
   PoolAcquire h = pool.acquire("b");
   SPILLWAY_CHECK(h.status == PoolStatus::kOk && !h.cold, "bench serve: b is not resident");
@@ -87,7 +88,12 @@ ServeBenchResult::Switch run_switch(const ServeBenchOptions& o, const SliceSetup
     (void)slice.gemm(p, x.data(), h.handle.tensor(fmt::format("layers.{}.weight", l)).host,
                      y.data());
   r.switch_ms = ms_between(t0, Clock::now());
-  r.switch_copied = pool.stats().device_bytes_copied;
+  // Note [Pool switches copy nothing]: no device memory was allocated for the switch, so no
+  // weight byte can have been copied into it (the slice's device counters).
+  const MemoryStats after = slice.device().memory_stats();
+  const auto dm = static_cast<size_t>(MemoryKind::kDevice);
+  r.switch_device_allocations = after.allocations[dm] - before.allocations[dm];
+  r.switch_device_bytes = after.peak[dm] - before.current[dm];
   r.weight_bytes = h.handle.weight_bytes();
   // Reload: every weight copied into the slice's device memory over the link, then the
   // first token with the weights in HBM (each layer: its bytes at HBM bandwidth, or its
@@ -195,11 +201,12 @@ std::string format_serve_bench(const ServeBenchResult& r) {
       o.hardware, o.rate_scale, r.link_gbps, o.hardware);
   s += fmt::format(
       "model switch ({} layers of {}x{} bf16, {:.1f} MB): re-point + first token {:.1f} ms "
-      "({:.2f} ms at {} rates, {} bytes copied); reload into device memory + first token "
+      "({:.2f} ms at {} rates, {} device allocations, {} device bytes); reload into device "
+      "memory + first token "
       "{:.1f} ms ({:.2f} ms); reload / switch = {:.2f}x\n",
       o.switch_layers, o.n, o.k, static_cast<double>(r.sw.weight_bytes) / 1e6, r.sw.switch_ms,
-      r.sw.hardware_switch_ms, o.hardware, r.sw.switch_copied, r.sw.reload_ms,
-      r.sw.hardware_reload_ms, r.sw.reload_ms / std::max(r.sw.switch_ms, 1e-9));
+      r.sw.hardware_switch_ms, o.hardware, r.sw.switch_device_allocations, r.sw.switch_device_bytes,
+      r.sw.reload_ms, r.sw.hardware_reload_ms, r.sw.reload_ms / std::max(r.sw.switch_ms, 1e-9));
   s += fmt::format(
       "cold start (the model from disk into the pool, {:.2f} GB/s from this machine's disk and "
       "page cache, then its first token): {:.1f} ms (the disk is this machine's, not scaled)\n",
@@ -227,7 +234,8 @@ std::string serve_bench_json(const ServeBenchResult& r) {
   j["switch"] = {{"weight_bytes", r.sw.weight_bytes},
                  {"switch_ms", r.sw.switch_ms},
                  {"reload_ms", r.sw.reload_ms},
-                 {"switch_copied", r.sw.switch_copied},
+                 {"switch_device_allocations", r.sw.switch_device_allocations},
+                 {"switch_device_bytes", r.sw.switch_device_bytes},
                  {"hardware_switch_ms", r.sw.hardware_switch_ms},
                  {"cold_ms", r.sw.cold_ms},
                  {"disk_gbps", r.sw.disk_gbps},

@@ -34,10 +34,11 @@ struct ServeBenchResult {
   double link_gbps = 0.0;  // the scaled link
   struct Switch {
     int64_t weight_bytes = 0;
-    double switch_ms = 0.0;         // acquire + first token, emulated
-    double reload_ms = 0.0;         // copy into device memory + first token, emulated
-    int64_t switch_copied = 0;      // bytes the switch copied to the device: 0
-    double hardware_switch_ms = 0;  // the same at the hardware's rates (times rate_scale)
+    double switch_ms = 0.0;                 // acquire + first token, emulated
+    double reload_ms = 0.0;                 // copy into device memory + first token, emulated
+    int64_t switch_device_allocations = 0;  // device allocations during the switch: 0
+    int64_t switch_device_bytes = 0;        // device memory it took (peak growth): 0
+    double hardware_switch_ms = 0;          // the same at the hardware's rates (times rate_scale)
     double hardware_reload_ms = 0;
     double cold_ms = 0.0;  // from disk into the pool, then the first token
     double hardware_cold_ms = 0.0;

@@ -96,7 +96,6 @@ struct ModelPoolStats {
   double cold_load_ms = 0.0;        // time those loads took
   int64_t evictions = 0;            // models dropped to make room (their files stay on disk)
   int64_t refused = 0;              // acquire() calls answered kFull
-  int64_t device_bytes_copied = 0;  // weight bytes the pool copied to device memory: 0
 };
 
 class ModelPool;

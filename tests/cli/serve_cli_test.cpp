@@ -21,7 +21,8 @@ TEST(ServeBenchCli, ASmallRunSwitchesWithoutCopyingAndSweepsAlpha) {
   ASSERT_EQ(r.code, 0) << r.out;
   const Json j = Json::parse(r.out);
   EXPECT_EQ(j["schema"], "spillway.bench-serve/1");
-  EXPECT_EQ(j["switch"]["switch_copied"], 0);
+  EXPECT_EQ(j["switch"]["switch_device_allocations"], 0);
+  EXPECT_EQ(j["switch"]["switch_device_bytes"], 0);
   EXPECT_GT(j["switch"]["reload_ms"].get<double>(), 0.0);
   ASSERT_EQ(j["sweeps"].size(), 3u);
   const int slices[] = {1, 3, 7};
