@@ -73,13 +73,21 @@ void tile_product(const float* xt, const float* wt, int64_t tm, int64_t tn, int6
               prod, static_cast<int>(tn));
 }
 
+// The tiles' on-chip buffers, one set per thread, grown to the largest tiles it has seen and
+// reused: a GEMM allocates nothing once its thread has run tiles of that size.
 struct Scratch {
   std::vector<float> x, w, prod, acc;
-  explicit Scratch(const GemmTiles& t)
-      : x(static_cast<size_t>(t.m * t.k)),
-        w(static_cast<size_t>(t.n * t.k)),
-        prod(static_cast<size_t>(t.m * t.n)),
-        acc(static_cast<size_t>(t.m * t.n)) {}
+  static Scratch& for_tiles(const GemmTiles& t) {
+    thread_local Scratch s;
+    auto fit = [](std::vector<float>& v, int64_t n) {
+      if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+    };
+    fit(s.x, t.m * t.k);
+    fit(s.w, t.n * t.k);
+    fit(s.prod, t.m * t.n);
+    fit(s.acc, t.m * t.n);
+    return s;
+  }
 };
 
 // Output-stationary over columns [0, ns).
@@ -87,12 +95,12 @@ void run_symmetric(const HybridGemmProblem& p, const float* x, const void* w, fl
                    GemmTraffic& t) {
   const GemmTiles& tl = p.symmetric;
   const int64_t wb = dtype_bytes(p.w_dtype);
-  Scratch s(tl);
+  Scratch& s = Scratch::for_tiles(tl);
   for (int64_t i0 = 0; i0 < p.m; i0 += tl.m) {
     const int64_t tm = std::min(tl.m, p.m - i0);
     for (int64_t j0 = 0; j0 < ns; j0 += tl.n) {
       const int64_t tn = std::min(tl.n, ns - j0);
-      std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+      std::fill_n(s.acc.begin(), tm * tn, 0.0f);
       for (int64_t k0 = 0; k0 < p.k; k0 += tl.k) {
         const int64_t tk = std::min(tl.k, p.k - k0);
         load_x(p, x, i0, tm, k0, tk, s.x.data());
@@ -120,7 +128,7 @@ void run_asymmetric(const HybridGemmProblem& p, const float* x, const void* w, f
   const int64_t na = p.n - ns;
   for (int64_t i = 0; i < p.m; ++i) std::fill(o + i * p.n + ns, o + i * p.n + p.n, 0.0f);
   t.hbm_write_bytes += p.m * na * 4;
-  Scratch s(tl);
+  Scratch& s = Scratch::for_tiles(tl);
   for (int64_t k0 = 0; k0 < p.k; k0 += tl.k) {
     const int64_t tk = std::min(tl.k, p.k - k0);
     for (int64_t j0 = ns; j0 < p.n; j0 += tl.n) {

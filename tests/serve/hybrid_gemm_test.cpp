@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "allocation_count.hpp"
 #include "spillway/device_math.hpp"
 #include "spillway/error.hpp"
 
@@ -146,6 +147,17 @@ TEST(HybridGemm, AlphaTradesLinkBytesForHbmBytes) {
     last_link = t.link_bytes;
     last_hbm = t.hbm_bytes();
   }
+}
+
+TEST(HybridGemm, ASecondGemmOfTheSameTilesAllocatesNothing) {
+  // The tiles' buffers are the thread's, sized once (a kernel's on-chip memory).
+  const Operands o = operands(40, 70, 90, 4);
+  std::vector<float> out(40 * 70);
+  const HybridGemmProblem p{40, 70, 90, DType::kBf16, 0.5, {16, 32, 32}, {16, 16, 32}};
+  hybrid_gemm_host(p, o.x.data(), o.w16.data(), out.data());
+  const int64_t before = spillway::testing::heap_allocations();
+  for (int i = 0; i < 3; ++i) hybrid_gemm_host(p, o.x.data(), o.w16.data(), out.data());
+  EXPECT_EQ(spillway::testing::heap_allocations(), before);
 }
 
 TEST(HybridGemm, BadProblemsNameTheField) {
