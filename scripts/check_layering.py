@@ -52,7 +52,7 @@ PUBLIC = {
     "probe": "probe",
     "plan": "plan", "collectives": "plan", "stream_mode": "plan",
     "sim": "sim",
-    "nn": "nn",
+    "nn": "nn", "decoder": "nn",
     "train": "train",
     "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
 }

@@ -68,6 +68,30 @@ MemoryPolicy policy_from_plan(const RefConfig& c, const Plan& plan, const std::s
 // Every tensor kept.
 MemoryPolicy keep_policy(const RefConfig& c);
 
+// Note [Checkpoint names]: the model's weights by name, in the names of Hugging Face's
+// Llama / Qwen3-MoE / Mamba-2 checkpoints where one exists (the attention's q, k and v
+// projections are one fused tensor, self_attn.qkv_proj, as in Phi-3), every weight fp32 and
+// shaped as torch's (a Linear's weight is (out, in)). The order is the parameters' order in
+// memory (Model::parameters()): the embedding; per layer its input norm, its mixer's
+// weights, its MLP's norm, router, and the experts' gate, up and down projections (each
+// expert its own tensor, all gates first); the final norm; the LM head.
+struct WeightSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool linear = false;  // a Linear's weight (out, in): a runtime multiplies by it (HybridGEMM)
+  int64_t elements() const {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    return n;
+  }
+};
+std::vector<WeightSpec> weight_specs(const RefConfig& c);
+
+struct NamedWeight {
+  WeightSpec spec;
+  const float* data = nullptr;  // the model's parameter memory (spec.elements() floats)
+};
+
 struct StepStats {
   double loss = 0.0;
   double step_ms = 0.0;              // forward and backward (the optimizer step is apart)
@@ -140,6 +164,11 @@ class Model {
   // Forward only (inference): the mean cross-entropy of tokens (batch, seq + 1), each
   // layer's tensors freed as soon as the next layer has its input.
   double forward_loss(const std::vector<int32_t>& tokens, int batch, int seq);
+  // Forward only: the logits (batch * seq, vocab) of tokens (batch, seq), every position's
+  // (the reference a served model's outputs are checked against).
+  std::vector<float> forward_logits(const std::vector<int32_t>& tokens, int batch, int seq);
+  // The weights by name (Note [Checkpoint names]), pointing into the model's parameters.
+  std::vector<NamedWeight> named_weights() const;
   // Bytes of the saved tensors of one layer for (batch, seq) (what keep holds per layer).
   int64_t saved_bytes(int layer, int batch, int seq) const;
   // Bytes of each saved tensor of one layer, in saved_tensor_names order.

@@ -484,6 +484,44 @@ struct Model::Impl {
     *y_out = y;
   }
 
+  // Forward only: the last layer's output (T, d) for input tokens (batch * seq), device
+  // memory the caller releases; every saved tensor recomputed (nothing is kept for a
+  // backward): a layer's forward frees what it made, and its input is freed once its output
+  // exists.
+  float* forward_inference(const std::vector<int32_t>& in, int batch, int seq) {
+    const int T = batch * seq;
+    MemoryPolicy none = keep_policy(c);
+    none.name = "forward";
+    for (LayerActions& la : none.layers)
+      for (size_t s = 1; s < la.actions.size(); ++s) la.actions[s] = Action::kRecompute;
+    TrainingHooks no_hooks;
+    policy_name = none.name;
+    at(-1, "embedding", "at the");
+    float* x = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(d));
+    embedding_fwd(in.data(), w + embed, x, T, d);
+    for (int l = 0; l < c.layers(); ++l) {
+      float* y = nullptr;
+      visit_begin(l);
+      forward_layer(l, x, &y, batch, seq, none, no_hooks);
+      visit_end(l);
+      release(x);
+      saved[static_cast<size_t>(l)][kInput].p = nullptr;
+      x = y;
+    }
+    return x;
+  }
+
+  // The head's forward on x (T, d): the final norm into *fn and the logits (T, vocab),
+  // returned; device memory the caller releases.
+  float* head_forward(const float* x, int T, float** fn) {
+    at(-1, "LM head", "at the");
+    *fn = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(d));
+    rmsnorm_fwd(x, w + final_norm, *fn, T, d, c.rms_eps);
+    float* logits = alloc_n<float>(static_cast<size_t>(T) * static_cast<size_t>(c.vocab));
+    linear_fwd(*fn, w + lm_head, logits, T, d, c.vocab);
+    return logits;
+  }
+
   // dy (T, d): gradient of the layer's output; writes dx (T, d), the input's gradient.
   void backward_layer(int layer, const float* dy, float* dx, int batch, int seq,
                       TrainingHooks& hooks) {
@@ -966,12 +1004,9 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     st.layer_fwd_ms[static_cast<size_t>(l)] = ms_since(tl);
   }
   // Head: final norm, LM head, cross-entropy (x is the last layer's output).
-  m.at(-1, "LM head", "at the");
-  float* fn = m.alloc_n<float>(Td);
-  rmsnorm_fwd(x, m.w + m.final_norm, fn, T, m.d, c.rms_eps);
+  float* fn = nullptr;
+  float* logits = m.head_forward(x, T, &fn);
   const size_t tv = static_cast<size_t>(T) * static_cast<size_t>(c.vocab);
-  float* logits = m.alloc_n<float>(tv);
-  linear_fwd(fn, m.w + m.lm_head, logits, T, m.d, c.vocab);
   float* dlogits = m.alloc_n<float>(tv);
   st.loss = cross_entropy(logits, target.data(), dlogits, T, c.vocab);
   m.release(logits);
@@ -1059,8 +1094,8 @@ void Model::stream_weights(WeightStreamer* weights) {
       const size_t layer = want[static_cast<size_t>(l)];
       const size_t slab = weights->host_slab_bytes(l);
       const bool whole = slab == layer && weights->host_slab_offset(l) == 0;
-      const bool shard =
-          slab < layer && weights->host_slab_offset(l) % slab == 0 && weights->slot_bytes() >= layer;
+      const bool shard = slab < layer && weights->host_slab_offset(l) % slab == 0 &&
+                         weights->slot_bytes() >= layer;
       SPILLWAY_CHECK(whole || shard,
                      "stream_weights: layer {} of the streamer holds {} bytes from offset {}; "
                      "the model's layer has {} (a streamer of layer_weight_bytes())",
@@ -1073,45 +1108,55 @@ void Model::stream_weights(WeightStreamer* weights) {
 
 double Model::forward_loss(const std::vector<int32_t>& tokens, int batch, int seq) {
   Impl& m = *impl_;
-  const RefConfig& c = m.c;
   SPILLWAY_CHECK(batch > 0 && seq > 0, "forward_loss: batch {} and seq {} must be > 0", batch, seq);
   SPILLWAY_CHECK(tokens.size() == static_cast<size_t>(batch) * static_cast<size_t>(seq + 1),
                  "forward_loss: {} tokens for batch {} x (seq {} + 1)", tokens.size(), batch, seq);
   const int T = batch * seq;
-  const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(m.d);
   std::vector<int32_t> in, target;
-  split_tokens(tokens, batch, seq, c.vocab, &in, &target);
-  // Every saved tensor recomputed (nothing is kept for a backward): a layer's forward frees
-  // what it made, and its input is freed once its output exists.
-  MemoryPolicy none = keep_policy(c);
-  none.name = "forward";
-  for (LayerActions& la : none.layers)
-    for (size_t s = 1; s < la.actions.size(); ++s) la.actions[s] = Action::kRecompute;
-  TrainingHooks no_hooks;
-  m.policy_name = none.name;
-  m.at(-1, "embedding", "at the");
-  float* x = m.alloc_n<float>(Td);
-  embedding_fwd(in.data(), m.w + m.embed, x, T, m.d);
-  for (int l = 0; l < c.layers(); ++l) {
-    float* y = nullptr;
-    m.visit_begin(l);
-    m.forward_layer(l, x, &y, batch, seq, none, no_hooks);
-    m.visit_end(l);
-    m.release(x);
-    m.saved[static_cast<size_t>(l)][kInput].p = nullptr;
-    x = y;
-  }
-  m.at(-1, "LM head", "at the");
-  float* fn = m.alloc_n<float>(Td);
-  rmsnorm_fwd(x, m.w + m.final_norm, fn, T, m.d, c.rms_eps);
-  const size_t tv = static_cast<size_t>(T) * static_cast<size_t>(c.vocab);
-  float* logits = m.alloc_n<float>(tv);
-  linear_fwd(fn, m.w + m.lm_head, logits, T, m.d, c.vocab);
+  split_tokens(tokens, batch, seq, m.c.vocab, &in, &target);
+  float* x = m.forward_inference(in, batch, seq);
+  float* fn = nullptr;
+  float* logits = m.head_forward(x, T, &fn);
+  const size_t tv = static_cast<size_t>(T) * static_cast<size_t>(m.c.vocab);
   float* dlogits = m.alloc_n<float>(tv);
-  const double loss = cross_entropy(logits, target.data(), dlogits, T, c.vocab);
+  const double loss = cross_entropy(logits, target.data(), dlogits, T, m.c.vocab);
   for (float* p : {dlogits, logits, fn, x}) m.release(p);
   if (m.streamer != nullptr) m.streamer->step_end();
   return loss;
+}
+
+std::vector<float> Model::forward_logits(const std::vector<int32_t>& tokens, int batch, int seq) {
+  Impl& m = *impl_;
+  SPILLWAY_CHECK(batch > 0 && seq > 0, "forward_logits: batch {} and seq {} must be > 0", batch,
+                 seq);
+  SPILLWAY_CHECK(tokens.size() == static_cast<size_t>(batch) * static_cast<size_t>(seq),
+                 "forward_logits: {} tokens for batch {} x seq {}", tokens.size(), batch, seq);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= m.c.vocab)
+      SPILLWAY_INPUT_ERROR("token {} at position {} is outside the vocabulary [0, {})", tokens[i],
+                           i, m.c.vocab);
+  const int T = batch * seq;
+  float* x = m.forward_inference(tokens, batch, seq);
+  float* fn = nullptr;
+  float* logits = m.head_forward(x, T, &fn);
+  std::vector<float> out(logits, logits + static_cast<size_t>(T) * static_cast<size_t>(m.c.vocab));
+  for (float* p : {logits, fn, x}) m.release(p);
+  if (m.streamer != nullptr) m.streamer->step_end();
+  return out;
+}
+
+std::vector<NamedWeight> Model::named_weights() const {
+  const Impl& m = *impl_;
+  std::vector<NamedWeight> out;
+  size_t at = 0;
+  for (WeightSpec& s : weight_specs(m.c)) {
+    const size_t n = static_cast<size_t>(s.elements());
+    out.push_back({std::move(s), m.w + at});
+    at += n;
+  }
+  SPILLWAY_CHECK(at == m.n_params, "named_weights: the specs cover {} of {} parameters", at,
+                 m.n_params);
+  return out;
 }
 
 }  // namespace spillway::nn

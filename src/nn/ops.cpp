@@ -27,6 +27,18 @@ extern "C" void openblas_set_num_threads(int);
 
 namespace spillway::nn {
 
+void rope_angles(int positions, int head_dim, double theta, double* cos_t, double* sin_t) {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double freq = std::pow(theta, -2.0 * i / head_dim);
+    for (int t = 0; t < positions; ++t) {
+      const double angle = t * freq;
+      cos_t[static_cast<size_t>(t) * half + i] = std::cos(angle);
+      sin_t[static_cast<size_t>(t) * half + i] = std::sin(angle);
+    }
+  }
+}
+
 namespace {
 
 // Note [Deterministic GEMM]
@@ -68,18 +80,10 @@ struct RopeTable {
 const RopeTable& rope_table(int seq, int head_dim, double theta) {
   thread_local RopeTable table;
   if (table.seq >= seq && table.head_dim == head_dim && table.theta == theta) return table;
-  const int half = head_dim / 2;
-  const size_t size = static_cast<size_t>(seq) * half;
+  const size_t size = static_cast<size_t>(seq) * (head_dim / 2);
   table.cos_t.resize(size);
   table.sin_t.resize(size);
-  for (int i = 0; i < half; ++i) {
-    const double freq = std::pow(theta, -2.0 * i / head_dim);
-    for (int t = 0; t < seq; ++t) {
-      const double angle = t * freq;
-      table.cos_t[static_cast<size_t>(t) * half + i] = std::cos(angle);
-      table.sin_t[static_cast<size_t>(t) * half + i] = std::sin(angle);
-    }
-  }
+  rope_angles(seq, head_dim, theta, table.cos_t.data(), table.sin_t.data());
   table.seq = seq;
   table.head_dim = head_dim;
   table.theta = theta;
@@ -234,7 +238,6 @@ namespace {
 // ascending: one fixed reduction order. T = float keeps S, P, dP and dS in float (each
 // GEMM sums head_dim or i1 float products in single precision; the softmax sums and
 // D = rowsum(dO * O) are double); the float-vs-double test bound (2e-5) holds.
-constexpr int kAttnBlock = 64;
 
 // The attention scratch of one T: rotated q and k, gradients, one row block of scores.
 template <class T>
@@ -342,6 +345,66 @@ void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, 
         gemm<T>(false, false, rows, head_dim, cols, T(1), probs, cols, vh, width, T(0),
                 out + (token0 + i0) * out_width + h * hd, out_width);
       }
+    }
+  }
+}
+
+// Note [Cached attention]: the same row blocks, GEMMs and softmax as attention_fwd, with
+// the keys and values read from the cache (kv head j's rows j * capacity + t): a prefill
+// from position 0 makes attention_fwd's calls on the same operands (V's row stride aside).
+template <class T>
+void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capacity, int pos,
+                          int n, int heads, int kv_heads, int head_dim, const double* cos_t,
+                          const double* sin_t, T* scratch_buf) {
+  const auto [group, width, out_width, hd, scale, q_size, k_size, block] =
+      attention_geometry(n, heads, kv_heads, head_dim);
+  (void)k_size;
+  if (n <= 0) return;
+  SPILLWAY_CHECK(pos >= 0 && pos + n <= capacity,
+                 "attention_cached_fwd: positions {}..{} outside the cache's {}", pos, pos + n - 1,
+                 capacity);
+  const int end = pos + n;
+  const int half = head_dim / 2;
+  T* qs = scratch_buf;     // (heads, n, head_dim) rotated, scaled q
+  T* probs = qs + q_size;  // (rows, cols) one row block's scores, then probabilities
+  const size_t cap = static_cast<size_t>(capacity);
+  for (int t = 0; t < n; ++t) {
+    const T* row = qkv + static_cast<size_t>(t) * width;
+    const size_t at = static_cast<size_t>(pos + t);
+    const double* cs = cos_t + at * half;
+    const double* sn = sin_t + at * half;
+    for (int h = 0; h < heads; ++h)
+      rope_rotate(row + h * head_dim, qs + (static_cast<size_t>(h) * n + t) * hd, cs, sn, half,
+                  scale);
+    for (int j = 0; j < kv_heads; ++j) {
+      rope_rotate(row + (heads + j) * head_dim, k_cache + (j * cap + at) * hd, cs, sn, half, 1.0);
+      const T* v = row + static_cast<size_t>(heads + kv_heads + j) * hd;
+      std::copy(v, v + hd, v_cache + (j * cap + at) * hd);
+    }
+  }
+  for (int h = 0; h < heads; ++h) {
+    const size_t kvh = static_cast<size_t>(h / group);
+    const T* qh = qs + static_cast<size_t>(h) * n * hd;
+    const T* kh = k_cache + kvh * cap * hd;
+    const T* vh = v_cache + kvh * cap * hd;
+    for (int i0 = 0; i0 < n; i0 += block) {
+      const int rows = std::min(block, n - i0);
+      const int cols = pos + i0 + rows;
+      gemm<T>(false, true, rows, cols, head_dim, T(1), qh + i0 * hd, head_dim, kh, head_dim, T(0),
+              probs, cols);
+      for (int r = 0; r < rows; ++r) {
+        const int keys = pos + i0 + r + 1;  // keys 0 .. pos + i
+        T* p = probs + static_cast<size_t>(r) * cols;
+        const T mx = *std::max_element(p, p + keys);
+        exp_shifted(p, keys, mx);
+        double sum = 0;
+        for (int j = 0; j < keys; ++j) sum += p[j];
+        const double inv = 1.0 / sum;
+        for (int j = 0; j < keys; ++j) p[j] = static_cast<T>(p[j] * inv);
+        std::fill(p + keys, p + cols, T(0));
+      }
+      gemm<T>(false, false, rows, head_dim, cols, T(1), probs, cols, vh, head_dim, T(0),
+              out + static_cast<size_t>(i0) * out_width + h * hd, out_width);
     }
   }
 }
@@ -649,6 +712,8 @@ void add(const T* a, const T* b, T* y, size_t n) {
   template void attention_fwd<T>(const T*, T*, T*, int, int, int, int, int, double);               \
   template void attention_bwd<T>(const T*, const T*, const T*, const T*, T*, int, int, int, int,   \
                                  int, double);                                                     \
+  template void attention_cached_fwd<T>(const T*, T*, T*, T*, int, int, int, int, int, int,        \
+                                        const double*, const double*, T*);                         \
   template void swiglu_fwd<T>(const T*, const T*, T*, size_t);                                     \
   template void swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, size_t);                       \
   template void softmax_fwd<T>(const T*, T*, int, int);                                            \

@@ -63,6 +63,29 @@ template <class T>
 void attention_bwd(const T* qkv, const T* out, const T* lse, const T* dout, T* dqkv, int batch,
                    int seq, int heads, int kv_heads, int head_dim, double rope_theta);
 
+// Attention takes its queries in row blocks of this many (Note [Attention blocks]).
+inline constexpr int kAttnBlock = 64;
+
+// Attention of n new tokens of one sequence at positions pos .. pos + n - 1 against its KV
+// cache (Note [Cached attention] in ops.cpp): qkv (n, width) their rows, as attention_fwd's;
+// their rotated k and their v are written into k_cache and v_cache (kv_heads, capacity,
+// head_dim) at pos .. pos + n - 1, then query i attends keys 0 .. pos + i. out (n, heads *
+// head_dim) overwritten. pos + n <= capacity (checked). cos_t, sin_t: rope_angles of at
+// least pos + n positions; scratch: attention_cached_scratch(n, pos + n, ...) elements.
+// Allocates nothing.
+template <class T>
+void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capacity, int pos,
+                          int n, int heads, int kv_heads, int head_dim, const double* cos_t,
+                          const double* sin_t, T* scratch);
+// The scratch attention_cached_fwd needs for n new tokens ending at position `end`.
+inline size_t attention_cached_scratch(int n, int end, int heads, int head_dim) {
+  const int block = n < kAttnBlock ? n : kAttnBlock;
+  return static_cast<size_t>(n) * heads * head_dim + static_cast<size_t>(block) * end;
+}
+// RoPE's angles, as the attention ops use them: cos_t and sin_t (positions, head_dim / 2),
+// entry (t, i) the cosine and sine of t * theta^(-2i / head_dim).
+void rope_angles(int positions, int head_dim, double theta, double* cos_t, double* sin_t);
+
 // act = silu(g) * u elementwise, n elements.
 template <class T>
 void swiglu_fwd(const T* g, const T* u, T* act, size_t n);

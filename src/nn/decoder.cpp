@@ -1,0 +1,354 @@
+// The reference model in inference mode with a KV cache (spillway/decoder.hpp).
+#include "spillway/decoder.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "nn/ops.hpp"
+#include "spillway/error.hpp"
+
+namespace spillway::nn {
+
+const float* MemoryWeights::values(int weight) {
+  SPILLWAY_CHECK(weight >= 0 && static_cast<size_t>(weight) < w_.size(),
+                 "MemoryWeights: weight {} of {}", weight, w_.size());
+  return w_[static_cast<size_t>(weight)];
+}
+
+void MemoryWeights::linear(int weight, const float* x, float* y, int n, int in, int out) {
+  linear_fwd(x, values(weight), y, n, in, out);
+}
+
+namespace {
+
+// A layer's weights (indices into weight_specs) and shapes.
+struct LayerIds {
+  int attn_norm = -1, wqkv = -1, wo = -1, mlp_norm = -1, router = -1;
+  std::vector<int> w1, w3, w2;  // per expert (dense: one)
+  bool moe = false;
+  int experts = 1, top_k = 1, ffn = 0;
+};
+
+// The buffers of a step, all sized once for max_step_tokens rows.
+struct Sizes {
+  size_t rows = 0, seqs = 0, d = 0, qkv = 0, q = 0, ffn_rows = 0, experts = 0, topk_rows = 0;
+  size_t cache_floats = 0;  // one layer's K (or V) of one sequence
+  size_t attn_layers = 0;
+  size_t rope = 0;          // max_context x head_dim / 2 angles
+  size_t attn_scratch = 0;  // attention_cached_fwd's, for the largest chunk at the end
+};
+
+Sizes sizes_for(const RefConfig& c, const DecoderOptions& o) {
+  Sizes s;
+  s.rows = static_cast<size_t>(o.max_step_tokens);
+  s.seqs = static_cast<size_t>(o.max_sequences);
+  s.d = static_cast<size_t>(c.hidden);
+  s.qkv = static_cast<size_t>(c.heads + 2 * c.kv_heads) * static_cast<size_t>(c.head_dim);
+  s.q = static_cast<size_t>(c.heads) * static_cast<size_t>(c.head_dim);
+  for (const LayerSpec& l : c.model.layers) {
+    const bool moe = l.mlp.kind == MlpKind::kMoe;
+    const size_t k = moe ? static_cast<size_t>(l.mlp.top_k) : 1;
+    s.ffn_rows = std::max(s.ffn_rows, s.rows * k * static_cast<size_t>(l.mlp.ffn));
+    s.topk_rows = std::max(s.topk_rows, s.rows * k);
+    if (moe) s.experts = std::max(s.experts, static_cast<size_t>(l.mlp.experts));
+    if (l.mixer != MixerKind::kMamba) ++s.attn_layers;
+  }
+  s.cache_floats =
+      static_cast<size_t>(c.kv_heads) * static_cast<size_t>(o.max_context) * c.head_dim;
+  s.rope = static_cast<size_t>(o.max_context) * static_cast<size_t>(c.head_dim / 2);
+  s.attn_scratch = attention_cached_scratch(std::min(o.max_step_tokens, o.max_context),
+                                            o.max_context, c.heads, c.head_dim);
+  return s;
+}
+
+// Float counts of each buffer, in allocation order.
+std::vector<size_t> buffer_floats(const RefConfig& c, const Sizes& s) {
+  return {
+      2 * s.attn_layers * s.seqs * s.cache_floats,  // KV cache
+      s.rows * s.d,                                 // x
+      s.rows * s.d,                                 // norm
+      s.rows * s.qkv,                               // qkv
+      s.rows * s.q,                                 // attention output
+      s.rows * s.d,                                 // mid
+      s.rows * s.d,                                 // y
+      s.ffn_rows,                                   // gate
+      s.ffn_rows,                                   // up
+      s.ffn_rows,                                   // act
+      s.rows * s.experts,                           // router logits
+      s.rows * s.experts,                           // router probs
+      s.topk_rows,                                  // top-k weights
+      s.topk_rows,                                  // top-k indices (int32)
+      s.topk_rows * s.d,                            // dispatched rows
+      s.topk_rows * s.d,                            // experts' outputs
+      2 * s.topk_rows + s.experts + 1,              // perm, inv, offsets (int32)
+      s.rows,                                       // tokens (int32)
+      s.seqs * s.d,                                 // last rows
+      s.seqs * s.d,                                 // their final norm
+      2 * s.rope,                                   // RoPE cosines (doubles)
+      2 * s.rope,                                   // RoPE sines (doubles)
+      s.attn_scratch,                               // attention's scratch
+  };
+  (void)c;
+}
+
+}  // namespace
+
+struct Decoder::Impl {
+  RefConfig c;
+  Device& dev;
+  DecoderOptions o;
+  Sizes s;
+  std::vector<LayerIds> layers;
+  std::vector<int> attn_index;  // layer -> its place among the attention layers
+  int embed = -1, final_norm = -1, lm_head = -1;
+  std::vector<int> lengths;
+  std::vector<void*> blocks;
+  float *kv = nullptr, *x = nullptr, *norm = nullptr, *qkv = nullptr, *core = nullptr,
+        *mid = nullptr, *y = nullptr, *gate = nullptr, *up = nullptr, *act = nullptr,
+        *rlogits = nullptr, *probs = nullptr, *tw = nullptr, *disp = nullptr, *eout = nullptr,
+        *last = nullptr, *lastn = nullptr, *attn_scratch = nullptr;
+  double *rope_cos = nullptr, *rope_sin = nullptr;
+  int32_t *tidx = nullptr, *perm = nullptr, *inv = nullptr, *offsets = nullptr, *tokens = nullptr;
+  std::vector<char> seen;  // per sequence, during a step's checks
+
+  Impl(const RefConfig& cfg, Device& d, const DecoderOptions& opt) : c(cfg), dev(d), o(opt) {}
+
+  float* k_cache(int layer, int sequence) {
+    const size_t a = static_cast<size_t>(attn_index[static_cast<size_t>(layer)]);
+    return kv + ((a * s.seqs + static_cast<size_t>(sequence)) * 2) * s.cache_floats;
+  }
+  float* v_cache(int layer, int sequence) { return k_cache(layer, sequence) + s.cache_floats; }
+
+  // Expert GEMMs over the dispatched rows (offsets by expert), through the source.
+  void experts_linear(WeightSource& w, const std::vector<int>& ids, const float* in, float* out,
+                      int width_in, int width_out) {
+    for (size_t e = 0; e < ids.size(); ++e) {
+      const int r0 = offsets[e];
+      const int n = offsets[e + 1] - r0;
+      if (n == 0) continue;
+      w.linear(ids[e], in + static_cast<size_t>(r0) * static_cast<size_t>(width_in),
+               out + static_cast<size_t>(r0) * static_cast<size_t>(width_out), n, width_in,
+               width_out);
+    }
+  }
+};
+
+int64_t Decoder::device_bytes_for(const RefConfig& c, const DecoderOptions& o) {
+  int64_t bytes = 0;
+  for (size_t n : buffer_floats(c, sizes_for(c, o))) bytes += static_cast<int64_t>(n) * 4;
+  return bytes;
+}
+
+Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
+    : impl_(std::make_unique<Impl>(c, dev, o)) {
+  Impl& m = *impl_;
+  if (o.max_sequences < 1 || o.max_context < 1 || o.max_step_tokens < 1)
+    SPILLWAY_INPUT_ERROR(
+        "decoder: max_sequences {}, max_context {} and max_step_tokens {} must be >= 1",
+        o.max_sequences, o.max_context, o.max_step_tokens);
+  std::unordered_map<std::string, int> index;
+  const std::vector<WeightSpec> specs = weight_specs(c);
+  for (size_t i = 0; i < specs.size(); ++i) index[specs[i].name] = static_cast<int>(i);
+  auto id = [&](const std::string& name) {
+    const auto it = index.find(name);
+    SPILLWAY_CHECK(it != index.end(), "decoder: no weight {}", name);
+    return it->second;
+  };
+  m.embed = id("model.embed_tokens.weight");
+  m.final_norm = id("model.norm.weight");
+  m.lm_head = id("lm_head.weight");
+  int attn = 0;
+  for (int l = 0; l < c.layers(); ++l) {
+    const LayerSpec& spec = c.model.layers[static_cast<size_t>(l)];
+    if (spec.mixer == MixerKind::kMamba)
+      SPILLWAY_INPUT_ERROR(
+          "the serving runtime decodes attention layers; layer {} of {} is a Mamba-2 mixer (its "
+          "recurrent state is not served yet)",
+          l, c.model.name);
+    const std::string p = fmt::format("model.layers.{}.", l);
+    LayerIds L;
+    L.attn_norm = id(p + "input_layernorm.weight");
+    L.wqkv = id(p + "self_attn.qkv_proj.weight");
+    L.wo = id(p + "self_attn.o_proj.weight");
+    L.mlp_norm = id(p + "post_attention_layernorm.weight");
+    L.moe = spec.mlp.kind == MlpKind::kMoe;
+    L.ffn = static_cast<int>(spec.mlp.ffn);
+    if (L.moe) {
+      L.experts = static_cast<int>(spec.mlp.experts);
+      L.top_k = static_cast<int>(spec.mlp.top_k);
+      L.router = id(p + "mlp.gate.weight");
+      for (int e = 0; e < L.experts; ++e) {
+        L.w1.push_back(id(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e)));
+        L.w3.push_back(id(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e)));
+        L.w2.push_back(id(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e)));
+      }
+    } else {
+      L.w1 = {id(p + "mlp.gate_proj.weight")};
+      L.w3 = {id(p + "mlp.up_proj.weight")};
+      L.w2 = {id(p + "mlp.down_proj.weight")};
+    }
+    m.layers.push_back(std::move(L));
+    m.attn_index.push_back(attn++);
+  }
+  m.s = sizes_for(c, o);
+  const std::vector<size_t> floats = buffer_floats(c, m.s);
+  int64_t total = 0;
+  for (size_t n : floats) total += static_cast<int64_t>(n) * 4;
+  for (size_t n : floats) {
+    AllocResult r = dev.allocate(std::max<size_t>(n * 4, 4), MemoryKind::kDevice);
+    if (!r) {
+      for (void* p : m.blocks) dev.free(p, MemoryKind::kDevice);
+      SPILLWAY_INPUT_ERROR(
+          "decoder: {} bytes of device memory for the KV cache and the step's buffers ({} "
+          "sequences of {} tokens, {} tokens a step) do not fit: {}",
+          total, o.max_sequences, o.max_context, o.max_step_tokens, r.reason);
+    }
+    m.blocks.push_back(r.ptr);
+  }
+  auto f = [&](size_t i) { return static_cast<float*>(m.blocks[i]); };
+  auto i32 = [&](size_t i) { return static_cast<int32_t*>(m.blocks[i]); };
+  m.kv = f(0);
+  m.x = f(1);
+  m.norm = f(2);
+  m.qkv = f(3);
+  m.core = f(4);
+  m.mid = f(5);
+  m.y = f(6);
+  m.gate = f(7);
+  m.up = f(8);
+  m.act = f(9);
+  m.rlogits = f(10);
+  m.probs = f(11);
+  m.tw = f(12);
+  m.tidx = i32(13);
+  m.disp = f(14);
+  m.eout = f(15);
+  m.perm = i32(16);
+  m.inv = m.perm + m.s.topk_rows;
+  m.offsets = m.inv + m.s.topk_rows;
+  m.tokens = i32(17);
+  m.last = f(18);
+  m.lastn = f(19);
+  m.rope_cos = static_cast<double*>(m.blocks[20]);
+  m.rope_sin = static_cast<double*>(m.blocks[21]);
+  m.attn_scratch = f(22);
+  rope_angles(o.max_context, c.head_dim, c.rope_theta, m.rope_cos, m.rope_sin);
+  m.lengths.assign(static_cast<size_t>(o.max_sequences), 0);
+  m.seen.assign(static_cast<size_t>(o.max_sequences), 0);
+}
+
+Decoder::~Decoder() {
+  for (void* p : impl_->blocks) impl_->dev.free(p, MemoryKind::kDevice);
+}
+
+const RefConfig& Decoder::config() const {
+  return impl_->c;
+}
+const DecoderOptions& Decoder::options() const {
+  return impl_->o;
+}
+
+int Decoder::length(int sequence) const {
+  SPILLWAY_CHECK(sequence >= 0 && sequence < impl_->o.max_sequences, "decoder: sequence {} of {}",
+                 sequence, impl_->o.max_sequences);
+  return impl_->lengths[static_cast<size_t>(sequence)];
+}
+
+void Decoder::reset(int sequence) {
+  (void)length(sequence);
+  impl_->lengths[static_cast<size_t>(sequence)] = 0;
+}
+
+void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, float* logits) {
+  Impl& m = *impl_;
+  const RefConfig& c = m.c;
+  if (count < 1 || count > m.o.max_sequences)
+    SPILLWAY_INPUT_ERROR("decoder step: {} chunks; 1 to max_sequences {}", count,
+                         m.o.max_sequences);
+  int T = 0;
+  std::fill(m.seen.begin(), m.seen.end(), 0);
+  for (int i = 0; i < count; ++i) {
+    const DecodeChunk& ch = chunks[i];
+    if (ch.sequence < 0 || ch.sequence >= m.o.max_sequences)
+      SPILLWAY_INPUT_ERROR("decoder step: chunk {} names sequence {}; 0 to {}", i, ch.sequence,
+                           m.o.max_sequences - 1);
+    if (m.seen[static_cast<size_t>(ch.sequence)] != 0)
+      SPILLWAY_INPUT_ERROR("decoder step: sequence {} has two chunks in one step", ch.sequence);
+    m.seen[static_cast<size_t>(ch.sequence)] = 1;
+    if (ch.n < 1 || ch.tokens == nullptr)
+      SPILLWAY_INPUT_ERROR("decoder step: chunk {} has {} tokens; at least 1", i, ch.n);
+    const int len = m.lengths[static_cast<size_t>(ch.sequence)];
+    if (len + ch.n > m.o.max_context)
+      SPILLWAY_INPUT_ERROR(
+          "decoder step: sequence {} would hold {} tokens ({} + {}); max_context is {}",
+          ch.sequence, len + ch.n, len, ch.n, m.o.max_context);
+    for (int t = 0; t < ch.n; ++t)
+      if (ch.tokens[t] < 0 || ch.tokens[t] >= c.vocab)
+        SPILLWAY_INPUT_ERROR(
+            "decoder step: token {} of sequence {} is outside the vocabulary "
+            "[0, {})",
+            ch.tokens[t], ch.sequence, c.vocab);
+    T += ch.n;
+  }
+  if (T > m.o.max_step_tokens)
+    SPILLWAY_INPUT_ERROR("decoder step: {} tokens; max_step_tokens is {}", T, m.o.max_step_tokens);
+
+  const int d = c.hidden;
+  const size_t Td = static_cast<size_t>(T) * static_cast<size_t>(d);
+  const int qkv_dim = static_cast<int>(m.s.qkv);
+  const int q_dim = static_cast<int>(m.s.q);
+  for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i)
+    std::copy(chunks[i].tokens, chunks[i].tokens + chunks[i].n, m.tokens + r);
+  embedding_fwd(m.tokens, weights.values(m.embed), m.x, T, d);
+  for (int l = 0; l < c.layers(); ++l) {
+    const LayerIds& L = m.layers[static_cast<size_t>(l)];
+    rmsnorm_fwd(m.x, weights.values(L.attn_norm), m.norm, T, d, c.rms_eps);
+    weights.linear(L.wqkv, m.norm, m.qkv, T, d, qkv_dim);
+    for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
+      const int sq = chunks[i].sequence;
+      attention_cached_fwd(
+          m.qkv + static_cast<size_t>(r) * qkv_dim, m.core + static_cast<size_t>(r) * q_dim,
+          m.k_cache(l, sq), m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
+          chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin, m.attn_scratch);
+    }
+    weights.linear(L.wo, m.core, m.mid, T, q_dim, d);
+    add(m.x, m.mid, m.mid, Td);
+    rmsnorm_fwd(m.mid, weights.values(L.mlp_norm), m.norm, T, d, c.rms_eps);
+    if (!L.moe) {
+      weights.linear(L.w1[0], m.norm, m.gate, T, d, L.ffn);
+      weights.linear(L.w3[0], m.norm, m.up, T, d, L.ffn);
+      swiglu_fwd(m.gate, m.up, m.act, static_cast<size_t>(T) * static_cast<size_t>(L.ffn));
+      weights.linear(L.w2[0], m.act, m.y, T, L.ffn, d);
+      add(m.mid, m.y, m.y, Td);
+    } else {
+      const int rows = T * L.top_k;
+      weights.linear(L.router, m.norm, m.rlogits, T, d, L.experts);
+      softmax_fwd(m.rlogits, m.probs, T, L.experts);
+      topk_fwd(m.probs, m.tidx, m.tw, T, L.experts, L.top_k, c.norm_topk);
+      moe_route(m.tidx, T, L.top_k, L.experts, m.perm, m.offsets);
+      for (int r = 0; r < rows; ++r) m.inv[m.perm[r]] = r;
+      moe_dispatch_fwd(m.norm, m.perm, m.disp, rows, L.top_k, d);
+      m.experts_linear(weights, L.w1, m.disp, m.gate, d, L.ffn);
+      m.experts_linear(weights, L.w3, m.disp, m.up, d, L.ffn);
+      swiglu_fwd(m.gate, m.up, m.act, static_cast<size_t>(rows) * static_cast<size_t>(L.ffn));
+      m.experts_linear(weights, L.w2, m.act, m.eout, L.ffn, d);
+      moe_combine_fwd(m.mid, m.eout, m.tw, m.inv, m.y, T, L.top_k, d);
+    }
+    std::swap(m.x, m.y);
+  }
+  // The head on each chunk's last row.
+  for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
+    const size_t row = static_cast<size_t>(r + chunks[i].n - 1);
+    std::memcpy(m.last + static_cast<size_t>(i) * d, m.x + row * d, sizeof(float) * d);
+  }
+  rmsnorm_fwd(m.last, weights.values(m.final_norm), m.lastn, count, d, c.rms_eps);
+  weights.linear(m.lm_head, m.lastn, logits, count, d, c.vocab);
+  for (int i = 0; i < count; ++i) m.lengths[static_cast<size_t>(chunks[i].sequence)] += chunks[i].n;
+}
+
+}  // namespace spillway::nn

@@ -1,0 +1,250 @@
+// The decoder (spillway/decoder.hpp): chunked prefill and decode with a KV cache give the
+// reference model's forward logits (Note [Served outputs]), sequences batched together give
+// what each gives alone, a step allocates nothing, and bad steps are refused naming the
+// field with nothing changed.
+#include "spillway/decoder.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "allocation_count.hpp"
+#include "spillway/error.hpp"
+#include "spillway/nn.hpp"
+#include "test_support.hpp"
+
+namespace spillway::nn {
+namespace {
+
+std::vector<int32_t> random_tokens(uint32_t seed, int n) {
+  std::mt19937 g(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& v : t) v = static_cast<int32_t>(g() % 256);
+  return t;
+}
+
+struct Fixture {
+  RefConfig c = load_reference_config("tiny-moe");
+  std::unique_ptr<Device> dev = make_host_device(HostDeviceOptions{int64_t{128} << 20, 0.0, 0.0});
+  Model model{c, *dev, 11};
+  std::vector<const float*> pointers() const {
+    std::vector<const float*> p;
+    for (const NamedWeight& w : model.named_weights()) p.push_back(w.data);
+    return p;
+  }
+};
+
+// The tolerance of Note [Served outputs] on one position's logits.
+void expect_close(const float* served, const float* ref, int vocab, const std::string& where) {
+  float top = 1.0f;
+  for (int v = 0; v < vocab; ++v) top = std::max(top, std::fabs(ref[v]));
+  float worst = 0.0f;
+  for (int v = 0; v < vocab; ++v) worst = std::max(worst, std::fabs(served[v] - ref[v]));
+  EXPECT_LE(worst, 1e-4f * top) << where;
+}
+
+TEST(WeightSpecs, TileTheParametersInOrder) {
+  Fixture f;
+  const std::vector<NamedWeight> w = f.model.named_weights();
+  const std::vector<float> params = f.model.parameters();
+  int64_t at = 0;
+  for (const NamedWeight& n : w) {
+    ASSERT_EQ(0,
+              std::memcmp(n.data, params.data() + at, static_cast<size_t>(n.spec.elements()) * 4))
+        << n.spec.name;
+    at += n.spec.elements();
+  }
+  EXPECT_EQ(at, f.model.parameter_count());
+  EXPECT_EQ(w.front().spec.name, "model.embed_tokens.weight");
+  EXPECT_EQ(w.back().spec.name, "lm_head.weight");
+  // Layer 0 is dense (mlp_only_layers), layer 1 has 8 experts.
+  auto has = [&](const std::string& name) {
+    return std::any_of(w.begin(), w.end(),
+                       [&](const NamedWeight& n) { return n.spec.name == name; });
+  };
+  EXPECT_TRUE(has("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_TRUE(has("model.layers.1.mlp.experts.7.down_proj.weight"));
+  EXPECT_TRUE(has("model.layers.1.self_attn.qkv_proj.weight"));
+  // The names the hybrid config gives its Mamba layers.
+  const RefConfig hybrid = load_reference_config("tiny-hybrid");
+  const std::vector<WeightSpec> hs = weight_specs(hybrid);
+  EXPECT_TRUE(std::any_of(hs.begin(), hs.end(), [](const WeightSpec& s) {
+    return s.name.find("mixer.A_log") != std::string::npos;
+  }));
+}
+
+TEST(Decoder, ChunkedPrefillAndDecodeGiveTheForwardLogits) {
+  Fixture f;
+  const int n = 40;
+  const std::vector<int32_t> toks = random_tokens(3, n);
+  const std::vector<float> ref = f.model.forward_logits(toks, 1, n);
+  const int V = f.c.vocab;
+  MemoryWeights w(f.pointers());
+  for (int first_chunk : {1, 7, 16, 40}) {
+    DecoderOptions o;
+    o.max_sequences = 2;
+    o.max_context = 64;
+    o.max_step_tokens = 40;
+    Decoder dec(f.c, *f.dev, o);
+    std::vector<float> logits(static_cast<size_t>(V));
+    int pos = 0;
+    while (pos < n) {
+      const int take = pos == 0 ? first_chunk : std::min(5, n - pos);  // prefill, then 5s
+      DecodeChunk ch{1, toks.data() + pos, take};
+      dec.step(&ch, 1, w, logits.data());
+      pos += take;
+      expect_close(logits.data(), ref.data() + static_cast<size_t>(pos - 1) * V, V,
+                   "first chunk " + std::to_string(first_chunk) + " at " + std::to_string(pos));
+    }
+    EXPECT_EQ(dec.length(1), n);
+    EXPECT_EQ(dec.length(0), 0);
+  }
+}
+
+TEST(Decoder, ThePromptInOneChunkIsTheForwardToTheBit) {
+  // Note [Cached attention]: a prefill from position 0 makes the reference's calls.
+  Fixture f;
+  const std::vector<int32_t> toks = random_tokens(5, 24);
+  const std::vector<float> ref = f.model.forward_logits(toks, 1, 24);
+  MemoryWeights w(f.pointers());
+  Decoder dec(f.c, *f.dev, DecoderOptions{});
+  std::vector<float> logits(static_cast<size_t>(f.c.vocab));
+  DecodeChunk ch{0, toks.data(), 24};
+  dec.step(&ch, 1, w, logits.data());
+  EXPECT_EQ(0, std::memcmp(logits.data(), ref.data() + static_cast<size_t>(23) * f.c.vocab,
+                           logits.size() * 4));
+}
+
+TEST(Decoder, BatchedSequencesGiveWhatEachGivesAlone) {
+  Fixture f;
+  const int V = f.c.vocab;
+  MemoryWeights w(f.pointers());
+  DecoderOptions o;
+  o.max_sequences = 3;
+  o.max_context = 48;
+  o.max_step_tokens = 32;
+  const std::vector<std::vector<int32_t>> seqs = {random_tokens(1, 20), random_tokens(2, 9),
+                                                  random_tokens(4, 14)};
+  // Alone: each prompt in one chunk, then its tokens one by one.
+  std::vector<std::vector<float>> alone;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    Decoder dec(f.c, *f.dev, o);
+    std::vector<float> l(static_cast<size_t>(V));
+    DecodeChunk ch{0, seqs[s].data(), 6};
+    dec.step(&ch, 1, w, l.data());
+    alone.push_back(l);
+    for (size_t t = 6; t < seqs[s].size(); ++t) {
+      ch = {0, seqs[s].data() + t, 1};
+      dec.step(&ch, 1, w, l.data());
+      alone.insert(alone.end(), l);
+    }
+  }
+  // Together: the three in each step (a prefill chunk of 6 each, then one token each while
+  // any is left), and the logits in the same order as alone's (per sequence).
+  Decoder dec(f.c, *f.dev, o);
+  std::vector<std::vector<std::vector<float>>> got(seqs.size());
+  std::vector<size_t> pos(seqs.size(), 0);
+  std::vector<float> l(static_cast<size_t>(3 * V));
+  for (;;) {
+    std::vector<DecodeChunk> chunks;
+    std::vector<size_t> who;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      if (pos[s] >= seqs[s].size()) continue;
+      const int take = pos[s] == 0 ? 6 : 1;
+      chunks.push_back({static_cast<int>(s), seqs[s].data() + pos[s], take});
+      who.push_back(s);
+      pos[s] += static_cast<size_t>(take);
+    }
+    if (chunks.empty()) break;
+    dec.step(chunks.data(), static_cast<int>(chunks.size()), w, l.data());
+    for (size_t i = 0; i < who.size(); ++i)
+      got[who[i]].emplace_back(l.begin() + static_cast<long>(i) * V,
+                               l.begin() + static_cast<long>(i + 1) * V);
+  }
+  size_t k = 0;
+  for (size_t s = 0; s < seqs.size(); ++s)
+    for (size_t i = 0; i < got[s].size(); ++i, ++k)
+      expect_close(got[s][i].data(), alone[k].data(), V,
+                   "sequence " + std::to_string(s) + " step " + std::to_string(i));
+  EXPECT_EQ(k, alone.size());
+}
+
+TEST(Decoder, AStepAllocatesNothing) {
+  Fixture f;
+  MemoryWeights w(f.pointers());
+  Decoder dec(f.c, *f.dev, DecoderOptions{});
+  const std::vector<int32_t> toks = random_tokens(8, 32);
+  std::vector<float> logits(static_cast<size_t>(2 * f.c.vocab));
+  DecodeChunk warm[2] = {{0, toks.data(), 16}, {1, toks.data() + 16, 16}};
+  dec.step(warm, 2, w, logits.data());  // the ops' thread scratch grows once
+  const int64_t device_allocs = f.dev->memory_stats().allocations[0];
+  const int64_t before = spillway::testing::heap_allocations();
+  for (int t = 0; t < 8; ++t) {
+    DecodeChunk ch[2] = {{0, toks.data() + t, 1}, {1, toks.data() + 20 + t, 1}};
+    dec.step(ch, 2, w, logits.data());
+  }
+  EXPECT_EQ(spillway::testing::heap_allocations(), before);
+  EXPECT_EQ(f.dev->memory_stats().allocations[0], device_allocs);
+}
+
+TEST(Decoder, BadStepsAreRefusedNamingTheFieldAndChangeNothing) {
+  Fixture f;
+  MemoryWeights w(f.pointers());
+  DecoderOptions o;
+  o.max_sequences = 2;
+  o.max_context = 8;
+  o.max_step_tokens = 8;
+  Decoder dec(f.c, *f.dev, o);
+  const std::vector<int32_t> toks = random_tokens(9, 10);
+  std::vector<float> logits(static_cast<size_t>(2 * f.c.vocab));
+  DecodeChunk ok{0, toks.data(), 5};
+  dec.step(&ok, 1, w, logits.data());
+  auto refused = [&](std::vector<DecodeChunk> chunks, const std::string& needle) {
+    try {
+      dec.step(chunks.data(), static_cast<int>(chunks.size()), w, logits.data());
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(dec.length(0), 5);
+    EXPECT_EQ(dec.length(1), 0);
+  };
+  refused({{0, toks.data(), 4}}, "max_context is 8");
+  refused({{1, toks.data(), 4}, {1, toks.data(), 1}}, "two chunks");
+  refused({{2, toks.data(), 1}}, "sequence 2");
+  refused({{1, toks.data(), 0}}, "0 tokens");
+  const int32_t bad = 256;
+  refused({{1, &bad, 1}}, "token 256");
+  refused({{0, toks.data(), 2}, {1, toks.data(), 7}}, "max_step_tokens is 8");
+  dec.reset(0);
+  EXPECT_EQ(dec.length(0), 0);
+}
+
+TEST(Decoder, RefusesWhatItCannotServe) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  const RefConfig hybrid = load_reference_config("tiny-hybrid");
+  try {
+    Decoder dec(hybrid, *dev, DecoderOptions{});
+    ADD_FAILURE() << "a Mamba layer was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Mamba-2"), std::string::npos) << e.what();
+  }
+  const RefConfig c = load_reference_config("tiny-moe");
+  DecoderOptions big;
+  big.max_sequences = 64;
+  big.max_context = 4096;
+  try {
+    Decoder dec(c, *dev, big);
+    ADD_FAILURE() << "1 MiB held the cache";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(Decoder::device_bytes_for(c, big))),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(dev->memory_stats().current[0], 0);
+}
+
+}  // namespace
+}  // namespace spillway::nn
