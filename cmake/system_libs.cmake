@@ -43,3 +43,20 @@ if(NOT TARGET hwy::hwy)
     list(APPEND SPILLWAY_SYSTEM_LIBS_MISSING "Highway (HWY_LIBRARY, HWY_INCLUDE_DIR)")
   endif()
 endif()
+
+# cpp-httplib (the live server): Debian builds it as a library, with the defines its header
+# needs to match the library's build (its pkg-config file's).
+if(NOT TARGET spillway_deps::httplib)
+  find_library(HTTPLIB_LIBRARY cpp-httplib)
+  find_path(HTTPLIB_INCLUDE_DIR httplib.h)
+  if(HTTPLIB_LIBRARY AND HTTPLIB_INCLUDE_DIR)
+    add_library(spillway_deps::httplib UNKNOWN IMPORTED)
+    set_target_properties(spillway_deps::httplib PROPERTIES
+      IMPORTED_LOCATION "${HTTPLIB_LIBRARY}"
+      INTERFACE_INCLUDE_DIRECTORIES "${HTTPLIB_INCLUDE_DIR}"
+      INTERFACE_COMPILE_DEFINITIONS
+        "CPPHTTPLIB_OPENSSL_SUPPORT;CPPHTTPLIB_ZLIB_SUPPORT;CPPHTTPLIB_BROTLI_SUPPORT")
+  else()
+    list(APPEND SPILLWAY_SYSTEM_LIBS_MISSING "cpp-httplib (HTTPLIB_LIBRARY, HTTPLIB_INCLUDE_DIR)")
+  endif()
+endif()

@@ -33,7 +33,8 @@ ARROWS = {
     "nn": ["offload", "optim", "stream", "plan"],  # the reference model: engines by public headers
     "train": ["nn", "probe"],  # the training application over the reference model
     "serve": ["memory", "catalog"],  # host-resident serving (DESIGN section 6)
-    "cli": ["train", "sim", "probe", "serve"],  # a leaf: nothing depends on it
+    "server": ["nn", "serve"],  # the live server: the decoder over the serving parts
+    "cli": ["train", "sim", "probe", "serve", "server"],  # a leaf: nothing depends on it
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (DESIGN section 10)
     "python": ["offload", "optim", "stream", "plan"],
@@ -55,6 +56,7 @@ PUBLIC = {
     "nn": "nn", "decoder": "nn",
     "train": "train",
     "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
+    "server": "server", "http_server": "server",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')

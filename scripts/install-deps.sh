@@ -14,6 +14,7 @@ packages=(
   libnuma-dev                     # NUMA-local pinned memory (device layer)
   libopenblas-dev                 # BLAS for the reference model (src/nn)
   libhwy-dev                      # portable SIMD with run-time dispatch (optimizer offload)
+  libcpp-httplib-dev              # HTTP server of `spillway serve`
   python3 python3-venv            # test helpers that read JSON output; the Python env
 )
 

@@ -67,6 +67,17 @@ struct HybridGemmProblem {
   DType w_dtype = DType::kBf16;  // kBf16 or kFp32
   double alpha = 0.0;            // [0, 1]
   GemmTiles symmetric, asymmetric;
+  // Note [Invariant HybridGEMM]: outputs that depend on neither the other rows of X nor
+  // alpha (what a server needs for a request's tokens not to depend on what it is batched
+  // with, or on the controller). Both paths must have the same tiles (checked); the split
+  // is rounded down to a tile boundary, Ns = floor(floor(alpha N) / tn) * tn, so that the
+  // two paths make the same calls on every column; and on the host every tile product is
+  // made one row of X at a time, so that a row's bits do not depend on how many rows share
+  // its tile. Traffic is counted as for any split (the formulas with that Ns). On CUDA the
+  // symmetric kernel is row-invariant by construction (a thread's dot products run in a
+  // fixed order); the asymmetric one reduce-adds its K tiles with atomics in an order the
+  // hardware picks, so there only alpha = 1 is invariant.
+  bool invariant = false;
 };
 
 // The closed-form traffic of Note [HybridGEMM dataflows] (checked problem).

@@ -36,10 +36,18 @@ void check(const HybridGemmProblem& p) {
       SPILLWAY_FIELD_ERROR("tiles", fmt::format("{}x{}x{}", t->m, t->n, t->k),
                            "every {} tile size must be >= 1", which);
   }
+  if (p.invariant && (p.symmetric.m != p.asymmetric.m || p.symmetric.n != p.asymmetric.n ||
+                      p.symmetric.k != p.asymmetric.k))
+    SPILLWAY_FIELD_ERROR("tiles",
+                         fmt::format("{}x{}x{} and {}x{}x{}", p.symmetric.m, p.symmetric.n,
+                                     p.symmetric.k, p.asymmetric.m, p.asymmetric.n, p.asymmetric.k),
+                         "an invariant HybridGEMM needs the same tiles on both paths");
 }
 
 int64_t symmetric_columns(const HybridGemmProblem& p) {
-  return static_cast<int64_t>(std::floor(p.alpha * static_cast<double>(p.n)));
+  const auto ns = static_cast<int64_t>(std::floor(p.alpha * static_cast<double>(p.n)));
+  if (!p.invariant) return ns;
+  return ns / p.symmetric.n * p.symmetric.n;  // Note [Invariant HybridGEMM]
 }
 
 // The W tile of rows [j0, j0 + tn) and depth [k0, k0 + tk), widened to fp32, packed
@@ -66,8 +74,16 @@ void load_x(const HybridGemmProblem& p, const float* x, int64_t i0, int64_t tm, 
 }
 
 // prod (tm, tn) = xt (tm, tk) * wt (tn, tk)^T: one BLAS call (Note [HybridGEMM arithmetic]).
-void tile_product(const float* xt, const float* wt, int64_t tm, int64_t tn, int64_t tk,
-                  float* prod) {
+// Invariant (Note [Invariant HybridGEMM]): one call per row of the tile.
+void tile_product(const float* xt, const float* wt, int64_t tm, int64_t tn, int64_t tk, float* prod,
+                  bool invariant) {
+  if (invariant) {
+    for (int64_t i = 0; i < tm; ++i)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, static_cast<int>(tn),
+                  static_cast<int>(tk), 1.0f, xt + i * tk, static_cast<int>(tk), wt,
+                  static_cast<int>(tk), 0.0f, prod + i * tn, static_cast<int>(tn));
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tm), static_cast<int>(tn),
               static_cast<int>(tk), 1.0f, xt, static_cast<int>(tk), wt, static_cast<int>(tk), 0.0f,
               prod, static_cast<int>(tn));
@@ -107,7 +123,7 @@ void run_symmetric(const HybridGemmProblem& p, const float* x, const void* w, fl
         t.hbm_read_bytes += tm * tk * 4;
         load_w(p, w, j0, tn, k0, tk, s.w.data());
         t.link_bytes += tn * tk * wb;
-        tile_product(s.x.data(), s.w.data(), tm, tn, tk, s.prod.data());
+        tile_product(s.x.data(), s.w.data(), tm, tn, tk, s.prod.data(), p.invariant);
         for (int64_t e = 0; e < tm * tn; ++e)
           s.acc[static_cast<size_t>(e)] += s.prod[static_cast<size_t>(e)];
       }
@@ -139,7 +155,7 @@ void run_asymmetric(const HybridGemmProblem& p, const float* x, const void* w, f
         const int64_t tm = std::min(tl.m, p.m - i0);
         load_x(p, x, i0, tm, k0, tk, s.x.data());
         t.hbm_read_bytes += tm * tk * 4;
-        tile_product(s.x.data(), s.w.data(), tm, tn, tk, s.prod.data());
+        tile_product(s.x.data(), s.w.data(), tm, tn, tk, s.prod.data(), p.invariant);
         for (int64_t i = 0; i < tm; ++i) {  // the reduce-add: read, add, write
           float* row = o + (i0 + i) * p.n + j0;
           for (int64_t j = 0; j < tn; ++j) row[j] += s.prod[static_cast<size_t>(i * tn + j)];

@@ -127,6 +127,43 @@ TEST(HybridGemm, BothDataflowsComputeTheSameBitsAndEveryAlphaIsNearTheExactProdu
   }
 }
 
+TEST(HybridGemm, InvariantOutputsDependOnNeitherTheOtherRowsNorAlpha) {
+  // Note [Invariant HybridGEMM]: row r of X gives the same bits alone, at any place in a
+  // batch of any size, under any alpha.
+  const int64_t n = 96, k = 150;
+  const GemmTiles tiles{16, 32, 32};
+  const Operands big = operands(70, n, k, 21);
+  auto gemm = [&](const std::vector<float>& x, int64_t m, double alpha, bool invariant) {
+    std::vector<float> out(static_cast<size_t>(m * n));
+    HybridGemmProblem p{m, n, k, DType::kBf16, alpha, tiles, tiles};
+    p.invariant = invariant;
+    const HybridGemmTraffic t = hybrid_gemm_host(p, x.data(), big.w16.data(), out.data());
+    expect_same_traffic(t, hybrid_gemm_traffic(p));
+    EXPECT_EQ(t.n_symmetric % tiles.n, invariant ? 0 : t.n_symmetric % tiles.n);
+    return out;
+  };
+  auto row_of = [&](const std::vector<float>& out, int64_t r) {
+    return std::vector<float>(out.begin() + r * n, out.begin() + (r + 1) * n);
+  };
+  // Row 5 of `big` alone, at alpha 0: the reference bits.
+  const std::vector<float> x5(big.x.begin() + 5 * k, big.x.begin() + 6 * k);
+  const std::vector<float> alone = gemm(x5, 1, 0.0, true);
+  int differ_without = 0;
+  for (int64_t m : {7, 33, 70}) {
+    for (double alpha : {0.0, 0.13, 0.5, 0.77, 1.0}) {
+      SCOPED_TRACE(::testing::Message() << "m " << m << " alpha " << alpha);
+      const std::vector<float> x(big.x.begin(), big.x.begin() + m * k);
+      EXPECT_EQ(row_of(gemm(x, m, alpha, true), 5), alone);
+      if (row_of(gemm(x, m, alpha, false), 5) != alone) ++differ_without;
+    }
+  }
+  // What the option buys: without it the row's bits move with the batch or alpha here.
+  EXPECT_GT(differ_without, 0);
+  HybridGemmProblem bad{4, n, k, DType::kBf16, 0.5, tiles, {16, 32, 64}};
+  bad.invariant = true;
+  EXPECT_THROW(hybrid_gemm_traffic(bad), Error);
+}
+
 TEST(HybridGemm, AlphaTradesLinkBytesForHbmBytes) {
   // Decode-like (M small): the symmetric path re-reads W once per row tile; with M = 256 and
   // tm = 64 that is 4x the link bytes of the asymmetric path, which instead reads and

@@ -1,0 +1,446 @@
+// The OpenAI-compatible HTTP endpoint (spillway/http_server.hpp, Note [HTTP endpoints]).
+#include "spillway/http_server.hpp"
+
+#include <fmt/format.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <ctime>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "spillway/error.hpp"
+
+namespace spillway::server {
+namespace {
+
+using nlohmann::json;
+
+constexpr size_t kMaxBody = size_t{1} << 20;
+
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+void send_error(httplib::Response& res, int status, const std::string& message,
+                const std::string& type, const std::string& param, const std::string& code) {
+  json e = {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
+  if (!param.empty()) e["param"] = param;
+  if (!code.empty()) e["code"] = code;
+  res.status = status;
+  res.set_content(dump(json{{"error", e}}), "application/json");
+}
+
+// A request field the server rejects, with the field's name.
+struct FieldError {
+  std::string field, message;
+};
+
+std::string type_name(const json& v) {
+  return v.type_name();
+}
+
+// The completion request from its JSON body, checked field by field.
+CompletionRequest parse_request(const json& body, const ServingEngine& engine, bool* stream) {
+  if (!body.is_object()) throw FieldError{"", "the request body must be a JSON object"};
+  CompletionRequest q;
+  if (!body.contains("model")) throw FieldError{"model", "'model' is required"};
+  if (!body["model"].is_string())
+    throw FieldError{"model", "'model' must be a string, not " + type_name(body["model"])};
+  q.model = body["model"].get<std::string>();
+  if (!body.contains("prompt")) throw FieldError{"prompt", "'prompt' is required"};
+  const json& p = body["prompt"];
+  int vocab = 0;
+  try {
+    vocab = engine.config(q.model).vocab;
+  } catch (const Error&) {
+    vocab = 0;  // the engine answers the unknown model (404)
+  }
+  if (p.is_string()) {
+    if (vocab != 0 && vocab < 256)
+      throw FieldError{"prompt", fmt::format("model {} has a vocabulary of {} tokens, not bytes: "
+                                             "send the prompt as an array of token ids",
+                                             q.model, vocab)};
+    for (unsigned char ch : p.get<std::string>()) q.prompt.push_back(ch);
+  } else if (p.is_array()) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (p[i].is_string() || p[i].is_array())
+        throw FieldError{"prompt",
+                         "one prompt per request: an array of prompts (a batch) is not "
+                         "supported"};
+      if (!p[i].is_number_integer())
+        throw FieldError{"prompt", fmt::format("prompt[{}] must be an integer token id, not {}", i,
+                                               type_name(p[i]))};
+      const auto v = p[i].get<int64_t>();
+      if (v < 0 || v > INT32_MAX)
+        throw FieldError{"prompt", fmt::format("prompt[{}] = {} is not a token id", i, v)};
+      q.prompt.push_back(static_cast<int32_t>(v));
+    }
+  } else {
+    throw FieldError{"prompt",
+                     "'prompt' must be a string or an array of token ids, not " + type_name(p)};
+  }
+  if (body.contains("max_tokens") && !body["max_tokens"].is_null()) {
+    const json& v = body["max_tokens"];
+    if (!v.is_number_integer())
+      throw FieldError{"max_tokens", "'max_tokens' must be an integer, not " + type_name(v)};
+    const auto n = v.get<int64_t>();
+    if (n < 1 || n > 1 << 20)
+      throw FieldError{"max_tokens", fmt::format("'max_tokens' is {}; must be >= 1", n)};
+    q.max_tokens = static_cast<int>(n);
+  }
+  q.temperature = 1.0;
+  if (body.contains("temperature") && !body["temperature"].is_null()) {
+    const json& v = body["temperature"];
+    if (!v.is_number())
+      throw FieldError{"temperature", "'temperature' must be a number, not " + type_name(v)};
+    q.temperature = v.get<double>();
+    if (!(q.temperature >= 0.0 && q.temperature <= 2.0))
+      throw FieldError{"temperature",
+                       fmt::format("'temperature' is {}; must be in [0, 2]", q.temperature)};
+  }
+  if (body.contains("seed") && !body["seed"].is_null()) {
+    const json& v = body["seed"];
+    if (!v.is_number_integer())
+      throw FieldError{"seed", "'seed' must be an integer, not " + type_name(v)};
+    q.seed = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>());
+  } else {
+    static std::random_device rd;
+    static std::mutex rd_mu;
+    std::lock_guard lk(rd_mu);
+    q.seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+  *stream = false;
+  if (body.contains("stream") && !body["stream"].is_null()) {
+    if (!body["stream"].is_boolean())
+      throw FieldError{"stream", "'stream' must be a boolean, not " + type_name(body["stream"])};
+    *stream = body["stream"].get<bool>();
+  }
+  // Fields of the API this server does not implement: accepted only at their default.
+  auto only_default = [&](const char* field, auto&& is_default) {
+    if (body.contains(field) && !body[field].is_null() && !is_default(body[field]))
+      throw FieldError{field, fmt::format("'{}' = {} is not supported by spillway serve (only "
+                                          "its default)",
+                                          field, dump(body[field]))};
+  };
+  auto equals = [](double d) { return [d](const json& v) { return v.is_number() && v == d; }; };
+  only_default("n", equals(1));
+  only_default("best_of", equals(1));
+  only_default("top_p", equals(1));
+  only_default("presence_penalty", equals(0));
+  only_default("frequency_penalty", equals(0));
+  only_default("echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
+  only_default("logprobs", [](const json&) { return false; });
+  only_default("suffix",
+               [](const json& v) { return v.is_string() && v.get<std::string>().empty(); });
+  only_default("stop", [](const json& v) { return v.is_array() && v.empty(); });
+  only_default("logit_bias", [](const json& v) { return v.is_object() && v.empty(); });
+  return q;
+}
+
+std::string token_text(const std::vector<int32_t>& tokens, size_t from, int vocab) {
+  std::string s;
+  if (vocab > 256) return s;  // not a byte-level model: token_ids only
+  for (size_t i = from; i < tokens.size(); ++i) s.push_back(static_cast<char>(tokens[i]));
+  return s;
+}
+
+}  // namespace
+
+struct HttpServer::Impl {
+  ServingEngine& engine;
+  HttpOptions o;
+  httplib::Server svr;
+  int port = 0;
+  std::atomic<int64_t> next_id{1};
+  std::time_t created = std::time(nullptr);
+  // Responses still being written (a stream's last bytes come after its completion ends).
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t writing = 0;
+  std::atomic<bool> running{false};
+  std::mutex run_mu;
+  std::condition_variable run_cv;
+  bool run_done = true;
+
+  explicit Impl(ServingEngine& e, const HttpOptions& opt) : engine(e), o(opt) {}
+
+  void begin_write() {
+    std::lock_guard lk(mu);
+    ++writing;
+  }
+  void end_write() {
+    {
+      std::lock_guard lk(mu);
+      --writing;
+    }
+    cv.notify_all();
+  }
+
+  void completions(const httplib::Request& req, httplib::Response& res);
+  void routes();
+};
+
+void HttpServer::Impl::completions(const httplib::Request& req, httplib::Response& res) {
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::exception& e) {
+    send_error(res, 400, fmt::format("the request body is not valid JSON: {}", e.what()),
+               "invalid_request_error", "", "");
+    return;
+  }
+  CompletionRequest q;
+  bool stream = false;
+  try {
+    q = parse_request(body, engine, &stream);
+  } catch (const FieldError& e) {
+    send_error(res, 400, e.message, "invalid_request_error", e.field, "");
+    return;
+  }
+  SubmitResult r = engine.submit(q);
+  switch (r.status) {
+    case SubmitStatus::kAccepted:
+      break;
+    case SubmitStatus::kInvalid:
+      send_error(res, 400, r.message, "invalid_request_error", r.field, "");
+      return;
+    case SubmitStatus::kUnknownModel:
+      send_error(res, 404, r.message, "invalid_request_error", "model", "model_not_found");
+      return;
+    case SubmitStatus::kOverloaded:
+      res.set_header("Retry-After", "1");
+      send_error(res, 429, r.message, "server_overloaded", "", "overloaded");
+      return;
+    case SubmitStatus::kDraining:
+      send_error(res, 503, r.message, "server_unavailable", "", "draining");
+      return;
+  }
+  const int vocab = engine.config(q.model).vocab;
+  const std::string id = fmt::format("cmpl-{}", next_id++);
+  const std::time_t now = std::time(nullptr);
+  std::shared_ptr<Completion> c = r.completion;
+  if (!stream) {
+    std::vector<int32_t> tokens;
+    Completion::State st = Completion::State::kRunning;
+    while ((st = c->wait_tokens(tokens.size(), &tokens)) == Completion::State::kRunning) {
+    }
+    if (st != Completion::State::kDone) {
+      send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
+                 "server_unavailable", "", "unavailable");
+      return;
+    }
+    json choice = {{"index", 0},
+                   {"text", token_text(tokens, 0, vocab)},
+                   {"token_ids", tokens},
+                   {"logprobs", nullptr},
+                   {"finish_reason", c->finish_reason()}};
+    json out = {{"id", id},
+                {"object", "text_completion"},
+                {"created", now},
+                {"model", q.model},
+                {"choices", json::array({choice})},
+                {"usage",
+                 {{"prompt_tokens", q.prompt.size()},
+                  {"completion_tokens", tokens.size()},
+                  {"total_tokens", q.prompt.size() + tokens.size()}}},
+                {"spillway",
+                 {{"seed", q.seed},
+                  {"slice", c->slice()},
+                  {"ttft_ms", c->ttft_ms()},
+                  {"tpot_ms", c->tpot_ms()}}}};
+    res.set_content(dump(out), "application/json");
+    return;
+  }
+  // Server-sent events: one per token as it comes, a last one with the finish reason, then
+  // [DONE]. The handler's thread waits on the completion; the slice never waits on it.
+  begin_write();
+  auto sent = std::make_shared<size_t>(0);
+  auto finished = std::make_shared<bool>(false);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, c, sent, finished, id, now, model = q.model, vocab, seed = q.seed](
+          size_t, httplib::DataSink& sink) {
+        auto event = [&](const json& choice) {
+          json ev = {{"id", id},
+                     {"object", "text_completion"},
+                     {"created", now},
+                     {"model", model},
+                     {"choices", json::array({choice})}};
+          const std::string line = "data: " + dump(ev) + "\n\n";
+          return sink.write(line.data(), line.size());
+        };
+        std::vector<int32_t> fresh;
+        const Completion::State st = c->wait_tokens(*sent, &fresh);
+        for (int32_t t : fresh) {
+          const std::vector<int32_t> one{t};
+          if (!event({{"index", 0},
+                      {"text", token_text(one, 0, vocab)},
+                      {"token_ids", one},
+                      {"logprobs", nullptr},
+                      {"finish_reason", nullptr}})) {
+            c->cancel();  // the client went away: the slice stops generating for it
+            return false;
+          }
+          ++*sent;
+        }
+        if (st == Completion::State::kRunning) return true;
+        if (st == Completion::State::kDone) {
+          if (!event({{"index", 0},
+                      {"text", ""},
+                      {"token_ids", json::array()},
+                      {"logprobs", nullptr},
+                      {"finish_reason", c->finish_reason()},
+                      {"spillway",
+                       {{"seed", seed},
+                        {"slice", c->slice()},
+                        {"ttft_ms", c->ttft_ms()},
+                        {"tpot_ms", c->tpot_ms()}}}}))
+            return false;
+        } else {
+          const std::string line =
+              "data: " +
+              dump(json{{"error",
+                         {{"message", c->error().empty() ? "cancelled" : c->error()},
+                          {"type", "server_unavailable"},
+                          {"param", nullptr},
+                          {"code", "unavailable"}}}}) +
+              "\n\n";
+          if (!sink.write(line.data(), line.size())) return false;
+        }
+        static const std::string done = "data: [DONE]\n\n";
+        if (!sink.write(done.data(), done.size())) return false;
+        *finished = true;
+        sink.done();
+        return true;
+      },
+      [this, c, finished](bool) {
+        if (!*finished) c->cancel();
+        end_write();
+      });
+}
+
+void HttpServer::Impl::routes() {
+  svr.Post("/v1/completions",
+           [this](const httplib::Request& req, httplib::Response& res) { completions(req, res); });
+  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    json data = json::array();
+    for (const ServedModelInfo& m : engine.models())
+      data.push_back({{"id", m.name},
+                      {"object", "model"},
+                      {"created", created},
+                      {"owned_by", "spillway"},
+                      {"weight_bytes", m.weight_bytes},
+                      {"dtype", to_string(m.dtype)},
+                      {"vocab_size", m.vocab},
+                      {"layers", m.layers},
+                      {"resident", m.resident}});
+    res.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
+  });
+  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(prometheus_text(engine.metrics()), "text/plain; version=0.0.4");
+  });
+  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const bool draining = engine.draining();
+    res.status = draining ? 503 : 200;
+    res.set_content(draining ? "draining\n" : "ok\n", "text/plain");
+  });
+  svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;  // a handler's own error
+    if (res.status == 404)
+      send_error(res, 404, fmt::format("no endpoint {} {}", req.method, req.path),
+                 "invalid_request_error", "", "not_found");
+    else if (res.status == 413)
+      send_error(res, 413, fmt::format("the request body is over {} bytes", kMaxBody),
+                 "invalid_request_error", "", "too_large");
+    else
+      send_error(res, res.status, fmt::format("HTTP {}", res.status), "invalid_request_error", "",
+                 "");
+  });
+  svr.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "internal error";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        send_error(res, 500, what, "server_error", "", "");
+      });
+}
+
+HttpServer::HttpServer(ServingEngine& engine, const HttpOptions& options)
+    : impl_(std::make_unique<Impl>(engine, options)) {
+  Impl& m = *impl_;
+  if (options.port < 0 || options.port > 65535)
+    SPILLWAY_FIELD_ERROR("port", options.port, "must be in [0, 65535]");
+  int threads = options.threads;
+  if (threads <= 0)
+    threads = engine.slices() * engine.options().max_running + engine.options().max_waiting + 8;
+  m.svr.new_task_queue = [threads] {
+    return new httplib::ThreadPool(static_cast<size_t>(threads));
+  };
+  m.svr.set_payload_max_length(kMaxBody);
+  m.svr.set_keep_alive_timeout(2);
+  m.routes();
+  if (options.port == 0) {
+    m.port = m.svr.bind_to_any_port(options.host);
+    if (m.port < 0) SPILLWAY_INPUT_ERROR("cannot bind {} to any port", options.host);
+  } else {
+    if (!m.svr.bind_to_port(options.host, options.port))
+      SPILLWAY_INPUT_ERROR("cannot bind {}:{} (in use, or not an address of this machine)",
+                           options.host, options.port);
+    m.port = options.port;
+  }
+}
+
+HttpServer::~HttpServer() {
+  stop();
+}
+
+int HttpServer::port() const {
+  return impl_->port;
+}
+
+void HttpServer::run() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard lk(m.run_mu);
+    m.run_done = false;
+  }
+  m.running = true;
+  m.svr.listen_after_bind();
+  m.running = false;
+  {
+    std::lock_guard lk(m.run_mu);
+    m.run_done = true;
+  }
+  m.run_cv.notify_all();
+}
+
+int64_t HttpServer::shutdown() {
+  Impl& m = *impl_;
+  const int64_t drained = m.engine.in_flight();
+  m.engine.drain();
+  {
+    std::unique_lock lk(m.mu);
+    m.cv.wait_for(lk, std::chrono::seconds(30), [&] { return m.writing == 0; });
+  }
+  stop();
+  return drained;
+}
+
+void HttpServer::stop() {
+  Impl& m = *impl_;
+  m.svr.stop();
+  std::unique_lock lk(m.run_mu);
+  m.run_cv.wait(lk, [&] { return m.run_done; });
+}
+
+}  // namespace spillway::server
