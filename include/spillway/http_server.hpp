@@ -38,7 +38,8 @@ struct HttpOptions {
 
 class HttpServer {
  public:
-  // Binds host:port now; throws naming them when it cannot.
+  // Binds host:port now; throws naming them when it cannot. The process ignores SIGPIPE from
+  // then on (a client gone mid-response is a failed write that cancels its request).
   HttpServer(ServingEngine& engine, const HttpOptions& options);
   ~HttpServer();  // stop()
   HttpServer(const HttpServer&) = delete;

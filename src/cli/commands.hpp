@@ -31,5 +31,7 @@ void add_bench_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_stream_command(CLI::App& app);
 void add_replay_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
+void add_checkpoint_command(CLI::App& app);
 
 }  // namespace spillway::cli

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <httplib.h>
+#include <signal.h>
 
 #include <atomic>
 #include <chrono>
@@ -149,12 +150,23 @@ std::string token_text(const std::vector<int32_t>& tokens, size_t from, int voca
   return s;
 }
 
+// Debian's compiled cpp-httplib listens with a backlog of 5: a burst of connections beyond
+// it waits for the client's connect retry (~1 s). The listening socket is the server's
+// (protected): listen() again with the system's maximum.
+class Server final : public httplib::Server {
+ public:
+  void deepen_backlog() {
+    const socket_t s = svr_sock_;
+    if (s != INVALID_SOCKET) ::listen(s, SOMAXCONN);
+  }
+};
+
 }  // namespace
 
 struct HttpServer::Impl {
   ServingEngine& engine;
   HttpOptions o;
-  httplib::Server svr;
+  Server svr;
   int port = 0;
   std::atomic<int64_t> next_id{1};
   std::time_t created = std::time(nullptr);
@@ -162,10 +174,10 @@ struct HttpServer::Impl {
   std::mutex mu;
   std::condition_variable cv;
   int64_t writing = 0;
-  std::atomic<bool> running{false};
   std::mutex run_mu;
   std::condition_variable run_cv;
   bool run_done = true;
+  bool stop_requested = false;
 
   explicit Impl(ServingEngine& e, const HttpOptions& opt) : engine(e), o(opt) {}
 
@@ -363,7 +375,7 @@ void HttpServer::Impl::routes() {
                  "");
   });
   svr.set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      [](const httplib::Request&, httplib::Response& res, const std::exception_ptr& ep) {
         std::string what = "internal error";
         try {
           std::rethrow_exception(ep);
@@ -378,6 +390,9 @@ void HttpServer::Impl::routes() {
 HttpServer::HttpServer(ServingEngine& engine, const HttpOptions& options)
     : impl_(std::make_unique<Impl>(engine, options)) {
   Impl& m = *impl_;
+  // A client gone mid-response must be a failed write (the request is cancelled), not a
+  // SIGPIPE that ends the process: the library's sends do not ask for MSG_NOSIGNAL.
+  ::signal(SIGPIPE, SIG_IGN);
   if (options.port < 0 || options.port > 65535)
     SPILLWAY_FIELD_ERROR("port", options.port, "must be in [0, 65535]");
   int threads = options.threads;
@@ -398,6 +413,7 @@ HttpServer::HttpServer(ServingEngine& engine, const HttpOptions& options)
                            options.host, options.port);
     m.port = options.port;
   }
+  m.svr.deepen_backlog();
 }
 
 HttpServer::~HttpServer() {
@@ -412,11 +428,10 @@ void HttpServer::run() {
   Impl& m = *impl_;
   {
     std::lock_guard lk(m.run_mu);
+    if (m.stop_requested) return;  // stopped before it ran
     m.run_done = false;
   }
-  m.running = true;
   m.svr.listen_after_bind();
-  m.running = false;
   {
     std::lock_guard lk(m.run_mu);
     m.run_done = true;
@@ -438,9 +453,13 @@ int64_t HttpServer::shutdown() {
 
 void HttpServer::stop() {
   Impl& m = *impl_;
-  m.svr.stop();
   std::unique_lock lk(m.run_mu);
-  m.run_cv.wait(lk, [&] { return m.run_done; });
+  m.stop_requested = true;
+  // httplib's stop() does nothing until its loop runs: repeat it until run() has returned.
+  while (!m.run_done) {
+    m.svr.stop();
+    m.run_cv.wait_for(lk, std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace spillway::server

@@ -1,0 +1,123 @@
+// `spillway checkpoint` and `spillway serve` as a user runs them: a checkpoint written, the
+// server started on a free port, a streamed completion, and SIGTERM in the middle of it:
+// the stream still ends with every token and [DONE], a request after the signal gets 503,
+// and the server exits 0 saying what it drained. Bad flags exit non-zero naming the field.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "cli/run_command.hpp"
+#include "test_support.hpp"
+
+extern char** environ;
+
+namespace spillway {
+namespace {
+
+using cli_test::contains;
+using spillway::testing::TempDir;
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TEST(ServeCli, ServesAStreamAndDrainsOnSigterm) {
+  TempDir dir;
+  const std::string models = (dir.path() / "models").string();
+  const cli_test::CommandResult ck =
+      cli_test::run_command(std::string("'") + SPILLWAY_CLI_PATH + "' checkpoint --seed 4 --out '" +
+                            models + "/tiny-d' 2>&1");
+  ASSERT_EQ(ck.code, 0) << ck.out;
+  EXPECT_TRUE(contains(ck.out, "model.safetensors")) << ck.out;
+
+  const std::string port_file = (dir.path() / "port").string();
+  const std::string log = (dir.path() / "log").string();
+  const std::string script = std::string("exec '") + SPILLWAY_CLI_PATH + "' serve --models '" +
+                             models + "' --port 0 --port-file '" + port_file +
+                             "' --rate-scale 1e-4 --profile 7g.96gb > '" + log + "' 2>&1";
+  const char* argv[] = {"/bin/sh", "-c", script.c_str(), nullptr};
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ), 0);
+  int port = 0;
+  for (int i = 0; i < 300 && port == 0; ++i) {
+    std::ifstream f(port_file);
+    if (!(f >> port)) {
+      port = 0;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ASSERT_GT(port, 0) << slurp(log);
+
+  // A stream of 30 tokens (slow: rates x 1e-4); SIGTERM after its first event.
+  std::string body;
+  bool signalled = false;
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_read_timeout(60);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = R"({"model": "tiny-d", "prompt": "drain me", "max_tokens": 30, "stream": true,
+                 "temperature": 0})";
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    body.append(data, n);
+    if (!signalled && contains(body, "data: ")) {
+      signalled = true;
+      ::kill(pid, SIGTERM);
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  ASSERT_TRUE(cli.send(req, res, err)) << httplib::to_string(err);
+  EXPECT_EQ(res.status, 200);
+  EXPECT_TRUE(signalled);
+  size_t events = 0;
+  for (size_t at = body.find("data: {"); at != std::string::npos; at = body.find("data: {", at + 1))
+    ++events;
+  EXPECT_EQ(events, 31u) << body;  // 30 tokens, then the finish
+  EXPECT_TRUE(contains(body, "\"finish_reason\":\"length\"")) << body;
+  EXPECT_TRUE(contains(body, "data: [DONE]")) << body;
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << slurp(log);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << slurp(log);
+  const std::string out = slurp(log);
+  EXPECT_TRUE(contains(out, "SIGTERM: draining 1 requests")) << out;
+  EXPECT_TRUE(contains(out, "drained; 1 requests answered, 30 tokens generated")) << out;
+}
+
+TEST(ServeCli, BadSetupsExitNonZeroNamingTheField) {
+  TempDir dir;
+  const std::string bin = std::string("'") + SPILLWAY_CLI_PATH + "'";
+  cli_test::CommandResult r =
+      cli_test::run_command(bin + " serve --models '" + dir.path().string() + "/none' 2>&1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "is not a directory")) << r.out;
+  r = cli_test::run_command(bin + " serve --max-running 8 --max-step-tokens 8 --port 0 2>&1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "max_step_tokens")) << r.out;
+  r = cli_test::run_command(bin + " checkpoint --out '" + dir.path().string() +
+                            "/x' --dtype fp16 2>&1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--dtype")) << r.out;
+  r = cli_test::run_command(bin + " serve --port 70000 2>&1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--port is 70000")) << r.out;
+  r = cli_test::run_command(bin + " serve --no-such-flag 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+}
+
+}  // namespace
+}  // namespace spillway
