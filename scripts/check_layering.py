@@ -56,7 +56,7 @@ PUBLIC = {
     "nn": "nn", "decoder": "nn",
     "train": "train",
     "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
-    "server": "server", "http_server": "server",
+    "server": "server", "http_server": "server", "live": "server",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')

@@ -29,7 +29,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "spillway/model.hpp"
 
 namespace spillway {
 
@@ -56,7 +59,14 @@ struct ReplayOptions {
   uint64_t seed = 1;
   double prompt_median = 512, prompt_sigma = 1.0;  // log-normal, clipped to [16, 8192]
   double output_median = 128, output_sigma = 0.8;  // log-normal, clipped to [8, 2048]
-  double ttft_ms = 2000.0;                         // SLO targets, every model
+  int64_t prompt_min = 16, prompt_max = 8192;      // the clips
+  int64_t output_min = 8, output_max = 2048;
+  // The served architectures as configs (a live server's models): when not empty, used in
+  // place of `models` (catalog names), with their weights at this many bytes a parameter.
+  std::vector<ModelConfig> architectures;
+  double weight_bytes_per_param = 2.0;  // bf16
+  bool baselines = true;                // false: the host-resident configuration alone
+  double ttft_ms = 2000.0;              // SLO targets, every model
   double tpot_ms = 100.0;
   double host_budget_gb = 400.0;  // host memory for weights
   double disk_gbps = 5.0;         // cold loads
@@ -83,6 +93,12 @@ struct ReplayResult {
   int gpus = 1;                                       // GPUs the configuration uses
   std::vector<std::pair<double, double>> ttft_trace;  // (arrival s, TTFT ms) per request
 };
+
+// The (prompt, output) token counts of n requests, drawn as Note [Replay model] says (one
+// generator seeded by o.seed, a prompt then an output per request, clipped).
+std::vector<std::pair<int64_t, int64_t>> draw_token_counts(size_t n, const ReplayOptions& o);
+// Percentiles 50, 95 and 99 (nearest rank) of v; zeros when v is empty.
+LatencyStats latency_stats(const std::vector<double>& v);
 
 // The main configuration (the scheduler, chunks from the profile table, the controller)
 // and the baselines, on the same requests.

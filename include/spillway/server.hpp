@@ -117,6 +117,10 @@ class Completion {
   std::string finish_reason() const;  // kDone: "length"
   // The client went away: the slice stops generating for it at its next iteration.
   void cancel();
+  // The slice had to take this request's model from another (a switch: the model was in
+  // host memory) or from disk (a cold start) before running it.
+  bool switched() const;
+  bool cold() const;
   double ttft_ms() const;  // submit to first token (-1 before it)
   double tpot_ms() const;  // mean time between tokens after the first (-1 with < 2)
   int slice() const;
@@ -126,6 +130,7 @@ class Completion {
   void finish(State s, std::string why);
   bool cancelled() const;
   void set_slice(int s);
+  void set_start(bool switched, bool cold);
   std::chrono::steady_clock::time_point submitted;
 
  private:
@@ -136,6 +141,7 @@ class Completion {
   std::string why_;
   bool cancel_ = false;
   int slice_ = -1;
+  bool switched_ = false, cold_ = false;
   std::chrono::steady_clock::time_point first_, last_;
 };
 
@@ -153,6 +159,7 @@ struct ServedModelInfo {
   int vocab = 0;
   int layers = 0;
   bool resident = false;
+  std::string config_json;  // its config.json's text
 };
 
 // Counters since start and the live state, for /metrics.
@@ -173,12 +180,15 @@ struct EngineMetrics {
   int64_t evictions = 0;          // models dropped from the pool
   int64_t waiting = 0;            // queued, not yet on a slice's decoder
   double link_gbps = 0.0;         // the shared link (emulated, scaled)
+  int64_t link_bytes = 0;         // moved over it since start
   double link_utilization = 0.0;  // link bytes moved / (bandwidth x uptime)
   struct Slice {
     std::string model;  // active, empty when idle
     int running = 0;
     double alpha = 0.0;
     double hbm_utilization = 0.0;  // HBM bytes / (bandwidth x uptime)
+    int64_t hbm_bytes = 0;         // since start
+    double hbm_gbps = 0.0;         // its bandwidth (emulated, scaled)
     double link_share = 0.0;       // this slice's link bytes / (link bandwidth x uptime)
     int64_t iterations = 0;
     int64_t device_bytes_in_use = 0;
@@ -204,6 +214,7 @@ class ServingEngine {
   EngineMetrics metrics() const;
   int slices() const;
   const EngineOptions& options() const;
+  double link_gbps() const;  // the emulated shared link's bandwidth (scaled)
 
   // Refuses new requests from now on (kDraining) and waits until every accepted one has
   // ended (finished, failed or cancelled).

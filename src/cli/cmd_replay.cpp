@@ -2,12 +2,42 @@
 // GH200's MIG slices and its baselines, simulated (spillway/replay.hpp, Note [Replay model]).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 
 #include "cli/commands.hpp"
+#include "spillway/error.hpp"
+#include "spillway/live.hpp"
 #include "spillway/replay.hpp"
 
 namespace spillway::cli {
+
+namespace {
+
+template <class State>
+void run_live_replay(State& st) {
+  int64_t skipped = 0;
+  const std::vector<TraceRequest> trace =
+      read_request_trace(st.trace, st.max_requests > 0 ? st.max_requests : 200, &skipped);
+  if (trace.empty()) SPILLWAY_INPUT_ERROR("--trace {}: no request", st.trace);
+  if (st.o.time_scale == 0)
+    st.o.time_scale = std::max(1.0, (trace.back().arrival_s - trace.front().arrival_s) / 20.0);
+  std::map<std::string, int> distinct;
+  for (const TraceRequest& t : trace) distinct[t.model] = 1;
+  say_beside_json(st.json_path,
+                  fmt::format("replaying {} requests live against {} (arrivals x{:g}: {:.1f} s, "
+                              "at most {:g} s)...\n",
+                              trace.size(), st.live, st.o.time_scale,
+                              (trace.back().arrival_s - trace.front().arrival_s) / st.o.time_scale,
+                              st.lo.max_seconds));
+  const server::LiveReplayReport r = server::replay_live(st.live, trace, st.o, st.lo);
+  say_beside_json(st.json_path,
+                  server::format_live_replay(r, static_cast<int64_t>(distinct.size())));
+  if (!st.svg_path.empty()) write_output(st.svg_path, replay_svg(r.results));
+  if (!st.json_path.empty()) write_output(st.json_path, server::live_replay_json(r));
+}
+
+}  // namespace
 
 void add_replay_command(CLI::App& app) {
   struct State {
@@ -17,6 +47,9 @@ void add_replay_command(CLI::App& app) {
         std::string(SPILLWAY_SOURCE_DATA_DIR) + "/traces/basemodel_update_latency_anon.csv";
     int64_t max_requests = 0;
     std::string json_path, svg_path;
+    std::string live;
+    server::LiveOptions lo;
+    double prompt_median = 0, output_median = 0;  // 0: 512 / 128 simulated, 64 / 16 live
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -35,7 +68,15 @@ void add_replay_command(CLI::App& app) {
       "Examples:\n"
       "  spillway replay\n"
       "  spillway replay --max-requests 5000 --time-scale 200 --profile 2g.24gb --svg ttft.svg\n"
-      "  spillway replay --models Llama-3.1-8B,Qwen3-30B-A3B --json -");
+      "  spillway replay --models Llama-3.1-8B,Qwen3-30B-A3B --json -\n\n"
+      "Live (--live URL): the trace's requests sent to a running `spillway serve` at URL, open "
+      "loop at their arrival times / --time-scale (default: the requests' span fits in ~20 s), "
+      "streamed and timed at the client, bounded by --max-requests (default 200) and "
+      "--max-seconds; the trace's model ids dealt over the served models; printed beside the "
+      "simulator's prediction for the server's own setup (its GPU, MIG profile, rate scale, "
+      "models and targets, read from URL/spillway/setup).\n"
+      "  spillway serve --port 8000 &\n"
+      "  spillway replay --live http://127.0.0.1:8000 --max-requests 100");
   cmd->add_option("--trace", st->trace, "The request trace CSV")->capture_default_str();
   cmd->add_option("--reloads", st->reloads, "The measured reload latencies CSV (ms)")
       ->capture_default_str();
@@ -43,10 +84,30 @@ void add_replay_command(CLI::App& app) {
       cmd->add_option("--max-requests", st->max_requests, "Replay the first N requests (0: all)")
           ->capture_default_str(),
       closed(0, 1000000));
+  st->o.time_scale = 0;
   in_range(cmd->add_option("--time-scale", st->o.time_scale,
-                           "Arrivals this many times faster than the trace's (it spans 23 days)")
+                           "Arrivals this many times faster than the trace's (it spans 23 days); "
+                           "0: 1, or live, the requests' span in ~20 s")
                ->capture_default_str(),
-           open_closed(0, 1e7));
+           closed(0, 1e9));
+  cmd->add_option("--live", st->live,
+                  "Replay against the `spillway serve` at this URL (http://host:port)");
+  in_range(cmd->add_option("--max-seconds", st->lo.max_seconds,
+                           "Live: send no request after this many seconds")
+               ->capture_default_str(),
+           open_closed(0, 86400));
+  in_range(cmd->add_option("--max-concurrency", st->lo.max_concurrency,
+                           "Live: client threads (requests in flight at once)")
+               ->capture_default_str(),
+           closed(1, 4096));
+  in_range(cmd->add_option("--prompt-median", st->prompt_median,
+                           "Median prompt tokens of the drawn lengths (0: 512, live 64)")
+               ->capture_default_str(),
+           closed(0, 1e6));
+  in_range(cmd->add_option("--output-median", st->output_median,
+                           "Median output tokens of the drawn lengths (0: 128, live 16)")
+               ->capture_default_str(),
+           closed(0, 1e6));
   cmd->add_option("--hardware", st->o.hardware, "The GPU (catalog name)")->capture_default_str();
   cmd->add_option("--profile", st->o.profile, "The MIG profile of the slices")
       ->capture_default_str();
@@ -66,6 +127,14 @@ void add_replay_command(CLI::App& app) {
   cmd->add_option("--json", st->json_path, "Write the results as JSON to FILE ('-' for stdout)");
   cmd->add_option("--svg", st->svg_path, "Write TTFT over time as an SVG picture");
   cmd->callback([st]() {
+    const bool live = !st->live.empty();
+    st->o.prompt_median = st->prompt_median > 0 ? st->prompt_median : (live ? 64 : 512);
+    st->o.output_median = st->output_median > 0 ? st->output_median : (live ? 16 : 128);
+    if (live) {
+      run_live_replay(*st);
+      return;
+    }
+    if (st->o.time_scale == 0) st->o.time_scale = 1;
     int64_t skipped = 0;
     const std::vector<TraceRequest> trace =
         read_request_trace(st->trace, st->max_requests, &skipped);

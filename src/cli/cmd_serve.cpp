@@ -14,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
 #include "spillway/http_server.hpp"
+#include "spillway/live.hpp"
 #include "spillway/server.hpp"
 
 namespace spillway::cli {
@@ -199,6 +200,50 @@ void add_serve_command(CLI::App& app) {
         static_cast<long long>(m.requests.at("ok")), static_cast<long long>(m.tokens_generated),
         static_cast<long long>(m.requests.at("overloaded")));
     std::fflush(stdout);
+  });
+}
+
+void add_load_command(CLI::App& app) {
+  struct State {
+    std::string url;
+    server::LoadOptions o;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = app.add_subcommand(
+      "load",
+      "Load-tests a running `spillway serve`: --clients threads send --requests requests back "
+      "to back, each one of --distinct (model, prompt, seed) triples sampled at temperature "
+      "0.8 (each triple sent several times, batched differently each time); a 429 is retried. "
+      "Checks that every request got exactly one complete answer (none lost, no response id "
+      "twice) and that the answers to a triple are the same tokens; prints latency and TTFT "
+      "p50/p95/p99. Exits 1 when a check fails.\n\n"
+      "Example:\n"
+      "  spillway serve --port 8000 &\n"
+      "  spillway load http://127.0.0.1:8000 --clients 16 --requests 400");
+  cmd->add_option("url", st->url, "The server (http://host:port)")->required();
+  in_range(cmd->add_option("--clients", st->o.clients, "Concurrent clients")->capture_default_str(),
+           closed(1, 1024));
+  in_range(cmd->add_option("--requests", st->o.requests, "Requests in all")->capture_default_str(),
+           closed(1, 10000000));
+  in_range(cmd->add_option("--distinct", st->o.distinct, "Distinct (model, prompt, seed) triples")
+               ->capture_default_str(),
+           closed(1, 1000000));
+  in_range(cmd->add_option("--max-tokens", st->o.max_tokens, "Tokens generated per request")
+               ->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--prompt-tokens", st->o.prompt_tokens, "Prompt tokens per request")
+               ->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--seed", st->o.seed, "Seed of the prompts and sampling seeds")
+               ->capture_default_str(),
+           closed(0, 4294967295.0));
+  cmd->callback([st]() {
+    const server::LoadReport r = server::run_load(st->url, st->o);
+    std::fputs(server::format_load(r, st->o).c_str(), stdout);
+    std::fflush(stdout);
+    if (r.lost + r.duplicated + r.inconsistent > 0)
+      SPILLWAY_INPUT_ERROR("load: {} lost, {} duplicated, {} inconsistent answers", r.lost,
+                           r.duplicated, r.inconsistent);
   });
 }
 

@@ -33,5 +33,6 @@ void add_stream_command(CLI::App& app);
 void add_replay_command(CLI::App& app);
 void add_serve_command(CLI::App& app);
 void add_checkpoint_command(CLI::App& app);
+void add_load_command(CLI::App& app);
 
 }  // namespace spillway::cli

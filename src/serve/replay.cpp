@@ -80,12 +80,12 @@ struct Arch {
   int64_t kv_per_token = 0;  // bf16 K and V of every attention layer
 };
 
-Arch arch_of(const std::string& name) {
-  const ModelConfig m = load_model(name);
+Arch arch_of(const ModelConfig& m, double bytes_per_param) {
   Arch a;
   a.name = m.name;
-  a.weight_bytes = parameter_count(m) * 2;
-  a.active_bytes = active_parameter_count(m) * 2;
+  a.weight_bytes = static_cast<int64_t>(static_cast<double>(parameter_count(m)) * bytes_per_param);
+  a.active_bytes =
+      static_cast<int64_t>(static_cast<double>(active_parameter_count(m)) * bytes_per_param);
   a.hidden = m.hidden;
   for (const LayerSpec& l : m.layers) {
     if (l.mixer != MixerKind::kAttention) continue;
@@ -577,14 +577,44 @@ std::vector<double> read_reload_latencies_ms(const std::string& path) {
   return out;
 }
 
+std::vector<std::pair<int64_t, int64_t>> draw_token_counts(size_t n, const ReplayOptions& o) {
+  if (o.prompt_min < 1 || o.prompt_max < o.prompt_min)
+    SPILLWAY_FIELD_ERROR("prompt_max", o.prompt_max, "must be >= prompt_min ({}) >= 1",
+                         o.prompt_min);
+  if (o.output_min < 1 || o.output_max < o.output_min)
+    SPILLWAY_FIELD_ERROR("output_max", o.output_max, "must be >= output_min ({}) >= 1",
+                         o.output_min);
+  std::mt19937_64 g(o.seed);
+  std::lognormal_distribution<double> prompt(std::log(o.prompt_median), o.prompt_sigma);
+  std::lognormal_distribution<double> output(std::log(o.output_median), o.output_sigma);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t p = std::clamp<int64_t>(std::llround(prompt(g)), o.prompt_min, o.prompt_max);
+    const int64_t q = std::clamp<int64_t>(std::llround(output(g)), o.output_min, o.output_max);
+    out.emplace_back(p, q);
+  }
+  return out;
+}
+
+LatencyStats latency_stats(const std::vector<double>& v) {
+  return stats_of(v);
+}
+
 std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
                                      const ReplayOptions& o) {
   if (trace.empty()) SPILLWAY_FIELD_ERROR("trace", 0, "must hold at least one request");
   if (!(o.time_scale > 0)) SPILLWAY_FIELD_ERROR("time_scale", o.time_scale, "must be > 0");
-  if (o.models.empty()) SPILLWAY_FIELD_ERROR("models", 0, "must name at least one model");
+  if (o.models.empty() && o.architectures.empty())
+    SPILLWAY_FIELD_ERROR("models", 0, "must name at least one model");
   const HardwareProfile hw = load_hardware(o.hardware);
   std::vector<Arch> archs;
-  for (const std::string& m : o.models) archs.push_back(arch_of(m));
+  if (!o.architectures.empty())
+    for (const ModelConfig& m : o.architectures)
+      archs.push_back(arch_of(m, o.weight_bytes_per_param));
+  else
+    for (const std::string& m : o.models)
+      archs.push_back(arch_of(load_model(m), o.weight_bytes_per_param));
   // The trace's model ids by popularity, dealt round-robin over the architectures.
   std::map<std::string, int64_t> count;
   for (const TraceRequest& t : trace) ++count[t.model];
@@ -606,16 +636,14 @@ std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
     index[s.id] = static_cast<int>(i);
     served.push_back(s);
   }
-  std::mt19937_64 g(o.seed);
-  std::lognormal_distribution<double> prompt(std::log(o.prompt_median), o.prompt_sigma);
-  std::lognormal_distribution<double> output(std::log(o.output_median), o.output_sigma);
+  const std::vector<std::pair<int64_t, int64_t>> lengths = draw_token_counts(trace.size(), o);
   std::vector<Request> reqs;
-  for (const TraceRequest& t : trace) {
+  for (size_t i = 0; i < trace.size(); ++i) {
     Request r;
-    r.arrival_ms = t.arrival_s * 1e3 / o.time_scale;
-    r.model = index[t.model];
-    r.prompt = std::clamp<int64_t>(std::llround(prompt(g)), 16, 8192);
-    r.output = std::clamp<int64_t>(std::llround(output(g)), 8, 2048);
+    r.arrival_ms = trace[i].arrival_s * 1e3 / o.time_scale;
+    r.model = index[trace[i].model];
+    r.prompt = lengths[i].first;
+    r.output = lengths[i].second;
     reqs.push_back(r);
   }
   std::vector<Config> configs(6);
@@ -633,22 +661,33 @@ std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
   configs[5].name = "time sharing + reload";
   configs[5].routing = Routing::kTimeShare;
   configs[5].weights_in_hbm = true;
+  if (!o.baselines) configs.resize(1);
   std::vector<ReplayResult> out;
   out.reserve(configs.size());
   for (const Config& c : configs) out.push_back(Sim(c, o, hw, served, reqs).run());
   return out;
 }
 
+namespace {
+std::vector<std::string> model_names(const ReplayOptions& o) {
+  if (o.architectures.empty()) return o.models;
+  std::vector<std::string> n;
+  for (const ModelConfig& m : o.architectures) n.push_back(m.name);
+  return n;
+}
+}  // namespace
+
 std::string format_replay(const std::vector<ReplayResult>& r, const ReplayOptions& o,
                           int64_t distinct_models) {
   std::string s = fmt::format(
       "{} requests of {} trace models on {} ({} slices), models dealt over {}; arrivals x{:g}\n"
-      "token counts are not in the trace: prompts log-normal (median {:g}, sigma {:g}, 16-8192), "
-      "outputs log-normal (median {:g}, sigma {:g}, 8-2048), seed {}\n"
+      "token counts are not in the trace: prompts log-normal (median {:g}, sigma {:g}, {}-{}), "
+      "outputs log-normal (median {:g}, sigma {:g}, {}-{}), seed {}\n"
       "SLO: TTFT <= {:g} ms and TPOT <= max({:g} ms, 1.25 x weights / link)\n",
       r.empty() ? 0 : r[0].requests, distinct_models, o.hardware, o.profile,
-      fmt::join(o.models, ", "), o.time_scale, o.prompt_median, o.prompt_sigma, o.output_median,
-      o.output_sigma, o.seed, o.ttft_ms, o.tpot_ms);
+      fmt::join(model_names(o), ", "), o.time_scale, o.prompt_median, o.prompt_sigma, o.prompt_min,
+      o.prompt_max, o.output_median, o.output_sigma, o.output_min, o.output_max, o.seed, o.ttft_ms,
+      o.tpot_ms);
   s += fmt::format("{:<24} {:>5} {:>27} {:>22} {:>6} {:>8} {:>12} {:>5} {:>12} {:>6} {:>6}\n", "",
                    "GPUs", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99", "SLO", "switches",
                    "switch TTFT", "cold", "cold TTFT", "link", "HBM");
@@ -669,7 +708,7 @@ std::string replay_json(const std::vector<ReplayResult>& r, const ReplayOptions&
   j["schema"] = "spillway.replay/1";
   j["hardware"] = o.hardware;
   j["profile"] = o.profile;
-  j["models"] = o.models;
+  j["models"] = model_names(o);
   j["time_scale"] = o.time_scale;
   j["seed"] = o.seed;
   j["lengths"] = {{"prompt_median", o.prompt_median},

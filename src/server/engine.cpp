@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cmath>
 #include <deque>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -38,6 +40,7 @@ const std::vector<double> kTpotBounds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 
 struct Registered {
   ModelFiles files;
+  std::string config_text;
   nn::RefConfig config;
   int64_t weight_bytes = 0;
   DType dtype = DType::kFp32;
@@ -146,6 +149,22 @@ double Completion::tpot_ms() const {
   std::lock_guard lk(mu_);
   if (tokens_.size() < 2) return -1.0;
   return ms_between(first_, last_) / static_cast<double>(tokens_.size() - 1);
+}
+
+bool Completion::switched() const {
+  std::lock_guard lk(mu_);
+  return switched_;
+}
+
+bool Completion::cold() const {
+  std::lock_guard lk(mu_);
+  return cold_;
+}
+
+void Completion::set_start(bool switched, bool cold) {
+  std::lock_guard lk(mu_);
+  switched_ = switched;
+  cold_ = cold;
 }
 
 int Completion::slice() const {
@@ -293,13 +312,15 @@ struct ServingEngine::Impl {
 
   // The slice thread (Note [Serving engine]).
   void run_slice(int index);
-  bool bind(Slice& s, const Registered& m, std::string* why);
+  // The slice's model is m from now on; *started: 1 when that took a switch, 2 a cold load.
+  bool bind(Slice& s, const Registered& m, std::string* why, int* started);
   void iterate(int index, Slice& s);
   void end_request(int index, Slice& s, size_t at, Completion::State st, const char* outcome,
                    std::string why);
 };
 
-bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why) {
+bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, int* started) {
+  *started = 0;
   if (s.bound == &m && s.handle) return true;
   s.weights.reset();
   s.handle.release();
@@ -311,10 +332,13 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why) 
   }
   {
     std::lock_guard lk(mu);
-    if (a.cold)
+    if (a.cold) {
       ++cold_loads;
-    else if (s.bound != &m)
+      *started = 2;
+    } else if (s.bound != &m) {
       ++switches;
+      *started = 1;
+    }
     s.model = m.files.name;
   }
   s.handle = std::move(a.handle);
@@ -449,7 +473,8 @@ void ServingEngine::Impl::run_slice(int index) {
     }
     for (std::shared_ptr<Request>& r : admit) {
       std::string why;
-      if (!bind(s, *r->model, &why)) {
+      int started = 0;
+      if (!bind(s, *r->model, &why, &started)) {
         std::lock_guard lk(mu);
         scheduler->finish(index, static_cast<int64_t>(r->req.prompt.size()), r->req.max_tokens);
         record_end(*r, Completion::State::kFailed, "unavailable");
@@ -458,6 +483,7 @@ void ServingEngine::Impl::run_slice(int index) {
         dispatch_locked();
         continue;
       }
+      r->out->set_start(started == 1, started == 2);
       Running run;
       run.r = r;
       run.sequence = s.free_sequences.back();
@@ -518,6 +544,12 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
     Registered r;
     r.files = f;
     r.config = nn::load_reference_config(f.config_path);
+    {
+      std::ifstream in(f.config_path, std::ios::binary);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      r.config_text = ss.str();
+    }
     check_checkpoint(f.name, r.config, f.weights_path);
     m.pool->add(f.name, f.weights_path);
     {
@@ -672,7 +704,7 @@ std::vector<ServedModelInfo> ServingEngine::models() const {
   std::vector<ServedModelInfo> out;
   for (const Registered& r : impl_->models)
     out.push_back({r.files.name, r.weight_bytes, r.dtype, r.config.vocab, r.config.layers(),
-                   impl_->pool->resident(r.files.name)});
+                   impl_->pool->resident(r.files.name), r.config_text});
   return out;
 }
 
@@ -680,6 +712,10 @@ const nn::RefConfig& ServingEngine::config(const std::string& model) const {
   const Registered* r = impl_->find(model);
   if (r == nullptr) SPILLWAY_FIELD_ERROR("model", model, "is not served");
   return r->config;
+}
+
+double ServingEngine::link_gbps() const {
+  return impl_->setup.link_gbps;
 }
 
 int ServingEngine::slices() const {
@@ -743,6 +779,8 @@ EngineMetrics ServingEngine::metrics() const {
     x.hbm_utilization = static_cast<double>(s.hbm_bytes) / (m.setup.slices[i].hbm_gbps * 1e9 * up);
     x.link_share = static_cast<double>(s.link_bytes) / (m.setup.link_gbps * 1e9 * up);
     x.iterations = s.iterations;
+    x.hbm_bytes = s.hbm_bytes;
+    x.hbm_gbps = m.setup.slices[i].hbm_gbps;
     const MemoryStats ms = s.slice->device().memory_stats();
     x.device_bytes_in_use = ms.current[0];
     x.device_bytes = m.setup.slices[i].hbm_bytes;
@@ -750,6 +788,7 @@ EngineMetrics ServingEngine::metrics() const {
     link_bytes += s.link_bytes;
     e.slices.push_back(x);
   }
+  e.link_bytes = link_bytes;
   e.link_utilization = static_cast<double>(link_bytes) / (m.setup.link_gbps * 1e9 * up);
   return e;
 }

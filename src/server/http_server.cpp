@@ -161,6 +161,12 @@ class Server final : public httplib::Server {
   }
 };
 
+// The response's "spillway" extension: how the server ran the request.
+json extension(const Completion& c, uint64_t seed) {
+  return {{"seed", seed},           {"slice", c.slice()},       {"ttft_ms", c.ttft_ms()},
+          {"tpot_ms", c.tpot_ms()}, {"switched", c.switched()}, {"cold", c.cold()}};
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -260,11 +266,7 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
                  {{"prompt_tokens", q.prompt.size()},
                   {"completion_tokens", tokens.size()},
                   {"total_tokens", q.prompt.size() + tokens.size()}}},
-                {"spillway",
-                 {{"seed", q.seed},
-                  {"slice", c->slice()},
-                  {"ttft_ms", c->ttft_ms()},
-                  {"tpot_ms", c->tpot_ms()}}}};
+                {"spillway", extension(*c, q.seed)}};
     res.set_content(dump(out), "application/json");
     return;
   }
@@ -308,11 +310,7 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
                       {"token_ids", json::array()},
                       {"logprobs", nullptr},
                       {"finish_reason", c->finish_reason()},
-                      {"spillway",
-                       {{"seed", seed},
-                        {"slice", c->slice()},
-                        {"ttft_ms", c->ttft_ms()},
-                        {"tpot_ms", c->tpot_ms()}}}}))
+                      {"spillway", extension(*c, seed)}}))
             return false;
         } else {
           const std::string line =
@@ -353,6 +351,34 @@ void HttpServer::Impl::routes() {
                       {"layers", m.layers},
                       {"resident", m.resident}});
     res.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
+  });
+  // The server's setup, for clients that model it (spillway replay --live).
+  svr.Get("/spillway/setup", [this](const httplib::Request&, httplib::Response& res) {
+    const EngineOptions& o = engine.options();
+    json models = json::array();
+    for (const ServedModelInfo& m : engine.models())
+      models.push_back({{"id", m.name},
+                        {"weight_bytes", m.weight_bytes},
+                        {"dtype", to_string(m.dtype)},
+                        {"vocab_size", m.vocab},
+                        {"config", m.config_json}});
+    res.set_content(dump(json{{"schema", "spillway.serve-setup/1"},
+                              {"hardware", o.hardware},
+                              {"profile", o.profile},
+                              {"slices", engine.slices()},
+                              {"rate_scale", o.rate_scale},
+                              {"memory_scale", o.memory_scale},
+                              {"host_budget_bytes", o.host_budget_bytes},
+                              {"max_running", o.max_running},
+                              {"max_context", o.max_context},
+                              {"max_step_tokens", o.max_step_tokens},
+                              {"max_waiting", o.max_waiting},
+                              {"ttft_ms", o.ttft_ms},
+                              {"tpot_ms", o.tpot_ms},
+                              {"alpha", o.alpha},
+                              {"link_gbps", engine.link_gbps()},
+                              {"models", models}}),
+                    "application/json");
   });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(prometheus_text(engine.metrics()), "text/plain; version=0.0.4");

@@ -69,6 +69,19 @@ std::string prometheus_text(const EngineMetrics& m) {
   gauge_header(out, "spillway_link_utilization", "gauge",
                "Bytes moved over the shared host link / (its bandwidth x uptime).");
   out += fmt::format("spillway_link_utilization {}\n", m.link_utilization);
+  gauge_header(out, "spillway_link_bytes_total", "counter",
+               "Bytes moved over the shared host link (HybridGEMM's weight reads).");
+  out += fmt::format("spillway_link_bytes_total {}\n", m.link_bytes);
+  gauge_header(out, "spillway_slice_hbm_bytes_total", "counter",
+               "Bytes a slice's HybridGEMMs read and wrote in its HBM.");
+  for (size_t i = 0; i < m.slices.size(); ++i)
+    out += fmt::format("spillway_slice_hbm_bytes_total{{slice=\"{}\"}} {}\n", i,
+                       m.slices[i].hbm_bytes);
+  gauge_header(out, "spillway_slice_hbm_bandwidth_bytes_per_second", "gauge",
+               "A slice's emulated HBM bandwidth (scaled).");
+  for (size_t i = 0; i < m.slices.size(); ++i)
+    out += fmt::format("spillway_slice_hbm_bandwidth_bytes_per_second{{slice=\"{}\"}} {}\n", i,
+                       m.slices[i].hbm_gbps * 1e9);
   gauge_header(out, "spillway_link_bandwidth_bytes_per_second", "gauge",
                "The emulated shared host link's bandwidth (scaled).");
   out += fmt::format("spillway_link_bandwidth_bytes_per_second {}\n", m.link_gbps * 1e9);

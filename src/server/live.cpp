@@ -1,0 +1,540 @@
+// Clients of a running server: live replay and the load test (spillway/live.hpp, Note [Live
+// replay], Note [Load test]).
+#include "spillway/live.hpp"
+
+#include <fmt/format.h>
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "spillway/error.hpp"
+#include "spillway/model.hpp"
+
+namespace spillway::server {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+void check_url(const std::string& url) {
+  if (url.rfind("http://", 0) != 0)
+    SPILLWAY_INPUT_ERROR(
+        "'{}' is not an http:// URL of a spillway server (e.g. "
+        "http://127.0.0.1:8000)",
+        url);
+}
+
+json get_json(const std::string& url, const std::string& path) {
+  httplib::Client cli(url);
+  cli.set_connection_timeout(5);
+  cli.set_read_timeout(30);
+  const httplib::Result r = cli.Get(path);
+  if (!r)
+    SPILLWAY_INPUT_ERROR("{}{}: no answer ({}): is `spillway serve` running there?", url, path,
+                         httplib::to_string(r.error()));
+  if (r->status != 200)
+    SPILLWAY_INPUT_ERROR("{}{}: HTTP {} ({})", url, path, r->status, r->body.substr(0, 200));
+  try {
+    return json::parse(r->body);
+  } catch (const json::exception& e) {
+    SPILLWAY_INPUT_ERROR("{}{}: not JSON ({})", url, path, e.what());
+  }
+}
+
+// The server's /metrics as name{labels} -> value.
+std::map<std::string, double> scrape(const std::string& url) {
+  httplib::Client cli(url);
+  cli.set_connection_timeout(5);
+  cli.set_read_timeout(30);
+  const httplib::Result r = cli.Get("/metrics");
+  if (!r || r->status != 200)
+    SPILLWAY_INPUT_ERROR("{}/metrics: no metrics ({})", url,
+                         r ? fmt::format("HTTP {}", r->status) : httplib::to_string(r.error()));
+  std::map<std::string, double> out;
+  std::istringstream in(r->body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string::npos) continue;
+    try {
+      out[line.substr(0, sp)] = std::stod(line.substr(sp + 1));
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
+}
+
+double metric(const std::map<std::string, double>& m, const std::string& key) {
+  const auto it = m.find(key);
+  return it == m.end() ? 0.0 : it->second;
+}
+
+// One streamed completion, timed at the client.
+LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double timeout_s) {
+  LiveOutcome out;
+  out.sent = true;
+  json body = {{"model", q.model},
+               {"prompt", q.prompt},
+               {"max_tokens", q.max_tokens},
+               {"temperature", q.temperature},
+               {"seed", q.seed},
+               {"stream", true}};
+  httplib::Client cli(url);
+  cli.set_connection_timeout(10);
+  cli.set_read_timeout(static_cast<time_t>(timeout_s));
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  std::string buf, raw;
+  bool finished = false, done = false;
+  Clock::time_point first{}, last{};
+  const auto t0 = Clock::now();
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    raw.append(data, n);
+    buf.append(data, n);
+    for (size_t end; (end = buf.find("\n\n")) != std::string::npos;) {
+      const std::string ev = buf.substr(0, end);
+      buf.erase(0, end + 2);
+      if (ev.rfind("data: ", 0) != 0) continue;
+      const std::string payload = ev.substr(6);
+      if (payload == "[DONE]") {
+        done = true;
+        continue;
+      }
+      json j;
+      try {
+        j = json::parse(payload);
+      } catch (const json::exception&) {
+        out.error = "an event is not JSON: " + payload.substr(0, 100);
+        continue;
+      }
+      if (j.contains("error")) {
+        out.error = j["error"].value("message", "error");
+        continue;
+      }
+      out.id = j.value("id", "");
+      const json& c = j["choices"][0];
+      const auto now = Clock::now();
+      for (const json& t : c["token_ids"]) {
+        if (out.tokens.empty()) first = now;
+        last = now;
+        out.tokens.push_back(t.get<int32_t>());
+      }
+      if (!c["finish_reason"].is_null()) {
+        finished = true;
+        if (c.contains("spillway")) {
+          out.switched = c["spillway"].value("switched", false);
+          out.cold = c["spillway"].value("cold", false);
+        }
+      }
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  if (!cli.send(req, res, err)) {
+    out.error = "no answer: " + httplib::to_string(err);
+    return out;
+  }
+  out.status = res.status;
+  out.e2e_ms = ms_between(t0, Clock::now());
+  if (res.status != 200) {
+    try {
+      out.error = json::parse(raw)["error"].value("message", raw);
+    } catch (const json::exception&) {
+      out.error = raw.substr(0, 200);
+    }
+    return out;
+  }
+  if (!out.tokens.empty()) out.ttft_ms = ms_between(t0, first);
+  if (out.tokens.size() >= 2)
+    out.tpot_ms = ms_between(first, last) / static_cast<double>(out.tokens.size() - 1);
+  out.complete = finished && done && out.error.empty() &&
+                 out.tokens.size() == static_cast<size_t>(q.max_tokens);
+  if (!out.complete && out.error.empty())
+    out.error = fmt::format("incomplete stream: {} of {} tokens, finish {}, [DONE] {}",
+                            out.tokens.size(), q.max_tokens, finished, done);
+  return out;
+}
+
+}  // namespace
+
+ServerSetup fetch_setup(const std::string& url) {
+  check_url(url);
+  const json j = get_json(url, "/spillway/setup");
+  if (j.value("schema", "") != "spillway.serve-setup/1")
+    SPILLWAY_INPUT_ERROR("{}/spillway/setup: not a spillway server's setup (schema {})", url,
+                         j.value("schema", "none"));
+  ServerSetup s;
+  s.hardware = j["hardware"];
+  s.profile = j["profile"];
+  s.slices = j["slices"];
+  s.rate_scale = j["rate_scale"];
+  s.memory_scale = j["memory_scale"];
+  s.host_budget_bytes = j["host_budget_bytes"];
+  s.max_running = j["max_running"];
+  s.max_context = j["max_context"];
+  s.max_waiting = j["max_waiting"];
+  s.ttft_ms = j["ttft_ms"];
+  s.tpot_ms = j["tpot_ms"];
+  s.alpha = j["alpha"];
+  s.link_gbps = j["link_gbps"];
+  for (const json& m : j["models"])
+    s.models.push_back({m["id"], m["weight_bytes"], m["dtype"], m["vocab_size"], m["config"]});
+  if (s.models.empty()) SPILLWAY_INPUT_ERROR("{}: the server serves no model", url);
+  return s;
+}
+
+std::vector<LiveOutcome> run_live(const std::string& url, const std::vector<LiveRequest>& reqs,
+                                  const LiveOptions& o) {
+  check_url(url);
+  if (o.max_concurrency < 1)
+    SPILLWAY_FIELD_ERROR("max_concurrency", o.max_concurrency, "must be >= 1");
+  std::vector<LiveOutcome> out(reqs.size());
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<size_t> jobs;
+  int idle = o.max_concurrency;
+  bool closing = false;
+  std::vector<std::thread> workers;
+  for (int w = 0; w < o.max_concurrency; ++w)
+    workers.emplace_back([&] {
+      for (;;) {
+        size_t k = 0;
+        {
+          std::unique_lock lk(mu);
+          cv.wait(lk, [&] { return closing || !jobs.empty(); });
+          if (jobs.empty()) return;
+          k = jobs.front();
+          jobs.pop_front();
+        }
+        const double late = out[k].late_ms;
+        out[k] = stream_one(url, reqs[k], o.timeout_s);
+        out[k].late_ms = late;
+        {
+          std::lock_guard lk(mu);
+          ++idle;
+        }
+        cv.notify_all();
+      }
+    });
+  const auto start = Clock::now();
+  for (size_t k = 0; k < reqs.size(); ++k) {
+    const auto at = start + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(reqs[k].at_s));
+    if (reqs[k].at_s > o.max_seconds) break;  // the rest is not sent (sent stays false)
+    std::this_thread::sleep_until(at);
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return idle > 0; });
+    --idle;
+    out[k].late_ms = std::max(0.0, ms_between(at, Clock::now()));
+    jobs.push_back(k);
+    cv.notify_all();
+  }
+  {
+    std::lock_guard lk(mu);
+    closing = true;
+  }
+  cv.notify_all();
+  for (std::thread& t : workers) t.join();
+  return out;
+}
+
+LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequest>& trace,
+                             const ReplayOptions& o, const LiveOptions& lo) {
+  const ServerSetup setup = fetch_setup(url);
+  if (trace.empty()) SPILLWAY_FIELD_ERROR("trace", 0, "must hold at least one request");
+  LiveReplayReport rep;
+  rep.rate_scale = setup.rate_scale;
+  // Lengths that fit the server's context.
+  ReplayOptions d = o;
+  d.hardware = setup.hardware;
+  d.profile = setup.profile;
+  d.prompt_max = std::max<int64_t>(1, std::min<int64_t>(o.prompt_max, setup.max_context / 2));
+  d.prompt_min = std::min(d.prompt_min, d.prompt_max);
+  d.output_max =
+      std::max<int64_t>(1, std::min<int64_t>(o.output_max, setup.max_context - d.prompt_max));
+  d.output_min = std::min(d.output_min, d.output_max);
+  d.ttft_ms = setup.ttft_ms;
+  d.tpot_ms = setup.tpot_ms;
+  d.architectures.clear();
+  double bytes_per_param = 2.0;
+  for (const ServedModelSetup& m : setup.models) {
+    json cfg;
+    try {
+      cfg = json::parse(m.config_json);
+    } catch (const json::exception& e) {
+      SPILLWAY_INPUT_ERROR("{}: model {}'s config is not JSON ({})", url, m.id, e.what());
+    }
+    ModelConfig mc = parse_model_config(cfg, m.id, url + "/spillway/setup");
+    mc.name = m.id;
+    bytes_per_param = static_cast<double>(m.weight_bytes) /
+                      static_cast<double>(std::max<int64_t>(1, parameter_count(mc)));
+    d.architectures.push_back(std::move(mc));
+  }
+  d.weight_bytes_per_param = bytes_per_param;
+  // The trace's model ids by popularity, dealt over the served models.
+  std::map<std::string, int64_t> count;
+  for (const TraceRequest& t : trace) ++count[t.model];
+  std::vector<std::pair<int64_t, std::string>> by;
+  for (const auto& [m, c] : count) by.emplace_back(-c, m);
+  std::sort(by.begin(), by.end());
+  std::map<std::string, size_t> served_of;
+  for (size_t i = 0; i < by.size(); ++i) served_of[by[i].second] = i % setup.models.size();
+  const std::vector<std::pair<int64_t, int64_t>> lengths = draw_token_counts(trace.size(), d);
+  std::mt19937_64 g(o.seed ^ 0x5bd1e995u);
+  std::vector<LiveRequest> reqs;
+  for (size_t i = 0; i < trace.size(); ++i) {
+    LiveRequest q;
+    q.at_s = trace[i].arrival_s / o.time_scale;
+    const ServedModelSetup& m = setup.models[served_of[trace[i].model]];
+    q.model = m.id;
+    for (int64_t t = 0; t < lengths[i].first; ++t)
+      q.prompt.push_back(static_cast<int32_t>(g() % static_cast<uint64_t>(m.vocab)));
+    q.max_tokens = static_cast<int>(lengths[i].second);
+    q.temperature = 0.0;
+    reqs.push_back(std::move(q));
+  }
+  const std::map<std::string, double> before = scrape(url);
+  const auto t0 = Clock::now();
+  const std::vector<LiveOutcome> outs = run_live(url, reqs, lo);
+  const double window_s = std::max(ms_between(t0, Clock::now()) / 1e3, 1e-9);
+  const std::map<std::string, double> after = scrape(url);
+  auto delta = [&](const std::string& k) { return metric(after, k) - metric(before, k); };
+
+  ReplayResult live;
+  live.name = "live (measured)";
+  std::vector<double> ttft, tpot, sw, cold;
+  int64_t within = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const LiveOutcome& x = outs[i];
+    if (!x.sent) {
+      ++rep.not_sent;
+      continue;
+    }
+    ++rep.sent;
+    rep.max_late_ms = std::max(rep.max_late_ms, x.late_ms);
+    if (x.status == 429) ++rep.refused_429;
+    if (x.status == 503) ++rep.refused_503;
+    if (!x.complete && x.status != 429 && x.status != 503) ++rep.errors;
+    if (!x.complete) continue;
+    ++live.completed;
+    ttft.push_back(x.ttft_ms);
+    if (x.tpot_ms >= 0) tpot.push_back(x.tpot_ms);
+    if (x.switched || x.cold) sw.push_back(x.ttft_ms);  // as the simulator counts a switch
+    if (x.cold) cold.push_back(x.ttft_ms);
+    if (x.ttft_ms <= setup.ttft_ms && x.tpot_ms <= setup.tpot_ms) ++within;
+    live.ttft_trace.emplace_back(reqs[i].at_s, x.ttft_ms);
+  }
+  live.requests = rep.sent;
+  live.ttft_ms = latency_stats(ttft);
+  live.tpot_ms = latency_stats(tpot);
+  live.switch_ttft_ms = latency_stats(sw);
+  live.cold_ttft_ms = latency_stats(cold);
+  live.slo_attainment =
+      rep.sent > 0 ? static_cast<double>(within) / static_cast<double>(rep.sent) : 0.0;
+  // A switch as the simulator counts one: a slice given another model, from host memory or
+  // from disk.
+  live.switches = static_cast<int64_t>(delta("spillway_model_switches_total") +
+                                       delta("spillway_cold_loads_total"));
+  live.cold_starts = static_cast<int64_t>(delta("spillway_cold_loads_total"));
+  live.link_utilization = delta("spillway_link_bytes_total") / (setup.link_gbps * 1e9 * window_s);
+  double hbm = 0.0;
+  for (int s = 0; s < setup.slices; ++s) {
+    const std::string l = fmt::format("{{slice=\"{}\"}}", s);
+    const double bw = metric(after, "spillway_slice_hbm_bandwidth_bytes_per_second" + l);
+    if (bw > 0) hbm += delta("spillway_slice_hbm_bytes_total" + l) / (bw * window_s);
+  }
+  live.hbm_utilization = setup.slices > 0 ? hbm / setup.slices : 0.0;
+  live.makespan_s = window_s;
+
+  // The simulator on the requests sent, in GPU time, then back to the emulation's.
+  ReplayOptions sim = d;
+  sim.time_scale = o.time_scale / setup.rate_scale;
+  sim.ttft_ms = setup.ttft_ms * setup.rate_scale;
+  sim.tpot_ms = setup.tpot_ms * setup.rate_scale;
+  sim.host_budget_gb = static_cast<double>(setup.host_budget_bytes) / 1e9;
+  sim.disk_gbps = 2.0 / setup.rate_scale;  // a local disk at ~2 GB/s, in GPU time
+  sim.efficiency = 1.0;                    // the emulated slices compute at their peak
+  sim.baselines = false;
+  if (rep.sent == 0)
+    SPILLWAY_FIELD_ERROR("max_seconds", lo.max_seconds,
+                         "no request of the trace arrives this early (time scale {})",
+                         o.time_scale);
+  // Requests are sent in arrival order: the ones not sent are the tail. The simulator sees
+  // the served models (the trace's ids replaced by the model each was dealt), each with its
+  // own architecture: the simulator deals architectures over models by popularity, so they
+  // are listed in that order.
+  std::vector<TraceRequest> sent(trace.begin(), trace.begin() + static_cast<long>(rep.sent));
+  std::map<std::string, int64_t> uses;
+  for (TraceRequest& t : sent) {
+    t.model = reqs[static_cast<size_t>(&t - sent.data())].model;
+    ++uses[t.model];
+  }
+  std::vector<std::pair<int64_t, std::string>> order;
+  for (const auto& [m, c] : uses) order.emplace_back(-c, m);
+  std::sort(order.begin(), order.end());
+  sim.architectures.clear();
+  for (const auto& [c, m] : order)
+    for (size_t i = 0; i < setup.models.size(); ++i)
+      if (setup.models[i].id == m) sim.architectures.push_back(d.architectures[i]);
+  ReplayResult pred = run_replay(sent, sim).front();
+  pred.name = "simulator (predicted)";
+  const double k = 1.0 / setup.rate_scale;
+  for (LatencyStats* l : {&pred.ttft_ms, &pred.tpot_ms, &pred.switch_ttft_ms, &pred.cold_ttft_ms})
+    *l = {l->p50 * k, l->p95 * k, l->p99 * k};
+  pred.makespan_s *= k;
+  for (auto& [t, y] : pred.ttft_trace) {
+    t *= k;
+    y *= k;
+  }
+  rep.results = {live, pred};
+  rep.sim = d;
+  return rep;
+}
+
+std::string format_live_replay(const LiveReplayReport& r, int64_t distinct_models) {
+  std::string s = format_replay(r.results, r.sim, distinct_models);
+  s += fmt::format(
+      "live: {} sent ({} not sent: past --max-seconds), {} refused 429, {} refused 503, {} "
+      "errors; a request waited up to {:.1f} ms for a client thread\n"
+      "predicted: the simulator on the same requests and setup at the GPU's rates, its times "
+      "divided by the server's rate scale ({:g})\n",
+      r.sent, r.not_sent, r.refused_429, r.refused_503, r.errors, r.max_late_ms, r.rate_scale);
+  return s;
+}
+
+std::string live_replay_json(const LiveReplayReport& r) {
+  json j = json::parse(replay_json(r.results, r.sim));
+  j["schema"] = "spillway.replay-live/1";
+  j["live"] = {{"sent", r.sent},
+               {"not_sent", r.not_sent},
+               {"refused_429", r.refused_429},
+               {"refused_503", r.refused_503},
+               {"errors", r.errors},
+               {"max_late_ms", r.max_late_ms},
+               {"rate_scale", r.rate_scale}};
+  return j.dump(2) + "\n";
+}
+
+LoadReport run_load(const std::string& url, const LoadOptions& o) {
+  const ServerSetup setup = fetch_setup(url);
+  if (o.clients < 1) SPILLWAY_FIELD_ERROR("clients", o.clients, "must be >= 1");
+  if (o.requests < 1) SPILLWAY_FIELD_ERROR("requests", o.requests, "must be >= 1");
+  if (o.distinct < 1) SPILLWAY_FIELD_ERROR("distinct", o.distinct, "must be >= 1");
+  if (o.prompt_tokens + o.max_tokens > setup.max_context)
+    SPILLWAY_FIELD_ERROR("prompt_tokens", o.prompt_tokens,
+                         "+ max_tokens {} exceeds the server's context of {}", o.max_tokens,
+                         setup.max_context);
+  // The distinct (model, prompt, seed) triples.
+  std::vector<LiveRequest> triples;
+  for (int i = 0; i < o.distinct; ++i) {
+    LiveRequest q;
+    const ServedModelSetup& m = setup.models[static_cast<size_t>(i) % setup.models.size()];
+    q.model = m.id;
+    std::mt19937_64 g(o.seed * 1000003u + static_cast<uint64_t>(i));
+    for (int t = 0; t < o.prompt_tokens; ++t)
+      q.prompt.push_back(static_cast<int32_t>(g() % static_cast<uint64_t>(m.vocab)));
+    q.max_tokens = o.max_tokens;
+    q.temperature = 0.8;
+    q.seed = o.seed * 7919u + static_cast<uint64_t>(i);
+    triples.push_back(std::move(q));
+  }
+  std::vector<LiveOutcome> outs(static_cast<size_t>(o.requests));
+  std::atomic<int> next{0};
+  const auto t0 = Clock::now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < o.clients; ++c)
+    clients.emplace_back([&] {
+      for (int k; (k = next++) < o.requests;) {
+        const LiveRequest& q = triples[static_cast<size_t>(k % o.distinct)];
+        LiveOutcome x;
+        int retries = 0;
+        for (;;) {
+          x = stream_one(url, q, o.timeout_s);
+          if (x.status != 429 || retries >= 1000) break;
+          ++retries;
+          std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20 * retries, 500)));
+        }
+        x.retries = retries;
+        outs[static_cast<size_t>(k)] = std::move(x);
+      }
+    });
+  for (std::thread& t : clients) t.join();
+  LoadReport r;
+  r.seconds = ms_between(t0, Clock::now()) / 1e3;
+  r.requests = o.requests;
+  std::set<std::string> ids;
+  std::map<int, const LiveOutcome*> first;
+  std::vector<double> lat, ttft;
+  auto problem = [&](std::string p) {
+    if (r.problems.size() < 10) r.problems.push_back(std::move(p));
+  };
+  for (int k = 0; k < o.requests; ++k) {
+    const LiveOutcome& x = outs[static_cast<size_t>(k)];
+    r.retries_429 += x.retries;
+    if (!x.complete) {
+      ++r.lost;
+      problem(fmt::format("request {}: HTTP {}: {}", k, x.status, x.error));
+      continue;
+    }
+    ++r.answered;
+    if (!ids.insert(x.id).second) {
+      ++r.duplicated;
+      problem(fmt::format("request {}: response id {} seen twice", k, x.id));
+    }
+    lat.push_back(x.e2e_ms);
+    ttft.push_back(x.ttft_ms);
+    const int t = k % o.distinct;
+    const auto it = first.find(t);
+    if (it == first.end()) {
+      first[t] = &x;
+    } else if (it->second->tokens != x.tokens) {
+      ++r.inconsistent;
+      problem(
+          fmt::format("request {}: tokens differ from the first answer to the same model, "
+                      "prompt and seed",
+                      k));
+    }
+  }
+  r.latency_ms = latency_stats(lat);
+  r.ttft_ms = latency_stats(ttft);
+  return r;
+}
+
+std::string format_load(const LoadReport& r, const LoadOptions& o) {
+  std::string s = fmt::format(
+      "load: {} requests from {} clients ({} distinct model/prompt/seed triples sampled at "
+      "temperature 0.8, {} prompt tokens, {} new) in {:.2f} s\n"
+      "  answered {} / {}, lost {}, duplicated {}, inconsistent {}, 429s retried {}\n"
+      "  latency ms p50 {:.1f}  p95 {:.1f}  p99 {:.1f};  TTFT ms p50 {:.1f}  p95 {:.1f}  p99 "
+      "{:.1f}\n",
+      r.requests, o.clients, o.distinct, o.prompt_tokens, o.max_tokens, r.seconds, r.answered,
+      r.requests, r.lost, r.duplicated, r.inconsistent, r.retries_429, r.latency_ms.p50,
+      r.latency_ms.p95, r.latency_ms.p99, r.ttft_ms.p50, r.ttft_ms.p95, r.ttft_ms.p99);
+  for (const std::string& p : r.problems) s += "  problem: " + p + "\n";
+  s += r.lost + r.duplicated + r.inconsistent == 0
+           ? "  every request answered once, every answer the same for its triple\n"
+           : "  FAILED: see the problems above\n";
+  return s;
+}
+
+}  // namespace spillway::server
