@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -96,6 +97,87 @@ TEST(ServeCli, ServesAStreamAndDrainsOnSigterm) {
   const std::string out = slurp(log);
   EXPECT_TRUE(contains(out, "SIGTERM: draining 1 requests")) << out;
   EXPECT_TRUE(contains(out, "drained; 1 requests answered, 30 tokens generated")) << out;
+}
+
+// `spillway serve` in the background on a free port, SIGTERM on scope exit.
+class Server {
+ public:
+  explicit Server(const std::string& flags) {
+    const std::string port_file = (dir_.path() / "port").string();
+    log_ = (dir_.path() / "log").string();
+    const std::string script = std::string("exec '") + SPILLWAY_CLI_PATH +
+                               "' serve --port 0 --port-file '" + port_file + "' " + flags +
+                               " > '" + log_ + "' 2>&1";
+    const char* argv[] = {"/bin/sh", "-c", script.c_str(), nullptr};
+    if (posix_spawn(&pid_, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ) != 0)
+      pid_ = 0;
+    for (int i = 0; i < 300 && port_ == 0 && pid_ != 0; ++i) {
+      std::ifstream f(port_file);
+      if (!(f >> port_)) {
+        port_ = 0;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  }
+  ~Server() {
+    if (pid_ == 0) return;
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
+  std::string log() const { return slurp(log_); }
+
+ private:
+  TempDir dir_;
+  std::string log_;
+  pid_t pid_ = 0;
+  int port_ = 0;
+};
+
+TEST(ServeCli, LiveReplayIsMeasuredBesideTheSimulatorsPrediction) {
+  Server srv("--rate-scale 1e-3");
+  ASSERT_GT(srv.port(), 0) << srv.log();
+  const cli_test::CommandResult r =
+      cli_test::run_command(std::string("'") + SPILLWAY_CLI_PATH + "' replay --live " + srv.url() +
+                            " --max-requests 40 --time-scale 20000 --json - 2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["schema"], "spillway.replay-live/1");
+  ASSERT_EQ(j["configurations"].size(), 2u);
+  const nlohmann::json& live = j["configurations"][0];
+  const nlohmann::json& pred = j["configurations"][1];
+  EXPECT_EQ(live["name"], "live (measured)");
+  EXPECT_EQ(pred["name"], "simulator (predicted)");
+  EXPECT_EQ(j["live"]["sent"], 40);
+  EXPECT_EQ(j["live"]["errors"], 0);
+  EXPECT_EQ(live["completed"], 40);
+  EXPECT_EQ(pred["completed"], 40);
+  EXPECT_GT(live["ttft_ms"]["p50"].get<double>(), 0.0);
+  EXPECT_GT(pred["ttft_ms"]["p50"].get<double>(), 0.0);
+  EXPECT_GT(live["link_utilization"].get<double>(), 0.0);
+  // The two demo models start cold once each, live and predicted.
+  EXPECT_EQ(pred["cold_starts"], live["cold_starts"]);
+  EXPECT_EQ(j["models"], nlohmann::json({"tiny-moe-a", "tiny-moe-b"}));
+}
+
+TEST(ServeCli, LoadAnswersEveryRequestOnceAndTheSameForItsSeed) {
+  // One slice decoding one request, one waiting: most requests meet a 429 and retry.
+  Server srv("--profile 7g.96gb --max-running 1 --max-waiting 1 --rate-scale 1e-2");
+  ASSERT_GT(srv.port(), 0) << srv.log();
+  const cli_test::CommandResult r =
+      cli_test::run_command(std::string("'") + SPILLWAY_CLI_PATH + "' load " + srv.url() +
+                            " --clients 6 --requests 36 --distinct 9 --max-tokens 4 2>&1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "answered 36 / 36, lost 0, duplicated 0, inconsistent 0")) << r.out;
+  EXPECT_TRUE(contains(r.out, "p99")) << r.out;
+  EXPECT_FALSE(contains(r.out, "429s retried 0")) << r.out;
+  // Nothing listening: said, exit 1.
+  const cli_test::CommandResult none = cli_test::run_command(std::string("'") + SPILLWAY_CLI_PATH +
+                                                             "' load http://127.0.0.1:1 2>&1");
+  EXPECT_EQ(none.code, 1) << none.out;
+  EXPECT_TRUE(contains(none.out, "is `spillway serve` running there?")) << none.out;
 }
 
 TEST(ServeCli, BadSetupsExitNonZeroNamingTheField) {

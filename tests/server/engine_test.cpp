@@ -9,11 +9,14 @@
 #include <filesystem>
 #include <thread>
 
+#include "server/pooled_weights.hpp"
 #include "spillway/decoder.hpp"
 #include "spillway/error.hpp"
+#include "spillway/hardware.hpp"
 #include "spillway/nn.hpp"
 #include "spillway/serve.hpp"
 #include "spillway/server.hpp"
+#include "spillway/slices.hpp"
 #include "test_support.hpp"
 
 namespace spillway::server {
@@ -135,6 +138,73 @@ Greedy reference_greedy(const nn::RefConfig& c, uint64_t seed, std::vector<int32
     seq.push_back(best);
   }
   return g;
+}
+
+TEST(PooledWeights, LogitsDoNotDependOnTheBatchOrAlphaToTheBit) {
+  // Note [Served determinism] at its root: the decoder over the pool through HybridGEMM's
+  // invariant form gives a sequence's logits to the bit whether it runs alone at alpha 0 or
+  // batched with two others while alpha moves every step.
+  const Models& m = models();
+  const nn::RefConfig c = nn::load_reference_config(m.files[0].config_path);
+  const SliceSetup setup = mig_slices(load_hardware("gh200"), "7g.96gb", 1.0, 1e-3);
+  auto link = std::make_shared<HostLink>(setup.link_gbps, setup.link_gbps);
+  EmulatedSlice slice(setup.slices[0], link);
+  auto pool_dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  ModelPool pool(*pool_dev, ModelPoolOptions{int64_t{1} << 30});
+  pool.add("a", m.files[0].weights_path);
+  PoolAcquire a = pool.acquire("a");
+  ASSERT_EQ(a.status, PoolStatus::kOk);
+  PooledWeights w(a.handle, c, slice);
+  nn::DecoderOptions o;
+  o.max_sequences = 3;
+  o.max_context = 48;
+  o.max_step_tokens = 32;
+  const std::vector<std::vector<int32_t>> seqs = {bytes("the first sequence"), bytes("second"),
+                                                  bytes("and a third one")};
+  const int V = c.vocab;
+  // Alone, alpha 0: a prefill of 5, then one token at a time.
+  std::vector<std::vector<float>> alone;
+  for (const std::vector<int32_t>& sq : seqs) {
+    nn::Decoder dec(c, slice.device(), o);
+    std::vector<float> l(static_cast<size_t>(V));
+    w.begin_iteration(0.0);
+    nn::DecodeChunk ch{0, sq.data(), 5};
+    dec.step(&ch, 1, w, l.data());
+    alone.push_back(l);
+    for (size_t t = 5; t < sq.size(); ++t) {
+      ch = {0, sq.data() + t, 1};
+      dec.step(&ch, 1, w, l.data());
+      alone.push_back(l);
+    }
+  }
+  nn::Decoder dec(c, slice.device(), o);
+  std::vector<std::vector<std::vector<float>>> got(seqs.size());
+  std::vector<size_t> pos(seqs.size(), 0);
+  std::vector<float> l(static_cast<size_t>(3 * V));
+  const double alphas[] = {0.37, 1.0, 0.0, 0.81, 0.5};
+  for (int step = 0;; ++step) {
+    std::vector<nn::DecodeChunk> chunks;
+    std::vector<size_t> who;
+    for (size_t q = 0; q < seqs.size(); ++q) {
+      if (pos[q] >= seqs[q].size()) continue;
+      const int take = pos[q] == 0 ? 5 : 1;
+      chunks.push_back({static_cast<int>(q), seqs[q].data() + pos[q], take});
+      who.push_back(q);
+      pos[q] += static_cast<size_t>(take);
+    }
+    if (chunks.empty()) break;
+    w.begin_iteration(alphas[step % 5]);
+    dec.step(chunks.data(), static_cast<int>(chunks.size()), w, l.data());
+    for (size_t i = 0; i < who.size(); ++i)
+      got[who[i]].emplace_back(l.begin() + static_cast<long>(i) * V,
+                               l.begin() + static_cast<long>(i + 1) * V);
+  }
+  size_t k = 0;
+  for (size_t q = 0; q < seqs.size(); ++q)
+    for (size_t i = 0; i < got[q].size(); ++i, ++k)
+      EXPECT_EQ(0, std::memcmp(got[q][i].data(), alone[k].data(), static_cast<size_t>(V) * 4))
+          << "sequence " << q << " step " << i;
+  EXPECT_EQ(k, alone.size());
 }
 
 TEST(ServingEngine, GreedyCompletionsAreTheReferenceModels) {
