@@ -14,6 +14,7 @@
 #include "bench_gemm.hpp"
 #include "bench_offload.hpp"
 #include "bench_serve.hpp"
+#include "bench_serve_live.hpp"
 #include "bench_stream.hpp"
 #include "bench_stv.hpp"
 #include "cli/commands.hpp"
@@ -449,6 +450,52 @@ void add_bench_serve_command(CLI::App& bench) {
   });
 }
 
+void add_bench_serve_live_command(CLI::App& bench) {
+  struct State {
+    ServeLiveBenchOptions options;
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "serve-live",
+      "The live serving engine (the one `spillway serve` runs) on one emulated MIG slice: the "
+      "same requests decoded with continuous batching against one request at a time, same "
+      "run: tokens/s of each, the ratio, TTFT p99, and the limit (every decoder step reads "
+      "the model's weights once over the link). Checks that both runs give the same tokens.\n\n"
+      "Examples:\n"
+      "  spillway bench serve-live\n"
+      "  spillway bench serve-live --config small-moe --max-running 16 --json -");
+  ServeLiveBenchOptions& o = st->options;
+  cmd->add_option("--config", o.config, "The reference model served (embedded or a path)")
+      ->capture_default_str();
+  cmd->add_option("--hardware", o.hardware, "A catalog GPU with MIG profiles")
+      ->capture_default_str();
+  cmd->add_option("--profile", o.profile, "The slice's MIG profile")->capture_default_str();
+  in_range(cmd->add_option("--rate-scale", o.rate_scale, "Every hardware rate times this")
+               ->capture_default_str(),
+           open_closed(0, 1));
+  in_range(cmd->add_option("--requests", o.requests, "Requests")->capture_default_str(),
+           closed(1, 100000));
+  in_range(cmd->add_option("--prompt-tokens", o.prompt_tokens, "Prompt tokens per request")
+               ->capture_default_str(),
+           closed(1, 65536));
+  in_range(cmd->add_option("--output-tokens", o.output_tokens, "Tokens generated per request")
+               ->capture_default_str(),
+           closed(1, 65536));
+  in_range(cmd->add_option("--max-running", o.max_running, "Requests batched together")
+               ->capture_default_str(),
+           closed(2, 1024));
+  cmd->add_option("--json", st->json_path, "Write the results as JSON to FILE ('-' for stdout)");
+  cmd->callback([st]() {
+    say_beside_json(st->json_path,
+                    "running: the same requests one at a time, then with continuous batching...\n");
+    const ServeLiveBenchResult r = run_serve_live_bench(st->options);
+    say_beside_json(st->json_path, format_serve_live_bench(r));
+    if (!st->json_path.empty()) write_output(st->json_path, serve_live_bench_json(r));
+    if (!r.same_tokens) SPILLWAY_INPUT_ERROR("bench serve-live: the two runs' completions differ");
+  });
+}
+
 void add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand(
       "bench",
@@ -461,12 +508,14 @@ void add_bench_command(CLI::App& app) {
       "  spillway bench optim-offload\n"
       "  spillway bench gemm --json profile.json\n"
       "  spillway bench stream\n"
-      "  spillway bench serve");
+      "  spillway bench serve\n"
+      "  spillway bench serve-live");
   bench->require_subcommand(1);
   add_bench_offload_command(*bench);
   add_bench_adam_command(*bench);
   add_bench_optim_offload_command(*bench);
   add_bench_serve_command(*bench);
+  add_bench_serve_live_command(*bench);
   add_bench_gemm_command(*bench);
   add_bench_stream_command(*bench);
 }

@@ -363,7 +363,6 @@ void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capa
   SPILLWAY_CHECK(pos >= 0 && pos + n <= capacity,
                  "attention_cached_fwd: positions {}..{} outside the cache's {}", pos, pos + n - 1,
                  capacity);
-  const int end = pos + n;
   const int half = head_dim / 2;
   T* qs = scratch_buf;     // (heads, n, head_dim) rotated, scaled q
   T* probs = qs + q_size;  // (rows, cols) one row block's scores, then probabilities

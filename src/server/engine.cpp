@@ -207,7 +207,7 @@ struct ServingEngine::Impl {
   std::unique_ptr<Device> pool_device;
   std::unique_ptr<ModelPool> pool;
   std::unique_ptr<Scheduler> scheduler;
-  Clock::time_point started = Clock::now();
+  Clock::time_point start_time = Clock::now();
 
   struct Slice {
     std::unique_ptr<EmulatedSlice> slice;
@@ -591,7 +591,7 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
     sm.kv_bytes_per_token = int64_t{2} * c.layers() * c.kv_heads * c.head_dim * 4;
     // A chunk's time on the slice: its weights over the link (once per step) or its FLOPs,
     // whichever is longer; no HBM beyond the decoder's buffers.
-    const double params = static_cast<double>(r.weight_bytes) / dtype_bytes(r.dtype);
+    const double params = static_cast<double>(r.weight_bytes) / static_cast<double>(dtype_bytes(r.dtype));
     for (int64_t t : kChunkSizes) {
       if (t > m.max_chunk()) break;
       const double link_ms = static_cast<double>(r.weight_bytes) / (m.setup.link_gbps * 1e6);
@@ -745,7 +745,7 @@ void ServingEngine::drain() {
 EngineMetrics ServingEngine::metrics() const {
   const Impl& m = *impl_;
   EngineMetrics e;
-  const double up = std::max(ms_between(m.started, Clock::now()) / 1e3, 1e-9);
+  const double up = std::max(ms_between(m.start_time, Clock::now()) / 1e3, 1e-9);
   const ModelPoolStats ps = m.pool->stats();
   std::lock_guard lk(m.mu);
   e.uptime_s = up;

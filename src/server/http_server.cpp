@@ -354,7 +354,7 @@ void HttpServer::Impl::routes() {
   });
   // The server's setup, for clients that model it (spillway replay --live).
   svr.Get("/spillway/setup", [this](const httplib::Request&, httplib::Response& res) {
-    const EngineOptions& o = engine.options();
+    const EngineOptions& eo = engine.options();
     json models = json::array();
     for (const ServedModelInfo& m : engine.models())
       models.push_back({{"id", m.name},
@@ -363,19 +363,19 @@ void HttpServer::Impl::routes() {
                         {"vocab_size", m.vocab},
                         {"config", m.config_json}});
     res.set_content(dump(json{{"schema", "spillway.serve-setup/1"},
-                              {"hardware", o.hardware},
-                              {"profile", o.profile},
+                              {"hardware", eo.hardware},
+                              {"profile", eo.profile},
                               {"slices", engine.slices()},
-                              {"rate_scale", o.rate_scale},
-                              {"memory_scale", o.memory_scale},
-                              {"host_budget_bytes", o.host_budget_bytes},
-                              {"max_running", o.max_running},
-                              {"max_context", o.max_context},
-                              {"max_step_tokens", o.max_step_tokens},
-                              {"max_waiting", o.max_waiting},
-                              {"ttft_ms", o.ttft_ms},
-                              {"tpot_ms", o.tpot_ms},
-                              {"alpha", o.alpha},
+                              {"rate_scale", eo.rate_scale},
+                              {"memory_scale", eo.memory_scale},
+                              {"host_budget_bytes", eo.host_budget_bytes},
+                              {"max_running", eo.max_running},
+                              {"max_context", eo.max_context},
+                              {"max_step_tokens", eo.max_step_tokens},
+                              {"max_waiting", eo.max_waiting},
+                              {"ttft_ms", eo.ttft_ms},
+                              {"tpot_ms", eo.tpot_ms},
+                              {"alpha", eo.alpha},
                               {"link_gbps", engine.link_gbps()},
                               {"models", models}}),
                     "application/json");

@@ -180,6 +180,23 @@ TEST(ServeCli, LoadAnswersEveryRequestOnceAndTheSameForItsSeed) {
   EXPECT_TRUE(contains(none.out, "is `spillway serve` running there?")) << none.out;
 }
 
+TEST(ServeCli, BenchServeLiveComparesBatchingWithOneAtATime) {
+  const cli_test::CommandResult r = cli_test::run_command(
+      std::string("'") + SPILLWAY_CLI_PATH +
+      "' bench serve-live --requests 6 --prompt-tokens 8 --output-tokens 6 --max-running 3 "
+      "--rate-scale 1e-2 --json - 2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["schema"], "spillway.bench-serve-live/1");
+  EXPECT_TRUE(j["same_tokens"].get<bool>());
+  EXPECT_GT(j["batched_tokens_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["serial_tokens_per_s"].get<double>(), 0.0);
+  // The limit: max_running (3) times one request's.
+  EXPECT_NEAR(j["limit_tokens_per_s"].get<double>(),
+              3 * j["serial_limit_tokens_per_s"].get<double>(), 1e-6);
+  EXPECT_GT(j["weight_bytes"].get<int64_t>(), 1000000);
+}
+
 TEST(ServeCli, BadSetupsExitNonZeroNamingTheField) {
   TempDir dir;
   const std::string bin = std::string("'") + SPILLWAY_CLI_PATH + "'";
