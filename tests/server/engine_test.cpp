@@ -11,6 +11,7 @@
 
 #include "server/pooled_weights.hpp"
 #include "spillway/decoder.hpp"
+#include "spillway/device_math.hpp"
 #include "spillway/error.hpp"
 #include "spillway/hardware.hpp"
 #include "spillway/nn.hpp"
@@ -228,6 +229,56 @@ TEST(ServingEngine, GreedyCompletionsAreTheReferenceModels) {
     }
     EXPECT_EQ(compared, n);
   }
+}
+
+TEST(ServingEngine, Bf16CheckpointsServeTheirRoundedWeights) {
+  // A bf16 checkpoint is the fp32 one rounded to nearest even: served greedy, it continues
+  // as the decoder over the rounded weights in memory does (the reference op's GEMMs).
+  TempDir dir;
+  write_checkpoint("tiny-moe", 5, (dir.path() / "half").string(), DType::kBf16);
+  const std::vector<ModelFiles> files = find_models(dir.path().string());
+  const nn::RefConfig c = nn::load_reference_config(files[0].config_path);
+  auto dev = make_host_device(HostDeviceOptions{int64_t{256} << 20, 0.0, 0.0});
+  nn::Model ref(c, *dev, 5);
+  std::vector<std::vector<float>> rounded;
+  std::vector<const float*> ptrs;
+  for (const nn::NamedWeight& w : ref.named_weights()) {
+    std::vector<float> r(static_cast<size_t>(w.spec.elements()));
+    for (size_t i = 0; i < r.size(); ++i) r[i] = bf16_to_float(float_to_bf16(w.data[i]));
+    rounded.push_back(std::move(r));
+    ptrs.push_back(rounded.back().data());
+  }
+  nn::MemoryWeights mw(ptrs);
+  nn::DecoderOptions o;
+  o.max_sequences = 1;
+  o.max_context = 64;
+  nn::Decoder dec(c, *dev, o);
+  const std::vector<int32_t> prompt = bytes("bf16 weights");
+  std::vector<float> logits(static_cast<size_t>(c.vocab));
+  nn::DecodeChunk ch{0, prompt.data(), static_cast<int>(prompt.size())};
+  std::vector<int32_t> want;
+  std::vector<bool> clear;  // the choice is not within Note [Served outputs]' tolerance of a tie
+  int32_t tok = 0;
+  for (int t = 0; t < 16; ++t) {
+    dec.step(&ch, 1, mw, logits.data());
+    tok = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    float top = 1.0f, second = -INFINITY;
+    for (int v = 0; v < c.vocab; ++v) {
+      top = std::max(top, std::fabs(logits[static_cast<size_t>(v)]));
+      if (v != tok) second = std::max(second, logits[static_cast<size_t>(v)]);
+    }
+    clear.push_back(logits[static_cast<size_t>(tok)] - second > 2e-4f * top);
+    want.push_back(tok);
+    ch = {0, &tok, 1};
+  }
+  ServingEngine e(files, fast("1g.12gb", 0.5));
+  EXPECT_EQ(e.models().front().dtype, DType::kBf16);
+  const std::vector<int32_t> got = run(e, request("half", "bf16 weights", 16));
+  ASSERT_EQ(got.size(), want.size());
+  size_t compared = 0;
+  for (; compared < want.size() && clear[compared]; ++compared)
+    EXPECT_EQ(got[compared], want[compared]) << "token " << compared;
+  EXPECT_EQ(compared, want.size());  // no near-tie on this prompt and model
 }
 
 TEST(ServingEngine, ACompletionDependsOnlyOnItsRequest) {
