@@ -275,6 +275,20 @@ void exp_shifted(T* x, int n, T shift) {
   for (int j = 0; j < n; ++j) x[j] = std::exp(x[j] - shift);
 }
 
+// One row of scores p (cols) into the probabilities of its first n keys, the rest zeroed;
+// returns the log-sum-exp of the n scores (max-shifted, summed in double).
+template <class T>
+double causal_softmax_row(T* p, int n, int cols) {
+  const T mx = *std::max_element(p, p + n);
+  exp_shifted(p, n, mx);
+  double sum = 0;
+  for (int j = 0; j < n; ++j) sum += p[j];
+  const double inv = 1.0 / sum;
+  for (int j = 0; j < n; ++j) p[j] = static_cast<T>(p[j] * inv);
+  std::fill(p + n, p + cols, T(0));
+  return mx + std::log(sum);
+}
+
 // What both attention passes derive from the shape (checked here).
 struct AttentionGeometry {
   int group;      // query heads per kv head
@@ -330,18 +344,9 @@ void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, 
         const int cols = i0 + rows;
         gemm<T>(false, true, rows, cols, head_dim, T(1), qh + i0 * hd, head_dim, kh, head_dim, T(0),
                 probs, cols);
-        for (int r = 0; r < rows; ++r) {
-          const int n = i0 + r + 1;  // keys 0 .. i
-          T* p = probs + static_cast<size_t>(r) * cols;
-          const T mx = *std::max_element(p, p + n);
-          exp_shifted(p, n, mx);
-          double sum = 0;
-          for (int j = 0; j < n; ++j) sum += p[j];
-          const double inv = 1.0 / sum;
-          for (int j = 0; j < n; ++j) p[j] = static_cast<T>(p[j] * inv);
-          std::fill(p + n, p + cols, T(0));
-          lse[(token0 + i0 + r) * heads + h] = static_cast<T>(mx + std::log(sum));
-        }
+        for (int r = 0; r < rows; ++r)  // keys 0 .. i
+          lse[(token0 + i0 + r) * heads + h] = static_cast<T>(
+              causal_softmax_row(probs + static_cast<size_t>(r) * cols, i0 + r + 1, cols));
         gemm<T>(false, false, rows, head_dim, cols, T(1), probs, cols, vh, width, T(0),
                 out + (token0 + i0) * out_width + h * hd, out_width);
       }
@@ -391,17 +396,8 @@ void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capa
       const int cols = pos + i0 + rows;
       gemm<T>(false, true, rows, cols, head_dim, T(1), qh + i0 * hd, head_dim, kh, head_dim, T(0),
               probs, cols);
-      for (int r = 0; r < rows; ++r) {
-        const int keys = pos + i0 + r + 1;  // keys 0 .. pos + i
-        T* p = probs + static_cast<size_t>(r) * cols;
-        const T mx = *std::max_element(p, p + keys);
-        exp_shifted(p, keys, mx);
-        double sum = 0;
-        for (int j = 0; j < keys; ++j) sum += p[j];
-        const double inv = 1.0 / sum;
-        for (int j = 0; j < keys; ++j) p[j] = static_cast<T>(p[j] * inv);
-        std::fill(p + keys, p + cols, T(0));
-      }
+      for (int r = 0; r < rows; ++r)  // keys 0 .. pos + i
+        (void)causal_softmax_row(probs + static_cast<size_t>(r) * cols, pos + i0 + r + 1, cols);
       gemm<T>(false, false, rows, head_dim, cols, T(1), probs, cols, vh, head_dim, T(0),
               out + static_cast<size_t>(i0) * out_width + h * hd, out_width);
     }

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "served_models.hpp"
 #include "server/pooled_weights.hpp"
 #include "spillway/decoder.hpp"
 #include "spillway/device_math.hpp"
@@ -23,36 +24,12 @@
 namespace spillway::server {
 namespace {
 
+using testing::fast;
+using testing::models;
+using testing::Models;
+
 namespace fs = std::filesystem;
 using spillway::testing::TempDir;
-
-// Two tiny-moe checkpoints (seeds 1 and 2), fp32, in one models directory.
-struct Models {
-  TempDir dir;
-  std::vector<ModelFiles> files;
-  Models() {
-    write_checkpoint("tiny-moe", 1, (dir.path() / "tiny-a").string(), DType::kFp32);
-    write_checkpoint("tiny-moe", 2, (dir.path() / "tiny-b").string(), DType::kFp32);
-    files = find_models(dir.path().string());
-  }
-};
-
-Models& models() {
-  static Models m;
-  return m;
-}
-
-EngineOptions fast(const std::string& profile = "1g.12gb", double alpha = -1.0) {
-  EngineOptions o;
-  o.profile = profile;
-  o.rate_scale = 1e-2;
-  o.memory_scale = 1e-3;
-  o.max_running = 4;
-  o.max_context = 96;
-  o.max_step_tokens = 64;
-  o.alpha = alpha;
-  return o;
-}
 
 std::vector<int32_t> bytes(const std::string& s) {
   return {s.begin(), s.end()};

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "served_models.hpp"
 #include "spillway/http_server.hpp"
 #include "spillway/server.hpp"
 #include "test_support.hpp"
@@ -21,35 +22,12 @@
 namespace spillway::server {
 namespace {
 
+using testing::fast;
+using testing::models;
+using testing::Models;
+
 using nlohmann::json;
 using spillway::testing::TempDir;
-
-// Two tiny-moe checkpoints (seeds 1 and 2), fp32, in one models directory.
-struct Models {
-  TempDir dir;
-  std::vector<ModelFiles> files;
-  Models() {
-    write_checkpoint("tiny-moe", 1, (dir.path() / "tiny-a").string(), DType::kFp32);
-    write_checkpoint("tiny-moe", 2, (dir.path() / "tiny-b").string(), DType::kFp32);
-    files = find_models(dir.path().string());
-  }
-};
-
-Models& models() {
-  static Models m;
-  return m;
-}
-
-EngineOptions fast(const std::string& profile = "1g.12gb") {
-  EngineOptions o;
-  o.profile = profile;
-  o.rate_scale = 1e-2;
-  o.memory_scale = 1e-3;
-  o.max_running = 4;
-  o.max_context = 96;
-  o.max_step_tokens = 64;
-  return o;
-}
 
 // A slow engine on one slice (7g.96gb): requests queue, a stream lasts long enough to act
 // in the middle of it.

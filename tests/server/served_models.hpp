@@ -1,0 +1,42 @@
+// What the server tests share: two tiny-moe checkpoints written once per test binary, and
+// an engine setup fast enough for unit tests.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "spillway/server.hpp"
+#include "test_support.hpp"
+
+namespace spillway::server::testing {
+
+// Two tiny-moe checkpoints (seeds 1 and 2), fp32, in one models directory.
+struct Models {
+  spillway::testing::TempDir dir;
+  std::vector<ModelFiles> files;
+  Models() {
+    write_checkpoint("tiny-moe", 1, (dir.path() / "tiny-a").string(), DType::kFp32);
+    write_checkpoint("tiny-moe", 2, (dir.path() / "tiny-b").string(), DType::kFp32);
+    files = find_models(dir.path().string());
+  }
+};
+
+inline Models& models() {
+  static Models m;
+  return m;
+}
+
+// Small and quick: rates x 1e-2, 4 sequences of 96 tokens per slice; alpha < 0 adapts.
+inline EngineOptions fast(const std::string& profile = "1g.12gb", double alpha = -1.0) {
+  EngineOptions o;
+  o.profile = profile;
+  o.rate_scale = 1e-2;
+  o.memory_scale = 1e-3;
+  o.max_running = 4;
+  o.max_context = 96;
+  o.max_step_tokens = 64;
+  o.alpha = alpha;
+  return o;
+}
+
+}  // namespace spillway::server::testing
