@@ -24,29 +24,14 @@
 namespace spillway::server {
 namespace {
 
+using testing::bytes;
+using testing::complete;
 using testing::fast;
 using testing::models;
 using testing::Models;
 
 namespace fs = std::filesystem;
 using spillway::testing::TempDir;
-
-std::vector<int32_t> bytes(const std::string& s) {
-  return {s.begin(), s.end()};
-}
-
-std::vector<int32_t> run(ServingEngine& e, const CompletionRequest& q) {
-  SubmitResult r = e.submit(q);
-  EXPECT_EQ(r.status, SubmitStatus::kAccepted) << r.message;
-  if (r.status != SubmitStatus::kAccepted) return {};
-  std::vector<int32_t> toks;
-  Completion::State st;
-  while ((st = r.completion->wait_tokens(toks.size(), &toks)) == Completion::State::kRunning) {
-  }
-  EXPECT_EQ(st, Completion::State::kDone) << r.completion->error();
-  EXPECT_EQ(r.completion->finish_reason(), "length");
-  return toks;
-}
 
 CompletionRequest request(const std::string& model, const std::string& prompt, int max_tokens,
                           double temperature = 0.0, uint64_t seed = 0) {
@@ -194,7 +179,7 @@ TEST(ServingEngine, GreedyCompletionsAreTheReferenceModels) {
   for (double alpha : {0.0, 0.5, 1.0, -1.0}) {
     SCOPED_TRACE(::testing::Message() << "alpha " << alpha);
     ServingEngine e(m.files, fast("1g.12gb", alpha));
-    const std::vector<int32_t> got = run(e, request("tiny-a", prompt, n));
+    const std::vector<int32_t> got = complete(e, request("tiny-a", prompt, n));
     ASSERT_EQ(got.size(), static_cast<size_t>(n));
     // Equal up to the first position where the reference's own choice is within the
     // tolerance of a tie (none, on this prompt and model: checked too).
@@ -250,7 +235,7 @@ TEST(ServingEngine, Bf16CheckpointsServeTheirRoundedWeights) {
   }
   ServingEngine e(files, fast("1g.12gb", 0.5));
   EXPECT_EQ(e.models().front().dtype, DType::kBf16);
-  const std::vector<int32_t> got = run(e, request("half", "bf16 weights", 16));
+  const std::vector<int32_t> got = complete(e, request("half", "bf16 weights", 16));
   ASSERT_EQ(got.size(), want.size());
   size_t compared = 0;
   for (; compared < want.size() && clear[compared]; ++compared)
@@ -270,20 +255,20 @@ TEST(ServingEngine, ACompletionDependsOnlyOnItsRequest) {
   {
     ServingEngine e(m.files, fast("7g.96gb", 0.0));
     ASSERT_EQ(e.slices(), 1);
-    for (const CompletionRequest& q : reqs) alone.push_back(run(e, q));
+    for (const CompletionRequest& q : reqs) alone.push_back(complete(e, q));
   }
   ServingEngine e(m.files, fast("1g.12gb", -1.0));
   ASSERT_EQ(e.slices(), 7);
   std::vector<std::vector<int32_t>> together(reqs.size());
   std::vector<std::thread> clients;
   for (size_t i = 0; i < reqs.size(); ++i)
-    clients.emplace_back([&, i] { together[i] = run(e, reqs[i]); });
+    clients.emplace_back([&, i] { together[i] = complete(e, reqs[i]); });
   for (std::thread& t : clients) t.join();
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(together[i], alone[i]) << "request " << i;
   // Sampling follows the seed: another seed, another completion (here).
   CompletionRequest other = reqs[1];
   other.seed += 1;
-  EXPECT_NE(run(e, other), alone[1]);
+  EXPECT_NE(complete(e, other), alone[1]);
   const EngineMetrics mt = e.metrics();
   EXPECT_EQ(mt.requests.at("ok"), 13);
   EXPECT_GE(mt.switches + mt.cold_loads, 2);
@@ -366,7 +351,7 @@ TEST(ServingEngine, ACancelledRequestStopsAndFreesItsPlace) {
   EXPECT_EQ(e.in_flight(), 0);
   EXPECT_EQ(e.metrics().requests.at("cancelled"), 1);
   // The slice serves the next one.
-  EXPECT_EQ(run(e, request("tiny-a", "next", 3)).size(), 3u);
+  EXPECT_EQ(complete(e, request("tiny-a", "next", 3)).size(), 3u);
 }
 
 TEST(ServingEngine, AModelThePoolCannotHoldBesideThoseInUseFailsLoudly) {
@@ -395,7 +380,7 @@ TEST(ServingEngine, AModelThePoolCannotHoldBesideThoseInUseFailsLoudly) {
 TEST(ServingEngine, MetricsInPrometheusText) {
   const Models& m = models();
   ServingEngine e(m.files, fast("7g.96gb", 0.5));
-  for (int i = 0; i < 3; ++i) run(e, request("tiny-a", "metrics", 5));
+  for (int i = 0; i < 3; ++i) complete(e, request("tiny-a", "metrics", 5));
   const EngineMetrics mt = e.metrics();
   EXPECT_EQ(mt.tokens_generated, 15);
   EXPECT_EQ(mt.ttft_n, 3);

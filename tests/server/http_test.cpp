@@ -22,6 +22,8 @@
 namespace spillway::server {
 namespace {
 
+using testing::bytes;
+using testing::complete;
 using testing::fast;
 using testing::models;
 using testing::Models;
@@ -88,23 +90,6 @@ class Served {
 
 httplib::Result post(httplib::Client& cli, const json& body) {
   return cli.Post("/v1/completions", body.dump(), "application/json");
-}
-
-std::vector<int32_t> bytes(const std::string& s) {
-  return {s.begin(), s.end()};
-}
-
-// The engine's own completion of q, submitted directly.
-std::vector<int32_t> direct(ServingEngine& e, const CompletionRequest& q) {
-  SubmitResult r = e.submit(q);
-  EXPECT_EQ(r.status, SubmitStatus::kAccepted) << r.message;
-  if (r.status != SubmitStatus::kAccepted) return {};
-  std::vector<int32_t> toks;
-  Completion::State st;
-  while ((st = r.completion->wait_tokens(toks.size(), &toks)) == Completion::State::kRunning) {
-  }
-  EXPECT_EQ(st, Completion::State::kDone) << r.completion->error();
-  return toks;
 }
 
 std::vector<int32_t> token_ids(const json& choice) {
@@ -183,7 +168,7 @@ TEST(HttpServer, GreedyCompletionIsTheEnginesOwn) {
   q.prompt = bytes(prompt);
   q.max_tokens = n;
   q.temperature = 0.0;
-  EXPECT_EQ(got, direct(s.engine, q));
+  EXPECT_EQ(got, complete(s.engine, q));
   // The prompt as an array of token ids is the same request.
   json as_ids = body;
   as_ids["prompt"] = bytes(prompt);
@@ -221,7 +206,7 @@ TEST(HttpServer, AStreamCarriesTheSameTokensAsOneResponse) {
   q.max_tokens = n;
   q.temperature = 0.8;
   q.seed = 4242;
-  EXPECT_EQ(direct(s.engine, q), expected);
+  EXPECT_EQ(complete(s.engine, q), expected);
 
   json streamed = body;
   streamed["stream"] = true;

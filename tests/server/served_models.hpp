@@ -39,4 +39,22 @@ inline EngineOptions fast(const std::string& profile = "1g.12gb", double alpha =
   return o;
 }
 
+inline std::vector<int32_t> bytes(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+// The engine's completion of q, submitted directly and read to its end (expected done).
+inline std::vector<int32_t> complete(ServingEngine& e, const CompletionRequest& q) {
+  SubmitResult r = e.submit(q);
+  EXPECT_EQ(r.status, SubmitStatus::kAccepted) << r.message;
+  if (r.status != SubmitStatus::kAccepted) return {};
+  std::vector<int32_t> toks;
+  Completion::State st;
+  while ((st = r.completion->wait_tokens(toks.size(), &toks)) == Completion::State::kRunning) {
+  }
+  EXPECT_EQ(st, Completion::State::kDone) << r.completion->error();
+  EXPECT_EQ(r.completion->finish_reason(), "length");
+  return toks;
+}
+
 }  // namespace spillway::server::testing
