@@ -21,6 +21,8 @@ namespace fs = std::filesystem;
 struct Run {
   double seconds = 0.0;
   int64_t tokens = 0;
+  int64_t link_bytes = 0;  // moved over the link by the run
+  double link_gbps = 0.0;
   double ttft_p99_ms = 0.0;
   std::vector<std::vector<int32_t>> outputs;
 };
@@ -63,6 +65,8 @@ Run run_engine(const std::vector<server::ModelFiles>& models, const ServeLiveBen
     run.outputs.push_back(std::move(toks));
   }
   run.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  run.link_bytes = engine.metrics().link_bytes;
+  run.link_gbps = engine.link_gbps();
   run.ttft_p99_ms = latency_stats(ttft).p99;
   return run;
 }
@@ -87,23 +91,24 @@ ServeLiveBenchResult run_serve_live_bench(const ServeLiveBenchOptions& o) {
   const std::vector<server::ModelFiles> models = server::find_models(dir.string());
   const Run serial = run_engine(models, o, 1);
   const Run batched = run_engine(models, o, o.max_running);
-  {
-    server::EngineOptions e;
-    e.hardware = o.hardware;
-    e.profile = o.profile;
-    e.rate_scale = o.rate_scale;
-    e.max_running = 1;
-    e.max_step_tokens = 64;
-    server::ServingEngine probe(models, e);
-    r.link_gbps = probe.link_gbps();
-    r.weight_bytes = probe.models().front().weight_bytes;
-  }
+  r.link_gbps = batched.link_gbps;
+  r.weight_bytes = static_cast<int64_t>(fs::file_size(models.front().weights_path));
   r.serial_s = serial.seconds;
   r.batched_s = batched.seconds;
   r.serial_tokens_per_s = static_cast<double>(serial.tokens) / serial.seconds;
   r.batched_tokens_per_s = static_cast<double>(batched.tokens) / batched.seconds;
-  r.serial_limit_tokens_per_s = r.link_gbps * 1e9 / static_cast<double>(r.weight_bytes);
-  r.limit_tokens_per_s = r.serial_limit_tokens_per_s * std::min(o.max_running, o.requests);
+  // The limit of each run: its tokens over the time its link bytes take at the link's
+  // bandwidth (what it moved: a step reads the weights its tokens touch once).
+  auto limit = [](const Run& x) {
+    return static_cast<double>(x.tokens) /
+           (static_cast<double>(x.link_bytes) / (x.link_gbps * 1e9));
+  };
+  r.serial_limit_tokens_per_s = limit(serial);
+  r.limit_tokens_per_s = limit(batched);
+  r.serial_link_bytes_per_token =
+      static_cast<double>(serial.link_bytes) / static_cast<double>(serial.tokens);
+  r.batched_link_bytes_per_token =
+      static_cast<double>(batched.link_bytes) / static_cast<double>(batched.tokens);
   r.serial_ttft_p99_ms = serial.ttft_p99_ms;
   r.batched_ttft_p99_ms = batched.ttft_p99_ms;
   r.same_tokens = serial.outputs == batched.outputs;
@@ -112,26 +117,30 @@ ServeLiveBenchResult run_serve_live_bench(const ServeLiveBenchOptions& o) {
 
 std::string format_serve_live_bench(const ServeLiveBenchResult& r) {
   const ServeLiveBenchOptions& o = r.options;
-  return fmt::format(
+  std::string s = fmt::format(
       "{} requests of {} ({:.2f} MB fp32), {} prompt + {} generated tokens each, on one {} "
-      "slice of {} (rates x {:g}: link {:.3f} GB/s), alpha 0\n"
-      "{:<34} {:>10} {:>12} {:>14} {:>10}\n"
-      "{:<34} {:>9.2f}s {:>12.0f} {:>14.0f} {:>9.0f}%\n"
-      "{:<34} {:>9.2f}s {:>12.0f} {:>14.0f} {:>9.0f}%\n"
+      "slice of {} (rates x {:g}: link {:.3f} GB/s), alpha 0\n",
+      o.requests, o.config, static_cast<double>(r.weight_bytes) / 1e6, o.prompt_tokens,
+      o.output_tokens, o.profile, o.hardware, o.rate_scale, r.link_gbps);
+  s += fmt::format("{:<38} {:>8} {:>10} {:>14} {:>12} {:>9}\n", "", "wall", "tokens/s",
+                   "link B/token", "limit tok/s", "of limit");
+  auto row = [&](const std::string& name, double secs, double tps, double bpt, double lim) {
+    s += fmt::format("{:<38} {:>7.2f}s {:>10.0f} {:>14.0f} {:>12.0f} {:>8.0f}%\n", name, secs, tps,
+                     bpt, lim, 100.0 * tps / lim);
+  };
+  row("one at a time (max_running 1)", r.serial_s, r.serial_tokens_per_s,
+      r.serial_link_bytes_per_token, r.serial_limit_tokens_per_s);
+  row(fmt::format("continuous batching (max_running {})", o.max_running), r.batched_s,
+      r.batched_tokens_per_s, r.batched_link_bytes_per_token, r.limit_tokens_per_s);
+  s += fmt::format(
       "continuous batching: {:.2f}x the tokens/s of one request at a time; TTFT p99 {:.0f} ms "
       "against {:.0f} ms; completions token for token the same: {}\n"
-      "limit: each decoder step reads the weights once over the link (S / link), so at most "
-      "max_running tokens per S / link; prefill steps are part of the time\n",
-      o.requests, o.config, static_cast<double>(r.weight_bytes) / 1e6, o.prompt_tokens,
-      o.output_tokens, o.profile, o.hardware, o.rate_scale, r.link_gbps, "", "wall", "tokens/s",
-      "limit tok/s", "of limit", fmt::format("one at a time (max_running 1)"), r.serial_s,
-      r.serial_tokens_per_s, r.serial_limit_tokens_per_s,
-      100.0 * r.serial_tokens_per_s / r.serial_limit_tokens_per_s,
-      fmt::format("continuous batching (max_running {})", o.max_running), r.batched_s,
-      r.batched_tokens_per_s, r.limit_tokens_per_s,
-      100.0 * r.batched_tokens_per_s / r.limit_tokens_per_s,
+      "limit: a run's tokens over the time its link bytes take at the link's bandwidth (each "
+      "decoder step reads the weights its tokens touch once: with more tokens a step, an MoE "
+      "touches more experts); batching cuts the link bytes per token\n",
       r.batched_tokens_per_s / r.serial_tokens_per_s, r.batched_ttft_p99_ms, r.serial_ttft_p99_ms,
       r.same_tokens ? "yes" : "NO");
+  return s;
 }
 
 std::string serve_live_bench_json(const ServeLiveBenchResult& r) {
@@ -154,6 +163,8 @@ std::string serve_live_bench_json(const ServeLiveBenchResult& r) {
                       {"speedup", r.batched_tokens_per_s / r.serial_tokens_per_s},
                       {"limit_tokens_per_s", r.limit_tokens_per_s},
                       {"serial_limit_tokens_per_s", r.serial_limit_tokens_per_s},
+                      {"serial_link_bytes_per_token", r.serial_link_bytes_per_token},
+                      {"batched_link_bytes_per_token", r.batched_link_bytes_per_token},
                       {"serial_ttft_p99_ms", r.serial_ttft_p99_ms},
                       {"batched_ttft_p99_ms", r.batched_ttft_p99_ms},
                       {"same_tokens", r.same_tokens}};

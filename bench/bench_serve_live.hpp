@@ -4,10 +4,11 @@
 // Both runs submit the same requests at once (model, prompt, output length and seed each)
 // to a ServingEngine on one slice; the baseline decodes one request at a time
 // (max_running 1), continuous batching up to max_running together. Throughput is generated
-// tokens over the wall time from the first submit to the last token. The physical limit:
-// on one slice at alpha 0 every decoder step reads the model's weights S once over the
-// link, so at most max_running tokens cross per S / link seconds (prefill aside). The two
-// runs' completions are compared token for token (Note [Served determinism]).
+// tokens over the wall time from the first submit to the last token. The physical limit of
+// a run: at alpha 0 every decoder step reads the weights its tokens touch once over the
+// link, so a run cannot be faster than its link bytes at the link's bandwidth: its tokens
+// over that time. The two runs' completions are compared token for token (Note [Served
+// determinism]).
 #pragma once
 
 #include <cstdint>
@@ -32,8 +33,9 @@ struct ServeLiveBenchResult {
   double link_gbps = 0.0;
   double batched_s = 0.0, serial_s = 0.0;  // wall time of each run
   double batched_tokens_per_s = 0.0, serial_tokens_per_s = 0.0;
-  double limit_tokens_per_s = 0.0;         // max_running x link / S
-  double serial_limit_tokens_per_s = 0.0;  // link / S
+  double limit_tokens_per_s = 0.0;         // tokens / (link bytes / link bandwidth), batched
+  double serial_limit_tokens_per_s = 0.0;  // the same, one at a time
+  double serial_link_bytes_per_token = 0.0, batched_link_bytes_per_token = 0.0;
   double batched_ttft_p99_ms = 0.0, serial_ttft_p99_ms = 0.0;
   bool same_tokens = false;
 };

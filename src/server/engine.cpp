@@ -2,6 +2,10 @@
 // determinism]).
 #include <fmt/format.h>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -450,6 +454,12 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
 
 void ServingEngine::Impl::run_slice(int index) {
   Slice& s = *slices[static_cast<size_t>(index)];
+#ifdef __linux__
+  // The emulated kernels wait out their time in sleeps of microseconds (Note [Emulated MIG
+  // slices]); Linux's default timer slack (50 us) would add that much to every GEMM's wait,
+  // about a hundred of them a decoder step. This thread asks for 1 us.
+  prctl(PR_SET_TIMERSLACK, 1000UL);
+#endif
   std::vector<std::shared_ptr<Request>> admit;
   for (;;) {
     admit.clear();
@@ -591,7 +601,8 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
     sm.kv_bytes_per_token = int64_t{2} * c.layers() * c.kv_heads * c.head_dim * 4;
     // A chunk's time on the slice: its weights over the link (once per step) or its FLOPs,
     // whichever is longer; no HBM beyond the decoder's buffers.
-    const double params = static_cast<double>(r.weight_bytes) / static_cast<double>(dtype_bytes(r.dtype));
+    const double params =
+        static_cast<double>(r.weight_bytes) / static_cast<double>(dtype_bytes(r.dtype));
     for (int64_t t : kChunkSizes) {
       if (t > m.max_chunk()) break;
       const double link_ms = static_cast<double>(r.weight_bytes) / (m.setup.link_gbps * 1e6);

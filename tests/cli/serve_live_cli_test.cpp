@@ -191,9 +191,11 @@ TEST(ServeCli, BenchServeLiveComparesBatchingWithOneAtATime) {
   EXPECT_TRUE(j["same_tokens"].get<bool>());
   EXPECT_GT(j["batched_tokens_per_s"].get<double>(), 0.0);
   EXPECT_GT(j["serial_tokens_per_s"].get<double>(), 0.0);
-  // The limit: max_running (3) times one request's.
-  EXPECT_NEAR(j["limit_tokens_per_s"].get<double>(),
-              3 * j["serial_limit_tokens_per_s"].get<double>(), 1e-6);
+  // Batching reads fewer weight bytes per token, and no run beats its link's limit.
+  EXPECT_LT(j["batched_link_bytes_per_token"].get<double>(),
+            j["serial_link_bytes_per_token"].get<double>());
+  EXPECT_LE(j["batched_tokens_per_s"].get<double>(), j["limit_tokens_per_s"].get<double>());
+  EXPECT_LE(j["serial_tokens_per_s"].get<double>(), j["serial_limit_tokens_per_s"].get<double>());
   EXPECT_GT(j["weight_bytes"].get<int64_t>(), 1000000);
 }
 
