@@ -10,6 +10,7 @@
 
 #include "spillway/error.hpp"
 #include "spillway/replay.hpp"
+#include "spillway/serve.hpp"
 #include "spillway/server.hpp"
 
 namespace spillway {
@@ -92,7 +93,7 @@ ServeLiveBenchResult run_serve_live_bench(const ServeLiveBenchOptions& o) {
   const Run serial = run_engine(models, o, 1);
   const Run batched = run_engine(models, o, o.max_running);
   r.link_gbps = batched.link_gbps;
-  r.weight_bytes = static_cast<int64_t>(fs::file_size(models.front().weights_path));
+  r.weight_bytes = SafetensorsFile(models.front().weights_path).data_bytes();
   r.serial_s = serial.seconds;
   r.batched_s = batched.seconds;
   r.serial_tokens_per_s = static_cast<double>(serial.tokens) / serial.seconds;
