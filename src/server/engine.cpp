@@ -68,6 +68,20 @@ struct Running {
   std::mt19937_64 rng;
 };
 
+// Whether a decoder built for a serves b: the same weights (names and shapes) and the same
+// constants of its arithmetic. (Models of one architecture share a slice's decoder.)
+bool same_decoder(const nn::RefConfig& a, const nn::RefConfig& b) {
+  if (a.vocab != b.vocab || a.hidden != b.hidden || a.heads != b.heads ||
+      a.kv_heads != b.kv_heads || a.head_dim != b.head_dim || a.rope_theta != b.rope_theta ||
+      a.rms_eps != b.rms_eps || a.norm_topk != b.norm_topk)
+    return false;
+  const std::vector<nn::WeightSpec> x = nn::weight_specs(a), y = nn::weight_specs(b);
+  if (x.size() != y.size()) return false;
+  for (size_t i = 0; i < x.size(); ++i)
+    if (x[i].name != y[i].name || x[i].shape != y[i].shape) return false;
+  return true;
+}
+
 int32_t sample(const float* logits, int vocab, double temperature, std::mt19937_64& rng) {
   if (temperature <= 0.0) {
     int best = 0;
@@ -347,8 +361,7 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
   }
   s.handle = std::move(a.handle);
   if (s.decoder == nullptr || s.decoder_config == nullptr ||
-      nn::weight_specs(*s.decoder_config).size() != nn::weight_specs(m.config).size() ||
-      s.decoder_config->model.name != m.config.model.name) {
+      !same_decoder(*s.decoder_config, m.config)) {
     s.decoder.reset();
     nn::DecoderOptions d;
     d.max_sequences = o.max_running;

@@ -274,6 +274,28 @@ TEST(ServingEngine, ACompletionDependsOnlyOnItsRequest) {
   EXPECT_GE(mt.switches + mt.cold_loads, 2);
 }
 
+TEST(ServingEngine, ASliceServesModelsOfTwoArchitecturesInTurn) {
+  // One slice, tiny-moe and small-moe alternately: the slice rebuilds its decoder for each
+  // architecture (and reuses it for models of the same one); each completion is what the
+  // model gives when it is the only one served.
+  TempDir dir;
+  write_checkpoint("tiny-moe", 1, (dir.path() / "tiny").string(), DType::kFp32);
+  write_checkpoint("small-moe", 1, (dir.path() / "small").string(), DType::kBf16);
+  const std::vector<ModelFiles> both = find_models(dir.path().string());
+  ASSERT_EQ(both.size(), 2u);
+  std::vector<std::vector<int32_t>> alone;
+  for (const ModelFiles& f : both) {
+    ServingEngine e({f}, fast("7g.96gb", 0.0));
+    alone.push_back(complete(e, request(f.name, "turn by turn", 6)));
+  }
+  ServingEngine e(both, fast("7g.96gb", 0.0));
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < both.size(); ++i)
+      EXPECT_EQ(complete(e, request(both[i].name, "turn by turn", 6)), alone[i])
+          << both[i].name << " round " << round;
+  EXPECT_EQ(e.metrics().switches + e.metrics().cold_loads, 4);
+}
+
 TEST(ServingEngine, BadRequestsAreRefusedNamingTheField) {
   const Models& m = models();
   ServingEngine e(m.files, fast());
