@@ -215,6 +215,7 @@ std::vector<LiveOutcome> run_live(const std::string& url, const std::vector<Live
   int idle = o.max_concurrency;
   bool closing = false;
   std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(o.max_concurrency));
   for (int w = 0; w < o.max_concurrency; ++w)
     workers.emplace_back([&] {
       for (;;) {
@@ -295,6 +296,7 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
   std::map<std::string, int64_t> count;
   for (const TraceRequest& t : trace) ++count[t.model];
   std::vector<std::pair<int64_t, std::string>> by;
+  by.reserve(count.size());
   for (const auto& [m, c] : count) by.emplace_back(-c, m);
   std::sort(by.begin(), by.end());
   std::map<std::string, size_t> served_of;
@@ -390,6 +392,7 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
     ++uses[t.model];
   }
   std::vector<std::pair<int64_t, std::string>> order;
+  order.reserve(uses.size());
   for (const auto& [m, c] : uses) order.emplace_back(-c, m);
   std::sort(order.begin(), order.end());
   sim.architectures.clear();
@@ -462,6 +465,7 @@ LoadReport run_load(const std::string& url, const LoadOptions& o) {
   std::atomic<int> next{0};
   const auto t0 = Clock::now();
   std::vector<std::thread> clients;
+  clients.reserve(static_cast<size_t>(o.clients));
   for (int c = 0; c < o.clients; ++c)
     clients.emplace_back([&] {
       for (int k; (k = next++) < o.requests;) {
