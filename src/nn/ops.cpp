@@ -374,7 +374,7 @@ void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capa
   const size_t cap = static_cast<size_t>(capacity);
   for (int t = 0; t < n; ++t) {
     const T* row = qkv + static_cast<size_t>(t) * width;
-    const size_t at = static_cast<size_t>(pos + t);
+    const size_t at = static_cast<size_t>(pos) + static_cast<size_t>(t);
     const double* cs = cos_t + at * half;
     const double* sn = sin_t + at * half;
     for (int h = 0; h < heads; ++h)
