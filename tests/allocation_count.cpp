@@ -17,6 +17,17 @@ void* operator new(std::size_t bytes) {
   return p;
 }
 
+// The nothrow forms too (std::stable_sort's buffer uses them): every new of the binary and
+// its delete must come from the same allocator (AddressSanitizer checks the pairs).
+void* operator new(std::size_t bytes, const std::nothrow_t& /*tag*/) noexcept {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  return std::malloc(bytes == 0 ? 1 : bytes);
+}
+
+void operator delete(void* p, const std::nothrow_t& /*tag*/) noexcept {
+  std::free(p);
+}
+
 void operator delete(void* p) noexcept {
   std::free(p);
 }
