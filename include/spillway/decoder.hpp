@@ -70,9 +70,9 @@ struct DecodeChunk {
 
 class Decoder {
  public:
-  // Allocates the KV cache and every step buffer from `dev` (device_bytes_for(c, o) bytes);
-  // throws naming the bytes when they do not fit. Attention and MoE/dense MLP layers; a
-  // Mamba-2 layer is refused naming it (its recurrent state is not served yet).
+  // Allocates the KV cache, the Mamba-2 layers' states (Note [Decoder state] in
+  // decoder.cpp) and every step buffer from `dev` (device_bytes_for(c, o) bytes); throws
+  // naming the bytes when they do not fit. Attention or Mamba-2 mixers, MoE or dense MLPs.
   Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o);
   ~Decoder();
   Decoder(const Decoder&) = delete;
@@ -88,7 +88,9 @@ class Decoder {
   // context and the step's rows not exceeded) and throws naming the field, changing nothing.
   void step(const DecodeChunk* chunks, int count, WeightSource& weights, float* logits);
   int length(int sequence) const;
-  void reset(int sequence);  // the sequence's cache is free again (length 0)
+  // The sequence starts again: length 0, its Mamba states zero. Call before a new sequence
+  // takes the slot.
+  void reset(int sequence);
 
  private:
   struct Impl;

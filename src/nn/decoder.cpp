@@ -32,6 +32,13 @@ struct LayerIds {
   std::vector<int> w1, w3, w2;  // per expert (dense: one)
   bool moe = false;
   int experts = 1, top_k = 1, ffn = 0;
+  // A Mamba-2 mixer (Note [Decoder state]): its weights and shapes.
+  bool mamba = false;
+  int w_in = -1, conv_w = -1, conv_b = -1, dt_bias = -1, a_log = -1, dskip = -1, gnorm = -1,
+      w_out = -1;
+  SsdShape ssd;  // heads, head_dim, groups, state (batch 1, seq set per chunk)
+  int conv = 0, inner = 0, conv_dim = 0, in_width = 0;
+  int state_index = -1;  // its place among the Mamba layers
 };
 
 // The buffers of a step, all sized once for max_step_tokens rows.
@@ -39,6 +46,10 @@ struct Sizes {
   size_t rows = 0, seqs = 0, d = 0, qkv = 0, q = 0, ffn_rows = 0, experts = 0, topk_rows = 0;
   size_t cache_floats = 0;  // one layer's K (or V) of one sequence
   size_t attn_layers = 0;
+  // Mamba-2 layers: per sequence and layer the conv's last inputs and the SSM state (the
+  // largest layer's sizes), and a step's buffers.
+  size_t mamba_layers = 0, mamba_state = 0, in_width = 0, conv_rows = 0, conv_dim = 0, inner = 0,
+         gn = 0, heads = 0;
   size_t rope = 0;          // max_context x head_dim / 2 angles
   size_t attn_scratch = 0;  // attention_cached_fwd's, for the largest chunk at the end
 };
@@ -56,7 +67,23 @@ Sizes sizes_for(const RefConfig& c, const DecoderOptions& o) {
     s.ffn_rows = std::max(s.ffn_rows, s.rows * k * static_cast<size_t>(l.mlp.ffn));
     s.topk_rows = std::max(s.topk_rows, s.rows * k);
     if (moe) s.experts = std::max(s.experts, static_cast<size_t>(l.mlp.experts));
-    if (l.mixer != MixerKind::kMamba) ++s.attn_layers;
+    if (l.mixer != MixerKind::kMamba) {
+      ++s.attn_layers;
+      continue;
+    }
+    const SsmSpec& m = l.ssm;
+    const size_t inner = static_cast<size_t>(m.heads * m.head_dim);
+    const size_t gn = static_cast<size_t>(m.groups * m.state);
+    const size_t conv_dim = inner + 2 * gn;
+    ++s.mamba_layers;
+    s.mamba_state = std::max(s.mamba_state, static_cast<size_t>(m.conv - 1) * conv_dim +
+                                                inner * static_cast<size_t>(m.state));
+    s.in_width = std::max(s.in_width, inner + conv_dim + static_cast<size_t>(m.heads));
+    s.conv_rows = std::max(s.conv_rows, static_cast<size_t>(m.conv - 1));
+    s.conv_dim = std::max(s.conv_dim, conv_dim);
+    s.inner = std::max(s.inner, inner);
+    s.gn = std::max(s.gn, gn);
+    s.heads = std::max(s.heads, static_cast<size_t>(m.heads));
   }
   s.cache_floats =
       static_cast<size_t>(c.kv_heads) * static_cast<size_t>(o.max_context) * c.head_dim;
@@ -92,6 +119,17 @@ std::vector<size_t> buffer_floats(const RefConfig& c, const Sizes& s) {
       2 * s.rope,                                   // RoPE cosines (doubles)
       2 * s.rope,                                   // RoPE sines (doubles)
       s.attn_scratch,                               // attention's scratch
+      s.mamba_layers * s.seqs * s.mamba_state,      // Mamba conv inputs and SSM states
+      s.rows * s.in_width,                          // in_proj's output
+      (s.rows + s.conv_rows) * s.conv_dim,          // a chunk's conv input, its history first
+      (s.rows + s.conv_rows) * s.conv_dim,          // ... and output
+      s.rows * s.inner,                             // a chunk's x
+      s.rows * s.gn,                                // B
+      s.rows * s.gn,                                // C
+      s.rows * s.heads,                             // dt
+      s.rows * s.inner,                             // the scan's y, all chunks
+      s.rows * s.inner,                             // z
+      s.rows * s.inner,                             // the gated norm's output
   };
   (void)c;
 }
@@ -111,7 +149,9 @@ struct Decoder::Impl {
   float *kv = nullptr, *x = nullptr, *norm = nullptr, *qkv = nullptr, *core = nullptr,
         *mid = nullptr, *y = nullptr, *gate = nullptr, *up = nullptr, *act = nullptr,
         *rlogits = nullptr, *probs = nullptr, *tw = nullptr, *disp = nullptr, *eout = nullptr,
-        *last = nullptr, *lastn = nullptr, *attn_scratch = nullptr;
+        *last = nullptr, *lastn = nullptr, *attn_scratch = nullptr, *mstate = nullptr,
+        *inproj = nullptr, *conv_in = nullptr, *conv_out = nullptr, *sx = nullptr, *sb = nullptr,
+        *sc = nullptr, *sdt = nullptr, *sy = nullptr, *sz = nullptr, *sgated = nullptr;
   double *rope_cos = nullptr, *rope_sin = nullptr;
   int32_t *tidx = nullptr, *perm = nullptr, *inv = nullptr, *offsets = nullptr, *tokens = nullptr;
   std::vector<char> seen;  // per sequence, during a step's checks
@@ -123,6 +163,16 @@ struct Decoder::Impl {
     return kv + ((a * s.seqs + static_cast<size_t>(sequence)) * 2) * s.cache_floats;
   }
   float* v_cache(int layer, int sequence) { return k_cache(layer, sequence) + s.cache_floats; }
+  // Note [Decoder state]: a Mamba layer's state of a sequence: the conv's last conv - 1
+  // inputs (conv_dim each), then the SSM state (heads x head_dim x state).
+  float* mamba_state(const LayerIds& L, int sequence) {
+    return mstate + (static_cast<size_t>(L.state_index) * s.seqs + static_cast<size_t>(sequence)) *
+                        s.mamba_state;
+  }
+
+  // A Mamba-2 mixer over the step's rows (Note [Decoder state]): norm rows in `norm`, the
+  // mixer's output added to the residual x into `mid`.
+  void mamba_mixer(const LayerIds& L, WeightSource& w, const DecodeChunk* chunks, int count, int T);
 
   // Expert GEMMs over the dispatched rows (offsets by expert), through the source.
   void experts_linear(WeightSource& w, const std::vector<int>& ids, const float* in, float* out,
@@ -137,6 +187,58 @@ struct Decoder::Impl {
     }
   }
 };
+
+// Note [Decoder state]: a Mamba-2 layer carries, per sequence, the last conv - 1 inputs of
+// its causal convolution and its SSM state. A chunk's convolution runs over those inputs
+// followed by the chunk's (its first conv - 1 outputs, which see the zero padding, are
+// dropped), and the scan continues from the state (ssd_scan_carry_fwd): the same arithmetic
+// as the training forward's over the whole sequence. reset() zeroes both.
+void Decoder::Impl::mamba_mixer(const LayerIds& L, WeightSource& w, const DecodeChunk* chunks,
+                                int count, int T) {
+  const int d = c.hidden;
+  const int gn = L.ssd.groups * L.ssd.state;
+  const int hist = L.conv - 1;
+  const auto row = [](int r, int width) {
+    return static_cast<size_t>(r) * static_cast<size_t>(width);
+  };
+  const size_t f = sizeof(float);
+  w.linear(L.w_in, norm, inproj, T, d, L.in_width);
+  const float* conv_w = w.values(L.conv_w);
+  const float* conv_b = w.values(L.conv_b);
+  const float* dt_bias = w.values(L.dt_bias);
+  const float* a_log = w.values(L.a_log);
+  const float* dskip = w.values(L.dskip);
+  for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
+    const int n = chunks[i].n;
+    float* st = mamba_state(L, chunks[i].sequence);
+    std::memcpy(conv_in, st, row(hist, L.conv_dim) * f);
+    for (int t = 0; t < n; ++t)
+      std::memcpy(conv_in + row(hist + t, L.conv_dim), inproj + row(r + t, L.in_width) + L.inner,
+                  static_cast<size_t>(L.conv_dim) * f);
+    causal_conv1d_silu_fwd(conv_in, conv_w, conv_b, conv_out, 1, n + hist, L.conv_dim, L.conv);
+    std::memcpy(st, conv_in + row(n, L.conv_dim), row(hist, L.conv_dim) * f);
+    for (int t = 0; t < n; ++t) {
+      const float* out = conv_out + row(hist + t, L.conv_dim);
+      std::memcpy(sx + row(t, L.inner), out, static_cast<size_t>(L.inner) * f);
+      std::memcpy(sb + row(t, gn), out + L.inner, static_cast<size_t>(gn) * f);
+      std::memcpy(sc + row(t, gn), out + L.inner + gn, static_cast<size_t>(gn) * f);
+      std::memcpy(sdt + row(t, L.ssd.heads), inproj + row(r + t, L.in_width) + L.inner + L.conv_dim,
+                  static_cast<size_t>(L.ssd.heads) * f);
+    }
+    SsdShape sh = L.ssd;
+    sh.batch = 1;
+    sh.seq = n;
+    sh.chunk = n;
+    ssd_scan_carry_fwd(sh, sx, sdt, dt_bias, a_log, sb, sc, dskip, sy + row(r, L.inner),
+                       st + row(hist, L.conv_dim));
+  }
+  for (int t = 0; t < T; ++t)
+    std::memcpy(sz + row(t, L.inner), inproj + row(t, L.in_width),
+                static_cast<size_t>(L.inner) * f);
+  gated_rmsnorm_fwd(sy, sz, w.values(L.gnorm), sgated, T, L.inner, c.rms_eps);
+  w.linear(L.w_out, sgated, mid, T, L.inner, d);
+  add(x, mid, mid, row(T, d));
+}
 
 int64_t Decoder::device_bytes_for(const RefConfig& c, const DecoderOptions& o) {
   int64_t bytes = 0;
@@ -162,19 +264,36 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
   m.embed = id("model.embed_tokens.weight");
   m.final_norm = id("model.norm.weight");
   m.lm_head = id("lm_head.weight");
-  int attn = 0;
+  int attn = 0, mamba = 0;
   for (int l = 0; l < c.layers(); ++l) {
     const LayerSpec& spec = c.model.layers[static_cast<size_t>(l)];
-    if (spec.mixer == MixerKind::kMamba)
-      SPILLWAY_INPUT_ERROR(
-          "the serving runtime decodes attention layers; layer {} of {} is a Mamba-2 mixer (its "
-          "recurrent state is not served yet)",
-          l, c.model.name);
     const std::string p = fmt::format("model.layers.{}.", l);
     LayerIds L;
     L.attn_norm = id(p + "input_layernorm.weight");
-    L.wqkv = id(p + "self_attn.qkv_proj.weight");
-    L.wo = id(p + "self_attn.o_proj.weight");
+    if (spec.mixer == MixerKind::kMamba) {
+      const SsmSpec& sm = spec.ssm;
+      L.mamba = true;
+      L.w_in = id(p + "mixer.in_proj.weight");
+      L.conv_w = id(p + "mixer.conv1d.weight");
+      L.conv_b = id(p + "mixer.conv1d.bias");
+      L.dt_bias = id(p + "mixer.dt_bias");
+      L.a_log = id(p + "mixer.A_log");
+      L.dskip = id(p + "mixer.D");
+      L.gnorm = id(p + "mixer.norm.weight");
+      L.w_out = id(p + "mixer.out_proj.weight");
+      L.ssd.heads = static_cast<int>(sm.heads);
+      L.ssd.head_dim = static_cast<int>(sm.head_dim);
+      L.ssd.groups = static_cast<int>(sm.groups);
+      L.ssd.state = static_cast<int>(sm.state);
+      L.conv = static_cast<int>(sm.conv);
+      L.inner = L.ssd.heads * L.ssd.head_dim;
+      L.conv_dim = L.inner + 2 * L.ssd.groups * L.ssd.state;
+      L.in_width = L.inner + L.conv_dim + L.ssd.heads;
+      L.state_index = mamba++;
+    } else {
+      L.wqkv = id(p + "self_attn.qkv_proj.weight");
+      L.wo = id(p + "self_attn.o_proj.weight");
+    }
     L.mlp_norm = id(p + "post_attention_layernorm.weight");
     L.moe = spec.mlp.kind == MlpKind::kMoe;
     L.ffn = static_cast<int>(spec.mlp.ffn);
@@ -192,8 +311,8 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
       L.w3 = {id(p + "mlp.up_proj.weight")};
       L.w2 = {id(p + "mlp.down_proj.weight")};
     }
+    m.attn_index.push_back(L.mamba ? -1 : attn++);
     m.layers.push_back(std::move(L));
-    m.attn_index.push_back(attn++);
   }
   m.s = sizes_for(c, o);
   const std::vector<size_t> floats = buffer_floats(c, m.s);
@@ -237,7 +356,19 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
   m.rope_cos = static_cast<double*>(m.blocks[20]);
   m.rope_sin = static_cast<double*>(m.blocks[21]);
   m.attn_scratch = f(22);
+  m.mstate = f(23);
+  m.inproj = f(24);
+  m.conv_in = f(25);
+  m.conv_out = f(26);
+  m.sx = f(27);
+  m.sb = f(28);
+  m.sc = f(29);
+  m.sdt = f(30);
+  m.sy = f(31);
+  m.sz = f(32);
+  m.sgated = f(33);
   rope_angles(o.max_context, c.head_dim, c.rope_theta, m.rope_cos, m.rope_sin);
+  std::fill_n(m.mstate, m.s.mamba_layers * m.s.seqs * m.s.mamba_state, 0.0f);
   m.lengths.assign(static_cast<size_t>(o.max_sequences), 0);
   m.seen.assign(static_cast<size_t>(o.max_sequences), 0);
 }
@@ -261,7 +392,11 @@ int Decoder::length(int sequence) const {
 
 void Decoder::reset(int sequence) {
   (void)length(sequence);
-  impl_->lengths[static_cast<size_t>(sequence)] = 0;
+  Impl& m = *impl_;
+  m.lengths[static_cast<size_t>(sequence)] = 0;
+  // Note [Decoder state]: a new sequence starts from zero conv inputs and a zero SSM state.
+  for (const LayerIds& L : m.layers)
+    if (L.mamba) std::fill_n(m.mamba_state(L, sequence), m.s.mamba_state, 0.0f);
 }
 
 void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, float* logits) {
@@ -308,16 +443,20 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
   for (int l = 0; l < c.layers(); ++l) {
     const LayerIds& L = m.layers[static_cast<size_t>(l)];
     rmsnorm_fwd(m.x, weights.values(L.attn_norm), m.norm, T, d, c.rms_eps);
-    weights.linear(L.wqkv, m.norm, m.qkv, T, d, qkv_dim);
-    for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
-      const int sq = chunks[i].sequence;
-      attention_cached_fwd(
-          m.qkv + static_cast<size_t>(r) * qkv_dim, m.core + static_cast<size_t>(r) * q_dim,
-          m.k_cache(l, sq), m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
-          chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin, m.attn_scratch);
+    if (L.mamba) {
+      m.mamba_mixer(L, weights, chunks, count, T);
+    } else {
+      weights.linear(L.wqkv, m.norm, m.qkv, T, d, qkv_dim);
+      for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
+        const int sq = chunks[i].sequence;
+        attention_cached_fwd(
+            m.qkv + static_cast<size_t>(r) * qkv_dim, m.core + static_cast<size_t>(r) * q_dim,
+            m.k_cache(l, sq), m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
+            chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin, m.attn_scratch);
+      }
+      weights.linear(L.wo, m.core, m.mid, T, q_dim, d);
+      add(m.x, m.mid, m.mid, Td);
     }
-    weights.linear(L.wo, m.core, m.mid, T, q_dim, d);
-    add(m.x, m.mid, m.mid, Td);
     rmsnorm_fwd(m.mid, weights.values(L.mlp_norm), m.norm, T, d, c.rms_eps);
     if (!L.moe) {
       weights.linear(L.w1[0], m.norm, m.gate, T, d, L.ffn);

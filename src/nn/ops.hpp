@@ -175,6 +175,14 @@ struct SsdShape {
 template <class T>
 void ssd_scan_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bias, const T* a_log,
                   const T* bmat, const T* cmat, const T* dskip, T* y, T* states);
+// The same recurrence for one sequence (s.batch 1) continuing from `state` (heads * head_dim
+// * state, S before its first token; left holding S after its last): what a decoder runs
+// chunk by chunk. The same per-token arithmetic as ssd_scan_fwd: from a zero state, the
+// same bits.
+template <class T>
+void ssd_scan_carry_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bias,
+                        const T* a_log, const T* bmat, const T* cmat, const T* dskip, T* y,
+                        T* state);
 // From the forward's inputs, its states and dy: dx, ddt_raw, db, dc overwritten; ddt_bias,
 // da_log, ddskip accumulated. Each chunk's states are recomputed from its saved start
 // (the forward's own arithmetic: the same bits).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "nn/ops.hpp"
+#include "spillway/error.hpp"
 
 namespace spillway::nn {
 
@@ -88,6 +89,52 @@ void causal_conv1d_silu_bwd(const T* x, const T* w, const T* bias, const T* dy, 
 
 // --- the selective scan ----------------------------------------------------------------
 
+namespace {
+
+// One token of one head's recurrence: S = exp(dt A) S + dt x B^T, y = S C + dskip x (S:
+// head_dim x state, updated in place). Both scans run it: the same bits.
+template <class T>
+void ssd_token(int head_dim, int state, double dt, double decay, double dskip, const T* xt,
+               const T* bt, const T* ct, T* st, T* yt) {
+  for (int p = 0; p < head_dim; ++p) {
+    double out = dskip * xt[p];
+    for (int n = 0; n < state; ++n) {
+      T& v = st[at(p, state) + static_cast<size_t>(n)];
+      v = static_cast<T>(decay * v + dt * static_cast<double>(xt[p]) * bt[n]);
+      out += static_cast<double>(v) * ct[n];
+    }
+    yt[p] = static_cast<T>(out);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void ssd_scan_carry_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bias,
+                        const T* a_log, const T* bmat, const T* cmat, const T* dskip, T* y,
+                        T* state) {
+  SPILLWAY_CHECK(s.batch == 1, "ssd_scan_carry_fwd: one sequence at a time, not {}", s.batch);
+  const int hp = s.heads * s.head_dim;
+  const int gn = s.groups * s.state;
+  const int per_group = s.heads / s.groups;
+  for (int h = 0; h < s.heads; ++h) {
+    const int g = h / per_group;
+    const double a_h = -std::exp(static_cast<double>(a_log[h]));
+    T* st = state + at(h, s.head_dim * s.state);
+    for (int t = 0; t < s.seq; ++t) {
+      const auto tok = static_cast<size_t>(t);
+      const double dt = softplus(
+          static_cast<double>(dt_raw[tok * static_cast<size_t>(s.heads) + static_cast<size_t>(h)]) +
+          dt_bias[h]);
+      ssd_token(s.head_dim, s.state, dt, std::exp(dt * a_h), static_cast<double>(dskip[h]),
+                x + tok * static_cast<size_t>(hp) + at(h, s.head_dim),
+                bmat + tok * static_cast<size_t>(gn) + at(g, s.state),
+                cmat + tok * static_cast<size_t>(gn) + at(g, s.state), st,
+                y + tok * static_cast<size_t>(hp) + at(h, s.head_dim));
+    }
+  }
+}
+
 template <class T>
 void ssd_scan_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bias, const T* a_log,
                   const T* bmat, const T* cmat, const T* dskip, T* y, T* states) {
@@ -112,20 +159,11 @@ void ssd_scan_fwd(const SsdShape& s, const T* x, const T* dt_raw, const T* dt_bi
             softplus(static_cast<double>(
                          dt_raw[tok * static_cast<size_t>(s.heads) + static_cast<size_t>(h)]) +
                      dt_bias[h]);
-        const double decay = std::exp(dt * a_h);
-        const T* xt = x + tok * static_cast<size_t>(hp) + at(h, s.head_dim);
-        const T* bt = bmat + tok * static_cast<size_t>(gn) + at(g, s.state);
-        const T* ct = cmat + tok * static_cast<size_t>(gn) + at(g, s.state);
-        T* yt = y + tok * static_cast<size_t>(hp) + at(h, s.head_dim);
-        for (int p = 0; p < s.head_dim; ++p) {
-          double out = static_cast<double>(dskip[h]) * xt[p];
-          for (int n = 0; n < s.state; ++n) {
-            T& v = st[at(p, s.state) + static_cast<size_t>(n)];
-            v = static_cast<T>(decay * v + dt * static_cast<double>(xt[p]) * bt[n]);
-            out += static_cast<double>(v) * ct[n];
-          }
-          yt[p] = static_cast<T>(out);
-        }
+        ssd_token(s.head_dim, s.state, dt, std::exp(dt * a_h), static_cast<double>(dskip[h]),
+                  x + tok * static_cast<size_t>(hp) + at(h, s.head_dim),
+                  bmat + tok * static_cast<size_t>(gn) + at(g, s.state),
+                  cmat + tok * static_cast<size_t>(gn) + at(g, s.state), st.data(),
+                  y + tok * static_cast<size_t>(hp) + at(h, s.head_dim));
       }
     }
   }
@@ -292,6 +330,8 @@ void gated_rmsnorm_bwd(const T* x, const T* z, const T* w, const T* dy, T* dx, T
                                           int, int, int);                                          \
   template void ssd_scan_fwd<T>(const SsdShape&, const T*, const T*, const T*, const T*, const T*, \
                                 const T*, const T*, T*, T*);                                       \
+  template void ssd_scan_carry_fwd<T>(const SsdShape&, const T*, const T*, const T*, const T*,     \
+                                      const T*, const T*, const T*, T*, T*);                       \
   template void ssd_scan_bwd<T>(const SsdShape&, const T*, const T*, const T*, const T*, const T*, \
                                 const T*, const T*, const T*, const T*, T*, T*, T*, T*, T*, T*,    \
                                 T*);                                                               \

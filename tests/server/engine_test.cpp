@@ -243,6 +243,29 @@ TEST(ServingEngine, Bf16CheckpointsServeTheirRoundedWeights) {
   EXPECT_EQ(compared, want.size());  // no near-tie on this prompt and model
 }
 
+TEST(ServingEngine, AHybridMambaModelIsServedAsTheReferenceDecodesIt) {
+  // tiny-hybrid: Mamba-2 and attention layers, their states carried from chunk to chunk
+  // (Note [Decoder state]); greedy as the reference model's forward, token for token.
+  TempDir dir;
+  write_checkpoint("tiny-hybrid", 3, (dir.path() / "hybrid").string(), DType::kFp32);
+  const std::vector<ModelFiles> files = find_models(dir.path().string());
+  const nn::RefConfig c = nn::load_reference_config(files[0].config_path);
+  const std::string prompt = "a state space model, served: ";
+  const int n = 12;
+  const Greedy ref = reference_greedy(c, 3, bytes(prompt), n);
+  EngineOptions o = fast("1g.12gb", -1.0);
+  ServingEngine e(files, o);
+  const std::vector<int32_t> got = complete(e, request("hybrid", prompt, n));
+  ASSERT_EQ(got.size(), static_cast<size_t>(n));
+  int compared = 0;
+  for (int t = 0; t < n; ++t) {
+    if (ref.margin[static_cast<size_t>(t)] <= 2 * ref.tol[static_cast<size_t>(t)]) break;
+    EXPECT_EQ(got[static_cast<size_t>(t)], ref.tokens[static_cast<size_t>(t)]) << "token " << t;
+    ++compared;
+  }
+  EXPECT_EQ(compared, n);
+}
+
 TEST(ServingEngine, ACompletionDependsOnlyOnItsRequest) {
   // Note [Served determinism]: alone on one whole GPU with alpha 0, or among eleven others
   // on seven slices with the controller moving alpha: the same tokens, greedy and sampled.
