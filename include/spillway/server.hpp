@@ -39,6 +39,7 @@
 #include "spillway/decoder.hpp"
 #include "spillway/inventory.hpp"
 #include "spillway/nn.hpp"
+#include "spillway/serve.hpp"
 
 namespace spillway::server {
 
@@ -57,11 +58,21 @@ struct ModelFiles {
 // Every subdirectory of `dir` with a config.json, sorted by name; a subdirectory with a
 // config.json and no model.safetensors is an error naming it; none at all is an error.
 std::vector<ModelFiles> find_models(const std::string& dir);
-// Checks a checkpoint against its config: every tensor of weight_specs() present with its
-// shape and a dtype of F32 or BF16, nothing else required; throws naming the model, the
-// tensor, what was expected and what was found.
+// Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
+// checkpoint: its own tensor; or, for attention's fused q, k, v, Hugging Face's q_proj,
+// k_proj and v_proj stacked by rows; or, for the LM head of a config with tied embeddings
+// and no lm_head tensor, the embedding. One dtype (F32 or BF16) for all. Every tensor of the
+// file must be read (RoPE's inv_freq aside): one the reference model has no use for (Qwen3's
+// q/k norms, biases) is refused, since serving would silently ignore it. Throws naming the
+// model, the tensor, what was expected and what was found.
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsFile& f);
 void check_checkpoint(const std::string& model, const nn::RefConfig& c,
                       const std::string& weights_path);
+// A config.json whose model the reference model would compute differently: rope_scaling,
+// attention or MLP biases. Throws naming the model and the field.
+void check_servable_config(const std::string& model, const std::string& config_text);
 // Writes a checkpoint of the reference model initialized from `seed` (Model's own
 // initialization) into `dir` (created): config.json (the config's text as given: an
 // embedded name such as "tiny-moe", or a path) and model.safetensors in `dtype` (kFp32 or

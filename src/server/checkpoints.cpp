@@ -6,6 +6,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "core/embedded_data.hpp"
@@ -73,25 +75,100 @@ void write_file(const fs::path& path, const std::string& bytes) {
 
 }  // namespace
 
-void check_checkpoint(const std::string& model, const nn::RefConfig& c,
-                      const std::string& weights_path) {
-  SafetensorsFile f(weights_path);  // Note [Safetensors checks]
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsFile& f) {
+  const std::string& path = f.path();
+  std::vector<std::vector<std::string>> parts;
+  std::set<std::string> used;
   DType first = DType::kFp32;
   bool any = false;
-  for (const nn::WeightSpec& s : nn::weight_specs(c)) {
-    const SafetensorsTensor* t = f.find(s.name);
-    if (t == nullptr)
-      SPILLWAY_INPUT_ERROR("model {}: {} has no tensor {} (shape {}) that its config.json needs",
-                           model, weights_path, s.name, shape_text(s.shape));
-    if (t->shape != s.shape)
+  auto take = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    const SafetensorsTensor* t = f.find(name);
+    if (t->shape != shape)
       SPILLWAY_INPUT_ERROR("model {}: tensor {} in {} has shape {}; its config.json needs {}",
-                           model, s.name, weights_path, shape_text(t->shape), shape_text(s.shape));
+                           model, name, path, shape_text(t->shape), shape_text(shape));
     if (any && t->dtype != first)
       SPILLWAY_INPUT_ERROR("model {}: tensor {} is {} and others {}; one dtype per checkpoint",
-                           model, s.name, to_string(t->dtype), to_string(first));
+                           model, name, to_string(t->dtype), to_string(first));
     first = t->dtype;
     any = true;
+    used.insert(name);
+  };
+  const std::string qkv = "self_attn.qkv_proj.weight";
+  const int64_t d = c.hidden, hd = c.head_dim;
+  for (const nn::WeightSpec& s : nn::weight_specs(c)) {
+    if (f.find(s.name) != nullptr) {
+      take(s.name, s.shape);
+      parts.push_back({s.name});
+      continue;
+    }
+    // Note [Checkpoint resolution]: q, k and v as Hugging Face stores them.
+    if (s.name.size() > qkv.size() &&
+        s.name.compare(s.name.size() - qkv.size(), qkv.size(), qkv) == 0) {
+      const std::string p = s.name.substr(0, s.name.size() - qkv.size()) + "self_attn.";
+      const std::string q = p + "q_proj.weight", k = p + "k_proj.weight", v = p + "v_proj.weight";
+      if (f.find(q) != nullptr && f.find(k) != nullptr && f.find(v) != nullptr) {
+        take(q, {c.heads * hd, d});
+        take(k, {c.kv_heads * hd, d});
+        take(v, {c.kv_heads * hd, d});
+        parts.push_back({q, k, v});
+        continue;
+      }
+      SPILLWAY_INPUT_ERROR(
+          "model {}: {} has neither {} (shape {}) nor {}q_proj, k_proj and "
+          "v_proj that its config.json needs",
+          model, path, s.name, shape_text(s.shape), p);
+    }
+    if (s.name == "lm_head.weight" && c.model.tied_embeddings &&
+        f.find("model.embed_tokens.weight") != nullptr) {
+      parts.push_back({"model.embed_tokens.weight"});  // tied: taken as the embedding
+      continue;
+    }
+    SPILLWAY_INPUT_ERROR("model {}: {} has no tensor {} (shape {}) that its config.json needs",
+                         model, path, s.name, shape_text(s.shape));
   }
+  // Every tensor is read: one the reference model has no use for (q/k norms, biases, ...)
+  // would be ignored, and the served model would not be the checkpoint's.
+  for (const SafetensorsTensor& t : f.tensors()) {
+    static const std::string inv_freq = "rotary_emb.inv_freq";  // RoPE's, recomputed
+    if (used.count(t.name) != 0 ||
+        (t.name.size() >= inv_freq.size() &&
+         t.name.compare(t.name.size() - inv_freq.size(), inv_freq.size(), inv_freq) == 0))
+      continue;
+    SPILLWAY_INPUT_ERROR(
+        "model {}: {} holds tensor {}, which the reference model has no use "
+        "for (it runs no q/k norms, biases or shared experts): served, the "
+        "model would not be the checkpoint's",
+        model, path, t.name);
+  }
+  return parts;
+}
+
+void check_checkpoint(const std::string& model, const nn::RefConfig& c,
+                      const std::string& weights_path) {
+  const SafetensorsFile f(weights_path);  // Note [Safetensors checks]
+  (void)resolve_checkpoint(model, c, f);
+}
+
+void check_servable_config(const std::string& model, const std::string& config_text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(config_text);
+  } catch (const nlohmann::json::exception& e) {
+    SPILLWAY_INPUT_ERROR("model {}: config.json is not JSON ({})", model, e.what());
+  }
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    SPILLWAY_INPUT_ERROR(
+        "model {}: config.json has rope_scaling {}; the reference model's RoPE "
+        "is unscaled, so the served model would not be the checkpoint's",
+        model, j["rope_scaling"].dump());
+  for (const char* flag : {"attention_bias", "mlp_bias"})
+    if (j.contains(flag) && j[flag].is_boolean() && j[flag].get<bool>())
+      SPILLWAY_INPUT_ERROR(
+          "model {}: config.json has {} true; the reference model runs no "
+          "biases",
+          model, flag);
 }
 
 void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, const std::string& dir,

@@ -46,6 +46,7 @@ struct Registered {
   ModelFiles files;
   std::string config_text;
   nn::RefConfig config;
+  std::vector<std::vector<std::string>> parts;  // Note [Checkpoint resolution]
   int64_t weight_bytes = 0;
   DType dtype = DType::kFp32;
 };
@@ -370,7 +371,8 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
     s.decoder = std::make_unique<nn::Decoder>(m.config, s.slice->device(), d);
     s.decoder_config = &m.config;
   }
-  s.weights = std::make_unique<PooledWeights>(s.handle, m.config, *s.slice);
+  s.weights =
+      std::make_unique<PooledWeights>(s.handle, m.config, *s.slice, m.parts, o.max_step_tokens);
   s.bound = &m;
   s.logits.resize(static_cast<size_t>(o.max_running) * static_cast<size_t>(m.config.vocab));
   return true;
@@ -573,10 +575,11 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
       ss << in.rdbuf();
       r.config_text = ss.str();
     }
-    check_checkpoint(f.name, r.config, f.weights_path);
+    check_servable_config(f.name, r.config_text);
     m.pool->add(f.name, f.weights_path);
     {
       SafetensorsFile st(f.weights_path);
+      r.parts = resolve_checkpoint(f.name, r.config, st);
       r.weight_bytes = st.data_bytes();
       r.dtype = st.tensors().empty() ? DType::kFp32 : st.tensors().front().dtype;
     }

@@ -1,19 +1,34 @@
 #include "server/pooled_weights.hpp"
 
+#include <algorithm>
+#include <cstring>
+
 #include "spillway/device_math.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::server {
 
 PooledWeights::PooledWeights(const ModelHandle& handle, const nn::RefConfig& c,
-                             EmulatedSlice& slice)
+                             EmulatedSlice& slice,
+                             const std::vector<std::vector<std::string>>& parts, int max_rows)
     : slice_(slice) {
   const std::vector<nn::WeightSpec> specs = nn::weight_specs(c);
+  SPILLWAY_CHECK(parts.size() == specs.size(), "PooledWeights: {} resolved weights for {}",
+                 parts.size(), specs.size());
   host_.resize(specs.size());
   dtype_.resize(specs.size());
   widened_.resize(specs.size());
+  parts_.resize(specs.size());
+  size_t split = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
-    const PooledTensor& t = handle.tensor(specs[i].name);
+    for (const std::string& name : parts[i]) {
+      const PooledTensor& pt = handle.tensor(name);
+      parts_[i].push_back({pt.host, static_cast<int>(pt.shape.front())});
+    }
+    if (parts_[i].size() > 1)
+      split = std::max(split,
+                       static_cast<size_t>(max_rows) * static_cast<size_t>(specs[i].shape.front()));
+    const PooledTensor& t = handle.tensor(parts[i].front());
     host_[i] = t.host;
     dtype_[i] = t.dtype;
     if (!specs[i].linear && t.dtype == DType::kBf16) {
@@ -23,6 +38,20 @@ PooledWeights::PooledWeights(const ModelHandle& handle, const nn::RefConfig& c,
       for (size_t k = 0; k < w.size(); ++k) w[k] = bf16_to_float(b[k]);
     }
   }
+  split_.resize(split);
+}
+
+void PooledWeights::gemm(const Part& part, DType dtype, const float* x, float* y, int n, int in) {
+  HybridGemmProblem p{n, part.rows, in, dtype, alpha_, kTiles, kTiles};
+  p.invariant = true;
+  const SliceGemmTiming t = slice_.gemm(p, x, part.host, y);
+  const GemmTraffic tr = t.traffic.total();
+  it_.link_bytes += tr.link_bytes;
+  it_.hbm_bytes += tr.hbm_bytes();
+  it_.link_ms += t.link_ms;
+  it_.hbm_ms += t.hbm_ms;
+  it_.gemm_ms += t.elapsed_ms;
+  ++it_.gemms;
 }
 
 const float* PooledWeights::values(int weight) {
@@ -36,16 +65,30 @@ const float* PooledWeights::values(int weight) {
 void PooledWeights::linear(int weight, const float* x, float* y, int n, int in, int out) {
   const auto i = static_cast<size_t>(weight);
   SPILLWAY_CHECK(i < host_.size(), "PooledWeights: weight {} of {}", weight, host_.size());
-  HybridGemmProblem p{n, out, in, dtype_[i], alpha_, kTiles, kTiles};
-  p.invariant = true;
-  const SliceGemmTiming t = slice_.gemm(p, x, host_[i], y);
-  const GemmTraffic tr = t.traffic.total();
-  it_.link_bytes += tr.link_bytes;
-  it_.hbm_bytes += tr.hbm_bytes();
-  it_.link_ms += t.link_ms;
-  it_.hbm_ms += t.hbm_ms;
-  it_.gemm_ms += t.elapsed_ms;
-  ++it_.gemms;
+  const std::vector<Part>& ps = parts_[i];
+  if (ps.size() == 1) {
+    gemm(ps.front(), dtype_[i], x, y, n, in);
+    return;
+  }
+  // Part by part (Note [Checkpoint resolution]), each into its own block of the buffer,
+  // then row by row into the fused layout: a row's parts side by side.
+  SPILLWAY_CHECK(static_cast<size_t>(n) * static_cast<size_t>(out) <= split_.size(),
+                 "PooledWeights: {} rows of a split weight; sized for {}", n,
+                 split_.size() / static_cast<size_t>(out));
+  size_t at = 0;
+  int col = 0;
+  for (const Part& part : ps) {
+    float* block = split_.data() + at;
+    gemm(part, dtype_[i], x, block, n, in);
+    for (int r = 0; r < n; ++r)
+      std::memcpy(y + static_cast<size_t>(r) * static_cast<size_t>(out) + col,
+                  block + static_cast<size_t>(r) * static_cast<size_t>(part.rows),
+                  static_cast<size_t>(part.rows) * sizeof(float));
+    at += static_cast<size_t>(n) * static_cast<size_t>(part.rows);
+    col += part.rows;
+  }
+  SPILLWAY_CHECK(col == out, "PooledWeights: split weight {} gives {} columns, not {}", weight, col,
+                 out);
 }
 
 void PooledWeights::begin_iteration(double alpha) {

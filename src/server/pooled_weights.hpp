@@ -25,9 +25,12 @@ struct IterationTraffic {
 
 class PooledWeights final : public nn::WeightSource {
  public:
-  // Resolves every weight of weight_specs(c) in the handle (check_checkpoint has checked
-  // them); a BF16 vector (norms, the embedding) is widened once here.
-  PooledWeights(const ModelHandle& handle, const nn::RefConfig& c, EmulatedSlice& slice);
+  // Every weight of weight_specs(c) from its parts in the handle (resolve_checkpoint's, Note
+  // [Checkpoint resolution]); a BF16 vector (norms, the embedding) is widened once here. A
+  // weight of several parts (q, k, v) is multiplied part by part into a buffer of max_rows
+  // rows sized here, then laid out as the fused weight's output.
+  PooledWeights(const ModelHandle& handle, const nn::RefConfig& c, EmulatedSlice& slice,
+                const std::vector<std::vector<std::string>>& parts, int max_rows);
   const float* values(int weight) override;
   void linear(int weight, const float* x, float* y, int n, int in, int out) override;
 
@@ -38,9 +41,16 @@ class PooledWeights final : public nn::WeightSource {
   static constexpr GemmTiles kTiles{64, 64, 64};
 
  private:
+  struct Part {
+    const void* host = nullptr;
+    int rows = 0;  // of the weight's output columns
+  };
+  void gemm(const Part& part, DType dtype, const float* x, float* y, int n, int in);
   EmulatedSlice& slice_;
-  std::vector<const void*> host_;
+  std::vector<std::vector<Part>> parts_;
+  std::vector<const void*> host_;  // the first part's
   std::vector<DType> dtype_;
+  std::vector<float> split_;                 // a split weight's outputs, part by part
   std::vector<std::vector<float>> widened_;  // per weight, BF16 vectors only
   double alpha_ = 0.0;
   IterationTraffic it_;

@@ -117,7 +117,8 @@ TEST(PooledWeights, LogitsDoNotDependOnTheBatchOrAlphaToTheBit) {
   pool.add("a", m.files[0].weights_path);
   PoolAcquire a = pool.acquire("a");
   ASSERT_EQ(a.status, PoolStatus::kOk);
-  PooledWeights w(a.handle, c, slice);
+  const SafetensorsFile st(m.files[0].weights_path);
+  PooledWeights w(a.handle, c, slice, resolve_checkpoint("a", c, st), 32);
   nn::DecoderOptions o;
   o.max_sequences = 3;
   o.max_context = 48;
@@ -241,6 +242,101 @@ TEST(ServingEngine, Bf16CheckpointsServeTheirRoundedWeights) {
   for (; compared < want.size() && clear[compared]; ++compared)
     EXPECT_EQ(got[compared], want[compared]) << "token " << compared;
   EXPECT_EQ(compared, want.size());  // no near-tie on this prompt and model
+}
+
+// The tensors of a safetensors file, as entries to write again (edited).
+std::vector<SafetensorsEntry> entries_of(const std::string& path) {
+  const SafetensorsFile f(path);
+  std::vector<SafetensorsEntry> out;
+  for (const SafetensorsTensor& t : f.tensors()) {
+    SafetensorsEntry e;
+    e.name = t.name;
+    e.dtype = t.dtype;
+    e.shape = t.shape;
+    e.bytes.assign(f.data(t), f.data(t) + t.bytes);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
+  // Note [Checkpoint resolution]: tiny-a rewritten as Hugging Face stores a Llama: q, k, v
+  // apart. Served, it continues as the fused checkpoint does.
+  const Models& m = models();
+  const nn::RefConfig c = nn::load_reference_config(m.files[0].config_path);
+  TempDir dir;
+  const fs::path split = dir.path() / "split";
+  fs::create_directories(split);
+  fs::copy_file(m.files[0].config_path, split / "config.json");
+  std::vector<SafetensorsEntry> es;
+  const int64_t d = c.hidden, q = int64_t{c.heads} * c.head_dim,
+                kv = int64_t{c.kv_heads} * c.head_dim;
+  for (SafetensorsEntry& e : entries_of(m.files[0].weights_path)) {
+    const std::string fused = "self_attn.qkv_proj.weight";
+    const size_t at = e.name.find(fused);
+    if (at == std::string::npos) {
+      es.push_back(std::move(e));
+      continue;
+    }
+    const std::string p = e.name.substr(0, at) + "self_attn.";
+    int64_t row = 0;
+    for (const auto& [name, rows] : {std::pair{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
+      SafetensorsEntry part;
+      part.name = p + name + ".weight";
+      part.dtype = e.dtype;
+      part.shape = {rows, d};
+      part.bytes.assign(e.bytes.begin() + row * d * 4, e.bytes.begin() + (row + rows) * d * 4);
+      row += rows;
+      es.push_back(std::move(part));
+    }
+  }
+  write_safetensors((split / "model.safetensors").string(), es);
+  const SafetensorsFile sf((split / "model.safetensors").string());
+  const std::vector<std::vector<std::string>> parts = resolve_checkpoint("split", c, sf);
+  EXPECT_EQ(parts[2], (std::vector<std::string>{"model.layers.0.self_attn.q_proj.weight",
+                                                "model.layers.0.self_attn.k_proj.weight",
+                                                "model.layers.0.self_attn.v_proj.weight"}));
+  const std::string prompt = "split heads";
+  const Greedy ref = reference_greedy(c, 1, bytes(prompt), 12);
+  ServingEngine e({{"split", split.string(), (split / "config.json").string(),
+                    (split / "model.safetensors").string()}},
+                  fast("7g.96gb", 0.5));
+  const std::vector<int32_t> got = complete(e, request("split", prompt, 12));
+  for (size_t t = 0; t < got.size() && ref.margin[t] > 2 * ref.tol[t]; ++t)
+    EXPECT_EQ(got[t], ref.tokens[t]) << "token " << t;
+  // A tensor the reference model would ignore is refused, named.
+  std::vector<SafetensorsEntry> extra = entries_of(m.files[0].weights_path);
+  SafetensorsEntry norm;
+  norm.name = "model.layers.0.self_attn.q_norm.weight";
+  norm.shape = {c.head_dim};
+  norm.bytes.assign(static_cast<size_t>(c.head_dim) * 4, std::byte{0});
+  extra.push_back(norm);
+  write_safetensors((dir.path() / "extra.safetensors").string(), extra);
+  spillway::testing::expect_error(
+      [&] { check_checkpoint("x", c, (dir.path() / "extra.safetensors").string()); },
+      {"model x", "q_norm", "no use"});
+  // No lm_head: refused unless the config ties the embeddings (tiny-moe does not).
+  std::vector<SafetensorsEntry> headless = entries_of(m.files[0].weights_path);
+  headless.erase(
+      std::remove_if(headless.begin(), headless.end(),
+                     [](const SafetensorsEntry& x) { return x.name == "lm_head.weight"; }),
+      headless.end());
+  write_safetensors((dir.path() / "headless.safetensors").string(), headless);
+  spillway::testing::expect_error(
+      [&] { check_checkpoint("x", c, (dir.path() / "headless.safetensors").string()); },
+      {"lm_head.weight"});
+  nn::RefConfig tied = c;
+  tied.model.tied_embeddings = true;
+  const SafetensorsFile hf((dir.path() / "headless.safetensors").string());
+  EXPECT_EQ(resolve_checkpoint("x", tied, hf).back(),
+            std::vector<std::string>{"model.embed_tokens.weight"});
+  // A config the reference model would compute differently.
+  spillway::testing::expect_error(
+      [&] { check_servable_config("x", R"({"rope_scaling": {"rope_type": "llama3"}})"); },
+      {"model x", "rope_scaling"});
+  spillway::testing::expect_error(
+      [&] { check_servable_config("x", R"({"attention_bias": true})"); }, {"attention_bias"});
+  EXPECT_NO_THROW(check_servable_config("x", R"({"rope_scaling": null})"));
 }
 
 TEST(ServingEngine, AHybridMambaModelIsServedAsTheReferenceDecodesIt) {
