@@ -5,7 +5,9 @@
 //   POST /v1/completions  {"model", "prompt" (a string: its bytes are the tokens of a
 //                         byte-level model; or an array of token ids), "max_tokens" (16),
 //                         "temperature" (1.0; 0 is greedy), "seed" (drawn when absent),
-//                         "stream" (false)}: the OpenAI completion object, or with stream
+//                         "stop" (a string or up to 4, or arrays of token ids: the output
+//                         ends before one, with finish_reason "stop"), "stream" (false)}:
+//                         the OpenAI completion object, or with stream
 //                         server-sent events, one per token, then "data: [DONE]". Each choice
 //                         also carries "token_ids" (an extension: the text of a byte-level
 //                         model's random tokens need not be valid UTF-8, and is sent with
@@ -15,11 +17,11 @@
 //   GET /health           200, or 503 while draining.
 // Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 naming the
 // field (also for the fields this server does not implement, unless at their default: n,
-// best_of, echo, logprobs, suffix, stop, top_p, presence_penalty, frequency_penalty,
-// logit_bias); 404 for an unknown model or path; 413 for a body over 1 MiB; 429 with
-// Retry-After when max_waiting requests are queued; 503 while draining or when the pool
-// cannot hold the model. A request is never dropped: it is answered, refused or, when its
-// client goes away mid-stream, cancelled (counted).
+// best_of, echo, logprobs, suffix, top_p, presence_penalty, frequency_penalty, logit_bias); 404 for
+// an unknown model or path; 413 for a body over 1 MiB; 429 with Retry-After when max_waiting
+// requests are queued; 503 while draining or when the pool cannot hold the model. A request is
+// never dropped: it is answered, refused or, when its client goes away mid-stream, cancelled
+// (counted).
 #pragma once
 
 #include <memory>

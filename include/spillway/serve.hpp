@@ -88,14 +88,14 @@ struct PooledTensor {
 
 struct ModelPoolStats {
   int64_t resident_models = 0;
-  int64_t resident_bytes = 0;       // mapped host memory the resident models take
-  int64_t acquires = 0;             // acquire() calls that returned a model
-  int64_t hits = 0;                 // ...that found it resident
-  int64_t cold_loads = 0;           // loads from disk
-  int64_t cold_load_bytes = 0;      // bytes read from disk into the pool
-  double cold_load_ms = 0.0;        // time those loads took
-  int64_t evictions = 0;            // models dropped to make room (their files stay on disk)
-  int64_t refused = 0;              // acquire() calls answered kFull
+  int64_t resident_bytes = 0;   // mapped host memory the resident models take
+  int64_t acquires = 0;         // acquire() calls that returned a model
+  int64_t hits = 0;             // ...that found it resident
+  int64_t cold_loads = 0;       // loads from disk
+  int64_t cold_load_bytes = 0;  // bytes read from disk into the pool
+  double cold_load_ms = 0.0;    // time those loads took
+  int64_t evictions = 0;        // models dropped to make room (their files stay on disk)
+  int64_t refused = 0;          // acquire() calls answered kFull
 };
 
 class ModelPool;

@@ -103,6 +103,9 @@ struct CompletionRequest {
   int max_tokens = 16;
   double temperature = 0.0;  // 0: greedy
   uint64_t seed = 0;
+  // Up to 4 sequences of 1 to 64 tokens: the request ends when its output would end with
+  // one, which is left out (Note [Stop sequences] in engine.cpp).
+  std::vector<std::vector<int32_t>> stop;
 };
 
 enum class SubmitStatus {
@@ -125,7 +128,7 @@ class Completion {
   State wait_tokens(size_t have, std::vector<int32_t>* out);
   State state() const;
   std::string error() const;          // kFailed: why
-  std::string finish_reason() const;  // kDone: "length"
+  std::string finish_reason() const;  // kDone: "length", or "stop" (a stop sequence)
   // The client went away: the slice stops generating for it at its next iteration.
   void cancel();
   // The slice had to take this request's model from another (a switch: the model was in

@@ -67,7 +67,35 @@ struct Running {
   int generated = 0;
   int32_t last = 0;  // the token to feed next while decoding
   std::mt19937_64 rng;
+  // Note [Stop sequences]: generated tokens not yet published (the last longest-stop - 1).
+  std::vector<int32_t> held;
+  size_t hold = 0;
 };
+
+// Note [Stop sequences]: a request with stop sequences publishes a token only once no stop
+// sequence can still end on it: the last (longest - 1) tokens are held back. When the
+// newest tokens equal a stop sequence, the tokens before it are published and the request
+// ends with "stop" (the sequence itself is not part of the output, as OpenAI's API has it);
+// at max_tokens everything held is published and it ends with "length". Returns the finish
+// reason, or nullptr while it goes on.
+const char* after_token(Running& run, std::chrono::steady_clock::time_point now) {
+  run.held.push_back(run.last);
+  const std::vector<std::vector<int32_t>>& stops = run.r->req.stop;
+  for (const std::vector<int32_t>& st : stops) {
+    if (run.held.size() < st.size() ||
+        !std::equal(st.begin(), st.end(), run.held.end() - static_cast<long>(st.size())))
+      continue;
+    for (size_t i = 0; i + st.size() < run.held.size(); ++i) run.r->out->push(run.held[i], now);
+    run.held.clear();
+    return "stop";
+  }
+  const bool last = run.generated >= run.r->req.max_tokens;
+  size_t publish =
+      last ? run.held.size() : (run.held.size() > run.hold ? run.held.size() - run.hold : 0);
+  for (size_t i = 0; i < publish; ++i) run.r->out->push(run.held[i], now);
+  run.held.erase(run.held.begin(), run.held.begin() + static_cast<long>(publish));
+  return last ? "length" : nullptr;
+}
 
 // Whether a decoder built for a serves b: the same weights (names and shapes) and the same
 // constants of its arithmetic. (Models of one architecture share a slice's decoder.)
@@ -244,7 +272,7 @@ struct ServingEngine::Impl {
     std::vector<float> logits;
     std::vector<nn::DecodeChunk> chunks;
     std::vector<size_t> who;
-    std::vector<size_t> finished;
+    std::vector<std::pair<size_t, const char*>> finished;
     AlphaController controller;
     // Metrics (guarded by mu).
     std::string model;
@@ -431,7 +459,8 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
   const auto t1 = Clock::now();
   const IterationTraffic it = s.weights->iteration();
   int64_t new_tokens = 0, fed = 0;
-  std::vector<size_t>& finished = s.finished;  // indices into running, ascending
+  // (index into running, finish reason), indices ascending.
+  std::vector<std::pair<size_t, const char*>>& finished = s.finished;
   finished.clear();
   for (size_t k = 0; k < s.chunks.size(); ++k) {
     Running& run = s.running[s.who[k]];
@@ -441,13 +470,11 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
       run.prompt_pos += static_cast<size_t>(s.chunks[k].n);
       if (run.prompt_pos < run.r->req.prompt.size()) continue;  // more of the prompt to read
     }
-    const int32_t tok = sample(s.logits.data() + k * static_cast<size_t>(c.vocab), c.vocab,
-                               run.r->req.temperature, run.rng);
-    run.r->out->push(tok, t1);
-    run.last = tok;
+    run.last = sample(s.logits.data() + k * static_cast<size_t>(c.vocab), c.vocab,
+                      run.r->req.temperature, run.rng);
     ++run.generated;
     ++new_tokens;
-    if (run.generated >= run.r->req.max_tokens) finished.push_back(s.who[k]);
+    if (const char* why = after_token(run, t1)) finished.push_back({s.who[k], why});
   }
   {
     std::lock_guard lk(mu);
@@ -464,7 +491,7 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
                         std::min(1.0, it.link_ms / elapsed));
   }
   for (size_t i = finished.size(); i-- > 0;)
-    end_request(index, s, finished[i], Completion::State::kDone, "ok", "length");
+    end_request(index, s, finished[i].first, Completion::State::kDone, "ok", finished[i].second);
 }
 
 void ServingEngine::Impl::run_slice(int index) {
@@ -514,6 +541,9 @@ void ServingEngine::Impl::run_slice(int index) {
       run.sequence = s.free_sequences.back();
       s.free_sequences.pop_back();
       run.rng.seed(r->req.seed);
+      for (const std::vector<int32_t>& st : r->req.stop)
+        run.hold = std::max(run.hold, st.size() - 1);
+      run.held.reserve(run.hold + 1);
       s.decoder->reset(run.sequence);
       s.running.push_back(std::move(run));
     }
@@ -696,6 +726,19 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
                   fmt::format("prompt ({} tokens) + max_tokens ({}) = {} exceeds the context of "
                               "{} tokens this server holds per request",
                               q.prompt.size(), q.max_tokens, total, m.o.max_context));
+  if (q.stop.size() > 4)
+    return refuse(SubmitStatus::kInvalid, "stop",
+                  fmt::format("{} stop sequences; at most 4", q.stop.size()));
+  for (size_t i = 0; i < q.stop.size(); ++i) {
+    if (q.stop[i].empty() || q.stop[i].size() > 64)
+      return refuse(SubmitStatus::kInvalid, "stop",
+                    fmt::format("stop sequence {} has {} tokens; 1 to 64", i, q.stop[i].size()));
+    for (int32_t t : q.stop[i])
+      if (t < 0 || t >= vocab)
+        return refuse(SubmitStatus::kInvalid, "stop",
+                      fmt::format("stop sequence {}: token {} is outside the vocabulary [0, {})", i,
+                                  t, vocab));
+  }
   if (!(q.temperature >= 0.0) || !std::isfinite(q.temperature))
     return refuse(SubmitStatus::kInvalid, "temperature",
                   fmt::format("temperature is {}; must be >= 0", q.temperature));

@@ -138,7 +138,33 @@ CompletionRequest parse_request(const json& body, const ServingEngine& engine, b
   only_default("logprobs", [](const json&) { return false; });
   only_default("suffix",
                [](const json& v) { return v.is_string() && v.get<std::string>().empty(); });
-  only_default("stop", [](const json& v) { return v.is_array() && v.empty(); });
+  if (body.contains("stop") && !body["stop"].is_null()) {
+    // A string or up to 4 of them, each its bytes as tokens (a byte-level model's); or, as
+    // a prompt may be, arrays of token ids.
+    const json& v = body["stop"];
+    const json list = v.is_string() ? json::array({v}) : v;
+    if (!list.is_array())
+      throw FieldError{"stop",
+                       "'stop' must be a string or an array of strings, not " + type_name(v)};
+    for (size_t i = 0; i < list.size(); ++i) {
+      std::vector<int32_t> seq;
+      if (list[i].is_string()) {
+        for (unsigned char ch : list[i].get<std::string>()) seq.push_back(ch);
+      } else if (list[i].is_array()) {
+        for (const json& t : list[i]) {
+          if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+            throw FieldError{"stop", fmt::format("stop[{}] holds {}, not a token id", i, dump(t))};
+          seq.push_back(static_cast<int32_t>(t.get<int64_t>()));
+        }
+      } else {
+        throw FieldError{"stop", fmt::format("stop[{}] must be a string or an array of token "
+                                             "ids, not {}",
+                                             i, type_name(list[i]))};
+      }
+      if (seq.empty()) throw FieldError{"stop", fmt::format("stop[{}] is empty", i)};
+      q.stop.push_back(std::move(seq));
+    }
+  }
   only_default("logit_bias", [](const json& v) { return v.is_object() && v.empty(); });
   return q;
 }

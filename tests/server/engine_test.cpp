@@ -415,6 +415,39 @@ TEST(ServingEngine, ASliceServesModelsOfTwoArchitecturesInTurn) {
   EXPECT_EQ(e.metrics().switches + e.metrics().cold_loads, 4);
 }
 
+TEST(ServingEngine, StopSequencesEndTheOutputBeforeThemAndHoldNothingBack) {
+  // Note [Stop sequences]: the output ends before a stop sequence's first occurrence; a
+  // sequence that begins to match and then does not costs nothing: its held tokens come out.
+  const Models& m = models();
+  ServingEngine e(m.files, fast("7g.96gb", 0.0));
+  const CompletionRequest base = request("tiny-b", "stop sequences", 16);
+  const std::vector<int32_t> all = complete(e, base);
+  ASSERT_EQ(all.size(), 16u);
+  size_t at = 0;
+  while (!(all[at] == all[7] && all[at + 1] == all[8] && all[at + 2] == all[9])) ++at;
+  CompletionRequest q = base;
+  q.stop = {{all[7], all[8], all[9]}};
+  SubmitResult r = e.submit(q);
+  ASSERT_EQ(r.status, SubmitStatus::kAccepted);
+  std::vector<int32_t> got;
+  while (r.completion->wait_tokens(got.size(), &got) == Completion::State::kRunning) {
+  }
+  EXPECT_EQ(got, std::vector<int32_t>(all.begin(), all.begin() + static_cast<long>(at)));
+  EXPECT_EQ(r.completion->finish_reason(), "stop");
+  // A sequence whose start comes (token 3) but not the rest: everything, "length".
+  q.stop = {{all[3], (all[4] + 1) % 256, 7}, {(all[0] + 5) % 256}};
+  for (size_t i = 0; i < all.size(); ++i) ASSERT_NE(all[i], q.stop[1][0]) << "pick another";
+  EXPECT_EQ(complete(e, q), all);
+  // Bad stops are refused naming the field.
+  for (const auto& bad : std::vector<std::vector<std::vector<int32_t>>>{
+           {{1}, {2}, {3}, {4}, {5}}, {{}}, {{1, 300}}, {std::vector<int32_t>(65, 1)}}) {
+    q.stop = bad;
+    const SubmitResult x = e.submit(q);
+    EXPECT_EQ(x.status, SubmitStatus::kInvalid) << x.message;
+    EXPECT_EQ(x.field, "stop");
+  }
+}
+
 TEST(ServingEngine, BadRequestsAreRefusedNamingTheField) {
   const Models& m = models();
   ServingEngine e(m.files, fast());

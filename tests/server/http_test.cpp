@@ -292,8 +292,9 @@ TEST(HttpServer, BadRequestsGetOpenAIErrorsNamingTheField) {
     expect_api_error(post(cli, with("n", 2)), 400, "n");
   }
   {
-    SCOPED_TRACE("stop [x]");
-    expect_api_error(post(cli, with("stop", json::array({"x"}))), 400, "stop");
+    SCOPED_TRACE("stop [\"\"] and stop 5");
+    expect_api_error(post(cli, with("stop", json::array({""}))), 400, "stop");
+    expect_api_error(post(cli, with("stop", 5)), 400, "stop");
   }
   {
     SCOPED_TRACE("unknown model");
@@ -325,6 +326,46 @@ TEST(HttpServer, BadRequestsGetOpenAIErrorsNamingTheField) {
   ASSERT_TRUE(ok) << httplib::to_string(ok.error());
   EXPECT_EQ(ok->status, 200) << ok->body;
   EXPECT_EQ(s.engine.metrics().requests.at("ok"), 1);
+}
+
+TEST(HttpServer, AStopStringEndsTheTextBeforeIt) {
+  Served s(fast("7g.96gb", 0.0));
+  httplib::Client cli = s.client();
+  cli.set_read_timeout(60);
+  const json base = {
+      {"model", "tiny-a"}, {"prompt", "stop here"}, {"max_tokens", 16}, {"temperature", 0}};
+  const httplib::Result full = post(cli, base);
+  ASSERT_TRUE(full && full->status == 200);
+  const std::vector<int32_t> all = token_ids(json::parse(full->body)["choices"][0]);
+  ASSERT_EQ(all.size(), 16u);
+  // Tokens 5 and 6 as a stop sequence (token ids: random bytes are not a UTF-8 string),
+  // beside a string that never comes: the output ends before their first occurrence.
+  size_t at = 0;
+  while (!(all[at] == all[5] && all[at + 1] == all[6])) ++at;
+  json b = base;
+  b["stop"] = json::array({"never seen", json::array({all[5], all[6]})});
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "stream" : "one response");
+    b["stream"] = stream;
+    const httplib::Result r = post(cli, b);
+    ASSERT_TRUE(r && r->status == 200);
+    std::vector<int32_t> got;
+    std::string reason;
+    if (!stream) {
+      const json c = json::parse(r->body)["choices"][0];
+      got = token_ids(c);
+      reason = c["finish_reason"];
+    } else {
+      for (const std::string& ev : sse_payloads(r->body)) {
+        if (ev == "[DONE]") continue;
+        const json c = json::parse(ev)["choices"][0];
+        for (int32_t t : token_ids(c)) got.push_back(t);
+        if (!c["finish_reason"].is_null()) reason = c["finish_reason"];
+      }
+    }
+    EXPECT_EQ(got, std::vector<int32_t>(all.begin(), all.begin() + static_cast<long>(at)));
+    EXPECT_EQ(reason, "stop");
+  }
 }
 
 TEST(HttpServer, ModelsMetricsAndHealth) {
