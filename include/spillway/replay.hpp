@@ -97,6 +97,9 @@ struct ReplayResult {
 // The (prompt, output) token counts of n requests, drawn as Note [Replay model] says (one
 // generator seeded by o.seed, a prompt then an output per request, clipped).
 std::vector<std::pair<int64_t, int64_t>> draw_token_counts(size_t n, const ReplayOptions& o);
+// The trace's model ids, the most requested first (ties by id): the order in which the
+// replays deal them over architectures or served models.
+std::vector<std::string> models_by_popularity(const std::vector<TraceRequest>& trace);
 // Percentiles 50, 95 and 99 (nearest rank) of v; zeros when v is empty.
 LatencyStats latency_stats(const std::vector<double>& v);
 

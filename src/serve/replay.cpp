@@ -601,6 +601,19 @@ LatencyStats latency_stats(const std::vector<double>& v) {
   return stats_of(v);
 }
 
+std::vector<std::string> models_by_popularity(const std::vector<TraceRequest>& trace) {
+  std::map<std::string, int64_t> count;
+  for (const TraceRequest& t : trace) ++count[t.model];
+  std::vector<std::pair<int64_t, std::string>> by;
+  by.reserve(count.size());
+  for (const auto& [m, c] : count) by.emplace_back(-c, m);
+  std::sort(by.begin(), by.end());
+  std::vector<std::string> out;
+  out.reserve(by.size());
+  for (auto& [c, m] : by) out.push_back(std::move(m));
+  return out;
+}
+
 std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
                                      const ReplayOptions& o) {
   if (trace.empty()) SPILLWAY_FIELD_ERROR("trace", 0, "must hold at least one request");
@@ -616,18 +629,13 @@ std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
     for (const std::string& m : o.models)
       archs.push_back(arch_of(load_model(m), o.weight_bytes_per_param));
   // The trace's model ids by popularity, dealt round-robin over the architectures.
-  std::map<std::string, int64_t> count;
-  for (const TraceRequest& t : trace) ++count[t.model];
-  std::vector<std::pair<int64_t, std::string>> by;
-  by.reserve(count.size());
-  for (const auto& [m, c] : count) by.emplace_back(-c, m);
-  std::sort(by.begin(), by.end());
+  const std::vector<std::string> by = models_by_popularity(trace);
   std::map<std::string, int> index;
   std::vector<Served> served;
   const double link = hw.h2d_typical.value;
   for (size_t i = 0; i < by.size(); ++i) {
     Served s;
-    s.id = by[i].second;
+    s.id = by[i];
     s.arch = &archs[i % archs.size()];
     // The TPOT target, or what the link allows a model streamed alone (x 1.25).
     s.tpot_ms =

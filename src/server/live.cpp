@@ -293,14 +293,9 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
   }
   d.weight_bytes_per_param = bytes_per_param;
   // The trace's model ids by popularity, dealt over the served models.
-  std::map<std::string, int64_t> count;
-  for (const TraceRequest& t : trace) ++count[t.model];
-  std::vector<std::pair<int64_t, std::string>> by;
-  by.reserve(count.size());
-  for (const auto& [m, c] : count) by.emplace_back(-c, m);
-  std::sort(by.begin(), by.end());
+  const std::vector<std::string> by = models_by_popularity(trace);
   std::map<std::string, size_t> served_of;
-  for (size_t i = 0; i < by.size(); ++i) served_of[by[i].second] = i % setup.models.size();
+  for (size_t i = 0; i < by.size(); ++i) served_of[by[i]] = i % setup.models.size();
   const std::vector<std::pair<int64_t, int64_t>> lengths = draw_token_counts(trace.size(), d);
   std::mt19937_64 g(o.seed ^ 0x5bd1e995u);
   std::vector<LiveRequest> reqs;
@@ -386,17 +381,9 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
   // own architecture: the simulator deals architectures over models by popularity, so they
   // are listed in that order.
   std::vector<TraceRequest> sent(trace.begin(), trace.begin() + static_cast<long>(rep.sent));
-  std::map<std::string, int64_t> uses;
-  for (TraceRequest& t : sent) {
-    t.model = reqs[static_cast<size_t>(&t - sent.data())].model;
-    ++uses[t.model];
-  }
-  std::vector<std::pair<int64_t, std::string>> order;
-  order.reserve(uses.size());
-  for (const auto& [m, c] : uses) order.emplace_back(-c, m);
-  std::sort(order.begin(), order.end());
+  for (size_t i = 0; i < sent.size(); ++i) sent[i].model = reqs[i].model;
   sim.architectures.clear();
-  for (const auto& [c, m] : order)
+  for (const std::string& m : models_by_popularity(sent))
     for (size_t i = 0; i < setup.models.size(); ++i)
       if (setup.models[i].id == m) sim.architectures.push_back(d.architectures[i]);
   ReplayResult pred = run_replay(sent, sim).front();

@@ -171,6 +171,16 @@ TEST(PooledWeights, LogitsDoNotDependOnTheBatchOrAlphaToTheBit) {
   EXPECT_EQ(k, alone.size());
 }
 
+// Served greedy tokens equal the reference's up to the first position where its own choice
+// is within the tolerance of a tie; there must be none on the tests' prompts and models.
+void expect_reference_greedy(const std::vector<int32_t>& got, const Greedy& ref) {
+  ASSERT_EQ(got.size(), ref.tokens.size());
+  size_t compared = 0;
+  for (; compared < got.size() && ref.margin[compared] > 2 * ref.tol[compared]; ++compared)
+    EXPECT_EQ(got[compared], ref.tokens[compared]) << "token " << compared;
+  EXPECT_EQ(compared, got.size());
+}
+
 TEST(ServingEngine, GreedyCompletionsAreTheReferenceModels) {
   const Models& m = models();
   const nn::RefConfig c = nn::load_reference_config(m.files[0].config_path);
@@ -180,17 +190,7 @@ TEST(ServingEngine, GreedyCompletionsAreTheReferenceModels) {
   for (double alpha : {0.0, 0.5, 1.0, -1.0}) {
     SCOPED_TRACE(::testing::Message() << "alpha " << alpha);
     ServingEngine e(m.files, fast("1g.12gb", alpha));
-    const std::vector<int32_t> got = complete(e, request("tiny-a", prompt, n));
-    ASSERT_EQ(got.size(), static_cast<size_t>(n));
-    // Equal up to the first position where the reference's own choice is within the
-    // tolerance of a tie (none, on this prompt and model: checked too).
-    int compared = 0;
-    for (int t = 0; t < n; ++t) {
-      if (ref.margin[static_cast<size_t>(t)] <= 2 * ref.tol[static_cast<size_t>(t)]) break;
-      EXPECT_EQ(got[static_cast<size_t>(t)], ref.tokens[static_cast<size_t>(t)]) << "token " << t;
-      ++compared;
-    }
-    EXPECT_EQ(compared, n);
+    expect_reference_greedy(complete(e, request("tiny-a", prompt, n)), ref);
   }
 }
 
@@ -351,15 +351,7 @@ TEST(ServingEngine, AHybridMambaModelIsServedAsTheReferenceDecodesIt) {
   const Greedy ref = reference_greedy(c, 3, bytes(prompt), n);
   EngineOptions o = fast("1g.12gb", -1.0);
   ServingEngine e(files, o);
-  const std::vector<int32_t> got = complete(e, request("hybrid", prompt, n));
-  ASSERT_EQ(got.size(), static_cast<size_t>(n));
-  int compared = 0;
-  for (int t = 0; t < n; ++t) {
-    if (ref.margin[static_cast<size_t>(t)] <= 2 * ref.tol[static_cast<size_t>(t)]) break;
-    EXPECT_EQ(got[static_cast<size_t>(t)], ref.tokens[static_cast<size_t>(t)]) << "token " << t;
-    ++compared;
-  }
-  EXPECT_EQ(compared, n);
+  expect_reference_greedy(complete(e, request("hybrid", prompt, n)), ref);
 }
 
 TEST(ServingEngine, ACompletionDependsOnlyOnItsRequest) {
