@@ -431,26 +431,20 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
   if (s.running.empty()) return;
   s.chunks.clear();
   s.who.clear();
+  // A chunk that does not fit beside the earlier ones waits for the next step (a prefill
+  // chunk is never cut; at most half a step, it fits once the prompts before it are read).
   int rows = 0;
   for (size_t i = 0; i < s.running.size(); ++i) {
     Running& run = s.running[i];
     const std::vector<int32_t>& prompt = run.r->req.prompt;
-    if (run.prompt_pos < prompt.size()) {
-      const int n = static_cast<int>(
-          std::min<int64_t>(run.r->chunk, static_cast<int64_t>(prompt.size() - run.prompt_pos)));
-      s.chunks.push_back({run.sequence, prompt.data() + run.prompt_pos, n});
-      rows += n;
-    } else {
-      s.chunks.push_back({run.sequence, &run.last, 1});
-      rows += 1;
-    }
+    const bool prefill = run.prompt_pos < prompt.size();
+    const int n = prefill ? static_cast<int>(std::min<int64_t>(
+                                run.r->chunk, static_cast<int64_t>(prompt.size() - run.prompt_pos)))
+                          : 1;
+    if (rows + n > o.max_step_tokens) continue;
+    s.chunks.push_back({run.sequence, prefill ? prompt.data() + run.prompt_pos : &run.last, n});
     s.who.push_back(i);
-    if (rows > o.max_step_tokens) {  // cannot happen: a chunk is at most half a step
-      rows -= s.chunks.back().n;
-      s.chunks.pop_back();
-      s.who.pop_back();
-      break;
-    }
+    rows += n;
   }
   const double alpha = o.alpha >= 0 ? o.alpha : s.controller.alpha();
   s.weights->begin_iteration(alpha);
@@ -458,14 +452,13 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
   s.decoder->step(s.chunks.data(), static_cast<int>(s.chunks.size()), *s.weights, s.logits.data());
   const auto t1 = Clock::now();
   const IterationTraffic it = s.weights->iteration();
-  int64_t new_tokens = 0, fed = 0;
+  int64_t new_tokens = 0;
   // (index into running, finish reason), indices ascending.
   std::vector<std::pair<size_t, const char*>>& finished = s.finished;
   finished.clear();
   for (size_t k = 0; k < s.chunks.size(); ++k) {
     Running& run = s.running[s.who[k]];
     const bool prefill = run.prompt_pos < run.r->req.prompt.size();
-    fed += s.chunks[k].n;
     if (prefill) {
       run.prompt_pos += static_cast<size_t>(s.chunks[k].n);
       if (run.prompt_pos < run.r->req.prompt.size()) continue;  // more of the prompt to read
@@ -484,7 +477,6 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
     s.alpha = alpha;
     tokens_generated += new_tokens;
   }
-  (void)fed;
   if (o.alpha < 0) {
     const double elapsed = std::max(ms_between(t0, t1), 1e-6);
     s.controller.update(elapsed, std::min(1.0, it.hbm_ms / elapsed),

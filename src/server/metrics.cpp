@@ -101,6 +101,9 @@ std::string prometheus_text(const EngineMetrics& m) {
   per_slice("spillway_slice_device_bytes_in_use", "gauge",
             "A slice's device memory in use (KV cache and step buffers).",
             [](const Slice& x) { return x.device_bytes_in_use; });
+  per_slice("spillway_slice_device_bytes", "gauge",
+            "A slice's device memory (emulated, times the memory scale).",
+            [](const Slice& x) { return x.device_bytes; });
   scalar("spillway_uptime_seconds", "gauge", "Seconds since the engine started.", m.uptime_s);
   return out;
 }

@@ -19,8 +19,6 @@ struct IterationTraffic {
   int64_t hbm_bytes = 0;
   double link_ms = 0.0;  // summed over the iteration's GEMMs
   double hbm_ms = 0.0;
-  double gemm_ms = 0.0;
-  int64_t gemms = 0;
 };
 
 class PooledWeights final : public nn::WeightSource {

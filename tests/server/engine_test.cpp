@@ -440,6 +440,33 @@ TEST(ServingEngine, StopSequencesEndTheOutputBeforeThemAndHoldNothingBack) {
   }
 }
 
+TEST(ServingEngine, ChunksThatDoNotFitAStepWaitAndChangeNothing) {
+  // Steps of 8 rows, chunks of at most 4, four prompts of 20 tokens at once: not every
+  // prefill chunk fits every step; those left wait for the next, and each completion is
+  // still what it is alone.
+  const Models& m = models();
+  EngineOptions o = fast("7g.96gb", 0.0);
+  o.max_step_tokens = 8;
+  std::vector<CompletionRequest> reqs;
+  for (int i = 0; i < 4; ++i)
+    reqs.push_back(request("tiny-a", std::string(20, static_cast<char>('a' + i)), 6));
+  std::vector<std::vector<int32_t>> alone;
+  {
+    ServingEngine e(m.files, o);
+    for (const CompletionRequest& q : reqs) alone.push_back(complete(e, q));
+  }
+  ServingEngine e(m.files, o);
+  std::vector<std::shared_ptr<Completion>> cs;
+  for (const CompletionRequest& q : reqs) cs.push_back(e.submit(q).completion);
+  for (size_t i = 0; i < cs.size(); ++i) {
+    ASSERT_NE(cs[i], nullptr);
+    std::vector<int32_t> got;
+    while (cs[i]->wait_tokens(got.size(), &got) == Completion::State::kRunning) {
+    }
+    EXPECT_EQ(got, alone[i]) << "request " << i;
+  }
+}
+
 TEST(ServingEngine, BadRequestsAreRefusedNamingTheField) {
   const Models& m = models();
   ServingEngine e(m.files, fast());
