@@ -11,7 +11,9 @@
 #include <random>
 #include <thread>
 
+#include "spillway/device.hpp"
 #include "spillway/error.hpp"
+#include "spillway/hardware.hpp"
 #include "spillway/serve.hpp"
 #include "spillway/slices.hpp"
 
@@ -115,9 +117,8 @@ ServeBenchResult::Switch run_switch(const ServeBenchOptions& o, const SliceSetup
   const double per_layer =
       std::max(static_cast<double>(o.n * o.k * 2 + o.k * 4 + o.n * 4) / (spec.hbm_gbps * 1e6),
                2.0 * static_cast<double>(o.n * o.k) / (spec.gflops * 1e6));
-  std::this_thread::sleep_until(
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double, std::milli>(per_layer * o.switch_layers)));
+  std::this_thread::sleep_until(Clock::now() +
+                                checked_duration_ms(per_layer * o.switch_layers, "reload_ms"));
   r.reload_ms = ms_between(t1, Clock::now());
   dev.destroy_stream(s);
   dev.free(arena.ptr, MemoryKind::kDevice);
@@ -174,21 +175,67 @@ ServeBenchResult::Sweep run_sweep(const ServeBenchOptions& o, const SliceSetup& 
 
 }  // namespace
 
+std::vector<std::string> serve_bench_profiles(const ServeBenchOptions& o) {
+  if (!o.profiles.empty()) return o.profiles;
+  const HardwareProfile hw = load_hardware(o.hardware);
+  if (hw.mig.empty()) {
+    std::string with;
+    for (const std::string& name : hardware_names())
+      if (!load_hardware(name).mig.empty()) with += (with.empty() ? "" : ", ") + name;
+    SPILLWAY_INPUT_ERROR(
+        "--hardware {}: it has no MIG profiles, and bench serve runs on emulated MIG slices; "
+        "the catalog GPUs with MIG profiles: {}",
+        o.hardware, with);
+  }
+  // For each slice count, the profile with the most memory per slice.
+  std::vector<std::string> out;
+  for (int count : {1, 3, 7}) {
+    const MigProfile* best = nullptr;
+    for (const MigProfile& m : hw.mig)
+      if (m.count == count && (best == nullptr || m.hbm_gb > best->hbm_gb)) best = &m;
+    if (best != nullptr) out.push_back(best->profile);
+  }
+  if (out.empty()) {  // none 1-, 3- or 7-way: the largest slice
+    const MigProfile* best = &hw.mig.front();
+    for (const MigProfile& m : hw.mig)
+      if (m.hbm_gb > best->hbm_gb) best = &m;
+    out.push_back(best->profile);
+  }
+  return out;
+}
+
 ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   if (o.m < 1 || o.n < 1 || o.k < 1) SPILLWAY_FIELD_ERROR("m", o.m, "m, n and k must be >= 1");
   if (o.alphas.empty()) SPILLWAY_FIELD_ERROR("alphas", 0, "must list at least one alpha");
   if (o.switch_layers < 1) SPILLWAY_FIELD_ERROR("switch_layers", o.switch_layers, "must be >= 1");
   const HardwareProfile hw = load_hardware(o.hardware);
+  ServeBenchResult r;
+  r.options = o;
+  r.options.profiles = serve_bench_profiles(o);
+  std::vector<SliceSetup> setups;
+  for (const std::string& prof : r.options.profiles)
+    setups.push_back(mig_slices(hw, prof, o.rate_scale, 1e-3));
+  // The link time alone, at least: the reload copies the switched model's weights, and at
+  // alpha 0 every slice of every profile reads the GEMM's weights over the shared link.
+  const double weight_bytes = static_cast<double>(o.n * o.k * 2);
+  double link_bytes = weight_bytes * o.switch_layers;
+  for (const SliceSetup& s : setups)
+    link_bytes += weight_bytes * static_cast<double>(s.slices.size());
+  const double seconds = link_bytes / (setups.front().link_gbps * 1e9);
+  if (!(seconds <= o.max_seconds))
+    SPILLWAY_INPUT_ERROR(
+        "--rate-scale {}: the run moves at least {:.1f} MB over the emulated link of {:.3g} "
+        "GB/s ({} x its rates), {:.3g} s: more than the {:.0f} s a run may take; raise "
+        "--rate-scale to {:.3g} or more, or lower --n / --k",
+        o.rate_scale, link_bytes / 1e6, setups.front().link_gbps, o.hardware, seconds,
+        o.max_seconds, o.rate_scale * seconds / o.max_seconds);
   // The slices run concurrently, one thread each; BLAS threads of their own would fight
   // over the cores and overrun the emulated times.
   openblas_set_num_threads(1);
-  ServeBenchResult r;
-  r.options = o;
-  for (const std::string& prof : o.profiles) {
-    const SliceSetup setup = mig_slices(hw, prof, o.rate_scale, 1e-3);
-    r.link_gbps = setup.link_gbps;
-    if (&prof == &o.profiles.front()) r.sw = run_switch(o, setup);
-    r.sweeps.push_back(run_sweep(o, setup));
+  for (size_t i = 0; i < setups.size(); ++i) {
+    r.link_gbps = setups[i].link_gbps;
+    if (i == 0) r.sw = run_switch(o, setups[i]);
+    r.sweeps.push_back(run_sweep(o, setups[i]));
   }
   return r;
 }

@@ -9,7 +9,8 @@
 //             memory over the link and the first token from HBM, same run; and the cold
 //             start: the model from disk into the pool, then its first token.
 //   alpha     one GEMM (M x N x K, bf16 weights) on every slice of a MIG profile at once
-//             (1, 3 and 7 slices of a GH200 share its link), at each alpha: the slowest
+//             (the GPU's 1-, 3- and 7-way profiles: their slices share its link), at each
+//             alpha: the slowest
 //             slice's time, link bytes (all slices), HBM bytes per slice, and which alpha
 //             wins for that slice count.
 #pragma once
@@ -25,8 +26,13 @@ struct ServeBenchOptions {
   double rate_scale = 1e-4;  // every rate of the hardware times this
   int64_t m = 128, n = 1024, k = 1024;
   std::vector<double> alphas = {0.0, 0.25, 0.5, 0.75, 1.0};
-  std::vector<std::string> profiles = {"7g.96gb", "2g.24gb", "1g.12gb"};
+  // Empty: the hardware's own 1-, 3- and 7-way profiles (on a GH200: 7g.96gb, 2g.24gb,
+  // 1g.12gb); the first one also runs the switch.
+  std::vector<std::string> profiles;
   int switch_layers = 8;  // the switched model: this many N x K layers
+  // A run whose link time alone would pass this is refused before it starts, naming the
+  // numbers and --rate-scale (Note [Checked rate durations]).
+  double max_seconds = 3600.0;
 };
 
 struct ServeBenchResult {
@@ -61,6 +67,9 @@ struct ServeBenchResult {
   std::vector<Sweep> sweeps;
 };
 
+// The profiles a run sweeps: o.profiles, or those the hardware has (see above); an error
+// naming the hardware when it has no MIG profiles.
+std::vector<std::string> serve_bench_profiles(const ServeBenchOptions& o);
 ServeBenchResult run_serve_bench(const ServeBenchOptions& o);
 std::string format_serve_bench(const ServeBenchResult& r);
 std::string serve_bench_json(const ServeBenchResult& r);

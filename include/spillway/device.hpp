@@ -160,6 +160,18 @@ class Device {
   virtual bool widen_bf16(const DeviceWidenBf16& /*a*/, Stream /*s*/) { return false; }
 };
 
+// Note [Checked rate durations]: every wait computed from a rate (a throttled copy, a
+// link booking, an emulated slice's time) goes through transfer_duration: bytes / rate as a
+// clock duration, or spillway::Error naming the bytes, the rate and the time when the rate
+// is not a finite number > 0 or the time is not finite or longer than kMaxRateSeconds. An
+// unchecked bytes / 1e-20 GB/s overflows the clock's 64-bit nanoseconds and wraps to a
+// negative time, which turns the throttle off instead of waiting for ever.
+inline constexpr double kMaxRateSeconds = 1e6;    // one wait, ~11.6 days
+inline constexpr double kMinThrottleGbps = 1e-6;  // a throttle or link below: refused
+std::chrono::steady_clock::duration transfer_duration(double bytes, double gbps);
+// The same check for a time already computed from a rate, in milliseconds; `what` names it.
+std::chrono::steady_clock::duration checked_duration_ms(double ms, const char* what);
+
 // Note [Shared host links]: one host link that several emulated devices share, as GPUs
 // behind one PCIe root complex or MIG slices behind one C2C link do. The copies of every
 // device on it are scheduled on one timeline per direction (first come, first served):
@@ -168,7 +180,7 @@ class Device {
 // total never exceeds its bandwidth.
 class HostLink {
  public:
-  HostLink(double h2d_gbps, double d2h_gbps);  // > 0 each
+  HostLink(double h2d_gbps, double d2h_gbps);  // >= kMinThrottleGbps each
   double h2d_gbps() const { return gbps_[0]; }
   double d2h_gbps() const { return gbps_[1]; }
   // Books `bytes` in a direction for a copy that started at `start`; returns when it ends.
@@ -187,8 +199,8 @@ class HostLink {
 
 struct HostDeviceOptions {
   int64_t device_bytes = int64_t{1} << 30;  // capacity of the emulated device memory
-  double d2h_gbps = 0.0;                    // throttle of device->host copies (0 = none)
-  double h2d_gbps = 0.0;                    // throttle of host->device copies (0 = none)
+  double d2h_gbps = 0.0;  // throttle of device->host copies (0 = none, else >= kMinThrottleGbps)
+  double h2d_gbps = 0.0;  // throttle of host->device copies (0 = none, else >= kMinThrottleGbps)
   // A link shared with other emulated devices (Note [Shared host links]): when set, its
   // bandwidths throttle this device's host copies instead of d2h_gbps / h2d_gbps.
   std::shared_ptr<HostLink> link = nullptr;

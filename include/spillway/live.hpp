@@ -3,26 +3,33 @@
 //
 // Note [Live replay]: the trace's requests are sent open loop at their arrival times
 // divided by time_scale, each on its own connection from a pool of max_concurrency client
-// threads (a request finding none free waits, and its lateness is reported), streamed, so
-// that TTFT is the first event's arrival at the client and TPOT the mean gap of the events
-// after it. Bounded: at most max_requests, none sent after max_seconds. The trace's model
-// ids are dealt over the served models by popularity (as the simulated replay deals them
-// over architectures) and the token counts are drawn by draw_token_counts with the seed,
-// clipped so that a request fits the server's context; prompts are random bytes (seeded).
-// Beside the measurement, the simulator's prediction for the same emulated setup
-// (run_replay on the same requests): the server's GPU and MIG profile at its real rates,
-// arrivals at time_scale / rate_scale, the targets times rate_scale, its models' configs at
-// their checkpoints' bytes per parameter, then every time divided by rate_scale. The
-// server's switches, cold starts, link and HBM bytes over the replay come from its
-// /metrics, read before and after.
+// threads (a request finding none free waits, and its lateness is reported), streamed.
+// TTFT and the end-to-end time are measured from the request's arrival time (the time it
+// was due), so a wait for a free client thread is part of them, as it would be for a user;
+// TPOT is the mean gap of the events after the first. Bounded: at most max_requests, none
+// sent after max_seconds. A request is not retried: a refusal (429, 503) is an SLO miss,
+// and a replay where any request sent was not answered fails (live_replay_failure). The trace's
+// model ids are dealt over the served models by popularity (as the simulated replay deals them over
+// architectures) and the token counts are drawn by draw_token_counts with the seed, clipped so that
+// a request fits the server's context; prompts are random bytes (seeded). Beside the measurement,
+// the simulator's prediction for the same emulated setup (run_replay on the same requests): the
+// server's GPU and MIG profile at its real rates, arrivals at time_scale / rate_scale, the targets
+// times rate_scale, its models' configs at their checkpoints' bytes per parameter, then every time
+// divided by rate_scale. The server's switches, cold starts, link and HBM bytes over the replay
+// come from its /metrics, read before and after.
 //
 // Note [Load test]: `clients` threads each send requests back to back (closed loop) until
 // `requests` have been sent, every request one of `distinct` (model, prompt, seed) triples
 // sampled at temperature 0.8, so that each triple is sent several times under different
-// batching; a 429 is retried after its Retry-After (counted). It checks that every request
-// got exactly one complete answer (no connection error, no missing [DONE], no response id
-// seen twice) and that every answer to a triple has the same tokens (Note [Served
-// determinism]), and reports latency percentiles.
+// batching. A 429 is retried, bounded in count (max_retries) and in time (max_retry_s from
+// the first try), after 20 ms doubling up to 1 s and never longer than the server's
+// Retry-After; a request that runs out gives up saying which bound it met. When `clients`
+// requests in a row give up, the server is taken to refuse everything and the rest are not
+// sent. It checks that every request got exactly one complete answer (no connection error,
+// no missing [DONE], no response id seen twice) and that every answer to a triple has the
+// same tokens (Note [Served determinism]); it says how many triples were answered more than
+// once (only those are compared), and reports latency percentiles measured from each
+// request's first try (its retries included).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +39,11 @@
 #include "spillway/replay.hpp"
 
 namespace spillway::server {
+
+// The server's root URL (http://host:port) from what a user gives: http://host[:port], then
+// optionally /v1 (an OpenAI client's base_url) and slashes, which are dropped. Anything else
+// is an InputError naming `flag` and the URL.
+std::string server_base_url(const std::string& url, const std::string& flag = "url");
 
 struct ServedModelSetup {
   std::string id;
@@ -70,9 +82,12 @@ struct LiveOutcome {
   std::string id;  // the response's id
   std::vector<int32_t> tokens;
   double late_ms = 0.0;  // sent this long after its time (no client thread was free)
+  // From the request's due time (its arrival in a replay, its first try in the load test):
+  // late_ms and retries included.
   double ttft_ms = -1.0, tpot_ms = -1.0, e2e_ms = -1.0;
   bool switched = false, cold = false;  // the server's "spillway" extension
   int retries = 0;                      // 429s retried (load test)
+  double retry_after_s = -1.0;          // the answer's Retry-After header; -1: none
 };
 
 struct LiveOptions {
@@ -89,6 +104,8 @@ struct LiveReplayReport {
   std::vector<ReplayResult> results;  // [0] live (measured), [1] simulator (predicted)
   ReplayOptions sim;                  // what the prediction ran with
   int64_t sent = 0, not_sent = 0, refused_429 = 0, refused_503 = 0, errors = 0;
+  int64_t answered = 0;     // sent and answered completely
+  std::string first_error;  // of the first request sent and not answered
   double max_late_ms = 0.0;
   double rate_scale = 1.0;
 };
@@ -97,6 +114,9 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
                              const ReplayOptions& o, const LiveOptions& lo);
 std::string format_live_replay(const LiveReplayReport& r, int64_t distinct_models);
 std::string live_replay_json(const LiveReplayReport& r);
+// Empty when every request sent was answered; else how many were not and why (a replay
+// that says this has failed: its measurement covers only the answered requests).
+std::string live_replay_failure(const LiveReplayReport& r);
 
 struct LoadOptions {
   int clients = 8;
@@ -106,17 +126,28 @@ struct LoadOptions {
   int prompt_tokens = 24;
   uint64_t seed = 1;
   double timeout_s = 120.0;
+  int max_retries = 20;       // 429s retried per request
+  double max_retry_s = 60.0;  // no retry this long after a request's first try
 };
 struct LoadReport {
   int64_t requests = 0, answered = 0, retries_429 = 0;
-  int64_t lost = 0;          // no complete answer
-  int64_t duplicated = 0;    // a response id seen twice
-  int64_t inconsistent = 0;  // an answer whose tokens differ from its triple's first
+  int64_t lost = 0;              // no complete answer (refused, failed or not sent)
+  int64_t refused_429 = 0;       // of lost: still 429 when its retries ran out
+  int64_t not_sent = 0;          // of lost: not sent, the server refusing everything
+  int64_t duplicated = 0;        // a response id seen twice
+  int64_t inconsistent = 0;      // an answer whose tokens differ from its triple's first
+  int64_t triples_compared = 0;  // triples answered more than once
+  int64_t answers_compared = 0;  // answers compared with their triple's first
+  int max_retries_used = 0;      // the most 429s one request retried
   LatencyStats latency_ms, ttft_ms;
   double seconds = 0.0;
+  std::string stopped;                // why the rest was not sent; empty: all sent
   std::vector<std::string> problems;  // the first few, said
 };
 LoadReport run_load(const std::string& url, const LoadOptions& o);
 std::string format_load(const LoadReport& r, const LoadOptions& o);
+// Empty when every request got exactly one answer and every repeated triple the same
+// tokens; else what failed, in numbers (`spillway load` exits 1 with it).
+std::string load_failure(const LoadReport& r, const LoadOptions& o);
 
 }  // namespace spillway::server

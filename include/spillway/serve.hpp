@@ -36,7 +36,19 @@ struct SafetensorsTensor {
 
 inline constexpr int64_t kSafetensorsMaxHeaderBytes = int64_t{100} << 20;
 
-// A safetensors file, memory-mapped read-only and checked (Note [Safetensors checks]).
+// Which file a path named when it was opened: one renamed over it, rewritten or resized
+// since has another stamp (Note [Checkpoints that change on disk] in spillway/server.hpp).
+struct FileStamp {
+  uint64_t device = 0, inode = 0;
+  int64_t bytes = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileStamp&) const = default;
+};
+
+// A safetensors file, memory-mapped read-only and checked (Note [Safetensors checks]). The
+// header is read through the file, not the mapping, and read() copies a tensor the same way:
+// a file truncated meanwhile is an error naming it, never a SIGBUS. A path that is not a
+// regular file (a directory, a FIFO) is refused naming what it is.
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path);
@@ -51,9 +63,15 @@ class SafetensorsFile {
   const SafetensorsTensor* find(const std::string& name) const;               // null: none
   // The tensor's bytes in the mapping (valid while this object lives).
   const std::byte* data(const SafetensorsTensor& t) const;
+  // Copies the tensor's bytes to dst through the file (pread); throws naming the file and
+  // the tensor when it has been truncated since it was opened.
+  void read(const SafetensorsTensor& t, std::byte* dst) const;
+  const FileStamp& stamp() const { return stamp_; }  // the file as it was opened
 
  private:
   std::string path_;
+  int fd_ = -1;
+  FileStamp stamp_;
   int64_t file_bytes_ = 0;
   int64_t data_start_ = 0;
   void* map_ = nullptr;
@@ -95,7 +113,7 @@ struct ModelPoolStats {
   int64_t cold_load_bytes = 0;  // bytes read from disk into the pool
   double cold_load_ms = 0.0;    // time those loads took
   int64_t evictions = 0;        // models dropped to make room (their files stay on disk)
-  int64_t refused = 0;          // acquire() calls answered kFull
+  int64_t refused = 0;          // acquire() calls answered kFull or kChanged
 };
 
 class ModelPool;
@@ -126,14 +144,16 @@ class ModelHandle {
 
 enum class PoolStatus {
   kOk,
-  kFull,  // every resident model is in use and the model does not fit beside them
+  kFull,     // every resident model is in use and the model does not fit beside them
+  kChanged,  // the file is no longer the one add() checked (Note [Checkpoints that change
+             // on disk] in spillway/server.hpp), or it cannot be read: nothing loaded
 };
 
 struct PoolAcquire {
   PoolStatus status = PoolStatus::kOk;
   ModelHandle handle;  // set when kOk
   bool cold = false;   // loaded from disk by this call
-  std::string why;     // kFull: what is in use and what was needed
+  std::string why;     // kFull: what is in use and what was needed; kChanged: how it changed
 };
 
 class ModelPool {
@@ -153,7 +173,14 @@ class ModelPool {
   // The model's weights, resident: at once if they are (a switch: nothing copied), else
   // loaded from disk after evicting the least recently used idle models until they fit;
   // kFull when the models in use leave no room. Thread-safe.
+  // A cold load first checks that the file is still the one add() (or refresh()) checked: the
+  // same stamp; otherwise kChanged, naming the model, the path and what changed.
   PoolAcquire acquire(const std::string& model);
+  // The model's file is now `f` (opened from its path and checked by the caller): the next
+  // load reads it. A resident copy that is idle is dropped; one in use stays until released
+  // (throws naming the model when f's size would differ from it). f larger than the whole
+  // budget is refused as in add().
+  void refresh(const std::string& model, const SafetensorsFile& f);
   ModelPoolStats stats() const;
 
  private:

@@ -17,7 +17,10 @@
 // disk otherwise; nothing copied to the device either way) and releases it when idle, so
 // the pool may evict it. Overload is loud: past `max_waiting` queued requests a submit is
 // refused (kOverloaded: HTTP 429), while draining (kDraining: 503); a model the pool cannot
-// hold beside those in use fails its requests with kUnavailable (503). Nothing is dropped.
+// hold beside those in use fails its requests (kFailed, counted "unavailable": 503). Nothing
+// is dropped. Note [Slice failures]: whatever throws on a slice thread (a load, a decoder,
+// a step) fails only the requests it concerns, kFailed with a message naming the model and
+// the reason; the slice goes on and every other request is untouched.
 //
 // Note [Served determinism]: a completion depends only on its request (model, prompt,
 // max_tokens, temperature, seed) and the engine's chunk table, never on what it is batched
@@ -55,8 +58,23 @@ struct ModelFiles {
   std::string config_path;   // dir/config.json
   std::string weights_path;  // dir/model.safetensors
 };
+// Note [Checkpoints that change on disk]: a model's config.json is read once, at start; its
+// model.safetensors whenever the pool loads it (the first request, and again after an
+// eviction). A load reads the file the engine checked or nothing (ModelPool's stamp: device,
+// inode, size, mtime). A file found changed is checked again there, against the config read
+// at start: a valid checkpoint of the same tensors and dtype (replaced whole, by a rename) is
+// loaded and served from then on; anything else (half-written, truncated, another layout, a
+// directory, gone) makes the model unavailable: the requests that needed the load fail
+// (kFailed, naming the model and the reason) and every later submit for it checks the file
+// again: still bad, it is refused (kUnavailable, the reason); valid, it is served. A copy
+// already resident keeps serving until it is evicted. Nothing else is touched, and nothing
+// crashes. A file rewritten in place while a load reads it fails that load (the bytes are
+// read through the file, never a mapping that could fault): replace checkpoints by rename.
+//
 // Every subdirectory of `dir` with a config.json, sorted by name; a subdirectory with a
-// config.json and no model.safetensors is an error naming it; none at all is an error.
+// config.json and no model.safetensors is an error naming it, and so are a config.json or a
+// model.safetensors that is not a regular file and a directory that cannot be read (the OS's
+// reason); none at all is an error.
 std::vector<ModelFiles> find_models(const std::string& dir);
 // Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
 // checkpoint: its own tensor; or, for attention's fused q, k, v, Hugging Face's q_proj,
@@ -91,7 +109,7 @@ struct EngineOptions {
   int max_running = 8;                           // sequences a slice decodes together
   int max_context = 512;                         // tokens of one request, prompt and output
   int max_step_tokens = 256;                     // rows of one decoder step
-  int max_waiting = 64;                          // requests queued and not yet running, all slices
+  int max_waiting = 64;     // requests queued and not yet running, all slices (>= 1)
   double ttft_ms = 2000.0;  // targets: the Scheduler's and the SLO of the metrics
   double tpot_ms = 100.0;
   double alpha = -1.0;  // < 0: the alpha controller adapts it per slice; else fixed
@@ -114,6 +132,8 @@ enum class SubmitStatus {
   kUnknownModel,  // HTTP 404
   kOverloaded,    // max_waiting requests already queued: HTTP 429
   kDraining,      // the engine is shutting down: HTTP 503
+  kUnavailable,   // the model's checkpoint cannot be served now (Note [Checkpoints that
+                  // change on disk]); the message names the model and why: HTTP 503
 };
 const char* to_string(SubmitStatus s);
 
@@ -126,11 +146,16 @@ class Completion {
   // Blocks until a token after the `have` already taken exists or the request ended;
   // appends the new ones to *out and returns the state (kRunning: more may come).
   State wait_tokens(size_t have, std::vector<int32_t>* out);
+  // The same, returning kRunning with nothing new once `timeout` has passed.
+  State wait_tokens_for(size_t have, std::vector<int32_t>* out, std::chrono::milliseconds timeout);
   State state() const;
-  std::string error() const;          // kFailed: why
+  std::string error() const;          // kFailed or kCancelled: why
   std::string finish_reason() const;  // kDone: "length", or "stop" (a stop sequence)
   // The client went away: the slice stops generating for it at its next iteration.
   void cancel();
+  // The same with the reason its reader is told (error() of the cancelled completion).
+  void cancel(std::string why);
+  std::string cancel_reason() const;
   // The slice had to take this request's model from another (a switch: the model was in
   // host memory) or from disk (a cold start) before running it.
   bool switched() const;
@@ -154,6 +179,7 @@ class Completion {
   State state_ = State::kRunning;
   std::string why_;
   bool cancel_ = false;
+  std::string cancel_why_ = "cancelled";
   int slice_ = -1;
   bool switched_ = false, cold_ = false;
   std::chrono::steady_clock::time_point first_, last_;
@@ -233,6 +259,16 @@ class ServingEngine {
   // Refuses new requests from now on (kDraining) and waits until every accepted one has
   // ended (finished, failed or cancelled).
   void drain();
+  // The same, for at most `deadline`: returns true when every accepted request ended in
+  // time; false when some are still in flight (draining stays on).
+  bool drain_for(std::chrono::milliseconds deadline);
+  // Cancels every accepted request not yet ended (queued or running), each ending
+  // kCancelled with `why`; returns how many. Used when a drain's deadline passes.
+  int64_t cancel_all(const std::string& why);
+  // Note [One count per request]: every request the server answers is counted once, by
+  // outcome (EngineMetrics::requests). submit() counts its own; a request refused before it
+  // reaches submit() (malformed JSON, a bad field, a body too large) is counted here.
+  void count_outcome(const std::string& outcome);
   bool draining() const;
   int64_t in_flight() const;  // accepted and not yet ended
 

@@ -19,7 +19,8 @@ struct StreamModeInput {
   double link_h2d_gbps = 0.0;        // the link's host->device capacity, all its GPUs
   double peer_gbps = 0.0;            // per GPU, to its peers (NVLink, PCIe P2P); 0: none
   bool c2c = false;                  // coherent link: kernels may read host memory in place
-  int64_t hbm_free_bytes = 0;        // device memory the weights could use
+  int64_t hbm_free_bytes = -1;       // device memory the weights could use (< 0: unknown,
+                                     // the ring's fit is not checked)
   int depth = 2;                     // layers copied ahead
 };
 
@@ -39,13 +40,15 @@ struct StreamModeEstimate {
 
 struct StreamModeChoice {
   std::vector<StreamModeEstimate> modes;  // full-copy, sharded, in-place
-  std::string chosen;
+  std::string chosen;       // among the available modes; empty when none is (see their why_not)
   double compute_ms = 0.0;  // all weights resident: compute only
   int64_t weight_bytes = 0;
   bool weights_fit = false;  // weight_bytes <= hbm_free_bytes: streaming only costs time
   std::vector<std::string> warnings;
 };
 
+// A mode whose ring (depth + 1 slots of the largest layer) does not fit in hbm_free_bytes is
+// not available, its why_not in numbers; when no mode is, `chosen` is empty.
 StreamModeChoice choose_stream_mode(const StreamModeInput& in);
 std::string explain_stream_mode(const StreamModeChoice& choice, const StreamModeInput& in);
 

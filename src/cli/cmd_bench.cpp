@@ -388,7 +388,7 @@ void add_bench_stream_command(CLI::App& bench) {
            open_closed(0, 100000));
   in_range(cmd->add_option("--link-gbps", o.link_gbps, "The host link's bandwidth, GB/s")
                ->capture_default_str(),
-           open_closed(0, 100000));
+           closed(kMinRunLinkGbps, 100000));
   in_range(
       cmd->add_option("--prefetch-depth", o.depth, "Layers copied ahead")->capture_default_str(),
       closed(1, 64));
@@ -422,17 +422,19 @@ void add_bench_serve_command(CLI::App& bench) {
       "A model switch (re-pointing a slice at a pooled model, no byte copied, and its first "
       "token through HybridGEMM from host memory) against reloading the same weights into "
       "device memory, same run; then one HybridGEMM on every slice of 1, 3 and 7-way MIG "
-      "profiles at once, across alpha: the slowest slice, link and HBM bytes, the best "
-      "alpha per slice count.\n\n"
+      "profiles at once (those --hardware has: on the gh200, 7g.96gb, 2g.24gb and 1g.12gb), "
+      "across alpha: the slowest slice, link and HBM bytes, the best alpha per slice count. A "
+      "run whose emulated link time alone would pass an hour is refused up front.\n\n"
       "Examples:\n"
       "  spillway bench serve\n"
+      "  spillway bench serve --hardware h100-pcie --m 64\n"
       "  spillway bench serve --m 512 --json -");
   ServeBenchOptions& o = st->options;
   cmd->add_option("--hardware", o.hardware, "A catalog GPU with MIG profiles")
       ->capture_default_str();
   in_range(cmd->add_option("--rate-scale", o.rate_scale, "Every hardware rate times this")
                ->capture_default_str(),
-           open_closed(0, 1));
+           closed(kMinRateScale, 1));
   in_range(cmd->add_option("--m", o.m, "GEMM rows (tokens)")->capture_default_str(),
            closed(1, 65536));
   in_range(cmd->add_option("--n", o.n, "GEMM columns (outputs)")->capture_default_str(),
@@ -473,7 +475,7 @@ void add_bench_serve_live_command(CLI::App& bench) {
   cmd->add_option("--profile", o.profile, "The slice's MIG profile")->capture_default_str();
   in_range(cmd->add_option("--rate-scale", o.rate_scale, "Every hardware rate times this")
                ->capture_default_str(),
-           open_closed(0, 1));
+           closed(kMinRateScale, 1));
   in_range(cmd->add_option("--requests", o.requests, "Requests")->capture_default_str(),
            closed(1, 100000));
   in_range(cmd->add_option("--prompt-tokens", o.prompt_tokens, "Prompt tokens per request")

@@ -5,10 +5,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
 #include "cli/commands.hpp"
@@ -28,6 +31,79 @@ DType parse_dtype(const std::string& s) {
   SPILLWAY_INPUT_ERROR("--dtype: '{}'; fp32 or bf16", s);
 }
 
+// The signals that drain the server (Note [Serve signals]); kDrainDone is no signal.
+constexpr int kDrainSignals[] = {SIGTERM, SIGINT, SIGHUP};
+constexpr unsigned char kDrainDone = 255;
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "a signal";
+  }
+}
+
+// An address as a URL writes it: an IPv6 one in brackets (http://[::1]:8000).
+std::string url_host(const std::string& host) {
+  if (host.find(':') != std::string::npos && host.front() != '[') return "[" + host + "]";
+  return host;
+}
+
+// Note [Checkpoint --out]: a checkpoint goes into a new or empty directory. One that holds
+// a model (config.json or model.safetensors) is replaced only with --force, and then only
+// those two files; a directory holding anything else is refused even with --force (it is
+// not a model's: `--out /` or `--out ~` would scatter the files among the user's), as is
+// the root itself.
+void check_checkpoint_out(const std::string& out, bool force) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(out, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    SPILLWAY_INPUT_ERROR("--out: cannot read '{}': {}", out, ec.message());
+  if (!fs::exists(status)) return;  // created
+  if (!fs::is_directory(status))
+    SPILLWAY_INPUT_ERROR("--out: '{}' exists and is not a directory", out);
+  const fs::path canonical = fs::weakly_canonical(out, ec);
+  if (!ec && canonical == canonical.root_path())
+    SPILLWAY_INPUT_ERROR("--out: '{}' is the root directory; give a new directory for the model",
+                         out);
+  bool model = false;
+  std::vector<std::string> others;
+  for (fs::directory_iterator it(out, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == "config.json" || name == "model.safetensors") {
+      model = true;
+    } else {
+      others.push_back(name);
+    }
+  }
+  if (ec) SPILLWAY_INPUT_ERROR("--out: cannot list '{}': {}", out, ec.message());
+  if (!model && others.empty()) return;  // empty
+  if (!model) {
+    std::sort(others.begin(), others.end());
+    SPILLWAY_INPUT_ERROR(
+        "--out: '{}' is not empty and holds no model (it has '{}'{}); give a new or empty "
+        "directory (--force replaces only a model directory's config.json and "
+        "model.safetensors)",
+        out, others.front(),
+        others.size() > 1 ? fmt::format(" and {} more", others.size() - 1) : "");
+  }
+  if (!force)
+    SPILLWAY_INPUT_ERROR(
+        "--out: '{}' already holds a model (config.json, model.safetensors); --force replaces "
+        "it",
+        out);
+}
+
+void remove_demo_dir(const fs::path& p) {
+  std::error_code ec;
+  if (!p.empty()) fs::remove_all(p, ec);
+}
+
 }  // namespace
 
 void add_serve_command(CLI::App& app) {
@@ -37,6 +113,7 @@ void add_serve_command(CLI::App& app) {
     std::string models;
     std::string port_file;
     double host_budget_mb = 1024;
+    double drain_seconds = 30;
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -55,14 +132,17 @@ void add_serve_command(CLI::App& app) {
       "Endpoints: POST /v1/completions (model, prompt: a string of bytes or token ids, "
       "max_tokens, temperature, seed, stream), GET /v1/models, GET /metrics (Prometheus), "
       "GET /health. Bad requests: 400 naming the field; unknown model: 404; more than "
-      "--max-waiting requests queued: 429; shutting down: 503. SIGTERM or Ctrl-C drains: "
-      "no new request is taken and every accepted one is answered before the server exits.\n\n"
+      "--max-waiting requests queued: 429; shutting down: 503. SIGTERM, SIGHUP or Ctrl-C "
+      "drains: no new request is taken and every accepted one is answered before the server "
+      "exits, for up to --drain-seconds; what is still running then is cut (its client sees "
+      "the stream end with an error, or a 503), and a second signal cuts at once (exit 128 + "
+      "the signal). The demo models' temporary directory is removed at exit.\n\n"
       "Examples:\n"
       "  spillway serve\n"
       "  curl -s localhost:8000/v1/completions -d '{\"model\": \"tiny-moe-a\", \"prompt\": "
       "\"Hello\", \"max_tokens\": 8, \"temperature\": 0}'\n"
       "  spillway checkpoint --config tiny-moe --seed 3 --out models/tiny-c\n"
-      "  spillway serve --models models --port 0 --port-file port.txt --profile 2g.24gb");
+      "  spillway serve --models models --port 0 --port-file port.txt --profile 3g.48gb");
   cmd->add_option("--models", st->models,
                   "Directory of models (subdirectories with config.json and model.safetensors)");
   cmd->add_option("--host", st->http.host, "Address to listen on")->capture_default_str();
@@ -82,7 +162,7 @@ void add_serve_command(CLI::App& app) {
   in_range(cmd->add_option("--rate-scale", st->o.rate_scale,
                            "Every emulated rate (link, HBM, compute) times this")
                ->capture_default_str(),
-           open_closed(0, 1));
+           closed(kMinRateScale, 1));
   in_range(cmd->add_option("--memory-scale", st->o.memory_scale, "Every slice's memory times this")
                ->capture_default_str(),
            open_closed(0, 1));
@@ -105,51 +185,60 @@ void add_serve_command(CLI::App& app) {
   in_range(cmd->add_option("--max-waiting", st->o.max_waiting,
                            "Requests queued for a slice before new ones get 429")
                ->capture_default_str(),
-           closed(0, 1 << 20));
+           closed(1, 1 << 20));
   in_range(cmd->add_option("--ttft-ms", st->o.ttft_ms, "TTFT target (scheduler, SLO)")
                ->capture_default_str(),
            open_closed(0, 1e9));
   in_range(cmd->add_option("--tpot-ms", st->o.tpot_ms, "TPOT target (scheduler, SLO)")
                ->capture_default_str(),
            open_closed(0, 1e9));
+  in_range(cmd->add_option("--drain-seconds", st->drain_seconds,
+                           "On SIGTERM, SIGHUP or Ctrl-C: the longest the requests in flight may "
+                           "take to finish; those left are then cut (a second signal cuts at "
+                           "once)")
+               ->capture_default_str(),
+           open_closed(0, 3600));
   in_range(cmd->add_option("--alpha", st->o.alpha,
                            "HybridGEMM's alpha on every slice; < 0: the controller adapts it")
                ->capture_default_str(),
            closed(-1, 1));
   cmd->callback([st]() {
     st->o.host_budget_bytes = static_cast<int64_t>(st->host_budget_mb * kMiB);
-    // SIGTERM and SIGINT: a handler (whichever thread the signal lands on: libraries such as
-    // OpenBLAS start threads of their own) writes the signal to a pipe; one thread reads it
-    // and drains the server.
+    // Note [Serve signals]: SIGTERM, SIGINT and SIGHUP drain. A handler (whichever thread the
+    // signal lands on: libraries such as OpenBLAS start threads of their own) writes the
+    // signal to a pipe; one thread reads it and starts the drain, bounded by
+    // --drain-seconds (Note [Bounded drain] in spillway/http_server.hpp), then reads on: a
+    // second signal before the drain has ended exits at once (128 + the signal), saying
+    // how many requests it cut; kDrainDone says the drain ended by itself.
     static int signal_pipe[2] = {-1, -1};
-    if (::pipe(signal_pipe) != 0) SPILLWAY_INPUT_ERROR("serve: cannot create a pipe");
+    if (::pipe(signal_pipe) != 0)
+      SPILLWAY_INPUT_ERROR("serve: cannot create a pipe: {}", std::strerror(errno));
     struct sigaction sa {};
     sa.sa_handler = [](int sig) {
+      const int saved = errno;
       const unsigned char b = static_cast<unsigned char>(sig);
       (void)!::write(signal_pipe[1], &b, 1);
+      errno = saved;
     };
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGINT, &sa, nullptr);
+    for (int sig : kDrainSignals) sigaction(sig, &sa, nullptr);
     std::string dir = st->models;
     fs::path demo;
+    struct RemoveDemo {
+      fs::path p;
+      ~RemoveDemo() { remove_demo_dir(p); }
+    } remove_demo{};
     if (dir.empty()) {
       demo = fs::temp_directory_path() / fmt::format("spillway-serve-{}", ::getpid());
+      remove_demo.p = demo;
       server::write_checkpoint("tiny-moe", 1, (demo / "tiny-moe-a").string(), DType::kFp32);
       server::write_checkpoint("tiny-moe", 2, (demo / "tiny-moe-b").string(), DType::kFp32);
       dir = demo.string();
       std::printf(
           "spillway serve: no --models: demo models tiny-moe-a and tiny-moe-b (the "
-          "tiny-moe reference model, seeds 1 and 2) in %s\n",
+          "tiny-moe reference model, seeds 1 and 2) in %s (removed at exit)\n",
           dir.c_str());
     }
-    struct RemoveDemo {
-      fs::path p;
-      ~RemoveDemo() {
-        std::error_code ec;
-        if (!p.empty()) fs::remove_all(p, ec);
-      }
-    } remove_demo{demo};
     const std::vector<server::ModelFiles> models = server::find_models(dir);
     server::ServingEngine engine(models, st->o);
     server::HttpServer http(engine, st->http);
@@ -159,31 +248,57 @@ void add_serve_command(CLI::App& app) {
     std::printf("  %d slices of %s %s, rates x %g; alpha %s\n", engine.slices(),
                 st->o.hardware.c_str(), st->o.profile.c_str(), st->o.rate_scale,
                 st->o.alpha < 0 ? "adaptive" : fmt::format("{}", st->o.alpha).c_str());
-    std::printf(
-        "spillway serve: listening on http://%s:%d (SIGTERM or Ctrl-C drains and "
-        "exits)\n",
-        st->http.host.c_str(), http.port());
-    std::fflush(stdout);
+    // The port file before the line that says the server listens: a port file that cannot
+    // be written (a directory, a full disk) stops the server, naming the path and why.
     if (!st->port_file.empty()) {
-      const std::string tmp = st->port_file + ".tmp";
-      {
-        std::ofstream f(tmp, std::ios::trunc);
-        f << http.port() << "\n";
-        if (!f) SPILLWAY_INPUT_ERROR("--port-file: cannot write {}", st->port_file);
+      try {
+        write_output(st->port_file, fmt::format("{}\n", http.port()));
+      } catch (const Error& e) {
+        SPILLWAY_INPUT_ERROR("--port-file: {}", e.what());
       }
-      fs::rename(tmp, st->port_file);
     }
+    std::printf(
+        "spillway serve: listening on http://%s:%d (SIGTERM, SIGHUP or Ctrl-C drains for up "
+        "to %g s and exits)\n",
+        url_host(st->http.host).c_str(), http.port(), st->drain_seconds);
+    std::fflush(stdout);
+    const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(st->drain_seconds * 1e3));
+    server::HttpServer::DrainReport report;
+    int drain_signal = 0;
     std::thread signals([&] {
-      unsigned char b = 0;
-      while (::read(signal_pipe[0], &b, 1) < 0 && errno == EINTR) {
-      }
-      const int sig = b;
+      const auto read_byte = [] {
+        unsigned char b = 0;
+        while (::read(signal_pipe[0], &b, 1) < 0 && errno == EINTR) {
+        }
+        return static_cast<int>(b);
+      };
+      const int sig = read_byte();
       if (sig == 0) return;  // the server stopped by itself
-      std::printf("spillway serve: %s: draining %lld requests in flight...\n",
-                  sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                  static_cast<long long>(engine.in_flight()));
+      drain_signal = sig;
+      std::printf(
+          "spillway serve: %s: draining %lld requests in flight (up to %g s, --drain-seconds; "
+          "a second signal ends at once)...\n",
+          signal_name(sig), static_cast<long long>(engine.in_flight()), st->drain_seconds);
       std::fflush(stdout);
-      http.shutdown();
+      std::thread drainer([&] {
+        report = http.shutdown(deadline);
+        const unsigned char done = kDrainDone;
+        (void)!::write(signal_pipe[1], &done, 1);
+      });
+      for (;;) {
+        const int next = read_byte();
+        if (next == kDrainDone) break;
+        if (next == 0) continue;  // run() returned: the drain's own stop; its end follows
+        // A second signal: the drain is abandoned, and so is every request still in it.
+        std::printf(
+            "spillway serve: a second signal (%s) during the drain: exiting at once, cutting "
+            "%lld requests in flight\n",
+            signal_name(next), static_cast<long long>(engine.in_flight()));
+        std::fflush(stdout);
+        remove_demo_dir(demo);
+        std::_Exit(128 + next);
+      }
+      drainer.join();
     });
     http.run();
     if (!engine.draining()) {  // stopped without a signal: release the signal thread
@@ -191,8 +306,19 @@ void add_serve_command(CLI::App& app) {
       (void)!::write(signal_pipe[1], &zero, 1);
     }
     signals.join();
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGINT, SIG_DFL);
+    for (int sig : kDrainSignals) signal(sig, SIG_DFL);
+    if (drain_signal != 0) {
+      if (report.cut == 0) {
+        std::printf("spillway serve: drained all %lld requests that were in flight\n",
+                    static_cast<long long>(report.in_flight));
+      } else {
+        std::printf(
+            "spillway serve: cut %lld of the %lld requests in flight at the %g s deadline "
+            "(--drain-seconds)\n",
+            static_cast<long long>(report.cut), static_cast<long long>(report.in_flight),
+            st->drain_seconds);
+      }
+    }
     const server::EngineMetrics m = engine.metrics();
     std::printf(
         "spillway serve: drained; %lld requests answered, %lld tokens generated, %lld "
@@ -203,49 +329,7 @@ void add_serve_command(CLI::App& app) {
   });
 }
 
-void add_load_command(CLI::App& app) {
-  struct State {
-    std::string url;
-    server::LoadOptions o;
-  };
-  auto st = std::make_shared<State>();
-  CLI::App* cmd = app.add_subcommand(
-      "load",
-      "Load-tests a running `spillway serve`: --clients threads send --requests requests back "
-      "to back, each one of --distinct (model, prompt, seed) triples sampled at temperature "
-      "0.8 (each triple sent several times, batched differently each time); a 429 is retried. "
-      "Checks that every request got exactly one complete answer (none lost, no response id "
-      "twice) and that the answers to a triple are the same tokens; prints latency and TTFT "
-      "p50/p95/p99. Exits 1 when a check fails.\n\n"
-      "Example:\n"
-      "  spillway serve --port 8000 &\n"
-      "  spillway load http://127.0.0.1:8000 --clients 16 --requests 400");
-  cmd->add_option("url", st->url, "The server (http://host:port)")->required();
-  in_range(cmd->add_option("--clients", st->o.clients, "Concurrent clients")->capture_default_str(),
-           closed(1, 1024));
-  in_range(cmd->add_option("--requests", st->o.requests, "Requests in all")->capture_default_str(),
-           closed(1, 10000000));
-  in_range(cmd->add_option("--distinct", st->o.distinct, "Distinct (model, prompt, seed) triples")
-               ->capture_default_str(),
-           closed(1, 1000000));
-  in_range(cmd->add_option("--max-tokens", st->o.max_tokens, "Tokens generated per request")
-               ->capture_default_str(),
-           closed(1, 1 << 20));
-  in_range(cmd->add_option("--prompt-tokens", st->o.prompt_tokens, "Prompt tokens per request")
-               ->capture_default_str(),
-           closed(1, 1 << 20));
-  in_range(cmd->add_option("--seed", st->o.seed, "Seed of the prompts and sampling seeds")
-               ->capture_default_str(),
-           closed(0, 4294967295.0));
-  cmd->callback([st]() {
-    const server::LoadReport r = server::run_load(st->url, st->o);
-    std::fputs(server::format_load(r, st->o).c_str(), stdout);
-    std::fflush(stdout);
-    if (r.lost + r.duplicated + r.inconsistent > 0)
-      SPILLWAY_INPUT_ERROR("load: {} lost, {} duplicated, {} inconsistent answers", r.lost,
-                           r.duplicated, r.inconsistent);
-  });
-}
+// `spillway load` (a client of the server, beside `replay --live`): cmd_replay.cpp.
 
 void add_checkpoint_command(CLI::App& app) {
   struct State {
@@ -253,6 +337,7 @@ void add_checkpoint_command(CLI::App& app) {
     uint64_t seed = 1;
     std::string out;
     std::string dtype = "fp32";
+    bool force = false;
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -260,7 +345,9 @@ void add_checkpoint_command(CLI::App& app) {
       "Writes a servable checkpoint of the reference model: OUT/config.json and "
       "OUT/model.safetensors with its weights initialized from --seed (the tensors named as "
       "Hugging Face names Llama / Qwen3-MoE weights, attention's q, k, v fused). `spillway "
-      "serve --models DIR` serves every such directory under DIR.\n\n"
+      "serve --models DIR` serves every such directory under DIR. OUT must be new or empty; "
+      "one that already holds a model (config.json, model.safetensors) is replaced only with "
+      "--force, and a directory holding anything else (or /) never.\n\n"
       "Examples:\n"
       "  spillway checkpoint --out models/tiny-a\n"
       "  spillway checkpoint --config small-moe --seed 7 --dtype bf16 --out models/small-7");
@@ -269,10 +356,13 @@ void add_checkpoint_command(CLI::App& app) {
       ->capture_default_str();
   in_range(cmd->add_option("--seed", st->seed, "Seed of the weights")->capture_default_str(),
            closed(0, 4294967295.0));
-  cmd->add_option("--out", st->out, "The model's directory (created)")->required();
+  cmd->add_option("--out", st->out, "The model's directory (created; new or empty)")->required();
   cmd->add_option("--dtype", st->dtype, "fp32 or bf16")->capture_default_str();
+  cmd->add_flag("--force", st->force,
+                "Replace the model (config.json, model.safetensors) already in --out");
   cmd->callback([st]() {
     const DType dt = parse_dtype(st->dtype);
+    check_checkpoint_out(st->out, st->force);
     server::write_checkpoint(st->config, st->seed, st->out, dt);
     const auto bytes = fs::file_size(fs::path(st->out) / "model.safetensors");
     std::printf("wrote %s/config.json and %s/model.safetensors (%s, %.2f MB)\n", st->out.c_str(),

@@ -84,7 +84,7 @@ void add_simulate_command(CLI::App& app) {
                            "stream --sharded: GPU-to-GPU bandwidth per GPU for the all-gather, "
                            "GB/s (default: the profile's NVLink, else its host link figure)")
                ->group("Simulation"),
-           open_closed(0, 100000));
+           closed(PlanLimits::kMinGbps, 100000));
   cmd->add_option("--trace", st->trace_path, "Write a Chrome trace-event JSON (open in Perfetto)")
       ->group("Output");
   cmd->add_option("--plot", st->plot_path,

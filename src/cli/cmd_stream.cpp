@@ -164,6 +164,24 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
   const std::vector<size_t> bytes = ranks[0].resident->layer_weight_bytes();
   int64_t model_bytes = 0;
   for (size_t b : bytes) model_bytes += static_cast<int64_t>(b);
+  // The link time alone, at least: every streamed step copies every layer once (forward)
+  // through the link, N times over when each GPU copies whole layers. A run that would
+  // take longer than kMaxRunSeconds is refused now, not after hours.
+  {
+    const double copies = rf.mode == "full-copy" ? N : 1.0;
+    const double link_bytes =
+        static_cast<double>(rf.steps) * copies * static_cast<double>(model_bytes);
+    const double seconds = link_bytes / (rf.link_gbps * 1e9);
+    if (!(seconds <= kMaxRunSeconds))
+      SPILLWAY_INPUT_ERROR(
+          "--link-gbps is {}; {}", rf.link_gbps,
+          fmt::format("the {} streamed steps copy at least {:.1f} MB over the link ({} steps x "
+                      "{:.1f} MB of layer weights{}), {:.3g} s at {} GB/s: more than the {:.0f} s "
+                      "a run may take; raise --link-gbps to {:.3g} or more, or lower --steps",
+                      rf.steps, link_bytes / 1e6, rf.steps, static_cast<double>(model_bytes) / 1e6,
+                      copies > 1 ? fmt::format(" x {} GPUs", N) : "", seconds, rf.link_gbps,
+                      kMaxRunSeconds, link_bytes / 1e9 / kMaxRunSeconds));
+  }
   // The mode, from the arithmetic of Note [Stream mode model] over a warm-up step of the
   // resident models (learning rate 0: the weights stay the streamed models'), the link,
   // and this machine's copy rate for the emulated all-gather.
@@ -375,7 +393,9 @@ void add_stream_command(CLI::App& app) {
       "on a coherent NVLink-C2C link, kernels read the host weights in place; it prints each "
       "mode's step time, stalls and link bytes, and the simulator's prediction.\n"
       "The GPUs per link come from the PCI tree (/sys) when NVIDIA GPUs are there, else from "
-      "the hardware profile, else --gpus-per-link.\n\n"
+      "the hardware profile, else --gpus-per-link. A mode whose ring (prefetch-depth + 1 "
+      "layers) does not fit in the HBM left for weights is ruled out, with the numbers; when "
+      "none is left, --explain exits 3, as `spillway plan` does for an infeasible plan.\n\n"
       "Examples:\n"
       "  spillway stream\n"
       "  spillway stream --training --link-gbps 2 --prefetch-depth 2\n"
@@ -399,7 +419,7 @@ void add_stream_command(CLI::App& app) {
                            "profile's NVLink, else its host link figure: PCIe peer-to-peer "
                            "through the shared switch)")
                ->group("Streaming"),
-           closed(0, 100000));
+           closed_or(PlanLimits::kMinGbps, 100000, 0));
   cmd->add_option("--sysfs", st->sysfs, "Read the PCI device tree under this sysfs root")
       ->capture_default_str()
       ->group("Streaming");
@@ -417,7 +437,7 @@ void add_stream_command(CLI::App& app) {
       cmd->add_option("--link-gbps", st->run.link_gbps, "Run: the emulated host->device link, GB/s")
           ->capture_default_str()
           ->group("Run"),
-      open_closed(0, 100000));
+      closed(kMinRunLinkGbps, 100000));
   in_range(cmd->add_option("--device-memory-mb", st->run.device_memory_mb,
                            "Run: the emulated device's memory, MiB (2^20 bytes)")
                ->capture_default_str()
@@ -485,9 +505,12 @@ void add_stream_command(CLI::App& app) {
     in.c2c = hw.link_kind == "nvlink-c2c";
     in.depth = std::max(1, req.prefetch_depth);
     const MemoryBreakdown& peak = plan.summary.peak;
+    // The HBM the ring may take: the budget less the plan's activations and logits (a
+    // training step's, so an upper bound for inference). Not less the plan's gradients and
+    // optimizer states: those are a resident model's, sized by all its weights, while a
+    // streamed model's weights, and what is updated with them, live in host memory.
     in.hbm_free_bytes =
-        std::max<int64_t>(0, plan.summary.hbm_budget_bytes - peak.activations - peak.logits -
-                                 peak.gradients - peak.optimizer_states);
+        std::max<int64_t>(0, plan.summary.hbm_budget_bytes - peak.activations - peak.logits);
     const StreamModeChoice c = choose_stream_mode(in);
     std::string text =
         fmt::format("{} on {}: GPUs per link {} (from {}){}\n", req.model.name, hw.name, per_link,
@@ -499,7 +522,7 @@ void add_stream_command(CLI::App& app) {
     so.gpus_per_link = per_link;
     so.keep_tasks = false;
     nlohmann::json sim_json;
-    if (!st->training) {
+    if (!st->training && !c.chosen.empty()) {
       // The simulator runs the full-copy and sharded modes as events (its link: the plan's
       // per-GPU figure times the profile's GPUs per link).
       const SimResult r = simulate_weight_streaming(plan, req, so);
@@ -523,7 +546,8 @@ void add_stream_command(CLI::App& app) {
       j["model"] = req.model.name;
       j["hardware"] = hw.name;
       j["gpus_per_link"] = per_link;
-      j["chosen"] = c.chosen;
+      j["chosen"] = c.chosen.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.chosen);
+      j["hbm_free_bytes"] = in.hbm_free_bytes;
       j["compute_ms"] = c.compute_ms;
       j["weight_bytes"] = c.weight_bytes;
       j["weights_fit"] = c.weights_fit;
@@ -543,6 +567,8 @@ void add_stream_command(CLI::App& app) {
       if (!sim_json.is_null()) j["simulator"] = sim_json;
       write_output(st->json_path, j.dump(2) + "\n");
     }
+    // As `spillway plan` does for an infeasible plan: the reasons printed, exit 3.
+    if (c.chosen.empty()) throw CLI::RuntimeError(3);
   });
 }
 

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -89,7 +90,8 @@ struct Op {
   void* dst = nullptr;
   const void* src = nullptr;
   size_t bytes = 0;
-  double gbps = 0.0;            // a copy's throttle (0: none), the device's for the stream's role
+  double gbps = 0.0;  // a copy's throttle (0: none), the device's for the stream's role
+  std::chrono::steady_clock::duration duration{};  // bytes at gbps (Note [Checked rate durations])
   HostLink* link = nullptr;     // or the shared link's (Note [Shared host links])
   bool h2d = false;             // the link's direction
   EventState* event = nullptr;  // alive until the device dies (destroyed ones too)
@@ -291,9 +293,7 @@ class HostQueue {
           end = op.link->book(op.h2d, op.bytes, start);
         } else if (op.gbps > 0.0) {
           gbps = op.gbps;
-          const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-              std::chrono::duration<double>(static_cast<double>(op.bytes) / (gbps * 1e9)));
-          end = std::max(start, deadline_) + duration;
+          end = std::max(start, deadline_) + op.duration;
           deadline_ = end;
         }
         const auto* src = static_cast<const std::byte*>(op.src);
@@ -304,15 +304,16 @@ class HostQueue {
           if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
           break;
         }
-        const double slot_s = static_cast<double>(op.bytes) / (gbps * 1e9);
-        const auto begin = end - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                     std::chrono::duration<double>(slot_s));
+        // Checked when the copy was enqueued: cannot throw here.
+        const auto slot = op.link != nullptr
+                              ? transfer_duration(static_cast<double>(op.bytes), gbps)
+                              : op.duration;
+        const auto begin = end - slot;
         const size_t chunk = (op.bytes + kCopyChunks - 1) / kCopyChunks;
         for (size_t off = 0; off < op.bytes; off += chunk) {
           std::this_thread::sleep_until(
               begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                          std::chrono::duration<double>(slot_s * static_cast<double>(off) /
-                                                        static_cast<double>(op.bytes))));
+                          slot * (static_cast<double>(off) / static_cast<double>(op.bytes))));
           std::memcpy(dst + off, src + off, std::min(chunk, op.bytes - off));
         }
         std::this_thread::sleep_until(end);
@@ -447,10 +448,12 @@ class HostDevice final : public Device {
   explicit HostDevice(const HostDeviceOptions& o)
       : options_(o), arena_(static_cast<size_t>(std::max<int64_t>(o.device_bytes, 0))) {
     if (o.device_bytes <= 0) SPILLWAY_FIELD_ERROR("device_bytes", o.device_bytes, "must be > 0");
-    if (o.d2h_gbps < 0.0)
-      SPILLWAY_FIELD_ERROR("d2h_gbps", o.d2h_gbps, "must be >= 0 (0: no throttle)");
-    if (o.h2d_gbps < 0.0)
-      SPILLWAY_FIELD_ERROR("h2d_gbps", o.h2d_gbps, "must be >= 0 (0: no throttle)");
+    if (!(o.d2h_gbps == 0.0 || (o.d2h_gbps >= kMinThrottleGbps && std::isfinite(o.d2h_gbps))))
+      SPILLWAY_FIELD_ERROR("d2h_gbps", o.d2h_gbps, "must be 0 (no throttle) or in [{}, inf)",
+                           kMinThrottleGbps);
+    if (!(o.h2d_gbps == 0.0 || (o.h2d_gbps >= kMinThrottleGbps && std::isfinite(o.h2d_gbps))))
+      SPILLWAY_FIELD_ERROR("h2d_gbps", o.h2d_gbps, "must be 0 (no throttle) or in [{}, inf)",
+                           kMinThrottleGbps);
     // Page-aligned like a GPU's allocations (2 MiB granules): with a base only 256-aligned,
     // copies between it and page-aligned host memory run at a fixed misalignment modulo
     // 4 KiB, which costs memmove ~10% in one direction (4K aliasing) and not the other.
@@ -648,6 +651,13 @@ class HostDevice final : public Device {
       op.link = target.link;
       op.h2d = target.h2d;
     }
+    // Note [Checked rate durations]: refused here, on the caller's thread, not on the worker.
+    if (op.link != nullptr) {
+      (void)transfer_duration(static_cast<double>(bytes),
+                              op.h2d ? op.link->h2d_gbps() : op.link->d2h_gbps());
+    } else if (op.gbps > 0.0) {
+      op.duration = transfer_duration(static_cast<double>(bytes), op.gbps);
+    }
     q->push(std::move(op));
   }
 
@@ -762,16 +772,41 @@ class HostDevice final : public Device {
 
 }  // namespace
 
+std::chrono::steady_clock::duration transfer_duration(double bytes, double gbps) {
+  if (!(gbps > 0.0) || !std::isfinite(gbps))
+    SPILLWAY_FIELD_ERROR("gbps", gbps, "must be a finite rate > 0 (moving {:.0f} bytes)", bytes);
+  const double s = bytes / (gbps * 1e9);
+  if (!(s >= 0.0) || !std::isfinite(s) || s > kMaxRateSeconds)
+    SPILLWAY_FIELD_ERROR("gbps", gbps,
+                         "{:.0f} bytes at this rate take {:.3g} s, more than the {:.0f} s one "
+                         "emulated transfer may take (Note [Checked rate durations])",
+                         bytes, s, kMaxRateSeconds);
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(s));
+}
+
+std::chrono::steady_clock::duration checked_duration_ms(double ms, const char* what) {
+  if (!(ms >= 0.0) || !std::isfinite(ms) || ms > kMaxRateSeconds * 1e3)
+    SPILLWAY_FIELD_ERROR(what, fmt::format("{:.6g} ms", ms),
+                         "must be a finite time in [0, {:.0f} s] (Note [Checked rate durations])",
+                         kMaxRateSeconds);
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double, std::milli>(ms));
+}
+
 HostLink::HostLink(double h2d_gbps, double d2h_gbps) : gbps_{h2d_gbps, d2h_gbps} {
-  if (!(h2d_gbps > 0.0)) SPILLWAY_FIELD_ERROR("h2d_gbps", h2d_gbps, "must be > 0 (a shared link)");
-  if (!(d2h_gbps > 0.0)) SPILLWAY_FIELD_ERROR("d2h_gbps", d2h_gbps, "must be > 0 (a shared link)");
+  if (!(h2d_gbps >= kMinThrottleGbps) || !std::isfinite(h2d_gbps))
+    SPILLWAY_FIELD_ERROR("h2d_gbps", h2d_gbps, "must be in [{}, inf) (a shared link)",
+                         kMinThrottleGbps);
+  if (!(d2h_gbps >= kMinThrottleGbps) || !std::isfinite(d2h_gbps))
+    SPILLWAY_FIELD_ERROR("d2h_gbps", d2h_gbps, "must be in [{}, inf) (a shared link)",
+                         kMinThrottleGbps);
 }
 
 std::chrono::steady_clock::time_point HostLink::book(bool h2d, size_t bytes,
                                                      std::chrono::steady_clock::time_point start) {
   const int d = h2d ? 0 : 1;
-  const auto duration = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(static_cast<double>(bytes) / (gbps_[d] * 1e9)));
+  const auto duration = transfer_duration(static_cast<double>(bytes), gbps_[d]);
   std::lock_guard<std::mutex> lock(mu_);
   const auto begin = std::max(start, deadline_[d]);
   deadline_[d] = begin + duration;

@@ -14,8 +14,11 @@
 //               all-gather's volume per GPU, on its own links)
 //   in place    no copy: the layer's kernels read B over the GPU's share of the link,
 //               time max(compute, N * B / W), and no ring in HBM
-// The choice is the least step time; ties go to the mode that uses less (in place: no
-// ring; sharded: fewer link bytes).
+// The choice is the least step time among the modes that can run; ties go to the mode that
+// uses less (in place: no ring; sharded: fewer link bytes). Full copy and sharded hold a
+// ring of depth + 1 slots of the largest layer in HBM (sharded: each slot the whole layer
+// once gathered); a ring larger than the HBM free for weights rules its mode out, and when
+// no mode is left nothing is chosen: the caller reports why, in numbers.
 #include "spillway/stream_mode.hpp"
 
 #include <fmt/format.h>
@@ -112,6 +115,17 @@ StreamModeChoice choose_stream_mode(const StreamModeInput& in) {
     }
     e.stall_ms = e.step_ms - c.compute_ms;
     e.slot_bytes = in_place ? 0 : (in.depth + 1) * largest;
+    if (e.available && !in_place && in.hbm_free_bytes >= 0 && e.slot_bytes > in.hbm_free_bytes) {
+      e.available = false;
+      const int64_t slots = in.hbm_free_bytes / largest;
+      e.why_not = fmt::format(
+          "its ring of {} slots of the largest layer ({:.1f} MB) is {:.2f} GB, more than the "
+          "{:.2f} GB of HBM free for weights; {}",
+          in.depth + 1, static_cast<double>(largest) / 1e6, static_cast<double>(e.slot_bytes) / 1e9,
+          static_cast<double>(in.hbm_free_bytes) / 1e9,
+          slots >= 2 ? fmt::format("a prefetch depth of {} or less fits", slots - 1)
+                     : std::string("not even a depth of 1 (two slots) fits"));
+    }
     c.modes.push_back(e);
   }
   // The least step time; ties (within 0.1%) to the later mode in this order, which uses
@@ -121,6 +135,7 @@ StreamModeChoice choose_stream_mode(const StreamModeInput& in) {
     if (!e.available) continue;
     if (best == nullptr || e.step_ms <= best->step_ms * 1.001) best = &e;
   }
+  if (best == nullptr) return c;  // no mode fits: chosen stays empty
   c.chosen = best->mode;
   if (c.weights_fit) {
     c.warnings.push_back(fmt::format(
@@ -162,6 +177,7 @@ std::string explain_stream_mode(const StreamModeChoice& c, const StreamModeInput
   }
   s += "per load: full copy N*B/W on the link; sharded B/W on the link and (N-1)/N*B/P gathering; "
        "in place reads N*B/W while computing (Note [Stream mode model])\n";
+  if (c.chosen.empty()) s += "no mode can run here: every one is ruled out above\n";
   for (const std::string& w : c.warnings) s += "warning: " + w + "\n";
   return s;
 }

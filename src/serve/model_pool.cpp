@@ -6,6 +6,12 @@
 // mapped host memory, which the device reads in place: no device allocation, no copy. The
 // only bytes the pool moves are a cold load's, from the file into host memory; it never
 // calls the device's copy operations (a test counts them through a forwarding device).
+//
+// A cold load reads the file add() (or refresh()) checked, or nothing: the file's stamp
+// (device, inode, size, mtime) must be the one recorded, else the acquire answers kChanged
+// and the caller decides (Note [Checkpoints that change on disk] in spillway/server.hpp).
+// Tensors are copied through the file, not the mapping, so a file truncated during the load
+// fails it (kChanged) instead of raising SIGBUS.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,6 +26,7 @@ namespace spillway {
 
 struct PoolEntry {
   std::string model, path;
+  FileStamp stamp;                    // the file add() or refresh() checked
   int64_t bytes = 0;                  // the packed allocation
   std::vector<PooledTensor> tensors;  // empty while not resident
   void* host = nullptr;               // mapped host memory (null: not resident)
@@ -59,30 +66,59 @@ struct ModelPool::Impl {
     ++stats.evictions;
   }
 
-  // Loads e from its file (the caller holds mu and made room).
-  void load(Entry& e) {
+  // Loads e from its file (the caller holds mu and made room): kOk, or kChanged / kFull
+  // with *why, nothing loaded.
+  PoolStatus load(Entry& e, std::string* why) {
     const auto t0 = std::chrono::steady_clock::now();
-    const SafetensorsFile f(e.path);  // checked again: the file may have changed on disk
-    if (packed_bytes(f) != e.bytes)
-      SPILLWAY_INPUT_ERROR("model pool: {} changed on disk since add() ({} bytes, now {})", e.path,
-                           e.bytes, packed_bytes(f));
+    std::unique_ptr<SafetensorsFile> f;
+    try {
+      f = std::make_unique<SafetensorsFile>(e.path);
+    } catch (const std::exception& x) {
+      *why = fmt::format(
+          "model '{}': its file changed on disk since it was checked and cannot be "
+          "read now: {}",
+          e.model, x.what());
+      return PoolStatus::kChanged;
+    }
+    if (f->stamp() != e.stamp || packed_bytes(*f) != e.bytes) {
+      const FileStamp& was = e.stamp;
+      const FileStamp& now = f->stamp();
+      const std::string how =
+          now.device != was.device || now.inode != was.inode ? "another file was put in its place"
+          : now.bytes != was.bytes
+              ? fmt::format("its size went from {} to {} bytes", was.bytes, now.bytes)
+              : std::string("it was rewritten (another modification time)");
+      *why = fmt::format("model '{}': {} changed on disk since it was checked: {}", e.model, e.path,
+                         how);
+      return PoolStatus::kChanged;
+    }
     const AllocResult r = dev.allocate(static_cast<size_t>(e.bytes), MemoryKind::kMappedHost);
-    if (!r)
-      SPILLWAY_INPUT_ERROR("model pool: cannot allocate {} bytes of mapped host memory for {}: {}",
-                           e.bytes, e.model, r.reason);
-    e.host = r.ptr;
+    if (!r) {
+      *why = fmt::format("model '{}': cannot allocate {} bytes of mapped host memory: {}", e.model,
+                         e.bytes, r.reason);
+      return PoolStatus::kFull;
+    }
     auto* base = static_cast<std::byte*>(r.ptr);
     int64_t at = 0;
-    for (const SafetensorsTensor& t : f.tensors()) {
-      std::memcpy(base + at, f.data(t), static_cast<size_t>(t.bytes));
-      e.tensors.push_back({t.name, t.dtype, t.shape, base + at, t.bytes});
-      at += (t.bytes + 63) / 64 * 64;
+    try {
+      for (const SafetensorsTensor& t : f->tensors()) {
+        f->read(t, base + at);
+        e.tensors.push_back({t.name, t.dtype, t.shape, base + at, t.bytes});
+        at += (t.bytes + 63) / 64 * 64;
+      }
+    } catch (const std::exception& x) {
+      e.tensors.clear();
+      dev.free(r.ptr, MemoryKind::kMappedHost);
+      *why = fmt::format("model '{}': {}", e.model, x.what());
+      return PoolStatus::kChanged;
     }
+    e.host = r.ptr;
     resident_bytes += e.bytes;
     ++stats.cold_loads;
-    stats.cold_load_bytes += f.data_bytes();
+    stats.cold_load_bytes += f->data_bytes();
     stats.cold_load_ms +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return PoolStatus::kOk;
   }
 };
 
@@ -114,8 +150,30 @@ void ModelPool::add(const std::string& model, const std::string& path) {
   auto e = std::make_unique<Impl::Entry>();
   e->model = model;
   e->path = path;
+  e->stamp = f.stamp();
   e->bytes = bytes;
   impl_->entries.push_back(std::move(e));
+}
+
+void ModelPool::refresh(const std::string& model, const SafetensorsFile& f) {
+  const int64_t bytes = Impl::packed_bytes(f);
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  Impl::Entry* e = s.find(model);
+  if (e == nullptr) SPILLWAY_INPUT_ERROR("model pool: no model '{}' to refresh", model);
+  if (bytes > s.opt.host_budget_bytes)
+    SPILLWAY_INPUT_ERROR(
+        "model pool: model '{}' ({}) now takes {} bytes of host memory; the pool's budget is {}",
+        model, f.path(), bytes, s.opt.host_budget_bytes);
+  if (f.stamp() == e->stamp && bytes == e->bytes) return;  // the file add() checked
+  if (e->host != nullptr && e->users == 0) s.evict(*e);
+  if (e->host != nullptr && bytes != e->bytes)
+    SPILLWAY_INPUT_ERROR(
+        "model pool: model '{}' is in use ({} bytes resident); its new file ({} bytes) is read "
+        "once it is released",
+        model, e->bytes, bytes);
+  e->stamp = f.stamp();
+  if (e->host == nullptr) e->bytes = bytes;
 }
 
 std::vector<std::string> ModelPool::models() const {
@@ -165,7 +223,11 @@ PoolAcquire ModelPool::acquire(const std::string& model) {
       }
       s.evict(*victim);
     }
-    s.load(*e);
+    out.status = s.load(*e, &out.why);
+    if (out.status != PoolStatus::kOk) {
+      ++s.stats.refused;
+      return out;
+    }
     out.cold = true;
   } else {
     ++s.stats.hits;

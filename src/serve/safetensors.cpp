@@ -90,33 +90,62 @@ SafetensorsTensor parse_entry(const std::string& file, const std::string& name,
   return t;
 }
 
+// Reads exactly `bytes` at `offset` of fd into dst; false when the file ends first.
+bool read_at(int fd, int64_t offset, void* dst, int64_t bytes) {
+  auto* out = static_cast<char*>(dst);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, out, static_cast<size_t>(bytes), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    out += n;
+    offset += n;
+    bytes -= n;
+  }
+  return true;
+}
+
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) SPILLWAY_INPUT_ERROR("{}: cannot open: {}", path, std::strerror(errno));
+  // O_NONBLOCK: a FIFO at the path must not block the open (it is refused below).
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd_ < 0) SPILLWAY_INPUT_ERROR("{}: cannot open: {}", path, std::strerror(errno));
+  auto fail_closed = [&] {
+    ::close(fd_);
+    fd_ = -1;
+  };
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(fd_, &st) != 0) {
     const int err = errno;
-    ::close(fd);
+    fail_closed();
     SPILLWAY_INPUT_ERROR("{}: cannot stat: {}", path, std::strerror(err));
   }
+  if (!S_ISREG(st.st_mode)) {
+    fail_closed();
+    SPILLWAY_INPUT_ERROR("{}: is {}, not a safetensors file", path,
+                         S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
+  }
+  stamp_ = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+            static_cast<int64_t>(st.st_size),
+            static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
   file_bytes_ = static_cast<int64_t>(st.st_size);
   if (file_bytes_ < 8) {
-    ::close(fd);
+    fail_closed();
     SPILLWAY_INPUT_ERROR("{}: {} bytes; a safetensors file starts with an 8-byte header length",
                          path, file_bytes_);
   }
-  map_ = ::mmap(nullptr, static_cast<size_t>(file_bytes_), PROT_READ, MAP_PRIVATE, fd, 0);
+  map_ = ::mmap(nullptr, static_cast<size_t>(file_bytes_), PROT_READ, MAP_PRIVATE, fd_, 0);
   const int map_err = errno;
-  ::close(fd);
   if (map_ == MAP_FAILED) {  // NOLINT(performance-no-int-to-ptr): the POSIX constant
     map_ = nullptr;
+    fail_closed();
     SPILLWAY_INPUT_ERROR("{}: cannot map: {}", path, std::strerror(map_err));
   }
   try {
-    const auto* base = static_cast<const std::byte*>(map_);
-    const uint64_t n = read_le64(base);
+    std::byte len[8];
+    if (!read_at(fd_, 0, len, 8))
+      SPILLWAY_INPUT_ERROR("{}: cannot read the header length (truncated)", path);
+    const uint64_t n = read_le64(len);
     if (n > static_cast<uint64_t>(kSafetensorsMaxHeaderBytes))
       SPILLWAY_INPUT_ERROR("{}: the header is {} bytes; the limit is {} (header too large)", path,
                            n, kSafetensorsMaxHeaderBytes);
@@ -125,8 +154,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
           "{}: the header is {} bytes but the file has {} after the length (truncated)", path, n,
           file_bytes_ - 8);
     data_start_ = 8 + static_cast<int64_t>(n);
-    const char* text = reinterpret_cast<const char*>(base + 8);
-    nlohmann::json h = nlohmann::json::parse(text, text + n, nullptr, false);
+    std::string text(static_cast<size_t>(n), '\0');
+    if (!read_at(fd_, 8, text.data(), static_cast<int64_t>(n)))
+      SPILLWAY_INPUT_ERROR("{}: cannot read the {}-byte header at offset 8 (truncated)", path, n);
+    nlohmann::json h = nlohmann::json::parse(text, nullptr, false);
     if (h.is_discarded() || !h.is_object())
       SPILLWAY_INPUT_ERROR("{}: the {}-byte header at offset 8 is not a JSON object", path, n);
     const int64_t data = file_bytes_ - data_start_;
@@ -149,12 +180,22 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   } catch (...) {
     ::munmap(map_, static_cast<size_t>(file_bytes_));
     map_ = nullptr;
+    fail_closed();
     throw;
   }
 }
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) ::munmap(map_, static_cast<size_t>(file_bytes_));
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SafetensorsFile::read(const SafetensorsTensor& t, std::byte* dst) const {
+  if (!read_at(fd_, data_start_ + t.offset, dst, t.bytes))
+    SPILLWAY_INPUT_ERROR(
+        "{}: tensor '{}' at offset {} cannot be read whole: the file was truncated after it was "
+        "opened ({} bytes then)",
+        path_, t.name, data_start_ + t.offset, file_bytes_);
 }
 
 int64_t SafetensorsFile::data_bytes() const {

@@ -1,8 +1,11 @@
 // Model directories (Note [Model directories] in spillway/server.hpp): finding them,
 // checking a checkpoint against its config, and writing the reference model's.
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,23 +25,47 @@ namespace fs = std::filesystem;
 
 std::vector<ModelFiles> find_models(const std::string& dir) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec))
+  const fs::file_status st = fs::status(dir, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    SPILLWAY_INPUT_ERROR("--models: cannot read '{}': {}", dir, ec.message());
+  if (!fs::is_directory(st))
     SPILLWAY_INPUT_ERROR(
         "--models: '{}' is not a directory (one subdirectory per model, each "
         "with config.json and model.safetensors)",
         dir);
+  // Every filesystem call with an error code: an unreadable entry is named with the OS's
+  // reason, never a bare filesystem_error.
+  auto unreadable = [](const fs::path& p, const std::error_code& e) {
+    SPILLWAY_INPUT_ERROR("--models: cannot read '{}': {}", p.string(), e.message());
+  };
   std::vector<ModelFiles> out;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
-    if (!e.is_directory()) continue;
+  fs::directory_iterator it(dir, ec);
+  if (ec) unreadable(dir, ec);
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) unreadable(dir, ec);
+    const fs::directory_entry& e = *it;
+    if (!e.is_directory(ec)) continue;
     const fs::path config = e.path() / "config.json";
-    if (!fs::exists(config)) continue;
+    const fs::file_status cs = fs::status(config, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) unreadable(config, ec);
+    if (!fs::exists(cs)) continue;
+    if (!fs::is_regular_file(cs))
+      SPILLWAY_INPUT_ERROR("model directory '{}': config.json is {}, not a file", e.path().string(),
+                           fs::is_directory(cs) ? "a directory" : "not a regular file");
     const fs::path weights = e.path() / "model.safetensors";
-    if (!fs::exists(weights))
+    const fs::file_status ws = fs::status(weights, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) unreadable(weights, ec);
+    if (!fs::exists(ws))
       SPILLWAY_INPUT_ERROR("model directory '{}' has a config.json but no model.safetensors",
                            e.path().string());
+    if (!fs::is_regular_file(ws))
+      SPILLWAY_INPUT_ERROR("model directory '{}': model.safetensors is {}, not a file",
+                           e.path().string(),
+                           fs::is_directory(ws) ? "a directory" : "not a regular file");
     out.push_back(
         {e.path().filename().string(), e.path().string(), config.string(), weights.string()});
   }
+  if (ec) unreadable(dir, ec);
   if (out.empty())
     SPILLWAY_INPUT_ERROR(
         "--models: '{}' holds no model (a subdirectory with config.json and "
@@ -57,20 +84,35 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return t + "]";
 }
 
-// Writes `bytes` to path through a temporary renamed into place.
+// Writes `bytes` to `path` (a temporary of write_checkpoint's, renamed by it): every write
+// and the close checked, an error naming the path and the system's reason.
 void write_file(const fs::path& path, const std::string& bytes) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    f.flush();
-    if (!f) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      SPILLWAY_INPUT_ERROR("cannot write {}", path.string());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) SPILLWAY_INPUT_ERROR("cannot write '{}': {}", path.string(), std::strerror(errno));
+  int err = 0;
+  for (size_t at = 0; at < bytes.size() && err == 0;) {
+    const ssize_t n = ::write(fd, bytes.data() + at, bytes.size() - at);
+    if (n < 0) {
+      if (errno != EINTR) err = errno;
+    } else {
+      at += static_cast<size_t>(n);
     }
   }
-  fs::rename(tmp, path);
+  if (::close(fd) != 0 && err == 0 && errno != EINTR) err = errno;
+  if (err != 0) SPILLWAY_INPUT_ERROR("cannot write '{}': {}", path.string(), std::strerror(err));
+}
+
+// Renames `from` over `to`, an error naming `to` and the system's reason.
+void rename_file(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    SPILLWAY_INPUT_ERROR("cannot write '{}': {}", to.string(), std::strerror(errno));
+}
+
+// This machine's memory (0: unknown).
+double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
 }
 
 }  // namespace
@@ -192,8 +234,31 @@ void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, con
   const nn::RefConfig c = nn::load_reference_config(config_name_or_path);
   int64_t params = 0;
   for (const nn::WeightSpec& s : nn::weight_specs(c)) params += s.elements();
-  // The model's own initialization: its parameters, gradients and moments on a host device.
-  auto dev = make_host_device(HostDeviceOptions{params * 16 + (int64_t{1} << 20), 0.0, 0.0});
+  // The model's own initialization: its parameters, gradients and moments on a host device
+  // (the emulated arena), 16 bytes a parameter. Refused up front when this machine has not
+  // that much memory: the arena might be granted (overcommitted) and the process killed
+  // when the initialization touches it.
+  const double arena_bytes =
+      static_cast<double>(params) * 16.0 + static_cast<double>(int64_t{1} << 20);
+  const double memory = physical_memory_bytes();
+  const auto too_large = [&](const std::string& why) {
+    SPILLWAY_INPUT_ERROR(
+        "--config: '{}' has {:.3g} parameters ({:.2f} GB of weights in {}); writing its "
+        "checkpoint initializes the reference model in an emulated device arena of {:.2f} GB "
+        "(16 bytes a parameter: weights, gradients, AdamW moments), {}; choose a smaller "
+        "--config (fewer num_hidden_layers, hidden_size, intermediate_size or num_experts)",
+        config_name_or_path, static_cast<double>(params),
+        static_cast<double>(params) * (dtype == DType::kFp32 ? 4.0 : 2.0) / 1e9, to_string(dtype),
+        arena_bytes / 1e9, why);
+  };
+  if (memory > 0.0 && arena_bytes > memory)
+    too_large(fmt::format("more than this machine's {:.2f} GB of memory", memory / 1e9));
+  std::unique_ptr<Device> dev;
+  try {
+    dev = make_host_device(HostDeviceOptions{static_cast<int64_t>(arena_bytes), 0.0, 0.0});
+  } catch (const Error& e) {
+    too_large(fmt::format("which this machine could not reserve ({})", e.what()));
+  }
   nn::Model m(c, *dev, seed);
   std::vector<SafetensorsEntry> entries;
   for (const nn::NamedWeight& w : m.named_weights()) {
@@ -214,14 +279,29 @@ void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, con
     }
     entries.push_back(std::move(e));
   }
+  // Both files to temporaries in the directory, then renamed over the old ones: on any
+  // failure the temporaries are removed (and the directory, when this call created it and
+  // it is empty), so no half-written checkpoint is left to be served.
   std::error_code ec;
+  const bool existed = fs::exists(dir, ec);
   fs::create_directories(dir, ec);
   if (ec) SPILLWAY_INPUT_ERROR("--out: cannot create directory '{}': {}", dir, ec.message());
   const fs::path weights = fs::path(dir) / "model.safetensors";
-  const fs::path tmp = weights.string() + ".tmp";
-  write_safetensors(tmp.string(), entries);
-  fs::rename(tmp, weights);
-  write_file(fs::path(dir) / "config.json", text);
+  const fs::path config = fs::path(dir) / "config.json";
+  const std::string tag = fmt::format(".{}.tmp", ::getpid());
+  const fs::path weights_tmp = fs::path(dir) / (".model.safetensors" + tag);
+  const fs::path config_tmp = fs::path(dir) / (".config.json" + tag);
+  try {
+    write_safetensors(weights_tmp.string(), entries);
+    write_file(config_tmp, text);
+    rename_file(weights_tmp, weights);
+    rename_file(config_tmp, config);
+  } catch (const Error& e) {
+    fs::remove(weights_tmp, ec);
+    fs::remove(config_tmp, ec);
+    if (!existed) fs::remove(dir, ec);  // only when empty
+    SPILLWAY_INPUT_ERROR("--out: the checkpoint in '{}' was not written: {}", dir, e.what());
+  }
 }
 
 }  // namespace spillway::server

@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <unordered_set>
 #include <utility>
 
 #include "server/pooled_weights.hpp"
@@ -111,6 +112,13 @@ bool same_decoder(const nn::RefConfig& a, const nn::RefConfig& b) {
   return true;
 }
 
+// `what` without a leading "model NAME: " (or "model 'NAME': "): the caller names the model.
+std::string without_model(const std::string& name, const std::string& what) {
+  for (const std::string& prefix : {"model " + name + ": ", "model '" + name + "': "})
+    if (what.compare(0, prefix.size(), prefix) == 0) return what.substr(prefix.size());
+  return what;
+}
+
 int32_t sample(const float* logits, int vocab, double temperature, std::mt19937_64& rng) {
   if (temperature <= 0.0) {
     int best = 0;
@@ -131,6 +139,38 @@ int32_t sample(const float* logits, int vocab, double temperature, std::mt19937_
   return vocab - 1;
 }
 
+// What to change when a decoder needing `need` bytes does not fit o.profile's slices: the
+// smallest of hw's MIG profiles whose slice holds it, or, when none does, the flags.
+std::string fitting_profile(const HardwareProfile& hw, const EngineOptions& o, int64_t need) {
+  const MigProfile* best = nullptr;
+  const MigProfile* largest = nullptr;
+  for (const MigProfile& p : hw.mig) {
+    const auto bytes = static_cast<int64_t>(p.hbm_gb * 1e9 * o.memory_scale);
+    if (largest == nullptr || p.hbm_gb > largest->hbm_gb) largest = &p;
+    // The least memory; of two alike, the one cutting more slices.
+    if (bytes >= need && (best == nullptr || p.hbm_gb < best->hbm_gb ||
+                          (p.hbm_gb == best->hbm_gb && p.count > best->count)))
+      best = &p;
+  }
+  if (best != nullptr)
+    return fmt::format("the profile {} of {} ({} bytes a slice at this memory_scale) holds it",
+                       best->profile, hw.name,
+                       static_cast<int64_t>(best->hbm_gb * 1e9 * o.memory_scale));
+  if (largest == nullptr) return "lower max_running or max_context";
+  const auto largest_bytes = static_cast<int64_t>(largest->hbm_gb * 1e9 * o.memory_scale);
+  // The memory_scale that holds it, rounded up to 3 significant digits.
+  const double exact = static_cast<double>(need) / (largest->hbm_gb * 1e9);
+  const double step = std::pow(10.0, std::floor(std::log10(exact)) - 2);
+  const double scale = std::ceil(exact / step) * step;
+  return fmt::format(
+      "no MIG profile of {} holds it at this memory_scale (the largest, {}, has {} bytes): {}"
+      "lower max_running or max_context",
+      hw.name, largest->profile, largest_bytes,
+      scale <= 1.0
+          ? fmt::format("take profile {} with memory_scale >= {:.3g}, or ", largest->profile, scale)
+          : std::string());
+}
+
 }  // namespace
 
 const char* to_string(SubmitStatus s) {
@@ -145,6 +185,8 @@ const char* to_string(SubmitStatus s) {
       return "overloaded";
     case SubmitStatus::kDraining:
       return "draining";
+    case SubmitStatus::kUnavailable:
+      return "unavailable";
   }
   return "?";
 }
@@ -162,6 +204,14 @@ Completion::State Completion::wait_tokens(size_t have, std::vector<int32_t>* out
   return state_;
 }
 
+Completion::State Completion::wait_tokens_for(size_t have, std::vector<int32_t>* out,
+                                              std::chrono::milliseconds timeout) {
+  std::unique_lock lk(mu_);
+  cv_.wait_for(lk, timeout, [&] { return tokens_.size() > have || state_ != State::kRunning; });
+  for (size_t i = have; i < tokens_.size(); ++i) out->push_back(tokens_[i]);
+  return state_;
+}
+
 Completion::State Completion::state() const {
   std::lock_guard lk(mu_);
   return state_;
@@ -169,12 +219,23 @@ Completion::State Completion::state() const {
 
 std::string Completion::error() const {
   std::lock_guard lk(mu_);
-  return state_ == State::kFailed ? why_ : std::string();
+  return state_ == State::kFailed || state_ == State::kCancelled ? why_ : std::string();
 }
 
 std::string Completion::finish_reason() const {
   std::lock_guard lk(mu_);
   return state_ == State::kDone ? why_ : std::string();
+}
+
+void Completion::cancel(std::string why) {
+  std::lock_guard lk(mu_);
+  cancel_ = true;
+  cancel_why_ = std::move(why);
+}
+
+std::string Completion::cancel_reason() const {
+  std::lock_guard lk(mu_);
+  return cancel_why_;
 }
 
 void Completion::cancel() {
@@ -290,6 +351,10 @@ struct ServingEngine::Impl {
   bool draining = false;
   bool stopping = false;
   int64_t in_flight = 0;
+  std::unordered_set<const Request*> accepted;  // in flight (guarded by mu)
+  // Models whose checkpoint cannot be served now, and why (guarded by mu; Note [Checkpoints
+  // that change on disk]).
+  std::map<const Registered*, std::string> unavailable;
   // Metrics (guarded by mu).
   std::map<std::string, int64_t> outcomes;
   int64_t tokens_generated = 0, prompt_tokens = 0, within_slo = 0;
@@ -310,6 +375,12 @@ struct ServingEngine::Impl {
     const auto now = Clock::now();
     for (auto it = pending.begin(); it != pending.end();) {
       Request& r = **it;
+      if (r.out->cancelled()) {  // its client left while it waited: it ends here
+        record_end(r, Completion::State::kCancelled, "cancelled");
+        r.out->finish(Completion::State::kCancelled, r.out->cancel_reason());
+        it = pending.erase(it);
+        continue;
+      }
       const bool overdue = ms_between(r.out->submitted, now) > o.ttft_ms;
       const Placement p =
           scheduler->place(r.model->files.name, static_cast<int64_t>(r.req.prompt.size()),
@@ -335,6 +406,7 @@ struct ServingEngine::Impl {
   void record_end(const Request& r, Completion::State st, const char* outcome) {
     ++outcomes[outcome];
     --in_flight;
+    accepted.erase(&r);
     if (st == Completion::State::kDone) {
       const double ttft = r.out->ttft_ms(), tpot = r.out->tpot_ms();
       auto bucket = [](std::vector<int64_t>& h, const std::vector<double>& bounds, double s) {
@@ -357,24 +429,78 @@ struct ServingEngine::Impl {
     idle_cv.notify_all();
   }
 
+  // Note [Checkpoints that change on disk]: reads m's model.safetensors again and checks it
+  // against m's config and registered tensors: true when it may be served (the pool loads it
+  // next); false with *why, the reason (the caller names the model).
+  bool reread(const Registered& m, std::string* why);
+  void mark_unavailable(const Registered& m, const std::string& why) {
+    std::lock_guard lk(mu);
+    unavailable[&m] = why;
+  }
+
   // The slice thread (Note [Serving engine]).
   void run_slice(int index);
   // The slice's model is m from now on; *started: 1 when that took a switch, 2 a cold load.
+  // May throw (a decoder, the pooled weights): the caller fails the requests (Note [Slice
+  // failures]).
   bool bind(Slice& s, const Registered& m, std::string* why, int* started);
+  void unbind(Slice& s) {
+    s.weights.reset();
+    s.handle.release();
+    s.bound = nullptr;
+  }
+  // Starts the requests taken from the inbox (one model), or ends them: cancelled ones, and
+  // all of them when the model cannot be bound. Never throws.
+  void admit_requests(int index, Slice& s, std::vector<std::shared_ptr<Request>>& admit);
+  // Ends r, placed on slice `index` and not on its decoder (mu held): scheduler, metrics,
+  // completion.
+  void end_placed_locked(int index, Request& r, Completion::State st, const char* outcome,
+                         std::string why) {
+    scheduler->finish(index, static_cast<int64_t>(r.req.prompt.size()), r.req.max_tokens);
+    record_end(r, st, outcome);
+    r.out->finish(st, std::move(why));
+  }
   void iterate(int index, Slice& s);
   void end_request(int index, Slice& s, size_t at, Completion::State st, const char* outcome,
                    std::string why);
+  // Note [Slice failures]: a step threw; every request it carried fails, naming the model,
+  // and the slice starts afresh (its decoder and weights rebuilt at the next bind).
+  void fail_running(int index, Slice& s, const std::string& what) {
+    const std::string model = s.bound != nullptr ? s.bound->files.name : std::string("?");
+    for (size_t i = s.running.size(); i-- > 0;)
+      end_request(index, s, i, Completion::State::kFailed, "failed",
+                  fmt::format("model {}: slice {} failed: {}", model, index, what));
+    unbind(s);
+    s.decoder.reset();
+    s.decoder_config = nullptr;
+  }
 };
 
 bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, int* started) {
   *started = 0;
   if (s.bound == &m && s.handle) return true;
-  s.weights.reset();
-  s.handle.release();
+  const Registered* was = s.bound;  // kept while idle: taking it again is no switch
+  unbind(s);
   PoolAcquire a = pool->acquire(m.files.name);
+  if (a.status == PoolStatus::kChanged) {
+    // Note [Checkpoints that change on disk]: checked again; served when it still may be.
+    std::string reason;
+    if (!reread(m, &reason)) {
+      *why = fmt::format("model {} is unavailable: {}; {}", m.files.name,
+                         without_model(m.files.name, a.why), reason);
+      mark_unavailable(m, *why);
+      return false;
+    }
+    a = pool->acquire(m.files.name);
+  }
+  if (a.status == PoolStatus::kChanged) {
+    *why = fmt::format("model {} is unavailable: {}", m.files.name,
+                       without_model(m.files.name, a.why));
+    mark_unavailable(m, *why);
+    return false;
+  }
   if (a.status != PoolStatus::kOk) {
     *why = fmt::format("model {}: host memory for the pool is full: {}", m.files.name, a.why);
-    s.bound = nullptr;
     return false;
   }
   {
@@ -382,11 +508,12 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
     if (a.cold) {
       ++cold_loads;
       *started = 2;
-    } else if (s.bound != &m) {
+    } else if (was != &m) {
       ++switches;
       *started = 1;
     }
     s.model = m.files.name;
+    unavailable.erase(&m);  // its weights are resident: servable
   }
   s.handle = std::move(a.handle);
   if (s.decoder == nullptr || s.decoder_config == nullptr ||
@@ -404,6 +531,86 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
   s.bound = &m;
   s.logits.resize(static_cast<size_t>(o.max_running) * static_cast<size_t>(m.config.vocab));
   return true;
+}
+
+bool ServingEngine::Impl::reread(const Registered& m, std::string* why) {
+  try {
+    const SafetensorsFile f(m.files.weights_path);
+    const std::vector<std::vector<std::string>> parts =
+        resolve_checkpoint(m.files.name, m.config, f);
+    const DType dtype = f.tensors().empty() ? DType::kFp32 : f.tensors().front().dtype;
+    if (parts != m.parts || dtype != m.dtype) {
+      *why = fmt::format(
+          "{} now stores the weights in other tensors or another dtype ({}; it was {}); the "
+          "server serves only the layout it started with: restart it to serve this one",
+          m.files.weights_path, to_string(dtype), to_string(m.dtype));
+      return false;
+    }
+    pool->refresh(m.files.name, f);
+    return true;
+  } catch (const std::exception& e) {
+    *why = without_model(m.files.name, e.what());
+    return false;
+  }
+}
+
+void ServingEngine::Impl::admit_requests(int index, Slice& s,
+                                         std::vector<std::shared_ptr<Request>>& admit) {
+  auto end_unstarted = [&](Request& r, Completion::State st, const char* outcome,
+                           const std::string& why) {
+    std::lock_guard lk(mu);
+    end_placed_locked(index, r, st, outcome, why);
+    --s.running_count;
+    dispatch_locked();
+  };
+  // A request cancelled before it starts (a client gone, cancel_all) ends without a load.
+  size_t kept = 0;
+  for (std::shared_ptr<Request>& r : admit) {
+    if (r->out->cancelled())
+      end_unstarted(*r, Completion::State::kCancelled, "cancelled", r->out->cancel_reason());
+    else
+      admit[kept++] = std::move(r);
+  }
+  admit.resize(kept);
+  if (admit.empty()) return;
+  const Registered& m = *admit.front()->model;  // one model (run_slice)
+  std::string why;
+  int started = 0;
+  bool bound = false;
+  try {
+    bound = bind(s, m, &why, &started);
+  } catch (const std::exception& e) {
+    // Note [Slice failures]: a decoder or the pooled weights could not be built.
+    unbind(s);
+    s.decoder.reset();
+    s.decoder_config = nullptr;
+    why = fmt::format("model {} is unavailable: {}", m.files.name,
+                      without_model(m.files.name, e.what()));
+    mark_unavailable(m, why);
+  }
+  for (std::shared_ptr<Request>& r : admit) {
+    if (!bound) {
+      end_unstarted(*r, Completion::State::kFailed, "unavailable", why);
+      continue;
+    }
+    r->out->set_start(started == 1, started == 2);
+    started = 0;  // the batch's first request took the switch
+    try {
+      Running run;
+      run.r = r;
+      run.sequence = s.free_sequences.back();
+      run.rng.seed(r->req.seed);
+      for (const std::vector<int32_t>& st : r->req.stop)
+        run.hold = std::max(run.hold, st.size() - 1);
+      run.held.reserve(run.hold + 1);
+      s.decoder->reset(run.sequence);
+      s.running.push_back(std::move(run));
+      s.free_sequences.pop_back();
+    } catch (const std::exception& e) {
+      end_unstarted(*r, Completion::State::kFailed, "failed",
+                    fmt::format("model {}: slice {}: {}", m.files.name, index, e.what()));
+    }
+  }
 }
 
 void ServingEngine::Impl::end_request(int index, Slice& s, size_t at, Completion::State st,
@@ -427,7 +634,8 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
   // Cancelled requests leave first.
   for (size_t i = s.running.size(); i-- > 0;)
     if (s.running[i].r->out->cancelled())
-      end_request(index, s, i, Completion::State::kCancelled, "cancelled", "cancelled");
+      end_request(index, s, i, Completion::State::kCancelled, "cancelled",
+                  s.running[i].r->out->cancel_reason());
   if (s.running.empty()) return;
   s.chunks.clear();
   s.who.clear();
@@ -501,6 +709,20 @@ void ServingEngine::Impl::run_slice(int index) {
       std::unique_lock lk(mu);
       s.cv.wait(lk, [&] { return stopping || !s.inbox.empty() || !s.running.empty(); });
       if (stopping && s.inbox.empty() && s.running.empty()) return;
+      // A request cancelled while it waits in the inbox ends now, even behind another
+      // model's batch (cancel_all, a client gone).
+      bool ended = false;
+      for (auto it = s.inbox.begin(); it != s.inbox.end();) {
+        if ((*it)->out->cancelled()) {
+          end_placed_locked(index, **it, Completion::State::kCancelled, "cancelled",
+                            (*it)->out->cancel_reason());
+          it = s.inbox.erase(it);
+          ended = true;
+        } else {
+          ++it;
+        }
+      }
+      if (ended) dispatch_locked();
       // Admit into free sequences; a request of another model only when nothing runs (the
       // Scheduler moves a slice to another model only then).
       while (!s.inbox.empty() &&
@@ -515,38 +737,16 @@ void ServingEngine::Impl::run_slice(int index) {
         ++s.running_count;
       }
     }
-    for (std::shared_ptr<Request>& r : admit) {
-      std::string why;
-      int started = 0;
-      if (!bind(s, *r->model, &why, &started)) {
-        std::lock_guard lk(mu);
-        scheduler->finish(index, static_cast<int64_t>(r->req.prompt.size()), r->req.max_tokens);
-        record_end(*r, Completion::State::kFailed, "unavailable");
-        r->out->finish(Completion::State::kFailed, why);
-        --s.running_count;
-        dispatch_locked();
-        continue;
-      }
-      r->out->set_start(started == 1, started == 2);
-      Running run;
-      run.r = r;
-      run.sequence = s.free_sequences.back();
-      s.free_sequences.pop_back();
-      run.rng.seed(r->req.seed);
-      for (const std::vector<int32_t>& st : r->req.stop)
-        run.hold = std::max(run.hold, st.size() - 1);
-      run.held.reserve(run.hold + 1);
-      s.decoder->reset(run.sequence);
-      s.running.push_back(std::move(run));
-    }
+    // Note [Slice failures]: nothing thrown here leaves the thread (std::terminate would end
+    // every stream); admit_requests catches its own.
+    if (!admit.empty()) admit_requests(index, s, admit);
     if (!s.running.empty()) {
       try {
         iterate(index, s);
       } catch (const std::exception& e) {
-        // A failed step fails every request it carried, loudly; the slice goes on.
-        for (size_t i = s.running.size(); i-- > 0;)
-          end_request(index, s, i, Completion::State::kFailed, "failed",
-                      fmt::format("slice {}: {}", index, e.what()));
+        fail_running(index, s, e.what());
+      } catch (...) {
+        fail_running(index, s, "an unknown exception");
       }
     }
     bool idle = false;
@@ -574,7 +774,10 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
                          "must be >= 2 x max_running ({}): a prefill chunk takes at most half a "
                          "step, the decoding requests the other half",
                          2 * o.max_running);
-  if (o.max_waiting < 0) SPILLWAY_FIELD_ERROR("max_waiting", o.max_waiting, "must be >= 0");
+  if (o.max_waiting < 1)
+    SPILLWAY_FIELD_ERROR("max_waiting", o.max_waiting,
+                         "must be >= 1: a request waits in the queue before a slice takes it, so "
+                         "with no room to wait every request would be refused");
   if (!(o.ttft_ms > 0)) SPILLWAY_FIELD_ERROR("ttft_ms", o.ttft_ms, "must be > 0");
   if (!(o.tpot_ms > 0)) SPILLWAY_FIELD_ERROR("tpot_ms", o.tpot_ms, "must be > 0");
   if (o.alpha > 1) SPILLWAY_FIELD_ERROR("alpha", o.alpha, "must be in [0, 1], or < 0 to adapt");
@@ -613,13 +816,13 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
     const nn::RefConfig& c = r.config;
     nn::DecoderOptions d{o.max_running, o.max_context, o.max_step_tokens};
     const int64_t need = nn::Decoder::device_bytes_for(c, d);
-    for (const SliceSpec& sp : m.setup.slices)
-      if (need > sp.hbm_bytes)
-        SPILLWAY_FIELD_ERROR("max_running", o.max_running,
-                             "model {}: the decoder needs {} bytes of slice memory ({} sequences "
-                             "of {} tokens); a {} slice has {} (memory_scale {})",
-                             r.files.name, need, o.max_running, o.max_context, sp.profile,
-                             sp.hbm_bytes, o.memory_scale);
+    const SliceSpec& sp = m.setup.slices.front();  // every slice has the profile
+    if (need > sp.hbm_bytes)
+      SPILLWAY_FIELD_ERROR("max_running", o.max_running,
+                           "model {}: the decoder needs {} bytes of slice memory ({} sequences "
+                           "of {} tokens); a {} slice has {} (memory_scale {}); {}",
+                           r.files.name, need, o.max_running, o.max_context, sp.profile,
+                           sp.hbm_bytes, o.memory_scale, fitting_profile(hw, o, need));
     const int64_t kv_per_token = int64_t{2} * c.layers() * c.kv_heads * c.head_dim * 4;
     kv_capacity = std::max(kv_capacity, kv_per_token * o.max_running * o.max_context);
   }
@@ -709,15 +912,22 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
       return refuse(SubmitStatus::kInvalid, "prompt",
                     fmt::format("token {} at position {} is outside the vocabulary [0, {}) of {}",
                                 q.prompt[i], i, vocab, q.model));
+  // The prompt alone must leave room for one token; then max_tokens is what is left.
+  const auto prompt_tokens = static_cast<int64_t>(q.prompt.size());
+  if (prompt_tokens >= m.o.max_context)
+    return refuse(SubmitStatus::kInvalid, "prompt",
+                  fmt::format("the prompt has {} tokens; this server holds {} per request, prompt "
+                              "and output, so a prompt may have at most {}",
+                              prompt_tokens, m.o.max_context, m.o.max_context - 1));
   if (q.max_tokens < 1)
     return refuse(SubmitStatus::kInvalid, "max_tokens",
                   fmt::format("max_tokens is {}; must be >= 1", q.max_tokens));
-  const int64_t total = static_cast<int64_t>(q.prompt.size()) + q.max_tokens;
-  if (total > m.o.max_context)
-    return refuse(SubmitStatus::kInvalid, q.max_tokens > 1 ? "max_tokens" : "prompt",
-                  fmt::format("prompt ({} tokens) + max_tokens ({}) = {} exceeds the context of "
-                              "{} tokens this server holds per request",
-                              q.prompt.size(), q.max_tokens, total, m.o.max_context));
+  if (prompt_tokens + q.max_tokens > m.o.max_context)
+    return refuse(
+        SubmitStatus::kInvalid, "max_tokens",
+        fmt::format("max_tokens is {}; at most {} for this prompt of {} tokens (the "
+                    "context holds {} per request, prompt and output)",
+                    q.max_tokens, m.o.max_context - prompt_tokens, prompt_tokens, m.o.max_context));
   if (q.stop.size() > 4)
     return refuse(SubmitStatus::kInvalid, "stop",
                   fmt::format("{} stop sequences; at most 4", q.stop.size()));
@@ -734,6 +944,28 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
   if (!(q.temperature >= 0.0) || !std::isfinite(q.temperature))
     return refuse(SubmitStatus::kInvalid, "temperature",
                   fmt::format("temperature is {}; must be >= 0", q.temperature));
+  // Note [Checkpoints that change on disk]: an unavailable model's file is checked again.
+  bool was_unavailable = false;
+  {
+    std::lock_guard lk(m.mu);
+    was_unavailable = m.unavailable.count(model) != 0;
+  }
+  if (was_unavailable) {
+    std::string why;
+    const bool ok = m.reread(*model, &why);
+    std::lock_guard lk(m.mu);
+    if (ok) {
+      m.unavailable.erase(model);
+    } else {
+      why = fmt::format("model {} is unavailable: {}", model->files.name, why);
+      m.unavailable[model] = why;
+      ++m.outcomes[to_string(SubmitStatus::kUnavailable)];
+      res.status = SubmitStatus::kUnavailable;
+      res.field = "model";
+      res.message = std::move(why);
+      return res;
+    }
+  }
   auto r = std::make_shared<Request>();
   r->req = q;
   r->model = model;
@@ -755,6 +987,7 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
     return res;
   }
   ++m.in_flight;
+  m.accepted.insert(r.get());
   m.prompt_tokens += static_cast<int64_t>(q.prompt.size());
   m.pending.push_back(r);
   m.dispatch_locked();
@@ -802,6 +1035,34 @@ void ServingEngine::drain() {
   std::unique_lock lk(m.mu);
   m.draining = true;
   m.idle_cv.wait(lk, [&] { return m.in_flight == 0; });
+}
+
+bool ServingEngine::drain_for(std::chrono::milliseconds deadline) {
+  Impl& m = *impl_;
+  std::unique_lock lk(m.mu);
+  m.draining = true;
+  return m.idle_cv.wait_for(lk, deadline, [&] { return m.in_flight == 0; });
+}
+
+int64_t ServingEngine::cancel_all(const std::string& why) {
+  Impl& m = *impl_;
+  std::lock_guard lk(m.mu);
+  // Every accepted request is cancelled; a queued one ends here, one on a slice (its inbox or
+  // its decoder) at that slice's next iteration (Impl::iterate: cancelled requests leave first).
+  for (const Request* r : m.accepted) r->out->cancel(why);
+  const int64_t n = static_cast<int64_t>(m.accepted.size());
+  for (const std::shared_ptr<Request>& r : m.pending) {
+    m.record_end(*r, Completion::State::kCancelled, "cancelled");
+    r->out->finish(Completion::State::kCancelled, why);
+  }
+  m.pending.clear();
+  for (auto& s : m.slices) s->cv.notify_all();
+  return n;
+}
+
+void ServingEngine::count_outcome(const std::string& outcome) {
+  std::lock_guard lk(impl_->mu);
+  ++impl_->outcomes[outcome];
 }
 
 EngineMetrics ServingEngine::metrics() const {

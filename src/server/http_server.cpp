@@ -5,15 +5,19 @@
 #include <httplib.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <ctime>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
+#include "server/http_connection.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::server {
@@ -22,6 +26,9 @@ namespace {
 using nlohmann::json;
 
 constexpr size_t kMaxBody = size_t{1} << 20;
+// A refused body of a declared length up to this is read and dropped, so that a client that
+// writes all of it before reading sees its answer; a longer one ends the connection.
+constexpr int64_t kMaxDiscard = int64_t{64} << 20;
 
 std::string dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -46,8 +53,41 @@ std::string type_name(const json& v) {
 }
 
 // The completion request from its JSON body, checked field by field.
-CompletionRequest parse_request(const json& body, const ServingEngine& engine, bool* stream) {
+// The fields of OpenAI's completions request. Any other is refused, as OpenAI's API does
+// (a misspelt "max_token" must not be served as the default).
+constexpr const char* kKnownFields[] = {"model",
+                                        "prompt",
+                                        "max_tokens",
+                                        "temperature",
+                                        "seed",
+                                        "stream",
+                                        "stop",
+                                        "n",
+                                        "best_of",
+                                        "top_p",
+                                        "presence_penalty",
+                                        "echo",
+                                        "logprobs",
+                                        "frequency_penalty",
+                                        "logit_bias",
+                                        "suffix",
+                                        "user",
+                                        "stream_options"};
+
+CompletionRequest parse_request(const json& body, const ServingEngine& engine, bool* stream,
+                                bool* include_usage) {
   if (!body.is_object()) throw FieldError{"", "the request body must be a JSON object"};
+  std::string unknown, first_unknown;
+  for (const auto& [key, value] : body.items()) {
+    if (std::find_if(std::begin(kKnownFields), std::end(kKnownFields),
+                     [&k = key](const char* f) { return k == f; }) != std::end(kKnownFields))
+      continue;
+    if (first_unknown.empty()) first_unknown = key;
+    unknown += (unknown.empty() ? "'" : ", '") + key + "'";
+  }
+  if (!unknown.empty())
+    throw FieldError{first_unknown,
+                     fmt::format("unrecognized request argument(s) supplied: {}", unknown)};
   CompletionRequest q;
   if (!body.contains("model")) throw FieldError{"model", "'model' is required"};
   if (!body["model"].is_string())
@@ -89,9 +129,16 @@ CompletionRequest parse_request(const json& body, const ServingEngine& engine, b
     const json& v = body["max_tokens"];
     if (!v.is_number_integer())
       throw FieldError{"max_tokens", "'max_tokens' must be an integer, not " + type_name(v)};
-    const auto n = v.get<int64_t>();
-    if (n < 1 || n > 1 << 20)
-      throw FieldError{"max_tokens", fmt::format("'max_tokens' is {}; must be >= 1", n)};
+    const int64_t n =
+        v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX ? INT64_MAX : v.get<int64_t>();
+    const int64_t most = engine.options().max_context - static_cast<int64_t>(q.prompt.size());
+    if (n < 1) throw FieldError{"max_tokens", fmt::format("'max_tokens' is {}; must be >= 1", n)};
+    if (n > most)
+      throw FieldError{"max_tokens",
+                       fmt::format("'max_tokens' is {}; the maximum for this prompt is {} (the "
+                                   "server holds {} tokens per request, and the prompt has {})",
+                                   n, std::max<int64_t>(most, 0), engine.options().max_context,
+                                   q.prompt.size())};
     q.max_tokens = static_cast<int>(n);
   }
   q.temperature = 1.0;
@@ -120,6 +167,25 @@ CompletionRequest parse_request(const json& body, const ServingEngine& engine, b
     if (!body["stream"].is_boolean())
       throw FieldError{"stream", "'stream' must be a boolean, not " + type_name(body["stream"])};
     *stream = body["stream"].get<bool>();
+  }
+  *include_usage = false;
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& so = body["stream_options"];
+    if (!*stream)
+      throw FieldError{"stream_options", "'stream_options' is only allowed when 'stream' is true"};
+    if (!so.is_object())
+      throw FieldError{"stream_options",
+                       "'stream_options' must be an object, not " + type_name(so)};
+    for (const auto& [key, value] : so.items()) {
+      if (key != "include_usage")
+        throw FieldError{"stream_options",
+                         fmt::format("stream_options: unrecognized argument '{}'", key)};
+      if (!value.is_boolean())
+        throw FieldError{
+            "stream_options",
+            "'stream_options.include_usage' must be a boolean, not " + type_name(value)};
+      *include_usage = value.get<bool>();
+    }
   }
   // Fields of the API this server does not implement: accepted only at their default.
   auto only_default = [&](const char* field, auto&& is_default) {
@@ -176,21 +242,16 @@ std::string token_text(const std::vector<int32_t>& tokens, size_t from, int voca
   return s;
 }
 
-// Debian's compiled cpp-httplib listens with a backlog of 5: a burst of connections beyond
-// it waits for the client's connect retry (~1 s). The listening socket is the server's
-// (protected): listen() again with the system's maximum.
-class Server final : public httplib::Server {
- public:
-  void deepen_backlog() {
-    const socket_t s = svr_sock_;
-    if (s != INVALID_SOCKET) ::listen(s, SOMAXCONN);
-  }
-};
-
 // The response's "spillway" extension: how the server ran the request.
+// A time not measured (TPOT with one token) is null.
 json extension(const Completion& c, uint64_t seed) {
-  return {{"seed", seed},           {"slice", c.slice()},       {"ttft_ms", c.ttft_ms()},
-          {"tpot_ms", c.tpot_ms()}, {"switched", c.switched()}, {"cold", c.cold()}};
+  auto ms = [](double v) { return v < 0 ? json(nullptr) : json(v); };
+  return {{"seed", seed},
+          {"slice", c.slice()},
+          {"ttft_ms", ms(c.ttft_ms())},
+          {"tpot_ms", ms(c.tpot_ms())},
+          {"switched", c.switched()},
+          {"cold", c.cold()}};
 }
 
 }  // namespace
@@ -225,27 +286,55 @@ struct HttpServer::Impl {
     cv.notify_all();
   }
 
-  void completions(const httplib::Request& req, httplib::Response& res);
+  void completions(const httplib::Request& req, httplib::Response& res,
+                   const httplib::ContentReader& reader);
   void routes();
 };
 
-void HttpServer::Impl::completions(const httplib::Request& req, httplib::Response& res) {
+void HttpServer::Impl::completions(const httplib::Request& req, httplib::Response& res,
+                                   const httplib::ContentReader& reader) {
+  // Note [One count per request]: a refusal before the engine's submit() is counted here.
+  auto refuse = [&](int status, const std::string& message, const std::string& param,
+                    const std::string& code) {
+    engine.count_outcome("invalid");
+    send_error(res, status, message, "invalid_request_error", param, code);
+  };
+  // The body, at most kMaxBody bytes however it is framed (a chunked body has no length to
+  // check up front); a body not read to its end closes the connection after the answer.
+  std::string text;
+  bool too_large = false;
+  const bool read = reader([&](const char* data, size_t n) {
+    if (text.size() + n > kMaxBody) {
+      too_large = true;
+      return false;
+    }
+    text.append(data, n);
+    return true;
+  });
+  if (!read) {
+    if (current_connection() != nullptr) current_connection()->close_after = true;
+    if (too_large || res.status == 413)
+      refuse(413, fmt::format("the request body is over {} bytes", kMaxBody), "", "too_large");
+    else
+      refuse(400, "the request body could not be read to its end", "", "");
+    return;
+  }
   json body;
   try {
-    body = json::parse(req.body);
+    body = json::parse(text);
   } catch (const json::exception& e) {
-    send_error(res, 400, fmt::format("the request body is not valid JSON: {}", e.what()),
-               "invalid_request_error", "", "");
+    refuse(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "");
     return;
   }
   CompletionRequest q;
-  bool stream = false;
+  bool stream = false, include_usage = false;
   try {
-    q = parse_request(body, engine, &stream);
+    q = parse_request(body, engine, &stream, &include_usage);
   } catch (const FieldError& e) {
-    send_error(res, 400, e.message, "invalid_request_error", e.field, "");
+    refuse(400, e.message, e.field, "");
     return;
   }
+  (void)req;
   SubmitResult r = engine.submit(q);
   switch (r.status) {
     case SubmitStatus::kAccepted:
@@ -263,15 +352,30 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
     case SubmitStatus::kDraining:
       send_error(res, 503, r.message, "server_unavailable", "", "draining");
       return;
+    case SubmitStatus::kUnavailable:
+      send_error(res, 503, r.message, "server_unavailable", r.field, "unavailable");
+      return;
   }
   const int vocab = engine.config(q.model).vocab;
   const std::string id = fmt::format("cmpl-{}", next_id++);
   const std::time_t now = std::time(nullptr);
   std::shared_ptr<Completion> c = r.completion;
   if (!stream) {
+    // Note [Client gone]: while it waits, the handler looks at its connection; a client that
+    // went away cancels its request (the slice stops at its next iteration).
     std::vector<int32_t> tokens;
     Completion::State st = Completion::State::kRunning;
-    while ((st = c->wait_tokens(tokens.size(), &tokens)) == Completion::State::kRunning) {
+    ConnectionStream* conn = current_connection();
+    while ((st = c->wait_tokens_for(tokens.size(), &tokens, std::chrono::milliseconds(50))) ==
+           Completion::State::kRunning) {
+      if (conn != nullptr && !c->cancelled() && conn->peer_closed()) {
+        c->cancel();
+        conn->close_after = true;
+      }
+    }
+    if (st == Completion::State::kCancelled && conn != nullptr && conn->close_after) {
+      res.status = 499;  // nobody reads it: the connection is closed after it
+      return;
     }
     if (st != Completion::State::kDone) {
       send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
@@ -304,17 +408,19 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, c, sent, finished, id, now, model = q.model, vocab, seed = q.seed](
-          size_t, httplib::DataSink& sink) {
-        auto event = [&](const json& choice) {
+      [this, c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage,
+       prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
+        auto write = [&](const json& choices, const json& usage) {
           json ev = {{"id", id},
                      {"object", "text_completion"},
                      {"created", now},
                      {"model", model},
-                     {"choices", json::array({choice})}};
+                     {"choices", choices}};
+          if (include_usage) ev["usage"] = usage;  // OpenAI: null but in the last chunk
           const std::string line = "data: " + dump(ev) + "\n\n";
           return sink.write(line.data(), line.size());
         };
+        auto event = [&](const json& choice) { return write(json::array({choice}), nullptr); };
         std::vector<int32_t> fresh;
         const Completion::State st = c->wait_tokens(*sent, &fresh);
         for (int32_t t : fresh) {
@@ -337,6 +443,10 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
                       {"logprobs", nullptr},
                       {"finish_reason", c->finish_reason()},
                       {"spillway", extension(*c, seed)}}))
+            return false;
+          if (include_usage && !write(json::array(), {{"prompt_tokens", prompt_tokens},
+                                                      {"completion_tokens", *sent},
+                                                      {"total_tokens", prompt_tokens + *sent}}))
             return false;
         } else {
           const std::string line =
@@ -363,21 +473,36 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
 
 void HttpServer::Impl::routes() {
   svr.Post("/v1/completions",
-           [this](const httplib::Request& req, httplib::Response& res) { completions(req, res); });
-  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+           [this](const httplib::Request& req, httplib::Response& res,
+                  const httplib::ContentReader& reader) { completions(req, res, reader); });
+  auto model_object = [this](const ServedModelInfo& m) {
+    return json{{"id", m.name},
+                {"object", "model"},
+                {"created", created},
+                {"owned_by", "spillway"},
+                {"weight_bytes", m.weight_bytes},
+                {"dtype", to_string(m.dtype)},
+                {"vocab_size", m.vocab},
+                {"layers", m.layers},
+                {"resident", m.resident}};
+  };
+  svr.Get("/v1/models", [this, model_object](const httplib::Request&, httplib::Response& res) {
     json data = json::array();
-    for (const ServedModelInfo& m : engine.models())
-      data.push_back({{"id", m.name},
-                      {"object", "model"},
-                      {"created", created},
-                      {"owned_by", "spillway"},
-                      {"weight_bytes", m.weight_bytes},
-                      {"dtype", to_string(m.dtype)},
-                      {"vocab_size", m.vocab},
-                      {"layers", m.layers},
-                      {"resident", m.resident}});
+    for (const ServedModelInfo& m : engine.models()) data.push_back(model_object(m));
     res.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
   });
+  // One model (the OpenAI client's models.retrieve); a model id may hold '/'.
+  svr.Get(R"(/v1/models/(.+))",
+          [this, model_object](const httplib::Request& req, httplib::Response& res) {
+            const std::string id = req.matches[1];
+            for (const ServedModelInfo& m : engine.models())
+              if (m.name == id) {
+                res.set_content(dump(model_object(m)), "application/json");
+                return;
+              }
+            send_error(res, 404, fmt::format("model '{}' is not served", id),
+                       "invalid_request_error", "model", "model_not_found");
+          });
   // The server's setup, for clients that model it (spillway replay --live).
   svr.Get("/spillway/setup", [this](const httplib::Request&, httplib::Response& res) {
     const EngineOptions& eo = engine.options();
@@ -414,8 +539,66 @@ void HttpServer::Impl::routes() {
     res.status = draining ? 503 : 200;
     res.set_content(draining ? "draining\n" : "ok\n", "text/plain");
   });
+  // Before a body is read: a body this server would not read (compressed: its decoded size is
+  // not bounded by its length; or longer than the limit) is refused at once, and the
+  // connection closed after the answer (its bytes are not read).
+  svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // The declared length, or -1 (none, or chunked).
+    int64_t length = -1;
+    if (req.has_header("Content-Length")) {
+      const std::string len = req.get_header_value("Content-Length");
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long n = std::strtoull(len.c_str(), &end, 10);
+      length = len.empty() || *end != '\0' || errno == ERANGE || n > INT64_MAX
+                   ? INT64_MAX
+                   : static_cast<int64_t>(n);
+    }
+    auto refuse = [&](int status, const std::string& message, const std::string& code) {
+      if (req.path == "/v1/completions") engine.count_outcome("invalid");
+      // The client writes its whole body before it reads an answer: a body of a bounded
+      // length is read and dropped so that it sees the answer; any other ends the connection.
+      ConnectionStream* conn = current_connection();
+      if (conn != nullptr && !conn->discard(length, kMaxDiscard)) conn->close_after = true;
+      send_error(res, status, message, "invalid_request_error", "", code);
+      return httplib::Server::HandlerResponse::Handled;
+    };
+    const std::string encoding = req.get_header_value("Content-Encoding");
+    if (!encoding.empty() && encoding != "identity")
+      return refuse(415,
+                    fmt::format("Content-Encoding '{}' is not accepted: send the body as it is "
+                                "(at most {} bytes)",
+                                encoding, kMaxBody),
+                    "unsupported_encoding");
+    if (length > static_cast<int64_t>(kMaxBody))
+      return refuse(413,
+                    fmt::format("the request body is over {} bytes (Content-Length: {})", kMaxBody,
+                                req.get_header_value("Content-Length")),
+                    "too_large");
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
   svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;  // a handler's own error
+    // A known path asked with another method: 405 with the methods it takes.
+    static const std::pair<const char*, const char*> kRoutes[] = {{"/v1/completions", "POST"},
+                                                                  {"/v1/models", "GET"},
+                                                                  {"/spillway/setup", "GET"},
+                                                                  {"/metrics", "GET"},
+                                                                  {"/health", "GET"}};
+    if (res.status == 404) {
+      for (const auto& [path, method] : kRoutes) {
+        const bool model_path = std::string_view(path) == "/v1/models" &&
+                                req.path.rfind("/v1/models/", 0) == 0 && req.path.size() > 11;
+        if ((req.path == path || model_path) && req.method != method) {
+          res.set_header("Allow", method);
+          send_error(res, 405,
+                     fmt::format("{} {} is not allowed; {} takes {}", req.method, req.path,
+                                 req.path, method),
+                     "invalid_request_error", "", "method_not_allowed");
+          return;
+        }
+      }
+    }
     if (res.status == 404)
       send_error(res, 404, fmt::format("no endpoint {} {}", req.method, req.path),
                  "invalid_request_error", "", "not_found");
@@ -461,8 +644,8 @@ HttpServer::HttpServer(ServingEngine& engine, const HttpOptions& options)
     if (m.port < 0) SPILLWAY_INPUT_ERROR("cannot bind {} to any port", options.host);
   } else {
     if (!m.svr.bind_to_port(options.host, options.port))
-      SPILLWAY_INPUT_ERROR("cannot bind {}:{} (in use, or not an address of this machine)",
-                           options.host, options.port);
+      SPILLWAY_INPUT_ERROR("cannot listen on {}:{}: {}", options.host, options.port,
+                           bind_error(options.host, options.port));
     m.port = options.port;
   }
   m.svr.deepen_backlog();
@@ -501,6 +684,25 @@ int64_t HttpServer::shutdown() {
   }
   stop();
   return drained;
+}
+
+HttpServer::DrainReport HttpServer::shutdown(std::chrono::milliseconds deadline) {
+  Impl& m = *impl_;
+  DrainReport r;
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  r.in_flight = m.engine.in_flight();
+  if (!m.engine.drain_for(deadline)) {
+    r.cut = m.engine.cancel_all(fmt::format(
+        "cancelled: the server shut down and its drain deadline ({} ms) passed", deadline.count()));
+    m.engine.drain_for(std::chrono::seconds(5));
+  }
+  {
+    std::unique_lock lk(m.mu);
+    m.cv.wait_until(lk, std::max(until, std::chrono::steady_clock::now() + std::chrono::seconds(1)),
+                    [&] { return m.writing == 0; });
+  }
+  stop();
+  return r;
 }
 
 void HttpServer::stop() {

@@ -3,11 +3,13 @@
 #include "spillway/live.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <httplib.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -29,14 +31,6 @@ using Clock = std::chrono::steady_clock;
 
 double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-void check_url(const std::string& url) {
-  if (url.rfind("http://", 0) != 0)
-    SPILLWAY_INPUT_ERROR(
-        "'{}' is not an http:// URL of a spillway server (e.g. "
-        "http://127.0.0.1:8000)",
-        url);
 }
 
 json get_json(const std::string& url, const std::string& path) {
@@ -85,8 +79,10 @@ double metric(const std::map<std::string, double>& m, const std::string& key) {
   return it == m.end() ? 0.0 : it->second;
 }
 
-// One streamed completion, timed at the client.
-LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double timeout_s) {
+// One streamed completion, timed at the client from `due` (the time it was due: its times
+// include any wait before this call).
+LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double timeout_s,
+                       Clock::time_point due) {
   LiveOutcome out;
   out.sent = true;
   json body = {{"model", q.model},
@@ -106,7 +102,6 @@ LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double time
   std::string buf, raw;
   bool finished = false, done = false;
   Clock::time_point first{}, last{};
-  const auto t0 = Clock::now();
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     raw.append(data, n);
     buf.append(data, n);
@@ -155,7 +150,13 @@ LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double time
     return out;
   }
   out.status = res.status;
-  out.e2e_ms = ms_between(t0, Clock::now());
+  out.e2e_ms = ms_between(due, Clock::now());
+  if (res.has_header("Retry-After")) {
+    try {
+      out.retry_after_s = std::max(0.0, std::stod(res.get_header_value("Retry-After")));
+    } catch (const std::exception&) {  // an HTTP date: not used
+    }
+  }
   if (res.status != 200) {
     try {
       out.error = json::parse(raw)["error"].value("message", raw);
@@ -164,7 +165,7 @@ LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double time
     }
     return out;
   }
-  if (!out.tokens.empty()) out.ttft_ms = ms_between(t0, first);
+  if (!out.tokens.empty()) out.ttft_ms = ms_between(due, first);
   if (out.tokens.size() >= 2)
     out.tpot_ms = ms_between(first, last) / static_cast<double>(out.tokens.size() - 1);
   out.complete = finished && done && out.error.empty() &&
@@ -177,8 +178,44 @@ LiveOutcome stream_one(const std::string& url, const LiveRequest& q, double time
 
 }  // namespace
 
-ServerSetup fetch_setup(const std::string& url) {
-  check_url(url);
+std::string server_base_url(const std::string& url, const std::string& flag) {
+  auto bad = [&](const std::string& why) {
+    throw InputError(flag, "'" + url + "'",
+                     why + " (the URL of a `spillway serve`, e.g. http://127.0.0.1:8000 or " +
+                         "http://127.0.0.1:8000/v1)");
+  };
+  const std::string scheme = "http://";
+  if (url.rfind("https://", 0) == 0) bad("must be http://: the server speaks plain HTTP");
+  if (url.rfind(scheme, 0) != 0) bad("must start with http://");
+  const size_t slash = url.find('/', scheme.size());
+  const std::string authority = url.substr(scheme.size(), slash - scheme.size());
+  std::string path = slash == std::string::npos ? "" : url.substr(slash);
+  // host, [v6 host], then :port
+  const size_t close = authority.rfind(']');
+  const size_t colon = authority.rfind(':');
+  const bool has_port = colon != std::string::npos && (close == std::string::npos || colon > close);
+  const std::string host = has_port ? authority.substr(0, colon) : authority;
+  if (host.empty() || host == "[]") bad("has no host");
+  if (host.find_first_of("@?#") != std::string::npos) bad("has a host that is not a host name");
+  if (has_port) {
+    const std::string port = authority.substr(colon + 1);
+    const bool digits = !port.empty() && port.size() <= 5 &&
+                        port.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits || std::stoi(port) < 1 || std::stoi(port) > 65535)
+      bad(fmt::format("has port '{}'; must be in [1, 65535]", port));
+  }
+  auto strip_slashes = [&] {
+    while (!path.empty() && path.back() == '/') path.pop_back();
+  };
+  strip_slashes();
+  if (path == "/v1") path.clear();
+  strip_slashes();
+  if (!path.empty()) bad(fmt::format("has path '{}'; must be the server's root or /v1", path));
+  return scheme + authority;
+}
+
+ServerSetup fetch_setup(const std::string& url_given) {
+  const std::string url = server_base_url(url_given);
   const json j = get_json(url, "/spillway/setup");
   if (j.value("schema", "") != "spillway.serve-setup/1")
     SPILLWAY_INPUT_ERROR("{}/spillway/setup: not a spillway server's setup (schema {})", url,
@@ -203,12 +240,18 @@ ServerSetup fetch_setup(const std::string& url) {
   return s;
 }
 
-std::vector<LiveOutcome> run_live(const std::string& url, const std::vector<LiveRequest>& reqs,
-                                  const LiveOptions& o) {
-  check_url(url);
+std::vector<LiveOutcome> run_live(const std::string& url_given,
+                                  const std::vector<LiveRequest>& reqs, const LiveOptions& o) {
+  const std::string url = server_base_url(url_given);
   if (o.max_concurrency < 1)
     SPILLWAY_FIELD_ERROR("max_concurrency", o.max_concurrency, "must be >= 1");
+  if (!(o.max_seconds > 0) || !std::isfinite(o.max_seconds))
+    SPILLWAY_FIELD_ERROR("max_seconds", o.max_seconds, "must be > 0 and finite");
+  for (const LiveRequest& q : reqs)
+    if (!(q.at_s >= 0) || !std::isfinite(q.at_s))
+      SPILLWAY_FIELD_ERROR("at_s", q.at_s, "must be >= 0 and finite (a request's send time)");
   std::vector<LiveOutcome> out(reqs.size());
+  std::vector<Clock::time_point> due(reqs.size());  // written before the job is queued
   std::mutex mu;
   std::condition_variable cv;
   std::deque<size_t> jobs;
@@ -220,15 +263,17 @@ std::vector<LiveOutcome> run_live(const std::string& url, const std::vector<Live
     workers.emplace_back([&] {
       for (;;) {
         size_t k = 0;
+        Clock::time_point at{};
         {
           std::unique_lock lk(mu);
           cv.wait(lk, [&] { return closing || !jobs.empty(); });
           if (jobs.empty()) return;
           k = jobs.front();
           jobs.pop_front();
+          at = due[k];
         }
-        const double late = out[k].late_ms;
-        out[k] = stream_one(url, reqs[k], o.timeout_s);
+        const double late = std::max(0.0, ms_between(at, Clock::now()));
+        out[k] = stream_one(url, reqs[k], o.timeout_s, at);
         out[k].late_ms = late;
         {
           std::lock_guard lk(mu);
@@ -239,14 +284,14 @@ std::vector<LiveOutcome> run_live(const std::string& url, const std::vector<Live
     });
   const auto start = Clock::now();
   for (size_t k = 0; k < reqs.size(); ++k) {
+    if (reqs[k].at_s > o.max_seconds) break;  // the rest is not sent (sent stays false)
     const auto at = start + std::chrono::duration_cast<Clock::duration>(
                                 std::chrono::duration<double>(reqs[k].at_s));
-    if (reqs[k].at_s > o.max_seconds) break;  // the rest is not sent (sent stays false)
     std::this_thread::sleep_until(at);
     std::unique_lock lk(mu);
     cv.wait(lk, [&] { return idle > 0; });
     --idle;
-    out[k].late_ms = std::max(0.0, ms_between(at, Clock::now()));
+    due[k] = at;
     jobs.push_back(k);
     cv.notify_all();
   }
@@ -259,10 +304,13 @@ std::vector<LiveOutcome> run_live(const std::string& url, const std::vector<Live
   return out;
 }
 
-LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequest>& trace,
+LiveReplayReport replay_live(const std::string& url_given, const std::vector<TraceRequest>& trace,
                              const ReplayOptions& o, const LiveOptions& lo) {
+  const std::string url = server_base_url(url_given);
   const ServerSetup setup = fetch_setup(url);
   if (trace.empty()) SPILLWAY_FIELD_ERROR("trace", 0, "must hold at least one request");
+  if (!(o.time_scale > 0) || !std::isfinite(o.time_scale))
+    SPILLWAY_FIELD_ERROR("time_scale", o.time_scale, "must be > 0 and finite");
   LiveReplayReport rep;
   rep.rate_scale = setup.rate_scale;
   // Lengths that fit the server's context.
@@ -302,6 +350,10 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
   for (size_t i = 0; i < trace.size(); ++i) {
     LiveRequest q;
     q.at_s = trace[i].arrival_s / o.time_scale;
+    if (!std::isfinite(q.at_s))
+      SPILLWAY_FIELD_ERROR("time_scale", o.time_scale,
+                           "puts request {} (at {} s in the trace) at {} s: not a finite time", i,
+                           trace[i].arrival_s, q.at_s);
     const ServedModelSetup& m = setup.models[served_of[trace[i].model]];
     q.model = m.id;
     for (int64_t t = 0; t < lengths[i].first; ++t)
@@ -332,8 +384,12 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
     if (x.status == 429) ++rep.refused_429;
     if (x.status == 503) ++rep.refused_503;
     if (!x.complete && x.status != 429 && x.status != 503) ++rep.errors;
+    if (!x.complete && rep.first_error.empty())
+      rep.first_error = fmt::format(
+          "request {}: {}{}", i, x.status == 0 ? "" : fmt::format("HTTP {}: ", x.status), x.error);
     if (!x.complete) continue;
     ++live.completed;
+    ++rep.answered;
     ttft.push_back(x.ttft_ms);
     if (x.tpot_ms >= 0) tpot.push_back(x.tpot_ms);
     if (x.switched || x.cold) sw.push_back(x.ttft_ms);  // as the simulator counts a switch
@@ -402,14 +458,36 @@ LiveReplayReport replay_live(const std::string& url, const std::vector<TraceRequ
 }
 
 std::string format_live_replay(const LiveReplayReport& r, int64_t distinct_models) {
+  if (r.answered == 0)  // nothing measured: no TTFT, TPOT or SLO figure to print
+    return fmt::format(
+        "live: {} sent ({} not sent: past --max-seconds), none answered: {} refused 429, {} "
+        "refused 503, {} errors; nothing measured\n",
+        r.sent, r.not_sent, r.refused_429, r.refused_503, r.errors);
   std::string s = format_replay(r.results, r.sim, distinct_models);
   s += fmt::format(
-      "live: {} sent ({} not sent: past --max-seconds), {} refused 429, {} refused 503, {} "
-      "errors; a request waited up to {:.1f} ms for a client thread\n"
+      "live: {} sent ({} not sent: past --max-seconds), {} answered, {} refused 429, {} "
+      "refused 503, {} errors (each not answered is an SLO miss); TTFT from each request's "
+      "arrival time, including up to {:.1f} ms waiting for a client thread "
+      "(--max-concurrency)\n"
       "predicted: the simulator on the same requests and setup at the GPU's rates, its times "
       "divided by the server's rate scale ({:g})\n",
-      r.sent, r.not_sent, r.refused_429, r.refused_503, r.errors, r.max_late_ms, r.rate_scale);
+      r.sent, r.not_sent, r.answered, r.refused_429, r.refused_503, r.errors, r.max_late_ms,
+      r.rate_scale);
   return s;
+}
+
+std::string live_replay_failure(const LiveReplayReport& r) {
+  if (r.answered == r.sent) return {};
+  std::vector<std::string> why;
+  if (r.refused_429 > 0)
+    why.push_back(
+        fmt::format("{} refused with 429 (the server's queue was full: its "
+                    "--max-waiting; requests are not retried in a replay)",
+                    r.refused_429));
+  if (r.refused_503 > 0) why.push_back(fmt::format("{} refused with 503", r.refused_503));
+  if (r.errors > 0) why.push_back(fmt::format("{} failed", r.errors));
+  return fmt::format("replay --live: {} of {} requests sent were not answered: {}; first: {}",
+                     r.sent - r.answered, r.sent, fmt::join(why, ", "), r.first_error);
 }
 
 std::string live_replay_json(const LiveReplayReport& r) {
@@ -420,17 +498,27 @@ std::string live_replay_json(const LiveReplayReport& r) {
                {"refused_429", r.refused_429},
                {"refused_503", r.refused_503},
                {"errors", r.errors},
+               {"answered", r.answered},
                {"max_late_ms", r.max_late_ms},
                {"rate_scale", r.rate_scale}};
+  if (r.answered == 0)  // nothing measured live: no figure
+    for (const char* k : {"ttft_ms", "tpot_ms", "slo_attainment", "switch_ttft_ms", "cold_ttft_ms"})
+      j["configurations"][0][k] = nullptr;
   return j.dump(2) + "\n";
 }
 
-LoadReport run_load(const std::string& url, const LoadOptions& o) {
-  const ServerSetup setup = fetch_setup(url);
+LoadReport run_load(const std::string& url_given, const LoadOptions& o) {
+  const std::string url = server_base_url(url_given);
   if (o.clients < 1) SPILLWAY_FIELD_ERROR("clients", o.clients, "must be >= 1");
   if (o.requests < 1) SPILLWAY_FIELD_ERROR("requests", o.requests, "must be >= 1");
   if (o.distinct < 1) SPILLWAY_FIELD_ERROR("distinct", o.distinct, "must be >= 1");
-  if (o.prompt_tokens + o.max_tokens > setup.max_context)
+  if (o.max_retries < 0) SPILLWAY_FIELD_ERROR("max_retries", o.max_retries, "must be >= 0");
+  if (!(o.max_retry_s >= 0) || !std::isfinite(o.max_retry_s))
+    SPILLWAY_FIELD_ERROR("max_retry_s", o.max_retry_s, "must be >= 0 and finite");
+  if (!(o.timeout_s > 0) || !std::isfinite(o.timeout_s))
+    SPILLWAY_FIELD_ERROR("timeout_s", o.timeout_s, "must be > 0 and finite");
+  const ServerSetup setup = fetch_setup(url);
+  if (static_cast<int64_t>(o.prompt_tokens) + o.max_tokens > setup.max_context)
     SPILLWAY_FIELD_ERROR("prompt_tokens", o.prompt_tokens,
                          "+ max_tokens {} exceeds the server's context of {}", o.max_tokens,
                          setup.max_context);
@@ -450,22 +538,44 @@ LoadReport run_load(const std::string& url, const LoadOptions& o) {
   }
   std::vector<LiveOutcome> outs(static_cast<size_t>(o.requests));
   std::atomic<int> next{0};
+  // Requests in a row that gave up on 429 (Note [Load test]); a complete answer resets it.
+  std::atomic<int> gave_up_in_a_row{0};
+  std::atomic<bool> stop{false};
   const auto t0 = Clock::now();
   std::vector<std::thread> clients;
   clients.reserve(static_cast<size_t>(o.clients));
   for (int c = 0; c < o.clients; ++c)
     clients.emplace_back([&] {
-      for (int k; (k = next++) < o.requests;) {
+      for (int k; !stop && (k = next++) < o.requests;) {
         const LiveRequest& q = triples[static_cast<size_t>(k % o.distinct)];
         LiveOutcome x;
+        const auto first_try = Clock::now();
         int retries = 0;
-        for (;;) {
-          x = stream_one(url, q, o.timeout_s);
-          if (x.status != 429 || retries >= 1000) break;
-          ++retries;
-          std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20 * retries, 500)));
+        for (;; ++retries) {
+          x = stream_one(url, q, o.timeout_s, first_try);
+          if (x.status != 429) break;
+          if (retries >= o.max_retries) {
+            x.error = fmt::format("still 429 after {} retries (--max-retries {}): {}", retries,
+                                  o.max_retries, x.error);
+            break;
+          }
+          double wait_ms = std::min(20.0 * std::pow(2.0, std::min(retries, 10)), 1000.0);
+          if (x.retry_after_s >= 0) wait_ms = std::min(wait_ms, x.retry_after_s * 1e3);
+          const double tried_ms = ms_between(first_try, Clock::now());
+          if (tried_ms + wait_ms > o.max_retry_s * 1e3) {
+            x.error =
+                fmt::format("still 429 after {} retries in {:.1f} s (--max-retry-seconds {:g}): {}",
+                            retries, tried_ms / 1e3, o.max_retry_s, x.error);
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(wait_ms));
         }
         x.retries = retries;
+        if (x.complete) {
+          gave_up_in_a_row = 0;
+        } else if (x.status == 429 && ++gave_up_in_a_row >= o.clients) {
+          stop = true;
+        }
         outs[static_cast<size_t>(k)] = std::move(x);
       }
     });
@@ -475,6 +585,7 @@ LoadReport run_load(const std::string& url, const LoadOptions& o) {
   r.requests = o.requests;
   std::set<std::string> ids;
   std::map<int, const LiveOutcome*> first;
+  std::set<int> repeated;
   std::vector<double> lat, ttft;
   auto problem = [&](std::string p) {
     if (r.problems.size() < 10) r.problems.push_back(std::move(p));
@@ -482,9 +593,16 @@ LoadReport run_load(const std::string& url, const LoadOptions& o) {
   for (int k = 0; k < o.requests; ++k) {
     const LiveOutcome& x = outs[static_cast<size_t>(k)];
     r.retries_429 += x.retries;
+    r.max_retries_used = std::max(r.max_retries_used, x.retries);
     if (!x.complete) {
       ++r.lost;
-      problem(fmt::format("request {}: HTTP {}: {}", k, x.status, x.error));
+      if (!x.sent) {
+        ++r.not_sent;
+        continue;
+      }
+      if (x.status == 429) ++r.refused_429;
+      problem(fmt::format("request {}: {}{}", k,
+                          x.status == 0 ? "" : fmt::format("HTTP {}: ", x.status), x.error));
       continue;
     }
     ++r.answered;
@@ -498,7 +616,11 @@ LoadReport run_load(const std::string& url, const LoadOptions& o) {
     const auto it = first.find(t);
     if (it == first.end()) {
       first[t] = &x;
-    } else if (it->second->tokens != x.tokens) {
+      continue;
+    }
+    ++r.answers_compared;
+    repeated.insert(t);
+    if (it->second->tokens != x.tokens) {
       ++r.inconsistent;
       problem(
           fmt::format("request {}: tokens differ from the first answer to the same model, "
@@ -506,6 +628,12 @@ LoadReport run_load(const std::string& url, const LoadOptions& o) {
                       k));
     }
   }
+  r.triples_compared = static_cast<int64_t>(repeated.size());
+  if (r.not_sent > 0)
+    r.stopped = fmt::format(
+        "{} requests in a row were still refused with 429 after their retries: the server "
+        "refuses everything (is its --max-waiting too small?), so the last {} were not sent",
+        o.clients, r.not_sent);
   r.latency_ms = latency_stats(lat);
   r.ttft_ms = latency_stats(ttft);
   return r;
@@ -515,17 +643,54 @@ std::string format_load(const LoadReport& r, const LoadOptions& o) {
   std::string s = fmt::format(
       "load: {} requests from {} clients ({} distinct model/prompt/seed triples sampled at "
       "temperature 0.8, {} prompt tokens, {} new) in {:.2f} s\n"
-      "  answered {} / {}, lost {}, duplicated {}, inconsistent {}, 429s retried {}\n"
-      "  latency ms p50 {:.1f}  p95 {:.1f}  p99 {:.1f};  TTFT ms p50 {:.1f}  p95 {:.1f}  p99 "
-      "{:.1f}\n",
+      "  answered {} / {}, lost {}, duplicated {}, inconsistent {}, 429s retried {} (at most "
+      "{} for one request; --max-retries {}, --max-retry-seconds {:g})\n",
       r.requests, o.clients, o.distinct, o.prompt_tokens, o.max_tokens, r.seconds, r.answered,
-      r.requests, r.lost, r.duplicated, r.inconsistent, r.retries_429, r.latency_ms.p50,
-      r.latency_ms.p95, r.latency_ms.p99, r.ttft_ms.p50, r.ttft_ms.p95, r.ttft_ms.p99);
+      r.requests, r.lost, r.duplicated, r.inconsistent, r.retries_429, r.max_retries_used,
+      o.max_retries, o.max_retry_s);
+  if (r.answered > 0)
+    s += fmt::format(
+        "  from each request's first try: latency ms p50 {:.1f}  p95 {:.1f}  p99 {:.1f};  TTFT "
+        "ms p50 {:.1f}  p95 {:.1f}  p99 {:.1f}\n",
+        r.latency_ms.p50, r.latency_ms.p95, r.latency_ms.p99, r.ttft_ms.p50, r.ttft_ms.p95,
+        r.ttft_ms.p99);
   for (const std::string& p : r.problems) s += "  problem: " + p + "\n";
-  s += r.lost + r.duplicated + r.inconsistent == 0
-           ? "  every request answered once, every answer the same for its triple\n"
-           : "  FAILED: see the problems above\n";
+  if (!r.stopped.empty()) s += "  stopped: " + r.stopped + "\n";
+  const std::string failure = load_failure(r, o);
+  if (!failure.empty()) return s + "  FAILED: " + failure + "\n";
+  s += "  every request answered once; ";
+  s += r.triples_compared > 0
+           ? fmt::format(
+                 "{} triples answered more than once: every one of their {} repeated answers "
+                 "the same tokens as the triple's first\n",
+                 r.triples_compared, r.answers_compared)
+           : fmt::format(
+                 "no triple was answered twice (--distinct {} with --requests {}): the "
+                 "answers' determinism was NOT checked\n",
+                 o.distinct, o.requests);
   return s;
+}
+
+std::string load_failure(const LoadReport& r, const LoadOptions& o) {
+  std::vector<std::string> why;
+  if (r.lost > 0) {
+    std::vector<std::string> lost;
+    if (r.refused_429 > 0)
+      lost.push_back(
+          fmt::format("{} refused with 429 after their retries (--max-retries {}, "
+                      "--max-retry-seconds {:g})",
+                      r.refused_429, o.max_retries, o.max_retry_s));
+    const int64_t failed = r.lost - r.refused_429 - r.not_sent;
+    if (failed > 0) lost.push_back(fmt::format("{} failed (see the problems)", failed));
+    if (r.not_sent > 0)
+      lost.push_back(fmt::format("{} not sent (the server refused everything)", r.not_sent));
+    why.push_back(fmt::format("{} of {} requests not answered: {}", r.lost, r.requests,
+                              fmt::join(lost, ", ")));
+  }
+  if (r.duplicated > 0) why.push_back(fmt::format("{} response ids seen twice", r.duplicated));
+  if (r.inconsistent > 0)
+    why.push_back(fmt::format("{} answers differ from their triple's first", r.inconsistent));
+  return fmt::format("{}", fmt::join(why, "; "));
 }
 
 }  // namespace spillway::server

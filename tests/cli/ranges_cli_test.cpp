@@ -148,6 +148,34 @@ TEST(CliRanges, EveryNumericFlagStatesAndEnforcesItsRange) {
   EXPECT_GE(checked, 100);
 }
 
+// Rates at the edge (issue 27): a rate scale or an emulated link so small that its times
+// run for days, or overflow the clock and wrap to no wait at all, is refused by its range.
+TEST(CliRanges, RatesHaveMinimumsThatKeepEmulatedTimesFinite) {
+  struct Case {
+    std::string args;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"serve --rate-scale 1e-30", "--rate-scale is 1e-30; must be in [1e-06, 1]"},
+      {"serve --rate-scale 1e-12", "--rate-scale is 1e-12; must be in [1e-06, 1]"},
+      {"serve --drain-seconds 0", "--drain-seconds is 0; must be in (0, 3600]"},
+      {"bench serve --rate-scale 1e-30", "--rate-scale is 1e-30; must be in [1e-06, 1]"},
+      {"bench serve-live --rate-scale 1e-12", "--rate-scale is 1e-12; must be in [1e-06, 1]"},
+      {"bench stream --link-gbps 1e-20", "--link-gbps is 1e-20; must be in [0.001, 100000]"},
+      {"stream --link-gbps 1e-6", "--link-gbps is 1e-6; must be in [0.001, 100000]"},
+      {"stream --explain --peer-gbps 1e-300",
+       "--peer-gbps is 1e-300; must be in [1e-06, 100000] or 0"},
+      {"simulate --model Qwen3-30B-A3B --peer-gbps 1e-300",
+       "--peer-gbps is 1e-300; must be in [1e-06, 100000]"},
+      {"replay --time-scale 1e-300", "1e-300"},
+  };
+  for (const Case& c : cases) {
+    const cli_test::CommandResult r = cli_test::run_command(spillway_cmd(c.args, "2>&1"));
+    EXPECT_EQ(r.code, 1) << c.args << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, c.says)) << c.args << "\n" << r.out;
+  }
+}
+
 // Upper bounds that depend on the input are stated in words and checked once it is known.
 TEST(CliRanges, BoundsThatDependOnTheModelAreCheckedAgainstIt) {
   struct Case {

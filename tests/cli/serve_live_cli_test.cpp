@@ -171,6 +171,11 @@ TEST(ServeCli, LoadAnswersEveryRequestOnceAndTheSameForItsSeed) {
                             " --clients 6 --requests 36 --distinct 9 --max-tokens 4 2>&1");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(contains(r.out, "answered 36 / 36, lost 0, duplicated 0, inconsistent 0")) << r.out;
+  // Each of the 9 triples sent 4 times: 27 answers compared with their triple's first.
+  EXPECT_TRUE(contains(r.out,
+                       "9 triples answered more than once: every one of their 27 "
+                       "repeated answers the same tokens"))
+      << r.out;
   EXPECT_TRUE(contains(r.out, "p99")) << r.out;
   EXPECT_FALSE(contains(r.out, "429s retried 0")) << r.out;
   // Nothing listening: said, exit 1.

@@ -2,20 +2,26 @@
 // the GPUs per link from a PCI tree (a fake sysfs), JSON, and what is not built yet.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cli/run_command.hpp"
 #include "core/json_io.hpp"
+#include "spillway/device.hpp"
 #include "test_support.hpp"
 
 namespace spillway {
 namespace {
 
 using cli_test::contains;
+using spillway::testing::expect_error;
 using spillway::testing::TempDir;
 
 struct StreamRun {
@@ -189,6 +195,78 @@ TEST(StreamCli, FlagsOfTheOtherModeAreRefusedNotIgnored) {
   const StreamRun bad = run(std::string(kPcie) + " --gpus-per-link 0", dir);
   EXPECT_EQ(bad.code, 1);  // a bad value, as every command
   EXPECT_TRUE(contains(bad.err, "--gpus-per-link")) << bad.err;
+}
+
+// A ring that cannot fit in the GPU is never chosen: Llama-3.1-70B at depth 64 on an H100
+// PCIe needs 65 slots of a 1.7 GB layer, more than its 80 GB. Every mode is ruled out with
+// its numbers and the command exits 3, as `spillway plan` does for an infeasible plan; a
+// depth that fits is chosen as before.
+TEST(StreamCli, ARingThatDoesNotFitInTheGpuIsNeverChosen) {
+  TempDir dir;
+  const StreamRun r = run(std::string(kPcie) + " --prefetch-depth 64 --sysfs " + dir.file("none") +
+                              " --json " + dir.file("c.json"),
+                          dir);
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_TRUE(
+      contains(r.out, "full-copy  not available: its ring of 65 slots of the largest layer"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "of HBM free for weights; a prefetch depth of ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "no mode can run here")) << r.out;
+  EXPECT_FALSE(contains(r.out, "<- chosen")) << r.out;
+  const Json j = Json::parse(cli_test::read_file(dir.file("c.json")));
+  EXPECT_TRUE(j["chosen"].is_null()) << j.dump();
+  EXPECT_GT(j["modes"][0]["ring_bytes"].get<double>(), j["hbm_free_bytes"].get<double>());
+
+  const StreamRun fits =
+      run(std::string(kPcie) + " --prefetch-depth 2 --sysfs " + dir.file("none"), dir);
+  EXPECT_EQ(fits.code, 0) << fits.err;
+  EXPECT_TRUE(contains(fits.out, "<- chosen")) << fits.out;
+}
+
+// Note [Checked rate durations]: a link too slow to mean anything is refused by its range,
+// and a run whose link time alone would pass an hour is refused before it starts, with the
+// numbers and the flag to change.
+TEST(StreamCli, ARunThatWouldTakeHoursIsRefusedUpFront) {
+  TempDir dir;
+  StreamRun r = run("stream --link-gbps 1e-20", dir);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_TRUE(contains(r.err, "--link-gbps is 1e-20; must be in [0.001, 100000]")) << r.err;
+  const auto t0 = std::chrono::steady_clock::now();
+  r = run("stream --link-gbps 0.001 --steps 100000", dir);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.err, "--link-gbps is 0.001; the 100000 streamed steps copy at least"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "more than the 3600 s a run may take; raise --link-gbps to"))
+      << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+// The throttle behind every emulated link: bytes / rate as a clock duration, refused where
+// it would overflow (1e-20 GB/s wrapped to a negative time and turned the throttle off).
+TEST(StreamCli, TheLinkThrottleRefusesTimesThatOverflow) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(std::chrono::duration_cast<milliseconds>(transfer_duration(1e9, 1.0)),
+            milliseconds(1000));
+  expect_error([] { (void)transfer_duration(1e9, 1e-20); }, {"gbps is 1e-20", "more than"});
+  expect_error([] { (void)transfer_duration(1e9, 0.0); }, {"gbps is 0"});
+  expect_error([] { (void)transfer_duration(1.0, std::nan("")); }, {"gbps is nan"});
+  expect_error([] { (void)checked_duration_ms(1e300, "reload_ms"); }, {"reload_ms is 1e+300 ms"});
+  expect_error([] { (void)HostLink(1e-20, 1.0); }, {"h2d_gbps is 1e-20"});
+  HostDeviceOptions o;
+  o.device_bytes = 1 << 20;
+  o.d2h_gbps = 1e-20;
+  expect_error([&] { (void)make_host_device(o); }, {"d2h_gbps is 1e-20"});
+  // A copy whose time passes the bound (2 GB at 1 KB/s: 23 days) is refused when it is
+  // enqueued, on the caller's thread, before any byte moves.
+  o.d2h_gbps = kMinThrottleGbps;
+  const std::unique_ptr<Device> dev = make_host_device(o);
+  const Stream s = dev->create_stream(StreamRole::kD2H);
+  std::vector<std::byte> a(16), b(16);
+  expect_error([&] { dev->copy_async(b.data(), a.data(), size_t{2'000'000'000}, s); },
+               {"2000000000 bytes at this rate take", "more than the"});
+  dev->synchronize(s);
+  dev->destroy_stream(s);
 }
 
 }  // namespace

@@ -586,7 +586,7 @@ TEST(BadRequest, InputErrorsNameTheFieldNotAFlag) {
       {simulate(1, 1, 65), "depth", "depth is 65; must be in [1, 64]"},
       {host_device(0, 0.0), "device_bytes", "device_bytes is 0; must be > 0"},
       {host_device(int64_t{1} << 20, -2.0), "d2h_gbps",
-       "d2h_gbps is -2; must be >= 0 (0: no throttle)"},
+       "d2h_gbps is -2; must be 0 (no throttle) or in [1e-06, inf)"},
       {[] {
          auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
          ProbeOptions o;

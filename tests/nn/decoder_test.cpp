@@ -8,9 +8,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "allocation_count.hpp"
+#include "nn/ops.hpp"
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
 #include "test_support.hpp"
@@ -35,6 +38,24 @@ struct Fixture {
     return p;
   }
 };
+
+// Note [Deterministic GEMM]: a one-chunk prefill is the forward to the bit only where the
+// BLAS gives a row of A x B the same bits whatever the number of rows beside it: the decoder
+// projects the chunk's last row alone, the forward every row. OpenBLAS's Haswell and Zen
+// kernels do; its AVX-512 ones (SkylakeX, Cooperlake, Sapphire Rapids: a Zen 4 host picks
+// them) take another path for small shapes and do not. Probed here, on the head's shape.
+bool blas_rows_invariant(int rows, int k, int n) {
+  std::mt19937 g(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> a(static_cast<size_t>(rows) * k), b(static_cast<size_t>(k) * n);
+  for (float& v : a) v = u(g);
+  for (float& v : b) v = u(g);
+  std::vector<float> all(static_cast<size_t>(rows) * n), last(static_cast<size_t>(n));
+  linear_fwd<float>(a.data(), b.data(), all.data(), rows, k, n);  // A x B^T, as the head
+  linear_fwd<float>(a.data() + static_cast<size_t>(rows - 1) * k, b.data(), last.data(), 1, k, n);
+  return std::memcmp(all.data() + static_cast<size_t>(rows - 1) * n, last.data(),
+                     last.size() * 4) == 0;
+}
 
 // The tolerance of Note [Served outputs] on one position's logits.
 void expect_close(const float* served, const float* ref, int vocab, const std::string& where) {
@@ -113,6 +134,12 @@ TEST(Decoder, ThePromptInOneChunkIsTheForwardToTheBit) {
   std::vector<float> logits(static_cast<size_t>(f.c.vocab));
   DecodeChunk ch{0, toks.data(), 24};
   dec.step(&ch, 1, w, logits.data());
+  if (!blas_rows_invariant(24, f.c.hidden, f.c.vocab)) {
+    std::printf("this BLAS's rows depend on the rows beside them: within tolerance only\n");
+    expect_close(logits.data(), ref.data() + static_cast<size_t>(23) * f.c.vocab, f.c.vocab,
+                 "one chunk");
+    return;
+  }
   EXPECT_EQ(0, std::memcmp(logits.data(), ref.data() + static_cast<size_t>(23) * f.c.vocab,
                            logits.size() * 4));
 }
@@ -246,8 +273,11 @@ TEST(Decoder, MambaLayersCarryTheirStateAcrossChunks) {
   std::vector<float> logits(static_cast<size_t>(V));
   DecodeChunk whole{0, toks.data(), n};
   dec.step(&whole, 1, w, logits.data());
-  EXPECT_EQ(0, std::memcmp(logits.data(), ref.data() + static_cast<size_t>(n - 1) * V,
-                           logits.size() * 4));
+  if (blas_rows_invariant(n, c.hidden, V))
+    EXPECT_EQ(0, std::memcmp(logits.data(), ref.data() + static_cast<size_t>(n - 1) * V,
+                             logits.size() * 4));
+  else
+    expect_close(logits.data(), ref.data() + static_cast<size_t>(n - 1) * V, V, "one chunk");
   for (int first : {1, 9}) {
     dec.reset(1);
     int pos = 0;

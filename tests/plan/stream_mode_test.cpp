@@ -93,6 +93,43 @@ TEST(StreamMode, TrainingReloadsAllButTheTurnsLayersInBackward) {
   EXPECT_EQ(full.link_bytes, 900'000'000);
 }
 
+// A ring of depth + 1 slots of the largest layer that HBM cannot hold rules its mode out,
+// with the numbers; the mode chosen is one that fits, and when none does, none is chosen.
+TEST(StreamMode, AModeWhoseRingDoesNotFitIsNeverChosen) {
+  StreamModeInput in = four_layers();  // sharded wins when it fits (3 GB ring)
+  in.hbm_free_bytes = 2'500'000'000;   // 2 slots of 1 GB fit, 3 do not
+  StreamModeChoice c = choose_stream_mode(in);
+  EXPECT_FALSE(c.modes[0].available);
+  EXPECT_FALSE(c.modes[1].available);
+  EXPECT_EQ(c.modes[1].why_not,
+            "its ring of 3 slots of the largest layer (1000.0 MB) is 3.00 GB, more than the "
+            "2.50 GB of HBM free for weights; a prefetch depth of 1 or less fits");
+  EXPECT_EQ(c.chosen, "");
+  const std::string text = explain_stream_mode(c, in);
+  EXPECT_NE(text.find("sharded    not available: its ring of 3 slots"), std::string::npos) << text;
+  EXPECT_NE(text.find("no mode can run here"), std::string::npos) << text;
+  EXPECT_EQ(text.find("<- chosen"), std::string::npos) << text;
+
+  in.depth = 1;  // 2 slots: 2 GB fit
+  c = choose_stream_mode(in);
+  EXPECT_TRUE(c.modes[1].available);
+  EXPECT_EQ(c.chosen, "sharded");
+
+  in = four_layers();
+  in.hbm_free_bytes = 500'000'000;  // not even one layer: no depth fits
+  c = choose_stream_mode(in);
+  EXPECT_NE(c.modes[0].why_not.find("not even a depth of 1"), std::string::npos)
+      << c.modes[0].why_not;
+
+  in.c2c = true;  // in place needs no ring: it runs where the rings cannot
+  c = choose_stream_mode(in);
+  EXPECT_EQ(c.chosen, "in-place");
+
+  in = four_layers();  // unknown free HBM (< 0): the fit is not checked
+  in.hbm_free_bytes = -1;
+  EXPECT_EQ(choose_stream_mode(in).chosen, "sharded");
+}
+
 TEST(StreamMode, BadInputNamesTheField) {
   StreamModeInput in = four_layers();
   in.fwd_ms.pop_back();

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "forwarding_device.hpp"
@@ -123,6 +124,52 @@ TEST(ModelPool, TheBudgetEvictsTheLeastRecentlyUsedIdleModelNeverOneInUse) {
   EXPECT_EQ(st.refused, 1);
   EXPECT_EQ(st.cold_loads, 4);
   EXPECT_LE(st.resident_bytes, 2 * 4096 + 100);
+}
+
+TEST(ModelPool, AFileChangedOnDiskIsNotLoadedUntilRefreshed) {
+  // A load reads the file add() checked or nothing: another file renamed over it, or the
+  // file cut short, answers kChanged naming the model and what changed; refresh() with the
+  // new file (checked by the caller) makes the next load read it.
+  namespace fs = std::filesystem;
+  TempDir dir;
+  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  ModelPool pool(*dev, ModelPoolOptions{int64_t{1} << 20});
+  const std::string path = model_file(dir, "a", 1000, 10.0f);
+  pool.add("a", path);
+  fs::rename(model_file(dir, "a2", 1000, 30.0f), path);  // the same size, other values
+  PoolAcquire a = pool.acquire("a");
+  EXPECT_EQ(a.status, PoolStatus::kChanged);
+  EXPECT_FALSE(a.handle);
+  for (const char* needle : {"model 'a'", "changed on disk", "another file was put in its place"})
+    EXPECT_NE(a.why.find(needle), std::string::npos) << needle << " in: " << a.why;
+  EXPECT_FALSE(pool.resident("a"));
+  EXPECT_EQ(pool.stats().refused, 1);
+  {
+    const SafetensorsFile f(path);
+    pool.refresh("a", f);
+  }
+  a = pool.acquire("a");
+  ASSERT_EQ(a.status, PoolStatus::kOk) << a.why;
+  EXPECT_EQ(first_weight(a.handle), 30.0f);
+  a.handle.release();
+  // Cut short in place: the resident copy stays; a pool that must load it says why.
+  fs::resize_file(path, fs::file_size(path) - 100);
+  EXPECT_EQ(first_weight(pool.acquire("a").handle), 30.0f);
+  ModelPool other(*dev, ModelPoolOptions{int64_t{1} << 20});
+  const std::string b = model_file(dir, "b", 1000, 40.0f);
+  other.add("b", b);
+  fs::resize_file(b, 200);
+  PoolAcquire x = other.acquire("b");
+  EXPECT_EQ(x.status, PoolStatus::kChanged);
+  for (const char* needle : {"model 'b'", "cannot be read", "truncated"})
+    EXPECT_NE(x.why.find(needle), std::string::npos) << needle << " in: " << x.why;
+  // A file truncated after it was opened: read() says so instead of faulting.
+  const std::string c = model_file(dir, "c", 1000, 50.0f);
+  const SafetensorsFile f(c);
+  fs::resize_file(c, 100);
+  std::vector<std::byte> buf(4000);
+  spillway::testing::expect_error([&] { f.read(*f.find("w"), buf.data()); },
+                                  {"c.safetensors", "tensor 'w'", "truncated"});
 }
 
 TEST(ModelPool, BadModelsAndNamesAreRefusedWithTheReason) {

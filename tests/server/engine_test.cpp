@@ -485,7 +485,7 @@ TEST(ServingEngine, BadRequestsAreRefusedNamingTheField) {
   refused(q, SubmitStatus::kInvalid, "prompt", "token 300 at position 1");
   refused(request("tiny-a", "x", 0), SubmitStatus::kInvalid, "max_tokens", ">= 1");
   refused(request("tiny-a", std::string(90, 'x'), 10), SubmitStatus::kInvalid, "max_tokens",
-          "context of 96");
+          "at most 6 for this prompt");
   refused(request("tiny-a", "x", 4, -1.0), SubmitStatus::kInvalid, "temperature", ">= 0");
   EXPECT_EQ(e.in_flight(), 0);
   EXPECT_EQ(e.metrics().requests.at("invalid"), 5);
