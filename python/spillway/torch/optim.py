@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -115,6 +117,20 @@ class CPUAdamW(torch.optim.Optimizer):
             )
         self.early_weights = self._device is not None or bool(early_weights)
         self._index = {id(p): i for i, p in enumerate(self._params)}
+        # Note [One optimizer per parameter]: a parameter is stepped by one live CPUAdamW. A
+        # new one over parameters of an older one takes them over: the older is closed (its
+        # hooks removed; its step() then raises), as `opt = CPUAdamW(...)` run again expects.
+        for i, p in enumerate(self._params):
+            owner = getattr(p, "_spillway_cpu_adamw", None)
+            other = owner() if owner is not None else None
+            if other is not None and not other._closed:
+                warnings.warn(
+                    f"CPUAdamW: parameter {i} was stepped by another CPUAdamW; that one is "
+                    "closed (its gradient hooks removed) and this one steps it",
+                    stacklevel=2,
+                )
+                other.close()
+        self._closed = False
         # FSDP2 (fully_shard): a parameter is a DTensor; this process steps its local shard,
         # and the gradient norm is all-reduced over the shards (Note [Sharded norms]).
         self._sharded = any(hasattr(p, "to_local") for p in self._params)
@@ -153,28 +169,98 @@ class CPUAdamW(torch.optim.Optimizer):
             self._params
         )
         self._seen = [0] * len(self._params)  # backward passes since the last step
+        # The hooks hold the optimizer weakly (Note [Hook lifetime]): a dropped optimizer is
+        # freed with its host state, and its hooks are removed (close(), __del__).
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(_make_hook(weakref.ref(self), i))  # type: ignore[no-untyped-call]
             for i, p in enumerate(self._params)
             if p.requires_grad
         ]
+        for p in self._params:
+            p._spillway_cpu_adamw = weakref.ref(self)  # type: ignore[attr-defined]
+        # Note [Parameters changed under the optimizer]: what each parameter was when its
+        # master weights were last in step with it (its storage and version counter).
+        self._stamps = [_stamp(p) for p in self._params]
         self._last: dict[str, Any] = {}
         self._synced: Optional[list[tuple[float, ...]]] = None  # hparams of this step
 
+    # ---- lifetime (Note [Hook lifetime]) -----------------------------------------------
+
+    def close(self) -> None:
+        """Removes the gradient hooks: from now on backward hands nothing to this optimizer
+        (another may step the parameters). Speculative work not validated is dropped.
+        Called when the optimizer is deleted, and at the end of a ``with`` block."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p in self._params:
+            owner = getattr(p, "_spillway_cpu_adamw", None)
+            if owner is not None and owner() is self:
+                del p._spillway_cpu_adamw  # type: ignore[attr-defined]
+        if any(h is not None for h in self._handed):
+            self._core.abort()
+            self._handed = [None] * len(self._params)
+
+    def __enter__(self) -> CPUAdamW:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: torch may be half gone
+            pass
+
     # ---- hand-over --------------------------------------------------------------------
 
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            self._seen[i] += 1
-            if self._seen[i] % self.accumulation_steps != 0 or self._handed[i] is not None:
-                return
-            self._hand_over(i, p)
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        self._seen[i] += 1
+        if self._seen[i] % self.accumulation_steps != 0 or self._handed[i] is not None:
+            return
+        self._hand_over(i, p)
 
-        return hook
+    def _refresh(self, i: int) -> None:
+        """Note [Parameters changed under the optimizer]: a parameter written since its master
+        weights were last in step with it (``load_state_dict`` into the model, ``p.data =``,
+        an in-place edit) is read again, so that no step starts from a stale copy. A write
+        that left its values as they were (a version bump alone) keeps the fp32 master."""
+        p = self._params[i]
+        if _stamp(p) == self._stamps[i]:
+            return
+        if self._flat_w is not None:
+            at, n = self._offsets[i], p.numel()
+            if _local(p).data_ptr() != self._flat_w.data_ptr() + 2 * at:
+                # p.data was replaced: its values go back into its slice of the flat buffer,
+                # which the pipeline writes (Note [The device path of CPUAdamW]).
+                with torch.no_grad():
+                    view = self._flat_w[at : at + n].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view
+        lp = _local(p)
+        master = torch.empty(lp.numel(), dtype=torch.float32)
+        m = torch.empty_like(master)
+        v = torch.empty_like(master)
+        self._core.read_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
+        current = lp.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        seen = master if p.dtype == torch.float32 else master.to(p.dtype).to(torch.float32)
+        if not torch.equal(seen, current):
+            if self._device is not None:
+                self._core.write_state(
+                    i, current.data_ptr(), m.data_ptr(), v.data_ptr(), self._core.bucket_step(i)
+                )
+            else:
+                self._core.load_weights(i, lp.data_ptr(), _DTYPES[p.dtype])
+        self._stamps[i] = _stamp(p)
 
     def _hand_over(self, i: int, p: torch.Tensor) -> None:
         if self._synced is None:  # the step's first gradient: its hyperparameters are set
             self._sync_hparams()
+        self._refresh(i)
         grad = p.grad
         assert grad is not None
         if self._flat_g is not None:
@@ -276,9 +362,12 @@ class CPUAdamW(torch.optim.Optimizer):
             self._synced = None
         if self._synced is None:
             self._sync_hparams()
+        if self._closed:
+            raise RuntimeError("CPUAdamW.step: the optimizer was closed")
         for i, p in enumerate(self._params):
             if self._handed[i] is None:
                 if p.grad is None:
+                    self._refresh(i)  # its master is written back to it below
                     self._core.absent(i)
                 else:
                     self._hand_over(i, p)
@@ -306,6 +395,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._handed = [None] * len(self._params)
         self._seen = [0] * len(self._params)
         self._synced = None
+        self._stamps = [_stamp(p) for p in self._params]
         self._last = {
             "step": self._core.step,
             "outcome": outcome,  # commit, replay (clipped), skip (NaN/Inf)
@@ -433,6 +523,25 @@ class CPUAdamW(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 st["master_param"] = master
             self.state[p] = st
+
+
+def _make_hook(ref: weakref.ReferenceType[CPUAdamW], i: int) -> Callable[[torch.Tensor], None]:
+    """Parameter i's gradient hook (Note [Hook lifetime]): it holds its optimizer weakly, and
+    does nothing once the optimizer is gone or closed."""
+
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None and not opt._closed:
+            opt._on_grad(i, p)
+
+    return hook
+
+
+def _stamp(p: torch.Tensor) -> tuple[int, int]:
+    """What a parameter is now: its storage and its version counter (bumped by every
+    in-place write through torch)."""
+    lp = _local(p)
+    return (lp.data_ptr(), lp._version)
 
 
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
