@@ -168,3 +168,11 @@ def test_optimizers_made_and_dropped_free_their_host_state() -> None:
     grown = rss_bytes() - start
     # Held, four would keep ~400 MB; freed, the RSS stays within one's state.
     assert grown < 60e6, f"RSS grew {grown / 1e6:.0f} MB over 4 dropped optimizers"
+
+
+def test_a_sparse_gradient_is_refused_by_name() -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = st.CPUAdamW(emb.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()

@@ -262,6 +262,12 @@ class CPUAdamW(torch.optim.Optimizer):
             self._sync_hparams()
         self._refresh(i)
         grad = p.grad
+        if grad is not None and grad.is_sparse:
+            raise RuntimeError(
+                f"CPUAdamW: parameter {i} has a sparse gradient; CPUAdamW does not support "
+                "sparse gradients (as torch.optim.AdamW does not): use a dense layer (e.g. "
+                "nn.Embedding(sparse=False)) or torch.optim.SparseAdam for it"
+            )
         assert grad is not None
         if self._flat_g is not None:
             grad = self._into_flat_grad(i, p, grad)
