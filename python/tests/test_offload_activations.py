@@ -279,3 +279,29 @@ def test_an_evaluation_under_no_grad_ends_its_step_quietly() -> None:
         got = step(model, data)
     assert_bitwise(want, got)
     assert offload.last_report()["tensors_offloaded"] > 0
+
+
+def test_a_nested_with_is_refused_by_name() -> None:
+    model = tiny_llama()
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    with pytest.raises(RuntimeError, match="already open"):
+        with offload:
+            with offload:
+                pass
+    # The offload is usable again after the refused step.
+    with offload:
+        loss = model(**batch()).loss
+    loss.backward()
+    assert offload.last_report()["tensors_offloaded"] > 0
+
+
+def test_hugging_face_gradient_checkpointing_is_named_with_the_fix() -> None:
+    model = tiny_llama()
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+    model.train()
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    with pytest.warns(RuntimeWarning, match="gradient checkpointing is on"):
+        with offload:
+            loss = model(**batch()).loss
+        loss.backward()

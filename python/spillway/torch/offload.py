@@ -461,6 +461,22 @@ class OffloadActivations:
     # ---- steps ---------------------------------------------------------------------
 
     def __enter__(self) -> OffloadActivations:
+        if self._hooks is not None:
+            raise RuntimeError(
+                "offload_activations: this offload's `with` block is already open (a nested "
+                "`with offload:`); one training step is one `with` block: leave the outer one "
+                "before entering it again"
+            )
+        if _hf_checkpointing(self.model):
+            self._warn_once(
+                "hf-checkpointing",
+                "spillway: Hugging Face gradient checkpointing is on "
+                "(gradient_checkpointing_enable / activation_checkpointing_enable): its "
+                "blocks keep only their inputs, so offload_activations has next to nothing to "
+                "offload. Turn it off (gradient_checkpointing_disable / "
+                "activation_checkpointing_disable) and let the plan choose what to recompute: "
+                "offload_activations(model, plan=spillway.plan(...))",
+            )
         if self._open:
             # The last step had no backward (or it never ended): end it now.
             self._end_step()
@@ -745,3 +761,12 @@ def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _hf_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether a Hugging Face model has its own gradient (activation) checkpointing on; read
+    through the property its transformers version has, without the deprecated one."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
