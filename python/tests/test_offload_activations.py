@@ -305,3 +305,18 @@ def test_hugging_face_gradient_checkpointing_is_named_with_the_fix() -> None:
         with offload:
             loss = model(**batch()).loss
         loss.backward()
+
+
+def test_compiling_the_model_after_offload_is_said() -> None:
+    model = tiny_llama()
+    offload = st.offload_activations(model, pinned_bytes=64 << 20, min_bytes=1024)
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(RuntimeWarning, match="ran under torch.compile after offload_activations"):
+        with offload:
+            loss = compiled(**batch()).loss
+        loss.backward()
+    # In place (model.compile()): refused at the next step, before anything runs.
+    model.compile(backend="aot_eager")
+    with pytest.raises(ValueError, match="compiled in place"):
+        with offload:
+            pass

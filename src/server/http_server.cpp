@@ -408,7 +408,7 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage,
+      [c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage,
        prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
         auto write = [&](const json& choices, const json& usage) {
           json ev = {{"id", id},

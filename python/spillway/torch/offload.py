@@ -133,7 +133,7 @@ class OffloadActivations:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations: model must be an nn.Module, not {type(model)}")
-        if hasattr(model, "_orig_mod"):
+        if hasattr(model, "_orig_mod") or _compiled_in_place(model):
             raise ValueError(
                 "offload_activations: the model is compiled (torch.compile); the saved-tensor "
                 "hooks cannot see inside a compiled graph. Pass the eager model and compile "
@@ -202,12 +202,14 @@ class OffloadActivations:
         self._sizing_bytes = 0
         self._grad_forwards = 0  # blocks that ran with grad enabled this step
         self._warned: set[str] = set()
+        self._traced = False  # Note [Compiled after offload]
         self._last: dict[str, Any] = {}
         self._install_module_hooks()
 
     # ---- the module hooks: which block runs, where backward is -----------------------
 
     def _install_module_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre))
         for i, block in enumerate(self.layers):
             self._handles.append(block.register_forward_pre_hook(self._make_pre(i)))
             self._handles.append(block.register_forward_hook(self._make_post(i)))
@@ -309,6 +311,14 @@ class OffloadActivations:
             if name:
                 return name
         return "block"
+
+    def _model_pre(self, module: nn.Module, args: Any) -> None:
+        # Note [Compiled after offload]: the whole model traced by torch.compile (compiled
+        # after offload_activations, or a caller compiled): the hooks break its graph at every
+        # block and see only what the pieces save. Said at the step's end. (Blocks compiled
+        # one by one are not this: the model's own call runs eagerly.)
+        if torch.compiler.is_compiling():
+            self._traced = True
 
     def _make_pre(self, i: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
@@ -467,6 +477,13 @@ class OffloadActivations:
                 "`with offload:`); one training step is one `with` block: leave the outer one "
                 "before entering it again"
             )
+        if _compiled_in_place(self.model):
+            raise ValueError(
+                "offload_activations: the model was compiled in place (model.compile()) after "
+                "offload_activations; the saved-tensor hooks cannot see inside a compiled "
+                "graph. Compile the blocks one by one (block.compile()) instead "
+                "(docs/python.md)"
+            )
         if _hf_checkpointing(self.model):
             self._warn_once(
                 "hf-checkpointing",
@@ -602,6 +619,15 @@ class OffloadActivations:
         moved = (
             counts.get("offloaded", 0) + (1 if self._sizing_bytes else 0) + len(self._checkpointed)
         )
+        if self._traced:
+            self._warn_once(
+                "compiled",
+                "spillway: the model ran under torch.compile after offload_activations: the "
+                "offload hooks break its graph at every block and see only what the compiled "
+                f"pieces save ({counts.get('offloaded', 0)} tensors offloaded in step "
+                f"{self._step}). Compile the blocks one by one instead (block.compile()), whose "
+                "saved tensors the hooks see (docs/python.md)",
+            )
         if not failed and not quiet and moved == 0:
             why = (
                 ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
@@ -770,3 +796,8 @@ def _hf_checkpointing(model: torch.nn.Module) -> bool:
         if hasattr(type(model), name):
             return bool(getattr(model, name))
     return False
+
+
+def _compiled_in_place(model: torch.nn.Module) -> bool:
+    """Whether ``model.compile()`` compiled the model's own call (torch 2.2+)."""
+    return getattr(model, "_compiled_call_impl", None) is not None
