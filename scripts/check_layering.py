@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The layering rule of DESIGN section 9, checked from the includes (the build runs it).
+"""The layering rule of docs/architecture.md, checked from the includes (the build runs it).
 
 Each part is a folder of src/ (and its public headers under include/spillway/). A file of a
 part may include:
@@ -25,18 +25,18 @@ ARROWS = {
     "memory": ["device"],
     "offload": ["memory"],
     "optim": ["memory"],
-    "stream": ["memory"],  # layerwise weight streaming (DESIGN section 5)
+    "stream": ["memory"],  # layerwise weight streaming (docs/stream.md)
     "catalog": ["core"],  # src/hw + src/model: hardware profiles and model configs
     "probe": ["device", "catalog"],
     "plan": ["catalog"],
     "sim": ["plan"],
     "nn": ["offload", "optim", "stream", "plan"],  # the reference model: engines by public headers
     "train": ["nn", "probe"],  # the training application over the reference model
-    "serve": ["memory", "catalog"],  # host-resident serving (DESIGN section 6)
+    "serve": ["memory", "catalog"],  # host-resident serving (docs/serve.md)
     "server": ["nn", "serve"],  # the live server: the decoder over the serving parts
     "cli": ["train", "sim", "probe", "serve", "server"],  # a leaf: nothing depends on it
     # python/src: the extension module of the Python package, a leaf over the engines'
-    # and the planner's public headers (DESIGN section 10)
+    # and the planner's public headers (docs/python.md)
     "python": ["offload", "optim", "stream", "plan"],
 }
 # src/ folder -> part

@@ -1,4 +1,4 @@
-// Collectives in the planner's vocabulary (DESIGN section 11, docs/collectives.md): the
+// Collectives in the planner's vocabulary (docs/collectives.md): the
 // ring time of an all-reduce, all-gather, reduce-scatter or all-to-all, which link a group
 // of GPUs crosses, and the CollectivePlan a layer carries (spillway/plan.hpp).
 //

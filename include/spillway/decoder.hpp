@@ -1,4 +1,4 @@
-// The reference model in inference mode (DESIGN section 6's runtime): prefill in chunks and
+// The reference model in inference mode (the runtime of docs/serve.md): prefill in chunks and
 // decode with a KV cache in device memory, the weights read through a WeightSource (a
 // serving runtime's: HybridGEMM over host-resident weights; or the model's own, in memory),
 // continuous batching of several sequences in one step.

@@ -1,4 +1,4 @@
-// The socket (DESIGN section 9): the calls a training loop makes to tell spillway what
+// The socket (docs/architecture.md): the calls a training loop makes to tell spillway what
 // happens, nothing more. The reference model (src/nn), the PyTorch adapter and any other
 // loop call these; each engine implements the part it needs (the activation offload
 // engine: saved/needed; the optimizer pipeline: grad_ready/step_end) and CompositeHooks

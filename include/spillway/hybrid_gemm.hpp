@@ -1,4 +1,4 @@
-// HybridGEMM (DESIGN section 6): O[M x N] = X[M x K] * W^T, X and O in device memory (HBM),
+// HybridGEMM (docs/serve.md): O[M x N] = X[M x K] * W^T, X and O in device memory (HBM),
 // W in host memory the device reads over the link. W is stored as a Linear layer's weight,
 // [N x K] row-major (row j holds output column j's K weights), bf16 or fp32; X and O are
 // fp32 row-major.

@@ -1,5 +1,5 @@
 // The pinned host pool: page-locked host memory allocated once, in a few large slabs,
-// and sub-allocated with no system call in steady state (DESIGN section 2: pageable
+// and sub-allocated with no system call in steady state (docs/offload.md: pageable
 // memory makes cudaMemcpyAsync synchronous, and pinning per tensor costs milliseconds).
 //
 // Thread-safe (one mutex around the slabs' arenas; the critical section is a map lookup).

@@ -123,7 +123,7 @@ class Model {
   // step_end() ends the step. Running out of device memory throws spillway::Error naming
   // the policy, the layer, the tensor and the bytes.
   //
-  // With an offloaded optimizer (built with device_optimizer = false, DESIGN section 4):
+  // With an offloaded optimizer (built with device_optimizer = false, docs/optim.md):
   // the forward computes with the fp32 widening of device_weights_bf16() (which the
   // optimizer writes); as backward completes each bucket of parameter_buckets() its
   // gradients go to device_grads_bf16() in bf16 before grad_ready(b); lr must be 0.
@@ -148,7 +148,7 @@ class Model {
   uint16_t* device_weights_bf16() const;
   uint16_t* device_grads_bf16() const;
 
-  // Note [Streamed weights] (DESIGN section 5): each layer's weights are the parameters of
+  // Note [Streamed weights] (docs/stream.md): each layer's weights are the parameters of
   // its bucket (parameter_buckets()[1 + l]), fp32. layer_weight_bytes() sizes a
   // WeightStreamer over them; stream_weights(ws) packs the current weights into its host
   // slabs, and from then on every layer computes from the slot the streamer hands out

@@ -2,7 +2,7 @@
 // memory on the D2H copy engine as soon as their producer has run (the copy waits on an
 // event, never on the host) and their device memory is released once the copy is done;
 // in backward they are reloaded ahead of use on the H2D engine, and the compute stream is
-// ordered after each reload. DESIGN section 2.
+// ordered after each reload. docs/offload.md.
 //
 // Two ways to hand a tensor over, and two ways to get it back (Note [Caller-owned memory]):
 //   offload(DeviceTensor)      the engine takes the device memory and frees it once copied;

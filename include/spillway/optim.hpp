@@ -1,9 +1,9 @@
-// The optimizer-offload engine's public face (DESIGN section 4): the CPU AdamW, speculation
+// The optimizer-offload engine's public face (docs/optim.md): the CPU AdamW, speculation
 // then validation (STV), and the bucketed pipeline that steps parameters and gradients
 // as backward produces them. Three sections, each with the invariants it keeps.
 //
 // ---- AdamW ----------------------------------------------------------------------------
-// CPU AdamW over fp32 master weights and moments (DESIGN section 4): a scalar reference
+// CPU AdamW over fp32 master weights and moments (docs/optim.md): a scalar reference
 // and a SIMD version (Highway, run-time dispatch: AVX-512/AVX2 on x86, SVE/NEON on Arm)
 // with the same arithmetic, tiled over a thread pool.
 //
@@ -24,7 +24,7 @@
 // fp16) is written in the same pass.
 //
 // ---- STV ------------------------------------------------------------------------------
-// Speculation-then-validation (STV) for the offloaded AdamW step (DESIGN section 4).
+// Speculation-then-validation (STV) for the offloaded AdamW step (docs/optim.md).
 //
 // Gradient clipping and the NaN/Inf check need the global gradient norm, known only when
 // backward ends. STV steps each gradient bucket as soon as it arrives, speculatively, out
@@ -63,7 +63,7 @@
 // and STV's second buffer at each commit, so read it through state(b).
 //
 // ---- The pipeline -----------------------------------------------------------------------
-// The bucketed optimizer-offload pipeline (DESIGN section 4): fp32 master weights and
+// The bucketed optimizer-offload pipeline (docs/optim.md): fp32 master weights and
 // AdamW moments live in pinned host memory, the device keeps bf16 weights. As backward
 // produces each gradient bucket (last layers first):
 //   D2H stream:  wait for the bucket's gradient, copy it to pinned staging (fp32, or bf16
@@ -382,7 +382,7 @@ struct OptimState {
   std::vector<float> p, m, v;
 };
 
-// Where to cast (DESIGN section 4): widening on the device and moving fp32 costs 4 bytes
+// Where to cast (docs/optim.md): widening on the device and moving fp32 costs 4 bytes
 // per element on the link; moving bf16 costs 2 bytes on the link plus the CPU widening. kHost when
 // 2 / link + 2 / cpu_cast < 4 / link, i.e. when the CPU widens faster than the link moves.
 CastSite choose_cast_site(double link_gbps, double cpu_cast_gbps);

@@ -2,7 +2,7 @@
 // saved tensors to keep, offload to host memory or recompute, under the HBM budget and
 // the no-snowball condition with margin, minimizing step time; and say what it costs.
 //
-// Policies per layer (DESIGN sections 2 and 3):
+// Policies per layer (docs/offload.md, docs/planner.md):
 //   keep       every saved tensor stays in HBM;
 //   recompute  block-type checkpointing: attention recomputed from its input; dense MLP
 //              recomputed from its input; MoE recomputes only the expert GEMMs (router and
@@ -146,7 +146,7 @@ struct PlanRequest {
   Efficiency efficiency;
   int keep_last_layers = 1;  // layers at the end that never offload
   int prefetch_depth = 1;    // backward reloads issued this many layers ahead
-  // Note [Training state] (planner.cpp, DESIGN section 11): what the data-parallel group
+  // Note [Training state] (planner.cpp, docs/planner.md): what the data-parallel group
   // shards and what lives in host memory. ZeRO stage over dp: 0 nothing, 1 the optimizer
   // states (fp32 master weights and AdamW moments, 12 bytes per parameter), 2 also the
   // gradients, 3 (FSDP) also the weights, with gathered-layer buffers.
@@ -194,7 +194,7 @@ struct OpPlan {  // one forward op of a layer and its backward
   double bwd_ms = 0.0;
 };
 
-// A collective a layer issues (DESIGN section 11): its ring time from the message size S
+// A collective a layer issues (docs/collectives.md): its ring time from the message size S
 // per GPU, the group size n and the bandwidth B of the slowest link it crosses:
 // all-reduce 2(n-1)/n x S / B; all-gather, reduce-scatter and all-to-all (n-1)/n x S / B.
 // `link` names what it crosses: "nvlink" (the GPUs' own scale-up fabric), "network"
@@ -286,7 +286,7 @@ struct TrainingStatePlan {
   double loss_recompute_ms = 0.0;   // the logits recomputed in backward, per micro-batch
 };
 
-// Note [Per-block policy] (planner.cpp): what the block-type policy of DESIGN section 3
+// Note [Per-block policy] (planner.cpp): what the block-type policy of docs/planner.md
 // does to one kind of block, against full-layer checkpointing, per layer.
 struct BlockSummary {
   std::string block;                  // LayerSpec::block_name
@@ -384,7 +384,7 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& request);
 // training state. `layer` indexes the plan's layers (InputError naming "explain" otherwise).
 std::string format_plan_explain(const Plan& plan, const PlanRequest& request, int layer);
 
-// The GPU/CPU split (DESIGN section 4): how many of the buckets that arrive last keep their
+// The GPU/CPU split (docs/optim.md): how many of the buckets that arrive last keep their
 // optimizer step on the device. Per bucket, in arrival order: when its gradient is
 // complete (ms from the start of backward), its CPU pipeline time (copy down, step, copy
 // up; the CPU handles one bucket at a time), its device step time, and the HBM its fp32
@@ -406,7 +406,7 @@ struct SplitChoice {
 SplitChoice choose_device_buckets(const std::vector<BucketTiming>& arrival_order,
                                   double backward_ms, int64_t free_hbm_bytes);
 
-// The GPU/CPU split of optimizer offload, planned (DESIGN section 4, docs/optim.md): one
+// The GPU/CPU split of optimizer offload, planned (docs/optim.md): one
 // gradient bucket per layer (this GPU's ZeRO shard of it at stage >= 1), arriving as
 // backward passes it (last layer first, after its stall and recompute); on the CPU a bucket
 // costs its gradient copy down, its AdamW step at the measured CPU rate (`spillway bench

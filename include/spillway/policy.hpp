@@ -1,4 +1,4 @@
-// The one memory-policy vocabulary, from the planner to the engines (DESIGN section 9):
+// The one memory-policy vocabulary, from the planner to the engines (docs/architecture.md):
 // per layer, per saved tensor (by the planner's names, docs/plan-schema.md), what happens
 // to it between its forward and its backward. The planner writes it (memory_policy() in
 // plan.hpp), the activation offload engine reads which tensors go to the host, and a
@@ -16,7 +16,7 @@ namespace spillway {
 // What happens to one saved tensor of one layer.
 enum class Action { kKeep, kOffload, kRecompute };
 
-// The per-layer policy names the planner chooses among (DESIGN sections 2 and 3); a
+// The per-layer policy names the planner chooses among (docs/offload.md, docs/planner.md); a
 // strategy asks for one of them in every layer, or for the best per layer (kAuto, never a
 // layer's policy).
 enum class Policy { kAuto, kKeep, kRecompute, kOffload, kSelective, kHybrid, kCheckpoint };

@@ -1,4 +1,4 @@
-// Trace replay of host-resident serving (DESIGN section 6, `spillway replay`): the
+// Trace replay of host-resident serving (docs/serve.md, `spillway replay`): the
 // production trace's arrivals and model ids, open loop, through a discrete-event
 // simulation of MIG slices that compute every model from host memory with HybridGEMM,
 // placed by the Scheduler (spillway/scheduler.hpp: the same code a live server runs),

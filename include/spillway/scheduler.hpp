@@ -1,4 +1,4 @@
-// The serving scheduler and the alpha controller (DESIGN section 6): pure logic, no clock
+// The serving scheduler and the alpha controller (docs/serve.md): pure logic, no clock
 // and no device, so that the simulated replay and a live server run the same code.
 //
 // Note [Serving scheduler]: per request of model m with p prompt tokens,

@@ -1,4 +1,4 @@
-// Host-resident serving (DESIGN section 6): every model's weights stay in pinned,
+// Host-resident serving (docs/serve.md): every model's weights stay in pinned,
 // device-mapped host memory; a GPU or a MIG slice computes on any of them without loading
 // weights into HBM, which holds only activations and KV cache.
 //

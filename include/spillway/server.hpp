@@ -1,4 +1,4 @@
-// The live serving engine (DESIGN section 6, `spillway serve`): models from a directory of
+// The live serving engine (docs/serve.md, `spillway serve`): models from a directory of
 // checkpoints in the host-resident pool, emulated MIG slices behind one shared link, the
 // Scheduler placing every request, and on each slice a thread running the reference model
 // in inference mode (spillway/decoder.hpp) with continuous batching, every weight GEMM

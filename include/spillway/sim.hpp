@@ -118,7 +118,7 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& request,
                                  const SimOptions& options);
 
 // A forward pass that streams every layer's weights host->device, `depth` layers ahead,
-// into depth + 1 device buffers (DESIGN section 5).
+// into depth + 1 device buffers (docs/stream.md).
 struct StreamOptions {
   int depth = 1;
   int gpus = 1;

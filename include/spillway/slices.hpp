@@ -1,4 +1,4 @@
-// MIG slices on the host backend (DESIGN section 6): each slice an emulated device with its
+// MIG slices on the host backend (docs/serve.md): each slice an emulated device with its
 // own device memory, HBM bandwidth and compute rate; all of them behind one throttled host
 // link whose bandwidth they share, as the slices of a GH200 share its NVLink-C2C.
 //

@@ -1,4 +1,4 @@
-// Layerwise weight streaming (DESIGN section 5): the weights of a model that does not fit
+// Layerwise weight streaming (docs/stream.md): the weights of a model that does not fit
 // in device memory live in pinned host memory, one slab per layer, and are copied into a
 // ring of d+1 device slots while the layers before them compute.
 //

@@ -1,4 +1,4 @@
-// Choosing how to stream a model's weights (DESIGN section 5): every GPU copies whole
+// Choosing how to stream a model's weights (docs/stream.md): every GPU copies whole
 // layers over the host link (full copy), the GPUs behind one link each copy 1/N and
 // all-gather (sharded), or, on a coherent link (NVLink-C2C), kernels read the pinned host
 // weights in place. Pure arithmetic over per-layer bytes and compute times, with the

@@ -51,7 +51,7 @@ struct TrainOptions {
   double margin = 0.10;
   bool compare = false;
   bool fused_swiglu = false;  // the SwiGLU backward recomputes mlp.act: only gate and up saved
-  // Optimizer offload (DESIGN section 4): "device" (the model's AdamW on the device) or
+  // Optimizer offload (docs/optim.md): "device" (the model's AdamW on the device) or
   // "offload" (optim::OptimizerOffload: fp32 master weights and moments in host memory,
   // bf16 weights and gradients on the device, STV, the host cast).
   std::string optimizer = "device";

@@ -1,6 +1,6 @@
 // The parts of the extension module spillway._spillway (python/src): each binds one face of
 // the library. Tensors cross as integers (data pointers) and byte counts, streams as native
-// handles: the module never sees a torch type (DESIGN section 10).
+// handles: the module never sees a torch type (docs/python.md).
 #pragma once
 
 #include <nanobind/nanobind.h>

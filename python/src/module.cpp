@@ -1,4 +1,4 @@
-// spillway._spillway: the extension module (DESIGN section 10). The Python package
+// spillway._spillway: the extension module (docs/python.md). The Python package
 // (python/spillway) wraps it; nothing here knows torch.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>

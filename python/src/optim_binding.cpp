@@ -1,5 +1,5 @@
 // The CPU AdamW with speculation then validation, driven from Python (spillway.torch's
-// CPUAdamW, DESIGN sections 4 and 10). One bucket per parameter; the fp32 master weights
+// CPUAdamW, docs/optim.md, docs/python.md). One bucket per parameter; the fp32 master weights
 // and moments are this object's, allocated once; each parameter's gradient is handed over
 // when it is final and stepped speculatively on a worker thread (with the AdamW thread
 // pool) while backward goes on; finish() validates (Note [STV exactness]).

@@ -1,7 +1,7 @@
 // The weight streamer driven from Python (spillway.torch.stream_weights): a device (the
 // host backend for CPU tensors, CUDA for GPU ones) with torch's stream adopted, and a
 // WeightStreamer over caller-owned memory: the pinned host slabs and the device slots are
-// torch tensors the adapter allocated (DESIGN section 10: tensors cross as pointers).
+// torch tensors the adapter allocated (docs/python.md: tensors cross as pointers).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>

@@ -1,4 +1,4 @@
-// `spillway stream`: layerwise weight streaming (DESIGN section 5). Without --explain: the
+// `spillway stream`: layerwise weight streaming (docs/stream.md). Without --explain: the
 // reference model run with its weights streamed on the host backend (a throttled link),
 // against the same model all-resident in the same run, beside the simulator's prediction
 // (Note [Streamed weights]). --explain: the choice among full copy, sharded + all-gather

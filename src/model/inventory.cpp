@@ -181,7 +181,7 @@ struct Dims {
 // depthwise conv over x, B, C; the scan; the gate (Mamba-2: gated RMSNorm; Mamba-1:
 // y * silu(z)); out_proj (GEMM). The scan saves its output and its chunk states (fp32):
 // the block policy recomputes in_proj, conv and gate from the kept input and never reruns
-// the scan (DESIGN section 3). Mamba-2's scan is the chunked SSD: per token and head,
+// the scan (docs/planner.md). Mamba-2's scan is the chunked SSD: per token and head,
 // Q (N + P) FLOPs inside its chunk of Q (a causal matmul pair, attention-like: costed at
 // the attention efficiency with Q / 2 keys) and 4 N P across chunks. Mamba-1's is a
 // per-channel recurrence, 9 N FLOPs per token and channel, memory-bound; its states are
@@ -301,7 +301,7 @@ void linear_attention_inventory(Builder& b, const LinearAttentionSpec& g, int64_
 // two block-diagonal gates, 2 x 2 w (w / heads) FLOPs a token, and the recurrence, ~10 w);
 // the gate h * gelu(y); out_proj (GEMM). The RG-LRU saves its output and its state every
 // chunk tokens; the block policy recomputes the whole block from its input but keeps those
-// chunk states (DESIGN section 3: full-block plus a narrow recompute of the recurrence).
+// chunk states (docs/planner.md: full-block plus a narrow recompute of the recurrence).
 void recurrent_inventory(Builder& b, const RecurrentSpec& r, int64_t d, const ShardShape& sh,
                          const char* out_name, bool out_saved) {
   const Dims k(d, sh);

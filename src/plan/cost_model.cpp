@@ -87,7 +87,7 @@ std::vector<Action> recompute_actions(const CostedLayer& c) {
     // Block inputs are the checkpoints; MoE keeps router and dispatch results and the
     // input of the expert GEMMs, recomputing only the expert GEMMs; a Mamba or Gated
     // DeltaNet block keeps its scan's output and chunk states and recomputes only its
-    // projections, convolution and gate: the scan never runs again (DESIGN section 3).
+    // projections, convolution and gate: the scan never runs again (docs/planner.md).
     const bool block_input = n == "attn.input" || n == "mlp.input" || n == "ssm.input" ||
                              n == "lin.input" || n == "rec.input";
     const bool moe_kept =

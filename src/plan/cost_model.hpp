@@ -53,7 +53,7 @@ struct ActionCost {
 };
 ActionCost evaluate_actions(const CostedLayer& layer, const std::vector<Action>& actions);
 
-// The block-type recompute policy of DESIGN section 3 for this layer.
+// The block-type recompute policy of docs/planner.md for this layer.
 std::vector<Action> recompute_actions(const CostedLayer& layer);
 // Full-layer checkpointing: the layer input kept, every other saved tensor recomputed.
 std::vector<Action> checkpoint_actions(const CostedLayer& layer);

@@ -22,7 +22,7 @@ OptimizerSplit plan_optimizer_split(const Plan& plan, const PlanRequest& request
   const double cpu = cpu_adam_gbps * 1e6;
   const double hbm =
       request.hardware.hbm_tbps * 1e9 * hbm_efficiency(request.hardware, request.efficiency);
-  // Where to cast (DESIGN section 4): bf16 over the link with both casts on the CPU (2 + 2
+  // Where to cast (docs/optim.md): bf16 over the link with both casts on the CPU (2 + 2
   // bytes of CPU work at its state rate), or fp32 over the link (4 bytes each way) with the
   // casts on the GPU; whichever moves a parameter sooner.
   const double host_cast = 2.0 / d2h + 2.0 / h2d + 4.0 / cpu;

@@ -5,11 +5,11 @@
 // production order (a tensor can start when its producing op ends and the engine is
 // free, carrying over the previous layer's backlog); they must all be copied by the end
 // of layer l+1's forward, at the bandwidth derated by the margin: bytes / (B / (1 +
-// margin)). This is DESIGN's no-snowball condition V_l / B_d2h <= T_fwd(l+1), extended
+// margin)). This is the no-snowball condition (docs/offload.md) V_l / B_d2h <= T_fwd(l+1), extended
 // to tensors produced earlier in the layer (which start earlier: the reason selective
 // offload spreads transfers over the attention and MLP phases).
 //
-// Note [Training state] (DESIGN section 11): per GPU, P parameters (after TP, EP and PP
+// Note [Training state] (docs/planner.md): per GPU, P parameters (after TP, EP and PP
 // divide them: TP splits every weight matrix, EP the routed experts, PP the layers) in
 // mixed precision: weights 2 bytes (4 in fp32), gradients the same, and the optimizer's
 // fp32 master weights and AdamW moments 12 bytes. Over the data-parallel group of N GPUs,
@@ -34,7 +34,7 @@
 // choose: unchunked when the logits take at most 2% of the HBM budget, else the largest
 // power of two of tokens (at least 128) whose logits do.
 //
-// Note [FP8 recompute] (DESIGN section 3): with fp8 GEMMs (--dtype fp8: GEMMs at the fp8
+// Note [FP8 recompute] (docs/planner.md): with fp8 GEMMs (--dtype fp8: GEMMs at the fp8
 // peak, activations saved in fp8), a recomputed GEMM must run with the scaling state its
 // forward used: delayed scaling derives each step's scales from an amax history, and a
 // recompute that updated or re-derived it would produce different fp8 values and a wrong
@@ -125,7 +125,7 @@ struct Stage {
 };
 
 // Note [Collectives in the plan]: per layer, the collectives its parallelism needs
-// (DESIGN section 11, docs/collectives.md), with ranks laid out tp fastest, then cp, ep
+// (docs/collectives.md), with ranks laid out tp fastest, then cp, ep
 // and dp (a group's members are spaced by the product of the faster sizes):
 //   - tp > 1 (Megatron with sequence parallelism): an all-gather and a reduce-scatter of
 //     the T x d activation around attention and around the MLP, forward and backward;
@@ -578,8 +578,8 @@ double standalone_deadline(const Stage& st, size_t l) {
 }
 
 // The bytes layer l may move at the derated rate: in steady state the engine has one
-// next-layer forward per layer (DESIGN: V_l / B_d2h <= T_fwd(l+1)), whatever the
-// production times.
+// next-layer forward per layer (the no-snowball condition, docs/offload.md: V_l / B_d2h <=
+// T_fwd(l+1)), whatever the production times.
 double standalone_capacity_bytes(const Stage& st, size_t l) {
   return st.d2h_bytes_per_ms / (1.0 + st.margin) *
          (st.layers[l + 1].fwd_ms + st.comm_fwd_ms[l + 1]);
@@ -1522,7 +1522,7 @@ void plan_collective_time(const PlanRequest& r, double overlapped, Plan& plan) {
 }
 
 // Note [Per-block policy]: per kind of block (LayerSpec::block_name) in the stage, the
-// block-type policy of DESIGN section 3 (recompute_actions: attention from its input, MoE
+// block-type policy of docs/planner.md (recompute_actions: attention from its input, MoE
 // only the expert GEMMs, a Mamba or Gated DeltaNet mixer keeping its scan's output and
 // chunk states) against full-layer checkpointing (checkpoint_actions), per layer, and the
 // policies the plan chose for those layers: the numbers behind the per-block choice.

@@ -163,7 +163,7 @@ TEST(HardwareCatalog, EveryProfileLoadsAndIsConsistent) {
 }
 
 TEST(HardwareCatalog, FiguresOfTheDesignDoc) {
-  // DESIGN section 8: GH200's D2H is measured far below its H2D; PCIe Gen5 ~64 nominal.
+  // data/hardware/README.md: GH200's D2H is measured far below its H2D; PCIe Gen5 ~64 nominal.
   const HardwareProfile gh = load_hardware("gh200");
   EXPECT_DOUBLE_EQ(gh.hbm_gb, 96.0);
   EXPECT_DOUBLE_EQ(gh.d2h_nominal.value, 450.0);

@@ -475,7 +475,8 @@ TEST(OffloadEngine, MisuseIsAnError) {
 }
 
 // Layers of `compute_ms` each produce `bytes`; copies at `gbps`. Snowball iff the copy
-// of a layer does not fit the next layer's forward (DESIGN: V / B > T_fwd(l + 1)).
+// of a layer does not fit the next layer's forward (the no-snowball condition, docs/offload.md: V /
+// B > T_fwd(l + 1)).
 StepTelemetry window_run(double gbps, size_t bytes, double compute_ms, int layers,
                          int64_t inflight_bound = 0) {
   Rig r(gbps, 0.0);

@@ -212,7 +212,7 @@ TEST(OpShapes, EveryCatalogGemmHasAShape) {
   }
 }
 
-// DESIGN section 11: seed 000's Qwen3-30B-A3B layer runs ~1.9x slower than a dense
+// docs/planner.md: seed 000's Qwen3-30B-A3B layer runs ~1.9x slower than a dense
 // roofline says. Its expert GEMMs come out 1.9x slower than at the dense constant 0.70
 // (tolerance +-0.1), over the published run's range of shapes.
 TEST(EfficiencyCurve, Qwen3GroupedGemmIsAbout1p9xSlowerThanDenseRoofline) {

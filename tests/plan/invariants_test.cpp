@@ -1,4 +1,4 @@
-// Formula invariants of the planner (DESIGN sections 2 and 7): offload volume linear in
+// Formula invariants of the planner (docs/offload.md, docs/planner.md): offload volume linear in
 // tokens and 2/3 of it under a fused SwiGLU; feasibility monotone in link bandwidth, layer
 // time and margin; the no-snowball condition V / (B / (1 + margin)) <= T_fwd(l+1); auto
 // never worse than a feasible named strategy; memory categories that add up.

@@ -1,4 +1,4 @@
-// The per-layer inventory: the stable tensor names, shapes and bytes, the DESIGN volume
+// The per-layer inventory: the stable tensor names, shapes and bytes, the offload volume
 // formulas (V = 3 T f_act b unfused, 2 T f_act b fused; 6 T d f_act recompute FLOPs), exact
 // linearity in tokens for every catalog model, and a well-formed op graph.
 #include "spillway/inventory.hpp"
@@ -115,7 +115,7 @@ TEST(Inventory, FusedSwigluDoesNotSaveAct) {
 }
 
 TEST(Inventory, MlpVolumeIsTheDesignFormula) {
-  // V = 3 * T * f_act * b unfused, 2 * T * f_act * b fused (DESIGN section 2); an ungated
+  // V = 3 * T * f_act * b unfused, 2 * T * f_act * b fused (docs/offload.md); an ungated
   // MLP (up and down, Nemotron-H) saves 2 * T * f_act * b either way; none, nothing.
   for (const ModelCatalogEntry& e : model_catalog()) {
     const ModelConfig m = load_model(e.name);
@@ -207,7 +207,7 @@ TEST(Inventory, GateShapeIsTokensByActiveWidthOverTp) {
 }
 
 TEST(Inventory, RecomputeFlopsOfTheProjectionsAreSixTdf) {
-  // DESIGN: the three projections cost 6 * T * d * f_act FLOPs forward (an ungated MLP's
+  // docs/offload.md: the three projections cost 6 * T * d * f_act FLOPs forward (an ungated MLP's
   // two, 4 * T * d * f_act; no MLP, none).
   for (const ModelCatalogEntry& e : model_catalog()) {
     const ModelConfig m = load_model(e.name);

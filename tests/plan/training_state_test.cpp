@@ -1,7 +1,7 @@
 // Note [Training state] and Note [Loss chunks] (src/plan/planner.cpp): what each ZeRO
 // stage shards, what the optimizer and gradient offload take out of HBM and put in host
 // memory and in the step time, and the loss in chunks; and the published full fine-tunes
-// DESIGN section 11 asks about, which fit.
+// docs/planner.md asks about, which fit.
 #include <gtest/gtest.h>
 
 #include "plan_helpers.hpp"
@@ -147,7 +147,7 @@ TEST(LossChunks, TheLogitsOfOneChunkAndTheirRecompute) {
   EXPECT_EQ(make_plan(small).summary.state.loss_chunk_tokens, 256);
 }
 
-// DESIGN section 11: "does GPT-OSS-20B fit on one GH200 with the optimizer on the CPU?" and
+// docs/planner.md: "does GPT-OSS-20B fit on one GH200 with the optimizer on the CPU?" and
 // the published runs beside it (seq 4096, micro-batch 4): GPT-OSS-20B and Qwen3-14B on one
 // GH200, Qwen3-30B-A3B on two, Llama-3-70B on four.
 TEST(TrainingState, PublishedFullFineTunesFitWithTheOptimizerOnTheCpu) {
@@ -211,7 +211,7 @@ TEST(Fp8, RecomputedGemmsKeepTheForwardsScalingState) {
 namespace spillway {
 namespace {
 
-// DESIGN section 4, where to cast: fp32 over a fast link (casts on the GPU), bf16 over a
+// docs/optim.md, where to cast: fp32 over a fast link (casts on the GPU), bf16 over a
 // slow one (casts on the CPU), whichever moves a parameter sooner.
 TEST(TrainingState, TheCastSiteFollowsTheLinkAgainstTheCpu) {
   PlanRequest r = spillway::testing::request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kRecompute);

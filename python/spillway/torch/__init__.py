@@ -1,11 +1,11 @@
 """spillway inside a PyTorch training step, with two added lines.
 
 - :func:`offload_activations`: saved activations go to host memory in forward and come
-  back ahead of their use in backward (the activation offload engine, DESIGN section 2).
+  back ahead of their use in backward (the activation offload engine, docs/offload.md).
 - :class:`CPUAdamW`: the optimizer step on the CPU with speculation then validation
-  (the optimizer offload pipeline, DESIGN section 4).
+  (the optimizer offload pipeline, docs/optim.md).
 - :func:`stream_weights`: each decoder block's weights streamed from pinned host memory
-  into a ring of device slots, compile-visible (weight streaming, DESIGN section 5).
+  into a ring of device slots, compile-visible (weight streaming, docs/stream.md).
 
 This module imports torch; ``import spillway`` alone does not.
 """

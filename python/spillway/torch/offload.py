@@ -1,4 +1,4 @@
-"""Activation offload inside a PyTorch training step (DESIGN sections 2 and 10).
+"""Activation offload inside a PyTorch training step (docs/offload.md, docs/python.md).
 
 ``offload_activations(model)`` installs ``torch.autograd.graph.saved_tensors_hooks`` whose
 pack hook hands each eligible saved tensor of a decoder block to the C++ offload engine

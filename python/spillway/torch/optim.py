@@ -1,4 +1,4 @@
-"""CPUAdamW: AdamW on the CPU with speculation then validation (DESIGN sections 4 and 10).
+"""CPUAdamW: AdamW on the CPU with speculation then validation (docs/optim.md, docs/python.md).
 
 The fp32 master weights and moments live in the C++ optimizer's memory (allocated once).
 Each parameter's gradient is handed over when it is final

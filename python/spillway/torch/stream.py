@@ -1,4 +1,4 @@
-"""Layerwise weight streaming for a PyTorch model (DESIGN sections 5 and 10).
+"""Layerwise weight streaming for a PyTorch model (docs/stream.md, docs/python.md).
 
 ``stream_weights(model, depth=2)`` moves every decoder block's parameters into one pinned
 host slab per block and computes each block from a ring of ``depth + 1`` device slots that
