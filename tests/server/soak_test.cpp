@@ -275,7 +275,9 @@ TEST(Soak, MixedLoadWithACheckpointRewrittenUnderIt) {
   // Flat: the second half adds no more than a few MiB (allocator noise, not a leak per
   // request). Not under a sanitizer: ASan keeps freed memory resident in its quarantine (256
   // MiB by default) and TSan its shadow; there LeakSanitizer checks leaks instead.
-  if (!kSanitized) EXPECT_LT(rss_end - rss_mid, int64_t{24} << 20);
+  if (!kSanitized) {
+    EXPECT_LT(rss_end - rss_mid, int64_t{24} << 20);
+  }
 }
 
 }  // namespace

@@ -260,7 +260,8 @@ TEST(SimLinks, StreamedTrainingReStreamsBackwardButTheTurnsLayers) {
     const SimResult t = simulate_weight_streaming(plan, r, train);
     const int64_t layer = f.summary.h2d_bytes / n;  // the layers are alike
     EXPECT_EQ(t.summary.h2d_bytes, (2 * n - depth - 1) * layer);
-    EXPECT_NEAR(t.summary.step_ms, f.summary.step_ms * static_cast<double>(2 * n - depth - 1) / n,
+    EXPECT_NEAR(t.summary.step_ms,
+                f.summary.step_ms * static_cast<double>(2 * n - depth - 1) / static_cast<double>(n),
                 0.03 * t.summary.step_ms);
   }
   // Compute-bound (a slow backward): the step is the forward and backward compute.
