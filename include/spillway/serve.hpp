@@ -44,6 +44,8 @@ struct FileStamp {
   int64_t mtime_ns = 0;
   bool operator==(const FileStamp&) const = default;
 };
+// The file at `path` as stat() sees it now; FileStamp{} when it cannot be stat'ed.
+FileStamp file_stamp(const std::string& path);
 
 // A safetensors file, memory-mapped read-only and checked (Note [Safetensors checks]). The
 // header is read through the file, not the mapping, and read() copies a tensor the same way:

@@ -65,8 +65,9 @@ struct ModelFiles {
 // at start: a valid checkpoint of the same tensors and dtype (replaced whole, by a rename) is
 // loaded and served from then on; anything else (half-written, truncated, another layout, a
 // directory, gone) makes the model unavailable: the requests that needed the load fail
-// (kFailed, naming the model and the reason) and every later submit for it checks the file
-// again: still bad, it is refused (kUnavailable, the reason); valid, it is served. A copy
+// (kFailed, naming the model and the reason) and every later submit for it stats the file:
+// the same file found bad, it is refused at once (kUnavailable, the reason); another, it is
+// read and checked again: still bad, refused; valid, served. A copy
 // already resident keeps serving until it is evicted. Nothing else is touched, and nothing
 // crashes. A file rewritten in place while a load reads it fails that load (the bytes are
 // read through the file, never a mapping that could fault): replace checkpoints by rename.

@@ -90,6 +90,12 @@ SafetensorsTensor parse_entry(const std::string& file, const std::string& name,
   return t;
 }
 
+FileStamp stamp_from(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+          static_cast<int64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
 // Reads exactly `bytes` at `offset` of fd into dst; false when the file ends first.
 bool read_at(int fd, int64_t offset, void* dst, int64_t bytes) {
   auto* out = static_cast<char*>(dst);
@@ -105,6 +111,11 @@ bool read_at(int fd, int64_t offset, void* dst, int64_t bytes) {
 }
 
 }  // namespace
+
+FileStamp file_stamp(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? stamp_from(st) : FileStamp{};
+}
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   // O_NONBLOCK: a FIFO at the path must not block the open (it is refused below).
@@ -125,9 +136,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     SPILLWAY_INPUT_ERROR("{}: is {}, not a safetensors file", path,
                          S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
   }
-  stamp_ = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-            static_cast<int64_t>(st.st_size),
-            static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+  stamp_ = stamp_from(st);
   file_bytes_ = static_cast<int64_t>(st.st_size);
   if (file_bytes_ < 8) {
     fail_closed();

@@ -1,7 +1,6 @@
 // The live serving engine (spillway/server.hpp, Note [Serving engine], Note [Served
 // determinism]).
 #include <fmt/format.h>
-
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -11,6 +10,7 @@
 #include <cmath>
 #include <deque>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -354,7 +354,11 @@ struct ServingEngine::Impl {
   std::unordered_set<const Request*> accepted;  // in flight (guarded by mu)
   // Models whose checkpoint cannot be served now, and why (guarded by mu; Note [Checkpoints
   // that change on disk]).
-  std::map<const Registered*, std::string> unavailable;
+  struct Unavailable {
+    std::string why;
+    FileStamp stamp;  // the file found bad (Note [Checkpoints that change on disk])
+  };
+  std::map<const Registered*, Unavailable> unavailable;
   // Metrics (guarded by mu).
   std::map<std::string, int64_t> outcomes;
   int64_t tokens_generated = 0, prompt_tokens = 0, within_slo = 0;
@@ -433,9 +437,11 @@ struct ServingEngine::Impl {
   // against m's config and registered tensors: true when it may be served (the pool loads it
   // next); false with *why, the reason (the caller names the model).
   bool reread(const Registered& m, std::string* why);
-  void mark_unavailable(const Registered& m, const std::string& why) {
+  // `stamp`: the file as it was before the check that failed (FileStamp{}: not the file's
+  // fault); a submit reads the file again only once its stamp differs.
+  void mark_unavailable(const Registered& m, const std::string& why, const FileStamp& stamp) {
     std::lock_guard lk(mu);
-    unavailable[&m] = why;
+    unavailable[&m] = {why, stamp};
   }
 
   // The slice thread (Note [Serving engine]).
@@ -482,13 +488,15 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
   const Registered* was = s.bound;  // kept while idle: taking it again is no switch
   unbind(s);
   PoolAcquire a = pool->acquire(m.files.name);
+  FileStamp checked;
   if (a.status == PoolStatus::kChanged) {
     // Note [Checkpoints that change on disk]: checked again; served when it still may be.
+    checked = file_stamp(m.files.weights_path);
     std::string reason;
     if (!reread(m, &reason)) {
       *why = fmt::format("model {} is unavailable: {}; {}", m.files.name,
                          without_model(m.files.name, a.why), reason);
-      mark_unavailable(m, *why);
+      mark_unavailable(m, *why, checked);
       return false;
     }
     a = pool->acquire(m.files.name);
@@ -496,7 +504,7 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
   if (a.status == PoolStatus::kChanged) {
     *why = fmt::format("model {} is unavailable: {}", m.files.name,
                        without_model(m.files.name, a.why));
-    mark_unavailable(m, *why);
+    mark_unavailable(m, *why, checked);
     return false;
   }
   if (a.status != PoolStatus::kOk) {
@@ -586,7 +594,7 @@ void ServingEngine::Impl::admit_requests(int index, Slice& s,
     s.decoder_config = nullptr;
     why = fmt::format("model {} is unavailable: {}", m.files.name,
                       without_model(m.files.name, e.what()));
-    mark_unavailable(m, why);
+    mark_unavailable(m, why, FileStamp{});
   }
   for (std::shared_ptr<Request>& r : admit) {
     if (!bound) {
@@ -944,21 +952,24 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
   if (!(q.temperature >= 0.0) || !std::isfinite(q.temperature))
     return refuse(SubmitStatus::kInvalid, "temperature",
                   fmt::format("temperature is {}; must be >= 0", q.temperature));
-  // Note [Checkpoints that change on disk]: an unavailable model's file is checked again.
-  bool was_unavailable = false;
+  // Note [Checkpoints that change on disk]: an unavailable model's file is checked again
+  // once it is not the file found bad (a stat per request; the file is read only then).
+  std::optional<Impl::Unavailable> bad;
   {
     std::lock_guard lk(m.mu);
-    was_unavailable = m.unavailable.count(model) != 0;
+    if (auto it = m.unavailable.find(model); it != m.unavailable.end()) bad = it->second;
   }
-  if (was_unavailable) {
-    std::string why;
-    const bool ok = m.reread(*model, &why);
+  if (bad) {
+    const FileStamp now = file_stamp(model->files.weights_path);
+    std::string why = bad->why;
+    const bool ok = now != bad->stamp && m.reread(*model, &why);
     std::lock_guard lk(m.mu);
     if (ok) {
       m.unavailable.erase(model);
     } else {
-      why = fmt::format("model {} is unavailable: {}", model->files.name, why);
-      m.unavailable[model] = why;
+      if (now != bad->stamp)
+        why = fmt::format("model {} is unavailable: {}", model->files.name, why);
+      m.unavailable[model] = {why, now};
       ++m.outcomes[to_string(SubmitStatus::kUnavailable)];
       res.status = SubmitStatus::kUnavailable;
       res.field = "model";
