@@ -286,13 +286,11 @@ struct HttpServer::Impl {
     cv.notify_all();
   }
 
-  void completions(const httplib::Request& req, httplib::Response& res,
-                   const httplib::ContentReader& reader);
+  void completions(httplib::Response& res, const httplib::ContentReader& reader);
   void routes();
 };
 
-void HttpServer::Impl::completions(const httplib::Request& req, httplib::Response& res,
-                                   const httplib::ContentReader& reader) {
+void HttpServer::Impl::completions(httplib::Response& res, const httplib::ContentReader& reader) {
   // Note [One count per request]: a refusal before the engine's submit() is counted here.
   auto refuse = [&](int status, const std::string& message, const std::string& param,
                     const std::string& code) {
@@ -334,7 +332,6 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
     refuse(400, e.message, e.field, "");
     return;
   }
-  (void)req;
   SubmitResult r = engine.submit(q);
   switch (r.status) {
     case SubmitStatus::kAccepted:
@@ -473,8 +470,8 @@ void HttpServer::Impl::completions(const httplib::Request& req, httplib::Respons
 
 void HttpServer::Impl::routes() {
   svr.Post("/v1/completions",
-           [this](const httplib::Request& req, httplib::Response& res,
-                  const httplib::ContentReader& reader) { completions(req, res, reader); });
+           [this](const httplib::Request&, httplib::Response& res,
+                  const httplib::ContentReader& reader) { completions(res, reader); });
   auto model_object = [this](const ServedModelInfo& m) {
     return json{{"id", m.name},
                 {"object", "model"},

@@ -25,18 +25,11 @@ using testing::bytes;
 using testing::complete;
 using testing::fast;
 using testing::models;
+using testing::request;
 
 namespace fs = std::filesystem;
 using spillway::testing::expect_error;
 using spillway::testing::TempDir;
-
-CompletionRequest request(const std::string& model, const std::string& prompt, int max_tokens) {
-  CompletionRequest q;
-  q.model = model;
-  q.prompt = bytes(prompt);
-  q.max_tokens = max_tokens;
-  return q;
-}
 
 // Reads c to its end: the tokens, and the final state in *st.
 std::vector<int32_t> read_all(Completion& c, Completion::State* st) {

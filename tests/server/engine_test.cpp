@@ -29,20 +29,10 @@ using testing::complete;
 using testing::fast;
 using testing::models;
 using testing::Models;
+using testing::request;
 
 namespace fs = std::filesystem;
 using spillway::testing::TempDir;
-
-CompletionRequest request(const std::string& model, const std::string& prompt, int max_tokens,
-                          double temperature = 0.0, uint64_t seed = 0) {
-  CompletionRequest q;
-  q.model = model;
-  q.prompt = bytes(prompt);
-  q.max_tokens = max_tokens;
-  q.temperature = temperature;
-  q.seed = seed;
-  return q;
-}
 
 TEST(Checkpoints, WrittenFoundAndChecked) {
   const Models& m = models();

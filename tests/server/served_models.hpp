@@ -43,6 +43,18 @@ inline std::vector<int32_t> bytes(const std::string& s) {
   return {s.begin(), s.end()};
 }
 
+// A greedy (by default) request of `prompt`'s bytes.
+inline CompletionRequest request(const std::string& model, const std::string& prompt,
+                                 int max_tokens, double temperature = 0.0, uint64_t seed = 0) {
+  CompletionRequest q;
+  q.model = model;
+  q.prompt = bytes(prompt);
+  q.max_tokens = max_tokens;
+  q.temperature = temperature;
+  q.seed = seed;
+  return q;
+}
+
 // The engine's completion of q, submitted directly and read to its end (expected done).
 inline std::vector<int32_t> complete(ServingEngine& e, const CompletionRequest& q) {
   SubmitResult r = e.submit(q);
