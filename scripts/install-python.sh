@@ -41,7 +41,7 @@ mkdir -p "$(dirname "$venv")"
 "$venv/bin/python" - <<'PY'
 import warnings
 warnings.simplefilter("ignore")
-import nanobind, numpy, pytest, torch, transformers  # noqa: F401
+import accelerate, nanobind, numpy, pytest, torch, transformers  # noqa: F401
 x = torch.ones(4, requires_grad=True)
 (x * x).sum().backward()
 assert torch.equal(x.grad, 2 * torch.ones(4))

@@ -306,6 +306,10 @@ class StvAdamW {
   // norm and a NaN anywhere skips the step everywhere.
   double sum_of_squares() const;
   StvOutcome finish(double global_sum_of_squares);
+  // The sum of squares of the buckets arrived so far (bucket order; the others add 0):
+  // the norm a clip of the gradients handed over sees before finish() (Note [Clips the
+  // speculation saw]). Equal to sum_of_squares() once every bucket has arrived.
+  double arrived_sum_of_squares() const;
   // The step cannot complete (a gradient never arrived): undo every speculative bucket and
   // forget the step's buckets; the step counter does not advance.
   void abort();
@@ -433,6 +437,10 @@ class OptimizerOffload {
   double last_cpu_ms() const;
   // The gradient scale of the last end_step (1 unless clipped).
   float last_scale() const;
+  // Backward, before end_step: the sum of squares of the CPU buckets handed over so far,
+  // once their steps are done (waits for them; the device buckets' sums are not in it).
+  // Note [Clips the speculation saw].
+  double arrived_cpu_sum_of_squares() const;
 
   CastSite cast_site() const;
   const StvCounters& counters() const;

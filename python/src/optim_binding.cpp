@@ -236,6 +236,13 @@ class CpuAdamW {
     drain();
     return stv_->sum_of_squares();
   }
+  // The sum of squares of the gradients handed over so far, once their steps are done
+  // (Note [Clips the speculation saw]).
+  double arrived_sum_of_squares() {
+    nb::gil_scoped_release release;
+    drain();
+    return stv_->arrived_sum_of_squares();
+  }
   // The step cannot complete: the speculative buckets are undone, nothing is stepped.
   // Early weights already written are restored from the untouched state.
   void abort() {
@@ -472,6 +479,11 @@ class OffloadAdamW {
                                                   : "skip";
     return {name, pipe_->last_scale(), pipe_->last_cpu_ms(), call_ms};
   }
+  // As CpuAdamW::arrived_sum_of_squares (every bucket is a CPU bucket here).
+  double arrived_sum_of_squares() {
+    nb::gil_scoped_release release;
+    return pipe_->arrived_cpu_sum_of_squares();
+  }
   void abort() {
     nb::gil_scoped_release release;
     pipe_->abort_step();
@@ -541,6 +553,7 @@ void bind_optim(nb::module_& m) {
       .def("absent", &CpuAdamW::absent, "bucket"_a)
       .def("finish", &CpuAdamW::finish, "global_sum_of_squares"_a = nb::none())
       .def("sum_of_squares", &CpuAdamW::sum_of_squares)
+      .def("arrived_sum_of_squares", &CpuAdamW::arrived_sum_of_squares)
       .def("abort", &CpuAdamW::abort)
       .def("counters", &CpuAdamW::counters)
       .def_prop_ro("step", &CpuAdamW::step)
@@ -563,6 +576,7 @@ void bind_optim(nb::module_& m) {
       .def("grad_ready", &OffloadAdamW::grad_ready, "bucket"_a, "grad"_a, "dtype"_a, "dst"_a = 0)
       .def("absent", &OffloadAdamW::absent, "bucket"_a)
       .def("finish", &OffloadAdamW::finish, "global_sum_of_squares"_a = nb::none())
+      .def("arrived_sum_of_squares", &OffloadAdamW::arrived_sum_of_squares)
       .def("abort", &OffloadAdamW::abort)
       .def("counters", &OffloadAdamW::counters)
       .def_prop_ro("step", &OffloadAdamW::step)

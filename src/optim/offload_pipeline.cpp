@@ -459,6 +459,12 @@ void OptimizerOffload::abort_step() {
   s.cpu_ms = 0.0;
 }
 
+double OptimizerOffload::arrived_cpu_sum_of_squares() const {
+  Impl& s = *impl_;
+  s.dev.synchronize(s.cpu);  // the steps of the buckets handed over, and their sums
+  return s.stv->arrived_sum_of_squares();
+}
+
 void OptimizerOffload::set_hparams(int b, const AdamWParams& hp) {
   Impl& s = *impl_;
   SPILLWAY_CHECK(b >= s.opt.device_buckets && static_cast<size_t>(b) < s.buckets.size(),

@@ -273,6 +273,14 @@ double StvAdamW::sum_of_squares() const {
   return sq;
 }
 
+double StvAdamW::arrived_sum_of_squares() const {
+  double sq = 0.0;
+  for (size_t b = 0; b < sq_.size(); ++b) {
+    if (arrived_[b] != 0) sq += sq_[b];
+  }
+  return sq;
+}
+
 StvOutcome StvAdamW::finish() {
   return finish(sum_of_squares());
 }

@@ -156,6 +156,33 @@ TEST(OptimizerOffload, BitwiseTheNonSpeculativeOptimizerForEveryCastSiteAndSplit
   }
 }
 
+// Note [Clips the speculation saw]: between backward and end_step, the sum of squares of
+// the buckets handed over is the one end_step validates with (every bucket a CPU bucket).
+TEST(OptimizerOffload, TheArrivedSumOfSquaresIsTheNormTheStepValidates) {
+  auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  const std::vector<float> w0 = initial_weights();
+  OptimOffloadOptions o;
+  o.clip = 1.0;
+  o.cast = CastSite::kHost;
+  OptimizerOffload off(*dev, compute, w0.data(), kN, kBuckets, o);
+  std::mt19937 g(9);
+  for (int regime : {1, 0}) {
+    const std::vector<uint16_t> grads = bf16_grads(g, regime);
+    EXPECT_EQ(off.arrived_cpu_sum_of_squares(), 0.0);
+    backward(*dev, compute, off, grads);
+    double want = 0.0;
+    std::vector<float> g32(kN);
+    for (size_t i = 0; i < kN; ++i) g32[i] = bf16_to_float(grads[i]);
+    for (const Bucket& b : kBuckets) want += bucket_sum_of_squares(g32.data() + b.offset, b.n);
+    EXPECT_EQ(off.arrived_cpu_sum_of_squares(), want);
+    const StvOutcome outcome = off.end_step();
+    const double norm = std::sqrt(want);
+    EXPECT_EQ(outcome, norm > 1.0 ? StvOutcome::kReplay : StvOutcome::kCommit) << norm;
+    EXPECT_EQ(off.last_scale(), clip_coefficient(norm, 1.0));
+  }
+}
+
 // A training loop: least squares y = X w on the device's bf16 weights, so every step's
 // gradient depends on the weights the pipeline wrote back. The loss after each step and
 // the final state are bitwise the same for every split and undo limit as for split 0.

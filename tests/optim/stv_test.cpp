@@ -224,6 +224,26 @@ TEST(Stv, NormLanesAddUpInTheirDocumentedOrder) {
   EXPECT_EQ(add_lane_sums(few.data(), 5), bucket_sum_of_squares(g.data(), 5));
 }
 
+// Note [Clips the speculation saw]: before finish(), the sum over the buckets arrived so
+// far; once all have arrived (an absent one adds 0) it is sum_of_squares(), bitwise.
+TEST(Stv, ArrivedSumOfSquaresIsTheSumSoFar) {
+  std::vector<float> p(100), m(100), v(100), g(100);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * static_cast<float>(i) - 0.3f;
+  const std::vector<Bucket> buckets = {{0, 10}, {10, 30}, {40, 60}};
+  StvAdamW s(AdamWParams{}, 0.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr);
+  EXPECT_EQ(s.arrived_sum_of_squares(), 0.0);
+  s.on_bucket(2, g.data() + 40);
+  EXPECT_EQ(s.arrived_sum_of_squares(), bucket_sum_of_squares(g.data() + 40, 60));
+  EXPECT_THROW(s.sum_of_squares(), Error);  // not all arrived
+  s.on_bucket(0, g.data());
+  s.on_absent_bucket(1);
+  EXPECT_EQ(s.arrived_sum_of_squares(), s.sum_of_squares());
+  EXPECT_EQ(s.arrived_sum_of_squares(),
+            bucket_sum_of_squares(g.data(), 10) + bucket_sum_of_squares(g.data() + 40, 60));
+  s.abort();
+  EXPECT_EQ(s.arrived_sum_of_squares(), 0.0);  // the next step starts from nothing
+}
+
 TEST(Stv, UndoMemoryCoversOnlyTheSpeculativeBuckets) {
   std::vector<float> p(100), m(100), v(100);
   const std::vector<Bucket> buckets = {{0, 10}, {10, 30}, {40, 60}};

@@ -6,12 +6,16 @@
   (the optimizer offload pipeline, docs/optim.md).
 - :func:`stream_weights`: each decoder block's weights streamed from pinned host memory
   into a ring of device slots, compile-visible (weight streaming, docs/stream.md).
+- :func:`clip_grad_norm_`: ``torch.nn.utils.clip_grad_norm_``, answered from CPUAdamW's
+  speculation when the clip scales nothing (installed in torch's place while a
+  speculative CPUAdamW is made; this name is for code that imported torch's earlier).
 
 This module imports torch; ``import spillway`` alone does not.
 """
 
 from __future__ import annotations
 
+from ._clip import clip_grad_norm_
 from .offload import OffloadActivations, offload_activations, report
 
 # CPUAdamW (spillway.torch.optim)
@@ -22,6 +26,7 @@ __all__ = [
     "CPUAdamW",
     "OffloadActivations",
     "StreamedWeights",
+    "clip_grad_norm_",
     "offload_activations",
     "report",
     "stream_weights",

@@ -11,6 +11,8 @@ non-speculative optimizer would (Note [STV exactness]).
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -21,6 +23,7 @@ import torch
 import torch.distributed
 
 from .. import _spillway
+from . import _clip
 from .offload import _record_report
 
 __all__ = ["CPUAdamW"]
@@ -46,7 +49,9 @@ class CPUAdamW(torch.optim.Optimizer):
             no clipping. A NaN or Inf gradient anywhere skips the step.
         speculative: step each gradient as it arrives (True), or only in ``step()``.
         accumulation_steps: backward passes per optimizer step (gradient accumulation);
-            gradients are handed over, and speculated, on the last one.
+            gradients are handed over, and speculated, on the last one. None: learned from
+            the loop (the passes seen between two steps; the first step of an accumulating
+            loop runs without speculation).
         threads: CPU threads of the AdamW step (0: every core).
         early_weights: write each parameter's new weights as soon as its speculative step
             is done, during backward (Note [Early weights]): ``step()`` then only validates
@@ -57,6 +62,11 @@ class CPUAdamW(torch.optim.Optimizer):
         device_emulation: step CPU bfloat16 parameters through the device path on
             spillway's host backend, which emulates a GPU (copy streams, pinned staging,
             events): the GPU path, run and tested without a GPU.
+        recognize_clip: a ``torch.nn.utils.clip_grad_norm_`` of the gradients this
+            optimizer speculated on is answered from the speculation's own norm (Note
+            [Clips the speculation saw]): a clip that scales nothing keeps the speculative
+            step, as ``transformers.Trainer`` and ``accelerate`` clip every step. False:
+            torch's function runs as it is, and any clip discards the speculation.
 
     The device path (Note [The device path of CPUAdamW]): bfloat16 parameters on a CUDA
     device are stepped through spillway's optimizer-offload pipeline. Their fp32 master
@@ -84,23 +94,31 @@ class CPUAdamW(torch.optim.Optimizer):
         *,
         max_grad_norm: Optional[float] = None,
         speculative: bool = True,
-        accumulation_steps: int = 1,
+        accumulation_steps: Optional[int] = None,
         threads: int = 0,
         early_weights: Optional[bool] = None,
         device_emulation: bool = False,
+        recognize_clip: bool = True,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"CPUAdamW: max_grad_norm is {max_grad_norm!r}; must be > 0 or None")
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        if accumulation_steps is not None and (
+            not isinstance(accumulation_steps, int) or accumulation_steps < 1
+        ):
             raise ValueError(
-                f"CPUAdamW: accumulation_steps is {accumulation_steps!r}; must be an int >= 1"
+                f"CPUAdamW: accumulation_steps is {accumulation_steps!r}; must be an int >= 1 "
+                "or None (learned from the loop)"
             )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.speculative = speculative
-        self.accumulation_steps = accumulation_steps
+        # Note [Backward passes per step]: None learns it from the loop.
+        self._learn_accumulation = accumulation_steps is None
+        self.accumulation_steps = accumulation_steps or 1
+        self._short_steps = 0  # consecutive steps with fewer passes than accumulation_steps
+        self.recognize_clip = recognize_clip
         self._params: list[torch.Tensor] = []
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -169,6 +187,9 @@ class CPUAdamW(torch.optim.Optimizer):
             self._params
         )
         self._seen = [0] * len(self._params)  # backward passes since the last step
+        # Note [Gradients that share a version counter]: a buffer's counter at its last
+        # hand-over, by the buffer's id.
+        self._view_versions: dict[int, int] = {}
         # The hooks hold the optimizer weakly (Note [Hook lifetime]): a dropped optimizer is
         # freed with its host state, and its hooks are removed (close(), __del__).
         self._hooks = [
@@ -183,6 +204,13 @@ class CPUAdamW(torch.optim.Optimizer):
         self._stamps = [_stamp(p) for p in self._params]
         self._last: dict[str, Any] = {}
         self._synced: Optional[list[tuple[float, ...]]] = None  # hparams of this step
+        # Note [Clips the speculation saw]: why this step's speculation was dropped (None:
+        # it was not), and the norm a recognised clip answered with.
+        self._discarded: Optional[str] = None
+        self._clip_norm: Optional[float] = None
+        self._warned_changed = False
+        if recognize_clip and speculative and self._device is None:
+            _clip.install()
 
     # ---- lifetime (Note [Hook lifetime]) -----------------------------------------------
 
@@ -275,6 +303,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if g.dtype != p.dtype or not g.is_contiguous() or g.layout != torch.strided:
             g = g.to(dtype=p.dtype).contiguous()
         self._handed[i] = (g, grad, grad._version)
+        if grad._base is not None:  # Note [Gradients that share a version counter]
+            self._view_versions[id(grad._base)] = grad._version
         dst = _local(p).data_ptr() if self.early_weights else 0
         self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype], dst)
 
@@ -355,17 +385,20 @@ class CPUAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        # Gradients changed after their hand-over (clipped in place, say) or not handed
-        # over yet: the speculative work is dropped and the step runs from .grad as it is.
-        # So do hyperparameters changed after the first hand-over.
-        changed = any(
-            h is not None and (self._params[i].grad is not h[1] or h[1]._version != h[2])
+        # Gradients changed after their hand-over (edited in place, accumulated again) or
+        # not handed over yet: the speculative work is dropped and the step runs from .grad
+        # as it is. So do hyperparameters changed after the first hand-over.
+        passes = max(self._seen, default=0)
+        if any(
+            h is not None and not self._unchanged(i, self._params[i].grad)
             for i, h in enumerate(self._handed)
-        ) or (self._synced is not None and self._synced != self._hparams())
-        if changed:
-            self._core.abort()
-            self._handed = [None] * len(self._params)
-            self._synced = None
+        ):
+            self._discard("accumulation" if passes > self.accumulation_steps else "changed")
+        elif self._synced is not None and self._synced != self._hparams():
+            self._discard("hparams")
+        self._check_passes(passes)
+        discarded, self._discarded = self._discarded, None
+        clip_norm, self._clip_norm = self._clip_norm, None
         if self._synced is None:
             self._sync_hparams()
         if self._closed:
@@ -399,6 +432,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 [_DTYPES[p.dtype] for p in self._params],
             )
         self._handed = [None] * len(self._params)
+        self._view_versions.clear()
         self._seen = [0] * len(self._params)
         self._synced = None
         self._stamps = [_stamp(p) for p in self._params]
@@ -410,11 +444,115 @@ class CPUAdamW(torch.optim.Optimizer):
             "speculated_ms": worker_ms,  # overlapped with backward when speculative
             "step_call_ms": (time.perf_counter() - t0) * 1e3,
             "rollbacks": 1 if outcome != "commit" else 0,
-            "regathered": changed,
+            # Note [Clips the speculation saw]: the speculation dropped, and why.
+            "regathered": discarded is not None,
+            "discarded_by": discarded,
+            "clip_norm": clip_norm,  # a recognised clip's norm (it scaled nothing)
+            "accumulation_steps": self.accumulation_steps,
             **self._core.counters(),
         }
         _record_report("optimizer", self._last)
         return loss
+
+    def _unchanged(self, i: int, grad: Optional[torch.Tensor]) -> bool:
+        """Parameter i's gradient is still the one handed over, unwritten since.
+
+        Note [Gradients that share a version counter]: views of one buffer (the device
+        path's flat gradients, DDP's ``gradient_as_bucket_view``) share their base's
+        counter, which every later accumulation into another view bumps: a view is
+        unchanged when the counter is where the buffer's last hand-over left it (backward
+        writes no gradient after the last hand-over of the step; a clip or an edit does)."""
+        h = self._handed[i]
+        if h is None or grad is not h[1]:
+            return False
+        base = grad._base
+        want = h[2] if base is None else self._view_versions.get(id(base), -1)
+        return grad._version == want
+
+    def _discard(self, why: str) -> None:
+        """Drops the speculative work of this step (its reads of the gradients are done
+        when this returns); the step then runs from ``.grad`` as it is."""
+        self._synced = None
+        if all(h is None for h in self._handed):
+            return
+        self._core.abort()
+        self._handed = [None] * len(self._params)
+        if self._discarded is None:
+            self._discarded = why
+        if why == "changed" and not self._warned_changed:
+            self._warned_changed = True
+            _warn_user(
+                "CPUAdamW: gradients changed after they were handed over (edited in place, "
+                "or clipped by something other than torch.nn.utils.clip_grad_norm_); the "
+                "speculative step was dropped and the step ran from .grad as it is. Clip "
+                "with torch.nn.utils.clip_grad_norm_ or CPUAdamW(max_grad_norm=...) to keep "
+                'the overlap (docs/python.md, "Clipping")'
+            )
+
+    def _check_passes(self, passes: int) -> None:
+        """Note [Backward passes per step]: the passes seen since the last step against
+        ``accumulation_steps``: learned when it was not given, said when it was."""
+        if passes > self.accumulation_steps:
+            if self._learn_accumulation:
+                self.accumulation_steps = passes
+            else:
+                _warn_user(
+                    f"CPUAdamW: {passes} backward passes before this step, but "
+                    f"accumulation_steps={self.accumulation_steps}: gradients were handed "
+                    "over before they were final and the speculation was dropped; pass "
+                    f"accumulation_steps={passes} (or None to learn it)"
+                )
+        short = 0 < passes < self.accumulation_steps
+        self._short_steps = self._short_steps + 1 if short else 0
+        if self._short_steps == 2 and not self._learn_accumulation:
+            _warn_user(
+                f"CPUAdamW: {passes} backward passes per step, but accumulation_steps="
+                f"{self.accumulation_steps}: no gradient is handed over during backward, so "
+                f"nothing is speculated; pass accumulation_steps={passes}"
+            )
+
+    def _clip_speculated(
+        self, params: list[torch.Tensor], max_norm: float, norm_type: float, alone: bool
+    ) -> Optional[torch.Tensor]:
+        """Note [Clips the speculation saw]: ``clip_grad_norm_(params, max_norm)`` answered
+        from the speculation's norm when the clip scales nothing, or None: torch's function
+        runs, after the speculation is dropped if it read any of these gradients. ``alone``:
+        no other CPUAdamW owns a parameter of the call."""
+        if self._closed or all(h is None for h in self._handed):
+            return None
+        seen: set[int] = set()
+        foreign = not alone
+        changed = False
+        dtype = None
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            i = self._index.get(id(p))
+            if i is None or i in seen:
+                foreign = True  # a gradient the norm adds that the speculation did not sum
+            elif not self._unchanged(i, g):
+                changed = True  # accumulated again, or edited, since it was handed over
+            else:
+                seen.add(i)
+                dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
+        if not seen and not changed:
+            return None  # none of the gradients it speculated on
+        if changed:
+            passes = max(self._seen, default=0)
+            self._discard("accumulation" if passes > self.accumulation_steps else "changed")
+            return None
+        every = len(seen) == sum(h is not None for h in self._handed)
+        if self.recognize_clip and every and not foreign:
+            norm = math.sqrt(self._core.arrived_sum_of_squares()) if norm_type == 2 else math.nan
+            # torch scales by min(max_norm / (norm + 1e-6), 1) from its own norm (float32,
+            # or rounded to bfloat16 for bfloat16 gradients): a clear margin says it is 1.
+            margin = 1 / 64 if dtype == torch.bfloat16 else 1e-3
+            if math.isfinite(norm) and norm + 1e-6 <= max_norm * (1 - margin):
+                self._clip_norm = norm
+                return torch.tensor(norm, dtype=dtype)
+        self._discard("clip")  # it may scale them: the speculation read them unscaled
+        return None
 
     def last_step(self) -> dict[str, Any]:
         """The telemetry of the last ``step()``: outcome, scale, CPU ms, counters."""
@@ -431,6 +569,8 @@ class CPUAdamW(torch.optim.Optimizer):
             self._handed = [None] * len(self._params)
             self._synced = None
         self._seen = [0] * len(self._params)
+        self._discarded = None
+        self._clip_norm = None
         if self._flat_g is not None:
             self._flat_g.zero_()
             for i, p in enumerate(self._params):
@@ -541,6 +681,18 @@ def _make_hook(ref: weakref.ReferenceType[CPUAdamW], i: int) -> Callable[[torch.
             opt._on_grad(i, p)
 
     return hook
+
+
+_INTERNAL = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _warn_user(message: str) -> None:
+    """A UserWarning attributed to the first caller outside spillway and torch (the
+    training loop, or the library that runs it)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
 def _stamp(p: torch.Tensor) -> tuple[int, int]:
