@@ -42,11 +42,21 @@ model's) and any optimizer updates them in place in the slabs; the next forward 
 streamer (``step_end``) that the slabs hold the next weights, first copying back any
 parameter an optimizer re-pointed elsewhere. A forward without gradients in a training
 session raises (its backward visits would never come).
+
+Note [Stream session lifetime]: each block's wrapper holds its session; the custom ops,
+which take the session's id, find it in a weak table. A model dropped without ``remove()``
+frees its session, its pinned slabs and its slots.
+
+Note [Weights written after streaming]: ``load_state_dict`` writes a block's weights into
+its slab (Note [A streamed model's state dict]); the slabs' version counters tell the next
+inference forward, which opens the session again rather than compute from the ring's old
+copies or the blocks prefetched at the end of the last forward.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -59,7 +69,10 @@ from .offload import _first_tensor, _record_report, find_decoder_layers
 
 __all__ = ["StreamedWeights", "stream_weights"]
 
-_SESSIONS: dict[int, StreamedWeights] = {}
+# The live sessions by id, for the custom ops (which take ints), held weakly: each wrapper
+# holds its session, so a dropped model frees its slabs and slots (Note [Stream session
+# lifetime]).
+_SESSIONS: weakref.WeakValueDictionary[int, StreamedWeights] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 _ALIGN = 64  # bytes: every parameter starts aligned in its slab and slot
 
@@ -95,11 +108,16 @@ class _StreamedBlock(nn.Module):
     def __init__(self, inner: nn.Module, owner: StreamedWeights, index: int) -> None:
         super().__init__()
         self.inner = inner
+        self._owner = owner  # Note [Stream session lifetime]: the model holds its session
         self._owner_id = owner._id
         self._index = index
         self._nbytes = owner.layer_bytes[index]
         self._layout = owner._layouts[index]  # (name, offset, dtype, shape, bytes)
         self._token = owner._token
+        self._loaded: list[str] = []  # keys the last load wrote into the slab
+        self.register_state_dict_post_hook(_hide_wrapper)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_load_into_slab)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(_not_missing)  # type: ignore[no-untyped-call]
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {
@@ -108,7 +126,7 @@ class _StreamedBlock(nn.Module):
         }
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        owner = _SESSIONS[self._owner_id]
+        owner = self._owner
         if owner.training:
             return _train_call(self, owner, args, kwargs)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -130,6 +148,87 @@ class _StreamedBlock(nn.Module):
             self._token, first if first is not None else self._token, self._owner_id, self._index
         )
         return out
+
+
+# Note [A streamed model's state dict]: a streamed block sits in its wrapper (``inner``) and,
+# in inference, its parameters are empty placeholders (the weights are in its pinned slab).
+# state_dict() gives the model's own keys and weights all the same: the wrapper's level is
+# taken out of the keys and each placeholder is replaced by its view of the slab (a CPU
+# tensor). load_state_dict() writes a block's weights into its slab (cast and copied as torch
+# copies into a parameter; a shape that differs is an error, as torch's), and the next
+# forward streams them (Note [Weights written after streaming]). In training the parameters
+# are the slab views themselves and load as any parameter. A sharded session holds 1/N of
+# each block: both refuse, naming remove().
+
+
+def _hide_wrapper(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
+    """state_dict's post-hook of a wrapper (its entries were the last added: popping and
+    re-adding keeps their order)."""
+    block: _StreamedBlock = module  # type: ignore[assignment]
+    owner = block._owner
+    if owner.ranks > 1:
+        raise RuntimeError(
+            "stream_weights: a sharded session's blocks hold 1/N of their weights on each rank; "
+            "call remove() on every rank before state_dict()"
+        )
+    inner = prefix + "inner."
+    views = {} if owner.training else dict(block._views(owner._slabs[block._index]))
+    for key in [k for k in state if k.startswith(inner)]:
+        name = key[len(inner) :]
+        value = state.pop(key)
+        state[prefix + name] = views[name].detach() if name in views else value
+
+
+def _load_into_slab(
+    module: nn.Module,
+    state: dict[str, Any],
+    prefix: str,
+    meta: Any,
+    strict: bool,
+    missing: list[str],
+    unexpected: list[str],
+    errors: list[str],
+) -> None:
+    """load_state_dict's pre-hook of a wrapper: the model's keys moved under ``inner``; in
+    inference, the block's weights written into its slab."""
+    block: _StreamedBlock = module  # type: ignore[assignment]
+    owner = block._owner
+    if owner.ranks > 1:
+        raise RuntimeError(
+            "stream_weights: a sharded session cannot load a state dict; call remove() on "
+            "every rank, load, then stream again"
+        )
+    inner = prefix + "inner."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix) :]] = state.pop(key)
+    block._loaded = []
+    if owner.training:
+        return
+    views = block._views(owner._slabs[block._index])
+    with torch.no_grad():
+        for name, view in views.items():
+            key = inner + name
+            if key not in state:
+                continue
+            value = state.pop(key)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(view.shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                errors.append(
+                    f"size mismatch for {prefix}{name}: copying a param with shape {shape} "
+                    f"from checkpoint, the shape in current model is {tuple(view.shape)}."
+                )
+                continue
+            view.copy_(value)
+            block._loaded.append(key)
+
+
+def _not_missing(module: nn.Module, incompatible: Any) -> None:
+    """load_state_dict's post-hook of a wrapper: the weights written into the slab are not
+    missing (their placeholders took nothing)."""
+    block: _StreamedBlock = module  # type: ignore[assignment]
+    done = set(block._loaded)
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in done]
+    block._loaded = []
 
 
 def _train_call(block: _StreamedBlock, owner: StreamedWeights, args: Any, kwargs: Any) -> Any:
@@ -354,29 +453,14 @@ class StreamedWeights:
                 if training:  # the parameters are the slabs (Note [Training through ...])
                     for p, view in zip(ps, self._slab_views(i)):
                         p.data = view
-        if device.type == "cuda":
-            kind, ordinal = "cuda", device.index if device.index is not None else 0
-            stream = torch.cuda.current_stream(device).cuda_stream
-        else:
-            kind, ordinal, stream = "host", 0, 0
         # The streamer moves this rank's shards: its "layers" are the shards, its slots the
         # shard's place in each slot (static slots: block l in slot l % (depth + 1); every
         # shard of a slot has the same offset, the largest shard times the rank).
         self._slot_offset = r * max(self._shard)
-        self._session = _spillway.StreamSession(
-            kind,
-            ordinal,
-            stream,
-            self._shard,
-            depth,
-            training,
-            [s.data_ptr() for s in self._slabs],
-            [s.data_ptr() + self._slot_offset for s in self._slots],
-            h2d_gbps,
-            # The session keeps the slabs and slots alive until its copies are done, whatever
-            # order Python frees this object's attributes in.
-            (self._slabs, self._slots),
-        )
+        self._h2d_gbps = h2d_gbps
+        self.reloads = 0  # sessions opened again after the weights were written
+        self._session = self._open()
+        self._slab_versions = [s._version for s in self._slabs]
         self._id = next(_IDS)
         _SESSIONS[self._id] = self
         self._token = torch.zeros(1, device=device)
@@ -391,7 +475,45 @@ class StreamedWeights:
         for (parent, key), w in zip(self._places, self.wrappers):
             _put(parent, key, w)
 
+    def _open(self) -> Any:
+        """A streamer session over the slabs and slots."""
+        if self.device.type == "cuda":
+            kind, ordinal = "cuda", self.device.index if self.device.index is not None else 0
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        else:
+            kind, ordinal, stream = "host", 0, 0
+        return _spillway.StreamSession(
+            kind,
+            ordinal,
+            stream,
+            self._shard,
+            self.depth,
+            self.training,
+            [s.data_ptr() for s in self._slabs],
+            [s.data_ptr() + self._slot_offset for s in self._slots],
+            self._h2d_gbps,
+            # The session keeps the slabs and slots alive until its copies are done, whatever
+            # order Python frees this object's attributes in.
+            (self._slabs, self._slots),
+        )
+
+    def _check_writes(self) -> None:
+        """Note [Weights written after streaming]: at the start of an inference forward, a
+        slab written since the last one (``load_state_dict``; its version counter) means the
+        ring may hold old weights, and this forward's first blocks were prefetched at the
+        end of the last: the session is opened again (its copies waited for), and every
+        block is loaded anew. One comparison per block per forward."""
+        if all(s._version == v for s, v in zip(self._slabs, self._slab_versions)):
+            return
+        self._drain()
+        self._session = None
+        self._session = self._open()
+        self._slab_versions = [s._version for s in self._slabs]
+        self.reloads += 1
+
     def _acquire(self, layer: int, nbytes: int) -> torch.Tensor:
+        if layer == 0 and not self.training:
+            self._check_writes()
         slot = self._slots[layer % (self.depth + 1)]
         ptr = self._session.acquire(layer)
         if ptr != slot.data_ptr() + self._slot_offset:
@@ -469,6 +591,7 @@ class StreamedWeights:
     def report(self) -> dict[str, Any]:
         """Loads, hits, bytes copied, copy and stall ms, achieved GB/s (since the start)."""
         t = dict(self._session.telemetry())
+        t["reloads"] = self.reloads  # the figures above are since the last reload
         _record_report("stream", t)
         return t
 
