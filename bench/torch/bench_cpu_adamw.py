@@ -10,7 +10,9 @@ same gradients. Two figures for CPUAdamW:
   - its critical path: step() after the gradients were handed over and speculated during
     backward (here: handed over and waited for, as a backward long enough to hide them
     would), i.e. what a training step waits for after backward. Peers have no overlap:
-    their whole step is on the critical path.
+    their whole step is on the critical path. Also with the clip transformers.Trainer runs
+    every step (torch.nn.utils.clip_grad_norm_ under its bound), recognised (Note [Clips the
+    speculation saw]) and not (recognize_clip=False: the speculation is redone, as before).
 The limit: AdamW reads p, g, m, v and writes p, m, v: 28 bytes per element at the in-place
 stream bandwidth measured here (a += b on two large tensors: 12 bytes per element).
 
@@ -52,14 +54,19 @@ def make_params(n: int, size: int) -> list[torch.nn.Parameter]:
     return out
 
 
-def critical_path(opt: st.CPUAdamW, ps: list[torch.nn.Parameter], repeats: int) -> float:
-    """step() after backward handed every gradient over and the speculation finished."""
+def critical_path(
+    opt: st.CPUAdamW, ps: list[torch.nn.Parameter], repeats: int, clip: bool = False
+) -> float:
+    """step() after backward handed every gradient over and the speculation finished
+    (``clip``: after the Trainer's clip_grad_norm_, under its bound)."""
 
     def after_backward() -> float:
         for i, p in enumerate(ps):  # what the post-accumulate-grad hooks do in backward
             opt._hand_over(i, p)
         opt._core.sum_of_squares()  # the speculative steps are done: backward hid them
         t0 = time.perf_counter()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ps, 1e9)
         opt.step()
         return time.perf_counter() - t0
 
@@ -106,6 +113,10 @@ def main() -> None:
         rows.append(("spillway CPUAdamW", timed(opt.step, a.repeats)))
 
         critical = critical_path(opt, ps, a.repeats)
+        clipped = critical_path(opt, ps, a.repeats, clip=True)
+        del opt
+        opt = st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, threads=threads, recognize_clip=False)
+        unrecognised = critical_path(opt, ps, a.repeats, clip=True)
         del opt
         # Note [Early weights]: the weights written during backward, step() only validates.
         opt = st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, threads=threads, early_weights=True)
@@ -133,6 +144,11 @@ def main() -> None:
             f"  {'spillway CPUAdamW':22s} {ours_t * 1e3:8.1f} ms whole CPU work "
             f"({limit / ours_t:.2f} of the limit); {critical * 1e3:.1f} ms on the critical "
             f"path after backward, {early * 1e3:.1f} ms with early_weights"
+        )
+        print(
+            f"  {'':22s} with the Trainer's clip_grad_norm_ (under its bound) before step(): "
+            f"{clipped * 1e3:.1f} ms on the critical path; {unrecognised * 1e3:.1f} ms with "
+            f"recognize_clip=False (the speculation redone): {unrecognised / clipped:.1f}x"
         )
         for name, t in rows[1:]:
             print(
