@@ -30,8 +30,8 @@ ARROWS = {
     "probe": ["device", "catalog"],
     "plan": ["catalog"],
     "sim": ["plan"],
-    "nn": ["offload", "optim", "stream", "plan"],  # the reference model: engines by public headers
-    "train": ["nn", "probe"],  # the training application over the reference model
+    "nn": ["device", "plan"],  # the reference model: the engines only through the socket (hooks.hpp)
+    "train": ["nn", "probe", "offload", "optim", "stream"],  # the reference model trained with the engines
     "serve": ["memory", "catalog"],  # host-resident serving (docs/serve.md)
     "server": ["nn", "serve"],  # the live server: the decoder over the serving parts
     "cli": ["train", "sim", "probe", "serve", "server"],  # a leaf: nothing depends on it

@@ -42,6 +42,14 @@
 
 namespace spillway {
 
+// A run of elements of one flat parameter (or gradient, or state) array: an optimizer
+// bucket (grad_ready(bucket) names its index), a layer's weights. The vocabulary models and
+// engines share.
+struct Bucket {
+  size_t offset = 0;  // into the flat array
+  size_t n = 0;       // elements
+};
+
 struct SavedTensor {
   void* data = nullptr;  // device memory
   size_t bytes = 0;
@@ -154,6 +162,35 @@ class CompositeHooks final : public TrainingHooks {
     return hooks_[static_cast<size_t>(t.owner)];
   }
   std::vector<TrainingHooks*> hooks_;
+};
+
+// Note [Layer weight sources]: where a model's layers read their weights when not from
+// their own copy: a weight streamer's ring of device slots (spillway/stream.hpp), or any
+// source that keeps a layer's packed weights in host slabs and hands out a device copy per
+// visit. The model packs its weights into the slabs and visits its layers in the source's
+// schedule (forward, then backward in reverse in training); the source orders its copies
+// by events on the model's compute stream.
+class LayerWeights {
+ public:
+  virtual ~LayerWeights() = default;
+  virtual int layers() const = 0;
+  // The largest layer's bytes a visit can hand out (sharded: the ranks' shards end to end).
+  virtual size_t slot_bytes() const = 0;
+  // The bytes of layer i's host slab (the layer, or this rank's shard of it) and where in
+  // the layer they start.
+  virtual size_t host_slab_bytes(int layer) const = 0;
+  virtual size_t host_slab_offset(int layer) const = 0;
+  // Layer i's host slab, and the event after which the source no longer reads it (the
+  // writer waits on it before packing new weights).
+  virtual void* host_slab(int layer) const = 0;
+  virtual Event host_slab_read(int layer) const = 0;
+  // The next visit, which must be of `layer`: the device copy of its weights, read by work
+  // enqueued on the compute stream after this call.
+  virtual const void* acquire(int layer) = 0;
+  // The visit's work is enqueued: the copy may be reused after it.
+  virtual void release(int layer) = 0;
+  // The step is over; in training the slabs hold the next step's weights.
+  virtual void step_end() = 0;
 };
 
 }  // namespace spillway

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,13 +27,8 @@
 #include "spillway/device.hpp"
 #include "spillway/hooks.hpp"
 #include "spillway/model.hpp"
-#include "spillway/optim.hpp"
 #include "spillway/plan.hpp"
 #include "spillway/policy.hpp"
-
-namespace spillway {
-class WeightStreamer;  // spillway/stream.hpp
-}  // namespace spillway
 
 namespace spillway::nn {
 
@@ -103,6 +99,20 @@ struct StepStats {
   int64_t recomputed_scans = 0;   // of them, Mamba selective scans
 };
 
+// Note [The model's own update]: with its optimizer on the device (device_optimizer), a
+// step ends with the caller's update of the fp32 parameters from their gradients (the
+// textbook AdamW of spillway::train), between backward and the weights the next step
+// streams. The model keeps the moments in its device memory (counted in its peak); the
+// update keeps everything else (hyperparameters, the step counter).
+struct DeviceParameters {
+  float* weights = nullptr;
+  const float* grads = nullptr;
+  float* moment1 = nullptr;
+  float* moment2 = nullptr;
+  size_t n = 0;
+};
+using ParameterUpdate = std::function<void(const DeviceParameters&)>;
+
 class Model {
  public:
   // Allocates parameters, gradients and optimizer moments in device memory and
@@ -116,7 +126,8 @@ class Model {
 
   // One training step on tokens (batch, seq + 1) (inputs and shifted targets): forward,
   // backward under `policy` (in this model's terms: reference_policy), then, with a
-  // device optimizer, AdamW with `lr` (0 skips the update: gradient tests). The engines
+  // device optimizer, `update` (Note [The model's own update]; empty: none, gradient
+  // tests). The engines
   // are reached through `hooks` only (spillway/hooks.hpp, Note [Hook sequence]): a tensor
   // the policy offloads is given to them (running without a hook that takes it is an
   // error), needed() brings it back, grad_ready(b) follows each bucket's gradients, and
@@ -126,14 +137,14 @@ class Model {
   // With an offloaded optimizer (built with device_optimizer = false, docs/optim.md):
   // the forward computes with the fp32 widening of device_weights_bf16() (which the
   // optimizer writes); as backward completes each bucket of parameter_buckets() its
-  // gradients go to device_grads_bf16() in bf16 before grad_ready(b); lr must be 0.
+  // gradients go to device_grads_bf16() in bf16 before grad_ready(b); no update.
   StepStats step(const std::vector<int32_t>& tokens, int batch, int seq, const MemoryPolicy& policy,
-                 TrainingHooks& hooks, double lr);
+                 TrainingHooks& hooks, const ParameterUpdate& update = {});
 
   // The parameters in optimizer buckets, tiling parameters(): bucket 0 the embedding,
   // bucket 1 + l layer l, the last the final norm and the LM head. Backward completes them
   // last first.
-  std::vector<optim::Bucket> parameter_buckets() const;
+  std::vector<Bucket> parameter_buckets() const;
 
   // Parameters and their gradients, flattened in a fixed order (for tests).
   int64_t parameter_count() const;
@@ -144,14 +155,15 @@ class Model {
   Stream compute_stream() const;
   // With an offloaded optimizer (device_optimizer = false; else null): the bf16 weights the
   // forward reads and the bf16 gradients backward writes, parameter_count() each, device
-  // memory this model owns (optim::OptimOffloadOptions::device_weights / device_grads).
+  // memory this model owns (the optimizer pipeline's device weights and gradients).
   uint16_t* device_weights_bf16() const;
   uint16_t* device_grads_bf16() const;
 
   // Note [Streamed weights] (docs/stream.md): each layer's weights are the parameters of
-  // its bucket (parameter_buckets()[1 + l]), fp32. layer_weight_bytes() sizes a
-  // WeightStreamer over them; stream_weights(ws) packs the current weights into its host
-  // slabs, and from then on every layer computes from the slot the streamer hands out
+  // its bucket (parameter_buckets()[1 + l]), fp32. layer_weight_bytes() sizes a source of
+  // layer weights over them (Note [Layer weight sources], a WeightStreamer);
+  // stream_weights(ws) packs the current weights into its host slabs, and from then on
+  // every layer computes from the slot the source hands out
   // (acquire before the layer's forward, and before its backward in a training step,
   // release after): the streamer's schedule must be the step's (training mode for step(),
   // inference for forward_loss()). After a step's update the new weights are packed into
@@ -160,7 +172,7 @@ class Model {
   // model, not of its memory saving, which the planner and simulator show). Null: every
   // layer reads its device copy again. Not with an offloaded optimizer.
   std::vector<size_t> layer_weight_bytes() const;
-  void stream_weights(WeightStreamer* weights);
+  void stream_weights(LayerWeights* weights);
   // Forward only (inference): the mean cross-entropy of tokens (batch, seq + 1), each
   // layer's tensors freed as soon as the next layer has its input.
   double forward_loss(const std::vector<int32_t>& tokens, int batch, int seq);

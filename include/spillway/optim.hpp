@@ -156,15 +156,6 @@ void check_adamw_args(const AdamWArgs& a);
 // The scalar reference: one thread, plain loops, same arithmetic as the SIMD path.
 void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a);
 
-// AdamW as Loshchilov and Hutter write it: the decay inside the update, the bias
-// corrections on the moments, float throughout (the per-step scalars too):
-//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;
-//   p -= lr (m / bc1 / (sqrt(v / bc2) + eps) + wd p)
-// The reference model's on-device optimizer (src/nn), whose losses tests pin: it differs
-// from the PyTorch form above in the last bits, so the two are kept apart. One thread.
-void adamw_step_textbook(const AdamWParams& hp, int64_t step, float* p, float* m, float* v,
-                         const float* g, size_t n);
-
 // The SIMD step on the calling thread (the best target the CPU supports).
 void adamw_step_simd(const AdamWParams& hp, const AdamWArgs& a);
 // The name of the target the dispatch picked, e.g. "AVX3" or "AVX2", "SVE", "NEON".
@@ -205,10 +196,7 @@ float fp16_to_float(uint16_t h);
 
 // ---- STV ----
 
-struct Bucket {
-  size_t offset = 0;  // into the parameter group's state
-  size_t n = 0;
-};
+using spillway::Bucket;  // spillway/hooks.hpp: an offset and a count into the group's state
 
 enum class StvOutcome { kCommit, kReplay, kSkip };
 

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "spillway/device.hpp"
+#include "spillway/hooks.hpp"
 
 namespace spillway {
 
@@ -94,41 +95,41 @@ struct WeightStreamTelemetry {
   int64_t steps = 0;          // step_end() calls
 };
 
-class WeightStreamer {
+class WeightStreamer final : public LayerWeights {
  public:
   // `layer_bytes[i]`: layer i's packed weights. `compute` is the loop's stream. Allocates
   // the d+1 device slots (each of the largest layer) and, unless given, the host slabs:
   // everything it will ever allocate.
   WeightStreamer(Device& dev, Stream compute, std::vector<size_t> layer_bytes,
                  const WeightStreamOptions& options = {});
-  ~WeightStreamer();
+  ~WeightStreamer() override;
   WeightStreamer(const WeightStreamer&) = delete;
   WeightStreamer& operator=(const WeightStreamer&) = delete;
 
-  int layers() const;
+  int layers() const override;
   int depth() const;
-  size_t slot_bytes() const;  // the largest layer (sharded: N of its shards)
+  size_t slot_bytes() const override;  // the largest layer (sharded: N of its shards)
   // The bytes of layer i's host slab (the layer, or its shard), and where in the layer they
   // start (0, or rank * shard).
-  size_t host_slab_bytes(int layer) const;
-  size_t host_slab_offset(int layer) const;
+  size_t host_slab_bytes(int layer) const override;
+  size_t host_slab_offset(int layer) const override;
   // Layer i's pinned host slab: the caller packs its weights here before the first visit.
   // In training it rewrites them between backward and step_end(), after the copy stream
   // has passed host_slab_read(i) (an event: wait on it from the writer's stream, or
   // synchronize it).
-  void* host_slab(int layer) const;
-  Event host_slab_read(int layer) const;
+  void* host_slab(int layer) const override;
+  Event host_slab_read(int layer) const override;
 
   // The next visit of the schedule, which must be of `layer` (checked, naming both): the
   // slot holding its weights. Work enqueued on the compute stream after this call reads
   // them whole.
-  const void* acquire(int layer);
+  const void* acquire(int layer) override;
   // The compute work of the acquired visit is enqueued: its slot may be refilled after it.
-  void release(int layer);
+  void release(int layer) override;
   // Training: the step's backward is done and the host slabs hold the next step's weights:
   // the next step's loads may start. Inference: counts the step (the ring wraps around on
   // its own).
-  void step_end();
+  void step_end() override;
 
   // A visit ahead: the one `ahead` visits after the last acquired (1: the next), its layer
   // the slot, and the event after which the slot holds what the streamer copies for it (its layer;

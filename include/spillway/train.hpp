@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "spillway/nn.hpp"
+#include "spillway/optim.hpp"
 #include "spillway/plan.hpp"
 
 namespace spillway::train {
@@ -117,6 +118,28 @@ struct TrainReport {
   // (the JSON then writes true or false, else null: nothing was compared).
   bool losses_identical = true;
   int policies_compared = 0;
+};
+
+// Note [The model's own update] (spillway/nn.hpp): the reference model's optimizer when it
+// is not offloaded, AdamW as Loshchilov and Hutter write it: the decay inside the update,
+// the bias corrections on the moments, float throughout (the per-step scalars too):
+//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;
+//   p -= lr (m / bc1 / (sqrt(v / bc2) + eps) + wd p)
+// with betas (0.9, 0.95), eps 1e-8 and decay 0.1 on every parameter alike (the reference
+// model keeps it simple). Its losses are pinned by tests: it differs from the PyTorch form
+// of spillway::optim in the last bits, so the two are kept apart. One thread.
+class TextbookAdamW {
+ public:
+  explicit TextbookAdamW(double lr);
+  // One step over the parameters (its counter advances first: the first step is 1).
+  void operator()(const nn::DeviceParameters& p);
+  // This optimizer as a step's update (it must outlive the steps it is given to).
+  nn::ParameterUpdate update();
+  int64_t steps() const { return step_; }
+
+ private:
+  double lr_;
+  int64_t step_ = 0;
 };
 
 // Byte-level tokens of a text file; errors name the path.

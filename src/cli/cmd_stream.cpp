@@ -24,6 +24,7 @@
 #include "spillway/sim.hpp"
 #include "spillway/stream.hpp"
 #include "spillway/stream_mode.hpp"
+#include "spillway/train.hpp"
 
 namespace spillway::cli {
 
@@ -49,6 +50,8 @@ struct RunRank {
   double loss_res = 0, loss_str = 0;
   double ms_res = 0, ms_str = 0;
   nn::StepStats st_res;
+  // Each model's own update (Note [The model's own update]), training at 1e-3.
+  train::TextbookAdamW adam_res{1e-3}, adam_str{1e-3};
   std::unique_ptr<WeightStreamer> ws;  // last: destroyed before the models and the device
 };
 
@@ -147,7 +150,9 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
           const auto t0 = Clock::now();
           double loss = 0;
           if (training) {
-            nn::StepStats st = m.step(t, batch, seq, policy, none, step_lr);
+            train::TextbookAdamW& adam = streamed ? r.adam_str : r.adam_res;
+            const nn::ParameterUpdate update = step_lr > 0 ? adam.update() : nn::ParameterUpdate{};
+            nn::StepStats st = m.step(t, batch, seq, policy, none, update);
             loss = st.loss;
             if (!streamed) r.st_res = std::move(st);
           } else {

@@ -1,6 +1,6 @@
 // The reference model's network (include/spillway/nn.hpp): parameters, forward, backward
-// under a memory policy with the engines reached through hooks, and its AdamW (optim's
-// textbook form). Note [Saved tensors]. Its config is in config.cpp, its policies in
+// under a memory policy with the engines reached through the socket (hooks.hpp), and the
+// caller's update (Note [The model's own update]). Note [Saved tensors]. Its config is in config.cpp, its policies in
 // policy.cpp.
 #include <fmt/format.h>
 
@@ -17,7 +17,6 @@
 #include "nn/slots.hpp"
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
-#include "spillway/stream.hpp"
 #include "spillway/units.hpp"
 
 namespace spillway::nn {
@@ -74,7 +73,7 @@ struct Model::Impl {
   std::vector<LayerParams> lp;
   size_t embed = 0, final_norm = 0, lm_head = 0;
   size_t n_params = 0;
-  std::vector<optim::Bucket> buckets;  // Model::parameter_buckets
+  std::vector<Bucket> buckets;  // Model::parameter_buckets
   float* w = nullptr;
   // Note [Streamed weights]: while a layer computes from a weight streamer's slot, its
   // parameters are read there (the slot holds the layer's bucket, from its offset).
@@ -83,7 +82,7 @@ struct Model::Impl {
   const float* lw(size_t at) const {
     return layer_slot != nullptr ? layer_slot + (at - layer_offset) : w + at;
   }
-  WeightStreamer* streamer = nullptr;
+  LayerWeights* streamer = nullptr;
   // A layer's visit to the streamer: its slot, ready for the host ops that read it (the
   // reference model computes on the calling thread, so the compute stream's wait for the
   // slot is waited out here), and its release once the layer's ops have run.
@@ -103,7 +102,7 @@ struct Model::Impl {
   // layer's bytes (Note [Sharded streaming]), zero past the layer's end.
   void pack_weights() {
     for (int l = 0; l < c.layers(); ++l) {
-      const optim::Bucket& k = buckets[static_cast<size_t>(l) + 1];
+      const Bucket& k = buckets[static_cast<size_t>(l) + 1];
       dev.synchronize(streamer->host_slab_read(l));
       const size_t layer_bytes = k.n * sizeof(float);
       const size_t at = std::min(streamer->host_slab_offset(l), layer_bytes);
@@ -117,7 +116,6 @@ struct Model::Impl {
   float* g = nullptr;
   float* m1 = nullptr;
   float* m2 = nullptr;
-  int64_t adam_step = 0;
   // With an offloaded optimizer: the bf16 weights it writes and this model computes with,
   // and the bf16 gradients this model writes for it (n_params each, device memory).
   uint16_t* w16 = nullptr;
@@ -851,7 +849,7 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
     std::fill(m.m1, m.m1 + at, 0.0f);
     std::fill(m.m2, m.m2 + at, 0.0f);
   } else {
-    for (size_t i = 0; i < at; ++i) m.w16[i] = optim::float_to_bf16(m.w[i]);
+    for (size_t i = 0; i < at; ++i) m.w16[i] = float_to_bf16(m.w[i]);
     std::fill(m.g16, m.g16 + at, uint16_t{0});
   }
   m.at(-1, "", "");
@@ -909,7 +907,7 @@ std::vector<int64_t> Model::saved_tensor_bytes(int layer, int batch, int seq) co
   return out;
 }
 
-std::vector<optim::Bucket> Model::parameter_buckets() const {
+std::vector<Bucket> Model::parameter_buckets() const {
   return impl_->buckets;
 }
 
@@ -941,7 +939,8 @@ void split_tokens(const std::vector<int32_t>& tokens, int batch, int seq, int vo
 }  // namespace
 
 StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
-                      const MemoryPolicy& policy, TrainingHooks& hooks, double lr) {
+                      const MemoryPolicy& policy, TrainingHooks& hooks,
+                      const ParameterUpdate& update) {
   Impl& m = *impl_;
   const RefConfig& c = m.c;
   SPILLWAY_CHECK(batch > 0 && seq > 0, "step: batch {} and seq {} must be > 0", batch, seq);
@@ -966,24 +965,23 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   std::vector<int32_t> in, target;
   split_tokens(tokens, batch, seq, c.vocab, &in, &target);
   const bool offloaded_optimizer = m.w16 != nullptr;
-  SPILLWAY_CHECK(!offloaded_optimizer || lr <= 0,
-                 "step: lr is {}; this Model's optimizer is offloaded (built with "
-                 "device_optimizer = false): its hooks step it, lr must be 0",
-                 lr);
+  SPILLWAY_CHECK(!offloaded_optimizer || !update,
+                 "step: an update was given, but this Model's optimizer is offloaded (built with "
+                 "device_optimizer = false): its hooks step it");
   hooks.step_begin();
   if (offloaded_optimizer) {
     // The weights of this step: the bf16 ones the optimizer wrote (the last step's uploads
     // are ordered before the compute stream's next work), widened for the fp32 ops.
     m.dev.synchronize(m.compute);
-    for (size_t i = 0; i < m.n_params; ++i) m.w[i] = optim::bf16_to_float(m.w16[i]);
+    for (size_t i = 0; i < m.n_params; ++i) m.w[i] = bf16_to_float(m.w16[i]);
   }
   // A bucket's gradients are complete: with an offloaded optimizer, in bf16 to its buffer,
   // then to the hooks.
   auto hand_over = [&](int b) {
     if (!offloaded_optimizer) return;
-    const optim::Bucket& k = m.buckets[static_cast<size_t>(b)];
+    const Bucket& k = m.buckets[static_cast<size_t>(b)];
     uint16_t* g16 = m.g16 + k.offset;
-    for (size_t i = 0; i < k.n; ++i) g16[i] = optim::float_to_bf16(m.g[k.offset + i]);
+    for (size_t i = 0; i < k.n; ++i) g16[i] = float_to_bf16(m.g[k.offset + i]);
     hooks.grad_ready(b);
   };
   m.dev.reset_peaks();
@@ -1047,23 +1045,16 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   st.peak_device_bytes = m.dev.memory_stats().peak[0];
   st.recomputed_ops = m.recomputed_ops;
   st.recomputed_scans = m.recomputed_scans;
-  if (lr > 0 && !offloaded_optimizer) {
-    // AdamW in its textbook form (decoupled weight decay 0.1 on matrices and embeddings
-    // alike; the reference model keeps it simple), bias-corrected.
-    optim::AdamWParams hp;
-    hp.lr = lr;
-    hp.beta1 = 0.9;
-    hp.beta2 = 0.95;
-    hp.eps = 1e-8;
-    hp.weight_decay = 0.1;
-    ++m.adam_step;
+  const bool updated = static_cast<bool>(update);
+  if (updated) {
+    // Note [The model's own update].
     const auto to = Clock::now();
-    optim::adamw_step_textbook(hp, m.adam_step, m.w, m.m1, m.m2, m.g, m.n_params);
+    update(DeviceParameters{m.w, m.g, m.m1, m.m2, m.n_params});
     st.optimizer_ms = ms_since(to);
   }
   if (m.streamer != nullptr) {
     // Note [Streamed weights]: the next step streams the updated weights.
-    if (lr > 0) m.pack_weights();
+    if (updated) m.pack_weights();
     m.streamer->step_end();
   }
   return st;
@@ -1077,7 +1068,7 @@ std::vector<size_t> Model::layer_weight_bytes() const {
   return out;
 }
 
-void Model::stream_weights(WeightStreamer* weights) {
+void Model::stream_weights(LayerWeights* weights) {
   Impl& m = *impl_;
   SPILLWAY_CHECK(m.w16 == nullptr,
                  "stream_weights: this Model's optimizer is offloaded; streamed weights need "

@@ -317,24 +317,4 @@ void norm_lane_sums_bf16(AdamW* pool, const uint16_t* g, size_t n, double* lanes
       &job);
 }
 
-void adamw_step_textbook(const AdamWParams& hp, int64_t step, float* p, float* m, float* v,
-                         const float* g, size_t n) {
-  SPILLWAY_CHECK(step >= 1, "adamw_step_textbook: step is {}; must be >= 1", step);
-  SPILLWAY_CHECK(n == 0 || (p != nullptr && m != nullptr && v != nullptr && g != nullptr),
-                 "adamw_step_textbook: null array for n = {}", n);
-  const auto b1 = static_cast<float>(hp.beta1), b2 = static_cast<float>(hp.beta2);
-  const auto eps = static_cast<float>(hp.eps), wd = static_cast<float>(hp.weight_decay);
-  const float c1 = 1.0f - std::pow(b1, static_cast<float>(step));
-  const float c2 = 1.0f - std::pow(b2, static_cast<float>(step));
-  const auto a = static_cast<float>(hp.lr);
-  for (size_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    m[i] = b1 * m[i] + (1 - b1) * gi;
-    v[i] = b2 * v[i] + (1 - b2) * gi * gi;
-    const float mh = m[i] / c1;
-    const float vh = v[i] / c2;
-    p[i] -= a * (mh / (std::sqrt(vh) + eps) + wd * p[i]);
-  }
-}
-
 }  // namespace spillway::optim

@@ -227,13 +227,16 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
     optimizer_hooks = std::make_unique<optim::OptimizerHooks>(*optimizer);
     hooks.add(optimizer_hooks.get());
   }
+  // Note [The model's own update]: the device optimizer, unless offloaded (or lr is 0).
+  TextbookAdamW adamw(o.lr);
+  const nn::ParameterUpdate update =
+      optimizer || o.lr <= 0 ? nn::ParameterUpdate{} : adamw.update();
   std::vector<double> times, stalls, optimizer_times;
   r.layer_fwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   r.layer_bwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   for (int s = 0; s < o.steps; ++s) {
     const std::vector<int32_t> tokens = batch_tokens(corpus, o.seed, s, o.micro_batch, o.seq_len);
-    const StepStats st =
-        model.step(tokens, o.micro_batch, o.seq_len, pol, hooks, optimizer ? 0.0 : o.lr);
+    const StepStats st = model.step(tokens, o.micro_batch, o.seq_len, pol, hooks, update);
     const StepTelemetry tel = offload_hooks ? offload_hooks->telemetry() : StepTelemetry{};
     StepRecord rec;
     rec.step = s;

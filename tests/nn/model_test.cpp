@@ -70,9 +70,10 @@ PolicyRun run(const RefConfig& c, const MemoryPolicy& p, int64_t device_bytes = 
     engine = std::make_unique<OffloadEngine>(*dev, m.compute_stream(), p, o);
     hooks = std::make_unique<OffloadHooks>(*engine);
   }
+  train::TextbookAdamW adam(1e-3);
   for (int s = 0; s < 2; ++s) {
     const StepStats st = m.step(tokens(100 + static_cast<uint32_t>(s), batch, seq), batch, seq, p,
-                                hooks ? static_cast<TrainingHooks&>(*hooks) : none, 1e-3);
+                                hooks ? static_cast<TrainingHooks&>(*hooks) : none, adam.update());
     r.losses.push_back(st.loss);
     r.peak = std::max(r.peak, st.peak_device_bytes);
     if (hooks) r.tel = hooks->telemetry();

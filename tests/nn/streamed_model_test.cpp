@@ -12,6 +12,7 @@
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
 #include "spillway/stream.hpp"
+#include "spillway/train.hpp"
 
 namespace spillway::nn {
 namespace {
@@ -49,10 +50,11 @@ TrainRun train(const RefConfig& c, bool streamed, int depth) {
   }
   TrainRun r;
   TrainingHooks none;
+  train::TextbookAdamW adam(1e-3);
   for (int s = 0; s < 3; ++s)
-    r.losses.push_back(
-        m.step(tokens(40 + static_cast<uint32_t>(s), 2, 16), 2, 16, keep_policy(c), none, 1e-3)
-            .loss);
+    r.losses.push_back(m.step(tokens(40 + static_cast<uint32_t>(s), 2, 16), 2, 16, keep_policy(c),
+                              none, adam.update())
+                           .loss);
   r.params = m.parameters();
   r.grads = m.gradients();
   if (ws) r.tel = ws->telemetry();
@@ -151,10 +153,11 @@ TEST(StreamedReferenceModel, ShardedRanksOnOneLinkComputeTheResidentResults) {
           WeightStreamer ws(*raw[u], m.compute_stream(), m.layer_weight_bytes(), so);
           m.stream_weights(&ws);
           TrainingHooks none;
+          train::TextbookAdamW adam(1e-3);
           for (int s = 0; s < 3; ++s) {
             if (training)
               losses[u].push_back(m.step(tokens(40 + static_cast<uint32_t>(s), 2, 16), 2, 16,
-                                         keep_policy(c), none, 1e-3)
+                                         keep_policy(c), none, adam.update())
                                       .loss);
             else
               losses[u].push_back(m.forward_loss(tokens(100 * i + s, 2, 16), 2, 16));
