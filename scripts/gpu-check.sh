@@ -1044,16 +1044,31 @@ stage_pytest() {
     stage_end skip "$why"
     return 0
   fi
-  python3 -c 'import pytest_timeout' 2>/dev/null && cmd+=(--timeout=100)
-  local rc=0 summary n v
-  run_timed "$(stage_left)" "${cmd[@]}" || rc=$?
-  summary=$(grep -E '^=+ .*(passed|failed|error|skipped).* in [0-9.]+s' "$S.log" | tail -n 1 |
-    sed -E 's/^=+ //; s/ =+$//')
-  for n in passed failed skipped error; do
-    v=$(grep -oE "[0-9]+ $n" <<<"$summary" | head -n 1 | cut -d' ' -f1)
-    fig "$n" "${v:-0}"
+  local base=("${cmd[@]:0:${#cmd[@]}-${#files[@]}}")
+  python3 -c 'import pytest_timeout' 2>/dev/null && base+=(--timeout=100)
+  # One pytest per file: a crash (a segfault in a CUDA path) ends only its own file.
+  local rc=0 frc f line n v summary="" crashed=""
+  declare -A count=([passed]=0 [failed]=0 [skipped]=0 [error]=0)
+  for f in "${files[@]}"; do
+    [ "$(stage_left)" -gt 0 ] || { crashed+=" ${f##*/} (not run: no time left)"; rc=124; continue; }
+    frc=0
+    run_timed "$(stage_left)" "${base[@]}" "$f" || frc=$?
+    line=$(grep -E '^=+ .*(passed|failed|error|skipped).* in [0-9.]+s' "$S.log" | tail -n 1)
+    if [ "$frc" -ne 0 ] && [ "$frc" -ne 1 ]; then
+      crashed+=" ${f##*/} (exit $frc)"
+      [ "$rc" -eq 0 ] || [ "$rc" -eq 1 ] && rc=$frc
+      continue
+    fi
+    [ "$frc" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$frc
+    for n in passed failed skipped error; do
+      v=$(grep -oE "[0-9]+ $n" <<<"$line" | head -n 1 | cut -d' ' -f1)
+      count[$n]=$((count[$n] + ${v:-0}))
+    done
   done
-  finish_test_stage $rc "${summary:-no pytest summary}"
+  for n in passed failed skipped error; do fig "$n" "${count[$n]}"; done
+  summary="${count[passed]} passed, ${count[failed]} failed, ${count[skipped]} skipped, ${count[error]} errors"
+  [ -n "$crashed" ] && summary+="; crashed or cut:$crashed" && fig crashed "$crashed"
+  finish_test_stage $rc "$summary"
 }
 
 # --- stage: bench -----------------------------------------------------------------------

@@ -382,7 +382,8 @@ CastSite choose_cast_site(double link_gbps, double cpu_cast_gbps);
 class OptimizerOffload {
  public:
   // `weights` (n fp32): the initial master weights. `compute` is the training loop's
-  // stream, where the gradients are produced. Allocates everything now.
+  // stream, where the gradients are produced; it must outlive the pipeline (whose
+  // destructor waits for it). Allocates everything now.
   OptimizerOffload(Device& dev, Stream compute, const float* weights, size_t n,
                    std::vector<Bucket> buckets, const OptimOffloadOptions& o,
                    AdamW* pool = nullptr);

@@ -25,7 +25,10 @@ struct AdoptedDevice {
     } else {
       SPILLWAY_FIELD_ERROR("device", "'" + device + "'", "must be 'host' or 'cuda' ({})", who);
     }
-    if (native_stream != 0) {
+    // A CUDA stream handle of 0 is CUDA's legacy default stream (torch's default stream,
+    // `torch.cuda.current_stream().cuda_stream == 0`): adopted as any other. (It was taken
+    // for "CPU tensors" and a host stream's handle given to CUDA: a crash on first use.)
+    if (device == "cuda" || native_stream != 0) {
       compute = this->device->adopt_stream(
           reinterpret_cast<void*>(native_stream),  // NOLINT(performance-no-int-to-ptr)
           StreamRole::kCompute);

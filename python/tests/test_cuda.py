@@ -65,3 +65,74 @@ def test_cuda_cpu_adamw_steps_bf16_parameters_as_the_emulated_device_path() -> N
         runs.append([p.detach().cpu() for p in params])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def _cuda_batch(seed: int) -> dict[str, object]:
+    return {
+        k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch(seed=seed).items()
+    }
+
+
+def test_cuda_cpu_adamw_keeps_its_speculation_under_the_trainers_clip() -> None:
+    # Note [Clips the speculation saw] and Note [Gradients that share a version counter] on
+    # the CUDA device path: a clip under its bound every step (as transformers.Trainer
+    # does) keeps the speculative step, bitwise the non-speculative optimizer's weights.
+    runs = []
+    for speculative in (True, False):
+        model = tiny_llama(seed=25, dtype=torch.bfloat16).cuda()
+        opt = st.CPUAdamW(model.parameters(), lr=3e-3, speculative=speculative)
+        why = []
+        for s in range(3):
+            model(**_cuda_batch(s)).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+            opt.step()
+            opt.zero_grad()
+            why.append(opt.last_step()["discarded_by"])
+        if speculative:
+            assert why == [None, None, None], why
+        runs.append([p.detach().cpu() for p in model.parameters()])
+        opt.close()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cuda_stream_weights_logits_are_the_resident_models(depth: int) -> None:
+    # Weight streaming on the CUDA backend: pinned slabs, a ring of device slots filled on
+    # the copy stream, torch's stream ordered after each copy by an event.
+    model = tiny_llama(seed=3, layers=5).cuda()
+    ref = copy.deepcopy(model)
+    handle = st.stream_weights(model, depth=depth)
+    with torch.no_grad():
+        for s in (1, 2, 3):
+            ids = batch(seed=s)["input_ids"].cuda()
+            got = model(input_ids=ids, use_cache=False).logits
+            want = ref(input_ids=ids, use_cache=False).logits
+            assert torch.equal(got, want), f"pass {s}"
+    rep = handle.report()
+    assert rep["visits"] == 3 * 5 and rep["bytes"] >= sum(handle.layer_bytes)
+    # Weights loaded after streaming are the ones streamed (Note [Weights written after
+    # streaming]), on the CUDA ring too.
+    other = tiny_llama(seed=4, layers=5).cuda()
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        ids = batch(seed=4)["input_ids"].cuda()
+        assert torch.equal(
+            model(input_ids=ids, use_cache=False).logits,
+            other(input_ids=ids, use_cache=False).logits,
+        )
+
+
+def test_cuda_stream_weights_compiles_with_fullgraph() -> None:
+    model = tiny_llama(seed=5, layers=4).cuda()
+    ref = copy.deepcopy(model)
+    st.stream_weights(model, depth=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    compiled_ref = torch.compile(ref, fullgraph=True)
+    with torch.no_grad():
+        for s in (1, 2):
+            ids = batch(seed=s)["input_ids"].cuda()
+            got = compiled(input_ids=ids, use_cache=False).logits
+            want = compiled_ref(input_ids=ids, use_cache=False).logits
+            assert torch.equal(got, want), f"pass {s}"

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <exception>
 #include <cstring>
 
 #include "core/stats.hpp"
@@ -261,7 +263,19 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
 
 OptimizerOffload::~OptimizerOffload() {
   Impl& s = *impl_;
-  for (Stream st : {s.d2h, s.h2d, s.cpu, s.compute}) s.dev.synchronize(st);
+  // A destructor must not throw (that ends the process): a stream that cannot be waited
+  // for (the caller destroyed the compute stream first, or the device failed) is said,
+  // and the rest is still released.
+  for (Stream st : {s.d2h, s.h2d, s.cpu, s.compute}) {
+    try {
+      s.dev.synchronize(st);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr,
+                   "spillway: optimizer offload: waiting for stream %d at destruction: %s (the "
+                   "compute stream must outlive the pipeline)\n",
+                   st.id, e.what());
+    }
+  }
   for (Event e : s.copied) s.dev.destroy_event(e);
   for (Event e : s.stepped) s.dev.destroy_event(e);
   s.dev.destroy_event(s.produced);

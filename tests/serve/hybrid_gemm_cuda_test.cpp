@@ -72,7 +72,11 @@ TEST(HybridGemmCuda, KernelsMatchTheHostImplementation) {
         std::vector<float> got(static_cast<size_t>(sh.m * sh.n)), want(got.size());
         dev->copy_async(got.data(), od.ptr, got.size() * 4, s);
         dev->synchronize(s);
-        hybrid_gemm_host(p, x.data(), w32.data(), want.data());
+        // The host implementation reads W in the problem's dtype, as the kernels do.
+        hybrid_gemm_host(p, x.data(),
+                         wt == DType::kBf16 ? static_cast<const void*>(w16.data())
+                                            : static_cast<const void*>(w32.data()),
+                         want.data());
         for (int64_t i = 0; i < sh.m; ++i)
           for (int64_t j = 0; j < sh.n; ++j) {
             double mag = 0;
