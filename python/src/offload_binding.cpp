@@ -11,7 +11,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
-#include <fstream>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -194,16 +196,24 @@ class OffloadSession {
 };
 
 // MemAvailable of /proc/meminfo in bytes (-1 when unknown): the adapter refuses a pinned
-// pool larger than the host can give.
+// pool larger than the host can give. C stdio, no iostreams: on the GPU machine (g++ 13,
+// Ubuntu 24.04, torch loaded) `ifstream >> long` in this module crashed inside the locale's
+// num_get facet (docs/gpu.md, the first run), and stdio needs no locale facets.
 int64_t host_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  int64_t out = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::strncmp(line, "MemAvailable:", 13) == 0) {
+      char* end = nullptr;
+      const long long kb = std::strtoll(line + 13, &end, 10);
+      if (end != line + 13 && kb >= 0) out = static_cast<int64_t>(kb) * 1024;
+      break;
+    }
   }
-  return -1;
+  std::fclose(f);
+  return out;
 }
 
 }  // namespace

@@ -213,3 +213,19 @@ def test_the_wrapper_is_torchs_function_for_everything_else() -> None:
         assert torch.equal(a.grad, b.grad), f"gradient {i}"  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="empty generator"):
         torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
+
+
+def test_the_device_path_alone_installs_the_wrapper() -> None:
+    # In a fresh process whose only CPUAdamW takes the device path (as on a GPU machine),
+    # torch's clip is wrapped all the same (the first GPU run found it was not).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, spillway.torch as st\n"
+        "p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))\n"
+        "st.CPUAdamW([p], device_emulation=True)\n"
+        "assert torch.nn.utils.clip_grad_norm_ is st.clip_grad_norm_\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -209,8 +209,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self._discarded: Optional[str] = None
         self._clip_norm: Optional[float] = None
         self._warned_changed = False
-        if recognize_clip and speculative and self._device is None:
-            _clip.install()
+        if recognize_clip and speculative:
+            _clip.install()  # the device path too (its first GPU run found it missing there)
 
     # ---- lifetime (Note [Hook lifetime]) -----------------------------------------------
 
