@@ -1,5 +1,6 @@
 # The front door: thin targets over the one CMake build (see README.md).
-#   make run        install what is missing, build, plan the embedded default
+#   make run        install the C++ packages that are missing, build the CLI alone (no
+#                   tests, no Python environment), plan the embedded default
 #   make test       the same, then every test (unit, engine, CLI, the installed package, a
 #                   bounded fuzz run), then the Python suite (pytest, python/tests)
 #   make test-python  the Python suite alone (the package in build/python)
@@ -22,21 +23,36 @@ CTEST = ctest --output-on-failure -j $(JOBS)
 PYENV := $(shell bash scripts/install-python.sh --print)
 PYTHON = $(PYENV)/bin/python
 
-.PHONY: all deps build run test test-python bench bench-torch install test-asan test-tsan format fuzz fuzz-smoke clean
+.PHONY: all deps deps-python configure build build-cli run test test-python bench bench-torch install test-asan test-tsan format fuzz fuzz-smoke clean
 
 all: build
 
+# The Debian packages of the C++ build (scripts/install-deps.sh), and the Python
+# environment of the adapter and its tests (scripts/install-python.sh, ~2.7 GB of wheels):
+# `make run` needs only the first.
 deps:
 	@bash scripts/install-deps.sh
+
+deps-python:
+	@bash scripts/install-python.sh
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(PYTHON) \
 	  $(CMAKE_FLAGS)
 
-build: deps $(BUILD)/CMakeCache.txt
+# Configured again once the Python environment exists (a build first configured by
+# `make run`, before it did, then gains the extension module); a no-op otherwise.
+configure: deps deps-python $(BUILD)/CMakeCache.txt
+	@cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$(PYTHON) > /dev/null
+
+build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-run: build
+# The CLI alone: the libraries it links and bin/spillway, nothing else.
+build-cli: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS) --target spillway_cli
+
+run: build-cli
 	./$(BUILD)/bin/spillway plan --model Qwen3-30B-A3B --hardware gh200 \
 	  --micro-batch 2 --seq-len 8192 --ep 8 --dp 8
 

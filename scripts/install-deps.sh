@@ -34,5 +34,3 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "install-deps: done"
 fi
 
-# The Python environment of the adapter and its tests (pinned, cached outside the repo).
-bash "$(dirname "$0")/install-python.sh"
