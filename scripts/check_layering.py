@@ -34,7 +34,8 @@ ARROWS = {
     "train": ["nn", "probe", "offload", "optim", "stream"],  # the reference model trained with the engines
     "serve": ["memory", "catalog"],  # host-resident serving (docs/serve.md)
     "server": ["nn", "serve"],  # the live server: the decoder over the serving parts
-    "cli": ["train", "sim", "probe", "serve", "server"],  # a leaf: nothing depends on it
+    "cli": ["train", "sim", "probe", "serve", "server", "tool"],  # a leaf: nothing depends on it
+    "tool": ["core"],  # what the spillway tools share (the CLI, spillway-bench): outputs, ranges
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (docs/python.md)
     "python": ["offload", "optim", "stream", "plan"],
@@ -97,6 +98,11 @@ def check_file(path, part, is_public, violations, white_box=False):
                     violations.append(f"{where}: {part or 'bench'} may not depend on {owner}")
                 continue
             folder = inc.split("/")[0] if "/" in inc else None
+            if (part is not None and folder is None
+                    and os.path.isfile(os.path.join(ROOT, "bench", inc))
+                    and not os.path.isfile(os.path.join(ROOT, os.path.dirname(path), inc))):
+                violations.append(f"{where}: bench/ is a leaf: nothing under src/ includes it")
+                continue
             if folder is None or not os.path.isdir(os.path.join(ROOT, "src", folder)):
                 continue  # a system header or a header of the including folder
             owner = part_of_src(folder)
@@ -106,7 +112,8 @@ def check_file(path, part, is_public, violations, white_box=False):
                 violations.append(f"{where}: a public header includes a src/ header")
             elif white_box:
                 continue
-            elif owner not in (part, "core"):
+            elif owner not in (part, "core") and not (owner == "tool" and owner in allowed):
+                # tool has no public header: its own src/ headers are its face (the tools')
                 violations.append(
                     f"{where}: {part} may include only its own and core's private headers; "
                     f"{owner}'s is private (use include/spillway/)")

@@ -5,10 +5,14 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
-#include "cli/output.hpp"  // write_output: every output of every subcommand
-#include "cli/ranges.hpp"  // in_range: every numeric flag
+#include "tool/output.hpp"  // write_output: every output of every subcommand
+#include "tool/ranges.hpp"  // in_range: every numeric flag
 
 namespace spillway::cli {
+
+// The edge every spillway tool shares (src/tool: checked outputs, numeric ranges), by its
+// plain names in every subcommand.
+using namespace spillway::tool;  // NOLINT(google-build-using-namespace)
 
 // Note [Units at the edges]: a flag says its unit in its name and its --help, one meaning
 // each: "-mb" flags are MiB (2^20 bytes, kMiB), "-gb" flags are GB (1e9 bytes), "-gbps"
@@ -27,7 +31,7 @@ void add_models_command(CLI::App& app);
 void add_hardware_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);
 void add_probe_command(CLI::App& app);
-void add_bench_command(CLI::App& app);
+void add_bench_command(CLI::App& app);  // forwards to spillway-bench (bench/)
 void add_train_command(CLI::App& app);
 void add_stream_command(CLI::App& app);
 void add_replay_command(CLI::App& app);

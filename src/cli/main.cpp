@@ -8,9 +8,9 @@
 #include <cstdio>
 
 #include "cli/commands.hpp"
-#include "cli/output.hpp"
 #include "cli/plan_flags.hpp"
 #include "spillway/error.hpp"
+#include "tool/output.hpp"
 
 namespace {
 
@@ -60,7 +60,7 @@ int run(int argc, char** argv) {
     // the command); every other command-line error is a usage error: 2.
     const int code = app.exit(e);
     return code == 0 || code == 3 ? code : 2;
-  } catch (const spillway::cli::StdoutClosed&) {
+  } catch (const spillway::tool::StdoutClosed&) {
     return 1;
   } catch (const spillway::InputError& e) {
     // The library names the field; the user gave a flag (Note [Field names and flags]).
@@ -81,8 +81,8 @@ int run(int argc, char** argv) {
 // command keeps its status and says nothing more.
 int finish(int code) {
   try {
-    spillway::cli::finish_stdout();
-  } catch (const spillway::cli::StdoutClosed&) {
+    spillway::tool::finish_stdout();
+  } catch (const spillway::tool::StdoutClosed&) {
     return code != 0 ? code : 1;
   } catch (const std::exception& e) {
     if (code == 0) std::fprintf(stderr, "spillway: error: %s\n", e.what());

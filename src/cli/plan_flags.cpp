@@ -6,10 +6,12 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cli/ranges.hpp"
 #include "spillway/error.hpp"
+#include "tool/ranges.hpp"
 
 namespace spillway::cli {
+
+using namespace spillway::tool;  // NOLINT(google-build-using-namespace): the tools' ranges
 
 namespace {
 

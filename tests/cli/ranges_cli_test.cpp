@@ -1,4 +1,4 @@
-// Note [Every numeric flag has a range] (src/cli/ranges.cpp), proven from the outside: every
+// Note [Every numeric flag has a range] (src/tool/ranges.cpp), proven from the outside: every
 // subcommand's --help is read back, every INT, UINT and FLOAT option must state its range,
 // and a value just below and just above it must be refused at once (exit 1, the flag and
 // the value named), before the command does any work. A flag added without a range fails

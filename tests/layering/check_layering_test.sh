@@ -13,7 +13,7 @@ trap 'rm -rf "$fixture"' EXIT
 expect_violation() {  # <file> <include> <words expected in the message>
   local file="$1" inc="$2" words="$3"
   rm -rf "$fixture"/*
-  mkdir -p "$fixture"/include/spillway "$fixture"/src/{core,device,memory,offload,optim,plan,cli}
+  mkdir -p "$fixture"/include/spillway "$fixture"/src/{core,device,memory,offload,optim,plan,nn,tool,cli}
   mkdir -p "$(dirname "$fixture/$file")"
   printf '#include "%s"\n' "$inc" > "$fixture/$file"
   local out
@@ -32,6 +32,18 @@ expect_violation src/core/x.cpp spillway/device.hpp "core may not depend on devi
 expect_violation src/offload/x.cpp cli/commands.hpp "nothing depends on cli"
 expect_violation include/spillway/offload.hpp offload/engine_internal.hpp "a public header includes a src/ header"
 expect_violation src/device/x.cpp spillway/memory.hpp "device may not depend on memory"
+expect_violation src/nn/x.cpp spillway/optim.hpp "nn may not depend on optim"
+expect_violation src/offload/x.cpp tool/output.hpp "tool's is private"
+# bench/ is a leaf: a src/ file including a header that lives in bench/ is refused.
+rm -rf "$fixture"/*
+mkdir -p "$fixture"/include/spillway "$fixture"/src/cli "$fixture"/bench
+: > "$fixture/bench/bench_adam.hpp"
+printf '#include "bench_adam.hpp"\n' > "$fixture/src/cli/cmd.cpp"
+if out=$(python3 "$check" "$fixture" 2>&1); then
+  echo "FAIL: src/cli including bench/bench_adam.hpp passed the check"; exit 1
+fi
+grep -q "bench/ is a leaf" <<<"$out" || { echo "FAIL: message lacks 'bench/ is a leaf': $out"; exit 1; }
+echo "ok: src/cli including a bench/ header is refused (bench/ is a leaf)"
 # Allowed: an engine on the public headers below it, any part on core's private headers.
 rm -rf "$fixture"/*
 mkdir -p "$fixture"/include/spillway "$fixture"/src/{core,offload}

@@ -11,7 +11,7 @@
 // CLI states them where the user reads them, from the same constants.
 // `CliRanges.EveryNumericFlagStatesAndEnforcesItsRange` reads every subcommand's --help
 // back and tries a value below and above each stated range.
-#include "cli/ranges.hpp"
+#include "tool/ranges.hpp"
 
 #include <fmt/format.h>
 
@@ -20,7 +20,7 @@
 
 #include "spillway/error.hpp"
 
-namespace spillway::cli {
+namespace spillway::tool {
 
 std::string range_text(const FlagRange& r) {
   std::string s = fmt::format(" {}{}, ", r.lo_open ? '(' : '[', r.lo);
@@ -55,4 +55,4 @@ CLI::Option* in_range(CLI::Option* opt, const FlagRange& r) {
   return opt;
 }
 
-}  // namespace spillway::cli
+}  // namespace spillway::tool

@@ -1,5 +1,6 @@
-// Every byte the spillway command writes goes through here: a report on stdout, a --json,
-// --trace or --plot file. Each write, flush and close is checked; a failure throws
+// Every byte the spillway tools (the spillway command, spillway-bench) write goes through
+// here: a report on stdout, a --json, --trace or --plot file. Each write, flush and close
+// is checked; a failure throws
 // spillway::Error naming the path and the system's reason (strerror of the errno the
 // failing call left), and a file output is never left half-written (Note [Atomic output]).
 #pragma once
@@ -7,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace spillway::cli {
+namespace spillway::tool {
 
 // Thrown when stdout's reader has gone (EPIPE): main exits 1 without a message, as a
 // command killed by SIGPIPE would be quiet, but with a status below 128.
@@ -27,4 +28,4 @@ void say_beside_json(const std::string& json_path, const std::string& text);
 // Flushes and closes stdout at the end of main; throws as write_output("-") does.
 void finish_stdout();
 
-}  // namespace spillway::cli
+}  // namespace spillway::tool

@@ -5,7 +5,7 @@
 // then renamed over the path. On any failure the temporary file is removed and an
 // existing file at the path keeps its old contents. A path that resolves through a symlink
 // is written at the symlink's target, so the link stays a link.
-#include "cli/output.hpp"
+#include "tool/output.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -20,7 +20,7 @@
 
 #include "spillway/error.hpp"
 
-namespace spillway::cli {
+namespace spillway::tool {
 
 namespace {
 
@@ -139,4 +139,4 @@ void say_beside_json(const std::string& json_path, const std::string& text) {
   }
 }
 
-}  // namespace spillway::cli
+}  // namespace spillway::tool

@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-namespace spillway::cli {
+namespace spillway::tool {
 
 // Common bounds: a host memory amount in MiB up to 1 TiB, repeats of a measurement.
 inline constexpr double kMaxHostMiB = 1048576.0;
@@ -51,4 +51,4 @@ std::string range_text(const FlagRange& r);
 // parsing: spillway::InputError "--flag is V; must be in [lo, hi]" (exit 1). Returns opt.
 CLI::Option* in_range(CLI::Option* opt, const FlagRange& r);
 
-}  // namespace spillway::cli
+}  // namespace spillway::tool
