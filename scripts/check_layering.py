@@ -33,8 +33,9 @@ ARROWS = {
     "nn": ["device", "plan"],  # the reference model: the engines only through the socket (hooks.hpp)
     "train": ["nn", "probe", "offload", "optim", "stream"],  # the reference model trained with the engines
     "serve": ["memory", "catalog"],  # host-resident serving (docs/serve.md)
-    "server": ["nn", "serve"],  # the live server: the decoder over the serving parts
-    "cli": ["train", "sim", "probe", "serve", "server", "tool"],  # a leaf: nothing depends on it
+    "server": ["nn", "serve"],  # the serving engine: the decoder over the serving parts
+    "http": ["server"],  # its front ends: the HTTP endpoint, live replay and load (httplib)
+    "cli": ["train", "sim", "probe", "serve", "server", "http", "tool"],  # a leaf: nothing depends on it
     "tool": ["core"],  # what the spillway tools share (the CLI, spillway-bench): outputs, ranges
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (docs/python.md)
@@ -57,7 +58,7 @@ PUBLIC = {
     "nn": "nn", "decoder": "nn",
     "train": "train",
     "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
-    "server": "server", "http_server": "server", "live": "server",
+    "server": "server", "http_server": "http", "live": "http",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')

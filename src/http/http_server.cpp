@@ -17,7 +17,7 @@
 #include <random>
 #include <thread>
 
-#include "server/http_connection.hpp"
+#include "http/http_connection.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway::server {

@@ -1,6 +1,6 @@
 // The connection layer under the HTTP endpoint (server/http_connection.hpp, Note
 // [Connections], Note [Client gone]).
-#include "server/http_connection.hpp"
+#include "http/http_connection.hpp"
 
 #include <fmt/format.h>
 #include <netdb.h>
