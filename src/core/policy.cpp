@@ -6,19 +6,20 @@
 #include <array>
 #include <utility>
 
+#include "core/enum_names.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
 
 namespace {
 
-constexpr std::array<std::pair<Action, std::string_view>, 3> kActionNames = {{
+constexpr EnumNames<Action, 3> kActionNames = {{
     {Action::kKeep, "keep"},
     {Action::kOffload, "offload"},
     {Action::kRecompute, "recompute"},
 }};
 
-constexpr std::array<std::pair<Policy, std::string_view>, 7> kPolicyNames = {{
+constexpr EnumNames<Policy, 7> kPolicyNames = {{
     {Policy::kAuto, "auto"},
     {Policy::kKeep, "keep"},
     {Policy::kRecompute, "recompute"},
@@ -28,25 +29,17 @@ constexpr std::array<std::pair<Policy, std::string_view>, 7> kPolicyNames = {{
     {Policy::kCheckpoint, "checkpoint"},
 }};
 
-template <typename E, size_t N>
-std::string name_of(const std::array<std::pair<E, std::string_view>, N>& table, E v) {
-  for (const auto& [e, n] : table)
-    if (e == v) return std::string(n);
-  SPILLWAY_CHECK(false, "enum value {} has no name", static_cast<int>(v));
-}
-
 }  // namespace
 
 std::string to_string(Action a) {
-  return name_of(kActionNames, a);
+  return std::string(name_of(kActionNames, a));
 }
 std::string to_string(Policy p) {
-  return name_of(kPolicyNames, p);
+  return std::string(name_of(kPolicyNames, p));
 }
 
 Policy parse_policy(std::string_view name, std::string_view field) {
-  for (const auto& [p, n] : kPolicyNames)
-    if (n == name) return p;
+  if (const std::optional<Policy> p = value_of(kPolicyNames, name)) return *p;
   SPILLWAY_FIELD_ERROR(
       std::string(field), fmt::format("'{}'", name),
       "must be one of auto, keep, recompute, offload, selective, hybrid, checkpoint");

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/arena.hpp"
+#include "core/enum_names.hpp"
 #include "device/host_ops.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
@@ -36,18 +37,13 @@
 
 namespace spillway {
 
+constexpr EnumNames<MemoryKind, 4> kMemoryKindNames = {{{MemoryKind::kDevice, "device"},
+                                                        {MemoryKind::kPinnedHost, "pinned host"},
+                                                        {MemoryKind::kMappedHost, "mapped host"},
+                                                        {MemoryKind::kHost, "host"}}};
+
 std::string to_string(MemoryKind k) {
-  switch (k) {
-    case MemoryKind::kDevice:
-      return "device";
-    case MemoryKind::kPinnedHost:
-      return "pinned host";
-    case MemoryKind::kMappedHost:
-      return "mapped host";
-    case MemoryKind::kHost:
-      return "host";
-  }
-  return "device";
+  return std::string(name_of(kMemoryKindNames, k));
 }
 
 namespace {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "core/enum_names.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
 
@@ -27,44 +28,26 @@ int64_t dtype_bytes(DType t) {
   return 2;
 }
 
+constexpr EnumNames<DType, 4> kDTypeNames = {
+    {{DType::kBf16, "bf16"}, {DType::kFp16, "fp16"}, {DType::kFp8, "fp8"}, {DType::kFp32, "fp32"}}};
+constexpr EnumNames<OpKind, 3> kOpKindNames = {
+    {{OpKind::kGemm, "gemm"}, {OpKind::kAttention, "attention"}, {OpKind::kMemory, "memory"}}};
+
 std::string to_string(DType t) {
-  switch (t) {
-    case DType::kBf16:
-      return "bf16";
-    case DType::kFp16:
-      return "fp16";
-    case DType::kFp8:
-      return "fp8";
-    case DType::kFp32:
-      return "fp32";
-  }
-  return "bf16";
+  return std::string(name_of(kDTypeNames, t));
 }
 
 DType parse_dtype(const std::string& s) {
-  if (s == "bf16") return DType::kBf16;
-  if (s == "fp16") return DType::kFp16;
-  if (s == "fp8") return DType::kFp8;
-  if (s == "fp32") return DType::kFp32;
+  if (const std::optional<DType> t = value_of(kDTypeNames, s)) return *t;
   SPILLWAY_FIELD_ERROR("dtype", fmt::format("'{}'", s), "must be one of bf16, fp16, fp8, fp32");
 }
 
 std::string to_string(OpKind k) {
-  switch (k) {
-    case OpKind::kGemm:
-      return "gemm";
-    case OpKind::kAttention:
-      return "attention";
-    case OpKind::kMemory:
-      return "memory";
-  }
-  return "memory";
+  return std::string(name_of(kOpKindNames, k));
 }
 
 OpKind parse_op_kind(const std::string& s) {
-  if (s == "gemm") return OpKind::kGemm;
-  if (s == "attention") return OpKind::kAttention;
-  if (s == "memory") return OpKind::kMemory;
+  if (const std::optional<OpKind> k = value_of(kOpKindNames, s)) return *k;
   SPILLWAY_INPUT_ERROR("op kind is '{}'; must be gemm, attention or memory", s);
 }
 

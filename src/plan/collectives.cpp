@@ -8,6 +8,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/enum_names.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
@@ -29,14 +30,11 @@ void check_group(int64_t group, const char* field) {
 }  // namespace
 
 std::string to_string(CollectiveKind k) {
-  for (const auto& [e, n] : kKindNames)
-    if (e == k) return std::string(n);
-  SPILLWAY_CHECK(false, "CollectiveKind {} has no name", static_cast<int>(k));
+  return std::string(name_of(kKindNames, k));
 }
 
 CollectiveKind parse_collective_kind(const std::string& s) {
-  for (const auto& [e, n] : kKindNames)
-    if (n == s) return e;
+  if (const std::optional<CollectiveKind> k = value_of(kKindNames, s)) return *k;
   SPILLWAY_FIELD_ERROR("kind", fmt::format("'{}'", s),
                        "must be one of all-reduce, all-gather, reduce-scatter, all-to-all");
 }

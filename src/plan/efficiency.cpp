@@ -9,6 +9,7 @@
 #include <cmath>
 #include <map>
 
+#include "core/enum_names.hpp"
 #include "core/json_io.hpp"
 #include "plan/cost_model.hpp"
 #include "spillway/error.hpp"
@@ -16,22 +17,17 @@
 
 namespace spillway {
 
+constexpr EnumNames<MeasuredKind, 3> kMeasuredKindNames = {
+    {{MeasuredKind::kGemm, "gemm"},
+     {MeasuredKind::kGroupedGemm, "grouped_gemm"},
+     {MeasuredKind::kAttention, "attention"}}};
+
 std::string to_string(MeasuredKind k) {
-  switch (k) {
-    case MeasuredKind::kGemm:
-      return "gemm";
-    case MeasuredKind::kGroupedGemm:
-      return "grouped_gemm";
-    case MeasuredKind::kAttention:
-      return "attention";
-  }
-  return "gemm";
+  return std::string(name_of(kMeasuredKindNames, k));
 }
 
 MeasuredKind parse_measured_kind(const std::string& s) {
-  if (s == "gemm") return MeasuredKind::kGemm;
-  if (s == "grouped_gemm") return MeasuredKind::kGroupedGemm;
-  if (s == "attention") return MeasuredKind::kAttention;
+  if (const std::optional<MeasuredKind> k = value_of(kMeasuredKindNames, s)) return *k;
   SPILLWAY_FIELD_ERROR("kind", fmt::format("\"{}\"", s), "must be gemm, grouped_gemm or attention");
 }
 

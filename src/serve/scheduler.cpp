@@ -8,22 +8,18 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "core/enum_names.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
 
+constexpr EnumNames<PlaceOutcome, 4> kPlaceOutcomeNames = {{{PlaceOutcome::kRouted, "routed"},
+                                                            {PlaceOutcome::kPlaced, "placed"},
+                                                            {PlaceOutcome::kEvicted, "evicted"},
+                                                            {PlaceOutcome::kWait, "wait"}}};
+
 const char* to_string(PlaceOutcome o) {
-  switch (o) {
-    case PlaceOutcome::kRouted:
-      return "routed";
-    case PlaceOutcome::kPlaced:
-      return "placed";
-    case PlaceOutcome::kEvicted:
-      return "evicted";
-    case PlaceOutcome::kWait:
-      return "wait";
-  }
-  return "?";
+  return name_of(kPlaceOutcomeNames, o).data();  // a literal: null-terminated
 }
 
 Scheduler::Scheduler(std::vector<SliceSpec> slices, double link_gbps, const SchedulerOptions& o)

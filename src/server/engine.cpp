@@ -17,6 +17,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "core/enum_names.hpp"
 #include "server/pooled_weights.hpp"
 #include "spillway/error.hpp"
 #include "spillway/hardware.hpp"
@@ -173,22 +174,16 @@ std::string fitting_profile(const HardwareProfile& hw, const EngineOptions& o, i
 
 }  // namespace
 
+constexpr EnumNames<SubmitStatus, 6> kSubmitStatusNames = {
+    {{SubmitStatus::kAccepted, "accepted"},
+     {SubmitStatus::kInvalid, "invalid"},
+     {SubmitStatus::kUnknownModel, "unknown_model"},
+     {SubmitStatus::kOverloaded, "overloaded"},
+     {SubmitStatus::kDraining, "draining"},
+     {SubmitStatus::kUnavailable, "unavailable"}}};
+
 const char* to_string(SubmitStatus s) {
-  switch (s) {
-    case SubmitStatus::kAccepted:
-      return "accepted";
-    case SubmitStatus::kInvalid:
-      return "invalid";
-    case SubmitStatus::kUnknownModel:
-      return "unknown_model";
-    case SubmitStatus::kOverloaded:
-      return "overloaded";
-    case SubmitStatus::kDraining:
-      return "draining";
-    case SubmitStatus::kUnavailable:
-      return "unavailable";
-  }
-  return "?";
+  return name_of(kSubmitStatusNames, s).data();  // a literal: null-terminated
 }
 
 // ---- Completion ---------------------------------------------------------------------------

@@ -49,6 +49,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "core/enum_names.hpp"
 #include "sim/engine.hpp"
 #include "spillway/collectives.hpp"
 #include "spillway/error.hpp"
@@ -56,40 +57,25 @@
 
 namespace spillway {
 
+constexpr EnumNames<ResourceKind, 4> kResourceKindNames = {{{ResourceKind::kCompute, "compute"},
+                                                            {ResourceKind::kD2H, "D2H copy"},
+                                                            {ResourceKind::kH2D, "H2D copy"},
+                                                            {ResourceKind::kComm, "comm"}}};
+constexpr EnumNames<TaskKind, 8> kTaskKindNames = {{{TaskKind::kForward, "forward"},
+                                                    {TaskKind::kBackward, "backward"},
+                                                    {TaskKind::kRecompute, "recompute"},
+                                                    {TaskKind::kHead, "head"},
+                                                    {TaskKind::kOptimizer, "optimizer"},
+                                                    {TaskKind::kD2H, "d2h"},
+                                                    {TaskKind::kH2D, "h2d"},
+                                                    {TaskKind::kCollective, "collective"}}};
+
 std::string to_string(ResourceKind k) {
-  switch (k) {
-    case ResourceKind::kCompute:
-      return "compute";
-    case ResourceKind::kD2H:
-      return "D2H copy";
-    case ResourceKind::kH2D:
-      return "H2D copy";
-    case ResourceKind::kComm:
-      return "comm";
-  }
-  return "compute";
+  return std::string(name_of(kResourceKindNames, k));
 }
 
 std::string to_string(TaskKind k) {
-  switch (k) {
-    case TaskKind::kForward:
-      return "forward";
-    case TaskKind::kBackward:
-      return "backward";
-    case TaskKind::kRecompute:
-      return "recompute";
-    case TaskKind::kHead:
-      return "head";
-    case TaskKind::kOptimizer:
-      return "optimizer";
-    case TaskKind::kD2H:
-      return "d2h";
-    case TaskKind::kH2D:
-      return "h2d";
-    case TaskKind::kCollective:
-      return "collective";
-  }
-  return "forward";
+  return std::string(name_of(kTaskKindNames, k));
 }
 
 namespace {
