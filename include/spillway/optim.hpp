@@ -103,6 +103,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -438,6 +439,75 @@ class OptimizerOffload {
   int64_t undo_bytes() const;
   // The fp32 master weights and moments (waits for the streams), for tests and checkpoints.
   OptimState read_state() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- The CPU AdamW over a framework's parameters ----
+
+// Note [Speculative CPU AdamW over parameters]: spillway.torch's CPUAdamW on its CPU path.
+// One bucket per parameter; the fp32 master weights and moments are this object's,
+// allocated once. A parameter's gradient handed over (grad_ready) is stepped speculatively,
+// in order, on a worker thread with the AdamW pool while the caller goes on; finish() waits
+// for them and validates (Note [STV exactness]); abort() drops the step. The caller's memory
+// named in a call (a gradient, a parameter) must stay valid and unchanged until finish(),
+// abort() or the call's own return.
+enum class ParamDtype { kFp32 = 0, kBf16 = 1 };  // what a parameter's memory holds
+
+// What finish() decided (the gradient scale: 1 unless clipped), the ms the worker spent on
+// this step's buckets and the ms finish() took.
+struct CpuStepResult {
+  StvOutcome outcome = StvOutcome::kCommit;
+  float scale = 1.0f;
+  double worker_ms = 0.0;
+  double finish_ms = 0.0;
+};
+
+class SpeculativeCpuAdamW {
+ public:
+  // `sizes`: elements per parameter (each >= 1); `clip` the global norm's bound (0: none);
+  // not `speculative`: every bucket deferred to finish() (no undo memory: the exact
+  // non-speculative optimizer); `threads` of the AdamW pool (0: every core).
+  SpeculativeCpuAdamW(const std::vector<int64_t>& sizes, double clip, bool speculative,
+                      int threads);
+  ~SpeculativeCpuAdamW();
+  SpeculativeCpuAdamW(const SpeculativeCpuAdamW&) = delete;
+  SpeculativeCpuAdamW& operator=(const SpeculativeCpuAdamW&) = delete;
+
+  // Note [Per-bucket hyperparameters and steps], between steps.
+  void set_hparams(int b, const AdamWParams& hp);
+  int64_t bucket_step(int b) const;
+  void set_bucket_step(int b, int64_t t);
+  // Bucket b's master weights from a parameter's memory (bf16 widened), or into it (bf16
+  // rounded to nearest even); store_all writes every bucket's where it is not there yet
+  // (Note [Early weights]), dealt to the pool's workers (a null destination is skipped).
+  void load_weights(int b, const void* src, ParamDtype dtype);
+  void store_weights(int b, void* dst, ParamDtype dtype);
+  void store_all(const std::vector<void*>& dst, const std::vector<ParamDtype>& dtypes);
+  // Bucket b's state (p, m, v; n of the bucket each) copied out or in.
+  void read_state(int b, float* p, float* m, float* v);
+  void write_state(int b, const float* p, const float* m, const float* v);
+  // Bucket b's gradient is final (queued for the worker; returns at once). With `dst`, the
+  // worker also writes the speculative weights there once stepped (Note [Early weights]).
+  void grad_ready(int b, const void* grad, ParamDtype dtype, void* dst = nullptr);
+  void absent(int b);  // bucket b has no gradient this step
+  // Waits for the queued steps and validates (with the global sum of squares when given:
+  // sharded training).
+  CpuStepResult finish(std::optional<double> global_sum_of_squares = std::nullopt);
+  // The step's sum of squares once every bucket arrived; of those arrived so far (Note
+  // [Clips the speculation saw]). Both wait for the queued steps.
+  double sum_of_squares();
+  double arrived_sum_of_squares();
+  // The step cannot complete: speculative buckets undone, early weights restored.
+  void abort();
+
+  int64_t step() const;
+  const StvCounters& counters() const;
+  int threads() const;
+  int64_t state_bytes() const;
+  int64_t undo_bytes() const;
 
  private:
   struct Impl;

@@ -12,16 +12,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <cstring>
-#include <deque>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -43,12 +37,10 @@ using optim::Bucket;
 using optim::StvAdamW;
 using optim::StvOutcome;
 
-// What a parameter's memory holds (torch dtypes the optimizer takes).
-enum class Dtype { kFp32 = 0, kBf16 = 1 };
-
-Dtype to_dtype(int d) {
+// What a parameter's memory holds (torch dtypes the optimizer takes): 0 float32, 1 bfloat16.
+optim::ParamDtype to_dtype(int d) {
   if (d != 0 && d != 1) SPILLWAY_FIELD_ERROR("dtype", d, "must be 0 (float32) or 1 (bfloat16)");
-  return static_cast<Dtype>(d);
+  return static_cast<optim::ParamDtype>(d);
 }
 
 const void* as_cptr(uintptr_t p) {
@@ -93,291 +85,90 @@ nb::typed<nb::dict, nb::str, int64_t> counters_dict(const optim::StvCounters& c)
   return nb::typed<nb::dict, nb::str, int64_t>(d);
 }
 
-// The optimizer's state and its worker. Gradients handed over (grad_ready) are stepped in
-// order on the worker thread; finish() waits for them, then validates.
+const char* outcome_name(StvOutcome o) {
+  return o == StvOutcome::kCommit ? "commit" : o == StvOutcome::kReplay ? "replay" : "skip";
+}
+
+// spillway::optim::SpeculativeCpuAdamW for Python (Note [Speculative CPU AdamW over
+// parameters]): addresses and dtype codes become pointers and ParamDtype, and every call
+// that waits for the worker releases the GIL.
 class CpuAdamW {
  public:
   CpuAdamW(const std::vector<int64_t>& sizes, double clip, bool speculative, int threads)
-      : n_(total_elements(sizes)), pool_(checked_threads(threads)) {
-    std::vector<Bucket> buckets;
-    size_t off = 0;
-    for (int64_t s : sizes) {
-      buckets.push_back({off, static_cast<size_t>(s)});
-      ns_.push_back(static_cast<size_t>(s));
-      off += static_cast<size_t>(s);
-    }
-    early_.assign(ns_.size(), 0);
-    early_dst_.assign(ns_.size(), 0);
-    early_dtype_.assign(ns_.size(), Dtype::kFp32);
-    p_.assign(n_, 0.0f);
-    m_.assign(n_, 0.0f);
-    v_.assign(n_, 0.0f);
-    // Non-speculative: no undo memory, so every bucket is deferred to finish() (Note
-    // [Bounded undo]): the exact non-speculative optimizer, on the critical path.
-    stv_ = std::make_unique<StvAdamW>(AdamWParams{}, clip, p_.data(), m_.data(), v_.data(), n_,
-                                      std::move(buckets), 0, &pool_, speculative ? -1 : 0);
-    worker_ = std::thread([this] { run(); });
-  }
-
-  ~CpuAdamW() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
-  CpuAdamW(const CpuAdamW&) = delete;
-  CpuAdamW& operator=(const CpuAdamW&) = delete;
+      : opt_(sizes, clip, speculative, threads) {}
 
   void set_hparams(int b, double lr, double beta1, double beta2, double eps, double wd) {
-    drain();
-    stv_->set_hparams(b, make_hp(lr, beta1, beta2, eps, wd));
-  }
-  int64_t bucket_step(int b) const { return stv_->bucket_step(b); }
-  void set_bucket_step(int b, int64_t t) {
-    drain();
-    stv_->set_bucket_step(b, t);
-  }
-
-  // The master weights of bucket b from a parameter's memory (fp32 or bf16, widened).
-  void load_weights(int b, uintptr_t src, int dtype) {
-    drain();
-    const auto s = stv_->state(b);
-    const size_t n = bucket_n(b);
-    if (to_dtype(dtype) == Dtype::kFp32) {
-      std::memcpy(s.p, as_cptr(src), n * sizeof(float));
-    } else {
-      const auto* h = static_cast<const uint16_t*>(as_cptr(src));
-      for (size_t i = 0; i < n; ++i) s.p[i] = optim::bf16_to_float(h[i]);
-    }
-  }
-  // The master weights of bucket b into a parameter's memory (bf16: rounded to nearest even).
-  void store_weights(int b, uintptr_t dst, int dtype) {
-    write_weights(stv_->state(b).p, bucket_n(b), dst, to_dtype(dtype));
-  }
-  // Every bucket's weights into its parameter, after finish(), where they are not there
-  // yet (Note [Early weights]): one call, the GIL released.
-  void store_all(const std::vector<uintptr_t>& dst, const std::vector<int>& dtypes) {
-    SPILLWAY_CHECK(dst.size() == bucket_count() && dtypes.size() == dst.size(),
-                   "store_all: {} destinations for {} buckets", dst.size(), bucket_count());
+    const AdamWParams hp = make_hp(lr, beta1, beta2, eps, wd);
     nb::gil_scoped_release release;
-    // The buckets dealt to the pool's workers in contiguous runs of about equal elements.
-    struct Job {
-      CpuAdamW* self;
-      const std::vector<uintptr_t>* dst;
-      const std::vector<int>* dtypes;
-    } job{this, &dst, &dtypes};
-    pool_.parallel(
-        [](void* c, size_t w, size_t nw) {
-          const Job& j = *static_cast<const Job*>(c);
-          const size_t total = j.self->n_;
-          size_t at = 0;
-          for (size_t b = 0; b < j.dst->size(); ++b) {
-            const size_t owner = std::min(nw - 1, (at + j.self->ns_[b] / 2) * nw / total);
-            at += j.self->ns_[b];
-            if (owner != w || (*j.dst)[b] == 0 || !j.self->needs_store(b)) continue;
-            j.self->store_weights(static_cast<int>(b), (*j.dst)[b], (*j.dtypes)[b]);
-          }
-        },
-        &job);
-    std::fill(early_.begin(), early_.end(), 0);
+    opt_.set_hparams(b, hp);
   }
-  // The state of bucket b (p, m, v) copied out to / in from fp32 memory of its size.
+  int64_t bucket_step(int b) const { return opt_.bucket_step(b); }
+  void set_bucket_step(int b, int64_t t) {
+    nb::gil_scoped_release release;
+    opt_.set_bucket_step(b, t);
+  }
+  void load_weights(int b, uintptr_t src, int dtype) {
+    const optim::ParamDtype d = to_dtype(dtype);
+    nb::gil_scoped_release release;
+    opt_.load_weights(b, as_cptr(src), d);
+  }
+  void store_weights(int b, uintptr_t dst, int dtype) {
+    opt_.store_weights(b, as_ptr(dst), to_dtype(dtype));
+  }
+  void store_all(const std::vector<uintptr_t>& dst, const std::vector<int>& dtypes) {
+    std::vector<void*> ptrs;
+    std::vector<optim::ParamDtype> types;
+    ptrs.reserve(dst.size());
+    types.reserve(dtypes.size());
+    for (uintptr_t d : dst) ptrs.push_back(as_ptr(d));
+    for (int t : dtypes) types.push_back(to_dtype(t));
+    nb::gil_scoped_release release;
+    opt_.store_all(ptrs, types);
+  }
   void read_state(int b, uintptr_t p, uintptr_t m, uintptr_t v) {
-    drain();
-    const auto s = stv_->state(b);
-    const size_t bytes = bucket_n(b) * sizeof(float);
-    std::memcpy(as_ptr(p), s.p, bytes);
-    std::memcpy(as_ptr(m), s.m, bytes);
-    std::memcpy(as_ptr(v), s.v, bytes);
+    nb::gil_scoped_release release;
+    opt_.read_state(b, static_cast<float*>(as_ptr(p)), static_cast<float*>(as_ptr(m)),
+                    static_cast<float*>(as_ptr(v)));
   }
   void write_state(int b, uintptr_t p, uintptr_t m, uintptr_t v) {
-    drain();
-    const auto s = stv_->state(b);
-    const size_t bytes = bucket_n(b) * sizeof(float);
-    std::memcpy(s.p, as_cptr(p), bytes);
-    std::memcpy(s.m, as_cptr(m), bytes);
-    std::memcpy(s.v, as_cptr(v), bytes);
-  }
-
-  // Backward: bucket b's gradient (fp32 or bf16, its size) is final; it stays valid and
-  // unchanged until finish(). Queued for the worker: the call returns at once.
-  // Note [Early weights]: with `dst` (the parameter's memory, of `dtype`), the worker also
-  // writes the bucket's speculative weights there once its step is done, during backward;
-  // after finish(), store_all() writes only what that did not get right: the buckets
-  // stepped late (deferred, replayed) and, after a skip, restores those written early.
-  void grad_ready(int b, uintptr_t g, int dtype, uintptr_t dst) {
-    push({b, g, to_dtype(dtype), false, dst});
-  }
-  // Bucket b has no gradient this step.
-  void absent(int b) { push({b, 0, Dtype::kFp32, true, 0}); }
-
-  // Waits for the queued steps, validates; returns (outcome, the gradient scale, ms the
-  // worker spent on this step's buckets, ms finish() took).
-  std::tuple<std::string, float, double, double> finish(std::optional<double> global_sq) {
     nb::gil_scoped_release release;
-    drain();
-    const auto t0 = std::chrono::steady_clock::now();
-    const StvOutcome o = global_sq ? stv_->finish(*global_sq) : stv_->finish();
-    last_ = o;
-    const double finish_ms = ms_since(t0);
-    const double worker_ms = worker_ms_;
-    worker_ms_ = 0.0;
-    const char* name = o == StvOutcome::kCommit   ? "commit"
-                       : o == StvOutcome::kReplay ? "replay"
-                                                  : "skip";
-    return {name, stv_->last_scale(), worker_ms, finish_ms};
+    opt_.write_state(b, static_cast<const float*>(as_cptr(p)),
+                     static_cast<const float*>(as_cptr(m)), static_cast<const float*>(as_cptr(v)));
   }
-  // This process's sum of squares of the step's gradients, once all were handed over
-  // (sharded training all-reduces it and passes the sum to finish()).
+  void grad_ready(int b, uintptr_t g, int dtype, uintptr_t dst) {
+    opt_.grad_ready(b, as_cptr(g), to_dtype(dtype), as_ptr(dst));
+  }
+  void absent(int b) { opt_.absent(b); }
+  // (outcome, the gradient scale, ms the worker spent on this step's buckets, ms finish()
+  // took).
+  std::tuple<std::string, float, double, double> finish(std::optional<double> global_sq) {
+    optim::CpuStepResult r;
+    {
+      nb::gil_scoped_release release;
+      r = opt_.finish(global_sq);
+    }
+    return {outcome_name(r.outcome), r.scale, r.worker_ms, r.finish_ms};
+  }
   double sum_of_squares() {
     nb::gil_scoped_release release;
-    drain();
-    return stv_->sum_of_squares();
+    return opt_.sum_of_squares();
   }
-  // The sum of squares of the gradients handed over so far, once their steps are done
-  // (Note [Clips the speculation saw]).
   double arrived_sum_of_squares() {
     nb::gil_scoped_release release;
-    drain();
-    return stv_->arrived_sum_of_squares();
+    return opt_.arrived_sum_of_squares();
   }
-  // The step cannot complete: the speculative buckets are undone, nothing is stepped.
-  // Early weights already written are restored from the untouched state.
   void abort() {
     nb::gil_scoped_release release;
-    drain();
-    stv_->abort();
-    for (size_t b = 0; b < early_.size(); ++b) {
-      if (early_[b] != 0)
-        write_weights(stv_->state(static_cast<int>(b)).p, ns_[b], early_dst_[b], early_dtype_[b]);
-    }
-    std::fill(early_.begin(), early_.end(), 0);
+    opt_.abort();
   }
-
-  int64_t step() const { return stv_->step(); }
-  nb::typed<nb::dict, nb::str, int64_t> counters() const { return counters_dict(stv_->counters()); }
-  int threads() const { return pool_.threads(); }
-  int64_t state_bytes() const { return static_cast<int64_t>(3 * n_ * sizeof(float)); }
-  int64_t undo_bytes() const { return stv_->undo_bytes(); }
+  int64_t step() const { return opt_.step(); }
+  nb::typed<nb::dict, nb::str, int64_t> counters() const { return counters_dict(opt_.counters()); }
+  int threads() const { return opt_.threads(); }
+  int64_t state_bytes() const { return opt_.state_bytes(); }
+  int64_t undo_bytes() const { return opt_.undo_bytes(); }
 
  private:
-  struct Job {
-    int bucket = 0;
-    uintptr_t grad = 0;
-    Dtype dtype = Dtype::kFp32;
-    bool absent = false;
-    uintptr_t dst = 0;  // Note [Early weights]
-  };
-
-  static void write_weights(const float* src, size_t n, uintptr_t dst, Dtype dtype) {
-    if (dtype == Dtype::kFp32) {
-      std::memcpy(as_ptr(dst), src, n * sizeof(float));
-    } else {
-      auto* h = static_cast<uint16_t*>(as_ptr(dst));
-      for (size_t i = 0; i < n; ++i) h[i] = optim::float_to_bf16(src[i]);
-    }
-  }
-  bool needs_store(size_t b) const {
-    if (last_ == StvOutcome::kSkip) return early_[b] != 0;  // restore what was written early
-    return early_[b] == 0 || stv_->stepped_late(static_cast<int>(b));
-  }
-
-  static double ms_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  }
-  size_t bucket_count() const { return ns_.size(); }
-  size_t bucket_n(int b) const {
-    if (b < 0 || static_cast<size_t>(b) >= ns_.size())
-      SPILLWAY_FIELD_ERROR("bucket", b, "must be in [0, {})", ns_.size());
-    return ns_[static_cast<size_t>(b)];
-  }
-
-  void push(Job j) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (error_) std::rethrow_exception(error_);
-      jobs_.push_back(j);
-      ++pushed_;
-    }
-    cv_.notify_one();
-  }
-  // Waits until the worker has run every job pushed so far; rethrows its error.
-  void drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return done_ == pushed_; });
-    if (error_) {
-      std::exception_ptr e = error_;
-      error_ = nullptr;
-      std::rethrow_exception(e);
-    }
-  }
-  void run() {
-    for (;;) {
-      Job j;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        j = jobs_.front();
-        jobs_.pop_front();
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      try {
-        if (j.absent) {
-          stv_->on_absent_bucket(j.bucket);
-        } else {
-          const bool speculated = stv_->admit(j.bucket);
-          if (j.dtype == Dtype::kBf16) {
-            stv_->on_bucket_bf16(j.bucket, static_cast<const uint16_t*>(as_cptr(j.grad)));
-          } else {
-            stv_->on_bucket(j.bucket, static_cast<const float*>(as_cptr(j.grad)));
-          }
-          if (speculated && j.dst != 0) {
-            const auto b = static_cast<size_t>(j.bucket);
-            write_weights(stv_->speculative_state(j.bucket).p, ns_[b], j.dst, j.dtype);
-            early_[b] = 1;
-            early_dst_[b] = j.dst;
-            early_dtype_[b] = j.dtype;
-          }
-        }
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) error_ = std::current_exception();
-      }
-      const double ms = ms_since(t0);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        worker_ms_ += ms;
-        ++done_;
-      }
-      done_cv_.notify_all();
-    }
-  }
-
- private:
-  std::vector<size_t> ns_;  // elements per bucket
-  // Note [Early weights], per bucket: written early this step, where, as what. The worker
-  // writes them, finish()/store_all()/abort() read them after drain().
-  std::vector<char> early_;
-  std::vector<uintptr_t> early_dst_;
-  std::vector<Dtype> early_dtype_;
-  StvOutcome last_ = StvOutcome::kCommit;
-  size_t n_;
-  AdamW pool_;
-  std::vector<float> p_, m_, v_;
-  std::unique_ptr<StvAdamW> stv_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::condition_variable done_cv_;
-  std::deque<Job> jobs_;
-  uint64_t pushed_ = 0;
-  uint64_t done_ = 0;
-  double worker_ms_ = 0.0;
-  std::exception_ptr error_;
-  bool stop_ = false;
-  std::thread worker_;  // last: starts after the members it uses
+  optim::SpeculativeCpuAdamW opt_;
 };
 
 // Note [The device path of CPUAdamW]: parameters in device memory (GPU bfloat16, or CPU
@@ -452,7 +243,7 @@ class OffloadAdamW {
   // enqueued so far on the compute stream has run (`grad` must be its slice there).
   void grad_ready(int b, uintptr_t grad, int dtype, uintptr_t /*dst*/) {
     const size_t at = offset(b);
-    if (to_dtype(dtype) != Dtype::kBf16 || grad != grads_ + at * 2)
+    if (to_dtype(dtype) != optim::ParamDtype::kBf16 || grad != grads_ + at * 2)
       SPILLWAY_INPUT_ERROR(
           "CPUAdamW: the gradient of parameter {} must be its bfloat16 slice of the flat "
           "gradient buffer",
