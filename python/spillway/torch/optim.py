@@ -524,10 +524,12 @@ class CPUAdamW(torch.optim.Optimizer):
         foreign = not alone
         changed = False
         dtype = None
+        device = None
         for p in params:
             g = p.grad
             if g is None:
                 continue
+            device = g.device if device is None else device
             i = self._index.get(id(p))
             if i is None or i in seen:
                 foreign = True  # a gradient the norm adds that the speculation did not sum
@@ -550,7 +552,7 @@ class CPUAdamW(torch.optim.Optimizer):
             margin = 1 / 64 if dtype == torch.bfloat16 else 1e-3
             if math.isfinite(norm) and norm + 1e-6 <= max_norm * (1 - margin):
                 self._clip_norm = norm
-                return torch.tensor(norm, dtype=dtype)
+                return torch.tensor(norm, dtype=dtype, device=device)  # where torch's would be
         self._discard("clip")  # it may scale them: the speculation read them unscaled
         return None
 
