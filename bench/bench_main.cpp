@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -552,16 +551,5 @@ int run(int argc, char** argv) {
 }  // namespace spillway::bench
 
 int main(int argc, char** argv) {
-  std::signal(SIGPIPE, SIG_IGN);  // a closed pipe is an error (EPIPE), not a signal
-  std::signal(SIGXFSZ, SIG_IGN);
-  int code = spillway::bench::run(argc, argv);
-  try {
-    spillway::tool::finish_stdout();
-  } catch (const spillway::tool::StdoutClosed&) {
-    code = code != 0 ? code : 1;
-  } catch (const std::exception& e) {
-    if (code == 0) std::fprintf(stderr, "spillway: error: %s\n", e.what());
-    code = code != 0 ? code : 1;
-  }
-  return code;
+  return spillway::tool::run_tool(argc, argv, spillway::bench::run);
 }

@@ -465,6 +465,12 @@ struct CpuStepResult {
   double finish_ms = 0.0;
 };
 
+// The checked inputs of an optimizer over a framework's parameters (SpeculativeCpuAdamW, and
+// the Python device path over OptimizerOffload): the elements of `sizes` (at least one
+// parameter, each >= 1), and the AdamW pool's threads (>= 0; 0: every core).
+size_t parameter_elements(const std::vector<int64_t>& sizes);
+int pool_threads(int threads);
+
 class SpeculativeCpuAdamW {
  public:
   // `sizes`: elements per parameter (each >= 1); `clip` the global norm's bound (0: none);

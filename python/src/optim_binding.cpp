@@ -61,21 +61,6 @@ AdamWParams make_hp(double lr, double beta1, double beta2, double eps, double we
   return hp;
 }
 
-size_t total_elements(const std::vector<int64_t>& sizes) {
-  if (sizes.empty()) SPILLWAY_INPUT_ERROR("CPUAdamW: no parameters");
-  size_t n = 0;
-  for (int64_t s : sizes) {
-    if (s < 1) SPILLWAY_FIELD_ERROR("size", s, "must be >= 1 (a parameter with no elements)");
-    n += static_cast<size_t>(s);
-  }
-  return n;
-}
-
-int checked_threads(int threads) {
-  if (threads < 0) SPILLWAY_FIELD_ERROR("threads", threads, "must be >= 0 (0: every core)");
-  return threads;
-}
-
 nb::typed<nb::dict, nb::str, int64_t> counters_dict(const optim::StvCounters& c) {
   nb::dict d;
   d["commits"] = c.commits;
@@ -187,8 +172,8 @@ class OffloadAdamW {
                const std::vector<int64_t>& sizes, uintptr_t weights, uintptr_t grads, double clip,
                bool speculative, int threads, nb::object keepalive)
       : keepalive_(std::move(keepalive)),
-        n_(total_elements(sizes)),
-        pool_(checked_threads(threads)) {
+        n_(optim::parameter_elements(sizes)),
+        pool_(optim::pool_threads(threads)) {
     if (weights == 0 || grads == 0)
       SPILLWAY_INPUT_ERROR("CPUAdamW: the flat weights and gradients must be device memory");
     HostDeviceOptions host;

@@ -44,14 +44,17 @@ struct RunFlags {
 
 // One emulated GPU of the run: its device behind the shared link, the model all-resident
 // and the same model streamed.
+// The learning rate of a training run of the reference model, streamed and resident.
+constexpr double kStreamRunLr = 1e-3;
+
 struct RunRank {
   std::unique_ptr<Device> dev;
   std::unique_ptr<nn::Model> resident, streamed;
   double loss_res = 0, loss_str = 0;
   double ms_res = 0, ms_str = 0;
   nn::StepStats st_res;
-  // Each model's own update (Note [The model's own update]), training at 1e-3.
-  train::TextbookAdamW adam_res{1e-3}, adam_str{1e-3};
+  // Each model's own update (Note [The model's own update]).
+  train::TextbookAdamW adam_res{kStreamRunLr}, adam_str{kStreamRunLr};
   std::unique_ptr<WeightStreamer> ws;  // last: destroyed before the models and the device
 };
 
@@ -123,7 +126,7 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
   }
   const MemoryPolicy policy = nn::keep_policy(c);
   TrainingHooks none;
-  const double lr = training ? 1e-3 : 0.0;
+  const double lr = training ? kStreamRunLr : 0.0;
   std::mt19937 g(static_cast<uint32_t>(rf.seed));
   auto batches = [&] {
     std::vector<std::vector<int32_t>> out;

@@ -4,7 +4,6 @@
 // a closed pipe) is an error: exit 1, the message naming the path and the system's reason.
 // When stdout's reader has gone (`spillway models | head -c1`) the command exits 1 without
 // a message: SIGPIPE is ignored, so it never dies of the signal (status 141).
-#include <csignal>
 #include <cstdio>
 
 #include "cli/commands.hpp"
@@ -76,33 +75,8 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-// stdout is flushed and closed before the command returns, so that a report lost to a
-// full device or a closed pipe is not a success; after a failure already reported, the
-// command keeps its status and says nothing more.
-int finish(int code) {
-  try {
-    spillway::tool::finish_stdout();
-  } catch (const spillway::tool::StdoutClosed&) {
-    return code != 0 ? code : 1;
-  } catch (const std::exception& e) {
-    if (code == 0) std::fprintf(stderr, "spillway: error: %s\n", e.what());
-    return code != 0 ? code : 1;
-  }
-  return code;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  // A write to a closed pipe fails with EPIPE and a write past the file size limit with
-  // EFBIG, reported as errors, instead of killing the process.
-  std::signal(SIGPIPE, SIG_IGN);
-  std::signal(SIGXFSZ, SIG_IGN);
-  int code = 1;
-  try {
-    code = run(argc, argv);
-  } catch (...) {
-    std::fprintf(stderr, "spillway: internal error while setting up the command line\n");
-  }
-  return finish(code);
+  return spillway::tool::run_tool(argc, argv, run);
 }

@@ -23,9 +23,7 @@
 
 namespace spillway::optim {
 
-namespace {
-
-size_t total_elements(const std::vector<int64_t>& sizes) {
+size_t parameter_elements(const std::vector<int64_t>& sizes) {
   if (sizes.empty()) SPILLWAY_INPUT_ERROR("CPUAdamW: no parameters");
   size_t n = 0;
   for (int64_t s : sizes) {
@@ -35,18 +33,16 @@ size_t total_elements(const std::vector<int64_t>& sizes) {
   return n;
 }
 
-int checked_threads(int threads) {
+int pool_threads(int threads) {
   if (threads < 0) SPILLWAY_FIELD_ERROR("threads", threads, "must be >= 0 (0: every core)");
   return threads;
 }
-
-}  // namespace
 
 // The optimizer's state and its worker. Gradients handed over (grad_ready) are stepped in
 // order on the worker thread; finish() waits for them, then validates.
 struct SpeculativeCpuAdamW::Impl {
   Impl(const std::vector<int64_t>& sizes, double clip, bool speculative, int threads)
-      : n_(total_elements(sizes)), pool_(checked_threads(threads)) {
+      : n_(parameter_elements(sizes)), pool_(pool_threads(threads)) {
     std::vector<Bucket> buckets;
     size_t off = 0;
     for (int64_t s : sizes) {

@@ -13,6 +13,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -137,6 +138,26 @@ void say_beside_json(const std::string& json_path, const std::string& text) {
   } else {
     write_output("-", text);
   }
+}
+
+int run_tool(int argc, char** argv, int (*run)(int, char**)) {
+  std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGXFSZ, SIG_IGN);
+  int code = 1;
+  try {
+    code = run(argc, argv);
+  } catch (...) {
+    std::fprintf(stderr, "spillway: internal error while setting up the command line\n");
+  }
+  try {
+    finish_stdout();
+  } catch (const StdoutClosed&) {
+    return code != 0 ? code : 1;
+  } catch (const std::exception& e) {
+    if (code == 0) std::fprintf(stderr, "spillway: error: %s\n", e.what());
+    return code != 0 ? code : 1;
+  }
+  return code;
 }
 
 }  // namespace spillway::tool

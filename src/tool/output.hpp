@@ -28,4 +28,11 @@ void say_beside_json(const std::string& json_path, const std::string& text);
 // Flushes and closes stdout at the end of main; throws as write_output("-") does.
 void finish_stdout();
 
+// A tool's main (the spillway command, spillway-bench): SIGPIPE and SIGXFSZ ignored (a
+// closed pipe or a file past its size limit is an error, EPIPE or EFBIG, never a death by
+// signal), `run` called, then stdout finished, so that a report lost to a full device or a
+// closed pipe is not a success (exit 1; said unless `run` already failed). Returns the exit
+// status.
+int run_tool(int argc, char** argv, int (*run)(int, char**));
+
 }  // namespace spillway::tool
