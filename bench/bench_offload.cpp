@@ -348,7 +348,7 @@ OffloadBenchResult run_offload_bench(const OffloadBenchOptions& o) {
   HostDeviceOptions ho;
   ho.device_bytes = arena;  // unthrottled
   const std::unique_ptr<Device> dev = make_host_device(ho);
-  const Stream compute = dev->create_stream(StreamRole::kCompute);
+  const UniqueStream compute(*dev, StreamRole::kCompute);
   OffloadBenchResult r;
   r.backend = dev->name();
   r.options = o;
@@ -440,7 +440,6 @@ OffloadBenchResult run_offload_bench(const OffloadBenchOptions& o) {
   r.reload_gbps = median(r.reload_samples_gbps);
   r.offload_ratio = r.memcpy_gbps > 0.0 ? r.offload_gbps / r.memcpy_gbps : 0.0;
   r.reload_ratio = r.memcpy_gbps > 0.0 ? r.reload_gbps / r.memcpy_gbps : 0.0;
-  dev->destroy_stream(compute);
   return r;
 }
 

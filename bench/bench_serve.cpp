@@ -104,7 +104,7 @@ ServeBenchResult::Switch run_switch(const ServeBenchOptions& o, const SliceSetup
   const AllocResult arena = dev.allocate(static_cast<size_t>(r.weight_bytes), MemoryKind::kDevice);
   SPILLWAY_CHECK(static_cast<bool>(arena), "bench serve: no device memory for the reload: {}",
                  arena.reason);
-  const Stream s = dev.create_stream(StreamRole::kH2D);
+  const UniqueStream s(dev, StreamRole::kH2D);
   const auto t1 = Clock::now();
   int64_t at = 0;
   for (const PooledTensor& t : h.handle.tensors()) {
@@ -120,7 +120,6 @@ ServeBenchResult::Switch run_switch(const ServeBenchOptions& o, const SliceSetup
   std::this_thread::sleep_until(Clock::now() +
                                 checked_duration_ms(per_layer * o.switch_layers, "reload_ms"));
   r.reload_ms = ms_between(t1, Clock::now());
-  dev.destroy_stream(s);
   dev.free(arena.ptr, MemoryKind::kDevice);
   h.handle.release();
   r.hardware_switch_ms = r.switch_ms * setup.rate_scale;

@@ -9,9 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "spillway/error.hpp"
+#include "spillway/inference.hpp"
 #include "spillway/replay.hpp"
 #include "spillway/serve.hpp"
-#include "spillway/server.hpp"
 
 namespace spillway {
 namespace {
@@ -28,9 +28,9 @@ struct Run {
   std::vector<std::vector<int32_t>> outputs;
 };
 
-Run run_engine(const std::vector<server::ModelFiles>& models, const ServeLiveBenchOptions& o,
+Run run_engine(const std::vector<inference::ModelFiles>& models, const ServeLiveBenchOptions& o,
                int max_running) {
-  server::EngineOptions e;
+  inference::EngineOptions e;
   e.hardware = o.hardware;
   e.profile = o.profile;
   e.rate_scale = o.rate_scale;
@@ -39,27 +39,28 @@ Run run_engine(const std::vector<server::ModelFiles>& models, const ServeLiveBen
   e.max_step_tokens = std::max(2 * o.max_running, 64);
   e.max_waiting = o.requests;
   e.alpha = 0.0;
-  server::ServingEngine engine(models, e);
-  std::vector<std::shared_ptr<server::Completion>> cs;
+  inference::ServingEngine engine(models, e);
+  std::vector<std::shared_ptr<inference::Completion>> cs;
   const auto t0 = Clock::now();
   for (int i = 0; i < o.requests; ++i) {
-    server::CompletionRequest q;
+    inference::CompletionRequest q;
     q.model = models.front().name;
     for (int t = 0; t < o.prompt_tokens; ++t) q.prompt.push_back((i * 31 + t * 7) % 256);
     q.max_tokens = o.output_tokens;
     q.temperature = 0.8;
     q.seed = static_cast<uint64_t>(i);
-    server::SubmitResult r = engine.submit(q);
-    SPILLWAY_CHECK(r.status == server::SubmitStatus::kAccepted, "bench serve-live: {}", r.message);
+    inference::SubmitResult r = engine.submit(q);
+    SPILLWAY_CHECK(r.status == inference::SubmitStatus::kAccepted, "bench serve-live: {}",
+                   r.message);
     cs.push_back(r.completion);
   }
   Run run;
   std::vector<double> ttft;
   for (const auto& c : cs) {
     std::vector<int32_t> toks;
-    while (c->wait_tokens(toks.size(), &toks) == server::Completion::State::kRunning) {
+    while (c->wait_tokens(toks.size(), &toks) == inference::Completion::State::kRunning) {
     }
-    SPILLWAY_CHECK(c->state() == server::Completion::State::kDone, "bench serve-live: {}",
+    SPILLWAY_CHECK(c->state() == inference::Completion::State::kDone, "bench serve-live: {}",
                    c->error());
     run.tokens += static_cast<int64_t>(toks.size());
     ttft.push_back(c->ttft_ms());
@@ -88,8 +89,8 @@ ServeLiveBenchResult run_serve_live_bench(const ServeLiveBenchOptions& o) {
       fs::remove_all(p, ec);
     }
   } remove{dir};
-  server::write_checkpoint(o.config, 1, (dir / "model").string(), DType::kFp32);
-  const std::vector<server::ModelFiles> models = server::find_models(dir.string());
+  inference::write_checkpoint(o.config, 1, (dir / "model").string(), DType::kFp32);
+  const std::vector<inference::ModelFiles> models = inference::find_models(dir.string());
   const Run serial = run_engine(models, o, 1);
   const Run batched = run_engine(models, o, o.max_running);
   r.link_gbps = batched.link_gbps;

@@ -54,7 +54,7 @@ void fill_layer(void* slab, size_t bytes, size_t offset, size_t layer_bytes, int
 std::vector<double> streamed_steps(Device& dev, const StreamBenchOptions& o, AllGather* group,
                                    double* gbps, double* stall_ms, int64_t* bytes_per_step,
                                    int* bad) {
-  const Stream compute = dev.create_stream(StreamRole::kCompute);
+  const UniqueStream compute(dev, StreamRole::kCompute);
   std::vector<double> times;
   {
     WeightStreamOptions so;
@@ -81,13 +81,12 @@ std::vector<double> streamed_steps(Device& dev, const StreamBenchOptions& o, All
     *stall_ms = t.stall_ms / std::max(1, o.steps - 1);
     *bytes_per_step = t.bytes / std::max(1, o.steps - 1);
   }
-  dev.destroy_stream(compute);
   times.erase(times.begin());  // the warm-up
   return times;
 }
 
 std::vector<double> resident_steps(Device& dev, const StreamBenchOptions& o, int* bad) {
-  const Stream compute = dev.create_stream(StreamRole::kCompute);
+  const UniqueStream compute(dev, StreamRole::kCompute);
   std::vector<void*> layers;
   for (int l = 0; l < o.layers; ++l) {
     const AllocResult r = dev.allocate(o.layer_bytes, MemoryKind::kDevice);
@@ -105,7 +104,6 @@ std::vector<double> resident_steps(Device& dev, const StreamBenchOptions& o, int
     times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
   for (void* p : layers) dev.free(p, MemoryKind::kDevice);
-  dev.destroy_stream(compute);
   times.erase(times.begin());
   return times;
 }

@@ -64,7 +64,7 @@ struct Runner {
   int device_buckets = 0;
   int64_t undo_limit = -1;
   std::unique_ptr<Device> dev;
-  Stream compute{-1};
+  UniqueStream compute;
   std::unique_ptr<OptimizerOffload> off;
   StvBenchVariant result;
 };
@@ -78,7 +78,7 @@ std::unique_ptr<Runner> make_runner(const StvBenchOptions& o, const StvWorkload&
   // Device memory: bf16 weights and gradients (4 B), the split's state (12 B), lanes.
   const int64_t device_bytes = static_cast<int64_t>(w.n) * 16 + (int64_t{64} << 20);
   r->dev = make_host_device(HostDeviceOptions{device_bytes, o.d2h_gbps, o.h2d_gbps});
-  r->compute = r->dev->create_stream(StreamRole::kCompute);
+  r->compute = UniqueStream(*r->dev, StreamRole::kCompute);
   OptimOffloadOptions oo;
   oo.clip = kClip;
   oo.cast = optim::CastSite::kHost;  // a PCIe-like link: move bf16, widen on the CPU

@@ -32,10 +32,11 @@ ARROWS = {
     "sim": ["plan"],
     "nn": ["device", "plan"],  # the reference model: the engines only through the socket (hooks.hpp)
     "train": ["nn", "probe", "offload", "optim", "stream"],  # the reference model trained with the engines
-    "serve": ["memory", "catalog"],  # host-resident serving (docs/serve.md)
-    "server": ["nn", "serve"],  # the serving engine: the decoder over the serving parts
-    "http": ["server"],  # its front ends: the HTTP endpoint, live replay and load (httplib)
-    "cli": ["train", "sim", "probe", "serve", "server", "http", "tool"],  # a leaf: nothing depends on it
+    # host-resident serving (docs/serve.md); its trace replay runs on the simulator's engine
+    "serve": ["memory", "catalog", "sim"],
+    "inference": ["nn", "serve"],  # the inference engine: the decoder over the serving parts
+    "http": ["inference"],  # its front ends: the HTTP endpoint, live replay and load (httplib)
+    "cli": ["train", "sim", "probe", "serve", "inference", "http", "tool"],  # a leaf: nothing depends on it
     "tool": ["core"],  # what the spillway tools share (the CLI, spillway-bench): outputs, ranges
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (docs/python.md)
@@ -46,7 +47,7 @@ FOLDERS = {"hw": "catalog", "model": "catalog"}
 # public header (include/spillway/NAME.hpp) -> the part that owns it
 PUBLIC = {
     "error": "core", "units": "core", "policy": "core",
-    "device": "device", "device_math": "device", "hooks": "device",
+    "device": "device", "device_math": "device", "hooks": "device", "device_backend": "device",
     "memory": "memory",
     "offload": "offload",
     "optim": "optim",
@@ -58,8 +59,12 @@ PUBLIC = {
     "nn": "nn", "decoder": "nn",
     "train": "train",
     "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
-    "server": "server", "http_server": "http", "live": "http",
+    "inference": "inference", "http_server": "http", "live": "http",
 }
+
+# Sockets: public headers that only their part's backends include; every other part uses
+# the face (spillway/device.hpp for spillway/device_backend.hpp). Tests may include them.
+SOCKETS = {"device_backend": "device"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')
 
@@ -93,6 +98,9 @@ def check_file(path, part, is_public, violations, white_box=False):
                 owner = PUBLIC.get(name)
                 if owner is None:
                     violations.append(f"{where}: unknown public header (add it to PUBLIC)")
+                elif name in SOCKETS and part != SOCKETS[name]:
+                    violations.append(f"{where}: the socket a backend fills; only "
+                                      f"{SOCKETS[name]} implements it (use its face)")
                 elif owner == "cli":
                     violations.append(f"{where}: nothing depends on cli")
                 elif owner != part and owner not in allowed:

@@ -1010,7 +1010,7 @@ stage_gpu_paths() {
   stage_begin gpu-paths tests 60 10 || return 0
   local cmd=("${ctest_bin:-ctest}" --test-dir "$build_dir" -R "$GPU_PATH_TESTS" --timeout 30 -V --no-tests=error)
   local why
-  why=$(gpu_stage_guard spillway_tests_device spillway_tests_serve)
+  why=$(gpu_stage_guard spillway_tests_device spillway_tests_optim spillway_tests_serve)
   if [ -n "$why" ]; then
     would_run "${cmd[@]}"
     stage_end skip "$why"
@@ -1190,7 +1190,7 @@ stage_build build 200 30 "${main_targets[@]}"
 stage_ctest_cuda
 stage_pytest
 stage_bench
-stage_build build-extra 60 15 spillway_tests_device spillway_tests_serve
+stage_build build-extra 60 15 spillway_tests_device spillway_tests_optim spillway_tests_serve
 stage_gpu_paths
 stage_sanitizer memcheck 60 '-GemmCuda.*:*Nccl*' 'HybridGemmCuda.*'
 stage_sanitizer racecheck 40 'AdamWCuda.*:OptimizerOffloadCuda.*' 'HybridGemmCuda.KernelsMatch*'

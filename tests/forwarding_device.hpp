@@ -1,5 +1,6 @@
-// A Device that forwards every call to another one: tests derive from it to inject faults
-// or log calls, overriding only what they change.
+// A device backend that forwards every call to another device: tests derive from it to
+// inject faults or log calls, overriding only what they change, and hand the engines under
+// test its face (device(), or the wrapper itself where a Device& is taken).
 #pragma once
 
 #include <functional>
@@ -7,12 +8,19 @@
 #include <utility>
 
 #include "spillway/device.hpp"
+#include "spillway/device_backend.hpp"
 
 namespace spillway::testing {
 
-class ForwardingDevice : public Device {
+class ForwardingDevice : public DeviceBackend {
  public:
   explicit ForwardingDevice(Device& inner) : inner_(inner) {}
+  ForwardingDevice(const ForwardingDevice&) = delete;
+  ForwardingDevice& operator=(const ForwardingDevice&) = delete;
+  // The device whose calls go through this backend.
+  Device& device() { return face_; }
+  operator Device&() { return face_; }  // NOLINT(google-explicit-constructor)
+
   std::string name() const override { return inner_.name(); }
   bool emulated() const override { return inner_.emulated(); }
   AllocResult allocate(size_t bytes, MemoryKind kind) override {
@@ -47,12 +55,17 @@ class ForwardingDevice : public Device {
     return inner_.norm_lanes_bf16(a, s);
   }
   bool widen_bf16(const DeviceWidenBf16& a, Stream s) override { return inner_.widen_bf16(a, s); }
+  bool hybrid_gemm(const DeviceHybridGemm& a, Stream s) override {
+    return inner_.hybrid_gemm(a, s);
+  }
+  int cuda_ordinal() const override { return inner_.cuda_ordinal(); }
 
  protected:
   Device& inner() const { return inner_; }
 
  private:
   Device& inner_;
+  Device face_{static_cast<DeviceBackend&>(*this)};
 };
 
 }  // namespace spillway::testing

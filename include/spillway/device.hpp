@@ -102,62 +102,165 @@ struct DeviceWidenBf16 {
   size_t n = 0;
 };
 
-class Device {
+// HybridGEMM's kernels (Note [HybridGEMM as a device operation]): o (m x n, fp32, device
+// memory) = x (m x k, fp32, device memory) times w (k x n, row-major, fp32 or bf16 bits,
+// mapped host memory the kernels read in place). Columns [0, n_symmetric) take the
+// symmetric tiles, the rest the asymmetric ones; the caller has checked the problem.
+struct DeviceGemmTiles {
+  int64_t m = 0, n = 0, k = 0;
+};
+struct DeviceHybridGemm {
+  int64_t m = 0, n = 0, k = 0;
+  int64_t n_symmetric = 0;
+  bool w_bf16 = false;
+  DeviceGemmTiles symmetric, asymmetric;
+  const float* x = nullptr;
+  const void* w = nullptr;
+  float* o = nullptr;
+};
+
+class DeviceBackend;  // the socket a backend fills: spillway/device_backend.hpp
+
+// A device: the face every engine and caller uses. It forwards each call to its backend
+// (the host emulation, CUDA, or a wrapper such as a test's fault injection); the semantics
+// above are the backend's contract. Not copyable or movable: engines hold a Device& for
+// their lifetime.
+class Device final {
  public:
-  virtual ~Device() = default;
+  explicit Device(std::unique_ptr<DeviceBackend> backend);  // owned; not null
+  // Borrowed: the backend must outlive the device (a wrapper that holds its own face).
+  explicit Device(DeviceBackend& backend);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
 
   // "host (emulated device, 8.0 GB arena)" or "cuda:0 NVIDIA GH200 480GB".
-  virtual std::string name() const = 0;
+  std::string name() const;
   // True for the host backend (device memory is host-addressable).
-  virtual bool emulated() const = 0;
+  bool emulated() const;
 
   // Memory of a kind; device memory comes from the device (arena or cudaMallocAsync),
   // pinned host memory is page-locked (mapped: also addressable by the device).
-  virtual AllocResult allocate(size_t bytes, MemoryKind kind) = 0;
+  AllocResult allocate(size_t bytes, MemoryKind kind);
   // Frees what allocate returned (null is a no-op).
-  virtual void free(void* ptr, MemoryKind kind) = 0;
+  void free(void* ptr, MemoryKind kind);
   // Current and peak bytes per kind, and the number of allocations.
-  virtual MemoryStats memory_stats() const = 0;
+  MemoryStats memory_stats() const;
   // Starts a new peak window: every kind's peak becomes its current bytes.
-  virtual void reset_peaks() = 0;
+  void reset_peaks();
 
   // A stream for a role (the copy directions get their own engines); priority: lower is
-  // more urgent (optional: backends without priorities ignore it).
-  virtual Stream create_stream(StreamRole role, int priority = 0) = 0;
+  // more urgent (backends without priorities ignore it). A caller that owns the stream
+  // for a scope holds it in a UniqueStream.
+  Stream create_stream(StreamRole role, int priority = 0);
   // A handle for the caller's stream `native` (cudaStream_t on CUDA, HostStream::native() on
   // the host backend), used but not owned: Note [Adopted streams]. Throws for a foreign one.
-  virtual Stream adopt_stream(void* native, StreamRole role) = 0;
+  Stream adopt_stream(void* native, StreamRole role);
   // Destroys a created stream (its pending work still completes); forgets an adopted one.
-  virtual void destroy_stream(Stream s) = 0;
+  void destroy_stream(Stream s);
 
-  virtual Event create_event() = 0;
-  virtual void destroy_event(Event e) = 0;
-  virtual void record(Event e, Stream s) = 0;
-  virtual void wait(Stream s, Event e) = 0;
-  virtual bool query(Event e) = 0;
-  virtual void synchronize(Event e) = 0;
-  virtual void synchronize(Stream s) = 0;
+  Event create_event();
+  void destroy_event(Event e);
+  void record(Event e, Stream s);
+  void wait(Stream s, Event e);
+  bool query(Event e);
+  void synchronize(Event e);
+  void synchronize(Stream s);
 
   // Copies `bytes` from src to dst in stream order; any direction (the pointers' kinds
   // are the caller's business, as with cudaMemcpyAsync and cudaMemcpyDefault).
-  virtual void copy_async(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  void copy_async(void* dst, const void* src, size_t bytes, Stream s);
   // Runs fn on a host thread in stream order (the stream waits for it).
-  virtual void host_callback(Stream s, std::function<void()> fn) = 0;
-  // (optional) The backend's own handle of stream s, what adopt_stream takes (cudaStream_t
-  // on CUDA, a HostStream's native() on the host backend); default null: none.
-  virtual void* native_stream(Stream s) {
-    (void)s;
-    return nullptr;
-  }
-  // (optional) The CUDA ordinal of a CUDA device; -1 for every other backend.
-  virtual int cuda_ordinal() const { return -1; }
+  void host_callback(Stream s, std::function<void()> fn);
+  // The backend's own handle of stream s, what adopt_stream takes (cudaStream_t on CUDA, a
+  // HostStream's native() on the host backend); null when the backend has none.
+  void* native_stream(Stream s);
+  // The CUDA ordinal of a CUDA device; -1 for every other backend.
+  int cuda_ordinal() const;
 
-  // (optional) AdamW over a.n elements on s (Note [Device operations]); default: false.
-  virtual bool adamw_step(const DeviceAdamW& /*a*/, Stream /*s*/) { return false; }
-  // (optional) The norm lane sums of a.n bf16 values on s; default: false.
-  virtual bool norm_lanes_bf16(const DeviceNormLanes& /*a*/, Stream /*s*/) { return false; }
-  // (optional) a.dst = a.src widened from bf16 to fp32 on s; default: false.
-  virtual bool widen_bf16(const DeviceWidenBf16& /*a*/, Stream /*s*/) { return false; }
+  // The device operations (Note [Device operations]): each enqueues its work on s and
+  // returns true, or returns false when the backend does not have it.
+  // AdamW over a.n elements.
+  bool adamw_step(const DeviceAdamW& a, Stream s);
+  // The norm lane sums of a.n bf16 values.
+  bool norm_lanes_bf16(const DeviceNormLanes& a, Stream s);
+  // a.dst = a.src widened from bf16 to fp32.
+  bool widen_bf16(const DeviceWidenBf16& a, Stream s);
+  // HybridGEMM's two paths over weights the device reads where they lie (Note [HybridGEMM
+  // as a device operation]).
+  bool hybrid_gemm(const DeviceHybridGemm& a, Stream s);
+
+  // The backend itself, for a wrapper that forwards to it (tests' fault injection).
+  DeviceBackend& backend() { return *backend_; }
+
+ private:
+  std::unique_ptr<DeviceBackend> owned_;
+  DeviceBackend* backend_ = nullptr;
+};
+
+// Note [Owned streams and events]: a stream or event a caller creates for a scope (an
+// engine's copy streams, a benchmark's compute stream) is held by one of these, which
+// destroys it when it goes (as c10's guards restore a stream): no path, an exception's
+// included, leaks the handle or destroys it twice. Handles a caller adopted or received
+// stay plain Stream / Event values. Movable, not copyable; the device must outlive them.
+class UniqueStream {
+ public:
+  UniqueStream() = default;
+  UniqueStream(Device& device, StreamRole role, int priority = 0)
+      : device_(&device), stream_(device.create_stream(role, priority)) {}
+  ~UniqueStream() { reset(); }
+  UniqueStream(UniqueStream&& o) noexcept : device_(o.device_), stream_(o.stream_) {
+    o.device_ = nullptr;
+  }
+  UniqueStream& operator=(UniqueStream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      device_ = o.device_;
+      stream_ = o.stream_;
+      o.device_ = nullptr;
+    }
+    return *this;
+  }
+  UniqueStream(const UniqueStream&) = delete;
+  UniqueStream& operator=(const UniqueStream&) = delete;
+
+  Stream get() const { return stream_; }
+  operator Stream() const { return stream_; }  // NOLINT(google-explicit-constructor)
+  // Destroys the stream now (its pending work still completes); idempotent.
+  void reset() noexcept;
+
+ private:
+  Device* device_ = nullptr;
+  Stream stream_{};
+};
+
+class UniqueEvent {
+ public:
+  UniqueEvent() = default;
+  explicit UniqueEvent(Device& device) : device_(&device), event_(device.create_event()) {}
+  ~UniqueEvent() { reset(); }
+  UniqueEvent(UniqueEvent&& o) noexcept : device_(o.device_), event_(o.event_) {
+    o.device_ = nullptr;
+  }
+  UniqueEvent& operator=(UniqueEvent&& o) noexcept {
+    if (this != &o) {
+      reset();
+      device_ = o.device_;
+      event_ = o.event_;
+      o.device_ = nullptr;
+    }
+    return *this;
+  }
+  UniqueEvent(const UniqueEvent&) = delete;
+  UniqueEvent& operator=(const UniqueEvent&) = delete;
+
+  Event get() const { return event_; }
+  operator Event() const { return event_; }  // NOLINT(google-explicit-constructor)
+  void reset() noexcept;
+
+ private:
+  Device* device_ = nullptr;
+  Event event_{};
 };
 
 // Note [Checked rate durations]: every wait computed from a rate (a throttled copy, a

@@ -1,5 +1,5 @@
 // `spillway serve`'s HTTP face: the OpenAI-compatible completions endpoint over a
-// ServingEngine (spillway/server.hpp), on cpp-httplib.
+// inference::ServingEngine (spillway/inference.hpp), on cpp-httplib.
 //
 // Note [HTTP endpoints]:
 //   POST /v1/completions  {"model", "prompt" (a string: its bytes are the tokens of a
@@ -16,7 +16,7 @@
 //                         "usage": null and a last one before [DONE] has no choices and the
 //                         request's usage (OpenAI's shape).
 //   GET /v1/models        the served models; GET /v1/models/{id} one of them (404 if not).
-//   GET /metrics          Prometheus text (spillway::server::prometheus_text).
+//   GET /metrics          Prometheus text (spillway::inference::prometheus_text).
 //   GET /health           200, or 503 while draining.
 // Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 naming the
 // field: a field OpenAI's API does not have (a misspelt "max_token" is refused, not ignored);
@@ -40,9 +40,9 @@
 #include <memory>
 #include <string>
 
-#include "spillway/server.hpp"
+#include "spillway/inference.hpp"
 
-namespace spillway::server {
+namespace spillway::http {
 
 struct HttpOptions {
   std::string host = "127.0.0.1";
@@ -55,7 +55,7 @@ class HttpServer {
  public:
   // Binds host:port now; throws naming them when it cannot. The process ignores SIGPIPE from
   // then on (a client gone mid-response is a failed write that cancels its request).
-  HttpServer(ServingEngine& engine, const HttpOptions& options);
+  HttpServer(inference::ServingEngine& engine, const HttpOptions& options);
   ~HttpServer();  // stop()
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
@@ -81,4 +81,4 @@ class HttpServer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace spillway::server
+}  // namespace spillway::http

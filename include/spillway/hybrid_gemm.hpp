@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <string>
 
+#include "spillway/device.hpp"
 #include "spillway/inventory.hpp"
 
 namespace spillway {
@@ -89,12 +90,14 @@ HybridGemmTraffic hybrid_gemm_traffic(const HybridGemmProblem& p);
 HybridGemmTraffic hybrid_gemm_host(const HybridGemmProblem& p, const float* x, const void* w,
                                    float* o);
 
-// The CUDA kernels of both paths (src/serve/cuda/hybrid_gemm.cu), enqueued on `stream` (a
-// cudaStream_t): x and o in device memory, w in mapped host memory the kernels read in
-// place. The traffic is hybrid_gemm_traffic(p)'s (not counted on the device). Returns
-// false and says why (no CUDA backend in this build, tiles too large for shared memory)
-// without launching anything.
-bool hybrid_gemm_cuda(const HybridGemmProblem& p, const float* x, const void* w, float* o,
-                      void* stream, std::string* why);
+// Note [HybridGEMM as a device operation]: the GPU kernels of both paths are the device's
+// (Device::hybrid_gemm; the CUDA backend's in src/device/cuda/), as AdamW is; this checks
+// the problem, then enqueues them on s: x and o in device memory, w in mapped host memory
+// the kernels read in place. The traffic is hybrid_gemm_traffic(p)'s (not counted on the
+// device). Returns false and says why, launching nothing, when the device has no such
+// operation (the host backend: hybrid_gemm_host computes the same product); tiles beyond
+// the kernels' limits throw InputError naming them, before any launch.
+bool hybrid_gemm_on_device(Device& device, const HybridGemmProblem& p, const float* x,
+                           const void* w, float* o, Stream s, std::string* why);
 
 }  // namespace spillway

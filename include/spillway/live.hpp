@@ -38,7 +38,7 @@
 
 #include "spillway/replay.hpp"
 
-namespace spillway::server {
+namespace spillway::http {
 
 // The server's root URL (http://host:port) from what a user gives: http://host[:port], then
 // optionally /v1 (an OpenAI client's base_url) and slashes, which are dropped. Anything else
@@ -150,4 +150,4 @@ std::string format_load(const LoadReport& r, const LoadOptions& o);
 // tokens; else what failed, in numbers (`spillway load` exits 1 with it).
 std::string load_failure(const LoadReport& r, const LoadOptions& o);
 
-}  // namespace spillway::server
+}  // namespace spillway::http

@@ -146,7 +146,7 @@ struct PlanRequest {
   Efficiency efficiency;
   int keep_last_layers = 1;  // layers at the end that never offload
   int prefetch_depth = 1;    // backward reloads issued this many layers ahead
-  // Note [Training state] (planner.cpp, docs/planner.md): what the data-parallel group
+  // Note [Training state] (src/plan/stage.cpp, docs/planner.md): what the data-parallel group
   // shards and what lives in host memory. ZeRO stage over dp: 0 nothing, 1 the optimizer
   // states (fp32 master weights and AdamW moments, 12 bytes per parameter), 2 also the
   // gradients, 3 (FSDP) also the weights, with gathered-layer buffers.
@@ -241,7 +241,7 @@ struct LayerPlan {
   double h2d_ms = 0.0;        // offload_bytes / H2D bandwidth, + what host-link rings take of it
   double stall_ms = 0.0;      // backward waiting on this layer's reload
   int64_t backlog_bytes = 0;  // D2H bytes not yet copied when this layer's forward ends
-  // Note [FP8 recompute] (planner.cpp): with --dtype fp8, the scaling state the forward's
+  // Note [FP8 recompute] (src/plan/timeline.cpp): with --dtype fp8, the scaling state the forward's
   // fp8 GEMMs used, kept so that their recompute in backward reuses it exactly.
   int fp8_recomputed_gemms = 0;
   int64_t fp8_scaling_state_bytes = 0;
@@ -286,7 +286,7 @@ struct TrainingStatePlan {
   double loss_recompute_ms = 0.0;   // the logits recomputed in backward, per micro-batch
 };
 
-// Note [Per-block policy] (planner.cpp): what the block-type policy of docs/planner.md
+// Note [Per-block policy] (src/plan/summary.cpp): what the block-type policy of docs/planner.md
 // does to one kind of block, against full-layer checkpointing, per layer.
 struct BlockSummary {
   std::string block;                  // LayerSpec::block_name
@@ -321,8 +321,8 @@ struct PlanSummary {
   int gpus_per_link = 1;     // from the hardware profile (the simulator's default topology)
   std::string calibration;   // "roofline", "layer-fwd-ms", "profile"
   TrainingStatePlan state;
-  // Note [Collectives in the plan] (planner.cpp): the collectives' time on the critical
-  // path per step (exposed ones, and what the overlapped ones do not hide), and all of it.
+  // Note [Collectives in the plan] (src/plan/plan_collectives.cpp): the collectives' time on the
+  // critical path per step (exposed ones, and what the overlapped ones do not hide), and all of it.
   double collective_ms = 0.0;
   double collective_total_ms = 0.0;
   std::vector<BlockSummary> blocks;  // one per block kind, in order of first appearance

@@ -37,7 +37,7 @@ struct SafetensorsTensor {
 inline constexpr int64_t kSafetensorsMaxHeaderBytes = int64_t{100} << 20;
 
 // Which file a path named when it was opened: one renamed over it, rewritten or resized
-// since has another stamp (Note [Checkpoints that change on disk] in spillway/server.hpp).
+// since has another stamp (Note [Checkpoints that change on disk] in spillway/inference.hpp).
 struct FileStamp {
   uint64_t device = 0, inode = 0;
   int64_t bytes = 0;
@@ -148,7 +148,7 @@ enum class PoolStatus {
   kOk,
   kFull,     // every resident model is in use and the model does not fit beside them
   kChanged,  // the file is no longer the one add() checked (Note [Checkpoints that change
-             // on disk] in spillway/server.hpp), or it cannot be read: nothing loaded
+             // on disk] in spillway/inference.hpp), or it cannot be read: nothing loaded
 };
 
 struct PoolAcquire {

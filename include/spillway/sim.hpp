@@ -8,9 +8,13 @@
 //
 // Scenarios: one training step of a plan (any strategy) on N GPUs with K of them per
 // host link; a layerwise weight-streaming pass (prefetch depth d, d + 1 buffers).
+//
+// The engine under them (sim::Engine, at the end) is the project's one discrete-event
+// engine: serving's trace replay (spillway/replay.hpp) runs on it too.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -147,4 +151,145 @@ std::string sim_summary_json(const SimResult& result);
 // The human report.
 std::string format_sim_report(const SimResult& result, const PlanRequest& request);
 
+// ---- the discrete-event engine ----------------------------------------------------------
+//
+// A fluid model of streams, copy engines, shared host links and shared HBM bandwidth.
+// Tasks run on serial streams (in submission order, as CUDA streams do) once their
+// dependencies have finished. A compute task has work in milliseconds at full speed; a
+// copy task has work in bytes and a link direction. Between two events every running task
+// progresses at a constant rate:
+//   - a copy gets an equal share of its link direction's capacity (re-split whenever a
+//     transfer starts or ends); a transfer that crosses two link directions (a collective
+//     through the host link sends on D2H and receives on H2D) runs at the smaller of its
+//     two shares; a transfer's latency_ms (a collective's ring steps) runs first, on its
+//     stream but off the link;
+//   - Note [HBM sharing]: on a GPU running a memory-bound kernel, the kernel demands the
+//     whole HBM bandwidth H and its copies demand their link rates r_i; when H + sum r_i
+//     exceeds H, the kernel and the copies all slow by the factor H / (H + sum r_i). GEMMs
+//     and attention are compute-bound and are not slowed. The model can be turned off.
+// Note [Fixed tasks]: a fixed task takes exactly `work` ms from its start, outside the
+// fluid model (no link, no rate, no HBM sharing). It starts when it heads its stream (a
+// task on no stream, stream -1, is a timer: it waits for nothing else) and its dependencies
+// have finished, and not before not_before_ms; it ends at start_ms + work, computed once
+// when it starts, so its end time is exact. Fixed tasks that end at the same time end one
+// at a time in the order they were added.
+// Note [Engine clients]: run(on_finish) calls on_finish(task) once per task as it ends
+// (now_ms() is its end), in the order they end; the client may then add tasks without
+// dependencies (each starts at once if it can) and recycle finished tasks. A discrete-event
+// simulation of its own (serving's trace replay) is a client whose events are fixed tasks.
+// Invariants (checked by tests): time never runs backwards; a stream runs one task at a
+// time; every byte issued completes; per-resource busy time <= makespan.
+namespace sim {
+
+struct Task {
+  TaskKind kind = TaskKind::kForward;
+  int gpu = 0;
+  int layer = -1;
+  int micro_batch = 0;
+  int label = -1;  // index into the client's label table (task names)
+  int stream = -1;
+  int link = -1;   // copies and collectives: link direction
+  int link2 = -1;  // a second direction the transfer also occupies (-1: none)
+  bool memory_bound = false;
+  bool fixed = false;  // Note [Fixed tasks]: work is ms, the end exact
+  // filled by the run (placed beside the flags, it fills their padding)
+  int last_dep = -1;  // the dependency that finished last (what it waited on)
+  double work = 0.0;  // ms (compute, fixed) or bytes (copy)
+  // A transfer's fixed time before its bytes move (a collective's ring-step latency), in
+  // ms, during which it holds its stream but not its link.
+  double latency_ms = 0.0;
+  double not_before_ms = 0.0;  // a fixed task starts no earlier (ms)
+  // filled by the run
+  double ready_ms = -1.0;  // dependencies met (and head of its stream)
+  double start_ms = -1.0;
+  double end_ms = -1.0;
+};
+
+class Engine {
+ public:
+  // Note [Engine clients]: called for every task as it ends.
+  using FinishHook = std::function<void(int task)>;
+
+  // A serial stream of one GPU (compute, D2H engine, H2D engine or communication).
+  int add_stream(int gpu, ResourceKind kind);
+  // A link direction with a capacity in bytes per millisecond.
+  int add_link(double bytes_per_ms);
+  // HBM bandwidth of a GPU in bytes per ms (0 = no HBM sharing for that GPU).
+  void set_hbm(int gpu, double bytes_per_ms);
+  // Appended to the end of t.stream's queue. During run() (from on_finish): a task without
+  // dependencies, which starts at once if it can, in the id of a recycled task if any.
+  int add_task(const Task& t);
+  void add_dep(int task, int depends_on);  // before run()
+  void reserve(size_t tasks, size_t deps);
+
+  void run(const FinishHook& on_finish = {});
+  // During run(): a finished task without dependents that the client no longer reads, once;
+  // a later add_task may reuse its id and record (a long run's memory stays that of its
+  // live tasks).
+  void recycle(int task);
+
+  const std::vector<Task>& tasks() const { return tasks_; }
+  ResourceKind stream_kind(int stream) const { return streams_[static_cast<size_t>(stream)].kind; }
+  int stream_gpu(int stream) const { return streams_[static_cast<size_t>(stream)].gpu; }
+  double now_ms() const { return now_; }
+  double makespan_ms() const { return now_; }
+  int64_t events() const { return events_; }
+  double worst_hbm_slowdown() const { return worst_slowdown_; }
+  // Time during which the link direction carried at least one transfer.
+  double link_busy_ms(int link) const { return links_[static_cast<size_t>(link)].busy_ms; }
+  double stream_busy_ms(int stream) const { return streams_[static_cast<size_t>(stream)].busy_ms; }
+
+ private:
+  struct Stream {
+    int gpu = 0;
+    ResourceKind kind = ResourceKind::kCompute;
+    std::vector<int> queue;  // from head on: not finished (emptied when a client refills it)
+    size_t head = 0;
+    bool running = false;
+    double busy_ms = 0.0;
+  };
+  struct Link {
+    double capacity = 0.0;
+    int active = 0;
+    double busy_ms = 0.0;
+  };
+  struct FixedEnd {  // a started fixed task (Note [Fixed tasks])
+    double end_ms = 0.0;
+    int64_t order = 0;  // add order: equal ends end in it
+    int task = 0;
+  };
+
+  int add_during_run(const Task& t);  // from on_finish (Note [Engine clients])
+  void try_start(int stream);
+  void start_fixed(int task);
+  void start_timer(int task);  // a task on no stream, if it may start
+  void finish(int task);
+  void end_next_fixed();  // the earliest fixed end: finish, start what follows, on_finish
+
+  std::vector<Task> tasks_;
+  std::vector<Stream> streams_;
+  std::vector<Link> links_;
+  std::vector<double> hbm_;     // per GPU
+  std::vector<int> unmet_;      // per task
+  std::vector<int64_t> order_;  // per task: add order (Note [Fixed tasks]); empty: the id
+  std::vector<std::pair<int, int>> edges_;  // (depends_on, task), sorted into CSR at run()
+  std::vector<int> dep_begin_;
+  std::vector<int> dependents_;
+  std::vector<int> timers_;        // tasks on no stream added before run()
+  std::vector<int> active_;        // running fluid tasks
+  std::vector<double> remaining_;  // per task
+  std::vector<double> rate_;       // per task
+  std::vector<char> in_latency_;   // per task: still in its latency_ms
+  std::vector<FixedEnd> fixed_;    // started fixed tasks, a min-heap on (end_ms, order)
+  std::vector<int> recycled_;      // ids add_task may reuse
+  size_t unfinished_ = 0;
+  size_t submitted_ = 0;
+  const FinishHook* on_finish_ = nullptr;
+  bool running_ = false;
+  double now_ = 0.0;
+  int64_t events_ = 0;
+  double worst_slowdown_ = 1.0;
+};
+
+}  // namespace sim
 }  // namespace spillway

@@ -1,7 +1,8 @@
 // `spillway train`: the reference model trained end to end under a memory policy (keep,
 // recompute, offload, selective, hybrid, auto, or a plan JSON), on the host backend with
 // optionally throttled copy engines, with per-step figures, and `--compare` runs of every
-// policy on the same seed beside the planner's predictions.
+// policy on the same seed beside the planner's predictions; and `spillway stream`'s run of
+// the reference model with its weights streamed beside the same model resident.
 //
 // Invariants: every policy of one run sees the same initial weights and the same batches
 // (both from --seed), so losses and gradients are bitwise identical across policies
@@ -18,6 +19,8 @@
 #include "spillway/nn.hpp"
 #include "spillway/optim.hpp"
 #include "spillway/plan.hpp"
+#include "spillway/stream.hpp"
+#include "spillway/stream_mode.hpp"
 
 namespace spillway::train {
 
@@ -152,5 +155,59 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
 // offloaded_bytes, stall_ms, snowball, ...}`).
 std::string format_train_report(const TrainReport& r, const TrainOptions& o);
 std::string train_report_json(const TrainReport& r, const TrainOptions& o);
+
+// `spillway stream` without --explain (Note [Streamed weights] in spillway/nn.hpp,
+// docs/stream.md): the reference model on gpus_per_link emulated GPUs behind one throttled
+// host link, each GPU with the model all-resident and the same model with its weights
+// streamed (same seed, same batches), interleaved step by step, their losses compared bit
+// for bit. Inference: every GPU its own batch (replicas serving); training: the same batch
+// on every GPU (the reference model has no gradient all-reduce, so data-parallel GPUs on
+// different batches would drift apart; the link traffic is the same either way).
+struct StreamedRunOptions {
+  std::string ref_model = "small-moe";  // an embedded reference config or a config.json path
+  bool training = false;  // training steps (forward, backward re-streamed, AdamW), else forward
+  int steps = 5;          // of each model; the first is the warm-up (>= 2)
+  int micro_batch = 2;
+  int seq_len = 256;
+  int prefetch_depth = 1;         // layers streamed ahead: a ring of prefetch_depth + 1 slots
+  double link_gbps = 1.0;         // the emulated host->device link, shared by its GPUs
+  double device_memory_mb = 512;  // each emulated GPU's memory (MiB)
+  uint64_t seed = 1;              // the weights and the batches
+  int gpus_per_link = 1;          // emulated GPUs (one thread each) behind the link
+  std::string mode = "auto";      // auto (Note [Stream mode model] picks), full-copy, sharded
+  // A run whose link copies alone would take longer is not started (refused, below).
+  double max_link_seconds = 3600.0;
+};
+
+struct StreamedRunReport {
+  // Refused before the first step: the link time alone, min_link_seconds, is more than
+  // max_link_seconds. Then only the sizes and the link figures are set.
+  bool refused = false;
+  double min_link_bytes = 0;    // steps x link_copies x model_bytes
+  double min_link_seconds = 0;  // min_link_bytes at link_gbps
+  int link_copies = 1;          // each layer's copies over the link per pass: N for full-copy
+  int layers = 0;
+  int64_t model_bytes = 0;  // the layer weights (fp32): what one pass streams
+  std::string mode;         // the mode run: the one asked for, or the one auto chose
+  int64_t slot_bytes = 0;   // one slot of the ring on each GPU
+  // Per step: the medians over the steps after the warm-up, of the slowest GPU's time.
+  double resident_ms = 0;
+  double streamed_ms = 0;
+  int timed_steps = 0;
+  WeightStreamTelemetry telemetry;  // GPU 0's streamer over the whole run
+  bool bitwise_identical = true;    // every step's losses on every GPU
+  // The prediction for the same setup (Note [Stream mode model]) and its input: the
+  // measured per-layer compute (training), or the resident pass spread evenly over the
+  // layers (inference: forward_loss does not time layers); the link; the peer copies at
+  // this machine's memcpy rate (the emulated all-gather).
+  StreamModeInput prediction_input;
+  StreamModeChoice prediction;
+  double predicted_ms = 0;  // the mode run's estimate (0 when the choice lacks it)
+};
+
+// Runs it. `progress` receives one line per step (may be empty). Bad options throw
+// spillway::InputError naming the field; losses that differ are a report, not an error.
+StreamedRunReport run_streamed_reference(const StreamedRunOptions& o,
+                                         const std::function<void(const std::string&)>& progress);
 
 }  // namespace spillway::train

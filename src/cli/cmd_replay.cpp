@@ -64,7 +64,7 @@ std::string default_data_file(const std::string& name, const std::string& flag) 
 
 template <class State>
 void run_live_replay(State& st) {
-  st.live = server::server_base_url(st.live, "--live");
+  st.live = http::server_base_url(st.live, "--live");
   const std::string trace_path =
       st.trace.empty() ? default_data_file("lora_request_trace.csv", "--trace") : st.trace;
   int64_t skipped = 0;
@@ -87,12 +87,11 @@ void run_live_replay(State& st) {
                     "are not sent...\n",
                     in_time, st.lo.max_seconds, static_cast<int64_t>(trace.size()) - in_time);
   say_beside_json(st.json_path, says);
-  const server::LiveReplayReport r = server::replay_live(st.live, trace, st.o, st.lo);
-  say_beside_json(st.json_path,
-                  server::format_live_replay(r, static_cast<int64_t>(distinct.size())));
+  const http::LiveReplayReport r = http::replay_live(st.live, trace, st.o, st.lo);
+  say_beside_json(st.json_path, http::format_live_replay(r, static_cast<int64_t>(distinct.size())));
   if (!st.svg_path.empty() && r.answered > 0) write_output(st.svg_path, replay_svg(r.results));
-  if (!st.json_path.empty()) write_output(st.json_path, server::live_replay_json(r));
-  const std::string failure = server::live_replay_failure(r);
+  if (!st.json_path.empty()) write_output(st.json_path, http::live_replay_json(r));
+  const std::string failure = http::live_replay_failure(r);
   if (!failure.empty()) throw Error(failure);
 }
 
@@ -105,7 +104,7 @@ void add_replay_command(CLI::App& app) {
     int64_t max_requests = -1;   // not given: all, live kLiveDefaultRequests
     std::string json_path, svg_path;
     std::string live;
-    server::LiveOptions lo;
+    http::LiveOptions lo;
     double prompt_median = 0, output_median = 0;  // 0: 512 / 128 simulated, 64 / 16 live
   };
   auto st = std::make_shared<State>();
@@ -225,7 +224,7 @@ void add_replay_command(CLI::App& app) {
 void add_load_command(CLI::App& app) {
   struct State {
     std::string url;
-    server::LoadOptions o;
+    http::LoadOptions o;
   };
   auto st = std::make_shared<State>();
   CLI::App* cmd = app.add_subcommand(
@@ -272,11 +271,11 @@ void add_load_command(CLI::App& app) {
                ->capture_default_str(),
            closed(0, 3600));
   cmd->callback([st]() {
-    st->url = server::server_base_url(st->url, "url");
-    const server::LoadReport r = server::run_load(st->url, st->o);
-    std::fputs(server::format_load(r, st->o).c_str(), stdout);
+    st->url = http::server_base_url(st->url, "url");
+    const http::LoadReport r = http::run_load(st->url, st->o);
+    std::fputs(http::format_load(r, st->o).c_str(), stdout);
     std::fflush(stdout);
-    const std::string failure = server::load_failure(r, st->o);
+    const std::string failure = http::load_failure(r, st->o);
     if (!failure.empty()) SPILLWAY_INPUT_ERROR("load: {}", failure);
   });
 }

@@ -1,5 +1,5 @@
 // `spillway serve`: the live OpenAI-compatible server over emulated MIG slices
-// (spillway/server.hpp, spillway/http_server.hpp); `spillway checkpoint`: a reference-model
+// (spillway/inference.hpp, spillway/http_server.hpp); `spillway checkpoint`: a reference-model
 // checkpoint directory to serve.
 #include <fmt/format.h>
 #include <signal.h>
@@ -17,8 +17,8 @@
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
 #include "spillway/http_server.hpp"
+#include "spillway/inference.hpp"
 #include "spillway/live.hpp"
-#include "spillway/server.hpp"
 
 namespace spillway::cli {
 namespace {
@@ -108,8 +108,8 @@ void remove_demo_dir(const fs::path& p) {
 
 void add_serve_command(CLI::App& app) {
   struct State {
-    server::EngineOptions o;
-    server::HttpOptions http;
+    inference::EngineOptions o;
+    http::HttpOptions http;
     std::string models;
     std::string port_file;
     double host_budget_mb = 1024;
@@ -234,18 +234,18 @@ void add_serve_command(CLI::App& app) {
     if (dir.empty()) {
       demo = fs::temp_directory_path() / fmt::format("spillway-serve-{}", ::getpid());
       remove_demo.p = demo;
-      server::write_checkpoint("tiny-moe", 1, (demo / "tiny-moe-a").string(), DType::kFp32);
-      server::write_checkpoint("tiny-moe", 2, (demo / "tiny-moe-b").string(), DType::kFp32);
+      inference::write_checkpoint("tiny-moe", 1, (demo / "tiny-moe-a").string(), DType::kFp32);
+      inference::write_checkpoint("tiny-moe", 2, (demo / "tiny-moe-b").string(), DType::kFp32);
       dir = demo.string();
       std::printf(
           "spillway serve: no --models: demo models tiny-moe-a and tiny-moe-b (the "
           "tiny-moe reference model, seeds 1 and 2) in %s (removed at exit)\n",
           dir.c_str());
     }
-    const std::vector<server::ModelFiles> models = server::find_models(dir);
-    server::ServingEngine engine(models, st->o);
-    server::HttpServer http(engine, st->http);
-    for (const server::ServedModelInfo& m : engine.models())
+    const std::vector<inference::ModelFiles> models = inference::find_models(dir);
+    inference::ServingEngine engine(models, st->o);
+    http::HttpServer http(engine, st->http);
+    for (const inference::ServedModelInfo& m : engine.models())
       std::printf("  model %s: %d layers, vocab %d, %.1f MB %s\n", m.name.c_str(), m.layers,
                   m.vocab, static_cast<double>(m.weight_bytes) / 1e6, to_string(m.dtype).c_str());
     std::printf("  %d slices of %s %s, rates x %g; alpha %s\n", engine.slices(),
@@ -266,7 +266,7 @@ void add_serve_command(CLI::App& app) {
         url_host(st->http.host).c_str(), http.port(), st->drain_seconds);
     std::fflush(stdout);
     const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(st->drain_seconds * 1e3));
-    server::HttpServer::DrainReport report;
+    http::HttpServer::DrainReport report;
     int drain_signal = 0;
     std::thread signals([&] {
       const auto read_byte = [] {
@@ -322,7 +322,7 @@ void add_serve_command(CLI::App& app) {
             st->drain_seconds);
       }
     }
-    const server::EngineMetrics m = engine.metrics();
+    const inference::EngineMetrics m = engine.metrics();
     std::printf(
         "spillway serve: drained; %lld requests answered, %lld tokens generated, %lld "
         "refused as overloaded\n",
@@ -366,7 +366,7 @@ void add_checkpoint_command(CLI::App& app) {
   cmd->callback([st]() {
     const DType dt = parse_dtype(st->dtype);
     check_checkpoint_out(st->out, st->force);
-    server::write_checkpoint(st->config, st->seed, st->out, dt);
+    inference::write_checkpoint(st->config, st->seed, st->out, dt);
     const auto bytes = fs::file_size(fs::path(st->out) / "model.safetensors");
     std::printf("wrote %s/config.json and %s/model.safetensors (%s, %.2f MB)\n", st->out.c_str(),
                 st->out.c_str(), st->dtype.c_str(), static_cast<double>(bytes) / 1e6);

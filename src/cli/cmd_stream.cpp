@@ -1,25 +1,18 @@
 // `spillway stream`: layerwise weight streaming (docs/stream.md). Without --explain: the
 // reference model run with its weights streamed on the host backend (a throttled link),
-// against the same model all-resident in the same run, beside the simulator's prediction
-// (Note [Streamed weights]). --explain: the choice among full copy, sharded + all-gather
-// and in-place reading for a catalog model on a machine, with the arithmetic shown (Note
-// [Stream mode model]) beside the simulator's prediction.
+// against the same model all-resident in the same run (train::run_streamed_reference),
+// beside the simulator's prediction (Note [Streamed weights]). --explain: the choice among full
+// copy, sharded + all-gather and in-place reading for a catalog model on a machine, with the
+// arithmetic shown (Note [Stream mode model]) beside the simulator's prediction.
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstring>
-#include <exception>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <random>
-#include <thread>
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "core/stats.hpp"
 #include "spillway/error.hpp"
-#include "spillway/nn.hpp"
 #include "spillway/probe.hpp"
 #include "spillway/sim.hpp"
 #include "spillway/stream.hpp"
@@ -30,247 +23,45 @@ namespace spillway::cli {
 
 namespace {
 
-struct RunFlags {
-  std::string ref_model = "small-moe";
-  int steps = 5;
-  double link_gbps = 1.0;
-  double device_memory_mb = 512;
-  uint64_t seed = 1;
-  int gpus_per_link = 1;
-  std::string mode = "auto";
-  bool batch_given = false;  // else 2 x 256 tokens (the planner's defaults are a GPU's)
-  bool seq_given = false;
-};
-
-// One emulated GPU of the run: its device behind the shared link, the model all-resident
-// and the same model streamed.
-// The learning rate of a training run of the reference model, streamed and resident.
-constexpr double kStreamRunLr = 1e-3;
-
-struct RunRank {
-  std::unique_ptr<Device> dev;
-  std::unique_ptr<nn::Model> resident, streamed;
-  double loss_res = 0, loss_str = 0;
-  double ms_res = 0, ms_str = 0;
-  nn::StepStats st_res;
-  // Each model's own update (Note [The model's own update]).
-  train::TextbookAdamW adam_res{kStreamRunLr}, adam_str{kStreamRunLr};
-  std::unique_ptr<WeightStreamer> ws;  // last: destroyed before the models and the device
-};
-
-// fn(rank) on every rank at once, one thread each (the emulated GPUs run concurrently and
-// contend for the link as GPUs would). A rank that throws calls on_error (its peers may be
-// waiting for it in a collective); the first error is rethrown once all have returned.
-template <typename F, typename E>
-void on_all_ranks(std::vector<RunRank>& ranks, F fn, E on_error) {
-  if (ranks.size() == 1) {
-    fn(ranks[0]);
-    return;
-  }
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(ranks.size());
-  threads.reserve(ranks.size());
-  for (size_t i = 0; i < ranks.size(); ++i)
-    threads.emplace_back([&, i] {
-      try {
-        fn(ranks[i]);
-      } catch (...) {
-        errors[i] = std::current_exception();
-        on_error();
-      }
-    });
-  for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-// The rate at which this machine copies a buffer of `bytes` (the emulated all-gather is
-// such copies among the ranks' device buffers), GB/s: the median of 5.
-double measured_memcpy_gbps(size_t bytes) {
-  std::vector<std::byte> a(bytes, std::byte{1}), b(bytes);
-  std::vector<double> ms;
-  for (int i = 0; i < 6; ++i) {
-    const auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), bytes);
-    if (i > 0) ms.push_back(ms_since(t0));
-  }
-  return static_cast<double>(bytes) / 1e6 / std::max(median(ms), 1e-6);
-}
-
-// The reference model on N emulated GPUs behind one throttled link, each resident and
-// streamed (same seed and batches), interleaved step by step; losses compared bit for bit.
-// Inference: every rank its own batch (replicas serving); training: the same batch on
-// every rank (the reference model has no gradient all-reduce, so data-parallel ranks on
-// different batches would drift apart; the link traffic is the same either way).
-void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool training,
-                            const std::string& json_path) {
-  const nn::RefConfig c = nn::load_reference_config(rf.ref_model);
-  const int batch = static_cast<int>(rf.batch_given ? pf.micro_batch : 2);
-  const int seq = static_cast<int>(rf.seq_given ? pf.seq_len : 256);
-  const int depth = std::max(1, pf.prefetch_depth);
-  const int N = rf.gpus_per_link;
-  auto link = std::make_shared<HostLink>(rf.link_gbps, rf.link_gbps);
-  // Declared before the ranks: their streamers (destroyed first, each waiting for its
-  // streams) may still have all-gathers of the next pass in flight.
-  std::vector<std::unique_ptr<AllGather>> group;
-  std::vector<RunRank> ranks(static_cast<size_t>(N));
-  std::vector<Device*> devs;
-  for (RunRank& r : ranks) {
-    HostDeviceOptions o;
-    o.device_bytes = static_cast<int64_t>(rf.device_memory_mb * kMiB);
-    o.link = link;
-    r.dev = make_host_device(o);
-    devs.push_back(r.dev.get());
-    r.resident = std::make_unique<nn::Model>(c, *r.dev, rf.seed);
-    r.streamed = std::make_unique<nn::Model>(c, *r.dev, rf.seed);
-  }
-  const MemoryPolicy policy = nn::keep_policy(c);
-  TrainingHooks none;
-  const double lr = training ? kStreamRunLr : 0.0;
-  std::mt19937 g(static_cast<uint32_t>(rf.seed));
-  auto batches = [&] {
-    std::vector<std::vector<int32_t>> out;
-    for (int r = 0; r < (training ? 1 : N); ++r) {
-      std::vector<int32_t> tokens(static_cast<size_t>(batch) * static_cast<size_t>(seq + 1));
-      for (int32_t& t : tokens) t = static_cast<int32_t>(g() % static_cast<uint32_t>(c.vocab));
-      out.push_back(std::move(tokens));
-    }
-    return out;
-  };
-  // One step of every rank's resident or streamed model; the step's time is the slowest
-  // rank's.
-  auto step_all = [&](bool streamed, const std::vector<std::vector<int32_t>>& tok, double step_lr) {
-    // A failed rank aborts the all-gather group so that its peers do not wait for it.
-    const auto abort_group = [&] {
-      for (const std::unique_ptr<AllGather>& a : group) a->abort();
-    };
-    on_all_ranks(
-        ranks,
-        [&](RunRank& r) {
-          const size_t i = static_cast<size_t>(&r - ranks.data());
-          const std::vector<int32_t>& t = tok[training ? 0 : i];
-          nn::Model& m = streamed ? *r.streamed : *r.resident;
-          const auto t0 = Clock::now();
-          double loss = 0;
-          if (training) {
-            train::TextbookAdamW& adam = streamed ? r.adam_str : r.adam_res;
-            const nn::ParameterUpdate update = step_lr > 0 ? adam.update() : nn::ParameterUpdate{};
-            nn::StepStats st = m.step(t, batch, seq, policy, none, update);
-            loss = st.loss;
-            if (!streamed) r.st_res = std::move(st);
-          } else {
-            loss = m.forward_loss(t, batch, seq);
-          }
-          (streamed ? r.ms_str : r.ms_res) = ms_since(t0);
-          (streamed ? r.loss_str : r.loss_res) = loss;
-        },
-        abort_group);
-    double slowest = 0;
-    for (const RunRank& r : ranks) slowest = std::max(slowest, streamed ? r.ms_str : r.ms_res);
-    return slowest;
-  };
-  const std::vector<size_t> bytes = ranks[0].resident->layer_weight_bytes();
-  int64_t model_bytes = 0;
-  for (size_t b : bytes) model_bytes += static_cast<int64_t>(b);
-  // The link time alone, at least: every streamed step copies every layer once (forward)
-  // through the link, N times over when each GPU copies whole layers. A run that would
-  // take longer than kMaxRunSeconds is refused now, not after hours.
-  {
-    const double copies = rf.mode == "full-copy" ? N : 1.0;
-    const double link_bytes =
-        static_cast<double>(rf.steps) * copies * static_cast<double>(model_bytes);
-    const double seconds = link_bytes / (rf.link_gbps * 1e9);
-    if (!(seconds <= kMaxRunSeconds))
-      SPILLWAY_INPUT_ERROR(
-          "--link-gbps is {}; {}", rf.link_gbps,
-          fmt::format("the {} streamed steps copy at least {:.1f} MB over the link ({} steps x "
-                      "{:.1f} MB of layer weights{}), {:.3g} s at {} GB/s: more than the {:.0f} s "
-                      "a run may take; raise --link-gbps to {:.3g} or more, or lower --steps",
-                      rf.steps, link_bytes / 1e6, rf.steps, static_cast<double>(model_bytes) / 1e6,
-                      copies > 1 ? fmt::format(" x {} GPUs", N) : "", seconds, rf.link_gbps,
-                      kMaxRunSeconds, link_bytes / 1e9 / kMaxRunSeconds));
-  }
-  // The mode, from the arithmetic of Note [Stream mode model] over a warm-up step of the
-  // resident models (learning rate 0: the weights stay the streamed models'), the link,
-  // and this machine's copy rate for the emulated all-gather.
-  StreamModeInput in;
-  in.gpus_per_link = N;
-  in.link_h2d_gbps = rf.link_gbps;
-  in.peer_gbps = N > 1 ? measured_memcpy_gbps(*std::max_element(bytes.begin(), bytes.end())) : 0;
-  in.depth = depth;
-  auto fill_compute = [&](double fwd_ms) {
-    in.layer_bytes.clear();
-    in.fwd_ms.clear();
-    in.bwd_ms.clear();
-    for (int l = 0; l < c.layers(); ++l) {
-      const auto u = static_cast<size_t>(l);
-      in.layer_bytes.push_back(static_cast<int64_t>(bytes[u]));
-      in.fwd_ms.push_back(training ? ranks[0].st_res.layer_fwd_ms[u] : fwd_ms / c.layers());
-      if (training) in.bwd_ms.push_back(ranks[0].st_res.layer_bwd_ms[u]);
-    }
-  };
-  fill_compute(step_all(false, batches(), 0.0));
-  std::string mode = rf.mode;
-  if (mode == "auto") mode = choose_stream_mode(in).chosen;
-  if (mode == "sharded" && N < 2)
-    throw CLI::ValidationError("--mode", "sharded needs --gpus-per-link 2 or more");
-  if (mode == "sharded") group = make_host_all_gather(devs);
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    RunRank& r = ranks[i];
-    WeightStreamOptions so;
-    so.depth = depth;
-    so.training = training;
-    if (!group.empty()) so.group = group[i].get();
-    r.ws = std::make_unique<WeightStreamer>(*r.dev, r.streamed->compute_stream(),
-                                            r.streamed->layer_weight_bytes(), so);
-    r.streamed->stream_weights(r.ws.get());
-  }
-  std::vector<double> t_res, t_str;
-  std::vector<std::vector<double>> fwd_ms(static_cast<size_t>(c.layers())),
-      bwd_ms(static_cast<size_t>(c.layers()));
-  bool bitwise = true;
-  for (int step = 0; step < rf.steps; ++step) {
-    const std::vector<std::vector<int32_t>> tok = batches();
-    const double ms_res = step_all(false, tok, lr);
-    const double ms_str = step_all(true, tok, lr);
-    if (step > 0) {
-      t_res.push_back(ms_res);
-      t_str.push_back(ms_str);
-    }
-    if (training)
-      for (int l = 0; l < c.layers(); ++l) {
-        const auto u = static_cast<size_t>(l);
-        fwd_ms[u].push_back(ranks[0].st_res.layer_fwd_ms[u]);
-        bwd_ms[u].push_back(ranks[0].st_res.layer_bwd_ms[u]);
-      }
-    std::string differ;
-    for (size_t i = 0; i < ranks.size(); ++i)
-      if (ranks[i].loss_res != ranks[i].loss_str) differ += fmt::format(" {}", i);
-    bitwise = bitwise && differ.empty();
-    say_beside_json(json_path, fmt::format("step {}: loss {:.6f} resident, {:.6f} streamed{}{}\n",
-                                           step, ranks[0].loss_res, ranks[0].loss_str,
-                                           N > 1 ? fmt::format(" (rank 0 of {})", N) : "",
-                                           differ.empty() ? "" : "  DIFFERENT on rank" + differ));
-  }
-  const WeightStreamTelemetry t = ranks[0].ws->telemetry();
-  for (RunRank& r : ranks) r.streamed->stream_weights(nullptr);
-  const double res_ms = median(t_res), str_ms = median(t_str);
+// A run (train::run_streamed_reference) printed, its simulator prediction beside it, and
+// written as JSON; exit 1 when the streamed losses differ from the resident ones.
+void run_streamed(const train::StreamedRunOptions& o, const std::string& json_path) {
+  const bool training = o.training;
+  const int N = o.gpus_per_link;
+  const int depth = o.prefetch_depth;
+  const train::StreamedRunReport r = train::run_streamed_reference(
+      o, [&](const std::string& line) { say_beside_json(json_path, line + "\n"); });
+  if (r.refused)
+    SPILLWAY_INPUT_ERROR(
+        "--link-gbps is {}; {}", o.link_gbps,
+        fmt::format("the {} streamed steps copy at least {:.1f} MB over the link ({} steps x "
+                    "{:.1f} MB of layer weights{}), {:.3g} s at {} GB/s: more than the {:.0f} s "
+                    "a run may take; raise --link-gbps to {:.3g} or more, or lower --steps",
+                    o.steps, r.min_link_bytes / 1e6, o.steps,
+                    static_cast<double>(r.model_bytes) / 1e6,
+                    r.link_copies > 1 ? fmt::format(" x {} GPUs", N) : "", r.min_link_seconds,
+                    o.link_gbps, kMaxRunSeconds, r.min_link_bytes / 1e9 / kMaxRunSeconds));
+  const std::string& mode = r.mode;
+  const WeightStreamTelemetry& t = r.telemetry;
+  const StreamModeInput& in = r.prediction_input;
+  const StreamModeChoice& choice = r.prediction;
+  const double res_ms = r.resident_ms, str_ms = r.streamed_ms;
   std::string text = fmt::format(
       "{} ({} layers, {:.1f} MB of layer weights, fp32), batch {} x {} tokens{}, {}; link {:.2f} "
       "GB/s host->device, depth {} ({} device slots of {:.1f} MB)\n",
-      rf.ref_model, c.layers(), static_cast<double>(model_bytes) / 1e6, batch, seq,
+      o.ref_model, r.layers, static_cast<double>(r.model_bytes) / 1e6, o.micro_batch, o.seq_len,
       N > 1 ? (training ? " (the same on every GPU)" : " per GPU") : "",
       training ? "training steps (forward, backward re-streamed, AdamW)" : "inference (forward)",
-      rf.link_gbps, depth, depth + 1, static_cast<double>(ranks[0].ws->slot_bytes()) / 1e6);
+      o.link_gbps, depth, depth + 1, static_cast<double>(r.slot_bytes) / 1e6);
   if (N == 1) {
     text += fmt::format("  mode            {} (one emulated GPU on its link)\n", mode);
   } else {
     text += fmt::format("  mode            {} ({} emulated GPUs sharing the link{}{})\n", mode, N,
                         mode == "sharded" ? ", each copying 1/N of a layer and all-gathering" : "",
-                        rf.mode == "auto" ? "; chosen by the model below" : "; --mode");
+                        o.mode == "auto" ? "; chosen by the model below" : "; --mode");
   }
   text += fmt::format("  all resident    {:9.2f} ms per step (median of {}{})\n", res_ms,
-                      t_res.size(), N > 1 ? ", the slowest GPU" : "");
+                      r.timed_steps, N > 1 ? ", the slowest GPU" : "");
   text += fmt::format("  streamed        {:9.2f} ms per step ({:+.1f}%)\n", str_ms,
                       100.0 * (str_ms / res_ms - 1.0));
   const double steps = static_cast<double>(std::max<int64_t>(1, t.steps));
@@ -283,47 +74,32 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
   if (N > 1)
     text += fmt::format("  link            {:.1f} MB per step for the {} GPUs\n",
                         static_cast<double>(t.bytes) * N / 1e6 / steps, N);
-  text +=
-      fmt::format("  losses          {}\n", bitwise ? "bitwise identical to the resident model's"
+  text += fmt::format("  losses          {}\n", r.bitwise_identical
+                                                    ? "bitwise identical to the resident model's"
                                                     : "DIFFER from the resident model's");
-  // The predictions for the same setup, from the measured per-layer compute (training) or
-  // the resident pass spread evenly (inference: forward_loss does not time layers).
-  if (training) {
-    in.fwd_ms.clear();
-    in.bwd_ms.clear();
-    for (int l = 0; l < c.layers(); ++l) {
-      in.fwd_ms.push_back(median(fwd_ms[static_cast<size_t>(l)]));
-      in.bwd_ms.push_back(median(bwd_ms[static_cast<size_t>(l)]));
-    }
-  } else {
-    fill_compute(res_ms);
-  }
-  const StreamModeChoice choice = choose_stream_mode(in);
-  const auto est = std::find_if(choice.modes.begin(), choice.modes.end(),
-                                [&](const StreamModeEstimate& e) { return e.mode == mode; });
-  const double predicted = est != choice.modes.end() ? est->step_ms : 0.0;
   text += fmt::format(
       "  predicted       {:9.2f} ms per step of layers (Note [Stream mode model], {:.2f} ms of "
       "them compute{})\n",
-      predicted, choice.compute_ms,
+      r.predicted_ms, choice.compute_ms,
       N > 1 ? fmt::format("; peer copies at this machine's memcpy, {:.1f} GB/s", in.peer_gbps)
             : "");
-  if (rf.mode == "auto" && N > 1)
+  if (o.mode == "auto" && N > 1)
     for (const StreamModeEstimate& e : choice.modes)
       if (e.available && e.mode != mode)
         text += fmt::format("                  {} would take {:.2f} ms\n", e.mode, e.step_ms);
+  // The simulator's prediction for the same setup, from the same per-layer compute.
   double sim_ms = 0.0;
   {
     Plan plan;
-    for (int l = 0; l < c.layers(); ++l) {
+    for (int l = 0; l < r.layers; ++l) {
       LayerPlan lp;
-      lp.params = static_cast<int64_t>(bytes[static_cast<size_t>(l)] / 4);
+      lp.params = in.layer_bytes[static_cast<size_t>(l)] / 4;
       lp.fwd_ms = in.fwd_ms[static_cast<size_t>(l)];
       if (training) lp.bwd_ms = in.bwd_ms[static_cast<size_t>(l)];
       plan.layers.push_back(lp);
     }
-    plan.summary.h2d_gbps = rf.link_gbps / N;  // per GPU; the link: times the GPUs on it
-    plan.summary.d2h_gbps = rf.link_gbps / N;
+    plan.summary.h2d_gbps = o.link_gbps / N;  // per GPU; the link: times the GPUs on it
+    plan.summary.d2h_gbps = o.link_gbps / N;
     plan.summary.gpus_per_link = N;
     PlanRequest req;
     req.work.shape.dtype = DType::kFp32;
@@ -343,10 +119,10 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
   if (!json_path.empty()) {
     nlohmann::json j;
     j["schema"] = "spillway.stream-run/1";
-    j["ref_model"] = rf.ref_model;
+    j["ref_model"] = o.ref_model;
     j["training"] = training;
     j["depth"] = depth;
-    j["link_gbps"] = rf.link_gbps;
+    j["link_gbps"] = o.link_gbps;
     j["gpus_per_link"] = N;
     j["mode"] = mode;
     j["resident_ms"] = res_ms;
@@ -357,13 +133,13 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
     j["hits"] = t.hits;
     j["stall_ms"] = t.stall_ms;
     j["copy_gbps"] = t.gbps;
-    j["bitwise_identical"] = bitwise;
-    j["predicted_ms"] = predicted;
+    j["bitwise_identical"] = r.bitwise_identical;
+    j["predicted_ms"] = r.predicted_ms;
     if (N > 1) j["peer_gbps"] = in.peer_gbps;
     j["simulator_ms"] = sim_ms;
     write_output(json_path, j.dump(2) + "\n");
   }
-  if (!bitwise)
+  if (!r.bitwise_identical)
     throw Error("spillway stream: the streamed model's losses differ from the resident one's");
 }
 
@@ -372,7 +148,7 @@ void run_streamed_reference(const RunFlags& rf, const PlanFlags& pf, bool traini
 void add_stream_command(CLI::App& app) {
   struct State {
     PlanFlags flags;
-    RunFlags run;
+    train::StreamedRunOptions run;
     bool explain = false;
     bool training = false;
     int gpus_per_link = 0;
@@ -477,9 +253,14 @@ void add_stream_command(CLI::App& app) {
                          "must be in [1, 16] for a run (emulated GPUs, one thread each)");
       if (st->run.mode == "sharded" && st->run.gpus_per_link < 2)
         throw CLI::ValidationError("--mode", "sharded needs --gpus-per-link 2 or more");
-      st->run.batch_given = cmd->count("--micro-batch") > 0;
-      st->run.seq_given = cmd->count("--seq-len") > 0;
-      run_streamed_reference(st->run, st->flags, st->training, st->json_path);
+      // 2 x 256 tokens unless given: the planner's defaults are a GPU's.
+      if (cmd->count("--micro-batch") > 0)
+        st->run.micro_batch = static_cast<int>(st->flags.micro_batch);
+      if (cmd->count("--seq-len") > 0) st->run.seq_len = static_cast<int>(st->flags.seq_len);
+      st->run.prefetch_depth = std::max(1, st->flags.prefetch_depth);
+      st->run.training = st->training;
+      st->run.max_link_seconds = kMaxRunSeconds;
+      run_streamed(st->run, st->json_path);
       return;
     }
     for (const char* f : {"--ref-model", "--steps", "--link-gbps", "--device-memory-mb", "--mode"})

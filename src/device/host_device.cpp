@@ -32,6 +32,7 @@
 #include "core/enum_names.hpp"
 #include "device/host_ops.hpp"
 #include "spillway/device.hpp"
+#include "spillway/device_backend.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
 
@@ -439,7 +440,7 @@ struct StreamSlot {
   explicit operator bool() const { return queue != nullptr; }
 };
 
-class HostDevice final : public Device {
+class HostDevice final : public DeviceBackend {
  public:
   explicit HostDevice(const HostDeviceOptions& o)
       : options_(o), arena_(static_cast<size_t>(std::max<int64_t>(o.device_bytes, 0))) {
@@ -820,22 +821,7 @@ int64_t HostLink::d2h_bytes() const {
 }
 
 std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options) {
-  return std::make_unique<HostDevice>(options);
+  return std::make_unique<Device>(std::make_unique<HostDevice>(options));
 }
-
-#ifndef SPILLWAY_HAVE_NCCL
-std::vector<std::unique_ptr<AllGather>> make_nccl_all_gather(
-    const std::vector<Device*>& /*devices*/, std::string* why) {
-  if (why != nullptr) *why = "built without NCCL (no CUDA backend, or nccl.h / libnccl not found)";
-  return {};
-}
-#endif
-
-#ifndef SPILLWAY_HAVE_CUDA
-std::unique_ptr<Device> make_cuda_device(int /*ordinal*/, std::string* why) {
-  if (why != nullptr) *why = "built without the CUDA backend (SPILLWAY_CUDA=OFF or no nvcc)";
-  return nullptr;
-}
-#endif
 
 }  // namespace spillway

@@ -15,7 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 
-namespace spillway::server {
+namespace spillway::http {
 namespace {
 
 thread_local ConnectionStream* current = nullptr;
@@ -184,4 +184,4 @@ bool Server::next_request(const ConnectionStream& strm) const {
   return false;
 }
 
-}  // namespace spillway::server
+}  // namespace spillway::http

@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <string>
 
-namespace spillway::server {
+namespace spillway::http {
 
 class ConnectionStream final : public httplib::Stream {
  public:
@@ -75,4 +75,4 @@ class Server final : public httplib::Server {
   bool next_request(const ConnectionStream& strm) const;
 };
 
-}  // namespace spillway::server
+}  // namespace spillway::http

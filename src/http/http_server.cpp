@@ -20,7 +20,7 @@
 #include "http/http_connection.hpp"
 #include "spillway/error.hpp"
 
-namespace spillway::server {
+namespace spillway::http {
 namespace {
 
 using nlohmann::json;
@@ -74,8 +74,8 @@ constexpr const char* kKnownFields[] = {"model",
                                         "user",
                                         "stream_options"};
 
-CompletionRequest parse_request(const json& body, const ServingEngine& engine, bool* stream,
-                                bool* include_usage) {
+inference::CompletionRequest parse_request(const json& body, const inference::ServingEngine& engine,
+                                           bool* stream, bool* include_usage) {
   if (!body.is_object()) throw FieldError{"", "the request body must be a JSON object"};
   std::string unknown, first_unknown;
   for (const auto& [key, value] : body.items()) {
@@ -88,7 +88,7 @@ CompletionRequest parse_request(const json& body, const ServingEngine& engine, b
   if (!unknown.empty())
     throw FieldError{first_unknown,
                      fmt::format("unrecognized request argument(s) supplied: {}", unknown)};
-  CompletionRequest q;
+  inference::CompletionRequest q;
   if (!body.contains("model")) throw FieldError{"model", "'model' is required"};
   if (!body["model"].is_string())
     throw FieldError{"model", "'model' must be a string, not " + type_name(body["model"])};
@@ -244,7 +244,7 @@ std::string token_text(const std::vector<int32_t>& tokens, size_t from, int voca
 
 // The response's "spillway" extension: how the server ran the request.
 // A time not measured (TPOT with one token) is null.
-json extension(const Completion& c, uint64_t seed) {
+json extension(const inference::Completion& c, uint64_t seed) {
   auto ms = [](double v) { return v < 0 ? json(nullptr) : json(v); };
   return {{"seed", seed},
           {"slice", c.slice()},
@@ -257,7 +257,7 @@ json extension(const Completion& c, uint64_t seed) {
 }  // namespace
 
 struct HttpServer::Impl {
-  ServingEngine& engine;
+  inference::ServingEngine& engine;
   HttpOptions o;
   Server svr;
   int port = 0;
@@ -272,7 +272,7 @@ struct HttpServer::Impl {
   bool run_done = true;
   bool stop_requested = false;
 
-  explicit Impl(ServingEngine& e, const HttpOptions& opt) : engine(e), o(opt) {}
+  explicit Impl(inference::ServingEngine& e, const HttpOptions& opt) : engine(e), o(opt) {}
 
   void begin_write() {
     std::lock_guard lk(mu);
@@ -324,7 +324,7 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
     refuse(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "");
     return;
   }
-  CompletionRequest q;
+  inference::CompletionRequest q;
   bool stream = false, include_usage = false;
   try {
     q = parse_request(body, engine, &stream, &include_usage);
@@ -332,49 +332,49 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
     refuse(400, e.message, e.field, "");
     return;
   }
-  SubmitResult r = engine.submit(q);
+  inference::SubmitResult r = engine.submit(q);
   switch (r.status) {
-    case SubmitStatus::kAccepted:
+    case inference::SubmitStatus::kAccepted:
       break;
-    case SubmitStatus::kInvalid:
+    case inference::SubmitStatus::kInvalid:
       send_error(res, 400, r.message, "invalid_request_error", r.field, "");
       return;
-    case SubmitStatus::kUnknownModel:
+    case inference::SubmitStatus::kUnknownModel:
       send_error(res, 404, r.message, "invalid_request_error", "model", "model_not_found");
       return;
-    case SubmitStatus::kOverloaded:
+    case inference::SubmitStatus::kOverloaded:
       res.set_header("Retry-After", "1");
       send_error(res, 429, r.message, "server_overloaded", "", "overloaded");
       return;
-    case SubmitStatus::kDraining:
+    case inference::SubmitStatus::kDraining:
       send_error(res, 503, r.message, "server_unavailable", "", "draining");
       return;
-    case SubmitStatus::kUnavailable:
+    case inference::SubmitStatus::kUnavailable:
       send_error(res, 503, r.message, "server_unavailable", r.field, "unavailable");
       return;
   }
   const int vocab = engine.config(q.model).vocab;
   const std::string id = fmt::format("cmpl-{}", next_id++);
   const std::time_t now = std::time(nullptr);
-  std::shared_ptr<Completion> c = r.completion;
+  std::shared_ptr<inference::Completion> c = r.completion;
   if (!stream) {
     // Note [Client gone]: while it waits, the handler looks at its connection; a client that
     // went away cancels its request (the slice stops at its next iteration).
     std::vector<int32_t> tokens;
-    Completion::State st = Completion::State::kRunning;
+    inference::Completion::State st = inference::Completion::State::kRunning;
     ConnectionStream* conn = current_connection();
     while ((st = c->wait_tokens_for(tokens.size(), &tokens, std::chrono::milliseconds(50))) ==
-           Completion::State::kRunning) {
+           inference::Completion::State::kRunning) {
       if (conn != nullptr && !c->cancelled() && conn->peer_closed()) {
         c->cancel();
         conn->close_after = true;
       }
     }
-    if (st == Completion::State::kCancelled && conn != nullptr && conn->close_after) {
+    if (st == inference::Completion::State::kCancelled && conn != nullptr && conn->close_after) {
       res.status = 499;  // nobody reads it: the connection is closed after it
       return;
     }
-    if (st != Completion::State::kDone) {
+    if (st != inference::Completion::State::kDone) {
       send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
                  "server_unavailable", "", "unavailable");
       return;
@@ -419,7 +419,7 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
         };
         auto event = [&](const json& choice) { return write(json::array({choice}), nullptr); };
         std::vector<int32_t> fresh;
-        const Completion::State st = c->wait_tokens(*sent, &fresh);
+        const inference::Completion::State st = c->wait_tokens(*sent, &fresh);
         for (int32_t t : fresh) {
           const std::vector<int32_t> one{t};
           if (!event({{"index", 0},
@@ -432,8 +432,8 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
           }
           ++*sent;
         }
-        if (st == Completion::State::kRunning) return true;
-        if (st == Completion::State::kDone) {
+        if (st == inference::Completion::State::kRunning) return true;
+        if (st == inference::Completion::State::kDone) {
           if (!event({{"index", 0},
                       {"text", ""},
                       {"token_ids", json::array()},
@@ -472,7 +472,7 @@ void HttpServer::Impl::routes() {
   svr.Post("/v1/completions",
            [this](const httplib::Request&, httplib::Response& res,
                   const httplib::ContentReader& reader) { completions(res, reader); });
-  auto model_object = [this](const ServedModelInfo& m) {
+  auto model_object = [this](const inference::ServedModelInfo& m) {
     return json{{"id", m.name},
                 {"object", "model"},
                 {"created", created},
@@ -485,14 +485,14 @@ void HttpServer::Impl::routes() {
   };
   svr.Get("/v1/models", [this, model_object](const httplib::Request&, httplib::Response& res) {
     json data = json::array();
-    for (const ServedModelInfo& m : engine.models()) data.push_back(model_object(m));
+    for (const inference::ServedModelInfo& m : engine.models()) data.push_back(model_object(m));
     res.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
   });
   // One model (the OpenAI client's models.retrieve); a model id may hold '/'.
   svr.Get(R"(/v1/models/(.+))",
           [this, model_object](const httplib::Request& req, httplib::Response& res) {
             const std::string id = req.matches[1];
-            for (const ServedModelInfo& m : engine.models())
+            for (const inference::ServedModelInfo& m : engine.models())
               if (m.name == id) {
                 res.set_content(dump(model_object(m)), "application/json");
                 return;
@@ -502,9 +502,9 @@ void HttpServer::Impl::routes() {
           });
   // The server's setup, for clients that model it (spillway replay --live).
   svr.Get("/spillway/setup", [this](const httplib::Request&, httplib::Response& res) {
-    const EngineOptions& eo = engine.options();
+    const inference::EngineOptions& eo = engine.options();
     json models = json::array();
-    for (const ServedModelInfo& m : engine.models())
+    for (const inference::ServedModelInfo& m : engine.models())
       models.push_back({{"id", m.name},
                         {"weight_bytes", m.weight_bytes},
                         {"dtype", to_string(m.dtype)},
@@ -529,7 +529,7 @@ void HttpServer::Impl::routes() {
                     "application/json");
   });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(prometheus_text(engine.metrics()), "text/plain; version=0.0.4");
+    res.set_content(inference::prometheus_text(engine.metrics()), "text/plain; version=0.0.4");
   });
   svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     const bool draining = engine.draining();
@@ -619,7 +619,7 @@ void HttpServer::Impl::routes() {
       });
 }
 
-HttpServer::HttpServer(ServingEngine& engine, const HttpOptions& options)
+HttpServer::HttpServer(inference::ServingEngine& engine, const HttpOptions& options)
     : impl_(std::make_unique<Impl>(engine, options)) {
   Impl& m = *impl_;
   // A client gone mid-response must be a failed write (the request is cancelled), not a
@@ -713,4 +713,4 @@ void HttpServer::stop() {
   }
 }
 
-}  // namespace spillway::server
+}  // namespace spillway::http

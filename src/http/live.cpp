@@ -23,7 +23,7 @@
 #include "spillway/error.hpp"
 #include "spillway/model.hpp"
 
-namespace spillway::server {
+namespace spillway::http {
 namespace {
 
 using nlohmann::json;
@@ -693,4 +693,4 @@ std::string load_failure(const LoadReport& r, const LoadOptions& o) {
   return fmt::format("{}", fmt::join(why, "; "));
 }
 
-}  // namespace spillway::server
+}  // namespace spillway::http

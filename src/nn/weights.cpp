@@ -1,5 +1,6 @@
 // Note [Checkpoint names] (spillway/nn.hpp): the reference model's weights by name, in the
-// order of its parameters in memory (Model's constructor lays them out in this walk).
+// order of its parameters in memory (layout_parameters, parameter_layout.cpp, lays them out
+// in this walk).
 #include <fmt/format.h>
 
 #include <cstdint>

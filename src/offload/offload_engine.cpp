@@ -107,16 +107,17 @@ struct OffloadEngine::Impl {
   std::vector<LayerMarks> marks;
 
   Device& dev;
-  Stream compute;
-  Stream d2h;
-  Stream h2d;
+  Stream compute;  // the caller's
+  UniqueStream d2h;
+  UniqueStream h2d;
   OffloadOptions opt;
   PinnedPool pinned;
   PinnedPool device_pool;
   std::vector<Slot> slots;
   size_t slots_used = 0;
-  std::vector<Event> free_events;
-  std::vector<int> d2h_pending;  // slots whose device block is not yet released (FIFO)
+  std::vector<UniqueEvent> events;  // every event the engine made (sized once)
+  std::vector<Event> free_events;   // those not held by a slot or a deferred free
+  std::vector<int> d2h_pending;     // slots whose device block is not yet released (FIFO)
   size_t d2h_head = 0;
   std::vector<int> h2d_pending;  // slots whose pinned block is not yet released (FIFO)
   size_t h2d_head = 0;
@@ -152,8 +153,8 @@ struct OffloadEngine::Impl {
   Impl(Device& device, Stream compute_stream, const MemoryPolicy& policy, const OffloadOptions& o)
       : dev(device),
         compute(compute_stream),
-        d2h(device.create_stream(StreamRole::kD2H)),
-        h2d(device.create_stream(StreamRole::kH2D)),
+        d2h(device, StreamRole::kD2H),
+        h2d(device, StreamRole::kH2D),
         opt(o),
         pinned(device,
                PinnedPoolOptions{o.pinned_bytes, o.pinned_slabs, MemoryKind::kPinnedHost, -1}),
@@ -167,8 +168,9 @@ struct OffloadEngine::Impl {
     slots.resize(n);
     for (Slot& s : slots) s.name.reserve(32);
     // Two events per slot plus one per deferred free.
+    events.reserve(3 * n);
     free_events.reserve(3 * n);
-    for (size_t i = 0; i < 3 * n; ++i) free_events.push_back(dev.create_event());
+    for (size_t i = 0; i < 3 * n; ++i) free_events.push_back(events.emplace_back(dev).get());
     d2h_pending.reserve(n);
     h2d_pending.reserve(n);
     deferred.reserve(n);
@@ -186,9 +188,6 @@ struct OffloadEngine::Impl {
     poll();
     for (size_t i = deferred_head; i < deferred.size(); ++i) release_device(deferred[i].t);
     for (size_t i = 0; i < slots_used; ++i) release_slot(slots[i]);
-    for (Event e : free_events) dev.destroy_event(e);
-    dev.destroy_stream(d2h);
-    dev.destroy_stream(h2d);
   }
 
   Event take_event() {

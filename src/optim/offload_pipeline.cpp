@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <exception>
 #include <cstring>
+#include <exception>
 
 #include "core/stats.hpp"
 #include "spillway/error.hpp"
@@ -25,7 +25,8 @@ CastSite choose_cast_site(double link_gbps, double cpu_cast_gbps) {
 
 struct OptimizerOffload::Impl {
   Device& dev;
-  Stream compute, d2h, h2d, cpu;
+  Stream compute;              // the caller's
+  UniqueStream d2h, h2d, cpu;  // the pipeline's own (Note [Owned streams and events])
   size_t n = 0;
   std::vector<Bucket> buckets;  // the caller's: offsets into the device weights and gradients
   std::vector<size_t> local;    // per bucket: offset into the host state (CPU buckets) or the
@@ -55,8 +56,8 @@ struct OptimizerOffload::Impl {
   std::vector<char> device_arrived;  // per device bucket, this step
   double cpu_ms = 0.0;       // bucket steps on the cpu stream this step (read after synchronize)
   double last_cpu_ms = 0.0;  // the last step's, with its end_step
-  std::vector<Event> copied, stepped;  // per bucket
-  Event produced{-1}, done{-1};
+  std::vector<UniqueEvent> copied, stepped;  // per bucket
+  UniqueEvent produced, done;
   std::unique_ptr<StvAdamW> stv;
 
   Impl(Device& d, Stream c) : dev(d), compute(c) {}
@@ -218,9 +219,9 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
                       "the gradient staging");
   // The weight staging holds every weight for the first upload; later only CPU buckets.
   s.w_stage = static_cast<uint16_t*>(s.alloc(n * 2, MemoryKind::kPinnedHost, "the weight staging"));
-  s.d2h = dev.create_stream(StreamRole::kD2H);
-  s.h2d = dev.create_stream(StreamRole::kH2D);
-  s.cpu = dev.create_stream(StreamRole::kCompute);
+  s.d2h = UniqueStream(dev, StreamRole::kD2H);
+  s.h2d = UniqueStream(dev, StreamRole::kH2D);
+  s.cpu = UniqueStream(dev, StreamRole::kCompute);
   // The initial state: host buckets packed, every weight rounded to bf16 on the device, the
   // device buckets' fp32 state uploaded through a temporary pinned buffer.
   for (int b = 0; b < nb; ++b) {
@@ -248,14 +249,14 @@ OptimizerOffload::OptimizerOffload(Device& dev, Stream compute, const float* wei
   }
   dev.synchronize(s.h2d);
   for (size_t b = 0; b < s.buckets.size(); ++b) {
-    s.copied.push_back(dev.create_event());
-    s.stepped.push_back(dev.create_event());
+    s.copied.emplace_back(dev);
+    s.stepped.emplace_back(dev);
   }
   s.device_arrived.assign(s.buckets.size(), 0);
   s.jobs.resize(s.buckets.size());
   for (int b = 0; b < nb; ++b) s.jobs[static_cast<size_t>(b)] = {&s, b};
-  s.produced = dev.create_event();
-  s.done = dev.create_event();
+  s.produced = UniqueEvent(dev);
+  s.done = UniqueEvent(dev);
   s.stv = std::make_unique<StvAdamW>(o.hp, o.clip, s.p, s.m, s.v, n, std::move(stv_buckets),
                                      o.device_buckets, pool, o.undo_limit_bytes);
   s.stv->set_bf16_copy(s.w_stage);  // the step writes the bf16 weights in the same pass
@@ -266,7 +267,7 @@ OptimizerOffload::~OptimizerOffload() {
   // A destructor must not throw (that ends the process): a stream that cannot be waited
   // for (the caller destroyed the compute stream first, or the device failed) is said,
   // and the rest is still released.
-  for (Stream st : {s.d2h, s.h2d, s.cpu, s.compute}) {
+  for (Stream st : {s.d2h.get(), s.h2d.get(), s.cpu.get(), s.compute}) {
     try {
       s.dev.synchronize(st);
     } catch (const std::exception& e) {
@@ -276,11 +277,13 @@ OptimizerOffload::~OptimizerOffload() {
                    st.id, e.what());
     }
   }
-  for (Event e : s.copied) s.dev.destroy_event(e);
-  for (Event e : s.stepped) s.dev.destroy_event(e);
-  s.dev.destroy_event(s.produced);
-  s.dev.destroy_event(s.done);
-  for (Stream st : {s.d2h, s.h2d, s.cpu}) s.dev.destroy_stream(st);
+  s.copied.clear();
+  s.stepped.clear();
+  s.produced.reset();
+  s.done.reset();
+  s.d2h.reset();
+  s.h2d.reset();
+  s.cpu.reset();
   for (void* ptr :
        {static_cast<void*>(s.owns_w_dev ? s.w_dev : nullptr),
         static_cast<void*>(s.owns_g_dev ? s.g_dev : nullptr), static_cast<void*>(s.g32_dev),
@@ -316,7 +319,7 @@ int64_t OptimizerOffload::undo_bytes() const {
 
 OptimState OptimizerOffload::read_state() const {
   Impl& s = *impl_;
-  for (Stream st : {s.compute, s.d2h, s.h2d, s.cpu}) s.dev.synchronize(st);
+  for (Stream st : {s.compute, s.d2h.get(), s.h2d.get(), s.cpu.get()}) s.dev.synchronize(st);
   OptimState out{std::vector<float>(s.n), std::vector<float>(s.n), std::vector<float>(s.n)};
   for (int b = 0; b < static_cast<int>(s.buckets.size()); ++b) {
     const Bucket& k = s.buckets[static_cast<size_t>(b)];
@@ -464,7 +467,7 @@ void OptimizerOffload::on_bucket_absent(int b) {
 
 void OptimizerOffload::abort_step() {
   Impl& s = *impl_;
-  for (Stream st : {s.cpu, s.h2d, s.d2h}) s.dev.synchronize(st);
+  for (Stream st : {s.cpu.get(), s.h2d.get(), s.d2h.get()}) s.dev.synchronize(st);
   s.stv->abort();
   std::fill(s.device_arrived.begin(), s.device_arrived.end(), 0);
   for (int b = s.opt.device_buckets; b < static_cast<int>(s.buckets.size()); ++b) s.upload(b, true);
@@ -507,7 +510,7 @@ void OptimizerOffload::write_bucket(int b, const float* p, const float* m, const
   Impl& s = *impl_;
   SPILLWAY_CHECK(b >= s.opt.device_buckets && static_cast<size_t>(b) < s.buckets.size(),
                  "optimizer offload: bucket {} is not a CPU bucket", b);
-  for (Stream st : {s.cpu, s.h2d}) s.dev.synchronize(st);
+  for (Stream st : {s.cpu.get(), s.h2d.get()}) s.dev.synchronize(st);
   s.stv->set_bucket_step(b, step);  // checks that no step is in flight
   const StvAdamW::BucketState cur = s.stv->state(b);
   const size_t bytes = s.buckets[static_cast<size_t>(b)].n * sizeof(float);

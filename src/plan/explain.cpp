@@ -72,7 +72,7 @@ std::string format_plan_explain(const Plan& plan, const PlanRequest& r, int laye
       lp.recompute_ms, lp.recompute_ms + lp.recompute_avoided_ms);
   if (lp.offload_bytes > 0) {
     // Beside a host-link ring a copy takes longer than alone (Note [The host link is
-    // shared] in planner.cpp).
+    // shared] in plan_collectives.cpp).
     auto shared = [&](double gbps, double ms) {
       const double alone = static_cast<double>(lp.offload_bytes) / (gbps * 1e6);
       return ms > alone * (1.0 + 1e-9)

@@ -125,26 +125,6 @@ class Buffer {
   std::string reason_;
 };
 
-class StreamHandle {
- public:
-  StreamHandle(Device& dev, StreamRole role) : dev_(dev), stream_(dev.create_stream(role)) {}
-  ~StreamHandle() {
-    try {
-      dev_.destroy_stream(stream_);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "spillway: warning: probe: destroying a stream failed: %s\n", e.what());
-    }
-  }
-  StreamHandle(const StreamHandle&) = delete;
-  StreamHandle& operator=(const StreamHandle&) = delete;
-
-  Stream get() const { return stream_; }
-
- private:
-  Device& dev_;
-  Stream stream_;
-};
-
 constexpr double kMinSampleS = 2e-3;  // Note [Probe samples]
 constexpr int kMaxCopiesPerSample = 4096;
 
@@ -207,8 +187,8 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
 
   const auto start = Clock::now();
   size_t points_left = sizes.size() * host_kinds.size() * 2;
-  StreamHandle h2d(dev, StreamRole::kH2D);
-  StreamHandle d2h(dev, StreamRole::kD2H);
+  UniqueStream h2d(dev, StreamRole::kH2D);
+  UniqueStream d2h(dev, StreamRole::kD2H);
 
   for (size_t bytes : sizes) {
     Buffer device(dev, bytes, MemoryKind::kDevice);

@@ -9,7 +9,7 @@
 //
 // A cold load reads the file add() (or refresh()) checked, or nothing: the file's stamp
 // (device, inode, size, mtime) must be the one recorded, else the acquire answers kChanged
-// and the caller decides (Note [Checkpoints that change on disk] in spillway/server.hpp).
+// and the caller decides (Note [Checkpoints that change on disk] in spillway/inference.hpp).
 // Tensors are copied through the file, not the mapping, so a file truncated during the load
 // fails it (kChanged) instead of raising SIGBUS.
 #include <fmt/format.h>

@@ -1,4 +1,5 @@
-// Trace replay of host-resident serving (spillway/replay.hpp, Note [Replay model]).
+// Trace replay of host-resident serving (spillway/replay.hpp, Note [Replay model]), a
+// client of the simulator's engine (Note [Replay on the engine]).
 #include "spillway/replay.hpp"
 
 #include <fmt/format.h>
@@ -12,7 +13,6 @@
 #include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <queue>
 #include <random>
 #include <sstream>
 
@@ -21,6 +21,7 @@
 #include "spillway/hybrid_gemm.hpp"
 #include "spillway/model.hpp"
 #include "spillway/scheduler.hpp"
+#include "spillway/sim.hpp"
 #include "spillway/slices.hpp"
 
 namespace spillway {
@@ -214,36 +215,38 @@ class Sim {
     }
   }
 
+  // Note [Replay on the engine]: the replay runs on the simulator's engine as its client
+  // (spillway/sim.hpp, Note [Engine clients]): each event is a fixed task, so the engine
+  // keeps the clock and the order of the events, equal times in the order they were
+  // scheduled (Note [Fixed tasks]). The trace is a stream of zero-length arrivals in time
+  // order (equal times by request), all scheduled first: each waits for its time and for
+  // the one before, so the engine holds one at a time. A model's load is a timer (no
+  // stream) ending when the weights are usable; each slice is a stream, and each of its
+  // iterations a fixed task of the iteration's duration. After every event, each slice
+  // that can start an iteration starts one.
   ReplayResult run() {
-    for (size_t i = 0; i < reqs_.size(); ++i)
-      push(reqs_[i].arrival_ms, Event::kArrival, static_cast<int>(i));
-    while (!events_.empty()) {
-      const Event e = events_.top();
-      events_.pop();
-      now_ = e.t;
-      if (e.kind == Event::kArrival) {
-        waiting_.push_back(e.id);
-        drain_waiting();
-      } else if (e.kind == Event::kIterationEnd) {
-        end_iteration(e.id);
-      } else {  // a model's load (cold start or reload) is done
-        slices_[static_cast<size_t>(e.id)].ready_ms = now_;
-      }
-      for (size_t s = 0; s < slices_.size(); ++s) maybe_start(static_cast<int>(s));
-    }
+    for (size_t s = 0; s < slices_.size(); ++s)
+      slices_[s].stream = engine_.add_stream(static_cast<int>(s), ResourceKind::kCompute);
+    const int trace = engine_.add_stream(0, ResourceKind::kCompute);
+    std::vector<int> by_time(reqs_.size());
+    for (size_t i = 0; i < by_time.size(); ++i) by_time[i] = static_cast<int>(i);
+    std::stable_sort(by_time.begin(), by_time.end(), [&](int a, int b) {
+      return reqs_[static_cast<size_t>(a)].arrival_ms < reqs_[static_cast<size_t>(b)].arrival_ms;
+    });
+    for (int r : by_time)
+      schedule(Event::kArrival, r, reqs_[static_cast<size_t>(r)].arrival_ms, 0.0, trace);
+    engine_.run([this](int task) { on_event(task); });
     return result();
   }
 
  private:
-  struct Event {
+  struct Event {  // what a task of the engine stands for
     enum Kind { kArrival, kIterationEnd, kReady } kind = kArrival;
-    double t = 0;
-    int id = 0;
-    int64_t seq = 0;
-    bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+    int id = 0;  // the request (arrival) or the slice
   };
   struct Slice {
-    int model = -1;  // served model index active (time sharing: loaded)
+    int model = -1;   // served model index active (time sharing: loaded)
+    int stream = -1;  // the engine's stream of its iterations
     std::deque<int> prefill;
     std::vector<int> decoding;
     bool busy = false;
@@ -277,14 +280,41 @@ class Sim {
     return s;
   }
 
-  void push(double t, Event::Kind k, int id) { events_.push(Event{k, t, id, seq_++}); }
+  double now() const { return engine_.now_ms(); }
+
+  // An event as a fixed task of the engine: it ends `ms` after it starts, which is not
+  // before `at` (ms), on `stream` (-1: a timer).
+  void schedule(Event::Kind kind, int id, double at, double ms, int stream) {
+    sim::Task t;
+    t.fixed = true;
+    t.stream = stream;
+    t.not_before_ms = at;
+    t.work = ms;
+    const auto task = static_cast<size_t>(engine_.add_task(t));
+    if (task >= events_.size()) events_.resize(task + 1);
+    events_[task] = Event{kind, id};
+  }
+
+  void on_event(int task) {
+    const Event e = events_[static_cast<size_t>(task)];
+    engine_.recycle(task);
+    if (e.kind == Event::kArrival) {
+      waiting_.push_back(e.id);
+      drain_waiting();
+    } else if (e.kind == Event::kIterationEnd) {
+      end_iteration(e.id);
+    } else {  // a model's load (cold start or reload) is done
+      slices_[static_cast<size_t>(e.id)].ready_ms = now();
+    }
+    for (size_t s = 0; s < slices_.size(); ++s) maybe_start(static_cast<int>(s));
+  }
 
   // Host memory: a model's weights are there, or load them (evicting LRU models that no
   // slice has active); returns when they are usable.
   double host_ready(int model) {
     auto it = host_.find(model);
     if (it != host_.end()) {
-      it->second.last = now_;
+      it->second.last = now();
       return it->second.ready;
     }
     const Arch& a = *served_[static_cast<size_t>(model)].arch;
@@ -295,7 +325,7 @@ class Sim {
       for (const auto& [m, h] : host_) {
         bool active = false;
         for (const Slice& s : slices_) active = active || s.model == m;
-        if (active || h.ready > now_) continue;
+        if (active || h.ready > now()) continue;
         if (victim < 0 || h.last < oldest) {
           victim = m;
           oldest = h.last;
@@ -305,8 +335,8 @@ class Sim {
       host_bytes_ -= static_cast<double>(served_[static_cast<size_t>(victim)].arch->weight_bytes);
       host_.erase(victim);
     }
-    const double ready = now_ + static_cast<double>(a.weight_bytes) / (o_.disk_gbps * 1e6);
-    host_[model] = {ready, now_};
+    const double ready = now() + static_cast<double>(a.weight_bytes) / (o_.disk_gbps * 1e6);
+    host_[model] = {ready, now()};
     host_bytes_ += static_cast<double>(a.weight_bytes);
     ++cold_starts_;
     return ready;
@@ -327,15 +357,15 @@ class Sim {
                 ? static_cast<double>(served_[static_cast<size_t>(q.model)].arch->weight_bytes) /
                       (link_gbps_ * 1e6)
                 : o_.reload_ms[reload_next_++ % o_.reload_ms.size()];
-        s.ready_ms = now_ + reload;
-        push(s.ready_ms, Event::kReady, slice);
+        s.ready_ms = now() + reload;
+        schedule(Event::kReady, slice, s.ready_ms, 0.0, -1);
       }
     }
     if (!cfg_.weights_in_hbm) {
       const int64_t cold_before = cold_starts_;
       const double ready = host_ready(q.model);
       q.cold = cold_starts_ > cold_before;
-      if (ready > now_) push(ready, Event::kReady, slice);
+      if (ready > now()) schedule(Event::kReady, slice, ready, 0.0, -1);
       s.ready_ms = std::max(s.ready_ms, ready);
     }
     s.prefill.push_back(r);
@@ -358,7 +388,7 @@ class Sim {
         }
         const Served& m = served_[static_cast<size_t>(q.model)];
         const Placement p =
-            sched_->place(m.id, q.prompt, q.output, now_ - q.arrival_ms > m.ttft_ms);
+            sched_->place(m.id, q.prompt, q.output, now() - q.arrival_ms > m.ttft_ms);
         if (p.outcome == PlaceOutcome::kWait) {
           waited[static_cast<size_t>(q.model)] = 1;
           still.push_back(r);
@@ -372,7 +402,7 @@ class Sim {
         // GPU is idle, then the oldest waiting request's model is loaded.
         Slice& s = slices_[0];
         const bool idle = !s.busy && s.prefill.empty() && s.decoding.empty();
-        if (s.model == q.model && now_ >= s.ready_ms - 1e-9) {
+        if (s.model == q.model && now() >= s.ready_ms - 1e-9) {
           assign(r, 0, false, 512);
         } else if (idle && still.empty()) {
           assign(r, 0, true, 512);
@@ -386,7 +416,7 @@ class Sim {
 
   void maybe_start(int si) {
     Slice& s = slices_[static_cast<size_t>(si)];
-    if (s.busy || s.model < 0 || now_ < s.ready_ms - 1e-9) return;
+    if (s.busy || s.model < 0 || now() < s.ready_ms - 1e-9) return;
     if (s.prefill.empty() && s.decoding.empty()) return;
     const Arch& a = *served_[static_cast<size_t>(s.model)].arch;
     int64_t kv = 0;
@@ -411,7 +441,7 @@ class Sim {
     s.busy = true;
     link_bytes_ += static_cast<double>(s.cur.link_bytes);
     s.hbm_busy_ms += s.cur.hbm_ms;
-    push(now_ + s.cur.ms, Event::kIterationEnd, si);
+    schedule(Event::kIterationEnd, si, 0.0, s.cur.ms, s.stream);
   }
 
   void end_iteration(int si) {
@@ -436,7 +466,7 @@ class Sim {
       q.prefilled += s.prefill_tokens;
       if (q.prefilled >= q.prompt) {
         s.prefill.pop_front();
-        q.first_ms = now_;
+        q.first_ms = now();
         q.generated = 1;
         if (q.generated >= q.output) {
           finish(q, si);
@@ -451,7 +481,7 @@ class Sim {
   }
 
   void finish(Request& q, int si) {
-    q.done_ms = now_;
+    q.done_ms = now();
     if (sched_) sched_->finish(si, q.prompt, q.output);
   }
 
@@ -505,9 +535,8 @@ class Sim {
   int gpus_ = 1;
   std::vector<Slice> slices_;
   std::unique_ptr<Scheduler> sched_;
-  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
-  int64_t seq_ = 0;
-  double now_ = 0;
+  sim::Engine engine_;
+  std::vector<Event> events_;  // per task of the engine
   std::deque<int> waiting_;
   struct Host {
     double ready = 0, last = 0;
@@ -618,6 +647,14 @@ std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
                                      const ReplayOptions& o) {
   if (trace.empty()) SPILLWAY_FIELD_ERROR("trace", 0, "must hold at least one request");
   if (!(o.time_scale > 0)) SPILLWAY_FIELD_ERROR("time_scale", o.time_scale, "must be > 0");
+  // Time runs forward from the first request (Note [Replay on the engine]).
+  for (size_t i = 0; i < trace.size(); ++i)
+    if (!(trace[i].arrival_s >= 0))
+      SPILLWAY_FIELD_ERROR(fmt::format("trace[{}].arrival_s", i), trace[i].arrival_s,
+                           "must be >= 0 (seconds from the first request)");
+  for (size_t i = 0; i < o.reload_ms.size(); ++i)
+    if (!(o.reload_ms[i] >= 0))
+      SPILLWAY_FIELD_ERROR(fmt::format("reload_ms[{}]", i), o.reload_ms[i], "must be >= 0");
   if (o.models.empty() && o.architectures.empty())
     SPILLWAY_FIELD_ERROR("models", 0, "must name at least one model");
   const HardwareProfile hw = load_hardware(o.hardware);

@@ -50,7 +50,6 @@
 #include <utility>
 
 #include "core/enum_names.hpp"
-#include "sim/engine.hpp"
 #include "spillway/collectives.hpp"
 #include "spillway/error.hpp"
 #include "spillway/sim.hpp"
@@ -333,266 +332,365 @@ void check_collectives(const Plan& plan) {
   }
 }
 
-}  // namespace
+// One training step as tasks of the engine (the scenario at the top of this file), built
+// phase by phase: the streams and links; per GPU and micro-batch, the forward, the head
+// and the backward; the optimizer once per step; after the run, the results. The phases
+// add their tasks in this order, which fixes the tasks' ids.
+class TrainingStep {
+ public:
+  TrainingStep(const Plan& plan, const PlanRequest& req, const SimOptions& o);
+  SimResult run();
 
-SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const SimOptions& o) {
-  const int gpus = o.gpus > 0 ? o.gpus : plan.summary.gpus_per_link;
-  const int per_link = o.gpus_per_link > 0 ? o.gpus_per_link : gpus;
-  check_topology(gpus, per_link);
-  if (o.inflight_bound_bytes < 0)
-    SPILLWAY_FIELD_ERROR("inflight_bound_bytes", o.inflight_bound_bytes, "must be >= 0");
-  const int prefetch = o.prefetch_depth > 0 ? o.prefetch_depth : req.prefetch_depth;
-  const int64_t ga = req.work.grad_accum;
-  const size_t n = plan.layers.size();
-  SPILLWAY_CHECK(n > 0, "the plan has no layers");
-
-  // The link's capacity: the plan's per-GPU figure times the GPUs it assumed per link.
-  const double link_d2h = plan.summary.d2h_gbps * plan.summary.gpus_per_link;
-  const double link_h2d = plan.summary.h2d_gbps * plan.summary.gpus_per_link;
-  const double hbm = o.hbm_contention ? req.hardware.hbm_tbps * 1e9 : 0.0;  // bytes per ms
-
-  Engine e;
-  Topology topo = make_topology(e, gpus, per_link, link_d2h * 1e6, link_h2d * 1e6, hbm);
-  Built b;
-  b.layer_last_fwd.assign(n, -1);
-  b.layer_d2h.assign(n, {});
-  check_collectives(plan);
-
-  auto issue_collective = [&](size_t l, const CollectivePlan& c, int g, int mbi,
-                              std::initializer_list<int> deps) {
-    return add_collective(e, topo, b, o.keep_tasks, l, c, g, mbi, deps);
+ private:
+  // One micro-batch on one GPU: what its forward hands to its head and backward.
+  struct Pass {
+    Pass(int gpu, int64_t micro_batch, size_t layers)
+        : g(gpu),
+          mb(micro_batch),
+          mbi(static_cast<int>(micro_batch)),
+          track(gpu == 0 && micro_batch == 0),
+          layer_tensor_d2h(layers),
+          before_fwd(layers),
+          bwd_task(layers, -1),
+          reloads(layers),
+          before_bwd(layers) {}
+    int g = 0;
+    int64_t mb = 0;
+    int mbi = 0;
+    bool track = false;  // GPU 0, micro-batch 0: the memory and backlog bookkeeping
+    // In-flight accounting for back-pressure: D2H tasks of this GPU in issue order.
+    std::vector<std::pair<int, int64_t>> d2h_issued;
+    size_t drained = 0;  // copies known complete before the next compute op
+    int64_t inflight = 0;
+    std::vector<std::vector<std::pair<int, int>>> layer_tensor_d2h;  // (tensor idx, task)
+    std::vector<int> pending_gate;  // D2H task the next compute op must wait for
+    std::vector<int> pending_comm;  // collectives the next compute task must wait for
+    // Overlapped forward collectives (weight gathers), issued one layer ahead.
+    std::vector<std::vector<int>> before_fwd;
+    int last_fwd = -1;
+    int head = -1;
+    // Backward: bwd_task[l] is layer l's backward; reloads of layer l wait for the end of
+    // the backward of layer l + prefetch + 1 (i.e. the start of l + prefetch).
+    std::vector<int> bwd_task;
+    std::vector<std::vector<int>> reloads;
+    std::vector<std::vector<int>> before_bwd;  // overlapped all-gathers, one layer ahead
   };
 
-  size_t task_estimate = 0;
-  for (const LayerPlan& l : plan.layers) task_estimate += l.ops.size() + 2 * l.tensors.size() + 2;
-  e.reserve(task_estimate * static_cast<size_t>(gpus * ga) + 8,
-            task_estimate * 3 * static_cast<size_t>(gpus * ga));
+  int collective(size_t l, const CollectivePlan& c, const Pass& p, std::initializer_list<int> deps);
+  void reserve();
+  void forward(Pass& p);
+  void forward_layer(Pass& p, size_t l);
+  void issue_before_forward(Pass& p, size_t l, int after);
+  void issue_d2h(Pass& p, size_t l, size_t ti, int producer_task);
+  void head(Pass& p);
+  void backward(Pass& p);
+  void backward_layer(Pass& p, size_t l);
+  void issue_reloads(Pass& p, size_t l, int after);
+  void issue_before_backward(Pass& p, size_t l, int after);
+  void optimizer();
+  void summarize(SimResult& r) const;
+  void backlog(SimResult& r) const;
+  void memory(SimResult& r) const;
 
-  std::unordered_map<int, size_t> tensor_of_d2h;  // GPU 0, micro-batch 0
-  std::vector<size_t> layer_first_tensor;         // GPU 0, micro-batch 0
-  for (int g = 0; g < gpus; ++g) {
-    for (int64_t mb = 0; mb < ga; ++mb) {
-      const bool track = g == 0 && mb == 0;
-      const int mbi = static_cast<int>(mb);
-      // In-flight accounting for back-pressure: D2H tasks of this GPU in issue order.
-      std::vector<std::pair<int, int64_t>> d2h_issued;
-      size_t drained = 0;  // copies known complete before the next compute op
-      int64_t inflight = 0;
-      std::vector<std::vector<std::pair<int, int>>> layer_tensor_d2h(n);  // (tensor idx, task)
-      std::vector<int> pending_gate;  // D2H task the next compute op must wait for
-      std::vector<int> pending_comm;  // collectives the next compute task must wait for
-      // Overlapped forward collectives (weight gathers), issued one layer ahead.
-      std::vector<std::vector<int>> before_fwd(n);
-      auto issue_before_forward = [&](size_t l, int after) {
-        for (const CollectivePlan& c : plan.layers[l].collectives) {
-          if (!c.backward && !c.exposed)
-            before_fwd[l].push_back(issue_collective(l, c, g, mbi, {after}));
-        }
-      };
-      int last_fwd = -1;
-      for (size_t l = 0; l < n; ++l) {
-        const LayerPlan& lp = plan.layers[l];
-        std::vector<int> op_task(lp.ops.size(), -1);
-        const int layer_input_task = last_fwd;
-        if (l == 0) issue_before_forward(0, -1);
-        if (l + 1 < n) issue_before_forward(l + 1, layer_input_task);
-        // Offload of the layer input: issued at the layer's start.
-        auto issue_d2h = [&](size_t ti, int producer_task) {
-          const TensorPlan& tp = lp.tensors[ti];
-          const int id = e.add_task(make_task(
-              TaskKind::kD2H, g, static_cast<int>(l), mbi, topo.d2h[static_cast<size_t>(g)],
-              static_cast<double>(tp.bytes), topo.link_d2h[static_cast<size_t>(g)], o.keep_tasks, b,
-              [&] { return fmt::format("L{} {}", l, tp.name); }));
-          if (producer_task >= 0) e.add_dep(id, producer_task);
-          layer_tensor_d2h[l].emplace_back(static_cast<int>(ti), id);
-          if (track) b.layer_d2h[l].push_back(id);
-          // Back-pressure: the next compute op waits for the oldest copies until the bytes
-          // in flight, this copy included, fit the bound.
-          d2h_issued.emplace_back(id, tp.bytes);
-          inflight += tp.bytes;
-          if (o.inflight_bound_bytes > 0) {
-            while (inflight > o.inflight_bound_bytes && drained < d2h_issued.size()) {
-              pending_gate.push_back(d2h_issued[drained].first);
-              inflight -= d2h_issued[drained].second;
-              ++drained;
-            }
-          }
-        };
-        for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
-          if (lp.tensors[ti].producer < 0 && lp.tensors[ti].action == Action::kOffload)
-            issue_d2h(ti, layer_input_task);
-        }
-        for (size_t k = 0; k < lp.ops.size(); ++k) {
-          const OpPlan& op = lp.ops[k];
-          Task t = make_task(TaskKind::kForward, g, static_cast<int>(l), mbi,
-                             topo.compute[static_cast<size_t>(g)], op.fwd_ms, -1, o.keep_tasks, b,
-                             [&] { return fmt::format("L{} {}", l, op.name); });
-          t.memory_bound = op.kind == OpKind::kMemory;
-          const int id = e.add_task(t);
-          for (int gate : pending_gate) e.add_dep(id, gate);
-          pending_gate.clear();
-          for (int c : pending_comm) e.add_dep(id, c);
-          pending_comm.clear();
-          if (k == 0) {
-            for (int c : before_fwd[l]) e.add_dep(id, c);
-          }
-          op_task[k] = id;
-          last_fwd = id;
-          for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
-            if (lp.tensors[ti].producer == static_cast<int>(k) &&
-                lp.tensors[ti].action == Action::kOffload) {
-              issue_d2h(ti, id);
-            }
-          }
-          for (const CollectivePlan& c : lp.collectives) {
-            if (!c.backward && c.exposed &&
-                exposed_forward_position(c, lp.ops.size(), [&](size_t i) -> std::string_view {
-                  return lp.ops[i].name;
-                }) == static_cast<int>(k))
-              pending_comm.push_back(issue_collective(l, c, g, mbi, {id}));
-          }
-        }
-        if (track) {
-          b.layer_last_fwd[l] = last_fwd;
-          layer_first_tensor.push_back(b.tensors.size());
-          for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
-            const TensorPlan& tp = lp.tensors[ti];
-            Built::TensorTasks tt;
-            tt.layer = static_cast<int>(l);
-            tt.bytes = tp.bytes;
-            tt.action = tp.action;
-            tt.produced_by =
-                tp.producer >= 0 ? op_task[static_cast<size_t>(tp.producer)] : layer_input_task;
-            tt.layer_fwd_end = last_fwd;
-            for (const auto& [tensor, task] : layer_tensor_d2h[l]) {
-              if (tensor == static_cast<int>(ti)) {
-                tt.d2h = task;
-                tensor_of_d2h[task] = b.tensors.size();
-              }
-            }
-            b.tensors.push_back(tt);
-          }
-        }
-      }
-      // Head.
-      const int head_id = e.add_task(make_task(
-          TaskKind::kHead, g, -1, mbi, topo.compute[static_cast<size_t>(g)], plan.summary.head_ms,
-          -1, o.keep_tasks, b, [] { return std::string("LM head + loss"); }));
-      for (int gate : pending_gate) e.add_dep(head_id, gate);
-      pending_gate.clear();
-      for (int c : pending_comm) e.add_dep(head_id, c);
-      pending_comm.clear();
-      if (track) b.head = head_id;
+  const Plan& plan_;
+  const PlanRequest& req_;
+  const SimOptions& o_;
+  int gpus_ = 1;
+  int per_link_ = 1;
+  int prefetch_ = 0;
+  int64_t ga_ = 1;
+  size_t n_ = 0;           // layers
+  double link_d2h_ = 0.0;  // GB/s per direction
+  double link_h2d_ = 0.0;
+  Engine e_;
+  Topology topo_;
+  Built b_;
+  std::unordered_map<int, size_t> tensor_of_d2h_;  // GPU 0, micro-batch 0
+  std::vector<size_t> layer_first_tensor_;         // GPU 0, micro-batch 0
+};
 
-      // Backward. bwd_task[l] is layer l's backward; reloads of layer l wait for the end of
-      // the backward of layer l + prefetch + 1 (i.e. the start of l + prefetch).
-      std::vector<int> bwd_task(n, -1);
-      std::vector<std::vector<int>> reloads(n);
-      auto issue_reloads = [&](size_t l, int after) {
-        const LayerPlan& lp = plan.layers[l];
-        for (const auto& [ti, d2h_task] : layer_tensor_d2h[l]) {
-          const TensorPlan& tp = lp.tensors[static_cast<size_t>(ti)];
-          const int id = e.add_task(make_task(
-              TaskKind::kH2D, g, static_cast<int>(l), mbi, topo.h2d[static_cast<size_t>(g)],
-              static_cast<double>(tp.bytes), topo.link_h2d[static_cast<size_t>(g)], o.keep_tasks, b,
-              [&] { return fmt::format("L{} {}", l, tp.name); }));
-          e.add_dep(id, d2h_task);
-          if (after >= 0) e.add_dep(id, after);
-          reloads[l].push_back(id);
-          if (track) b.tensors[tensor_of_d2h.at(d2h_task)].h2d = id;
-        }
-      };
-      // Reloads due at the start of backward: layers n-1-prefetch .. n-1.
-      for (size_t l = n; l-- > 0;) {
-        if (l + static_cast<size_t>(prefetch) + 1 >= n) issue_reloads(l, head_id);
-      }
-      // Overlapped backward all-gathers, issued one layer ahead; gradient reductions once per
-      // step (Note [Collectives in the simulator]).
-      std::vector<std::vector<int>> before_bwd(n);
-      auto issue_before_backward = [&](size_t l, int after) {
-        for (const CollectivePlan& c : plan.layers[l].collectives) {
-          if (c.backward && !c.exposed && c.kind == CollectiveKind::kAllGather)
-            before_bwd[l].push_back(issue_collective(l, c, g, mbi, {after}));
-        }
-      };
-      const bool reduce_now = mb + 1 == ga;
-      issue_before_backward(n - 1, last_fwd);  // when the head starts
-      for (size_t l = n; l-- > 0;) {
-        const LayerPlan& lp = plan.layers[l];
-        const int previous = l + 1 < n ? bwd_task[l + 1] : head_id;
-        int rc = -1;
-        if (lp.recompute_ms > 0.0) {
-          rc = e.add_task(make_task(TaskKind::kRecompute, g, static_cast<int>(l), mbi,
-                                    topo.compute[static_cast<size_t>(g)], lp.recompute_ms, -1,
-                                    o.keep_tasks, b,
-                                    [&] { return fmt::format("L{} recompute", l); }));
-          for (int r : reloads[l]) e.add_dep(rc, r);
-          for (int c : before_bwd[l]) e.add_dep(rc, c);
-        }
-        for (const CollectivePlan& c : lp.collectives) {
-          if (c.backward && c.exposed)
-            pending_comm.push_back(issue_collective(l, c, g, mbi, {rc >= 0 ? rc : previous}));
-        }
-        const int bw = e.add_task(make_task(
-            TaskKind::kBackward, g, static_cast<int>(l), mbi, topo.compute[static_cast<size_t>(g)],
-            lp.bwd_ms, -1, o.keep_tasks, b, [&] { return fmt::format("L{} backward", l); }));
-        for (int r : reloads[l]) e.add_dep(bw, r);
-        for (int c : before_bwd[l]) e.add_dep(bw, c);
-        for (int c : pending_comm) e.add_dep(bw, c);
-        pending_comm.clear();
-        bwd_task[l] = bw;
-        if (l >= 1) issue_before_backward(l - 1, previous);
-        for (const CollectivePlan& c : lp.collectives) {
-          if (reduce_now && c.backward && !c.exposed && c.kind != CollectiveKind::kAllGather)
-            issue_collective(l, c, g, mbi, {bw});
-        }
-        if (track) {
-          const size_t end = l + 1 < n ? layer_first_tensor[l + 1] : b.tensors.size();
-          for (size_t k = layer_first_tensor[l]; k < end; ++k) {
-            b.tensors[k].backward = bw;
-            b.tensors[k].recompute = rc;
-          }
-        }
-        // The end of this backward lets layer l - prefetch - 1 reload.
-        if (l >= static_cast<size_t>(prefetch) + 1)
-          issue_reloads(l - static_cast<size_t>(prefetch) - 1, bw);
-      }
+TrainingStep::TrainingStep(const Plan& plan, const PlanRequest& req, const SimOptions& o)
+    : plan_(plan), req_(req), o_(o) {
+  gpus_ = o.gpus > 0 ? o.gpus : plan.summary.gpus_per_link;
+  per_link_ = o.gpus_per_link > 0 ? o.gpus_per_link : gpus_;
+  check_topology(gpus_, per_link_);
+  if (o.inflight_bound_bytes < 0)
+    SPILLWAY_FIELD_ERROR("inflight_bound_bytes", o.inflight_bound_bytes, "must be >= 0");
+  prefetch_ = o.prefetch_depth > 0 ? o.prefetch_depth : req.prefetch_depth;
+  ga_ = req.work.grad_accum;
+  n_ = plan.layers.size();
+  SPILLWAY_CHECK(n_ > 0, "the plan has no layers");
+
+  // The link's capacity: the plan's per-GPU figure times the GPUs it assumed per link.
+  link_d2h_ = plan.summary.d2h_gbps * plan.summary.gpus_per_link;
+  link_h2d_ = plan.summary.h2d_gbps * plan.summary.gpus_per_link;
+  const double hbm = o.hbm_contention ? req.hardware.hbm_tbps * 1e9 : 0.0;  // bytes per ms
+  topo_ = make_topology(e_, gpus_, per_link_, link_d2h_ * 1e6, link_h2d_ * 1e6, hbm);
+  b_.layer_last_fwd.assign(n_, -1);
+  b_.layer_d2h.assign(n_, {});
+  check_collectives(plan);
+}
+
+SimResult TrainingStep::run() {
+  reserve();
+  for (int g = 0; g < gpus_; ++g) {
+    for (int64_t mb = 0; mb < ga_; ++mb) {
+      Pass p(g, mb, n_);
+      forward(p);
+      head(p);
+      backward(p);
     }
   }
-
-  // The optimizer once per step after the last backward (Note [Training state] in
-  // src/plan/planner.cpp): the device AdamW, or the offloaded pipeline's tail.
-  // It steps reduced gradients: it waits for the GPU's last collective too.
-  if (plan.summary.state.optimizer_ms > 0.0) {
-    std::vector<int> last_collective(static_cast<size_t>(gpus), -1);
-    for (size_t id = 0; id < e.tasks().size(); ++id) {
-      const Task& t = e.tasks()[id];
-      if (t.kind == TaskKind::kCollective)
-        last_collective[static_cast<size_t>(t.gpu)] = static_cast<int>(id);
-    }
-    for (int g = 0; g < gpus; ++g) {
-      const int opt =
-          e.add_task(make_task(TaskKind::kOptimizer, g, -1, 0, topo.compute[static_cast<size_t>(g)],
-                               plan.summary.state.optimizer_ms, -1, o.keep_tasks, b,
-                               [] { return std::string("optimizer"); }));
-      if (last_collective[static_cast<size_t>(g)] >= 0)
-        e.add_dep(opt, last_collective[static_cast<size_t>(g)]);
-    }
-  }
-
-  e.run();
+  optimizer();
+  e_.run();
 
   SimResult r;
   r.scenario = "train-step";
-  r.gpus = gpus;
-  r.gpus_per_link = per_link;
-  r.link_d2h_gbps = link_d2h;
-  r.link_h2d_gbps = link_h2d;
+  r.gpus = gpus_;
+  r.gpus_per_link = per_link_;
+  r.link_d2h_gbps = link_d2h_;
+  r.link_h2d_gbps = link_h2d_;
+  summarize(r);
+  backlog(r);
+  memory(r);
+  judge_memory(r, plan_, req_);
+  fill_records(e_, b_, o_.keep_tasks, r);
+  return r;
+}
+
+int TrainingStep::collective(size_t l, const CollectivePlan& c, const Pass& p,
+                             std::initializer_list<int> deps) {
+  return add_collective(e_, topo_, b_, o_.keep_tasks, l, c, p.g, p.mbi, deps);
+}
+
+void TrainingStep::reserve() {
+  size_t task_estimate = 0;
+  for (const LayerPlan& l : plan_.layers) task_estimate += l.ops.size() + 2 * l.tensors.size() + 2;
+  e_.reserve(task_estimate * static_cast<size_t>(gpus_ * ga_) + 8,
+             task_estimate * 3 * static_cast<size_t>(gpus_ * ga_));
+}
+
+// ---- forward ----
+
+void TrainingStep::forward(Pass& p) {
+  for (size_t l = 0; l < n_; ++l) forward_layer(p, l);
+}
+
+void TrainingStep::issue_before_forward(Pass& p, size_t l, int after) {
+  for (const CollectivePlan& c : plan_.layers[l].collectives) {
+    if (!c.backward && !c.exposed) p.before_fwd[l].push_back(collective(l, c, p, {after}));
+  }
+}
+
+void TrainingStep::issue_d2h(Pass& p, size_t l, size_t ti, int producer_task) {
+  const TensorPlan& tp = plan_.layers[l].tensors[ti];
+  const auto g = static_cast<size_t>(p.g);
+  const int id = e_.add_task(make_task(
+      TaskKind::kD2H, p.g, static_cast<int>(l), p.mbi, topo_.d2h[g], static_cast<double>(tp.bytes),
+      topo_.link_d2h[g], o_.keep_tasks, b_, [&] { return fmt::format("L{} {}", l, tp.name); }));
+  if (producer_task >= 0) e_.add_dep(id, producer_task);
+  p.layer_tensor_d2h[l].emplace_back(static_cast<int>(ti), id);
+  if (p.track) b_.layer_d2h[l].push_back(id);
+  // Back-pressure: the next compute op waits for the oldest copies until the bytes in
+  // flight, this copy included, fit the bound.
+  p.d2h_issued.emplace_back(id, tp.bytes);
+  p.inflight += tp.bytes;
+  if (o_.inflight_bound_bytes > 0) {
+    while (p.inflight > o_.inflight_bound_bytes && p.drained < p.d2h_issued.size()) {
+      p.pending_gate.push_back(p.d2h_issued[p.drained].first);
+      p.inflight -= p.d2h_issued[p.drained].second;
+      ++p.drained;
+    }
+  }
+}
+
+void TrainingStep::forward_layer(Pass& p, size_t l) {
+  const LayerPlan& lp = plan_.layers[l];
+  std::vector<int> op_task(lp.ops.size(), -1);
+  const int layer_input_task = p.last_fwd;
+  if (l == 0) issue_before_forward(p, 0, -1);
+  if (l + 1 < n_) issue_before_forward(p, l + 1, layer_input_task);
+  // Offload of the layer input: issued at the layer's start.
+  for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
+    if (lp.tensors[ti].producer < 0 && lp.tensors[ti].action == Action::kOffload)
+      issue_d2h(p, l, ti, layer_input_task);
+  }
+  for (size_t k = 0; k < lp.ops.size(); ++k) {
+    const OpPlan& op = lp.ops[k];
+    Task t = make_task(TaskKind::kForward, p.g, static_cast<int>(l), p.mbi,
+                       topo_.compute[static_cast<size_t>(p.g)], op.fwd_ms, -1, o_.keep_tasks, b_,
+                       [&] { return fmt::format("L{} {}", l, op.name); });
+    t.memory_bound = op.kind == OpKind::kMemory;
+    const int id = e_.add_task(t);
+    for (int gate : p.pending_gate) e_.add_dep(id, gate);
+    p.pending_gate.clear();
+    for (int c : p.pending_comm) e_.add_dep(id, c);
+    p.pending_comm.clear();
+    if (k == 0) {
+      for (int c : p.before_fwd[l]) e_.add_dep(id, c);
+    }
+    op_task[k] = id;
+    p.last_fwd = id;
+    for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
+      if (lp.tensors[ti].producer == static_cast<int>(k) &&
+          lp.tensors[ti].action == Action::kOffload) {
+        issue_d2h(p, l, ti, id);
+      }
+    }
+    for (const CollectivePlan& c : lp.collectives) {
+      if (!c.backward && c.exposed &&
+          exposed_forward_position(c, lp.ops.size(), [&](size_t i) -> std::string_view {
+            return lp.ops[i].name;
+          }) == static_cast<int>(k))
+        p.pending_comm.push_back(collective(l, c, p, {id}));
+    }
+  }
+  if (!p.track) return;
+  b_.layer_last_fwd[l] = p.last_fwd;
+  layer_first_tensor_.push_back(b_.tensors.size());
+  for (size_t ti = 0; ti < lp.tensors.size(); ++ti) {
+    const TensorPlan& tp = lp.tensors[ti];
+    Built::TensorTasks tt;
+    tt.layer = static_cast<int>(l);
+    tt.bytes = tp.bytes;
+    tt.action = tp.action;
+    tt.produced_by =
+        tp.producer >= 0 ? op_task[static_cast<size_t>(tp.producer)] : layer_input_task;
+    tt.layer_fwd_end = p.last_fwd;
+    for (const auto& [tensor, task] : p.layer_tensor_d2h[l]) {
+      if (tensor == static_cast<int>(ti)) {
+        tt.d2h = task;
+        tensor_of_d2h_[task] = b_.tensors.size();
+      }
+    }
+    b_.tensors.push_back(tt);
+  }
+}
+
+// ---- head ----
+
+void TrainingStep::head(Pass& p) {
+  p.head = e_.add_task(make_task(TaskKind::kHead, p.g, -1, p.mbi,
+                                 topo_.compute[static_cast<size_t>(p.g)], plan_.summary.head_ms, -1,
+                                 o_.keep_tasks, b_, [] { return std::string("LM head + loss"); }));
+  for (int gate : p.pending_gate) e_.add_dep(p.head, gate);
+  p.pending_gate.clear();
+  for (int c : p.pending_comm) e_.add_dep(p.head, c);
+  p.pending_comm.clear();
+  if (p.track) b_.head = p.head;
+}
+
+// ---- backward ----
+
+void TrainingStep::issue_reloads(Pass& p, size_t l, int after) {
+  const LayerPlan& lp = plan_.layers[l];
+  const auto g = static_cast<size_t>(p.g);
+  for (const auto& [ti, d2h_task] : p.layer_tensor_d2h[l]) {
+    const TensorPlan& tp = lp.tensors[static_cast<size_t>(ti)];
+    const int id =
+        e_.add_task(make_task(TaskKind::kH2D, p.g, static_cast<int>(l), p.mbi, topo_.h2d[g],
+                              static_cast<double>(tp.bytes), topo_.link_h2d[g], o_.keep_tasks, b_,
+                              [&] { return fmt::format("L{} {}", l, tp.name); }));
+    e_.add_dep(id, d2h_task);
+    if (after >= 0) e_.add_dep(id, after);
+    p.reloads[l].push_back(id);
+    if (p.track) b_.tensors[tensor_of_d2h_.at(d2h_task)].h2d = id;
+  }
+}
+
+// Overlapped backward all-gathers, issued one layer ahead (Note [Collectives in the
+// simulator]).
+void TrainingStep::issue_before_backward(Pass& p, size_t l, int after) {
+  for (const CollectivePlan& c : plan_.layers[l].collectives) {
+    if (c.backward && !c.exposed && c.kind == CollectiveKind::kAllGather)
+      p.before_bwd[l].push_back(collective(l, c, p, {after}));
+  }
+}
+
+void TrainingStep::backward(Pass& p) {
+  // Reloads due at the start of backward: layers n-1-prefetch .. n-1.
+  for (size_t l = n_; l-- > 0;) {
+    if (l + static_cast<size_t>(prefetch_) + 1 >= n_) issue_reloads(p, l, p.head);
+  }
+  issue_before_backward(p, n_ - 1, p.last_fwd);  // when the head starts
+  for (size_t l = n_; l-- > 0;) backward_layer(p, l);
+}
+
+void TrainingStep::backward_layer(Pass& p, size_t l) {
+  const LayerPlan& lp = plan_.layers[l];
+  const auto g = static_cast<size_t>(p.g);
+  // Gradients are reduced once per step, in its last micro-batch.
+  const bool reduce_now = p.mb + 1 == ga_;
+  const int previous = l + 1 < n_ ? p.bwd_task[l + 1] : p.head;
+  int rc = -1;
+  if (lp.recompute_ms > 0.0) {
+    rc = e_.add_task(make_task(TaskKind::kRecompute, p.g, static_cast<int>(l), p.mbi,
+                               topo_.compute[g], lp.recompute_ms, -1, o_.keep_tasks, b_,
+                               [&] { return fmt::format("L{} recompute", l); }));
+    for (int r : p.reloads[l]) e_.add_dep(rc, r);
+    for (int c : p.before_bwd[l]) e_.add_dep(rc, c);
+  }
+  for (const CollectivePlan& c : lp.collectives) {
+    if (c.backward && c.exposed)
+      p.pending_comm.push_back(collective(l, c, p, {rc >= 0 ? rc : previous}));
+  }
+  const int bw = e_.add_task(make_task(TaskKind::kBackward, p.g, static_cast<int>(l), p.mbi,
+                                       topo_.compute[g], lp.bwd_ms, -1, o_.keep_tasks, b_,
+                                       [&] { return fmt::format("L{} backward", l); }));
+  for (int r : p.reloads[l]) e_.add_dep(bw, r);
+  for (int c : p.before_bwd[l]) e_.add_dep(bw, c);
+  for (int c : p.pending_comm) e_.add_dep(bw, c);
+  p.pending_comm.clear();
+  p.bwd_task[l] = bw;
+  if (l >= 1) issue_before_backward(p, l - 1, previous);
+  for (const CollectivePlan& c : lp.collectives) {
+    if (reduce_now && c.backward && !c.exposed && c.kind != CollectiveKind::kAllGather)
+      collective(l, c, p, {bw});
+  }
+  if (p.track) {
+    const size_t end = l + 1 < n_ ? layer_first_tensor_[l + 1] : b_.tensors.size();
+    for (size_t k = layer_first_tensor_[l]; k < end; ++k) {
+      b_.tensors[k].backward = bw;
+      b_.tensors[k].recompute = rc;
+    }
+  }
+  // The end of this backward lets layer l - prefetch - 1 reload.
+  if (l >= static_cast<size_t>(prefetch_) + 1)
+    issue_reloads(p, l - static_cast<size_t>(prefetch_) - 1, bw);
+}
+
+// ---- optimizer ----
+
+// The optimizer once per step after the last backward (Note [Training state] in
+// src/plan/stage.cpp): the device AdamW, or the offloaded pipeline's tail. It steps
+// reduced gradients: it waits for the GPU's last collective too.
+void TrainingStep::optimizer() {
+  if (!(plan_.summary.state.optimizer_ms > 0.0)) return;
+  std::vector<int> last_collective(static_cast<size_t>(gpus_), -1);
+  for (size_t id = 0; id < e_.tasks().size(); ++id) {
+    const Task& t = e_.tasks()[id];
+    if (t.kind == TaskKind::kCollective)
+      last_collective[static_cast<size_t>(t.gpu)] = static_cast<int>(id);
+  }
+  for (int g = 0; g < gpus_; ++g) {
+    const int opt =
+        e_.add_task(make_task(TaskKind::kOptimizer, g, -1, 0, topo_.compute[static_cast<size_t>(g)],
+                              plan_.summary.state.optimizer_ms, -1, o_.keep_tasks, b_,
+                              [] { return std::string("optimizer"); }));
+    if (last_collective[static_cast<size_t>(g)] >= 0)
+      e_.add_dep(opt, last_collective[static_cast<size_t>(g)]);
+  }
+}
+
+// ---- results ----
+
+// Step time, GPU 0's split, collectives and the achieved link bandwidth.
+void TrainingStep::summarize(SimResult& r) const {
   SimSummary& s = r.summary;
-  s.events = e.events();
-  s.hbm_slowdown = e.worst_hbm_slowdown();
-  s.gpu_step_ms.assign(static_cast<size_t>(gpus), 0.0);
-  for (const Task& t : e.tasks()) {
+  s.events = e_.events();
+  s.hbm_slowdown = e_.worst_hbm_slowdown();
+  s.gpu_step_ms.assign(static_cast<size_t>(gpus_), 0.0);
+  for (const Task& t : e_.tasks()) {
     s.gpu_step_ms[static_cast<size_t>(t.gpu)] =
         std::max(s.gpu_step_ms[static_cast<size_t>(t.gpu)], t.end_ms);
     if (t.kind == TaskKind::kD2H) s.d2h_bytes += static_cast<int64_t>(t.work);
@@ -603,16 +701,16 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
       if (t.link2 >= 0) s.collective_host_bytes += static_cast<int64_t>(t.work);
     }
   }
-  s.step_ms = e.makespan_ms();
-  compute_stats(e, topo.compute[0], s);
+  s.step_ms = e_.makespan_ms();
+  compute_stats(e_, topo_.compute[0], s);
   double last_compute = 0.0;
   double last_copy = 0.0;
   double last_backward = 0.0;  // compute before the optimizer
   double last_collective = 0.0;
-  for (const Task& t : e.tasks()) {
+  for (const Task& t : e_.tasks()) {
     if (t.gpu != 0) continue;
-    if (t.stream == topo.compute[0]) last_compute = std::max(last_compute, t.end_ms);
-    if (t.stream == topo.compute[0] && t.kind != TaskKind::kOptimizer)
+    if (t.stream == topo_.compute[0]) last_compute = std::max(last_compute, t.end_ms);
+    if (t.stream == topo_.compute[0] && t.kind != TaskKind::kOptimizer)
       last_backward = std::max(last_backward, t.end_ms);
     if (t.kind == TaskKind::kD2H || t.kind == TaskKind::kH2D)
       last_copy = std::max(last_copy, t.end_ms);
@@ -622,77 +720,81 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
   // The collectives' tail: how long the last of them runs past the end of backward and of
   // the copies (the optimizer, when there is one, waits for it).
   s.collective_tail_ms = std::max(0.0, last_collective - std::max(last_backward, last_copy));
-  if (!topo.comm.empty()) s.collective_ms = e.stream_busy_ms(topo.comm[0]);
+  if (!topo_.comm.empty()) s.collective_ms = e_.stream_busy_ms(topo_.comm[0]);
   s.idle_ms = std::max(
       0.0, s.gpu_step_ms[0] - s.compute_ms - s.recompute_ms - s.stall_ms - s.collective_wait_ms);
-  const double busy_d2h = e.link_busy_ms(topo.link_d2h[0]);
-  const double busy_h2d = e.link_busy_ms(topo.link_h2d[0]);
+  const double busy_d2h = e_.link_busy_ms(topo_.link_d2h[0]);
+  const double busy_h2d = e_.link_busy_ms(topo_.link_h2d[0]);
   // Achieved bandwidth of the first link: its GPUs' bytes over the time it was busy.
   int64_t link0_d2h = 0;
   int64_t link0_h2d = 0;
-  for (const Task& t : e.tasks()) {  // copies and collectives through the host
-    if (t.link == topo.link_d2h[0]) link0_d2h += static_cast<int64_t>(t.work);
-    if (t.link == topo.link_h2d[0] || t.link2 == topo.link_h2d[0])
+  for (const Task& t : e_.tasks()) {  // copies and collectives through the host
+    if (t.link == topo_.link_d2h[0]) link0_d2h += static_cast<int64_t>(t.work);
+    if (t.link == topo_.link_h2d[0] || t.link2 == topo_.link_h2d[0])
       link0_h2d += static_cast<int64_t>(t.work);
   }
   s.link_d2h_gbps = busy_d2h > 0.0 ? static_cast<double>(link0_d2h) / busy_d2h / 1e6 : 0.0;
   s.link_h2d_gbps = busy_h2d > 0.0 ? static_cast<double>(link0_h2d) / busy_h2d / 1e6 : 0.0;
   s.link_gbps_achieved = std::max(s.link_d2h_gbps, s.link_h2d_gbps);
+}
 
-  // Backlog and snowball (GPU 0, micro-batch 0).
-  const std::vector<Task>& tk = e.tasks();
-  r.layer_fwd_end_ms.resize(n);
-  for (size_t l = 0; l < n; ++l)
-    r.layer_fwd_end_ms[l] = tk[static_cast<size_t>(b.layer_last_fwd[l])].end_ms;
+// Backlog and snowball (GPU 0, micro-batch 0).
+void TrainingStep::backlog(SimResult& r) const {
+  SimSummary& s = r.summary;
+  const std::vector<Task>& tk = e_.tasks();
+  r.layer_fwd_end_ms.resize(n_);
+  for (size_t l = 0; l < n_; ++l)
+    r.layer_fwd_end_ms[l] = tk[static_cast<size_t>(b_.layer_last_fwd[l])].end_ms;
   // Produced (the producing op ended) but not yet copied at each boundary t. GPU 0's
   // first micro-batch's copies run in FIFO order on one engine, so production, start and
   // end times increase along them: the pending ones are a contiguous range whose first
   // member alone may be running (counted pro rata); prefix sums make it O(1) per layer.
-  s.backlog_bytes.assign(n, 0);
-  {
-    std::vector<int> order;
-    for (size_t l = 0; l < n; ++l)
-      order.insert(order.end(), b.layer_d2h[l].begin(), b.layer_d2h[l].end());
-    std::vector<double> prefix(order.size() + 1, 0.0);
-    for (size_t k = 0; k < order.size(); ++k)
-      prefix[k + 1] = prefix[k] + tk[static_cast<size_t>(order[k])].work;
-    auto produced_at = [&](const Task& c) {
-      return c.last_dep >= 0 ? tk[static_cast<size_t>(c.last_dep)].end_ms : 0.0;
-    };
-    size_t done = 0;
-    size_t produced = 0;
-    for (size_t l = 0; l < n; ++l) {
-      const double t = r.layer_fwd_end_ms[l];
-      while (done < order.size() && tk[static_cast<size_t>(order[done])].end_ms <= t) ++done;
-      while (produced < order.size() &&
-             produced_at(tk[static_cast<size_t>(order[produced])]) <= t + 1e-9)
-        ++produced;
-      double pending = 0.0;
-      if (produced > done) {
-        pending = prefix[produced] - prefix[done];
-        const Task& c = tk[static_cast<size_t>(order[done])];
-        if (c.start_ms < t) pending -= c.work * (t - c.start_ms) / (c.end_ms - c.start_ms);
-      }
-      s.backlog_bytes[l] = static_cast<int64_t>(pending);
+  s.backlog_bytes.assign(n_, 0);
+  std::vector<int> order;
+  for (size_t l = 0; l < n_; ++l)
+    order.insert(order.end(), b_.layer_d2h[l].begin(), b_.layer_d2h[l].end());
+  std::vector<double> prefix(order.size() + 1, 0.0);
+  for (size_t k = 0; k < order.size(); ++k)
+    prefix[k + 1] = prefix[k] + tk[static_cast<size_t>(order[k])].work;
+  auto produced_at = [&](const Task& c) {
+    return c.last_dep >= 0 ? tk[static_cast<size_t>(c.last_dep)].end_ms : 0.0;
+  };
+  size_t done = 0;
+  size_t produced = 0;
+  for (size_t l = 0; l < n_; ++l) {
+    const double t = r.layer_fwd_end_ms[l];
+    while (done < order.size() && tk[static_cast<size_t>(order[done])].end_ms <= t) ++done;
+    while (produced < order.size() &&
+           produced_at(tk[static_cast<size_t>(order[produced])]) <= t + 1e-9)
+      ++produced;
+    double pending = 0.0;
+    if (produced > done) {
+      pending = prefix[produced] - prefix[done];
+      const Task& c = tk[static_cast<size_t>(order[done])];
+      if (c.start_ms < t) pending -= c.work * (t - c.start_ms) / (c.end_ms - c.start_ms);
     }
+    s.backlog_bytes[l] = static_cast<int64_t>(pending);
   }
   // A layer whose copies end after the next layer's forward: the queue carries over and
   // grows; the first such layer names the snowball.
-  for (size_t l = 0; l + 1 < n; ++l) {
-    if (b.layer_d2h[l].empty()) continue;
-    const double last = tk[static_cast<size_t>(b.layer_d2h[l].back())].end_ms;
+  for (size_t l = 0; l + 1 < n_; ++l) {
+    if (b_.layer_d2h[l].empty()) continue;
+    const double last = tk[static_cast<size_t>(b_.layer_d2h[l].back())].end_ms;
     if (last > r.layer_fwd_end_ms[l + 1] * (1.0 + 1e-9) + 1e-9) {
       s.snowball = true;
       s.snowball_first_layer = static_cast<int>(l);
       break;
     }
   }
+}
 
-  // Memory over time (GPU 0; micro-batch 0 drives the shape, later ones repeat it).
+// Memory over time (GPU 0; micro-batch 0 drives the shape, later ones repeat it).
+void TrainingStep::memory(SimResult& r) const {
+  const std::vector<Task>& tk = e_.tasks();
   std::vector<std::pair<double, int64_t>> ev;
   auto end_of = [&](int id) { return id >= 0 ? tk[static_cast<size_t>(id)].end_ms : 0.0; };
   auto start_of = [&](int id) { return tk[static_cast<size_t>(id)].start_ms; };
-  for (const Built::TensorTasks& tt : b.tensors) {
+  for (const Built::TensorTasks& tt : b_.tensors) {
     const double born = end_of(tt.produced_by);
     const double gone = end_of(tt.backward);
     ev.emplace_back(born, tt.bytes);
@@ -713,16 +815,19 @@ SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const
         break;
     }
   }
-  if (b.head >= 0 && plan.summary.logits_bytes > 0) {
-    ev.emplace_back(start_of(b.head), plan.summary.logits_bytes);
-    ev.emplace_back(end_of(b.head), -plan.summary.logits_bytes);
+  if (b_.head >= 0 && plan_.summary.logits_bytes > 0) {
+    ev.emplace_back(start_of(b_.head), plan_.summary.logits_bytes);
+    ev.emplace_back(end_of(b_.head), -plan_.summary.logits_bytes);
   }
-  const MemoryBreakdown& pk = plan.summary.peak;
+  const MemoryBreakdown& pk = plan_.summary.peak;
   const int64_t base = pk.weights + pk.gradients + pk.optimizer_states + pk.buffers;
-  r.memory = memory_curve(std::move(ev), base, &s.peak_hbm_bytes);
-  judge_memory(r, plan, req);
-  fill_records(e, b, o.keep_tasks, r);
-  return r;
+  r.memory = memory_curve(std::move(ev), base, &r.summary.peak_hbm_bytes);
+}
+
+}  // namespace
+
+SimResult simulate_training_step(const Plan& plan, const PlanRequest& req, const SimOptions& o) {
+  return TrainingStep(plan, req, o).run();
 }
 
 SimResult simulate_weight_streaming(const Plan& plan, const PlanRequest& req,

@@ -15,8 +15,8 @@ namespace spillway {
 struct WeightStreamer::Impl {
   Device& dev;
   Stream compute;
-  Stream h2d;
-  Stream comm{-1};                 // sharded: the all-gathers' stream
+  UniqueStream h2d;
+  UniqueStream comm;               // sharded: the all-gathers' stream
   std::vector<size_t> bytes;       // per layer
   std::vector<size_t> host_bytes;  // per layer: its host slab (the layer, or its shard)
   AllGather* group = nullptr;
@@ -30,15 +30,15 @@ struct WeightStreamer::Impl {
   std::vector<void*> host;  // per layer
   bool owns_host = true;
   bool owns_slots = true;
-  std::vector<Event> slab_read;  // per layer: recorded on h2d after each copy from its slab
+  std::vector<UniqueEvent> slab_read;  // per layer: recorded on h2d after each copy from its slab
 
   struct Slot {
     void* ptr = nullptr;
     int layer = -1;         // the layer it holds (or is loading); -1: empty or stale
     int64_t last_use = -1;  // the latest decided visit reading it
-    Event ready{-1};        // recorded after its last copy (sharded: after the all-gather)
-    Event copied{-1};       // sharded: recorded on h2d after the copy of this rank's shard
-    Event free{-1};         // recorded on compute at the release of each visit reading it
+    UniqueEvent ready;      // recorded after its last copy (sharded: after the all-gather)
+    UniqueEvent copied;     // sharded: recorded on h2d after the copy of this rank's shard
+    UniqueEvent free;       // recorded on compute at the release of each visit reading it
   };
   std::vector<Slot> ring;
 
@@ -203,8 +203,8 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
     s.host_bytes = s.bytes;
     s.slot_bytes = *std::max_element(s.bytes.begin(), s.bytes.end());
   }
-  s.h2d = dev.create_stream(StreamRole::kH2D);
-  if (s.group != nullptr) s.comm = dev.create_stream(StreamRole::kCompute);
+  s.h2d = UniqueStream(dev, StreamRole::kH2D);
+  if (s.group != nullptr) s.comm = UniqueStream(dev, StreamRole::kCompute);
   s.owns_host = options.host_slabs.empty();
   s.host = options.host_slabs;
   if (s.owns_host) {
@@ -228,9 +228,9 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
       Impl::Slot& k = s.ring[static_cast<size_t>(i)];
       k.ptr = options.device_slots[static_cast<size_t>(i)];
       if (k.ptr == nullptr) SPILLWAY_FIELD_ERROR("device_slots", "null", "slot {} is null", i);
-      k.ready = dev.create_event();
-      k.free = dev.create_event();
-      k.copied = dev.create_event();
+      k.ready = UniqueEvent(dev);
+      k.free = UniqueEvent(dev);
+      k.copied = UniqueEvent(dev);
       continue;
     }
     const AllocResult r = dev.allocate(s.slot_bytes, MemoryKind::kDevice);
@@ -241,11 +241,12 @@ WeightStreamer::WeightStreamer(Device& dev, Stream compute, std::vector<size_t> 
           i, s.slots, s.slot_bytes, r.reason);
     Impl::Slot& k = s.ring[static_cast<size_t>(i)];
     k.ptr = r.ptr;
-    k.ready = dev.create_event();
-    k.free = dev.create_event();
-    k.copied = dev.create_event();
+    k.ready = UniqueEvent(dev);
+    k.free = UniqueEvent(dev);
+    k.copied = UniqueEvent(dev);
   }
-  for (int i = 0; i < s.L; ++i) s.slab_read.push_back(dev.create_event());
+  s.slab_read.reserve(static_cast<size_t>(s.L));
+  for (int i = 0; i < s.L; ++i) s.slab_read.emplace_back(dev);
   s.plan.resize((2 * static_cast<size_t>(s.slots)) + 2);
   const auto nl = static_cast<size_t>(s.L);
   s.loads.assign(nl, 0);
@@ -262,17 +263,10 @@ WeightStreamer::~WeightStreamer() {
   s.dev.synchronize(s.h2d);
   if (s.group != nullptr) s.dev.synchronize(s.comm);
   s.dev.synchronize(s.compute);
-  for (Impl::Slot& k : s.ring) {
-    s.dev.destroy_event(k.ready);
-    s.dev.destroy_event(k.free);
-    s.dev.destroy_event(k.copied);
+  for (Impl::Slot& k : s.ring)
     if (s.owns_slots) s.dev.free(k.ptr, MemoryKind::kDevice);
-  }
-  for (Event e : s.slab_read) s.dev.destroy_event(e);
   if (s.owns_host)
     for (void* p : s.host) s.dev.free(p, MemoryKind::kPinnedHost);
-  s.dev.destroy_stream(s.h2d);
-  if (s.group != nullptr) s.dev.destroy_stream(s.comm);
 }
 
 int WeightStreamer::layers() const {

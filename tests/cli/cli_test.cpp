@@ -118,7 +118,7 @@ TEST(Cli, PolicyAndThrottlesAreOneSpellingAcrossSubcommands) {
   EXPECT_TRUE(contains(split.out, "\"h2d_gbps\": 0.0")) << split.out;
 }
 
-// The training state's flags (Note [Training state] in src/plan/planner.cpp): --fsdp is
+// The training state's flags (Note [Training state] in src/plan/stage.cpp): --fsdp is
 // --zero 3; the state and the optimizer's time are in the report and the JSON.
 TEST(Cli, TrainingStateFlags) {
   spillway::testing::TempDir dir;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "device/cuda/cuda_check.hpp"
+#include "device/cuda/hybrid_gemm_kernels.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "test_support.hpp"
@@ -37,6 +38,21 @@ const MemoryKind kAllKinds[] = {MemoryKind::kDevice, MemoryKind::kPinnedHost,
 
 int idx(MemoryKind k) {
   return static_cast<int>(k);
+}
+
+// HybridGEMM's kernel limits are checked on the host before a launch (no GPU needed).
+TEST(HybridGemmLimits, TilesBeyondSharedMemoryOrOutputsPerBlockAreNamed) {
+  DeviceHybridGemm a;
+  a.symmetric = {16, 32, 32};
+  a.asymmetric = {16, 16, 32};
+  EXPECT_EQ(cuda::hybrid_gemm_tiles_refusal(a), "");
+  a.symmetric = {256, 256, 64};  // 128 KiB of shared memory
+  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).find("256x256x64"), std::string::npos);
+  a.symmetric = {16, 32, 32};
+  a.asymmetric = {128, 64, 4};  // few bytes, 8192 outputs > 16 x 256
+  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).find("8192 outputs"), std::string::npos);
+  a.asymmetric = {0, 16, 16};
+  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).find("each side > 0"), std::string::npos);
 }
 
 // An allocation freed on scope exit (the device must outlive it).
@@ -570,6 +586,32 @@ TEST_F(CudaDeviceTest, TheDestructorReleasesWhatIsLeft) {
   ASSERT_TRUE(device_ != nullptr) << why;
   const MemoryStats fresh = dev().memory_stats();
   for (int k = 0; k < kMemoryKinds; ++k) EXPECT_EQ(fresh.current[k], 0) << k;
+}
+
+// NCCL with one rank (Note [Device groups]): the group is made, says rank 0 of 1, and an
+// in-place all-gather on its stream leaves the rank's own part as it was.
+TEST(NcclCuda, OneRankAllGatherLeavesItsPartAsItWas) {
+  std::string why;
+  const std::unique_ptr<Device> dev = make_cuda_device(0, &why);
+  if (!dev) GTEST_SKIP() << why;
+  std::vector<std::unique_ptr<AllGather>> group = make_nccl_all_gather({dev.get()}, &why);
+  if (group.empty() && why.find("built without NCCL") != std::string::npos) GTEST_SKIP() << why;
+  ASSERT_EQ(group.size(), 1U) << why;
+  EXPECT_EQ(group[0]->rank(), 0);
+  EXPECT_EQ(group[0]->ranks(), 1);
+  constexpr size_t kBytes = (size_t{1} << 20) + 12;
+  std::vector<unsigned char> part(kBytes), back(kBytes, 0);
+  std::mt19937 rng(kSeed);
+  for (unsigned char& b : part) b = static_cast<unsigned char>(rng());
+  const AllocResult buf = dev->allocate(kBytes, MemoryKind::kDevice);
+  ASSERT_TRUE(buf) << buf.reason;
+  const UniqueStream s(*dev, StreamRole::kCompute);
+  dev->copy_async(buf.ptr, part.data(), kBytes, s);
+  group[0]->all_gather_in_place(buf.ptr, kBytes, s);
+  dev->copy_async(back.data(), buf.ptr, kBytes, s);
+  dev->synchronize(s);
+  EXPECT_EQ(std::memcmp(back.data(), part.data(), kBytes), 0);
+  dev->free(buf.ptr, MemoryKind::kDevice);
 }
 
 }  // namespace

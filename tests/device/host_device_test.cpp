@@ -1,6 +1,6 @@
 // Device layer tests on the host backend (and, through the parity test, on every compiled
 // backend): memory accounting and exhaustion, stream order, events across streams, host
-// callbacks, throttled copies, the arena and the pinned pool.
+// callbacks, throttled copies, the arena, owned handles.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -9,13 +9,14 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "core/arena.hpp"
+#include "forwarding_device.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
-#include "spillway/memory.hpp"
 
 namespace spillway {
 namespace {
@@ -129,6 +130,65 @@ TEST(DeviceParity, RoundTripOrderingAndCallbacksOnEveryBackend) {
     dev->destroy_stream(d2h);
     EXPECT_THROW(dev->synchronize(d2h), Error);
   }
+}
+
+// Note [Owned streams and events]: every handle a UniqueStream / UniqueEvent made is
+// destroyed exactly once, at the end of its scope, on a move, an explicit reset, or an
+// exception; a moved-from one destroys nothing.
+class HandleCount final : public testing::ForwardingDevice {
+ public:
+  using ForwardingDevice::ForwardingDevice;
+  Stream create_stream(StreamRole role, int priority) override {
+    ++streams_made;
+    return ForwardingDevice::create_stream(role, priority);
+  }
+  void destroy_stream(Stream s) override {
+    ++streams_destroyed;
+    ForwardingDevice::destroy_stream(s);
+  }
+  Event create_event() override {
+    ++events_made;
+    return ForwardingDevice::create_event();
+  }
+  void destroy_event(Event e) override {
+    ++events_destroyed;
+    ForwardingDevice::destroy_event(e);
+  }
+  int streams_made = 0, streams_destroyed = 0, events_made = 0, events_destroyed = 0;
+};
+
+TEST(OwnedHandles, EachHandleIsDestroyedOnceOnEveryPath) {
+  const std::unique_ptr<Device> host = make_host_device(HostDeviceOptions{});
+  HandleCount count(*host);
+  Device& dev = count.device();
+  {
+    UniqueStream a(dev, StreamRole::kCompute);
+    UniqueStream b = std::move(a);  // a owns nothing now
+    a.reset();
+    UniqueEvent e(dev);
+    dev.record(e, b);
+    dev.synchronize(e);
+    UniqueEvent f(dev);
+    f = UniqueEvent(dev);  // the first of f's events goes here
+    EXPECT_EQ(count.events_destroyed, 1);
+    std::vector<UniqueEvent> pool;
+    for (int i = 0; i < 3; ++i) pool.emplace_back(dev);  // growth moves them
+    EXPECT_EQ(count.events_destroyed, 1);
+    b.reset();
+    b.reset();
+    EXPECT_EQ(count.streams_destroyed, 1);
+  }
+  EXPECT_THROW(
+      {
+        const UniqueStream s(dev, StreamRole::kD2H);
+        const UniqueEvent e(dev);
+        throw std::runtime_error("a failure in the scope");
+      },
+      std::runtime_error);
+  EXPECT_EQ(count.streams_made, 2);
+  EXPECT_EQ(count.streams_destroyed, 2);
+  EXPECT_EQ(count.events_made, 7);
+  EXPECT_EQ(count.events_destroyed, 7);
 }
 
 TEST(HostDevice, StreamsRunInOrderAndWaitOnEvents) {
@@ -375,75 +435,6 @@ TEST(HostDevice, ThrottledCopiesTakeBytesOverBandwidth) {
   EXPECT_LT(free_ms, ms) << "the unthrottled direction must be faster";
   dev->free(d.ptr, MemoryKind::kDevice);
   dev->free(h.ptr, MemoryKind::kPinnedHost);
-}
-
-TEST(PinnedPool, SubAllocatesOnceReportsExhaustionAndIsThreadSafe) {
-  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
-  PinnedPoolOptions o;
-  o.bytes = int64_t{8} << 20;
-  o.slabs = 2;
-  PinnedPool pool(*dev, o);
-  EXPECT_EQ(dev->memory_stats().allocations[1], 2) << "slabs are allocated once, up front";
-  EXPECT_EQ(pool.capacity(), int64_t{8} << 20);
-  std::vector<PinnedBlock> held;
-  for (;;) {
-    PinnedBlock b = pool.acquire(1 << 20);
-    if (!b) break;
-    held.push_back(b);
-  }
-  EXPECT_EQ(held.size(), 8u);
-  EXPECT_EQ(pool.failed_acquires(), 1);
-  for (const PinnedBlock& b : held) pool.release(b);
-  EXPECT_EQ(pool.used(), 0);
-  // Many threads acquire, write their own pattern, check it, release.
-  std::atomic<int> corrupt{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < 200; ++i) {
-        PinnedBlock b = pool.acquire(static_cast<size_t>(1000 + 37 * i));
-        if (!b) continue;  // full: a real caller would wait
-        std::memset(b.ptr, t + 1, b.bytes);
-        for (size_t k = 0; k < b.bytes; ++k) {
-          if (static_cast<unsigned char*>(b.ptr)[k] != t + 1) ++corrupt;
-        }
-        pool.release(b);
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  EXPECT_EQ(corrupt.load(), 0);
-  EXPECT_EQ(pool.used(), 0);
-  EXPECT_EQ(dev->memory_stats().allocations[1], 2) << "no allocation after construction";
-}
-
-TEST(PinnedPool, ADoubleReleaseIsCaught) {
-  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
-  PinnedPoolOptions o;
-  o.bytes = int64_t{1} << 20;
-  o.slabs = 1;
-  PinnedPool pool(*dev, o);
-  const PinnedBlock b = pool.acquire(4096);
-  ASSERT_TRUE(b);
-  pool.release(b);
-  EXPECT_THROW(pool.release(b), Error);
-  const PinnedBlock again = pool.acquire(4096);  // served from the cache
-  ASSERT_TRUE(again);
-  EXPECT_EQ(again.ptr, b.ptr);
-  pool.release(again);
-}
-
-TEST(PinnedPool, TooLargeForTheDeviceIsAClearError) {
-  auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
-  PinnedPoolOptions o;
-  o.kind = MemoryKind::kDevice;  // a device-side pool larger than the arena
-  o.bytes = int64_t{4} << 20;
-  try {
-    PinnedPool pool(*dev, o);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot allocate slab"), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace

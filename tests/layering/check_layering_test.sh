@@ -34,6 +34,7 @@ expect_violation include/spillway/offload.hpp offload/engine_internal.hpp "a pub
 expect_violation src/device/x.cpp spillway/memory.hpp "device may not depend on memory"
 expect_violation src/nn/x.cpp spillway/optim.hpp "nn may not depend on optim"
 expect_violation src/offload/x.cpp tool/output.hpp "tool's is private"
+expect_violation src/offload/x.cpp spillway/device_backend.hpp "only device implements it"
 # bench/ is a leaf: a src/ file including a header that lives in bench/ is refused.
 rm -rf "$fixture"/*
 mkdir -p "$fixture"/include/spillway "$fixture"/src/cli "$fixture"/bench

@@ -349,13 +349,13 @@ class NoOpsDevice final : public spillway::testing::ForwardingDevice {
  public:
   using ForwardingDevice::ForwardingDevice;
   bool adamw_step(const DeviceAdamW& a, Stream s) override {
-    return Device::adamw_step(a, s);  // NOLINT(bugprone-parent-virtual-call)
+    return DeviceBackend::adamw_step(a, s);  // NOLINT(bugprone-parent-virtual-call)
   }
   bool norm_lanes_bf16(const DeviceNormLanes& a, Stream s) override {
-    return Device::norm_lanes_bf16(a, s);  // NOLINT(bugprone-parent-virtual-call)
+    return DeviceBackend::norm_lanes_bf16(a, s);  // NOLINT(bugprone-parent-virtual-call)
   }
   bool widen_bf16(const DeviceWidenBf16& a, Stream s) override {
-    return Device::widen_bf16(a, s);  // NOLINT(bugprone-parent-virtual-call)
+    return DeviceBackend::widen_bf16(a, s);  // NOLINT(bugprone-parent-virtual-call)
   }
 };
 

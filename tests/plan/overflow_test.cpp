@@ -69,7 +69,7 @@ TEST(Overflow, LayerSumsOfHugeActivations) {
     GTEST_SKIP() << "BUG: the planner's byte sums (kept bytes over layers, host pinned, peak) are "
                     "unchecked and wrap: 4 layers x 2^60 saved bytes (tp 1, seq 2^28, "
                     "intermediate_size 2^31) give negative figures (signed overflow, "
-                    "src/plan/planner.cpp run_timeline); expected spillway::Error naming the "
+                    "src/plan/timeline.cpp run_timeline); expected spillway::Error naming the "
                     "overflow:"
                  << findings;
   }
@@ -99,7 +99,7 @@ TEST(Overflow, LogitsOfAHugeVocabularyOnALaterPipelineStage) {
   });
   if (v.find("the call") == 0) {
     GTEST_SKIP() << "BUG: signed overflow in the LM head's byte count "
-                    "(checked_mul(T, vocab_shard) * 4, src/plan/planner.cpp build_stage) when "
+                    "(checked_mul(T, vocab_shard) * 4, src/plan/stage.cpp build_stage) when "
                     "pp > 1 skips the checked logits product: "
                  << v;
   }

@@ -1,5 +1,5 @@
-// Note [Collectives in the plan] (src/plan/planner.cpp): the collectives each layer carries
-// for its parallelism, which of them are on the critical path, and the planner's step time
+// Note [Collectives in the plan] (src/plan/plan_collectives.cpp): the collectives each layer
+// carries for its parallelism, which of them are on the critical path, and the planner's step time
 // against the simulator's, which schedules the same collectives as tasks.
 #include <gtest/gtest.h>
 

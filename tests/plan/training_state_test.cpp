@@ -1,4 +1,4 @@
-// Note [Training state] and Note [Loss chunks] (src/plan/planner.cpp): what each ZeRO
+// Note [Training state] and Note [Loss chunks] (src/plan/stage.cpp): what each ZeRO
 // stage shards, what the optimizer and gradient offload take out of HBM and put in host
 // memory and in the step time, and the loss in chunks; and the published full fine-tunes
 // docs/planner.md asks about, which fit.

@@ -1,8 +1,9 @@
-// HybridGEMM's CUDA kernels (src/serve/cuda/): where a GPU exists, X and O in device memory
-// and W in mapped host memory give the host implementation's result within Note [HybridGEMM
-// arithmetic]'s bound, for several alphas, ragged shapes and both dtypes; without one the
-// parity test skips and says why. Everywhere: tiles beyond the kernels' limits are refused
-// before anything is launched, and a build without CUDA says it has none.
+// HybridGEMM as a device operation (Note [HybridGEMM as a device operation]): where a GPU
+// exists, the CUDA backend's kernels with X and O in device memory and W in mapped host
+// memory give the host implementation's result within Note [HybridGEMM arithmetic]'s bound,
+// for several alphas, ragged shapes and both dtypes, and tiles beyond the kernels' limits
+// are refused before a launch; without one those tests skip and say why. Everywhere: a
+// device without the operation (the host backend) says so and a bad problem is refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,24 +19,37 @@
 namespace spillway {
 namespace {
 
-TEST(HybridGemmCuda, TilesBeyondTheKernelsLimitsAreRefusedWithoutALaunch) {
-  HybridGemmProblem p{4, 4, 4, DType::kBf16, 0.5, {256, 256, 64}, {16, 16, 16}};
+TEST(HybridGemmOnDevice, ADeviceWithoutTheOperationSaysSoAndABadProblemIsRefused) {
+  const std::unique_ptr<Device> host = make_host_device(HostDeviceOptions{});
+  const UniqueStream s(*host, StreamRole::kCompute);
+  HybridGemmProblem p{4, 4, 4, DType::kBf16, 0.5, {16, 16, 16}, {16, 16, 16}};
   std::string why;
-  EXPECT_FALSE(hybrid_gemm_cuda(p, nullptr, nullptr, nullptr, nullptr, &why));
-#if SPILLWAY_HAVE_CUDA
-  EXPECT_NE(why.find("shared memory"), std::string::npos) << why;
-#else
-  EXPECT_NE(why.find("no CUDA backend"), std::string::npos) << why;
-#endif
+  EXPECT_FALSE(hybrid_gemm_on_device(*host, p, nullptr, nullptr, nullptr, s, &why));
+  EXPECT_NE(why.find("has no HybridGEMM operation"), std::string::npos) << why;
   p.alpha = 2.0;
-  EXPECT_THROW((void)hybrid_gemm_cuda(p, nullptr, nullptr, nullptr, nullptr, &why), InputError);
+  EXPECT_THROW((void)hybrid_gemm_on_device(*host, p, nullptr, nullptr, nullptr, s, &why),
+               InputError);
+}
+
+TEST(HybridGemmCuda, TilesBeyondTheKernelsLimitsAreRefusedWithoutALaunch) {
+  std::string why;
+  const std::unique_ptr<Device> dev = make_cuda_device(0, &why);
+  if (!dev) GTEST_SKIP() << why;
+  const UniqueStream s(*dev, StreamRole::kCompute);
+  const HybridGemmProblem p{4, 4, 4, DType::kBf16, 0.5, {256, 256, 64}, {16, 16, 16}};
+  try {
+    (void)hybrid_gemm_on_device(*dev, p, nullptr, nullptr, nullptr, s, &why);
+    ADD_FAILURE() << "tiles 256x256x64 were not refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("shared memory"), std::string::npos) << e.what();
+  }
 }
 
 TEST(HybridGemmCuda, KernelsMatchTheHostImplementation) {
   std::string why;
   const std::unique_ptr<Device> dev = make_cuda_device(0, &why);
   if (!dev) GTEST_SKIP() << why;
-  const Stream s = dev->create_stream(StreamRole::kCompute);
+  const UniqueStream s(*dev, StreamRole::kCompute);
   struct Shape {
     int64_t m, n, k;
   };
@@ -66,8 +80,8 @@ TEST(HybridGemmCuda, KernelsMatchTheHostImplementation) {
                                        : static_cast<const void*>(w32.data()),
                     wbytes);
         dev->copy_async(xd.ptr, x.data(), x.size() * 4, s);
-        ASSERT_TRUE(hybrid_gemm_cuda(p, static_cast<const float*>(xd.ptr), wm.ptr,
-                                     static_cast<float*>(od.ptr), dev->native_stream(s), &why))
+        ASSERT_TRUE(hybrid_gemm_on_device(*dev, p, static_cast<const float*>(xd.ptr), wm.ptr,
+                                          static_cast<float*>(od.ptr), s, &why))
             << why;
         std::vector<float> got(static_cast<size_t>(sh.m * sh.n)), want(got.size());
         dev->copy_async(got.data(), od.ptr, got.size() * 4, s);
@@ -92,7 +106,6 @@ TEST(HybridGemmCuda, KernelsMatchTheHostImplementation) {
         dev->free(od.ptr, MemoryKind::kDevice);
         dev->free(wm.ptr, MemoryKind::kMappedHost);
       }
-  dev->destroy_stream(s);
 }
 
 }  // namespace

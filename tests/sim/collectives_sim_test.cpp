@@ -14,7 +14,6 @@
 #include <string>
 
 #include "plan/plan_helpers.hpp"
-#include "sim/engine.hpp"
 #include "spillway/collectives.hpp"
 #include "spillway/sim.hpp"
 #include "test_support.hpp"

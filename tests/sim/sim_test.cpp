@@ -1,5 +1,6 @@
 // Simulator tests: agreement with the planner, conservation and ordering invariants,
-// link sharing, back-pressure, memory, and the trace/summary formats.
+// link sharing, back-pressure, memory, the trace/summary formats, and the engine's fixed
+// tasks and clients (Note [Fixed tasks], Note [Engine clients]).
 #include "spillway/sim.hpp"
 
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include <random>
 
 #include "plan/plan_helpers.hpp"
+#include "spillway/error.hpp"
 #include "test_support.hpp"
 
 namespace spillway {
@@ -474,6 +476,106 @@ TEST(SimFormats, PlanJsonRoundTripSimulatesTheSame) {
   EXPECT_NEAR(a.summary.step_ms, b.summary.step_ms, 1e-6 * a.summary.step_ms);
   EXPECT_EQ(a.summary.d2h_bytes, b.summary.d2h_bytes);
   EXPECT_EQ(a.summary.peak_hbm_bytes, b.summary.peak_hbm_bytes);
+}
+
+// ---- the engine: fixed tasks and clients ------------------------------------------------
+
+// Note [Fixed tasks]: each ends at exactly its start plus its work; equal ends come one at
+// a time in the order the tasks were added (not the order they started); a timer waits for
+// its not_before_ms alone.
+TEST(SimEngine, FixedTasksEndExactlyAndEqualEndsInAddOrder) {
+  sim::Engine e;
+  const int s = e.add_stream(0, ResourceKind::kCompute);
+  auto fixed = [&](int stream, double not_before, double ms) {
+    sim::Task t;
+    t.fixed = true;
+    t.stream = stream;
+    t.not_before_ms = not_before;
+    t.work = ms;
+    return e.add_task(t);
+  };
+  const int first = fixed(s, 0.0, 0.1);
+  const int second = fixed(s, 0.0, 0.2);  // after the first: ends at 0.1 + 0.2 exactly
+  const int late = fixed(s, 2.0, 1.0);    // heads the stream at 0.1 + 0.2, starts at 2
+  const int t3a = fixed(-1, 3.0, 0.0);
+  const int t15 = fixed(-1, 1.0, 0.5);
+  const int t3b = fixed(-1, 3.0, 0.0);  // ends at 3 with late and t3a, after both
+  std::vector<std::pair<int, double>> seen;
+  e.run([&](int task) { seen.emplace_back(task, e.now_ms()); });
+  const std::vector<std::pair<int, double>> expect = {
+      {first, 0.1}, {second, 0.1 + 0.2}, {t15, 1.5}, {late, 3.0}, {t3a, 3.0}, {t3b, 3.0}};
+  EXPECT_EQ(seen, expect);
+  const sim::Task& l = e.tasks()[static_cast<size_t>(late)];
+  EXPECT_EQ(l.ready_ms, 0.1 + 0.2);
+  EXPECT_EQ(l.start_ms, 2.0);
+  EXPECT_EQ(e.stream_busy_ms(s), 0.1 + (0.1 + 0.2 - 0.1) + 1.0);
+  EXPECT_EQ(e.makespan_ms(), 3.0);
+}
+
+// Note [Engine clients]: a task added from on_finish starts at once; a recycled id is
+// reused, so a long chain keeps one record; tasks added at the same time end in the order
+// they were added.
+TEST(SimEngine, AClientAddsTasksFromOnFinishAndRecyclesThem) {
+  sim::Engine e;
+  const int s = e.add_stream(0, ResourceKind::kCompute);
+  sim::Task timer;
+  timer.fixed = true;
+  timer.not_before_ms = 1.0;
+  const int first = e.add_task(timer);
+  std::vector<std::pair<int, double>> seen;
+  int chained = 0;
+  e.run([&](int task) {
+    seen.emplace_back(task, e.now_ms());
+    e.recycle(task);
+    if (chained < 1000) {
+      ++chained;
+      sim::Task next;
+      next.fixed = true;
+      next.stream = s;
+      next.work = 0.25;
+      EXPECT_EQ(e.add_task(next), first);  // the id just recycled
+    }
+  });
+  ASSERT_EQ(seen.size(), 1001u);
+  double t = 1.0;
+  for (const auto& [task, at] : seen) {
+    EXPECT_EQ(at, t);
+    t += 0.25;
+  }
+  EXPECT_EQ(e.tasks().size(), 1u);
+  EXPECT_EQ(e.stream_busy_ms(s), 1000 * 0.25);
+  EXPECT_THROW(e.recycle(first), Error);  // only during run()
+}
+
+// A fixed task beside fluid ones: the copy is timed as without it, the timer ends exactly at
+// its time and the client sees the two in order.
+TEST(SimEngine, ATimerBesideAFluidCopyLeavesTheCopyAlone) {
+  auto copy_end = [](bool with_timer, std::vector<double>* seen) {
+    sim::Engine e;
+    const int link = e.add_link(100.0);  // bytes per ms
+    const int d2h = e.add_stream(0, ResourceKind::kD2H);
+    sim::Task c;
+    c.kind = TaskKind::kD2H;
+    c.stream = d2h;
+    c.link = link;
+    c.work = 1000.0;
+    const int copy = e.add_task(c);
+    if (with_timer) {
+      sim::Task t;
+      t.fixed = true;
+      t.not_before_ms = 4.0;
+      e.add_task(t);
+    }
+    e.run([&](int) { seen->push_back(e.now_ms()); });
+    EXPECT_NEAR(e.link_busy_ms(link), 10.0, 1e-12);
+    return e.tasks()[static_cast<size_t>(copy)].end_ms;
+  };
+  std::vector<double> alone;
+  std::vector<double> beside;
+  EXPECT_NEAR(copy_end(true, &beside), copy_end(false, &alone), 1e-12);
+  ASSERT_EQ(beside.size(), 2u);
+  EXPECT_EQ(beside[0], 4.0);
+  EXPECT_NEAR(beside[1], 10.0, 1e-12);
 }
 
 }  // namespace

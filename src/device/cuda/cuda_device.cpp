@@ -42,7 +42,9 @@
 
 #include "device/cuda/adamw_kernels.hpp"
 #include "device/cuda/cuda_check.hpp"
+#include "device/cuda/hybrid_gemm_kernels.hpp"
 #include "spillway/device.hpp"
+#include "spillway/device_backend.hpp"
 #include "spillway/error.hpp"
 #include "spillway/units.hpp"
 
@@ -226,7 +228,7 @@ void CUDART_CB run_host_callback(void* boxed) {
   }
 }
 
-class CudaDevice final : public Device {
+class CudaDevice final : public DeviceBackend {
  public:
   explicit CudaDevice(int ordinal) : ordinal_(ordinal) {
     DeviceGuard guard(ordinal_);
@@ -462,6 +464,15 @@ class CudaDevice final : public Device {
                    "{}: widen_bf16: src and dst must be non-null for n = {}", name_, a.n);
     return launch(s, a.n, [&](cudaStream_t stream) { cuda::launch_widen_bf16(a, stream); });
   }
+  bool hybrid_gemm(const DeviceHybridGemm& a, Stream s) override {
+    const std::string refusal = cuda::hybrid_gemm_tiles_refusal(a);
+    if (!refusal.empty()) SPILLWAY_INPUT_ERROR("{}: hybrid_gemm: {}", name_, refusal);
+    const size_t outputs = static_cast<size_t>(a.m * a.n);
+    SPILLWAY_CHECK(outputs == 0 || (a.x != nullptr && a.w != nullptr && a.o != nullptr),
+                   "{}: hybrid_gemm: x, w and o must be non-null for {}x{}x{}", name_, a.m, a.n,
+                   a.k);
+    return launch(s, outputs, [&](cudaStream_t stream) { cuda::launch_hybrid_gemm(a, stream); });
+  }
 
  private:
   static int index(MemoryKind k) {
@@ -664,7 +675,7 @@ std::unique_ptr<Device> make_cuda_device(int ordinal, std::string* why) {
     return nullptr;
   }
   try {
-    return std::make_unique<CudaDevice>(ordinal);
+    return std::make_unique<Device>(std::make_unique<CudaDevice>(ordinal));
   } catch (const Error& e) {  // the device exists but cannot be used (busy, prohibited)
     reason = fmt::format("no CUDA device: cuda:{} cannot be used: {}", ordinal, e.what());
     return nullptr;

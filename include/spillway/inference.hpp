@@ -1,0 +1,281 @@
+// The live serving engine (docs/serve.md, `spillway serve`): models from a directory of
+// checkpoints in the host-resident pool, emulated MIG slices behind one shared link, the
+// Scheduler placing every request, and on each slice a thread running the reference model
+// in inference mode (spillway/decoder.hpp) with continuous batching, every weight GEMM
+// through HybridGEMM from the pool. No HTTP here (spillway/http_server.hpp puts it behind
+// the OpenAI-compatible endpoint).
+//
+// Note [Serving engine]: a request is checked (model, prompt, lengths) and queued; the
+// Scheduler (Note [Serving scheduler]) routes it to a slice, or it waits, never preempting
+// a running one. Each slice's thread admits its routed requests into free sequences of its
+// decoder and runs iterations: one prefill chunk (the Scheduler's size, never cut by the
+// step's budget) for every prompt not yet read, one token for every decoding request, in
+// one decoder step; a sampled token goes to the request's Completion (a channel the HTTP
+// thread reads: a slow client never blocks a slice). A finished request frees its slot and
+// its place in the Scheduler, which then places the waiting ones. When the slice's model
+// changes it acquires the new one from the pool (a switch when resident, a cold load from
+// disk otherwise; nothing copied to the device either way) and releases it when idle, so
+// the pool may evict it. Overload is loud: past `max_waiting` queued requests a submit is
+// refused (kOverloaded: HTTP 429), while draining (kDraining: 503); a model the pool cannot
+// hold beside those in use fails its requests (kFailed, counted "unavailable": 503). Nothing
+// is dropped. Note [Slice failures]: whatever throws on a slice thread (a load, a decoder,
+// a step) fails only the requests it concerns, kFailed with a message naming the model and
+// the reason; the slice goes on and every other request is untouched.
+//
+// Note [Served determinism]: a completion depends only on its request (model, prompt,
+// max_tokens, temperature, seed) and the engine's chunk table, never on what it is batched
+// with, which slice runs it, or alpha: the GEMMs are HybridGEMM's invariant form (Note
+// [Invariant HybridGEMM]), attention reads only the request's own cache, a prefill chunk
+// is never cut, and sampling draws from the request's own generator (seeded by `seed`).
+// Greedy (temperature 0) picks the lowest token of the largest logit.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "spillway/decoder.hpp"
+#include "spillway/inventory.hpp"
+#include "spillway/nn.hpp"
+#include "spillway/serve.hpp"
+
+namespace spillway::inference {
+
+// ---- model directories ------------------------------------------------------------------
+
+// Note [Model directories]: a servable model is a directory holding config.json (a
+// reference-model config: qwen3_moe / qwen3 / llama-like, spillway/nn.hpp) and
+// model.safetensors with the tensors of weight_specs() (Note [Checkpoint names]), F32 or
+// BF16, shaped as the config says. The model's name is the directory's.
+struct ModelFiles {
+  std::string name;
+  std::string dir;
+  std::string config_path;   // dir/config.json
+  std::string weights_path;  // dir/model.safetensors
+};
+// Note [Checkpoints that change on disk]: a model's config.json is read once, at start; its
+// model.safetensors whenever the pool loads it (the first request, and again after an
+// eviction). A load reads the file the engine checked or nothing (ModelPool's stamp: device,
+// inode, size, mtime). A file found changed is checked again there, against the config read
+// at start: a valid checkpoint of the same tensors and dtype (replaced whole, by a rename) is
+// loaded and served from then on; anything else (half-written, truncated, another layout, a
+// directory, gone) makes the model unavailable: the requests that needed the load fail
+// (kFailed, naming the model and the reason) and every later submit for it stats the file:
+// the same file found bad, it is refused at once (kUnavailable, the reason); another, it is
+// read and checked again: still bad, refused; valid, served. A copy
+// already resident keeps serving until it is evicted. Nothing else is touched, and nothing
+// crashes. A file rewritten in place while a load reads it fails that load (the bytes are
+// read through the file, never a mapping that could fault): replace checkpoints by rename.
+//
+// Every subdirectory of `dir` with a config.json, sorted by name; a subdirectory with a
+// config.json and no model.safetensors is an error naming it, and so are a config.json or a
+// model.safetensors that is not a regular file and a directory that cannot be read (the OS's
+// reason); none at all is an error.
+std::vector<ModelFiles> find_models(const std::string& dir);
+// Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
+// checkpoint: its own tensor; or, for attention's fused q, k, v, Hugging Face's q_proj,
+// k_proj and v_proj stacked by rows; or, for the LM head of a config with tied embeddings
+// and no lm_head tensor, the embedding. One dtype (F32 or BF16) for all. Every tensor of the
+// file must be read (RoPE's inv_freq aside): one the reference model has no use for (Qwen3's
+// q/k norms, biases) is refused, since serving would silently ignore it. Throws naming the
+// model, the tensor, what was expected and what was found.
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsFile& f);
+void check_checkpoint(const std::string& model, const nn::RefConfig& c,
+                      const std::string& weights_path);
+// A config.json whose model the reference model would compute differently: rope_scaling,
+// attention or MLP biases. Throws naming the model and the field.
+void check_servable_config(const std::string& model, const std::string& config_text);
+// Writes a checkpoint of the reference model initialized from `seed` (Model's own
+// initialization) into `dir` (created): config.json (the config's text as given: an
+// embedded name such as "tiny-moe", or a path) and model.safetensors in `dtype` (kFp32 or
+// kBf16: rounded to nearest even). Written to temporaries and renamed: nothing half-written.
+void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, const std::string& dir,
+                      DType dtype);
+
+// ---- the engine -------------------------------------------------------------------------
+
+struct EngineOptions {
+  std::string hardware = "gh200";
+  std::string profile = "1g.12gb";  // the MIG profile every slice has
+  double rate_scale = 1e-3;         // every rate of the emulated GPU times this (slices.hpp)
+  double memory_scale = 1e-3;       // every slice's memory times this
+  int64_t host_budget_bytes = int64_t{1} << 30;  // the pool's mapped host memory
+  int max_running = 8;                           // sequences a slice decodes together
+  int max_context = 512;                         // tokens of one request, prompt and output
+  int max_step_tokens = 256;                     // rows of one decoder step
+  int max_waiting = 64;     // requests queued and not yet running, all slices (>= 1)
+  double ttft_ms = 2000.0;  // targets: the Scheduler's and the SLO of the metrics
+  double tpot_ms = 100.0;
+  double alpha = -1.0;  // < 0: the alpha controller adapts it per slice; else fixed
+};
+
+struct CompletionRequest {
+  std::string model;
+  std::vector<int32_t> prompt;
+  int max_tokens = 16;
+  double temperature = 0.0;  // 0: greedy
+  uint64_t seed = 0;
+  // Up to 4 sequences of 1 to 64 tokens: the request ends when its output would end with
+  // one, which is left out (Note [Stop sequences] in engine.cpp).
+  std::vector<std::vector<int32_t>> stop;
+};
+
+enum class SubmitStatus {
+  kAccepted,
+  kInvalid,       // a field is wrong (SubmitResult::field): HTTP 400
+  kUnknownModel,  // HTTP 404
+  kOverloaded,    // max_waiting requests already queued: HTTP 429
+  kDraining,      // the engine is shutting down: HTTP 503
+  kUnavailable,   // the model's checkpoint cannot be served now (Note [Checkpoints that
+                  // change on disk]); the message names the model and why: HTTP 503
+};
+const char* to_string(SubmitStatus s);
+
+// A request's output as it is produced (Note [Serving engine]): the slice appends, one
+// reader takes. Thread-safe.
+class Completion {
+ public:
+  enum class State { kRunning, kDone, kFailed, kCancelled };
+  explicit Completion(int max_tokens);
+  // Blocks until a token after the `have` already taken exists or the request ended;
+  // appends the new ones to *out and returns the state (kRunning: more may come).
+  State wait_tokens(size_t have, std::vector<int32_t>* out);
+  // The same, returning kRunning with nothing new once `timeout` has passed.
+  State wait_tokens_for(size_t have, std::vector<int32_t>* out, std::chrono::milliseconds timeout);
+  State state() const;
+  std::string error() const;          // kFailed or kCancelled: why
+  std::string finish_reason() const;  // kDone: "length", or "stop" (a stop sequence)
+  // The client went away: the slice stops generating for it at its next iteration.
+  void cancel();
+  // The same with the reason its reader is told (error() of the cancelled completion).
+  void cancel(std::string why);
+  std::string cancel_reason() const;
+  // The slice had to take this request's model from another (a switch: the model was in
+  // host memory) or from disk (a cold start) before running it.
+  bool switched() const;
+  bool cold() const;
+  double ttft_ms() const;  // submit to first token (-1 before it)
+  double tpot_ms() const;  // mean time between tokens after the first (-1 with < 2)
+  int slice() const;
+
+  // The engine's side.
+  void push(int32_t token, std::chrono::steady_clock::time_point now);
+  void finish(State s, std::string why);
+  bool cancelled() const;
+  void set_slice(int s);
+  void set_start(bool switched, bool cold);
+  std::chrono::steady_clock::time_point submitted;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int32_t> tokens_;
+  State state_ = State::kRunning;
+  std::string why_;
+  bool cancel_ = false;
+  std::string cancel_why_ = "cancelled";
+  int slice_ = -1;
+  bool switched_ = false, cold_ = false;
+  std::chrono::steady_clock::time_point first_, last_;
+};
+
+struct SubmitResult {
+  SubmitStatus status = SubmitStatus::kAccepted;
+  std::string field;                       // kInvalid: the request field at fault
+  std::string message;                     // anything but kAccepted: what and why
+  std::shared_ptr<Completion> completion;  // kAccepted
+};
+
+struct ServedModelInfo {
+  std::string name;
+  int64_t weight_bytes = 0;
+  DType dtype = DType::kFp32;
+  int vocab = 0;
+  int layers = 0;
+  bool resident = false;
+  std::string config_json;  // its config.json's text
+};
+
+// Counters since start and the live state, for /metrics.
+struct EngineMetrics {
+  double uptime_s = 0.0;
+  std::map<std::string, int64_t> requests;  // by outcome: ok, invalid, unknown_model,
+                                            // overloaded, draining, unavailable, failed,
+                                            // cancelled
+  int64_t tokens_generated = 0;
+  int64_t prompt_tokens = 0;
+  std::vector<double> ttft_bounds_s, tpot_bounds_s;  // histogram upper bounds
+  std::vector<int64_t> ttft_counts, tpot_counts;     // cumulative per bound, then +Inf
+  double ttft_sum_s = 0.0, tpot_sum_s = 0.0;
+  int64_t ttft_n = 0, tpot_n = 0;
+  int64_t within_slo = 0;         // finished requests meeting both targets
+  int64_t switches = 0;           // a slice took a model already resident in host memory
+  int64_t cold_loads = 0;         // ... that had to be read from disk
+  int64_t evictions = 0;          // models dropped from the pool
+  int64_t waiting = 0;            // queued, not yet on a slice's decoder
+  double link_gbps = 0.0;         // the shared link (emulated, scaled)
+  int64_t link_bytes = 0;         // moved over it since start
+  double link_utilization = 0.0;  // link bytes moved / (bandwidth x uptime)
+  struct Slice {
+    std::string model;  // active, empty when idle
+    int running = 0;
+    double alpha = 0.0;
+    double hbm_utilization = 0.0;  // HBM bytes / (bandwidth x uptime)
+    int64_t hbm_bytes = 0;         // since start
+    double hbm_gbps = 0.0;         // its bandwidth (emulated, scaled)
+    double link_share = 0.0;       // this slice's link bytes / (link bandwidth x uptime)
+    int64_t iterations = 0;
+    int64_t device_bytes_in_use = 0;
+    int64_t device_bytes = 0;
+  };
+  std::vector<Slice> slices;
+};
+// The Prometheus text exposition of m (version 0.0.4).
+std::string prometheus_text(const EngineMetrics& m);
+
+class ServingEngine {
+ public:
+  // Registers every model (checked: config, checkpoint) and starts one thread per slice of
+  // `options.profile`. Errors name the model and the field.
+  ServingEngine(const std::vector<ModelFiles>& models, const EngineOptions& options);
+  ~ServingEngine();  // drains, then stops the slices
+  ServingEngine(const ServingEngine&) = delete;
+  ServingEngine& operator=(const ServingEngine&) = delete;
+
+  SubmitResult submit(const CompletionRequest& request);
+  std::vector<ServedModelInfo> models() const;
+  const nn::RefConfig& config(const std::string& model) const;  // throws naming it if absent
+  EngineMetrics metrics() const;
+  int slices() const;
+  const EngineOptions& options() const;
+  double link_gbps() const;  // the emulated shared link's bandwidth (scaled)
+
+  // Refuses new requests from now on (kDraining) and waits until every accepted one has
+  // ended (finished, failed or cancelled).
+  void drain();
+  // The same, for at most `deadline`: returns true when every accepted request ended in
+  // time; false when some are still in flight (draining stays on).
+  bool drain_for(std::chrono::milliseconds deadline);
+  // Cancels every accepted request not yet ended (queued or running), each ending
+  // kCancelled with `why`; returns how many. Used when a drain's deadline passes.
+  int64_t cancel_all(const std::string& why);
+  // Note [One count per request]: every request the server answers is counted once, by
+  // outcome (EngineMetrics::requests). submit() counts its own; a request refused before it
+  // reaches submit() (malformed JSON, a bad field, a body too large) is counted here.
+  void count_outcome(const std::string& outcome);
+  bool draining() const;
+  int64_t in_flight() const;  // accepted and not yet ended
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spillway::inference

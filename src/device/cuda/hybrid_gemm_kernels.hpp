@@ -1,0 +1,24 @@
+// The launcher of HybridGEMM's CUDA kernels (hybrid_gemm_kernels.cu), the CUDA backend's
+// Device::hybrid_gemm (Note [HybridGEMM as a device operation]), in C++17 for nvcc.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "spillway/device.hpp"
+
+namespace spillway::cuda {
+
+inline constexpr int kHybridGemmThreads = 256;
+inline constexpr int64_t kHybridGemmOutputsPerThread = 16;
+inline constexpr int64_t kHybridGemmSharedBytes = int64_t{48} * 1024;
+
+// Empty when both tile shapes fit the kernels (shared memory, outputs per block), else
+// what does not: checked before anything is launched.
+std::string hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a);
+
+// Enqueues both paths on `stream` (a cudaStream_t); x, o device memory, w mapped host
+// memory. Throws spillway::Error when a launch fails.
+void launch_hybrid_gemm(const DeviceHybridGemm& a, void* stream);
+
+}  // namespace spillway::cuda

@@ -1,0 +1,25 @@
+// What HybridGEMM's kernels (hybrid_gemm_kernels.cu) can take, checked on the host before a
+// launch: plain C++, so the check is tested in a build with the CUDA backend and no GPU.
+#include <fmt/format.h>
+
+#include <string>
+
+#include "device/cuda/hybrid_gemm_kernels.hpp"
+
+namespace spillway::cuda {
+
+std::string hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a) {
+  for (const DeviceGemmTiles* g : {&a.symmetric, &a.asymmetric}) {
+    const int64_t shared = (g->m + g->n) * g->k * static_cast<int64_t>(sizeof(float));
+    const int64_t outputs = kHybridGemmOutputsPerThread * kHybridGemmThreads;
+    if (g->m <= 0 || g->n <= 0 || g->k <= 0 || shared > kHybridGemmSharedBytes ||
+        g->m * g->n > outputs)
+      return fmt::format(
+          "tiles {}x{}x{} need {} bytes of shared memory (at most {}) and {} outputs per block "
+          "(at most {}), each side > 0",
+          g->m, g->n, g->k, shared, kHybridGemmSharedBytes, g->m * g->n, outputs);
+  }
+  return {};
+}
+
+}  // namespace spillway::cuda

@@ -1,0 +1,113 @@
+// Device, the face of spillway/device.hpp: each call forwarded to the backend it owns.
+#include "spillway/device.hpp"
+
+#include <cstdio>
+#include <exception>
+#include <utility>
+
+#include "spillway/device_backend.hpp"
+#include "spillway/error.hpp"
+
+namespace spillway {
+
+Device::Device(std::unique_ptr<DeviceBackend> backend)
+    : owned_(std::move(backend)), backend_(owned_.get()) {
+  if (backend_ == nullptr) SPILLWAY_INPUT_ERROR("Device: the backend is null");
+}
+Device::Device(DeviceBackend& backend) : backend_(&backend) {}
+Device::~Device() = default;
+
+std::string Device::name() const {
+  return backend_->name();
+}
+bool Device::emulated() const {
+  return backend_->emulated();
+}
+AllocResult Device::allocate(size_t bytes, MemoryKind kind) {
+  return backend_->allocate(bytes, kind);
+}
+void Device::free(void* ptr, MemoryKind kind) {
+  backend_->free(ptr, kind);
+}
+MemoryStats Device::memory_stats() const {
+  return backend_->memory_stats();
+}
+void Device::reset_peaks() {
+  backend_->reset_peaks();
+}
+Stream Device::create_stream(StreamRole role, int priority) {
+  return backend_->create_stream(role, priority);
+}
+Stream Device::adopt_stream(void* native, StreamRole role) {
+  return backend_->adopt_stream(native, role);
+}
+void Device::destroy_stream(Stream s) {
+  backend_->destroy_stream(s);
+}
+Event Device::create_event() {
+  return backend_->create_event();
+}
+void Device::destroy_event(Event e) {
+  backend_->destroy_event(e);
+}
+void Device::record(Event e, Stream s) {
+  backend_->record(e, s);
+}
+void Device::wait(Stream s, Event e) {
+  backend_->wait(s, e);
+}
+bool Device::query(Event e) {
+  return backend_->query(e);
+}
+void Device::synchronize(Event e) {
+  backend_->synchronize(e);
+}
+void Device::synchronize(Stream s) {
+  backend_->synchronize(s);
+}
+void Device::copy_async(void* dst, const void* src, size_t bytes, Stream s) {
+  backend_->copy_async(dst, src, bytes, s);
+}
+void Device::host_callback(Stream s, std::function<void()> fn) {
+  backend_->host_callback(s, std::move(fn));
+}
+void* Device::native_stream(Stream s) {
+  return backend_->native_stream(s);
+}
+int Device::cuda_ordinal() const {
+  return backend_->cuda_ordinal();
+}
+bool Device::adamw_step(const DeviceAdamW& a, Stream s) {
+  return backend_->adamw_step(a, s);
+}
+bool Device::norm_lanes_bf16(const DeviceNormLanes& a, Stream s) {
+  return backend_->norm_lanes_bf16(a, s);
+}
+bool Device::widen_bf16(const DeviceWidenBf16& a, Stream s) {
+  return backend_->widen_bf16(a, s);
+}
+bool Device::hybrid_gemm(const DeviceHybridGemm& a, Stream s) {
+  return backend_->hybrid_gemm(a, s);
+}
+
+void UniqueStream::reset() noexcept {
+  if (device_ == nullptr) return;
+  Device* d = std::exchange(device_, nullptr);
+  try {
+    d->destroy_stream(stream_);
+  } catch (const std::exception& e) {  // a destructor must not throw: said, not hidden
+    std::fprintf(stderr, "spillway: error: destroying a stream: %s\n", e.what());
+  }
+}
+
+void UniqueEvent::reset() noexcept {
+  if (device_ == nullptr) return;
+  Device* d = std::exchange(device_, nullptr);
+  try {
+    d->destroy_event(event_);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "spillway: error: destroying an event: %s\n", e.what());
+  }
+}
+
+}  // namespace spillway

@@ -1,0 +1,307 @@
+// Model directories (Note [Model directories] in spillway/inference.hpp): finding them,
+// checking a checkpoint against its config, and writing the reference model's.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/embedded_data.hpp"
+#include "spillway/device_math.hpp"
+#include "spillway/error.hpp"
+#include "spillway/inference.hpp"
+#include "spillway/serve.hpp"
+
+namespace spillway::inference {
+
+namespace fs = std::filesystem;
+
+std::vector<ModelFiles> find_models(const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    SPILLWAY_INPUT_ERROR("--models: cannot read '{}': {}", dir, ec.message());
+  if (!fs::is_directory(st))
+    SPILLWAY_INPUT_ERROR(
+        "--models: '{}' is not a directory (one subdirectory per model, each "
+        "with config.json and model.safetensors)",
+        dir);
+  // Every filesystem call with an error code: an unreadable entry is named with the OS's
+  // reason, never a bare filesystem_error.
+  auto unreadable = [](const fs::path& p, const std::error_code& e) {
+    SPILLWAY_INPUT_ERROR("--models: cannot read '{}': {}", p.string(), e.message());
+  };
+  std::vector<ModelFiles> out;
+  fs::directory_iterator it(dir, ec);
+  if (ec) unreadable(dir, ec);
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) unreadable(dir, ec);
+    const fs::directory_entry& e = *it;
+    if (!e.is_directory(ec)) continue;
+    const fs::path config = e.path() / "config.json";
+    const fs::file_status cs = fs::status(config, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) unreadable(config, ec);
+    if (!fs::exists(cs)) continue;
+    if (!fs::is_regular_file(cs))
+      SPILLWAY_INPUT_ERROR("model directory '{}': config.json is {}, not a file", e.path().string(),
+                           fs::is_directory(cs) ? "a directory" : "not a regular file");
+    const fs::path weights = e.path() / "model.safetensors";
+    const fs::file_status ws = fs::status(weights, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) unreadable(weights, ec);
+    if (!fs::exists(ws))
+      SPILLWAY_INPUT_ERROR("model directory '{}' has a config.json but no model.safetensors",
+                           e.path().string());
+    if (!fs::is_regular_file(ws))
+      SPILLWAY_INPUT_ERROR("model directory '{}': model.safetensors is {}, not a file",
+                           e.path().string(),
+                           fs::is_directory(ws) ? "a directory" : "not a regular file");
+    out.push_back(
+        {e.path().filename().string(), e.path().string(), config.string(), weights.string()});
+  }
+  if (ec) unreadable(dir, ec);
+  if (out.empty())
+    SPILLWAY_INPUT_ERROR(
+        "--models: '{}' holds no model (a subdirectory with config.json and "
+        "model.safetensors; `spillway checkpoint` writes one)",
+        dir);
+  std::sort(out.begin(), out.end(),
+            [](const ModelFiles& a, const ModelFiles& b) { return a.name < b.name; });
+  return out;
+}
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
+
+// Writes `bytes` to `path` (a temporary of write_checkpoint's, renamed by it): every write
+// and the close checked, an error naming the path and the system's reason.
+void write_file(const fs::path& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) SPILLWAY_INPUT_ERROR("cannot write '{}': {}", path.string(), std::strerror(errno));
+  int err = 0;
+  for (size_t at = 0; at < bytes.size() && err == 0;) {
+    const ssize_t n = ::write(fd, bytes.data() + at, bytes.size() - at);
+    if (n < 0) {
+      if (errno != EINTR) err = errno;
+    } else {
+      at += static_cast<size_t>(n);
+    }
+  }
+  if (::close(fd) != 0 && err == 0 && errno != EINTR) err = errno;
+  if (err != 0) SPILLWAY_INPUT_ERROR("cannot write '{}': {}", path.string(), std::strerror(err));
+}
+
+// Renames `from` over `to`, an error naming `to` and the system's reason.
+void rename_file(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    SPILLWAY_INPUT_ERROR("cannot write '{}': {}", to.string(), std::strerror(errno));
+}
+
+// This machine's memory (0: unknown).
+double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
+
+}  // namespace
+
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsFile& f) {
+  const std::string& path = f.path();
+  std::vector<std::vector<std::string>> parts;
+  std::set<std::string> used;
+  DType first = DType::kFp32;
+  bool any = false;
+  auto take = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    const SafetensorsTensor* t = f.find(name);
+    if (t->shape != shape)
+      SPILLWAY_INPUT_ERROR("model {}: tensor {} in {} has shape {}; its config.json needs {}",
+                           model, name, path, shape_text(t->shape), shape_text(shape));
+    if (any && t->dtype != first)
+      SPILLWAY_INPUT_ERROR("model {}: tensor {} is {} and others {}; one dtype per checkpoint",
+                           model, name, to_string(t->dtype), to_string(first));
+    first = t->dtype;
+    any = true;
+    used.insert(name);
+  };
+  const std::string qkv = "self_attn.qkv_proj.weight";
+  const int64_t d = c.hidden, hd = c.head_dim;
+  for (const nn::WeightSpec& s : nn::weight_specs(c)) {
+    if (f.find(s.name) != nullptr) {
+      take(s.name, s.shape);
+      parts.push_back({s.name});
+      continue;
+    }
+    // Note [Checkpoint resolution]: q, k and v as Hugging Face stores them.
+    if (s.name.size() > qkv.size() &&
+        s.name.compare(s.name.size() - qkv.size(), qkv.size(), qkv) == 0) {
+      const std::string p = s.name.substr(0, s.name.size() - qkv.size()) + "self_attn.";
+      const std::string q = p + "q_proj.weight", k = p + "k_proj.weight", v = p + "v_proj.weight";
+      if (f.find(q) != nullptr && f.find(k) != nullptr && f.find(v) != nullptr) {
+        take(q, {c.heads * hd, d});
+        take(k, {c.kv_heads * hd, d});
+        take(v, {c.kv_heads * hd, d});
+        parts.push_back({q, k, v});
+        continue;
+      }
+      SPILLWAY_INPUT_ERROR(
+          "model {}: {} has neither {} (shape {}) nor {}q_proj, k_proj and "
+          "v_proj that its config.json needs",
+          model, path, s.name, shape_text(s.shape), p);
+    }
+    if (s.name == "lm_head.weight" && c.model.tied_embeddings &&
+        f.find("model.embed_tokens.weight") != nullptr) {
+      parts.push_back({"model.embed_tokens.weight"});  // tied: taken as the embedding
+      continue;
+    }
+    SPILLWAY_INPUT_ERROR("model {}: {} has no tensor {} (shape {}) that its config.json needs",
+                         model, path, s.name, shape_text(s.shape));
+  }
+  // Every tensor is read: one the reference model has no use for (q/k norms, biases, ...)
+  // would be ignored, and the served model would not be the checkpoint's.
+  for (const SafetensorsTensor& t : f.tensors()) {
+    static const std::string inv_freq = "rotary_emb.inv_freq";  // RoPE's, recomputed
+    if (used.count(t.name) != 0 ||
+        (t.name.size() >= inv_freq.size() &&
+         t.name.compare(t.name.size() - inv_freq.size(), inv_freq.size(), inv_freq) == 0))
+      continue;
+    SPILLWAY_INPUT_ERROR(
+        "model {}: {} holds tensor {}, which the reference model has no use "
+        "for (it runs no q/k norms, biases or shared experts): served, the "
+        "model would not be the checkpoint's",
+        model, path, t.name);
+  }
+  return parts;
+}
+
+void check_checkpoint(const std::string& model, const nn::RefConfig& c,
+                      const std::string& weights_path) {
+  const SafetensorsFile f(weights_path);  // Note [Safetensors checks]
+  (void)resolve_checkpoint(model, c, f);
+}
+
+void check_servable_config(const std::string& model, const std::string& config_text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(config_text);
+  } catch (const nlohmann::json::exception& e) {
+    SPILLWAY_INPUT_ERROR("model {}: config.json is not JSON ({})", model, e.what());
+  }
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    SPILLWAY_INPUT_ERROR(
+        "model {}: config.json has rope_scaling {}; the reference model's RoPE "
+        "is unscaled, so the served model would not be the checkpoint's",
+        model, j["rope_scaling"].dump());
+  for (const char* flag : {"attention_bias", "mlp_bias"})
+    if (j.contains(flag) && j[flag].is_boolean() && j[flag].get<bool>())
+      SPILLWAY_INPUT_ERROR(
+          "model {}: config.json has {} true; the reference model runs no "
+          "biases",
+          model, flag);
+}
+
+void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, const std::string& dir,
+                      DType dtype) {
+  if (dtype != DType::kFp32 && dtype != DType::kBf16)
+    SPILLWAY_FIELD_ERROR("dtype", to_string(dtype), "must be fp32 or bf16");
+  std::string text;
+  if (const EmbeddedFile* e = find_embedded("nn", config_name_or_path + ".json")) {
+    text = e->text;
+  } else {
+    std::ifstream in(config_name_or_path, std::ios::binary);
+    if (!in)
+      SPILLWAY_INPUT_ERROR(
+          "--config: '{}' is neither an embedded reference model (tiny-moe, "
+          "small-moe) nor a readable config.json",
+          config_name_or_path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  const nn::RefConfig c = nn::load_reference_config(config_name_or_path);
+  int64_t params = 0;
+  for (const nn::WeightSpec& s : nn::weight_specs(c)) params += s.elements();
+  // The model's own initialization: its parameters, gradients and moments on a host device
+  // (the emulated arena), 16 bytes a parameter. Refused up front when this machine has not
+  // that much memory: the arena might be granted (overcommitted) and the process killed
+  // when the initialization touches it.
+  const double arena_bytes =
+      static_cast<double>(params) * 16.0 + static_cast<double>(int64_t{1} << 20);
+  const double memory = physical_memory_bytes();
+  const auto too_large = [&](const std::string& why) {
+    SPILLWAY_INPUT_ERROR(
+        "--config: '{}' has {:.3g} parameters ({:.2f} GB of weights in {}); writing its "
+        "checkpoint initializes the reference model in an emulated device arena of {:.2f} GB "
+        "(16 bytes a parameter: weights, gradients, AdamW moments), {}; choose a smaller "
+        "--config (fewer num_hidden_layers, hidden_size, intermediate_size or num_experts)",
+        config_name_or_path, static_cast<double>(params),
+        static_cast<double>(params) * (dtype == DType::kFp32 ? 4.0 : 2.0) / 1e9, to_string(dtype),
+        arena_bytes / 1e9, why);
+  };
+  if (memory > 0.0 && arena_bytes > memory)
+    too_large(fmt::format("more than this machine's {:.2f} GB of memory", memory / 1e9));
+  std::unique_ptr<Device> dev;
+  try {
+    dev = make_host_device(HostDeviceOptions{static_cast<int64_t>(arena_bytes), 0.0, 0.0});
+  } catch (const Error& e) {
+    too_large(fmt::format("which this machine could not reserve ({})", e.what()));
+  }
+  nn::Model m(c, *dev, seed);
+  std::vector<SafetensorsEntry> entries;
+  for (const nn::NamedWeight& w : m.named_weights()) {
+    SafetensorsEntry e;
+    e.name = w.spec.name;
+    e.dtype = dtype;
+    e.shape = w.spec.shape;
+    const auto n = static_cast<size_t>(w.spec.elements());
+    if (dtype == DType::kFp32) {
+      e.bytes.resize(n * 4);
+      std::memcpy(e.bytes.data(), w.data, n * 4);
+    } else {
+      e.bytes.resize(n * 2);
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t b = float_to_bf16(w.data[i]);
+        std::memcpy(e.bytes.data() + i * 2, &b, 2);
+      }
+    }
+    entries.push_back(std::move(e));
+  }
+  // Both files to temporaries in the directory, then renamed over the old ones: on any
+  // failure the temporaries are removed (and the directory, when this call created it and
+  // it is empty), so no half-written checkpoint is left to be served.
+  std::error_code ec;
+  const bool existed = fs::exists(dir, ec);
+  fs::create_directories(dir, ec);
+  if (ec) SPILLWAY_INPUT_ERROR("--out: cannot create directory '{}': {}", dir, ec.message());
+  const fs::path weights = fs::path(dir) / "model.safetensors";
+  const fs::path config = fs::path(dir) / "config.json";
+  const std::string tag = fmt::format(".{}.tmp", ::getpid());
+  const fs::path weights_tmp = fs::path(dir) / (".model.safetensors" + tag);
+  const fs::path config_tmp = fs::path(dir) / (".config.json" + tag);
+  try {
+    write_safetensors(weights_tmp.string(), entries);
+    write_file(config_tmp, text);
+    rename_file(weights_tmp, weights);
+    rename_file(config_tmp, config);
+  } catch (const Error& e) {
+    fs::remove(weights_tmp, ec);
+    fs::remove(config_tmp, ec);
+    if (!existed) fs::remove(dir, ec);  // only when empty
+    SPILLWAY_INPUT_ERROR("--out: the checkpoint in '{}' was not written: {}", dir, e.what());
+  }
+}
+
+}  // namespace spillway::inference

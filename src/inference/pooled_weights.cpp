@@ -1,0 +1,97 @@
+#include "inference/pooled_weights.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "spillway/device_math.hpp"
+#include "spillway/error.hpp"
+
+namespace spillway::inference {
+
+PooledWeights::PooledWeights(const ModelHandle& handle, const nn::RefConfig& c,
+                             EmulatedSlice& slice,
+                             const std::vector<std::vector<std::string>>& parts, int max_rows)
+    : slice_(slice) {
+  const std::vector<nn::WeightSpec> specs = nn::weight_specs(c);
+  SPILLWAY_CHECK(parts.size() == specs.size(), "PooledWeights: {} resolved weights for {}",
+                 parts.size(), specs.size());
+  host_.resize(specs.size());
+  dtype_.resize(specs.size());
+  widened_.resize(specs.size());
+  parts_.resize(specs.size());
+  size_t split = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    for (const std::string& name : parts[i]) {
+      const PooledTensor& pt = handle.tensor(name);
+      parts_[i].push_back({pt.host, static_cast<int>(pt.shape.front())});
+    }
+    if (parts_[i].size() > 1)
+      split = std::max(split,
+                       static_cast<size_t>(max_rows) * static_cast<size_t>(specs[i].shape.front()));
+    const PooledTensor& t = handle.tensor(parts[i].front());
+    host_[i] = t.host;
+    dtype_[i] = t.dtype;
+    if (!specs[i].linear && t.dtype == DType::kBf16) {
+      const auto* b = reinterpret_cast<const uint16_t*>(t.host);
+      std::vector<float>& w = widened_[i];
+      w.resize(static_cast<size_t>(specs[i].elements()));
+      for (size_t k = 0; k < w.size(); ++k) w[k] = bf16_to_float(b[k]);
+    }
+  }
+  split_.resize(split);
+}
+
+void PooledWeights::gemm(const Part& part, DType dtype, const float* x, float* y, int n, int in) {
+  HybridGemmProblem p{n, part.rows, in, dtype, alpha_, kTiles, kTiles};
+  p.invariant = true;
+  const SliceGemmTiming t = slice_.gemm(p, x, part.host, y);
+  const GemmTraffic tr = t.traffic.total();
+  it_.link_bytes += tr.link_bytes;
+  it_.hbm_bytes += tr.hbm_bytes();
+  it_.link_ms += t.link_ms;
+  it_.hbm_ms += t.hbm_ms;
+}
+
+const float* PooledWeights::values(int weight) {
+  const auto i = static_cast<size_t>(weight);
+  SPILLWAY_CHECK(i < host_.size(), "PooledWeights: weight {} of {}", weight, host_.size());
+  if (!widened_[i].empty()) return widened_[i].data();
+  SPILLWAY_CHECK(dtype_[i] == DType::kFp32, "PooledWeights: weight {} is not fp32", weight);
+  return static_cast<const float*>(host_[i]);
+}
+
+void PooledWeights::linear(int weight, const float* x, float* y, int n, int in, int out) {
+  const auto i = static_cast<size_t>(weight);
+  SPILLWAY_CHECK(i < host_.size(), "PooledWeights: weight {} of {}", weight, host_.size());
+  const std::vector<Part>& ps = parts_[i];
+  if (ps.size() == 1) {
+    gemm(ps.front(), dtype_[i], x, y, n, in);
+    return;
+  }
+  // Part by part (Note [Checkpoint resolution]), each into its own block of the buffer,
+  // then row by row into the fused layout: a row's parts side by side.
+  SPILLWAY_CHECK(static_cast<size_t>(n) * static_cast<size_t>(out) <= split_.size(),
+                 "PooledWeights: {} rows of a split weight; sized for {}", n,
+                 split_.size() / static_cast<size_t>(out));
+  size_t at = 0;
+  int col = 0;
+  for (const Part& part : ps) {
+    float* block = split_.data() + at;
+    gemm(part, dtype_[i], x, block, n, in);
+    for (int r = 0; r < n; ++r)
+      std::memcpy(y + static_cast<size_t>(r) * static_cast<size_t>(out) + col,
+                  block + static_cast<size_t>(r) * static_cast<size_t>(part.rows),
+                  static_cast<size_t>(part.rows) * sizeof(float));
+    at += static_cast<size_t>(n) * static_cast<size_t>(part.rows);
+    col += part.rows;
+  }
+  SPILLWAY_CHECK(col == out, "PooledWeights: split weight {} gives {} columns, not {}", weight, col,
+                 out);
+}
+
+void PooledWeights::begin_iteration(double alpha) {
+  alpha_ = alpha;
+  it_ = IterationTraffic{};
+}
+
+}  // namespace spillway::inference

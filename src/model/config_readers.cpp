@@ -1,0 +1,132 @@
+// The readers of config fields that several model families spell alike (families.hpp says
+// what each reads); the family parsers under families/ build on them.
+#include <fmt/format.h>
+
+#include "model/families/families.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway::families {
+
+const char* alias(const JsonObject& c, std::initializer_list<const char*> keys) {
+  const char* found = nullptr;
+  for (const char* k : keys) {
+    if (!c.has(k)) continue;
+    if (found == nullptr) {
+      found = k;
+    } else if (c.raw().at(found) != c.raw().at(k)) {
+      c.fail(k, fmt::format("is {} but its alias \"{}\" is {}; they name one field",
+                            json_value_text(c.raw().at(k)), found,
+                            json_value_text(c.raw().at(found))));
+    }
+  }
+  return found != nullptr ? found : *keys.begin();
+}
+
+AttentionSpec read_gqa(const JsonObject& c, int64_t hidden) {
+  AttentionSpec a;
+  a.kind = AttentionKind::kGqa;
+  a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
+  a.kv_heads = c.int_or("num_key_value_heads", a.heads, 1, kMaxDim);
+  if (a.heads % a.kv_heads != 0) {
+    c.fail("num_key_value_heads",
+           fmt::format("is {}; must divide \"num_attention_heads\" ({})", a.kv_heads, a.heads));
+  }
+  if (c.has("head_dim")) {
+    a.qk_head_dim = c.req_int("head_dim", 1, kMaxDim);
+  } else {
+    if (hidden % a.heads != 0) {
+      c.fail("num_attention_heads",
+             fmt::format("is {}; must divide \"hidden_size\" ({}) when \"head_dim\" is not given",
+                         a.heads, hidden));
+    }
+    a.qk_head_dim = hidden / a.heads;
+  }
+  a.v_head_dim = a.qk_head_dim;
+  a.qkv_bias = c.bool_or("attention_bias", false);
+  a.o_bias = a.qkv_bias;
+  return a;
+}
+
+MlpSpec dense_mlp(const JsonObject& c, const char* key) {
+  MlpSpec m;
+  m.kind = MlpKind::kDense;
+  m.ffn = c.req_int(key, 1, kMaxDim);
+  return m;
+}
+
+void check_topk(const JsonObject& c, const char* k_key, int64_t k, const char* e_key, int64_t e) {
+  if (k > e) {
+    c.fail(k_key, fmt::format("is {}; must be <= \"{}\" ({})", k, e_key, e));
+  }
+}
+
+int64_t read_window(const JsonObject& c) {
+  if (!c.has("sliding_window")) return 0;
+  return c.req_int("sliding_window", 1, kMaxDim);
+}
+
+std::vector<char> read_layer_types(const JsonObject& c, int64_t layers, int64_t window) {
+  const std::vector<std::string> types = c.str_array_or("layer_types");
+  if (types.empty()) return {};
+  if (static_cast<int64_t>(types.size()) != layers) {
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
+  }
+  std::vector<char> sliding(types.size(), 0);
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] == "sliding_attention") {
+      if (window <= 0) {
+        c.fail(fmt::format("layer_types[{}]", i),
+               "is \"sliding_attention\" but \"sliding_window\" is not given");
+      }
+      sliding[i] = 1;
+    } else if (types[i] != "full_attention") {
+      c.fail(
+          fmt::format("layer_types[{}]", i),
+          fmt::format("is \"{}\"; must be \"sliding_attention\" or \"full_attention\"", types[i]));
+    }
+  }
+  return sliding;
+}
+
+void read_mtp(const JsonObject& c, ModelConfig& m) {
+  m.mtp_layers =
+      c.int_or(alias(c, {"num_nextn_predict_layers", "mtp_num_hidden_layers"}), 0, 0, kMaxLayers);
+  if (m.mtp_layers > 0) {
+    m.notes.push_back(fmt::format(
+        "{} multi-token-prediction layer(s) (num_nextn_predict_layers) are not planned and not "
+        "in the parameter counts (published counts leave them out)",
+        m.mtp_layers));
+  }
+}
+
+SsmSpec read_mamba2(const JsonObject& c, int64_t hidden) {
+  SsmSpec s;
+  s.version = 2;
+  s.state = c.req_int(alias(c, {"ssm_state_size", "state_size", "mamba_d_state"}), 1, kMaxDim);
+  s.heads = c.req_int(alias(c, {"mamba_num_heads", "num_heads", "mamba_n_heads"}), 1, kMaxDim);
+  s.head_dim = c.req_int(alias(c, {"mamba_head_dim", "head_dim", "mamba_d_head"}), 1, kMaxDim);
+  s.groups = c.int_or(alias(c, {"n_groups", "mamba_n_groups"}), 1, 1, kMaxDim);
+  s.conv = c.int_or(alias(c, {"conv_kernel", "mamba_d_conv"}), 4, 1, kMaxDim);
+  s.chunk = c.int_or(alias(c, {"chunk_size", "mamba_chunk_size"}), 256, 1, kMaxDim);
+  s.conv_bias = c.bool_or(alias(c, {"use_conv_bias", "mamba_conv_bias"}), true);
+  s.proj_bias = c.bool_or(alias(c, {"use_bias", "mamba_proj_bias"}), false);
+  s.inner = checked_mul(s.heads, s.head_dim, "model config: mamba heads * head_dim");
+  const char* expand_key = alias(c, {"expand", "mamba_expand"});
+  if (c.has(expand_key)) {
+    const int64_t expand = c.req_int(expand_key, 1, 1024);
+    if (s.inner != expand * hidden) {
+      c.fail(expand_key,
+             fmt::format("is {}: expand x hidden_size ({}) must equal the Mamba heads x head "
+                         "dim ({} x {} = {})",
+                         expand, expand * hidden, s.heads, s.head_dim, s.inner));
+    }
+  }
+  if (s.heads % s.groups != 0) {
+    c.fail(alias(c, {"n_groups", "mamba_n_groups"}),
+           fmt::format("is {}; must divide the Mamba heads ({})", s.groups, s.heads));
+  }
+  return s;
+}
+
+}  // namespace spillway::families

@@ -1,0 +1,90 @@
+// Nemotron-H: Mamba-2, attention, MLP and MoE layers by a pattern string.
+#include <fmt/format.h>
+
+#include "model/families/families.hpp"
+#include "spillway/units.hpp"
+
+namespace spillway::families {
+
+// Nemotron-H: one block a layer, by hybrid_override_pattern: 'M' a Mamba-2 mixer, '*'
+// attention, '-' a squared-ReLU MLP (up and down), 'E' an MoE (routed experts plus a shared
+// one, squared-ReLU as well).
+ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m, const std::string&) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  const std::string pattern = c.req_str("hybrid_override_pattern");
+  if (static_cast<int64_t>(pattern.size()) != layers) {
+    c.fail("hybrid_override_pattern",
+           fmt::format("has {} characters; must have one per layer ({})", pattern.size(), layers));
+  }
+  AttentionSpec a;
+  a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
+  a.kv_heads = c.int_or("num_key_value_heads", a.heads, 1, kMaxDim);
+  a.qk_head_dim = c.req_int(alias(c, {"attention_head_dim", "head_dim"}), 1, kMaxDim);
+  a.v_head_dim = a.qk_head_dim;
+  a.qkv_bias = c.bool_or("attention_bias", false);
+  a.o_bias = a.qkv_bias;
+  // Mamba's head_dim is mamba_head_dim here; head_dim, when present, is attention's.
+  SsmSpec ssm;
+  if (pattern.find('M') != std::string::npos) {
+    ssm.version = 2;
+    ssm.state = c.req_int("ssm_state_size", 1, kMaxDim);
+    ssm.heads = c.req_int("mamba_num_heads", 1, kMaxDim);
+    ssm.head_dim = c.req_int("mamba_head_dim", 1, kMaxDim);
+    ssm.groups = c.int_or(alias(c, {"n_groups", "mamba_n_groups"}), 1, 1, kMaxDim);
+    ssm.conv = c.int_or(alias(c, {"conv_kernel", "mamba_d_conv"}), 4, 1, kMaxDim);
+    ssm.chunk = c.int_or(alias(c, {"chunk_size", "mamba_chunk_size"}), 256, 1, kMaxDim);
+    ssm.conv_bias = c.bool_or(alias(c, {"use_conv_bias", "mamba_conv_bias"}), true);
+    ssm.proj_bias = c.bool_or(alias(c, {"use_bias", "mamba_proj_bias"}), false);
+    ssm.inner = checked_mul(ssm.heads, ssm.head_dim, "model config: mamba heads * head_dim");
+    (void)c.has(alias(c, {"expand", "mamba_expand"}));  // heads x head_dim rule
+  }
+  MlpSpec mlp;
+  mlp.gated = false;
+  mlp.bias = c.bool_or("mlp_bias", false);
+  if (pattern.find('-') != std::string::npos) mlp.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  (void)c.has("intermediate_size");  // the '-' layers' width: unused without them
+  MlpSpec moe;
+  if (pattern.find('E') != std::string::npos) {
+    moe.kind = MlpKind::kMoe;
+    moe.gated = false;
+    const char* routed = alias(c, {"n_routed_experts", "num_experts"});
+    moe.experts = c.req_int(routed, 1, kMaxDim);
+    moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+    check_topk(c, "num_experts_per_tok", moe.top_k, routed, moe.experts);
+    moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
+    moe.shared_ffn = c.int_or("moe_shared_expert_intermediate_size", 0, 0, kMaxDim) *
+                     c.int_or(alias(c, {"n_shared_experts", "num_shared_experts"}), 1, 0, 64);
+    moe.router_bias = true;  // e_score_correction_bias
+  }
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerSpec l;
+    l.mlp.kind = MlpKind::kNone;
+    switch (pattern[static_cast<size_t>(i)]) {
+      case 'M':
+        l.mixer = MixerKind::kMamba;
+        l.ssm = ssm;
+        break;
+      case '*':
+        l.mixer = MixerKind::kAttention;
+        l.attn = a;
+        break;
+      case '-':
+        l.mixer = MixerKind::kNone;
+        l.mlp = mlp;
+        break;
+      case 'E':
+        l.mixer = MixerKind::kNone;
+        l.mlp = moe;
+        break;
+      default:
+        c.fail("hybrid_override_pattern",
+               fmt::format("has '{}' at layer {}; must be M (Mamba-2), * (attention), - (MLP) or "
+                           "E (MoE)",
+                           pattern[static_cast<size_t>(i)], i));
+    }
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+}  // namespace spillway::families
