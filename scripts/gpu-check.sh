@@ -1071,6 +1071,54 @@ stage_pytest() {
   finish_test_stage $rc "$summary"
 }
 
+# --- stage: bench-torch -----------------------------------------------------------------
+# The PyTorch adapter's costs on the GPU, each against its baseline in the same run: the
+# saved-tensor hooks' cost per tensor (offload_activations beside torch's save_on_cpu and a
+# Python-only offload) and stream_weights on a 1.6 B-parameter bf16 stack of blocks against
+# the same blocks resident and against the link's limit (a pinned copy measured there).
+stage_bench_torch() {
+  stage_begin bench-torch bench 45 15 || return 0
+  local py=(env "PYTHONPATH=$build_dir/python" PYTHONUNBUFFERED=1 python3)
+  local hooks=("${py[@]}" bench/torch/bench_hooks.py --device cuda --repeats 9
+    --json "$work/bench-hooks.json")
+  local stream=("${py[@]}" bench/torch/bench_stream_hooks.py --device cuda --dtype bfloat16
+    --blocks 24 --width 8192 --batch 8 --repeats 5 --no-training --json "$work/bench-stream.json")
+  local why
+  why=$(gpu_stage_guard _spillway)
+  if [ -n "$why" ]; then
+    would_run "${hooks[@]}"
+    would_run "${stream[@]}"
+    stage_end skip "$why"
+    return 0
+  fi
+  local rc1=0 rc2=0 failed=() k v
+  run_timed $(($(stage_left) / 3)) "${hooks[@]}" || rc1=$?
+  [ $rc1 -eq 0 ] || failed+=("bench_hooks.py exit $rc1")
+  run_timed "$(stage_left)" "${stream[@]}" || rc2=$?
+  [ $rc2 -eq 0 ] || failed+=("bench_stream_hooks.py exit $rc2")
+  while IFS=$'\t' read -r k v; do [ -n "$k" ] && fig "$k" "$v"; done < <(python3 - "$work/bench-hooks.json" "$work/bench-stream.json" <<'PY' 2>/dev/null
+import json, os, sys
+h, s = sys.argv[1], sys.argv[2]
+if os.path.exists(h):
+    d = json.load(open(h))
+    for name, us in d["us_per_tensor"].items():
+        print(f"hooks us/tensor: {name}\t{us:.1f}")
+if os.path.exists(s):
+    d = json.load(open(s))
+    print(f"stream_weights {d['parameters'] / 1e9:.2f} B {d['dtype']}: resident / streamed ms\t{d['resident_ms']:.2f} / {d['streamed_ms']:.2f} ({d['ratio']:.2f}x)")
+    if "link_limit_ms" in d:
+        print(f"stream_weights: the link's limit (pinned {d['link_gbps']:.1f} GB/s)\t{d['link_limit_ms']:.2f} ms: streamed at {d['link_limit_ms'] / d['streamed_ms']:.2f} of it")
+PY
+)
+  if [ ${#failed[@]} -eq 0 ]; then
+    stage_end pass "bench_hooks.py and bench_stream_hooks.py ran on the GPU"
+  elif [[ " $rc1 $rc2 " == *" 124 "* || " $rc1 $rc2 " == *" 137 "* ]]; then
+    stage_end timeout "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
+  else
+    stage_end fail "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
+  fi
+}
+
 # --- stage: bench -----------------------------------------------------------------------
 # The link (pinned and pageable H2D/D2H beside the profile's typical figure), cuBLAS bf16
 # GEMMs at the planner's shapes written as a spillway.profile/1 file, and the planner
@@ -1192,8 +1240,9 @@ stage_pytest
 stage_bench
 stage_build build-extra 60 15 spillway_tests_device spillway_tests_optim spillway_tests_serve
 stage_gpu_paths
-stage_sanitizer memcheck 60 '-GemmCuda.*:*Nccl*' 'HybridGemmCuda.*'
+stage_sanitizer memcheck 60 '-GemmCuda.*:*Nccl*:HybridGemmLimits.*' 'HybridGemmCuda.*'
 stage_sanitizer racecheck 40 'AdamWCuda.*:OptimizerOffloadCuda.*' 'HybridGemmCuda.KernelsMatch*'
+stage_bench_torch
 
 write_report
 # The summary and the stages' table last, where the device tool's output tail keeps them

@@ -7,14 +7,19 @@ hooks' bookkeeping is what is timed) runs forward + backward with:
   - torch.autograd.graph.save_on_cpu (torch's own: copies to CPU tensors);
   - a Python-only offload (pack: a copy into a new tensor; unpack: it back).
 Prints the median per-tensor cost of each over the baseline, in microseconds, and the
-ratio of spillway's to each peer's. Target (the issue): under 10 us per tensor.
+ratio of spillway's to each peer's. Target (the issue): under 10 us per tensor. With
+--device cuda the model runs on the GPU (each pass ends with torch.cuda.synchronize, the
+peers' copies go to pinned CPU memory): the cost per tensor is then the hooks' host work
+and the copies' waits together, as a training loop sees them.
 
   PYTHONPATH=build/python python bench/torch/bench_hooks.py [--layers 16 --ops 64 --repeats 15]
+  PYTHONPATH=build/python python bench/torch/bench_hooks.py --device cuda --json hooks.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any, Callable
@@ -48,12 +53,18 @@ class Model(nn.Module):
         return x.sum()
 
 
-def timed(fn: Callable[[], None], repeats: int) -> float:
+def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up (and the sizing of pools)
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -64,10 +75,16 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=64)
     ap.add_argument("--elements", type=int, default=256, help="floats per saved tensor")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--json", help="write the figures as JSON to this file")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_hooks: --device cuda: torch sees no CUDA device")
+    device = torch.device(a.device)
     torch.set_num_threads(1)
-    model = Model(a.layers, a.ops)
-    x = torch.randn(a.elements, requires_grad=True)
+    model = Model(a.layers, a.ops).to(device)
+    x = torch.randn(a.elements, device=device, requires_grad=True)
+    pinned = device.type == "cuda"
     saved = a.layers * (a.ops + 1)  # sin() saves its input, x * scale its x
 
     def plain() -> None:
@@ -82,29 +99,33 @@ def main() -> None:
             model(x).backward()
 
     def save_on_cpu() -> None:
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pinned):
             model(x).backward()
 
     def pack(t: torch.Tensor) -> Any:
+        if device.type == "cuda":  # to host memory and back, as an offload does
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t.detach(), non_blocking=True)
+            return host
         return t.detach().clone()
 
     def unpack(c: torch.Tensor) -> torch.Tensor:
-        return c.clone()
+        return c.to(device, non_blocking=True) if device.type == "cuda" else c.clone()
 
     def python_only() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             model(x).backward()
 
-    base = timed(plain, a.repeats)
+    base = timed(plain, a.repeats, device)
     rows = [
-        ("spillway offload_activations", timed(spillway_step, a.repeats)),
-        ("torch save_on_cpu", timed(save_on_cpu, a.repeats)),
-        ("python-only pack/unpack", timed(python_only, a.repeats)),
+        ("spillway offload_activations", timed(spillway_step, a.repeats, device)),
+        ("torch save_on_cpu", timed(save_on_cpu, a.repeats, device)),
+        ("python-only pack/unpack", timed(python_only, a.repeats, device)),
     ]
     saved = offload.last_report()["tensors_offloaded"]  # sin()'s inputs and x * scale's
     print(
-        f"{saved} saved tensors of {a.elements * 4} bytes per step; baseline (no hooks) "
-        f"{base * 1e3:.2f} ms per step"
+        f"{saved} saved tensors of {a.elements * 4} bytes per step on {a.device}; baseline "
+        f"(no hooks) {base * 1e3:.2f} ms per step"
     )
     per = {name: (t - base) / saved * 1e6 for name, t in rows}
     for name, us in per.items():
@@ -115,6 +136,21 @@ def main() -> None:
             continue
         print(f"  spillway / {name}: {ours / us:.2f}x the cost")
     print(f"  target: < 10 us per tensor: {'met' if ours < 10 else 'NOT met'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {
+                    "schema": "spillway.bench-hooks/1",
+                    "device": a.device,
+                    "saved_tensors": saved,
+                    "tensor_bytes": a.elements * 4,
+                    "baseline_ms": base * 1e3,
+                    "us_per_tensor": per,
+                    "target_us": 10.0,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

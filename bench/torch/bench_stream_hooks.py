@@ -7,13 +7,22 @@ are negligible at that size and the host backend's link is unthrottled, so what 
 is the hooks' work per block: the two custom ops (dispatcher, Python), the streamer's
 acquire/release and the host backend's stream operations. Medians of repeated passes.
 
+With --device cuda the blocks run on the GPU and their weights stream from pinned host
+memory over the real link: a pass then costs at least the model's bytes over the link,
+which is measured in the same run (a pinned host-to-device copy of one block's size), and
+the report gives the streamed pass against that limit and against the resident pass
+(e.g. --blocks 24 --width 8192 --dtype bfloat16: 1.6 B parameters).
+
   PYTHONPATH=build/python python bench/torch/bench_stream_hooks.py
+  PYTHONPATH=build/python python bench/torch/bench_stream_hooks.py --device cuda \
+      --dtype bfloat16 --blocks 24 --width 8192 --batch 8 --repeats 5 --no-training
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 
@@ -28,21 +37,38 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=4, help="rows of the input")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--no-training", action="store_true", help="inference passes only")
+    ap.add_argument("--json", help="write the figures as JSON to this file")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_stream_hooks: --device cuda: torch sees no CUDA device")
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    resident = nn.Sequential(*[nn.Linear(a.width, a.width) for _ in range(a.blocks)])
+    resident = nn.Sequential(
+        *[nn.Linear(a.width, a.width, device=device, dtype=dtype) for _ in range(a.blocks)]
+    )
     streamed = copy.deepcopy(resident)
     handle = st.stream_weights(streamed, depth=2, layers=list(streamed))
-    x = torch.randn(4, a.width)
+    x = torch.randn(a.batch, a.width, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def timed(model: nn.Module) -> float:
         times = []
         with torch.no_grad():
             model(x)
+            sync()
             for _ in range(a.repeats):
                 t0 = time.perf_counter()
                 model(x)
+                sync()
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -55,13 +81,57 @@ def main() -> None:
     b, o = statistics.median(base), statistics.median(ours)
     per = (o - b) / a.blocks * 1e6
     rep = handle.report()
+    block_bytes = sum(p.numel() * p.element_size() for p in resident[0].parameters())
+    model_bytes = block_bytes * a.blocks
+    figures: dict[str, object] = {
+        "schema": "spillway.bench-stream-hooks/1",
+        "device": a.device,
+        "dtype": a.dtype,
+        "blocks": a.blocks,
+        "parameters": sum(p.numel() for p in resident.parameters()),
+        "model_bytes": model_bytes,
+        "resident_ms": b * 1e3,
+        "streamed_ms": o * 1e3,
+        "ratio": o / b,
+        "us_per_block": per,
+        "copy_gbps": rep["gbps"],
+    }
     print(
-        f"{a.blocks} blocks of {a.width * a.width * 4 // 1024} KiB, batch 4, one thread: "
-        f"resident {b * 1e3:.2f} ms per pass, streamed {o * 1e3:.2f} ms"
+        f"{a.blocks} blocks of {block_bytes / 2**20:.1f} MiB ({a.dtype}, {a.device}), batch "
+        f"{a.batch}, one thread: resident {b * 1e3:.2f} ms per pass, streamed {o * 1e3:.2f} ms "
+        f"({o / b:.2f}x)"
     )
     print(f"  stream_weights hooks: {per:.1f} us per block over the resident pass")
     print(f"  ({rep['loads']} loads, {rep['hits']} hits, copy stream {rep['gbps']:.2f} GB/s)")
-    training(a, resident, x)
+    if device.type == "cuda":
+        link = link_gbps(block_bytes, device)
+        limit_ms = model_bytes / (link * 1e6)
+        figures.update({"link_gbps": link, "link_limit_ms": limit_ms})
+        print(
+            f"  the link, same run: {link:.1f} GB/s pinned host to device; the model's "
+            f"{model_bytes / 1e9:.2f} GB take {limit_ms:.2f} ms: streamed pass at "
+            f"{limit_ms / (o * 1e3):.2f} of the link's limit"
+        )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    if not a.no_training:
+        training(a, resident, x)
+
+
+def link_gbps(nbytes: int, device: torch.device) -> float:
+    """Pinned host-to-device copies of nbytes, the median of 5 (the limit a streamed pass
+    is held to)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / 1e9
 
 
 class _Checkpointed(nn.Module):
@@ -92,6 +162,8 @@ def training(a: argparse.Namespace, resident: nn.Module, x: torch.Tensor) -> Non
         for i in range(a.repeats + 1):
             t0 = time.perf_counter()
             model(xg).sum().backward()
+            if xg.is_cuda:
+                torch.cuda.synchronize(xg.device)
             if i > 0:
                 times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
