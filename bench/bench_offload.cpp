@@ -158,23 +158,48 @@ Rig make_rig(const Shape& w, int prefetch_depth) {
   return r;
 }
 
+// Note [Offload bench backends]: the bandwidth pass needs three things of its backend: the
+// device, a "compute" that writes each tensor's pattern and checks each reloaded one in
+// stream order, and the limit the engine's copies are held to, sampled beside every timed
+// step. The host backend: callbacks on the compute stream writing and reading its device
+// memory (host-addressable), and memcpy. CUDA: the patterns go down and the reloaded
+// bytes come back as copies on the compute stream through pinned staging (every byte in
+// the warm-up steps, the end words in timed steps), compared on the host once the step has
+// ended; the limit is the link itself, pinned copies of the same bytes in the same chunks
+// on copy streams of the device's own, D2H and H2D.
+class BenchBackend {
+ public:
+  virtual ~BenchBackend() = default;
+  virtual Device& device() = 0;
+  virtual void produce(Stream compute, const DeviceTensor& t, int64_t index, uint64_t tag,
+                       bool full) = 0;
+  virtual void check(Stream compute, const DeviceTensor& t, int64_t index, uint64_t tag, bool full,
+                     uint64_t step, int layer, int i) = 0;
+  // After end_step(): what the checks found is in the log once this returns.
+  virtual void step_end(Stream /*compute*/) {}
+  // One sample of the limit, GB/s, per direction (d2h, h2d).
+  virtual std::pair<double, double> limit_gbps() = 0;
+};
+
+void log_result(CheckLog* log, bool ok, uint64_t step, int layer, int i) {
+  if (ok) return;
+  if (log->bad_tensors == 0) {
+    log->first_step = step;
+    log->first_layer = layer;
+    log->first_index = i;
+  }
+  ++log->bad_tensors;
+}
+
 // One training-loop-shaped step of the bandwidth pass; full_check writes and compares every
 // byte, else the stamps only.
-StepTelemetry bandwidth_step(Device& dev, Stream compute, OffloadEngine& engine, Rig& rig,
-                             const Shape& w, int prefetch_depth, uint64_t step, bool full_check,
-                             CheckLog* log) {
+StepTelemetry bandwidth_step(BenchBackend& backend, Stream compute, OffloadEngine& engine, Rig& rig,
+                             const Shape& w, int prefetch_depth, uint64_t step, bool full_check) {
   engine.begin_step();
   for (int l = 0; l < w.layers; ++l) {
     for (int i = 0; i < w.per_layer; ++i) {
       const DeviceTensor t = engine.allocate(w.bytes);
-      const uint64_t tag = tag_of(step, l, i);
-      dev.host_callback(compute, [p = t.ptr, n = t.bytes, tag, full_check] {
-        if (full_check) {
-          fill(p, n, tag);
-        } else {
-          fill_stamps(p, n, tag);
-        }
-      });
+      backend.produce(compute, t, int64_t{l} * w.per_layer + i, tag_of(step, l, i), full_check);
       rig.handles[static_cast<size_t>(l)][static_cast<size_t>(i)] =
           engine.offload(t, l, rig.names[static_cast<size_t>(i)]);
     }
@@ -185,31 +210,14 @@ StepTelemetry bandwidth_step(Device& dev, Stream compute, OffloadEngine& engine,
     for (int i = 0; i < w.per_layer; ++i) {
       const DeviceTensor t =
           engine.reload(rig.handles[static_cast<size_t>(l)][static_cast<size_t>(i)]);
-      const uint64_t tag = tag_of(step, l, i);
-      dev.host_callback(compute, [p = t.ptr, n = t.bytes, tag, step, l, i, full_check, log] {
-        bool ok = true;
-        if (full_check) {
-          const int64_t at = first_mismatch(p, n, tag);
-          ok = at < 0;
-          log->bytes_checked += static_cast<int64_t>(n);
-          if (!ok && log->bad_tensors == 0) log->first_offset = at;
-        } else {
-          ok = stamps_match(p, n, tag);
-          ++log->stamps_checked;
-        }
-        if (!ok) {
-          if (log->bad_tensors == 0) {
-            log->first_step = step;
-            log->first_layer = l;
-            log->first_index = i;
-          }
-          ++log->bad_tensors;
-        }
-      });
+      backend.check(compute, t, int64_t{l} * w.per_layer + i, tag_of(step, l, i), full_check, step,
+                    l, i);
       engine.free(t);
     }
   }
-  return engine.end_step();
+  const StepTelemetry t = engine.end_step();
+  backend.step_end(compute);
+  return t;
 }
 
 struct OverheadSample {
@@ -293,6 +301,184 @@ double memcpy_gbps(const HostBuffer& src, const HostBuffer& dst, int64_t total, 
   return static_cast<double>(total) / s / 1e9;
 }
 
+// The host backend: the compute is callbacks on the compute stream (the device's memory is
+// host memory), the limit memcpy of the same bytes in the same chunks.
+class HostBench final : public BenchBackend {
+ public:
+  HostBench(int64_t arena, int64_t total, size_t chunk, CheckLog* log)
+      : device_(make_host_device(HostDeviceOptions{arena, 0.0, 0.0})),
+        src_(static_cast<size_t>(total)),
+        dst_(static_cast<size_t>(total)),
+        total_(total),
+        chunk_(chunk),
+        log_(log) {}
+  Device& device() override { return *device_; }
+  void produce(Stream compute, const DeviceTensor& t, int64_t /*index*/, uint64_t tag,
+               bool full) override {
+    device_->host_callback(compute, [p = t.ptr, n = t.bytes, tag, full] {
+      if (full) {
+        fill(p, n, tag);
+      } else {
+        fill_stamps(p, n, tag);
+      }
+    });
+  }
+  void check(Stream compute, const DeviceTensor& t, int64_t /*index*/, uint64_t tag, bool full,
+             uint64_t step, int layer, int i) override {
+    device_->host_callback(compute,
+                           [p = t.ptr, n = t.bytes, tag, step, layer, i, full, log = log_] {
+                             bool ok = true;
+                             if (full) {
+                               const int64_t at = first_mismatch(p, n, tag);
+                               ok = at < 0;
+                               log->bytes_checked += static_cast<int64_t>(n);
+                               if (!ok && log->bad_tensors == 0) log->first_offset = at;
+                             } else {
+                               ok = stamps_match(p, n, tag);
+                               ++log->stamps_checked;
+                             }
+                             log_result(log, ok, step, layer, i);
+                           });
+  }
+  std::pair<double, double> limit_gbps() override {
+    const double g = memcpy_gbps(src_, dst_, total_, chunk_);
+    return {g, g};
+  }
+
+ private:
+  std::unique_ptr<Device> device_;
+  HostBuffer src_, dst_;
+  int64_t total_;
+  size_t chunk_;
+  CheckLog* log_;
+};
+
+// Memory of a kind from a device, freed with it.
+struct Allocated {
+  Device& device;
+  unsigned char* ptr;
+  Allocated(Device& d, size_t bytes, MemoryKind kind, const char* what)
+      : device(d), ptr(nullptr), kind_(kind) {
+    const AllocResult r = d.allocate(std::max<size_t>(bytes, 1), kind);
+    if (!r)
+      SPILLWAY_INPUT_ERROR("offload bench: cannot allocate {} of {} for {}: {}", size_text(bytes),
+                           to_string(kind), what, r.reason);
+    ptr = static_cast<unsigned char*>(r.ptr);
+  }
+  ~Allocated() { device.free(ptr, kind_); }
+  Allocated(const Allocated&) = delete;
+  Allocated& operator=(const Allocated&) = delete;
+
+ private:
+  MemoryKind kind_;
+};
+
+// CUDA (Note [Offload bench backends]): staging in pinned memory, one slot per tensor of the
+// step (no slot is reused within a step; each step ends synchronized).
+class CudaBench final : public BenchBackend {
+ public:
+  CudaBench(std::unique_ptr<Device> device, const Shape& w, CheckLog* log)
+      : device_(std::move(device)),
+        slot_(round_up(w.bytes, 256)),
+        bytes_(w.bytes),
+        total_(static_cast<size_t>(w.tensors()) * round_up(w.bytes, 256)),
+        up_(*device_, total_, MemoryKind::kPinnedHost, "the patterns"),
+        back_(*device_, total_, MemoryKind::kPinnedHost, "the reloaded bytes"),
+        stamps_up_(*device_, static_cast<size_t>(w.tensors()) * 16, MemoryKind::kPinnedHost,
+                   "the stamps"),
+        stamps_back_(*device_, static_cast<size_t>(w.tensors()) * 16, MemoryKind::kPinnedHost,
+                     "the stamps"),
+        link_(*device_, total_, MemoryKind::kDevice, "the link's limit"),
+        d2h_(*device_, StreamRole::kD2H),
+        h2d_(*device_, StreamRole::kH2D),
+        log_(log) {
+    pending_.reserve(static_cast<size_t>(w.tensors()));
+  }
+  Device& device() override { return *device_; }
+  void produce(Stream compute, const DeviceTensor& t, int64_t index, uint64_t tag,
+               bool full) override {
+    const size_t words = bytes_ / 8;
+    if (full || words < 2) {
+      unsigned char* up = up_.ptr + static_cast<size_t>(index) * slot_;
+      fill(up, bytes_, tag);
+      device_->copy_async(t.ptr, up, bytes_, compute);
+      return;
+    }
+    auto* st = reinterpret_cast<uint64_t*>(stamps_up_.ptr) + 2 * index;
+    st[0] = tag;
+    st[1] = tag + (words - 1) * kStride;
+    device_->copy_async(t.ptr, st, 8, compute);
+    device_->copy_async(static_cast<unsigned char*>(t.ptr) + (words - 1) * 8, st + 1, 8, compute);
+  }
+  void check(Stream compute, const DeviceTensor& t, int64_t index, uint64_t tag, bool full,
+             uint64_t step, int layer, int i) override {
+    const size_t words = bytes_ / 8;
+    const bool whole = full || words < 2;
+    if (whole) {
+      device_->copy_async(back_.ptr + static_cast<size_t>(index) * slot_, t.ptr, bytes_, compute);
+    } else {
+      auto* st = reinterpret_cast<uint64_t*>(stamps_back_.ptr) + 2 * index;
+      device_->copy_async(st, t.ptr, 8, compute);
+      device_->copy_async(st + 1, static_cast<const unsigned char*>(t.ptr) + (words - 1) * 8, 8,
+                          compute);
+    }
+    pending_.push_back({index, tag, whole, step, layer, i});
+  }
+  void step_end(Stream compute) override {
+    device_->synchronize(compute);
+    const size_t words = bytes_ / 8;
+    for (const Pending& p : pending_) {
+      bool ok = true;
+      if (p.whole) {
+        const int64_t at =
+            first_mismatch(back_.ptr + static_cast<size_t>(p.index) * slot_, bytes_, p.tag);
+        ok = at < 0;
+        log_->bytes_checked += static_cast<int64_t>(bytes_);
+        if (!ok && log_->bad_tensors == 0) log_->first_offset = at;
+      } else {
+        const auto* st = reinterpret_cast<const uint64_t*>(stamps_back_.ptr) + 2 * p.index;
+        ok = st[0] == p.tag && st[1] == p.tag + (words - 1) * kStride;
+        ++log_->stamps_checked;
+      }
+      log_result(log_, ok, p.step, p.layer, p.i);
+    }
+    pending_.clear();
+  }
+  std::pair<double, double> limit_gbps() override {
+    const auto timed = [&](Stream s, bool d2h) {
+      const auto t0 = Clock::now();
+      for (size_t off = 0; off < total_; off += slot_) {
+        const size_t n = std::min(bytes_, total_ - off);
+        if (d2h) {
+          device_->copy_async(up_.ptr + off, link_.ptr + off, n, s);
+        } else {
+          device_->copy_async(link_.ptr + off, up_.ptr + off, n, s);
+        }
+      }
+      device_->synchronize(s);
+      return static_cast<double>(total_ / slot_ * bytes_) / seconds_since(t0) / 1e9;
+    };
+    const double d2h = timed(d2h_, true);
+    return {d2h, timed(h2d_, false)};
+  }
+
+ private:
+  struct Pending {
+    int64_t index;
+    uint64_t tag;
+    bool whole;
+    uint64_t step;
+    int layer;
+    int i;
+  };
+  std::unique_ptr<Device> device_;
+  size_t slot_, bytes_, total_;
+  Allocated up_, back_, stamps_up_, stamps_back_, link_;
+  UniqueStream d2h_, h2d_;
+  CheckLog* log_;
+  std::vector<Pending> pending_;
+};
+
 void validate(const OffloadBenchOptions& o) {
   const auto at_least = [](const char* what, int64_t v, int64_t min) {
     if (v < min) SPILLWAY_INPUT_ERROR("offload bench: {} is {}; must be >= {}", what, v, min);
@@ -345,21 +531,27 @@ OffloadBenchResult run_offload_bench(const OffloadBenchOptions& o) {
     }
   }
 
-  HostDeviceOptions ho;
-  ho.device_bytes = arena;  // unthrottled
-  const std::unique_ptr<Device> dev = make_host_device(ho);
-  const UniqueStream compute(*dev, StreamRole::kCompute);
+  CheckLog log;
+  std::unique_ptr<BenchBackend> backend;
+  if (o.cuda) {
+    std::string why;
+    std::unique_ptr<Device> cuda = make_cuda_device(0, &why);
+    if (!cuda) SPILLWAY_INPUT_ERROR("offload bench --backend cuda: {}", why);
+    backend = std::make_unique<CudaBench>(std::move(cuda), bw, &log);
+  } else {
+    backend = std::make_unique<HostBench>(arena, total, o.tensor_bytes, &log);  // unthrottled
+  }
+  Device& dev = backend->device();
+  const UniqueStream compute(dev, StreamRole::kCompute);
   OffloadBenchResult r;
-  r.backend = dev->name();
+  r.backend = dev.name();
+  r.limit = o.cuda ? "pinned link" : "memcpy";
   r.options = o;
   r.bytes_per_step = total;
   r.overhead_tensors_per_step = static_cast<int>(ov.tensors());
   {
-    OffloadEngine bw_engine(*dev, compute, bw_rig.policy, bw_rig.options);
-    OffloadEngine ov_engine(*dev, compute, ov_rig.policy, ov_rig.options);
-    const HostBuffer src(static_cast<size_t>(total));
-    const HostBuffer dst(static_cast<size_t>(total));
-    CheckLog log;
+    OffloadEngine bw_engine(dev, compute, bw_rig.policy, bw_rig.options);
+    OffloadEngine ov_engine(dev, compute, ov_rig.policy, ov_rig.options);
     std::vector<OverheadSample> overhead;
     uint64_t step = 0;
     bool bw_first = true;
@@ -380,11 +572,13 @@ OffloadBenchResult run_offload_bench(const OffloadBenchOptions& o) {
         if (!warmup) {
           // memcpy's own warm-up, after the engine's: the first pass after the warm-up
           // step (which touches the pools' pages) runs measurably slower.
-          if (s == 1) (void)memcpy_gbps(src, dst, total, o.tensor_bytes);
-          r.memcpy_samples_gbps.push_back(memcpy_gbps(src, dst, total, o.tensor_bytes));
+          if (s == 1) (void)backend->limit_gbps();
+          const auto [d2h, h2d] = backend->limit_gbps();
+          r.limit_d2h_samples_gbps.push_back(d2h);
+          r.limit_h2d_samples_gbps.push_back(h2d);
         }
-        const StepTelemetry t = bandwidth_step(*dev, compute, bw_engine, bw_rig, bw,
-                                               o.prefetch_depth, step++, warmup, &log);
+        const StepTelemetry t = bandwidth_step(*backend, compute, bw_engine, bw_rig, bw,
+                                               o.prefetch_depth, step++, warmup);
         if (log.bad_tensors > 0) {
           SPILLWAY_INPUT_ERROR(
               "offload bench: reloaded bytes differ from what was offloaded: {} tensor(s); "
@@ -435,11 +629,16 @@ OffloadBenchResult run_offload_bench(const OffloadBenchOptions& o) {
     r.loop_wall_us = median(wall_us);
     r.loop_cpu_us = median(cpu_us);
   }
-  r.memcpy_gbps = median(r.memcpy_samples_gbps);
+  r.limit_d2h_gbps = median(r.limit_d2h_samples_gbps);
+  r.limit_h2d_gbps = median(r.limit_h2d_samples_gbps);
+  if (!o.cuda) {  // memcpy has one direction
+    r.memcpy_samples_gbps = r.limit_d2h_samples_gbps;
+    r.memcpy_gbps = r.limit_d2h_gbps;
+  }
   r.offload_gbps = median(r.offload_samples_gbps);
   r.reload_gbps = median(r.reload_samples_gbps);
-  r.offload_ratio = r.memcpy_gbps > 0.0 ? r.offload_gbps / r.memcpy_gbps : 0.0;
-  r.reload_ratio = r.memcpy_gbps > 0.0 ? r.reload_gbps / r.memcpy_gbps : 0.0;
+  r.offload_ratio = r.limit_d2h_gbps > 0.0 ? r.offload_gbps / r.limit_d2h_gbps : 0.0;
+  r.reload_ratio = r.limit_h2d_gbps > 0.0 ? r.reload_gbps / r.limit_h2d_gbps : 0.0;
   return r;
 }
 
@@ -453,6 +652,9 @@ std::string offload_bench_json(const OffloadBenchResult& r) {
   j["offload_gbps"] = finite(r.offload_gbps);
   j["reload_gbps"] = finite(r.reload_gbps);
   j["memcpy_gbps"] = finite(r.memcpy_gbps);
+  j["limit"] = r.limit;
+  j["limit_d2h_gbps"] = finite(r.limit_d2h_gbps);
+  j["limit_h2d_gbps"] = finite(r.limit_h2d_gbps);
   j["overhead_us_per_tensor"] = finite(r.overhead_us_per_tensor);
   j["allocations_steady_state"] = r.allocations_steady_state;
   j["offload_ratio"] = finite(r.offload_ratio);
@@ -481,6 +683,8 @@ std::string offload_bench_json(const OffloadBenchResult& r) {
   j["fallbacks_steady_state"] = r.fallbacks_steady_state;
   j["backpressure_ms_steady_state"] = finite(r.backpressure_ms_steady_state);
   j["samples"] = Json{{"memcpy_gbps", finite_all(r.memcpy_samples_gbps)},
+                      {"limit_d2h_gbps", finite_all(r.limit_d2h_samples_gbps)},
+                      {"limit_h2d_gbps", finite_all(r.limit_h2d_samples_gbps)},
                       {"offload_gbps", finite_all(r.offload_samples_gbps)},
                       {"reload_gbps", finite_all(r.reload_samples_gbps)},
                       {"overhead_us_per_tensor", finite_all(r.overhead_samples_us)}};
@@ -513,15 +717,16 @@ std::string format_offload_bench(const OffloadBenchResult& r) {
       "({} tensors), so that it does not compete with the copies for memory bandwidth\n\n",
       to_string(Bytes(r.bytes_checked)), o.repeats, r.stamps_checked);
 
-  out += fmt::format("{:<34} {:>10} {:>18} {:>7}  {:<22} {}\n", "", "measured", "baseline (memcpy)",
-                     "ratio", "target", "");
+  const std::string limit = o.cuda ? "link" : "memcpy";
+  out += fmt::format("{:<34} {:>10} {:>18} {:>7}  {:<22} {}\n", "", "measured",
+                     fmt::format("baseline ({})", r.limit), "ratio", "target", "");
   out += fmt::format("{:<34} {:>10.2f} {:>18.2f} {:>7.3f}  {:<22} {}\n", "offload (D2H) GB/s",
-                     r.offload_gbps, r.memcpy_gbps, r.offload_ratio,
-                     fmt::format(">= {:.2f} x memcpy", r.target_ratio),
+                     r.offload_gbps, r.limit_d2h_gbps, r.offload_ratio,
+                     fmt::format(">= {:.2f} x {}", r.target_ratio, limit),
                      verdict(r.offload_ratio >= r.target_ratio));
   out += fmt::format("{:<34} {:>10.2f} {:>18.2f} {:>7.3f}  {:<22} {}\n", "reload (H2D) GB/s",
-                     r.reload_gbps, r.memcpy_gbps, r.reload_ratio,
-                     fmt::format(">= {:.2f} x memcpy", r.target_ratio),
+                     r.reload_gbps, r.limit_h2d_gbps, r.reload_ratio,
+                     fmt::format(">= {:.2f} x {}", r.target_ratio, limit),
                      verdict(r.reload_ratio >= r.target_ratio));
   out += fmt::format("{:<34} {:>10.3f} {:>18} {:>7}  {:<22} {}\n", "CPU overhead us/tensor",
                      r.overhead_us_per_tensor, "-", "-",
@@ -533,11 +738,14 @@ std::string format_offload_bench(const OffloadBenchResult& r) {
   out += "\n";
   out += fmt::format(
       "GB/s: 1e9 bytes copied per second, each byte counted once (the memory traffic, one read "
-      "and one write per byte, is twice that). memcpy: std::memcpy of the same {} in {} chunks "
-      "between two pre-touched buffers, single thread. offload/reload: the engine's "
-      "StepTelemetry d2h_gbps/h2d_gbps, bytes over the time the copy engine was busy with "
-      "them (the sum of each layer's first-copy-start to last-copy-end).\n",
-      to_string(Bytes(r.bytes_per_step)), size_text(o.tensor_bytes));
+      "and one write per byte, is twice that). {}: {} of the same {} in {} chunks{}. "
+      "offload/reload: the engine's StepTelemetry d2h_gbps/h2d_gbps, bytes over the time the "
+      "copy engine was busy with them (the sum of each layer's first-copy-start to "
+      "last-copy-end).\n",
+      r.limit,
+      o.cuda ? "pinned host <-> device copies on copy streams of the device's own" : "std::memcpy",
+      to_string(Bytes(r.bytes_per_step)), size_text(o.tensor_bytes),
+      o.cuda ? ", each direction alone" : " between two pre-touched buffers, single thread");
   out += fmt::format(
       "overhead: host time inside offload {:.3f} + reload {:.3f} + free {:.3f} + prefetch and "
       "end_forward_layer {:.3f} us per tensor (allocate, not counted: {:.3f} us), steady_clock "
@@ -552,9 +760,9 @@ std::string format_offload_bench(const OffloadBenchResult& r) {
     for (double x : v) s += fmt::format("{}{:.2f}", s.empty() ? "" : " ", x);
     return s;
   };
-  out += fmt::format("samples: memcpy GB/s [{}]; offload GB/s [{}]; reload GB/s [{}]\n",
-                     list(r.memcpy_samples_gbps), list(r.offload_samples_gbps),
-                     list(r.reload_samples_gbps));
+  out += fmt::format("samples: {} GB/s D2H [{}] H2D [{}]; offload GB/s [{}]; reload GB/s [{}]\n",
+                     r.limit, list(r.limit_d2h_samples_gbps), list(r.limit_h2d_samples_gbps),
+                     list(r.offload_samples_gbps), list(r.reload_samples_gbps));
   out += fmt::format("         overhead us/tensor [{}]\n", list(r.overhead_samples_us));
   out += fmt::format(
       "steady state: {} device allocations, {} fallbacks, {:.2f} ms back-pressure (first "

@@ -51,6 +51,9 @@ struct OffloadBenchOptions {
   int overhead_layers = 20;
   int overhead_tensors_per_layer = 100;
   size_t overhead_tensor_bytes = size_t{64} << 10;
+  // The CUDA device 0 instead of the host backend (Note [Offload bench backends]): the limit
+  // is then the pinned link, measured in the same run.
+  bool cuda = false;
 };
 
 struct OffloadBenchResult {
@@ -64,14 +67,19 @@ struct OffloadBenchResult {
   int64_t stamps_checked = 0;  // tensors whose end words were checked in timed steps
 
   // Bandwidth, GB/s (1e9 bytes copied per second, each byte counted once): medians.
-  double memcpy_gbps = 0.0;
+  std::string limit;  // what the engine's copies are held to: "memcpy" or "pinned link"
+  double limit_d2h_gbps = 0.0;
+  double limit_h2d_gbps = 0.0;
+  std::vector<double> limit_d2h_samples_gbps;
+  std::vector<double> limit_h2d_samples_gbps;
+  double memcpy_gbps = 0.0;  // the host backend's limit (both directions); 0 on CUDA
   double offload_gbps = 0.0;
   double reload_gbps = 0.0;
   std::vector<double> memcpy_samples_gbps;
   std::vector<double> offload_samples_gbps;  // one per steady-state step
   std::vector<double> reload_samples_gbps;
-  double offload_ratio = 0.0;  // offload_gbps / memcpy_gbps
-  double reload_ratio = 0.0;
+  double offload_ratio = 0.0;  // offload_gbps / limit_d2h_gbps
+  double reload_ratio = 0.0;   // reload_gbps / limit_h2d_gbps
 
   // CPU overhead, us per offloaded tensor (medians over steady-state steps).
   double overhead_us_per_tensor = 0.0;  // offload + reload + free + prefetch + end_forward_layer
@@ -103,8 +111,9 @@ struct OffloadBenchResult {
   bool meets_overhead_target() const { return overhead_us_per_tensor < target_overhead_us; }
 };
 
-// Runs the benchmark on a host backend it creates. Throws spillway::Error on bad options,
-// when the run would not fit in the machine's memory, or when a reloaded byte differs.
+// Runs the benchmark on a host backend it creates (or CUDA device 0: options.cuda). Throws
+// spillway::Error on bad options, when the run would not fit in the machine's memory, when
+// a reloaded byte differs, or (CUDA) when there is no CUDA device.
 OffloadBenchResult run_offload_bench(const OffloadBenchOptions& options);
 
 // spillway.bench.offload/1: offload_gbps, reload_gbps, memcpy_gbps, overhead_us_per_tensor,

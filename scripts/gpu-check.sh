@@ -1124,7 +1124,7 @@ PY
 # GEMMs at the planner's shapes written as a spillway.profile/1 file, and the planner
 # taking that file.
 stage_bench() {
-  stage_begin bench bench 75 15 || return 0
+  stage_begin bench bench 90 15 || return 0
   local bin=$build_dir/bin/spillway
   # shellcheck disable=SC2054  # the commas are probe's
   local probe=("$bin" probe --device cuda --hardware "$hw" --sizes 64K,1M,16M,256M --repeats 5
@@ -1133,16 +1133,19 @@ stage_bench() {
     --json "$work/gemm-profile.json")
   local plan=("$bin" plan --model Qwen3-30B-A3B --hardware "$hw" --micro-batch 2 --seq-len 8192
     --ep 8 --dp 8 --profile "$work/gemm-profile.json")
+  local offload=("$bin" bench offload --backend cuda --layers 16 --tensor-mb 16 --steps 3
+    --repeats 2 --json "$work/bench-offload.json")
   local why
   why=$(gpu_stage_guard spillway_cli)
   if [ -n "$why" ]; then
     would_run "${probe[@]}"
     would_run "${gemm[@]}"
     would_run "${plan[@]}"
+    would_run "${offload[@]}"
     stage_end skip "$why"
     return 0
   fi
-  local rc1=0 rc2=0 rc3=0 failed=() k v
+  local rc1=0 rc2=0 rc3=0 rc4=0 failed=() k v
   run_timed 10 "$bin" hardware || true
   run_timed $(($(stage_left) * 2 / 5)) "${probe[@]}" || rc1=$?
   [ $rc1 -eq 0 ] || failed+=("probe exit $rc1")
@@ -1175,9 +1178,22 @@ PY
   else
     failed+=("bench gemm wrote no profile")
   fi
+  # The offload engine over the real copy engines against the pinned link, same run.
+  run_timed "$(stage_left)" "${offload[@]}" || rc4=$?
+  [ $rc4 -eq 0 ] || failed+=("bench offload --backend cuda exit $rc4")
+  if [ -s "$work/bench-offload.json" ]; then
+    while IFS=$'\t' read -r k v; do [ -n "$k" ] && fig "$k" "$v"; done < <(python3 - "$work/bench-offload.json" <<'PY' 2>/dev/null
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"offload D2H GB/s (link)\t{d['offload_gbps']:.1f} ({d['limit_d2h_gbps']:.1f}: {d['offload_ratio']:.2f} of it)")
+print(f"reload H2D GB/s (link)\t{d['reload_gbps']:.1f} ({d['limit_h2d_gbps']:.1f}: {d['reload_ratio']:.2f} of it)")
+print(f"offload CPU us/tensor\t{d['overhead_us_per_tensor']:.2f}")
+PY
+)
+  fi
   if [ ${#failed[@]} -eq 0 ]; then
-    stage_end pass "probe, bench gemm --backend cuda and plan --profile ran"
-  elif [[ " $rc1 $rc2 $rc3 " == *" 124 "* || " $rc1 $rc2 $rc3 " == *" 137 "* ]]; then
+    stage_end pass "probe, bench gemm --backend cuda, plan --profile and bench offload --backend cuda ran"
+  elif [[ " $rc1 $rc2 $rc3 $rc4 " == *" 124 "* || " $rc1 $rc2 $rc3 $rc4 " == *" 137 "* ]]; then
     stage_end timeout "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
   else
     stage_end fail "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"

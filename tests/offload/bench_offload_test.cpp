@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <string>
 
+#include "spillway/device.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
@@ -112,6 +114,33 @@ TEST(BenchOffload, BadOptionsNameTheField) {
   o = tiny();
   o.tensor_bytes = 0;
   EXPECT_THROW(run_offload_bench(o), Error);
+}
+
+// --backend cuda (Note [Offload bench backends]): on a GPU the same tiny run is correct and
+// its limit is the link, both directions measured; without one it is refused, saying why.
+TEST(BenchOffload, OnCudaTheLimitIsTheLinkOrTheRunSaysThereIsNoDevice) {
+  OffloadBenchOptions o = tiny();
+  o.cuda = true;
+  std::string why;
+  if (make_cuda_device(0, &why) == nullptr) {
+    try {
+      (void)run_offload_bench(o);
+      FAIL() << "--backend cuda ran without a CUDA device";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--backend cuda"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  const OffloadBenchResult r = run_offload_bench(o);
+  EXPECT_TRUE(r.correct);
+  EXPECT_EQ(r.limit, "pinned link");
+  EXPECT_EQ(r.bytes_checked, r.bytes_per_step * o.repeats);
+  EXPECT_GT(r.stamps_checked, 0);
+  expect_positive(r.limit_d2h_gbps, "limit_d2h_gbps");
+  expect_positive(r.limit_h2d_gbps, "limit_h2d_gbps");
+  EXPECT_NEAR(r.offload_ratio, r.offload_gbps / r.limit_d2h_gbps, 1e-12);
+  EXPECT_EQ(r.allocations_steady_state, 0);
 }
 
 }  // namespace
