@@ -6,7 +6,7 @@
 // Note [AdamW on the device]: device_math.hpp's operations are round-to-nearest
 // intrinsics on the device (__fmul_rn, __fadd_rn, __fdiv_rn, __fsqrt_rn), which nvcc never
 // contracts into a fused multiply-add, so a device bucket gets the same bits as the CPU
-// step; tests/device/device_ops_test.cpp and tests/optim/adamw_cuda_test.cpp check it where
+// step; tests/optim/device_ops_test.cpp and tests/optim/adamw_cuda_test.cpp check it where
 // a GPU exists.
 #pragma once
 
