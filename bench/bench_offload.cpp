@@ -215,7 +215,7 @@ StepTelemetry bandwidth_step(BenchBackend& backend, Stream compute, OffloadEngin
       engine.free(t);
     }
   }
-  const StepTelemetry t = engine.end_step();
+  StepTelemetry t = engine.end_step();
   backend.step_end(compute);
   return t;
 }
@@ -447,8 +447,10 @@ class CudaBench final : public BenchBackend {
   std::pair<double, double> limit_gbps() override {
     const auto timed = [&](Stream s, bool d2h) {
       const auto t0 = Clock::now();
+      size_t moved = 0;
       for (size_t off = 0; off < total_; off += slot_) {
         const size_t n = std::min(bytes_, total_ - off);
+        moved += n;
         if (d2h) {
           device_->copy_async(up_.ptr + off, link_.ptr + off, n, s);
         } else {
@@ -456,7 +458,7 @@ class CudaBench final : public BenchBackend {
         }
       }
       device_->synchronize(s);
-      return static_cast<double>(total_ / slot_ * bytes_) / seconds_since(t0) / 1e9;
+      return static_cast<double>(moved) / seconds_since(t0) / 1e9;
     };
     const double d2h = timed(d2h_, true);
     return {d2h, timed(h2d_, false)};

@@ -164,7 +164,7 @@ TEST(OwnedHandles, EachHandleIsDestroyedOnceOnEveryPath) {
   {
     UniqueStream a(dev, StreamRole::kCompute);
     UniqueStream b = std::move(a);  // a owns nothing now
-    a.reset();
+    a.reset();  // NOLINT(bugprone-use-after-move): a moved-from owner destroys nothing
     UniqueEvent e(dev);
     dev.record(e, b);
     dev.synchronize(e);
@@ -172,7 +172,9 @@ TEST(OwnedHandles, EachHandleIsDestroyedOnceOnEveryPath) {
     f = UniqueEvent(dev);  // the first of f's events goes here
     EXPECT_EQ(count.events_destroyed, 1);
     std::vector<UniqueEvent> pool;
-    for (int i = 0; i < 3; ++i) pool.emplace_back(dev);  // growth moves them
+    for (int i = 0; i < 3; ++i) {
+      pool.emplace_back(dev);  // NOLINT(performance-inefficient-vector-operation): growth moves
+    }
     EXPECT_EQ(count.events_destroyed, 1);
     b.reset();
     b.reset();

@@ -36,10 +36,11 @@ TEST(PinnedPool, SubAllocatesOnceReportsExhaustionAndIsThreadSafe) {
   // Many threads acquire, write their own pattern, check it, release.
   std::atomic<int> corrupt{0};
   std::vector<std::thread> threads;
+  threads.reserve(4);
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 200; ++i) {
-        PinnedBlock b = pool.acquire(static_cast<size_t>(1000 + 37 * i));
+        PinnedBlock b = pool.acquire(1000 + (37 * static_cast<size_t>(i)));
         if (!b) continue;  // full: a real caller would wait
         std::memset(b.ptr, t + 1, b.bytes);
         for (size_t k = 0; k < b.bytes; ++k) {

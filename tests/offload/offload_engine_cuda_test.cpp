@@ -67,7 +67,7 @@ TEST(OffloadEngineCuda, AStepsTensorsComeBackBitwiseUnderTheInflightBound) {
                        compute);
         p.handle = e.offload(t, l, "x");
         EXPECT_LE(e.inflight_bytes(), o.inflight_bound_bytes);
-        layers[static_cast<size_t>(l)].push_back(std::move(p));
+        layers[static_cast<size_t>(l)].push_back(p);
       }
       e.end_forward_layer(l);
     }

@@ -77,7 +77,7 @@ TEST(StreamedReferenceModel, TrainingStepsAreBitwiseTheResidentOnes) {
     // Per step: L forward loads and L - (depth + 1) backward ones; the turn's are hits.
     const int64_t L = c.layers();
     EXPECT_EQ(got.tel.loads, 3 * (L + std::max<int64_t>(0, L - (depth + 1))));
-    EXPECT_EQ(got.tel.visits, 3 * 2 * L);
+    EXPECT_EQ(got.tel.visits, 6 * L);
   }
 }
 
@@ -169,6 +169,7 @@ TEST(StreamedReferenceModel, ShardedRanksOnOneLinkComputeTheResidentResults) {
       std::vector<WeightStreamTelemetry> tel(static_cast<size_t>(n));
       std::vector<char> shard_ok(static_cast<size_t>(n), 1);
       std::vector<std::thread> threads;
+      threads.reserve(static_cast<size_t>(n));
       for (int i = 0; i < n; ++i)
         threads.emplace_back([&, i] {
           const auto u = static_cast<size_t>(i);
