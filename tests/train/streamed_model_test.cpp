@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -97,42 +98,43 @@ TEST(StreamedReferenceModel, InferenceIsBitwiseTheResidentPass) {
   m.stream_weights(nullptr);
 }
 
+WeightStreamOptions depth_one() {
+  WeightStreamOptions o;
+  o.depth = 1;
+  return o;
+}
+
+// The tiny MoE model, its resident loss, then its weights streamed through a ring of two
+// slots (which cannot hold the model: every pass loads every layer again).
+struct StreamedTinyMoe {
+  RefConfig c = load_reference_config("tiny-moe");
+  std::unique_ptr<Device> dev = make_host_device(HostDeviceOptions{int64_t{96} << 20, 0.0, 0.0});
+  Model m{c, *dev, 11};
+  double resident = loss();
+  WeightStreamer ws{*dev, m.compute_stream(), m.layer_weight_bytes(), depth_one()};
+  StreamedTinyMoe() { m.stream_weights(&ws); }
+  double loss() { return m.forward_loss(tokens(3, 2, 16), 2, 16); }
+};
+
 TEST(StreamedReferenceModel, TheLayersComputeFromTheSlotsNotTheirDeviceCopy) {
   // Weights in a host slab that differ from the model's own copy change the loss: the
   // layer read the slot.
-  const RefConfig c = load_reference_config("tiny-moe");
-  auto dev = make_host_device(HostDeviceOptions{int64_t{96} << 20, 0.0, 0.0});
-  Model m(c, *dev, 11);
-  const double resident = m.forward_loss(tokens(3, 2, 16), 2, 16);
-  WeightStreamOptions so;
-  so.depth = 1;
-  WeightStreamer ws(*dev, m.compute_stream(), m.layer_weight_bytes(), so);
-  m.stream_weights(&ws);
-  const double same = m.forward_loss(tokens(3, 2, 16), 2, 16);
-  EXPECT_EQ(same, resident);
-  auto* w = static_cast<float*>(ws.host_slab(1));
-  for (size_t i = 0; i < m.layer_weight_bytes()[1] / 4; ++i) w[i] *= 0.5f;
-  // The next pass loads layer 1 again (the ring of 2 slots cannot hold the model).
-  const double changed = m.forward_loss(tokens(3, 2, 16), 2, 16);
-  EXPECT_NE(changed, resident);
-  m.stream_weights(nullptr);
-  EXPECT_EQ(m.forward_loss(tokens(3, 2, 16), 2, 16), resident);
+  StreamedTinyMoe t;
+  EXPECT_EQ(t.loss(), t.resident);
+  auto* w = static_cast<float*>(t.ws.host_slab(1));
+  for (size_t i = 0; i < t.m.layer_weight_bytes()[1] / 4; ++i) w[i] *= 0.5f;
+  EXPECT_NE(t.loss(), t.resident);
+  t.m.stream_weights(nullptr);
+  EXPECT_EQ(t.loss(), t.resident);
 }
 
 TEST(StreamedReferenceModel, NoLayerWeightIsReadFromTheModelsOwnCopy) {
   // Every weight of every layer (attention, norms, router, each expert's matrices) comes
   // from the slot: with the model's own copy of the layers' weights poisoned after the
   // slabs were packed, the streamed pass still gives the resident loss, bitwise.
-  const RefConfig c = load_reference_config("tiny-moe");
-  auto dev = make_host_device(HostDeviceOptions{int64_t{96} << 20, 0.0, 0.0});
-  Model m(c, *dev, 11);
-  const double resident = m.forward_loss(tokens(3, 2, 16), 2, 16);
-  WeightStreamOptions so;
-  so.depth = 1;
-  WeightStreamer ws(*dev, m.compute_stream(), m.layer_weight_bytes(), so);
-  m.stream_weights(&ws);
+  StreamedTinyMoe t;
   int poisoned = 0;
-  for (const NamedWeight& nw : m.named_weights()) {
+  for (const NamedWeight& nw : t.m.named_weights()) {
     if (nw.spec.name.find("layers.") == std::string::npos) continue;
     // The host backend's device memory is host memory: the test writes it in place.
     auto* data = const_cast<float*>(nw.data);  // NOLINT(cppcoreguidelines-pro-type-const-cast)
@@ -140,7 +142,7 @@ TEST(StreamedReferenceModel, NoLayerWeightIsReadFromTheModelsOwnCopy) {
     ++poisoned;
   }
   ASSERT_GT(poisoned, 0);
-  EXPECT_EQ(m.forward_loss(tokens(3, 2, 16), 2, 16), resident);
+  EXPECT_EQ(t.loss(), t.resident);
 }
 
 TEST(StreamedReferenceModel, ShardedRanksOnOneLinkComputeTheResidentResults) {
