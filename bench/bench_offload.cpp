@@ -353,25 +353,14 @@ class HostBench final : public BenchBackend {
   CheckLog* log_;
 };
 
-// Memory of a kind from a device, freed with it.
-struct Allocated {
-  Device& device;
-  unsigned char* ptr;
-  Allocated(Device& d, size_t bytes, MemoryKind kind, const char* what)
-      : device(d), ptr(nullptr), kind_(kind) {
-    const AllocResult r = d.allocate(std::max<size_t>(bytes, 1), kind);
-    if (!r)
-      SPILLWAY_INPUT_ERROR("offload bench: cannot allocate {} of {} for {}: {}", size_text(bytes),
-                           to_string(kind), what, r.reason);
-    ptr = static_cast<unsigned char*>(r.ptr);
-  }
-  ~Allocated() { device.free(ptr, kind_); }
-  Allocated(const Allocated&) = delete;
-  Allocated& operator=(const Allocated&) = delete;
-
- private:
-  MemoryKind kind_;
-};
+// Memory of a kind from the device, or the run is refused naming what it was for.
+UniqueMemory checked_memory(Device& d, size_t bytes, MemoryKind kind, const char* what) {
+  UniqueMemory m(d, std::max<size_t>(bytes, 1), kind);
+  if (!m)
+    SPILLWAY_INPUT_ERROR("offload bench: cannot allocate {} of {} for {}: {}", size_text(bytes),
+                         to_string(kind), what, m.reason());
+  return m;
+}
 
 // CUDA (Note [Offload bench backends]): staging in pinned memory, one slot per tensor of the
 // step (no slot is reused within a step; each step ends synchronized).
@@ -382,13 +371,13 @@ class CudaBench final : public BenchBackend {
         slot_(round_up(w.bytes, 256)),
         bytes_(w.bytes),
         total_(static_cast<size_t>(w.tensors()) * round_up(w.bytes, 256)),
-        up_(*device_, total_, MemoryKind::kPinnedHost, "the patterns"),
-        back_(*device_, total_, MemoryKind::kPinnedHost, "the reloaded bytes"),
-        stamps_up_(*device_, static_cast<size_t>(w.tensors()) * 16, MemoryKind::kPinnedHost,
-                   "the stamps"),
-        stamps_back_(*device_, static_cast<size_t>(w.tensors()) * 16, MemoryKind::kPinnedHost,
-                     "the stamps"),
-        link_(*device_, total_, MemoryKind::kDevice, "the link's limit"),
+        up_(checked_memory(*device_, total_, MemoryKind::kPinnedHost, "the patterns")),
+        back_(checked_memory(*device_, total_, MemoryKind::kPinnedHost, "the reloaded bytes")),
+        stamps_up_(checked_memory(*device_, static_cast<size_t>(w.tensors()) * 16,
+                                  MemoryKind::kPinnedHost, "the stamps")),
+        stamps_back_(checked_memory(*device_, static_cast<size_t>(w.tensors()) * 16,
+                                    MemoryKind::kPinnedHost, "the stamps")),
+        link_(checked_memory(*device_, total_, MemoryKind::kDevice, "the link's limit")),
         d2h_(*device_, StreamRole::kD2H),
         h2d_(*device_, StreamRole::kH2D),
         log_(log) {
@@ -399,12 +388,12 @@ class CudaBench final : public BenchBackend {
                bool full) override {
     const size_t words = bytes_ / 8;
     if (full || words < 2) {
-      unsigned char* up = up_.ptr + static_cast<size_t>(index) * slot_;
+      unsigned char* up = up_.bytes() + static_cast<size_t>(index) * slot_;
       fill(up, bytes_, tag);
       device_->copy_async(t.ptr, up, bytes_, compute);
       return;
     }
-    auto* st = reinterpret_cast<uint64_t*>(stamps_up_.ptr) + 2 * index;
+    auto* st = reinterpret_cast<uint64_t*>(stamps_up_.bytes()) + 2 * index;
     st[0] = tag;
     st[1] = tag + (words - 1) * kStride;
     device_->copy_async(t.ptr, st, 8, compute);
@@ -415,9 +404,10 @@ class CudaBench final : public BenchBackend {
     const size_t words = bytes_ / 8;
     const bool whole = full || words < 2;
     if (whole) {
-      device_->copy_async(back_.ptr + static_cast<size_t>(index) * slot_, t.ptr, bytes_, compute);
+      device_->copy_async(back_.bytes() + static_cast<size_t>(index) * slot_, t.ptr, bytes_,
+                          compute);
     } else {
-      auto* st = reinterpret_cast<uint64_t*>(stamps_back_.ptr) + 2 * index;
+      auto* st = reinterpret_cast<uint64_t*>(stamps_back_.bytes()) + 2 * index;
       device_->copy_async(st, t.ptr, 8, compute);
       device_->copy_async(st + 1, static_cast<const unsigned char*>(t.ptr) + (words - 1) * 8, 8,
                           compute);
@@ -431,12 +421,12 @@ class CudaBench final : public BenchBackend {
       bool ok = true;
       if (p.whole) {
         const int64_t at =
-            first_mismatch(back_.ptr + static_cast<size_t>(p.index) * slot_, bytes_, p.tag);
+            first_mismatch(back_.bytes() + static_cast<size_t>(p.index) * slot_, bytes_, p.tag);
         ok = at < 0;
         log_->bytes_checked += static_cast<int64_t>(bytes_);
         if (!ok && log_->bad_tensors == 0) log_->first_offset = at;
       } else {
-        const auto* st = reinterpret_cast<const uint64_t*>(stamps_back_.ptr) + 2 * p.index;
+        const auto* st = reinterpret_cast<const uint64_t*>(stamps_back_.bytes()) + 2 * p.index;
         ok = st[0] == p.tag && st[1] == p.tag + (words - 1) * kStride;
         ++log_->stamps_checked;
       }
@@ -452,9 +442,9 @@ class CudaBench final : public BenchBackend {
         const size_t n = std::min(bytes_, total_ - off);
         moved += n;
         if (d2h) {
-          device_->copy_async(up_.ptr + off, link_.ptr + off, n, s);
+          device_->copy_async(up_.bytes() + off, link_.bytes() + off, n, s);
         } else {
-          device_->copy_async(link_.ptr + off, up_.ptr + off, n, s);
+          device_->copy_async(link_.bytes() + off, up_.bytes() + off, n, s);
         }
       }
       device_->synchronize(s);
@@ -475,7 +465,7 @@ class CudaBench final : public BenchBackend {
   };
   std::unique_ptr<Device> device_;
   size_t slot_, bytes_, total_;
-  Allocated up_, back_, stamps_up_, stamps_back_, link_;
+  UniqueMemory up_, back_, stamps_up_, stamps_back_, link_;
   UniqueStream d2h_, h2d_;
   CheckLog* log_;
   std::vector<Pending> pending_;

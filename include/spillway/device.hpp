@@ -46,6 +46,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "spillway/device_math.hpp"
 
@@ -232,6 +233,34 @@ class UniqueStream {
  private:
   Device* device_ = nullptr;
   Stream stream_{};
+};
+
+// Memory a caller owns for a scope, the same way: allocate()'s result, freed when it goes.
+// A failed allocation is a value here too: get() is null and reason() says why.
+class UniqueMemory {
+ public:
+  UniqueMemory(Device& device, size_t bytes, MemoryKind kind);
+  ~UniqueMemory() { reset(); }
+  UniqueMemory(UniqueMemory&& o) noexcept
+      : device_(o.device_), kind_(o.kind_), ptr_(o.ptr_), reason_(std::move(o.reason_)) {
+    o.ptr_ = nullptr;
+  }
+  UniqueMemory& operator=(UniqueMemory&&) = delete;
+  UniqueMemory(const UniqueMemory&) = delete;
+  UniqueMemory& operator=(const UniqueMemory&) = delete;
+
+  void* get() const { return ptr_; }
+  unsigned char* bytes() const { return static_cast<unsigned char*>(ptr_); }
+  explicit operator bool() const { return ptr_ != nullptr; }
+  const std::string& reason() const { return reason_; }
+  // Frees the memory now (all work using it must be finished); idempotent.
+  void reset() noexcept;
+
+ private:
+  Device* device_;
+  MemoryKind kind_;
+  void* ptr_ = nullptr;
+  std::string reason_;
 };
 
 class UniqueEvent {

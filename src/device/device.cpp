@@ -100,6 +100,24 @@ void UniqueStream::reset() noexcept {
   }
 }
 
+UniqueMemory::UniqueMemory(Device& device, size_t bytes, MemoryKind kind)
+    : device_(&device), kind_(kind) {
+  AllocResult r = device.allocate(bytes, kind);
+  ptr_ = r.ptr;
+  reason_ = std::move(r.reason);
+}
+
+void UniqueMemory::reset() noexcept {
+  if (ptr_ == nullptr) return;
+  void* p = std::exchange(ptr_, nullptr);
+  try {
+    device_->free(p, kind_);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "spillway: error: freeing %s memory: %s\n", to_string(kind_).c_str(),
+                 e.what());
+  }
+}
+
 void UniqueEvent::reset() noexcept {
   if (device_ == nullptr) return;
   Device* d = std::exchange(device_, nullptr);

@@ -95,36 +95,6 @@ std::string size_text(size_t bytes) {
   return fmt::format("{} B", bytes);
 }
 
-// Memory from the device, given back on every path.
-class Buffer {
- public:
-  Buffer(Device& dev, size_t bytes, MemoryKind kind) : dev_(dev), kind_(kind) {
-    AllocResult r = dev.allocate(bytes, kind);
-    ptr_ = r.ptr;
-    reason_ = std::move(r.reason);
-  }
-  ~Buffer() {
-    if (ptr_ == nullptr) return;
-    try {
-      dev_.free(ptr_, kind_);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "spillway: warning: probe: freeing %s memory failed: %s\n",
-                   to_string(kind_).c_str(), e.what());
-    }
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-
-  void* get() const { return ptr_; }
-  const std::string& reason() const { return reason_; }
-
- private:
-  Device& dev_;
-  MemoryKind kind_;
-  void* ptr_ = nullptr;
-  std::string reason_;
-};
-
 constexpr double kMinSampleS = 2e-3;  // Note [Probe samples]
 constexpr int kMaxCopiesPerSample = 4096;
 
@@ -191,7 +161,7 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
   UniqueStream d2h(dev, StreamRole::kD2H);
 
   for (size_t bytes : sizes) {
-    Buffer device(dev, bytes, MemoryKind::kDevice);
+    const UniqueMemory device(dev, bytes, MemoryKind::kDevice);
     if (device.get() == nullptr) {
       result.skipped.push_back({bytes, "", device.reason()});
       points_left -= host_kinds.size() * 2;
@@ -200,7 +170,7 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
     for (const HostKind& hk : host_kinds) {
       const int64_t pinned_before =
           dev.memory_stats().current[static_cast<int>(MemoryKind::kPinnedHost)];
-      Buffer host(dev, bytes, hk.kind);
+      const UniqueMemory host(dev, bytes, hk.kind);
       if (host.get() == nullptr) {
         result.skipped.push_back({bytes, hk.name, host.reason()});
         points_left -= 2;

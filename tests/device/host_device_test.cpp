@@ -193,6 +193,25 @@ TEST(OwnedHandles, EachHandleIsDestroyedOnceOnEveryPath) {
   EXPECT_EQ(count.events_destroyed, 7);
 }
 
+TEST(OwnedHandles, UniqueMemoryFreesAtScopeEndAndAFailureIsAValue) {
+  const std::unique_ptr<Device> dev =
+      make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
+  const int device = static_cast<int>(MemoryKind::kDevice);
+  {
+    UniqueMemory a(*dev, 4096, MemoryKind::kDevice);
+    ASSERT_TRUE(a) << a.reason();
+    EXPECT_EQ(dev->memory_stats().current[device], 4096);
+    const UniqueMemory moved(std::move(a));
+    EXPECT_EQ(moved.get() != nullptr, true);
+    a.reset();  // NOLINT(bugprone-use-after-move): a moved-from owner frees nothing
+    EXPECT_EQ(dev->memory_stats().current[device], 4096);
+    const UniqueMemory too_big(*dev, size_t{2} << 20, MemoryKind::kDevice);
+    EXPECT_FALSE(too_big);
+    EXPECT_FALSE(too_big.reason().empty());
+  }
+  EXPECT_EQ(dev->memory_stats().current[device], 0);
+}
+
 TEST(HostDevice, StreamsRunInOrderAndWaitOnEvents) {
   auto dev = make_host_device(HostDeviceOptions{int64_t{1} << 20, 0.0, 0.0});
   const Stream a = dev->create_stream(StreamRole::kCompute);
