@@ -1,8 +1,8 @@
 // spillway-bench (`spillway bench` runs it): the engines' benchmarks, each checked for
 // correctness before it is timed and printed beside its baseline measured in the same run
 // and its limit. One subcommand per engine: `offload`, `adam`, `optim-offload`, `stream`,
-// `serve`, `serve-live`; `gemm` measures the planner's efficiency curves. Its own tool, as
-// llama-bench is: nothing under src/ includes bench/ (the layering check says so), and the
+// `serve`, `serve-live`, `hybrid-gemm`; `gemm` measures the planner's efficiency curves. Its own
+// tool, as llama-bench is: nothing under src/ includes bench/ (the layering check says so), and the
 // spillway command only forwards to it (src/cli/cmd_bench.cpp).
 // Exit codes as the spillway command's: 0 success, 1 an error (message on stderr), 2 a
 // command-line usage error.
@@ -13,9 +13,12 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "bench_adam.hpp"
 #include "bench_gemm.hpp"
+#include "bench_hybrid_gemm.hpp"
 #include "bench_offload.hpp"
 #include "bench_serve.hpp"
 #include "bench_serve_live.hpp"
@@ -373,6 +376,121 @@ void add_bench_gemm_command(CLI::App& bench) {
   });
 }
 
+// A whole-string number, or nothing ("0.5x", "", "nan" are not alphas).
+std::optional<double> parse_number(const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): not a number, said below
+  }
+  return std::nullopt;
+}
+
+// "MxNxK": rows, columns and depth of a tile, each >= 1.
+GemmTiles parse_tiles(const std::string& text) {
+  GemmTiles t;
+  int64_t* sides[] = {&t.m, &t.n, &t.k};
+  size_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    const size_t x = i < 2 ? text.find('x', at) : text.size();
+    const std::optional<double> v =
+        x == std::string::npos ? std::nullopt : parse_number(text.substr(at, x - at));
+    if (!v || *v < 1 || *v > 4096 || *v != std::floor(*v))
+      SPILLWAY_FIELD_ERROR("--tiles", text,
+                           "must be MxNxK (rows, columns, depth of a tile), each an integer in "
+                           "[1, 4096]");
+    *sides[i] = static_cast<int64_t>(*v);
+    at = x + 1;
+  }
+  return t;
+}
+
+void add_bench_hybrid_gemm_command(CLI::App& bench) {
+  struct State {
+    HybridGemmBenchOptions options;
+    std::string dtype = "bf16";
+    std::vector<std::string> alphas = {"0", "0.25", "0.5", "0.75", "1"};
+    std::string tiles = "64x64x64";
+    std::string json_path;
+  };
+  auto st = std::make_shared<State>();
+  CLI::App* cmd = bench.add_subcommand(
+      "hybrid-gemm",
+      "HybridGEMM (O = X W^T with W in host memory the device reads over the link, Note "
+      "[HybridGEMM dataflows]) per alpha, the share of W's columns on the symmetric path: the "
+      "bytes the run moves over the link and to and from HBM, counted as it runs (the host "
+      "backend's hybrid_gemm_host; on CUDA the counting kernels), against the closed form, "
+      "which must be equal in all six figures (an error naming the alpha and both values "
+      "otherwise, after the report); the time of the uncounted runs (what the server runs) and "
+      "the link bandwidth they achieve, against a copy of the W bytes over the same link "
+      "measured in the same run (CUDA: pinned host -> device; host: memcpy). Every output is "
+      "checked against double dot products before anything is timed; the copy and the alphas "
+      "are interleaved and figures are medians. The tiles and the invariant split are the "
+      "serving engine's. --backend cuda runs CUDA device 0's kernels (X and O in device "
+      "memory, W in mapped host memory); without a GPU it says so and writes nothing.\n\n"
+      "Examples:\n"
+      "  spillway bench hybrid-gemm\n"
+      "  spillway bench hybrid-gemm --m 64 --n 2048 --k 2048 --dtype fp32 --json -\n"
+      "  spillway bench hybrid-gemm --alphas 0,1 --tiles 32x32x64 --repeats 3\n"
+      "  spillway bench hybrid-gemm --backend cuda --m 16 --n 8192 --k 8192 --json "
+      "hybrid_gemm_cuda.json");
+  HybridGemmBenchOptions& o = st->options;
+  cmd->add_option("--backend", o.backend,
+                  "host: hybrid_gemm_host on this CPU; cuda: the kernels of CUDA device 0")
+      ->check(CLI::IsMember({"host", "cuda"}))
+      ->capture_default_str();
+  in_range(cmd->add_option("--m", o.m, "Rows of X and O (tokens; decode-sized by default)")
+               ->capture_default_str(),
+           closed(1, 65536));
+  in_range(cmd->add_option("--n", o.n, "Columns of O (rows of W)")->capture_default_str(),
+           closed(1, 1 << 20));
+  in_range(cmd->add_option("--k", o.k, "Depth (columns of X and W)")->capture_default_str(),
+           closed(1, 1 << 20));
+  cmd->add_option("--dtype", st->dtype, "W's dtype")
+      ->check(CLI::IsMember({"bf16", "fp32"}))
+      ->capture_default_str();
+  cmd->add_option("--alphas", st->alphas,
+                  "Shares of W's columns on the symmetric path, comma-separated, each in [0, 1] "
+                  "(default 0,0.25,0.5,0.75,1)")
+      ->delimiter(',');
+  cmd->add_option("--tiles", st->tiles,
+                  "Tiles of both paths, MxNxK (the serving engine's by default)")
+      ->capture_default_str();
+  in_range(cmd->add_option("--repeats", o.repeats,
+                           "Times the copy and every alpha's run are interleaved (one sample each)")
+               ->capture_default_str(),
+           closed(1, kMaxRepeats));
+  cmd->add_option("--json", st->json_path,
+                  "Write the results as JSON to FILE ('-' for stdout): schema "
+                  "spillway.bench.hybrid-gemm/1, all_equal, limit.copy_gbps, and per alpha "
+                  "counted, closed_form, equal, ms, link_gbps, fraction_of_copy");
+  cmd->callback([st]() {
+    HybridGemmBenchOptions options = st->options;
+    options.w_dtype = st->dtype == "fp32" ? DType::kFp32 : DType::kBf16;
+    options.alphas.clear();
+    for (const std::string& a : st->alphas) {
+      const std::optional<double> v = parse_number(a);
+      if (!v || *v < 0.0 || *v > 1.0)
+        SPILLWAY_FIELD_ERROR("--alphas", a, "each must be a number in [0, 1]");
+      options.alphas.push_back(*v);
+    }
+    if (options.alphas.empty())
+      SPILLWAY_FIELD_ERROR("--alphas", "empty", "give at least one alpha in [0, 1]");
+    options.tiles = parse_tiles(st->tiles);
+    const auto say = [&](const std::string& text) { say_beside_json(st->json_path, text); };
+    say(fmt::format(
+        "running on {}: {}x{}x{} {}, {} alphas, {} repeats (counted and checked first, then "
+        "the copy and the uncounted runs interleaved)...\n",
+        options.backend, options.m, options.n, options.k, st->dtype, options.alphas.size(),
+        options.repeats));
+    const HybridGemmBenchResult result = run_hybrid_gemm_bench(options);
+    say(format_hybrid_gemm_bench(result));
+    if (!st->json_path.empty()) write_output(st->json_path, hybrid_gemm_bench_json(result));
+    check_hybrid_gemm_bench(result);
+  });
+}
+
 }  // namespace
 
 void add_bench_stream_command(CLI::App& bench) {
@@ -524,6 +642,7 @@ void add_bench_commands(CLI::App& bench) {
   add_bench_serve_live_command(bench);
   add_bench_gemm_command(bench);
   add_bench_stream_command(bench);
+  add_bench_hybrid_gemm_command(bench);
 }
 
 int run(int argc, char** argv) {
@@ -538,7 +657,8 @@ int run(int argc, char** argv) {
       "  spillway bench gemm --json profile.json\n"
       "  spillway bench stream\n"
       "  spillway bench serve\n"
-      "  spillway bench serve-live",
+      "  spillway bench serve-live\n"
+      "  spillway bench hybrid-gemm --json -",
       "spillway bench"};
   add_bench_commands(app);
   try {

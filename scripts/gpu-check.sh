@@ -1121,8 +1121,10 @@ PY
 
 # --- stage: bench -----------------------------------------------------------------------
 # The link (pinned and pageable H2D/D2H beside the profile's typical figure), cuBLAS bf16
-# GEMMs at the planner's shapes written as a spillway.profile/1 file, and the planner
-# taking that file.
+# GEMMs at the planner's shapes written as a spillway.profile/1 file, the planner taking
+# that file, the offload engine against the pinned link, and HybridGEMM's kernels: per alpha
+# the bytes they count against the closed form, and their link GB/s against a pinned copy of
+# the same weights.
 stage_bench() {
   stage_begin bench bench 90 15 || return 0
   local bin=$build_dir/bin/spillway
@@ -1135,17 +1137,20 @@ stage_bench() {
     --ep 8 --dp 8 --profile "$work/gemm-profile.json")
   local offload=("$bin" bench offload --backend cuda --layers 16 --tensor-mb 16 --steps 3
     --repeats 2 --json "$work/bench-offload.json")
+  local hybrid=("$bin" bench hybrid-gemm --backend cuda --m 16 --n 8192 --k 8192 --repeats 5
+    --json "$work/bench-hybrid-gemm.json")
   local why
-  why=$(gpu_stage_guard spillway_cli)
+  why=$(gpu_stage_guard spillway_cli spillway_bench_tool)
   if [ -n "$why" ]; then
     would_run "${probe[@]}"
     would_run "${gemm[@]}"
     would_run "${plan[@]}"
     would_run "${offload[@]}"
+    would_run "${hybrid[@]}"
     stage_end skip "$why"
     return 0
   fi
-  local rc1=0 rc2=0 rc3=0 rc4=0 failed=() k v
+  local rc1=0 rc2=0 rc3=0 rc4=0 rc5=0 failed=() k v
   run_timed 10 "$bin" hardware || true
   run_timed $(($(stage_left) * 2 / 5)) "${probe[@]}" || rc1=$?
   [ $rc1 -eq 0 ] || failed+=("probe exit $rc1")
@@ -1179,7 +1184,7 @@ PY
     failed+=("bench gemm wrote no profile")
   fi
   # The offload engine over the real copy engines against the pinned link, same run.
-  run_timed "$(stage_left)" "${offload[@]}" || rc4=$?
+  run_timed $(($(stage_left) * 2 / 3)) "${offload[@]}" || rc4=$?
   [ $rc4 -eq 0 ] || failed+=("bench offload --backend cuda exit $rc4")
   if [ -s "$work/bench-offload.json" ]; then
     while IFS=$'\t' read -r k v; do [ -n "$k" ] && fig "$k" "$v"; done < <(python3 - "$work/bench-offload.json" <<'PY' 2>/dev/null
@@ -1191,9 +1196,26 @@ print(f"offload CPU us/tensor\t{d['overhead_us_per_tensor']:.2f}")
 PY
 )
   fi
+  # HybridGEMM's kernels: counted bytes against the closed form (a difference exits 1), and
+  # the link GB/s of the uncounted runs against a pinned copy of W, same run.
+  run_timed "$(stage_left)" "${hybrid[@]}" || rc5=$?
+  [ $rc5 -eq 0 ] || failed+=("bench hybrid-gemm --backend cuda exit $rc5")
+  if [ -s "$work/bench-hybrid-gemm.json" ]; then
+    cat "$work/bench-hybrid-gemm.json" >>"$S.log"
+    while IFS=$'\t' read -r k v; do [ -n "$k" ] && fig "$k" "$v"; done < <(python3 - "$work/bench-hybrid-gemm.json" <<'PY' 2>/dev/null
+import json, sys
+d = json.load(open(sys.argv[1]))
+p = d["problem"]
+print(f"hybrid-gemm {p['m']}x{p['n']}x{p['k']} {p['w_dtype']}: pinned copy of W GB/s\t{d['limit']['copy_gbps']:.1f}")
+for a in d["alphas"]:
+    same = "counted == closed form" if a["equal"] else "counted != closed form"
+    print(f"hybrid-gemm alpha {a['alpha']:g}: link GB/s\t{a['link_gbps']:.1f} ({a['fraction_of_copy']:.2f} of the copy; {same})")
+PY
+)
+  fi
   if [ ${#failed[@]} -eq 0 ]; then
-    stage_end pass "probe, bench gemm --backend cuda, plan --profile and bench offload --backend cuda ran"
-  elif [[ " $rc1 $rc2 $rc3 $rc4 " == *" 124 "* || " $rc1 $rc2 $rc3 $rc4 " == *" 137 "* ]]; then
+    stage_end pass "probe, bench gemm --backend cuda, plan --profile, bench offload --backend cuda and bench hybrid-gemm --backend cuda ran"
+  elif [[ " $rc1 $rc2 $rc3 $rc4 $rc5 " == *" 124 "* || " $rc1 $rc2 $rc3 $rc4 $rc5 " == *" 137 "* ]]; then
     stage_end timeout "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
   else
     stage_end fail "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
@@ -1247,8 +1269,8 @@ stage_sanitizer() {  # TOOL MAX_SECONDS CUDA_TESTS_FILTER SERVE_FILTER
 stage_env
 stage_deps
 stage_configure
-main_targets=(spillway_cli)
-mapfile -t -O 1 main_targets < <(cuda_test_targets)
+main_targets=(spillway_cli spillway_bench_tool)
+mapfile -t -O 2 main_targets < <(cuda_test_targets)
 main_targets+=(_spillway)
 stage_build build 200 30 "${main_targets[@]}"
 stage_ctest_cuda

@@ -1,72 +1,97 @@
-"""CPUAdamW.step against torch.optim.AdamW (foreach and fused, on CPU) and DeepSpeed's
-DeepSpeedCPUAdam on the same parameters, in the same run, 1 and 2 threads, beside the
-memory-bandwidth limit (docs/PERFORMANCE.md). Targets (issue 15): >= 5x torch, >= 1.15x
-DeepSpeed.
+"""CPUAdamW.step against DeepSpeed's DeepSpeedCPUAdam and torch.optim.AdamW (fused and
+foreach, on CPU) on the same parameters, in the same run, runs interleaved, medians, beside
+the memory-bandwidth limit (docs/PERFORMANCE.md). Targets (issue 31): whole CPU work >= 1.15x
+DeepSpeed's, with and without clipping; critical path >= 3x.
 
-Every optimizer steps the same fp32 parameters (--elements in tensors of --tensor) from the
-same gradients. Two figures for CPUAdamW:
-  - its whole CPU work per step (the gradients are set, step() hands them over, the
-    speculative steps run, step() validates and writes the weights): what the CPU spends;
-  - its critical path: step() after the gradients were handed over and speculated during
-    backward (here: handed over and waited for, as a backward long enough to hide them
-    would), i.e. what a training step waits for after backward. Peers have no overlap:
-    their whole step is on the critical path. Also with the clip transformers.Trainer runs
-    every step (torch.nn.utils.clip_grad_norm_ under its bound), recognised (Note [Clips the
-    speculation saw]) and not (recognize_clip=False: the speculation is redone, as before).
+Every optimizer steps its own copy of the same fp32 parameters from the same gradients
+(``--shape``: flat tensors of ``--tensor`` elements, or a Llama's 147 tensors). Figures:
+  - whole CPU work per step: for CPUAdamW, step() with every gradient set and none handed
+    over (it hands them over, the speculative steps run, it validates and writes the
+    weights): what the CPU spends; for the peers, their step() (after torch's
+    ``clip_grad_norm_`` with ``--clip``: DeepSpeed and torch clip that way);
+  - CPUAdamW's critical path: step() after backward handed every gradient over and the
+    speculation finished (as a backward long enough to hide it would), i.e. what a training
+    step waits for after backward; with ``early_weights`` too. Peers have no overlap: their
+    whole step is on the critical path.
+With ``--clip C`` CPUAdamW runs with ``max_grad_norm=C`` (the gradients' norm is far above 1,
+so every step clips).
 The limit: AdamW reads p, g, m, v and writes p, m, v: 28 bytes per element at the in-place
 stream bandwidth measured here (a += b on two large tensors: 12 bytes per element).
 
-  PYTHONPATH=build/python python bench/torch/bench_cpu_adamw.py [--elements 33554432]
+  PYTHONPATH=build/python python bench/torch/bench_cpu_adamw.py [--shape llama-258m] [--clip 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 import spillway.torch as st
 
-
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+# A Llama of 258M parameters: hidden 1024, 16 layers, MLP 2560, vocabulary 32000, untied
+# head: 16 x 9 tensors per layer + embedding, final norm, head = 147 tensors.
+LLAMA_258M = (1024, 16, 2560, 32000)
 
 
-def make_params(n: int, size: int) -> list[torch.nn.Parameter]:
+def llama_shapes(hidden: int, layers: int, mlp: int, vocab: int) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [(vocab, hidden)]
+    for _ in range(layers):
+        out += [(hidden, hidden)] * 4 + [(mlp, hidden)] * 2 + [(hidden, mlp)]
+        out += [(hidden,), (hidden,)]
+    return out + [(hidden,), (vocab, hidden)]
+
+
+def flat_shapes(n: int, size: int) -> list[tuple[int, ...]]:
+    return [(min(size, n - at),) for at in range(0, n, size)]
+
+
+def make_params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     out = []
-    left = n
-    while left > 0:
-        k = min(size, left)
-        p = torch.nn.Parameter(torch.randn(k, generator=g))
-        p.grad = torch.randn(k, generator=g) * 1e-2
+    for s in shapes:
+        p = torch.nn.Parameter(torch.randn(s, generator=g))
+        p.grad = torch.randn(s, generator=g) * 1e-2
         out.append(p)
-        left -= k
     return out
 
 
-def critical_path(
-    opt: st.CPUAdamW, ps: list[torch.nn.Parameter], repeats: int, clip: bool = False
-) -> float:
-    """step() after backward handed every gradient over and the speculation finished
-    (``clip``: after the Trainer's clip_grad_norm_, under its bound)."""
+def clipped(step: Callable[[], Any], ps: list[torch.nn.Parameter], clip: Optional[float]):
+    if clip is None:
+        return step
+
+    def run() -> None:
+        torch.nn.utils.clip_grad_norm_(ps, clip)
+        step()
+
+    return run
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each, one call of each per round, after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def critical_path(opt: st.CPUAdamW, ps: list[torch.nn.Parameter], repeats: int) -> float:
+    """step() after backward handed every gradient over and the speculation finished."""
 
     def after_backward() -> float:
         for i, p in enumerate(ps):  # what the post-accumulate-grad hooks do in backward
             opt._hand_over(i, p)
         opt._core.sum_of_squares()  # the speculative steps are done: backward hid them
         t0 = time.perf_counter()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ps, 1e9)
         opt.step()
         return time.perf_counter() - t0
 
@@ -79,16 +104,23 @@ def stream_gbps(n: int) -> float:
     write-allocate read), the access pattern of AdamW's in-place streams."""
     a = torch.randn(n)
     b = torch.randn(n)
-    t = timed(lambda: a.add_(b), 5)
-    return 12 * n / t / 1e9
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        a.add_(b)
+        times.append(time.perf_counter() - t0)
+    return 12 * n / statistics.median(times[1:]) / 1e9
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--elements", type=int, default=1 << 25)
-    ap.add_argument("--tensor", type=int, default=1 << 21, help="elements per parameter")
+    ap.add_argument("--shape", choices=["flat", "llama-258m"], default="flat")
+    ap.add_argument("--elements", type=int, default=1 << 25, help="flat: elements in all")
+    ap.add_argument("--tensor", type=int, default=1 << 21, help="flat: elements per parameter")
+    ap.add_argument("--clip", type=float, default=None, help="max_grad_norm / clip_grad_norm_")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("--torch", action="store_true", help="also torch AdamW fused and foreach")
     ap.add_argument("--no-deepspeed", action="store_true")
     a = ap.parse_args()
     ds: Any = None
@@ -99,43 +131,46 @@ def main() -> None:
             ds = DeepSpeedCPUAdam
         except ImportError as e:
             print(f"DeepSpeed is not installed ({e}); `make bench-torch` installs it")
-    n = a.elements
-    print(f"{n} fp32 elements in tensors of {a.tensor}; median of {a.repeats} steps")
+    shapes = (
+        llama_shapes(*LLAMA_258M) if a.shape == "llama-258m" else flat_shapes(a.elements, a.tensor)
+    )
+    n = sum(torch.Size(s).numel() for s in shapes)
+    clip = "" if a.clip is None else f", clipped at {a.clip}"
+    print(f"{n} fp32 elements in {len(shapes)} tensors ({a.shape}{clip}); median of {a.repeats}")
+    kw = {"lr": 1e-3, "weight_decay": 0.01}
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
-        gbps = stream_gbps(n)
+        gbps = stream_gbps(min(n, 1 << 26))
         limit = 28 * n / (gbps * 1e9)
-        rows: list[tuple[str, float]] = []
-        ps = make_params(n, a.tensor)
-        opt = st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, threads=threads)
-
-        # .grad stays set: each step() hands it over and steps it again
-        rows.append(("spillway CPUAdamW", timed(opt.step, a.repeats)))
-
-        critical = critical_path(opt, ps, a.repeats)
-        clipped = critical_path(opt, ps, a.repeats, clip=True)
-        del opt
-        opt = st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, threads=threads, recognize_clip=False)
-        unrecognised = critical_path(opt, ps, a.repeats, clip=True)
-        del opt
-        # Note [Early weights]: the weights written during backward, step() only validates.
-        opt = st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, threads=threads, early_weights=True)
-        early = critical_path(opt, ps, a.repeats)
-        del opt, ps
-        for name, kw in (
-            ("torch AdamW foreach", {"foreach": True}),
-            ("torch AdamW fused", {"fused": True}),
-        ):
-            ps = make_params(n, a.tensor)
-            topt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw)
-            rows.append((name, timed(topt.step, a.repeats)))
-            del topt, ps
+        fns: dict[str, Callable[[], Any]] = {}
+        keep: list[Any] = []
+        ps = make_params(shapes)
+        ours = st.CPUAdamW(ps, threads=threads, max_grad_norm=a.clip, **kw)
+        fns["spillway CPUAdamW"] = ours.step  # .grad stays set: each step() hands it over
         if ds is not None:
-            ps = make_params(n, a.tensor)
-            dopt = ds(ps, lr=1e-3, weight_decay=0.01, adamw_mode=True)
-            rows.append(("DeepSpeedCPUAdam", timed(dopt.step, a.repeats)))
-            del dopt, ps
-        ours_t = rows[0][1]
+            dps = make_params(shapes)
+            dopt = ds(dps, adamw_mode=True, **kw)
+            fns["DeepSpeedCPUAdam"] = clipped(dopt.step, dps, a.clip)
+            keep += [dps, dopt]
+        if a.torch:
+            for name, extra in (
+                ("torch AdamW fused", {"fused": True}),
+                ("torch AdamW foreach", {"foreach": True}),
+            ):
+                tps = make_params(shapes)
+                topt = torch.optim.AdamW(tps, **kw, **extra)
+                fns[name] = clipped(topt.step, tps, a.clip)
+                keep += [tps, topt]
+        whole = interleaved(fns, a.repeats)
+        del keep, fns
+        gc.collect()
+        critical = critical_path(ours, ps, a.repeats)
+        del ours
+        early_opt = st.CPUAdamW(ps, threads=threads, max_grad_norm=a.clip, early_weights=True, **kw)
+        early = critical_path(early_opt, ps, a.repeats)
+        del early_opt, ps
+        gc.collect()
+        ours_t = whole["spillway CPUAdamW"]
         print(
             f"threads {threads}: in-place stream bandwidth {gbps:.1f} GB/s, limit "
             f"(28 B/element) {limit * 1e3:.1f} ms"
@@ -145,12 +180,9 @@ def main() -> None:
             f"({limit / ours_t:.2f} of the limit); {critical * 1e3:.1f} ms on the critical "
             f"path after backward, {early * 1e3:.1f} ms with early_weights"
         )
-        print(
-            f"  {'':22s} with the Trainer's clip_grad_norm_ (under its bound) before step(): "
-            f"{clipped * 1e3:.1f} ms on the critical path; {unrecognised * 1e3:.1f} ms with "
-            f"recognize_clip=False (the speculation redone): {unrecognised / clipped:.1f}x"
-        )
-        for name, t in rows[1:]:
+        for name, t in whole.items():
+            if name == "spillway CPUAdamW":
+                continue
             print(
                 f"  {name:22s} {t * 1e3:8.1f} ms  ({limit / t:.2f} of the limit)   spillway "
                 f"is {t / ours_t:.2f}x faster in CPU work, {t / critical:.1f}x on the "

@@ -104,9 +104,10 @@ struct DeviceWidenBf16 {
 };
 
 // HybridGEMM's kernels (Note [HybridGEMM as a device operation]): o (m x n, fp32, device
-// memory) = x (m x k, fp32, device memory) times w (k x n, row-major, fp32 or bf16 bits,
-// mapped host memory the kernels read in place). Columns [0, n_symmetric) take the
-// symmetric tiles, the rest the asymmetric ones; the caller has checked the problem.
+// memory) = x (m x k, fp32, device memory) times w^T, w (n x k, row-major: a Linear layer's
+// weight; fp32 or bf16 bits, mapped host memory the kernels read in place). The columns
+// [0, n_symmetric) take the symmetric tiles, the rest the asymmetric ones; the caller has
+// checked the problem.
 struct DeviceGemmTiles {
   int64_t m = 0, n = 0, k = 0;
 };
@@ -118,6 +119,11 @@ struct DeviceHybridGemm {
   const float* x = nullptr;
   const void* w = nullptr;
   float* o = nullptr;
+  // (6) int64 counters in device memory, or null (not counted: what the server runs). The
+  // kernels add to them the bytes their loads and stores move, in the order of
+  // HybridGemmTraffic: symmetric link, HBM read, HBM write; asymmetric link, HBM read, HBM
+  // write (the zeroing of O counts as the asymmetric path's HBM write).
+  int64_t* traffic = nullptr;
 };
 
 class DeviceBackend;  // the socket a backend fills: spillway/device_backend.hpp

@@ -174,19 +174,4 @@ inline void lane_sums_by_rows(size_t n, size_t lane_count, double* lanes, Load l
   }
 }
 
-// The same for lanes [c0, c1) only (a worker's share): each lane's sum is the one
-// lane_sums_by_rows computes.
-template <typename Load>
-inline void lane_sums_by_rows_in(size_t n, size_t lane_count, size_t c0, size_t c1, double* lanes,
-                                 Load load) {
-  const size_t width = n < lane_count ? n : lane_count;
-  const size_t end = c1 < width ? c1 : width;
-  for (size_t c = c0; c < end; ++c) lanes[c] = 0.0;
-  for (size_t row = 0; row < n; row += lane_count) {
-    const size_t w = n - row < lane_count ? n - row : lane_count;
-    const size_t e = end < w ? end : w;
-    for (size_t c = c0; c < e; ++c) lanes[c] = lane_add_square(lanes[c], load(row + c));
-  }
-}
-
 }  // namespace spillway

@@ -20,8 +20,9 @@
 //             + ceil(K / tk) * M * Na * 4   (O read)
 //             + (ceil(K / tk) + 1) * M * Na * 4   (O written: the zeroing, then every K tile)
 // Edge tiles count their real sizes; the formulas above are exact for every shape
-// (hybrid_gemm_traffic computes them; the host implementation counts what it moves, and
-// the tests hold both equal).
+// (hybrid_gemm_traffic computes them; the host implementation counts what it moves, the
+// device's kernels count it too when asked (hybrid_gemm_counted_on_device), and the tests
+// hold the counts equal to the formulas).
 //
 // Note [HybridGEMM arithmetic]: every tile product X_tile * W_tile^T is one BLAS call on
 // the tile (packed contiguous, W widened to fp32) into a scratch tile, added to the
@@ -93,11 +94,23 @@ HybridGemmTraffic hybrid_gemm_host(const HybridGemmProblem& p, const float* x, c
 // Note [HybridGEMM as a device operation]: the GPU kernels of both paths are the device's
 // (Device::hybrid_gemm; the CUDA backend's in src/device/cuda/), as AdamW is; this checks
 // the problem, then enqueues them on s: x and o in device memory, w in mapped host memory
-// the kernels read in place. The traffic is hybrid_gemm_traffic(p)'s (not counted on the
-// device). Returns false and says why, launching nothing, when the device has no such
-// operation (the host backend: hybrid_gemm_host computes the same product); tiles beyond
-// the kernels' limits throw InputError naming them, before any launch.
+// the kernels read in place. The traffic is hybrid_gemm_traffic(p)'s, not counted here:
+// the kernels the server runs do no work beyond the product. Returns false and says why,
+// launching nothing, when the device has no such operation (the host backend:
+// hybrid_gemm_host computes the same product); tiles beyond the kernels' limits throw
+// InputError naming them, before any launch.
 bool hybrid_gemm_on_device(Device& device, const HybridGemmProblem& p, const float* x,
                            const void* w, float* o, Stream s, std::string* why);
+
+// The same product with the device counting its traffic (DeviceHybridGemm::traffic): six
+// counters in device memory, zeroed on s, added to by every load and store of the kernels,
+// copied back; returns once s has run all of it (it synchronizes s), with *counted the
+// bytes the kernels moved (n_symmetric: the closed form's). The counters are freed on
+// every path, an exception's included, after the work that uses them. Returns false with
+// *why, and *counted untouched, when the device has no such operation or cannot allocate
+// 48 bytes of device memory.
+bool hybrid_gemm_counted_on_device(Device& device, const HybridGemmProblem& p, const float* x,
+                                   const void* w, float* o, Stream s, HybridGemmTraffic* counted,
+                                   std::string* why);
 
 }  // namespace spillway

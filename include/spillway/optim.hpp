@@ -123,10 +123,15 @@ struct AdamWParams {
 };
 
 enum class GradType { kFp32, kBf16 };
-enum class CopyType { kNone, kBf16, kFp16 };
+// The copy of the updated p a step writes in the same pass: a bf16 or fp16 copy (the
+// device's weights), or an fp32 one (an fp32 framework parameter the master weights feed).
+enum class CopyType { kNone, kBf16, kFp16, kFp32 };
+inline size_t copy_type_bytes(CopyType t) {
+  return t == CopyType::kNone ? 0 : t == CopyType::kFp32 ? 4 : 2;
+}
 
 // One call's inputs: n elements of state, the gradient (fp32 or bf16 bits), the step
-// counter t (>= 1, of this parameter group) and the optional low-precision copy out.
+// counter t (>= 1, of this parameter group) and the optional copy out.
 struct AdamWArgs {
   float* p = nullptr;       // (n) fp32 master weights, updated in place
   float* m = nullptr;       // (n) first moment
@@ -134,7 +139,7 @@ struct AdamWArgs {
   const void* g = nullptr;  // (n) gradient, fp32 or bf16 bits (uint16_t)
   GradType grad_type = GradType::kFp32;
   float grad_scale = 1.0f;   // the gradient is multiplied by this first (clipping); 1: exact
-  void* copy_out = nullptr;  // (n) bf16 or fp16 bits of the updated p, or null
+  void* copy_out = nullptr;  // (n) elements of copy_type: the updated p, or null
   CopyType copy_type = CopyType::kNone;
   size_t n = 0;
   int64_t step = 1;
@@ -143,6 +148,11 @@ struct AdamWArgs {
   float* p_out = nullptr;
   float* m_out = nullptr;
   float* v_out = nullptr;
+  // Note [Streamed stores]: the outputs written out of place (p_out, m_out, v_out) and the
+  // copy go to memory with non-temporal stores where their alignment allows, so no cache
+  // line is read for ownership first. For outputs nobody reads soon (STV's other buffer, a
+  // parameter written for the next forward); the bits are the same either way.
+  bool stream = false;
 };
 
 // The per-step scalars of Note [AdamW operation order]: computed in double once per call
@@ -177,6 +187,11 @@ class AdamW {
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
   void step(const AdamWParams& hp, const AdamWArgs& a);
+  // Note [Norm lanes in the step's pass]: the step of `a` and the norm lanes of its
+  // gradient (lanes: min(a.n, kNormLanes), as norm_lane_sums / norm_lane_sums_bf16 give
+  // them, unscaled) in one pass over the gradient: the work is split by lanes, not by
+  // rows, so every lane still sums its elements in index order on one thread.
+  void step_and_norm_lanes(const AdamWParams& hp, const AdamWArgs& a, double* lanes);
   // Runs fn(ctx, w, threads()) on every worker w and returns when all have (the pool's
   // threads for other memory-bound passes: norm lanes, copies). fn must not throw.
   void parallel(void (*fn)(void* ctx, size_t worker, size_t workers), void* ctx);
@@ -206,6 +221,8 @@ struct StvCounters {
   int64_t replays = 0;
   int64_t skips = 0;
   int64_t deferred = 0;  // buckets not speculated for want of undo memory (Note [Bounded undo])
+  int64_t unspeculated_steps =
+      0;  // steps run with speculation off (Note [Speculation after a clip])
 };
 
 // Note [Norm lanes]: the global gradient norm as STV computes it, in an order a GPU can
@@ -222,6 +239,14 @@ void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes);
 // The same sums, the lanes dealt to the pool's workers (null or one thread: the caller).
 void norm_lane_sums(AdamW* pool, const float* g, size_t n, double* lanes);
 void norm_lane_sums_bf16(AdamW* pool, const uint16_t* g, size_t n, double* lanes);
+// For rows r = 0 .. rows - 1 in order, lanes[c] = lane_add_square(lanes[c], g[r * stride +
+// c]) for c in [0, count), g fp32 or bf16 bits: rows' shares of the lane sums, in SIMD (the
+// same bits).
+void norm_lanes_add(const void* g, GradType type, size_t stride, size_t rows, size_t count,
+                    double* lanes);
+// Lanes [c0, c1) only of the lane sums of n values (a worker's share; the others are not
+// touched): each the sum norm_lane_sums gives, row by row through norm_lanes_add.
+void norm_lane_sums_in(const void* g, GradType type, size_t n, size_t c0, size_t c1, double* lanes);
 // The lane sums added in lane order.
 double add_lane_sums(const double* lanes, size_t n);
 // The bucket's sum of squares (allocates its lanes: for references and tests).
@@ -263,10 +288,16 @@ class StvAdamW {
   // to the norm, not stepped).
   void on_absent_bucket(int b);
 
-  // Whether CPU bucket `b` is speculated when it arrives (it has a second buffer), or
-  // deferred to finish() (Note [Bounded undo]); fixed at construction. A pipeline asks when
+  // Whether CPU bucket `b` is speculated when it arrives (it has a second buffer, and
+  // speculation is on), or deferred to finish() (Note [Bounded undo]). A pipeline asks when
   // it enqueues the bucket, to know whether to upload its weights then.
   bool admit(int b) const;
+  // Note [Speculation after a clip]: between steps, speculation on (the default) or off for
+  // the next steps: off, every bucket is deferred to finish(), which steps it once with the
+  // final scale (out of place into its second buffer where it has one), instead of a
+  // speculative pass and a replay. The results are the same bits either way.
+  void set_speculation(bool on);
+  bool speculation() const { return speculate_; }
   // CPU bucket `b`'s current p, m, v (n of that bucket each). Not while the bucket is being
   // stepped: between its arrival and the end of finish() only the old values are there.
   struct BucketState {
@@ -282,8 +313,12 @@ class StvAdamW {
   BucketState speculative_state(int b) const;
   // Backward: CPU bucket `b`'s gradient (n of that bucket, fp32 or bf16 bits) has arrived;
   // the pointer stays valid until finish(). Arrival order is free (normally last first).
-  void on_bucket(int b, const float* g);
-  void on_bucket_bf16(int b, const uint16_t* g);
+  // Note [Norm lanes in the step's pass]: a speculated bucket's norm lanes are summed in
+  // its step's pass. With `early` (n of fp32 for an fp32 gradient, of bf16 for a bf16
+  // one; not with set_bf16_copy), a speculated bucket's step also writes its speculative
+  // weights there in the same pass (Note [Early weights]); a deferred one writes nothing.
+  void on_bucket(int b, const float* g, void* early = nullptr);
+  void on_bucket_bf16(int b, const uint16_t* g, void* early = nullptr);
   // Backward: device bucket `b`'s sum of squares (add_lane_sums of its lanes) is known.
   void on_device_bucket(int b, double sum_of_squares);
   // Backward is done: every bucket has arrived. Validates, then commits, replays or skips
@@ -309,14 +344,19 @@ class StvAdamW {
   // Whether CPU bucket `b` was stepped only in finish() this step (deferred or replayed):
   // its weights changed after its arrival. Valid between finish() and the next step.
   bool stepped_late(int b) const { return late_[static_cast<size_t>(b)] != 0; }
+  // Whether that late step also wrote its weights to the bucket's `early` destination (given
+  // at its arrival) in the same pass: nothing is left to publish.
+  bool published_late(int b) const { return published_late_[static_cast<size_t>(b)] != 0; }
   const StvCounters& counters() const { return counters_; }
   int64_t undo_bytes() const { return static_cast<int64_t>(undo_.size() * sizeof(float)); }
 
  private:
-  void arrive(int b, const void* g, GradType type);
-  // Steps CPU bucket b from its current buffer: into its other one (out of place) or in
-  // place.
-  void run(int b, float scale, int64_t t, bool out_of_place);
+  void arrive(int b, const void* g, GradType type, void* early);
+  // Steps CPU bucket b from its current buffer: into its other one (out of place, streamed:
+  // Note [Streamed stores]) or in place; with `lanes`, also sums its gradient's norm lanes
+  // in the same pass; with `early`, writes its weights there too (of the gradient's type).
+  void run(int b, float scale, int64_t t, bool out_of_place, double* lanes = nullptr,
+           void* early = nullptr);
   BucketState other(int b) const;
   void check_bucket(int b, bool device) const;
   void forget_step();
@@ -342,8 +382,11 @@ class StvAdamW {
   std::vector<double> lanes_;         // kNormLanes, for the CPU buckets' sums
   std::vector<char> arrived_;         // per bucket, this step
   int arrivals_ = 0;
-  std::vector<char> speculated_;        // per bucket: stepped speculatively this step
-  std::vector<char> late_;              // per bucket: stepped in finish() this step
+  std::vector<char> speculated_;      // per bucket: stepped speculatively this step
+  std::vector<char> late_;            // per bucket: stepped in finish() this step
+  std::vector<char> published_late_;  // per bucket: and its weights written to early_
+  std::vector<void*> early_;          // per bucket: where its weights go, this step
+  bool speculate_ = true;
   std::vector<char> absent_;            // per bucket: no gradient this step
   std::vector<AdamWParams> bucket_hp_;  // Note [Per-bucket hyperparameters and steps]
   std::vector<int64_t> bucket_step_;

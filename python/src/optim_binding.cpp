@@ -67,6 +67,7 @@ nb::typed<nb::dict, nb::str, int64_t> counters_dict(const optim::StvCounters& c)
   d["replays"] = c.replays;
   d["skips"] = c.skips;
   d["deferred"] = c.deferred;
+  d["unspeculated_steps"] = c.unspeculated_steps;
   return nb::typed<nb::dict, nb::str, int64_t>(d);
 }
 

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "spillway/device_math.hpp"
 #include "spillway/error.hpp"
 #include "spillway/optim.hpp"
 
@@ -106,6 +107,7 @@ void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
   const float* g32 = static_cast<const float*>(a.g);
   const uint16_t* g16 = static_cast<const uint16_t*>(a.g);
   uint16_t* out = static_cast<uint16_t*>(a.copy_out);
+  float* out32 = static_cast<float*>(a.copy_out);
   float* po = a.p_out != nullptr ? a.p_out : a.p;
   float* mo = a.m_out != nullptr ? a.m_out : a.m;
   float* vo = a.v_out != nullptr ? a.v_out : a.v;
@@ -117,6 +119,7 @@ void adamw_step_scalar(const AdamWParams& hp, const AdamWArgs& a) {
     vo[i] = e.v;
     if (a.copy_type == CopyType::kBf16) out[i] = float_to_bf16(e.p);
     if (a.copy_type == CopyType::kFp16) out[i] = float_to_fp16(e.p);
+    if (a.copy_type == CopyType::kFp32) out32[i] = e.p;
   }
 }
 
@@ -141,7 +144,8 @@ AdamWArgs slice(const AdamWArgs& a, size_t begin, size_t end) {
   }
   const size_t g_bytes = a.grad_type == GradType::kBf16 ? 2 : 4;
   s.g = static_cast<const unsigned char*>(a.g) + begin * g_bytes;
-  if (a.copy_out != nullptr) s.copy_out = static_cast<unsigned char*>(a.copy_out) + begin * 2;
+  if (a.copy_out != nullptr)
+    s.copy_out = static_cast<unsigned char*>(a.copy_out) + begin * copy_type_bytes(a.copy_type);
   s.n = end - begin;
   return s;
 }
@@ -263,6 +267,67 @@ void AdamW::step(const AdamWParams& hp, const AdamWArgs& a) {
   impl_->done.wait(lock, [&] { return impl_->pending == 0; });
 }
 
+namespace {
+
+// Note [Norm lanes in the step's pass]: lanes [c0, c1) of every row, kRowsPerPass rows at a
+// time in row order: their share of the gradient is summed into the lanes (one load and
+// store of the lanes per kRowsPerPass rows), then stepped while it is in cache (kRowsPerPass
+// x 64 KiB of fp32 gradient split among the workers fits their L2).
+constexpr size_t kRowsPerPass = 4;
+
+void step_lanes_of_rows(const AdamWParams& hp, const AdamWArgs& a, size_t c0, size_t c1,
+                        double* lanes) {
+  const size_t width = std::min(a.n, kNormLanes);
+  const size_t end = std::min(c1, width);
+  if (c0 >= end) return;
+  std::fill(lanes + c0, lanes + end, 0.0);
+  const size_t bytes = a.grad_type == GradType::kBf16 ? 2 : 4;
+  const auto* g = static_cast<const unsigned char*>(a.g);
+  const size_t full = a.n / kNormLanes;
+  for (size_t r0 = 0; r0 < full; r0 += kRowsPerPass) {
+    const size_t rows = std::min(kRowsPerPass, full - r0);
+    norm_lanes_add(g + (r0 * kNormLanes + c0) * bytes, a.grad_type, kNormLanes, rows, end - c0,
+                   lanes + c0);
+    for (size_t r = r0; r < r0 + rows; ++r)
+      adamw_step_simd(hp, slice(a, r * kNormLanes + c0, r * kNormLanes + end));
+  }
+  const size_t row = full * kNormLanes;  // the last, shorter row
+  const size_t e = std::min(end, a.n - row);
+  if (row < a.n && c0 < e) {
+    norm_lanes_add(g + (row + c0) * bytes, a.grad_type, kNormLanes, 1, e - c0, lanes + c0);
+    adamw_step_simd(hp, slice(a, row + c0, row + e));
+  }
+}
+
+}  // namespace
+
+void AdamW::step_and_norm_lanes(const AdamWParams& hp, const AdamWArgs& a, double* lanes) {
+  (void)adamw_step_scalars(hp, a.step);  // checks, on the caller, so that no worker throws
+  check_adamw_args(a);
+  SPILLWAY_CHECK(lanes != nullptr || a.n == 0, "adamw: step_and_norm_lanes without lanes");
+  if (a.n == 0) return;
+  if (threads() == 1 || a.n < 4 * kNormLanes) {
+    step_lanes_of_rows(hp, a, 0, kNormLanes, lanes);
+    return;
+  }
+  struct Job {
+    const AdamWParams* hp;
+    const AdamWArgs* a;
+    double* lanes;
+  } job{&hp, &a, lanes};
+  parallel(
+      [](void* c, size_t w, size_t nw) {
+        const Job& j = *static_cast<const Job*>(c);
+        // Lane blocks on a 16-element grid: each worker's share of a row starts aligned as
+        // the row does (Note [Streamed stores]).
+        constexpr size_t kGrid = 16;
+        const size_t blocks = kNormLanes / kGrid;
+        step_lanes_of_rows(*j.hp, *j.a, blocks * w / nw * kGrid, blocks * (w + 1) / nw * kGrid,
+                           j.lanes);
+      },
+      &job);
+}
+
 void AdamW::parallel(void (*fn)(void* ctx, size_t worker, size_t workers), void* ctx) {
   SPILLWAY_CHECK(fn != nullptr, "AdamW::parallel: no function");
   std::unique_lock lock(impl_->mu);
@@ -291,7 +356,7 @@ void norm_lane_sums(AdamW* pool, const float* g, size_t n, double* lanes) {
         const Job& j = *static_cast<const Job*>(c);
         const size_t l0 = kNormLanes * w / nw;
         const size_t l1 = kNormLanes * (w + 1) / nw;
-        lane_sums_by_rows_in(j.n, kNormLanes, l0, l1, j.lanes, [&](size_t i) { return j.g[i]; });
+        norm_lane_sums_in(j.g, GradType::kFp32, j.n, l0, l1, j.lanes);
       },
       &job);
 }
@@ -311,8 +376,7 @@ void norm_lane_sums_bf16(AdamW* pool, const uint16_t* g, size_t n, double* lanes
         const Job& j = *static_cast<const Job*>(c);
         const size_t l0 = kNormLanes * w / nw;
         const size_t l1 = kNormLanes * (w + 1) / nw;
-        lane_sums_by_rows_in(j.n, kNormLanes, l0, l1, j.lanes,
-                             [&](size_t i) { return bf16_to_float(j.g[i]); });
+        norm_lane_sums_in(j.g, GradType::kBf16, j.n, l0, l1, j.lanes);
       },
       &job);
 }

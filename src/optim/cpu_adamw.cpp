@@ -42,7 +42,7 @@ int pool_threads(int threads) {
 // order on the worker thread; finish() waits for them, then validates.
 struct SpeculativeCpuAdamW::Impl {
   Impl(const std::vector<int64_t>& sizes, double clip, bool speculative, int threads)
-      : n_(parameter_elements(sizes)), pool_(pool_threads(threads)) {
+      : speculative_(speculative), n_(parameter_elements(sizes)), pool_(pool_threads(threads)) {
     std::vector<Bucket> buckets;
     size_t off = 0;
     for (int64_t s : sizes) {
@@ -163,6 +163,11 @@ struct SpeculativeCpuAdamW::Impl {
     const auto t0 = std::chrono::steady_clock::now();
     const StvOutcome o = global_sq ? stv_->finish(*global_sq) : stv_->finish();
     last_ = o;
+    // Note [Speculation after a clip]: a step that clipped predicts the next one will (a
+    // clip bound under the gradients' norm early in training): it defers its buckets, one
+    // pass each in finish() instead of a speculative pass and a replay; a step that did not
+    // clip turns speculation back on. Never on for a non-speculative optimizer.
+    if (speculative_ && o != StvOutcome::kSkip) stv_->set_speculation(o != StvOutcome::kReplay);
     const double finish_ms = ms_since(t0);
     const double worker_ms = worker_ms_;
     worker_ms_ = 0.0;
@@ -216,7 +221,8 @@ struct SpeculativeCpuAdamW::Impl {
     }
   }
   bool needs_store(size_t b) const {
-    if (last_ == StvOutcome::kSkip) return early_[b] != 0;  // restore what was written early
+    if (last_ == StvOutcome::kSkip) return early_[b] != 0;        // restore what was written early
+    if (stv_->published_late(static_cast<int>(b))) return false;  // the late pass wrote them
     return early_[b] == 0 || stv_->stepped_late(static_cast<int>(b));
   }
 
@@ -264,15 +270,15 @@ struct SpeculativeCpuAdamW::Impl {
         if (j.absent) {
           stv_->on_absent_bucket(j.bucket);
         } else {
+          // Note [Early weights]: a speculated bucket's step writes them in its pass.
           const bool speculated = stv_->admit(j.bucket);
           if (j.dtype == ParamDtype::kBf16) {
-            stv_->on_bucket_bf16(j.bucket, static_cast<const uint16_t*>(j.grad));
+            stv_->on_bucket_bf16(j.bucket, static_cast<const uint16_t*>(j.grad), j.dst);
           } else {
-            stv_->on_bucket(j.bucket, static_cast<const float*>(j.grad));
+            stv_->on_bucket(j.bucket, static_cast<const float*>(j.grad), j.dst);
           }
           if (speculated && j.dst != nullptr) {
             const auto b = static_cast<size_t>(j.bucket);
-            write_weights(stv_->speculative_state(j.bucket).p, ns_[b], j.dst, j.dtype);
             early_[b] = 1;
             early_dst_[b] = j.dst;
             early_dtype_[b] = j.dtype;
@@ -300,6 +306,7 @@ struct SpeculativeCpuAdamW::Impl {
   std::vector<void*> early_dst_;
   std::vector<ParamDtype> early_dtype_;
   StvOutcome last_ = StvOutcome::kCommit;
+  bool speculative_;
   size_t n_;
   AdamW pool_;
   std::vector<float> p_, m_, v_;

@@ -40,17 +40,43 @@ void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
   SPILLWAY_CHECK(covered == n, "STV buckets cover {} elements; the state has {}", covered, n);
 }
 
+// The norm lanes of a's gradient (fp32 or bf16), on the calling thread.
+void norm_lane_sums_of(const AdamWArgs& a, double* lanes) {
+  if (a.grad_type == GradType::kBf16) {
+    norm_lane_sums_bf16(static_cast<const uint16_t*>(a.g), a.n, lanes);
+  } else {
+    norm_lane_sums(static_cast<const float*>(a.g), a.n, lanes);
+  }
+}
+
 }  // namespace
 
 // Note [Norm lanes]: one row of lanes at a time, each lane in index order, with the lane
 // arithmetic of the device layer (spillway/device_math.hpp), which a device's
 // norm_lanes_bf16 runs too.
+void norm_lane_sums_in(const void* g, GradType type, size_t n, size_t c0, size_t c1,
+                       double* lanes) {
+  const size_t end = std::min({c1, n, kNormLanes});
+  if (c0 >= end) return;
+  std::fill(lanes + c0, lanes + end, 0.0);
+  const size_t bytes = type == GradType::kBf16 ? 2 : 4;
+  const auto* at = static_cast<const unsigned char*>(g);
+  const size_t full = n / kNormLanes;  // rows of kNormLanes elements, 4 per pass
+  for (size_t r0 = 0; r0 < full; r0 += 4)
+    norm_lanes_add(at + (r0 * kNormLanes + c0) * bytes, type, kNormLanes,
+                   std::min<size_t>(4, full - r0), end - c0, lanes + c0);
+  const size_t row = full * kNormLanes;  // the last, shorter row
+  const size_t e = std::min(end, n - row);
+  if (row < n && c0 < e)
+    norm_lanes_add(at + (row + c0) * bytes, type, kNormLanes, 1, e - c0, lanes + c0);
+}
+
 void norm_lane_sums(const float* g, size_t n, double* lanes) {
-  lane_sums_by_rows(n, kNormLanes, lanes, [g](size_t i) { return g[i]; });
+  norm_lane_sums_in(g, GradType::kFp32, n, 0, kNormLanes, lanes);
 }
 
 void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes) {
-  lane_sums_by_rows(n, kNormLanes, lanes, [g](size_t i) { return bf16_to_float(g[i]); });
+  norm_lane_sums_in(g, GradType::kBf16, n, 0, kNormLanes, lanes);
 }
 
 double add_lane_sums(const double* lanes, size_t n) {
@@ -124,6 +150,8 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   arrived_.assign(buckets_.size(), 0);
   speculated_.assign(buckets_.size(), 0);
   late_.assign(buckets_.size(), 0);
+  published_late_.assign(buckets_.size(), 0);
+  early_.assign(buckets_.size(), nullptr);
   absent_.assign(buckets_.size(), 0);
   bucket_hp_.assign(buckets_.size(), hp_);
   bucket_step_.assign(buckets_.size(), 0);
@@ -175,7 +203,7 @@ StvAdamW::BucketState StvAdamW::other(int b) const {
   return {u, u + k.n, u + 2 * k.n};
 }
 
-void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place) {
+void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place, double* lanes, void* early) {
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   const BucketState cur = state(b);
   AdamWArgs a;
@@ -187,6 +215,10 @@ void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place) {
   a.grad_scale = scale;
   a.copy_out = copy_ != nullptr ? copy_ + k.offset : nullptr;
   a.copy_type = copy_ != nullptr ? CopyType::kBf16 : CopyType::kNone;
+  if (early != nullptr) {
+    a.copy_out = early;
+    a.copy_type = a.grad_type == GradType::kBf16 ? CopyType::kBf16 : CopyType::kFp32;
+  }
   a.n = k.n;
   a.step = t;
   if (out_of_place) {
@@ -194,9 +226,17 @@ void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place) {
     a.p_out = o.p;
     a.m_out = o.m;
     a.v_out = o.v;
+    a.stream = true;  // the other buffer is not read before the next step
   }
   const AdamWParams& hp = bucket_hp_[static_cast<size_t>(b)];
-  if (pool_ != nullptr) {
+  if (lanes != nullptr) {
+    if (pool_ != nullptr) {
+      pool_->step_and_norm_lanes(hp, a, lanes);
+    } else {
+      norm_lane_sums_of(a, lanes);
+      adamw_step_simd(hp, a);
+    }
+  } else if (pool_ != nullptr) {
     pool_->step(hp, a);
   } else {
     adamw_step_simd(hp, a);
@@ -214,23 +254,36 @@ void StvAdamW::check_bucket(int b, bool device) const {
 
 bool StvAdamW::admit(int b) const {
   check_bucket(b, false);
-  return has_undo_[static_cast<size_t>(b)] != 0;
+  return speculate_ && has_undo_[static_cast<size_t>(b)] != 0;
 }
 
-void StvAdamW::on_bucket(int b, const float* g) {
-  arrive(b, g, GradType::kFp32);
+void StvAdamW::set_speculation(bool on) {
+  SPILLWAY_CHECK(arrivals_ == 0, "STV: set_speculation during a step");
+  speculate_ = on;
 }
 
-void StvAdamW::on_bucket_bf16(int b, const uint16_t* g) {
-  arrive(b, g, GradType::kBf16);
+void StvAdamW::on_bucket(int b, const float* g, void* early) {
+  arrive(b, g, GradType::kFp32, early);
 }
 
-void StvAdamW::arrive(int b, const void* g, GradType type) {
+void StvAdamW::on_bucket_bf16(int b, const uint16_t* g, void* early) {
+  arrive(b, g, GradType::kBf16, early);
+}
+
+void StvAdamW::arrive(int b, const void* g, GradType type, void* early) {
   const bool speculate = admit(b);  // checks b
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   grads_[static_cast<size_t>(b)] = g;
   grad_types_[static_cast<size_t>(b)] = type;
-  if (type == GradType::kBf16) {
+  SPILLWAY_CHECK(early == nullptr || copy_ == nullptr,
+                 "STV: bucket {}: early weights and a bf16 copy", b);
+  early_[static_cast<size_t>(b)] = early;
+  if (speculate) {
+    // Speculate into the other buffer (Note [STV exactness]): the current one stays as it
+    // was. The norm lanes are summed in the same pass (Note [Norm lanes in the step's pass]).
+    run(b, 1.0f, bucket_step_[static_cast<size_t>(b)] + 1, true, lanes_.data(), early);
+    speculated_[static_cast<size_t>(b)] = 1;
+  } else if (type == GradType::kBf16) {  // deferred to finish(): the lanes alone now
     norm_lane_sums_bf16(pool_, static_cast<const uint16_t*>(g), k.n, lanes_.data());
   } else {
     norm_lane_sums(pool_, static_cast<const float*>(g), k.n, lanes_.data());
@@ -238,10 +291,6 @@ void StvAdamW::arrive(int b, const void* g, GradType type) {
   sq_[static_cast<size_t>(b)] = add_lane_sums(lanes_.data(), k.n);
   arrived_[static_cast<size_t>(b)] = 1;
   ++arrivals_;
-  if (!speculate) return;  // deferred to finish()
-  // Speculate into the other buffer (Note [STV exactness]): the current one stays as it was.
-  run(b, 1.0f, bucket_step_[static_cast<size_t>(b)] + 1, true);
-  speculated_[static_cast<size_t>(b)] = 1;
 }
 
 void StvAdamW::on_device_bucket(int b, double sum_of_squares) {
@@ -253,6 +302,7 @@ void StvAdamW::on_device_bucket(int b, double sum_of_squares) {
 
 void StvAdamW::forget_step() {
   std::fill(grads_.begin(), grads_.end(), nullptr);
+  std::fill(early_.begin(), early_.end(), nullptr);
   std::fill(speculated_.begin(), speculated_.end(), 0);
   std::fill(arrived_.begin(), arrived_.end(), 0);
   std::fill(absent_.begin(), absent_.end(), 0);
@@ -292,6 +342,7 @@ StvOutcome StvAdamW::finish(double global_sum_of_squares) {
   const float scale = std::isfinite(norm) ? clip_coefficient(norm, clip_) : 1.0f;
   const bool undo = !std::isfinite(norm) || scale < 1.0f;
   std::fill(late_.begin(), late_.end(), 0);
+  std::fill(published_late_.begin(), published_late_.end(), 0);
   StvOutcome outcome = StvOutcome::kCommit;
   last_scale_ = scale;
   if (!std::isfinite(norm)) {
@@ -305,13 +356,18 @@ StvOutcome StvAdamW::finish(double global_sum_of_squares) {
       bucket_step_[i] = t;
       if (speculated_[i] != 0) {
         if (undo) {  // replay from the untouched current buffer, in bucket order
-          run(b, scale, t, true);
+          run(b, scale, t, true, nullptr, early_[i]);
           late_[i] = 1;
+          published_late_[i] = early_[i] != nullptr ? 1 : 0;
         }
         in_undo_[i] = static_cast<char>(in_undo_[i] ^ 1);  // commit: the other is current
       } else {
-        run(b, scale, t, false);  // deferred
+        // Deferred: into the second buffer where there is one (Note [Streamed stores]).
+        const bool out_of_place = has_undo_[i] != 0;
+        run(b, scale, t, out_of_place, nullptr, early_[i]);
+        if (out_of_place) in_undo_[i] = static_cast<char>(in_undo_[i] ^ 1);
         late_[i] = 1;
+        published_late_[i] = early_[i] != nullptr ? 1 : 0;
       }
     }
     ++step_;
@@ -324,6 +380,7 @@ StvOutcome StvAdamW::finish(double global_sum_of_squares) {
   }
   for (int b = device_buckets_; b < static_cast<int>(buckets_.size()); ++b)
     counters_.deferred += has_undo_[static_cast<size_t>(b)] == 0 ? 1 : 0;
+  if (!speculate_) ++counters_.unspeculated_steps;
   forget_step();
   return outcome;
 }

@@ -758,5 +758,51 @@ TEST(CliPlan, EfficiencyFlagWinsAndBenchGemmWritesACalibrationProfile) {
   EXPECT_TRUE(contains(no_peak.out, "give --hardware PROFILE")) << no_peak.out;
 }
 
+// `bench hybrid-gemm` on the host backend: per alpha, the traffic hybrid_gemm_host counted
+// equals the closed form in every field (Note [HybridGEMM dataflows]); bad alphas and tiles
+// name the flag and the value; the CUDA backend without a GPU says so and writes nothing.
+TEST(CliBench, HybridGemmCountsExactlyTheClosedFormsBytes) {
+  const CliRun r = run("bench hybrid-gemm --backend host --m 4 --n 96 --k 80 --repeats 1 --json -",
+                       "2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const Json j = Json::parse(r.out);
+  EXPECT_EQ(j["schema"], "spillway.bench.hybrid-gemm/1");
+  EXPECT_TRUE(j["all_equal"].get<bool>());
+  EXPECT_GT(j["limit"]["copy_gbps"].get<double>(), 0.0);
+  ASSERT_EQ(j["alphas"].size(), 5u);
+  for (const Json& a : j["alphas"]) {
+    SCOPED_TRACE(a.dump());
+    EXPECT_TRUE(a["equal"].get<bool>());
+    EXPECT_EQ(a["counted"], a["closed_form"]);
+    EXPECT_GT(a["ms"].get<double>(), 0.0);
+    EXPECT_GT(a["link_gbps"].get<double>(), 0.0);
+    // m = 4 rows fit one tile: W crosses the link once at every alpha (96 x 80 bf16).
+    EXPECT_EQ(a["counted"]["link_bytes"].get<int64_t>(), 96 * 80 * 2);
+  }
+
+  const CliRun table = run("bench hybrid-gemm --m 4 --n 96 --k 80 --repeats 1 --alphas 0,1");
+  ASSERT_EQ(table.code, 0) << table.out;
+  EXPECT_TRUE(contains(table.out, "closed form MB")) << table.out;
+  EXPECT_TRUE(contains(table.out, "limit: memcpy")) << table.out;
+
+  const CliRun alpha = run("bench hybrid-gemm --m 4 --n 96 --k 80 --alphas 0.5,1.5");
+  EXPECT_EQ(alpha.code, 1) << alpha.out;
+  EXPECT_TRUE(contains(alpha.out, "--alphas is 1.5; each must be a number in [0, 1]")) << alpha.out;
+  const CliRun tiles = run("bench hybrid-gemm --m 4 --n 96 --k 80 --tiles 64x64");
+  EXPECT_EQ(tiles.code, 1) << tiles.out;
+  EXPECT_TRUE(contains(tiles.out, "--tiles is 64x64; must be MxNxK")) << tiles.out;
+
+  TempDir dir;
+  const std::string out = dir.file("cuda.json");
+  const CliRun cuda =
+      run("bench hybrid-gemm --backend cuda --m 4 --n 96 --k 80 --repeats 1 --json '" + out + "'");
+  if (cuda.code == 0) GTEST_SKIP() << "a CUDA device is present: the CUDA backend ran";
+  EXPECT_EQ(cuda.code, 1) << cuda.out;
+  EXPECT_TRUE(contains(cuda.out, "hybrid-gemm bench --backend cuda: no CUDA device") ||
+              contains(cuda.out, "built without the CUDA backend"))
+      << cuda.out;
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
 }  // namespace
 }  // namespace spillway

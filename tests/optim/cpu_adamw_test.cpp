@@ -32,10 +32,14 @@ TEST(SpeculativeCpuAdamW, StepsBitwiseTheReferenceSpeculativeOrNotWithEarlyWeigh
       std::vector<float> p = w0, m(n, 0.0f), v(n, 0.0f);
       int64_t step = 0;
       AdamWParams hp;
-      for (int s = 0; s < 4; ++s) {
+      // Steps 1 and 2 clip; Note [Speculation after a clip]: steps 2 and 3 run with
+      // speculation off (after a clip), step 4 speculates again and meets a NaN (skip), with
+      // the early weights written and restored; step 5 speculates.
+      for (int s = 0; s < 6; ++s) {
         std::vector<float> grad(n);
-        std::normal_distribution<float> gd(0.0f, s == 1 ? 1.0f : 1e-3f);  // step 1 clips
+        std::normal_distribution<float> gd(0.0f, s == 1 || s == 2 ? 1.0f : 1e-3f);
         for (float& x : grad) x = gd(g);
+        if (s == 4) grad[400] = std::nanf("");
         for (int b = static_cast<int>(buckets.size()) - 1; b >= 0; --b)
           opt.grad_ready(b, grad.data() + buckets[static_cast<size_t>(b)].offset, ParamDtype::kFp32,
                          early ? w.data() + buckets[static_cast<size_t>(b)].offset : nullptr);
@@ -48,6 +52,9 @@ TEST(SpeculativeCpuAdamW, StepsBitwiseTheReferenceSpeculativeOrNotWithEarlyWeigh
         EXPECT_EQ(r.outcome, want) << "step " << s;
         ASSERT_EQ(std::memcmp(w.data(), p.data(), n * sizeof(float)), 0) << "step " << s;
       }
+      EXPECT_EQ(opt.counters().replays, 2);
+      EXPECT_EQ(opt.counters().skips, 1);
+      EXPECT_EQ(opt.counters().unspeculated_steps, speculative ? 2 : 0);
       // A step abandoned after its hand-over changes nothing (early weights restored).
       std::vector<float> grad(n, 0.5f);
       for (int b = 0; b < 3; ++b)

@@ -285,7 +285,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 self._core.load_weights(i, lp.data_ptr(), _DTYPES[p.dtype])
         self._stamps[i] = _stamp(p)
 
-    def _hand_over(self, i: int, p: torch.Tensor) -> None:
+    def _hand_over(self, i: int, p: torch.Tensor, in_step: bool = False) -> None:
         if self._synced is None:  # the step's first gradient: its hyperparameters are set
             self._sync_hparams()
         self._refresh(i)
@@ -305,7 +305,11 @@ class CPUAdamW(torch.optim.Optimizer):
         self._handed[i] = (g, grad, grad._version)
         if grad._base is not None:  # Note [Gradients that share a version counter]
             self._view_versions[id(grad._base)] = grad._version
-        dst = _local(p).data_ptr() if self.early_weights else 0
+        # Note [Early weights]: the step's pass writes the weights into the parameter when
+        # asked to during backward, and always inside step(), where they are due anyway (one
+        # pass instead of a second one reading the master weights back).
+        early = self.early_weights or (in_step and self._device is None)
+        dst = _local(p).data_ptr() if early else 0
         self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype], dst)
 
     # ---- the device path (Note [The device path of CPUAdamW]) --------------------------
@@ -409,7 +413,7 @@ class CPUAdamW(torch.optim.Optimizer):
                     self._refresh(i)  # its master is written back to it below
                     self._core.absent(i)
                 else:
-                    self._hand_over(i, p)
+                    self._hand_over(i, p, in_step=True)
         global_sq = None
         if (
             self._sharded

@@ -18,7 +18,8 @@ inline constexpr int64_t kHybridGemmSharedBytes = int64_t{48} * 1024;
 std::string hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a);
 
 // Enqueues both paths on `stream` (a cudaStream_t); x, o device memory, w mapped host
-// memory. Throws spillway::Error when a launch fails.
+// memory; with a.traffic set, the counting kernels add to it (Note [Counted HybridGEMM
+// kernels] in hybrid_gemm_kernels.cu). Throws spillway::Error when a launch fails.
 void launch_hybrid_gemm(const DeviceHybridGemm& a, void* stream);
 
 }  // namespace spillway::cuda
