@@ -16,6 +16,11 @@ packages=(
   libhwy-dev                      # portable SIMD with run-time dispatch (optimizer offload)
   libcpp-httplib-dev              # HTTP server of `spillway serve`
   python3 python3-venv            # test helpers that read JSON output; the Python env
+  file                            # scripts that name what a binary is
+  # The CPU AdamW's Arm path (scripts/arm-check.sh): Debian's aarch64 cross compiler, the
+  # emulator, and the arm64 -dev packages it links (multiarch, beside the host's).
+  g++-aarch64-linux-gnu qemu-user
+  libhwy-dev:arm64 libgtest-dev:arm64 libfmt-dev:arm64 libnuma-dev:arm64
 )
 
 missing=()
@@ -28,6 +33,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "install-deps: installing ${missing[*]}"
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  # The arm64 packages need the architecture known to dpkg (before the lists are fetched).
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    $SUDO dpkg --add-architecture arm64
+  fi
   # A fresh machine's package lists are empty: update before installing.
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

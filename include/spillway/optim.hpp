@@ -498,6 +498,9 @@ class OptimizerOffload {
 // named in a call (a gradient, a parameter) must stay valid and unchanged until finish(),
 // abort() or the call's own return.
 enum class ParamDtype { kFp32 = 0, kBf16 = 1 };  // what a parameter's memory holds
+// Weights p (n) into a parameter's memory: an fp32 copy (streamed stores, Note [Streamed
+// stores]) or the bf16 rounding (float_to_bf16), in SIMD.
+void write_weights(const float* p, void* dst, ParamDtype dtype, size_t n);
 
 // What finish() decided (the gradient scale: 1 unless clipped), the ms the worker spent on
 // this step's buckets and the ms finish() took.

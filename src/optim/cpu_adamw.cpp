@@ -213,12 +213,7 @@ struct SpeculativeCpuAdamW::Impl {
   };
 
   static void write_weights(const float* src, size_t n, void* dst, ParamDtype dtype) {
-    if (dtype == ParamDtype::kFp32) {
-      std::memcpy(dst, src, n * sizeof(float));
-    } else {
-      auto* h = static_cast<uint16_t*>(dst);
-      for (size_t i = 0; i < n; ++i) h[i] = float_to_bf16(src[i]);
-    }
+    optim::write_weights(src, dst, dtype, n);
   }
   bool needs_store(size_t b) const {
     if (last_ == StvOutcome::kSkip) return early_[b] != 0;        // restore what was written early

@@ -9,7 +9,9 @@
 //       (lane_sums_by_rows of spillway/device_math.hpp) and the state bitwise the scalar
 //       step, for 1-3 workers, shapes below a row, whole rows and a ragged last row, fp32
 //       and bf16 gradients;
-//   (c) norm_lane_sums (SIMD, by rows) and its pooled form against the same reference.
+//   (c) norm_lane_sums (SIMD, by rows) and its pooled form against the same reference;
+//   (d) write_weights: the fp32 copy (streamed) bitwise, the bf16 one float_to_bf16's, at
+//       every alignment, nothing written outside [0, n).
 // Inputs are random with a printed seed; SPILLWAY_TEST_SEED=<n> reruns one.
 #include <gtest/gtest.h>
 
@@ -268,6 +270,26 @@ TEST(NormLanes, TheSimdRowsAndThePoolGiveThePlainLaneSums) {
       }
       EXPECT_EQ(std::memcmp(one.data(), want.data(), want.size() * sizeof(double)), 0);
       EXPECT_EQ(std::memcmp(many.data(), want.data(), want.size() * sizeof(double)), 0);
+    }
+  }
+}
+
+// (d)
+TEST(WriteWeights, Fp32CopiesAndBf16RoundsAtEveryAlignment) {
+  std::mt19937 rng = make_rng();
+  const float fpoison = std::bit_cast<float>(kPoison);
+  for (size_t n : std::vector<size_t>{1, 7, 64, 4099}) {
+    const State s = random_state(n, rng);
+    for (size_t off : std::vector<size_t>{0, 1, 6, 15}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " at +" + std::to_string(off));
+      Guarded<float> f32(n, off, fpoison);
+      write_weights(s.p.data(), f32.data(), ParamDtype::kFp32, n);
+      EXPECT_TRUE(same_bits(f32.data(), s.p.data(), n));
+      EXPECT_TRUE(f32.guards_intact(fpoison));
+      Guarded<uint16_t> b16(n, off, 0xEEEE);
+      write_weights(s.p.data(), b16.data(), ParamDtype::kBf16, n);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(b16.data()[i], float_to_bf16(s.p[i])) << i;
+      EXPECT_TRUE(b16.guards_intact(0xEEEE));
     }
   }
 }

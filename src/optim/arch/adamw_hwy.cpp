@@ -50,10 +50,11 @@ HWY_INLINE void store_bf16(DF df, hn::Vec<DF> p, uint16_t* HWY_RESTRICT out) {
   (void)df;
   const auto bits = hn::BitCast(du, p);
   const auto hi = hn::ShiftRight<16>(bits);
-  const auto rounded = hn::ShiftRight<16>(bits + hn::Set(du, 0x7FFFu) + (hi & hn::Set(du, 1u)));
-  const auto quiet_nan = hi | hn::Set(du, 0x0040u);
-  const auto is_nan =
-      hn::BitCast(di, bits & hn::Set(du, 0x7FFFFFFFu)) > hn::Set(di, int32_t{0x7F800000});
+  const auto rounded = hn::ShiftRight<16>(
+      hn::Add(hn::Add(bits, hn::Set(du, 0x7FFFu)), hn::And(hi, hn::Set(du, 1u))));
+  const auto quiet_nan = hn::Or(hi, hn::Set(du, 0x0040u));
+  const auto is_nan = hn::Gt(hn::BitCast(di, hn::And(bits, hn::Set(du, 0x7FFFFFFFu))),
+                             hn::Set(di, int32_t{0x7F800000}));
   const auto r = hn::IfThenElse(hn::RebindMask(du, is_nan), quiet_nan, rounded);
   hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, r)), du16, out);
 }
@@ -68,21 +69,23 @@ HWY_INLINE void store_fp16(DF df, hn::Vec<DF> p, uint16_t* HWY_RESTRICT out) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::BitCast(du, p);
-  const auto sign = hn::ShiftRight<16>(bits) & hn::Set(du, 0x8000u);
-  const auto a = bits & hn::Set(du, 0x7FFFFFFFu);
+  const auto sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 0x8000u));
+  const auto a = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
   const auto ai = hn::BitCast(di, a);  // a < 2^31: signed compares are exact
-  const auto r = a - hn::Set(du, 0x38000000u);
-  const auto normal =
-      hn::ShiftRight<13>(r + hn::Set(du, 0xFFFu) + (hn::ShiftRight<13>(r) & hn::Set(du, 1u)));
-  const auto subnormal =
-      hn::BitCast(du, hn::BitCast(df, a) + hn::Set(df, 0.5f)) - hn::Set(du, 0x3F000000u);
-  const auto quiet_nan = hn::Set(du, 0x7E00u) | (hn::ShiftRight<13>(a) & hn::Set(du, 0x3FFu));
-  auto h =
-      hn::IfThenElse(hn::RebindMask(du, ai < hn::Set(di, int32_t{0x38800000})), subnormal, normal);
-  h = hn::IfThenElse(hn::RebindMask(du, ai > hn::Set(di, int32_t{0x477FEFFF})),
+  const auto r = hn::Sub(a, hn::Set(du, 0x38000000u));
+  const auto normal = hn::ShiftRight<13>(hn::Add(
+      hn::Add(r, hn::Set(du, 0xFFFu)), hn::And(hn::ShiftRight<13>(r), hn::Set(du, 1u))));
+  const auto subnormal = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, a), hn::Set(df, 0.5f))),
+                                 hn::Set(du, 0x3F000000u));
+  const auto quiet_nan =
+      hn::Or(hn::Set(du, 0x7E00u), hn::And(hn::ShiftRight<13>(a), hn::Set(du, 0x3FFu)));
+  auto h = hn::IfThenElse(hn::RebindMask(du, hn::Lt(ai, hn::Set(di, int32_t{0x38800000}))),
+                          subnormal, normal);
+  h = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, int32_t{0x477FEFFF}))),
                      hn::Set(du, 0x7C00u), h);
-  h = hn::IfThenElse(hn::RebindMask(du, ai > hn::Set(di, int32_t{0x7F800000})), quiet_nan, h);
-  h = h | sign;
+  h = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, int32_t{0x7F800000}))), quiet_nan,
+                     h);
+  h = hn::Or(h, sign);
   hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, h)), du16, out);
 #endif
 }
@@ -104,14 +107,17 @@ HWY_INLINE void step_vector(DF df, const AdamWStepScalars& s, float grad_scale, 
   } else {
     gv = hn::LoadU(df, static_cast<const float*>(g));
   }
-  // Note [AdamW operation order]: no MulAdd, each operation rounds on its own.
-  gv = gv * hn::Set(df, grad_scale);
-  auto pv = hn::LoadU(df, p) * hn::Set(df, s.decay);
-  const auto mv = hn::Set(df, s.beta1) * hn::LoadU(df, m) + hn::Set(df, s.one_minus_beta1) * gv;
-  const auto vv =
-      hn::Set(df, s.beta2) * hn::LoadU(df, v) + hn::Set(df, s.one_minus_beta2) * (gv * gv);
-  const auto denom = hn::Sqrt(vv) * hn::Set(df, s.inv_sqrt_bc2) + hn::Set(df, s.eps);
-  pv = pv - hn::Set(df, s.step_size) * (mv / denom);
+  // Note [AdamW operation order]: no MulAdd, each operation rounds on its own. Named
+  // operations, not operators: SVE's vectors are sizeless types, which take none.
+  gv = hn::Mul(gv, hn::Set(df, grad_scale));
+  auto pv = hn::Mul(hn::LoadU(df, p), hn::Set(df, s.decay));
+  const auto mv = hn::Add(hn::Mul(hn::Set(df, s.beta1), hn::LoadU(df, m)),
+                          hn::Mul(hn::Set(df, s.one_minus_beta1), gv));
+  const auto vv = hn::Add(hn::Mul(hn::Set(df, s.beta2), hn::LoadU(df, v)),
+                          hn::Mul(hn::Set(df, s.one_minus_beta2), hn::Mul(gv, gv)));
+  const auto denom =
+      hn::Add(hn::Mul(hn::Sqrt(vv), hn::Set(df, s.inv_sqrt_bc2)), hn::Set(df, s.eps));
+  pv = hn::Sub(pv, hn::Mul(hn::Set(df, s.step_size), hn::Div(mv, denom)));
   store<kStream>(df, pv, po);
   store<kStream>(df, mv, mo);
   store<kStream>(df, vv, vo);
@@ -276,7 +282,7 @@ void norm_lanes_rows(const void* g, size_t stride, size_t rows, size_t count,
         x = hn::LoadU(df, static_cast<const float*>(g) + at);
       }
       const auto d = hn::PromoteTo(dd, x);
-      acc = acc + d * d;
+      acc = hn::Add(acc, hn::Mul(d, d));
     }
     hn::StoreU(acc, dd, lanes + c);
   }
@@ -293,6 +299,29 @@ void norm_lanes_add_target(const void* g, bool bf16, size_t stride, size_t rows,
   } else {
     norm_lanes_rows<false>(g, stride, rows, count, lanes);
   }
+}
+
+// The weights p (n) into dst as fp32 (streamed where dst is aligned or can be made so: Note
+// [Streamed stores]) or bf16 (float_to_bf16's rounding).
+void write_weights_target(const float* HWY_RESTRICT p, void* HWY_RESTRICT dst, bool bf16,
+                          size_t n) {
+  const hn::ScalableTag<float> df;
+  const size_t lanes = hn::Lanes(df);
+  size_t i = 0;
+  if (bf16) {
+    auto* out = static_cast<uint16_t*>(dst);
+    for (; i + lanes <= n; i += lanes) store_bf16(df, hn::LoadU(df, p + i), out + i);
+    for (; i < n; ++i) out[i] = float_to_bf16(p[i]);
+    return;
+  }
+  auto* out = static_cast<float*>(dst);
+  const size_t vec = lanes * sizeof(float);
+  if (n >= 4 * lanes && reinterpret_cast<uintptr_t>(out) % sizeof(float) == 0) {
+    for (; reinterpret_cast<uintptr_t>(out + i) % vec != 0; ++i) out[i] = p[i];
+    for (; i + lanes <= n; i += lanes) hn::Stream(hn::LoadU(df, p + i), df, out + i);
+    hwy::FlushStream();
+  }
+  for (; i < n; ++i) out[i] = p[i];
 }
 
 const char* adamw_target_name() {
@@ -314,6 +343,12 @@ namespace spillway::optim {
 HWY_EXPORT(adamw_step_target);
 HWY_EXPORT(adamw_target_name);
 HWY_EXPORT(norm_lanes_add_target);
+HWY_EXPORT(write_weights_target);
+
+void write_weights(const float* p, void* dst, ParamDtype dtype, size_t n) {
+  if (n == 0) return;
+  HWY_DYNAMIC_DISPATCH(write_weights_target)(p, dst, dtype == ParamDtype::kBf16, n);
+}
 
 void norm_lanes_add(const void* g, GradType type, size_t stride, size_t rows, size_t count,
                     double* lanes) {
