@@ -446,8 +446,15 @@ class OptimizerOffload {
   // holds for a layerwise backward (a layer's weights are last read by its own backward).
   void on_bucket_grad(int b);
   // After backward: waits for the pipeline, validates, corrects the device weights on a
-  // replay or a skip. The compute stream is ordered after the weight uploads.
-  StvOutcome end_step();
+  // replay or a skip. The compute stream is ordered after the weight uploads. Sharded
+  // training (each process holds a shard of every parameter: FSDP2): with the global sum of
+  // squares (every process's sum_of_squares(), all-reduced), so that every shard clips by
+  // the same norm and a NaN anywhere skips the step everywhere: the processes agree on the
+  // outcome, so one's rollback is every one's.
+  StvOutcome end_step(std::optional<double> global_sum_of_squares = std::nullopt);
+  // After every bucket has arrived: this process's sum of squares of the step's gradients
+  // (the CPU buckets' and the device buckets' lane sums; waits for them).
+  double sum_of_squares();
 
   // Note [Per-bucket hyperparameters and steps], for CPU buckets, between steps: a
   // framework's parameter groups and learning-rate schedules (the device buckets of the
@@ -484,6 +491,7 @@ class OptimizerOffload {
   OptimState read_state() const;
 
  private:
+  void fold_device_sums();
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -242,19 +242,23 @@ class OffloadAdamW {
     pipe_->on_bucket_absent(b);
   }
   // As CpuAdamW::finish: (outcome, scale, CPU ms of the bucket steps and validation, ms the
-  // call took). Sharded norms are not supported here (the caller refuses DTensors).
+  // call took); with the global sum of squares under FSDP2 (Note [Sharded norms]).
   std::tuple<std::string, float, double, double> finish(std::optional<double> global_sq) {
-    if (global_sq)
-      SPILLWAY_INPUT_ERROR("CPUAdamW: a sharded global norm on the device path is not supported");
     nb::gil_scoped_release release;
     const auto t0 = std::chrono::steady_clock::now();
-    const StvOutcome o = pipe_->end_step();
+    const StvOutcome o = pipe_->end_step(global_sq);
     const double call_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const char* name = o == StvOutcome::kCommit   ? "commit"
                        : o == StvOutcome::kReplay ? "replay"
                                                   : "skip";
     return {name, pipe_->last_scale(), pipe_->last_cpu_ms(), call_ms};
+  }
+  // This process's sum of squares once every gradient was handed over (FSDP2 all-reduces
+  // it and passes the sum to finish()).
+  double sum_of_squares() {
+    nb::gil_scoped_release release;
+    return pipe_->sum_of_squares();
   }
   // As CpuAdamW::arrived_sum_of_squares (every bucket is a CPU bucket here).
   double arrived_sum_of_squares() {
@@ -353,6 +357,7 @@ void bind_optim(nb::module_& m) {
       .def("grad_ready", &OffloadAdamW::grad_ready, "bucket"_a, "grad"_a, "dtype"_a, "dst"_a = 0)
       .def("absent", &OffloadAdamW::absent, "bucket"_a)
       .def("finish", &OffloadAdamW::finish, "global_sum_of_squares"_a = nb::none())
+      .def("sum_of_squares", &OffloadAdamW::sum_of_squares)
       .def("arrived_sum_of_squares", &OffloadAdamW::arrived_sum_of_squares)
       .def("abort", &OffloadAdamW::abort)
       .def("counters", &OffloadAdamW::counters)

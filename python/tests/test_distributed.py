@@ -66,7 +66,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     import spillway.torch as st
 
-    device_path = mode == "ddp_device"
+    device_path = mode.endswith("_device")
     model = tiny_llama(dtype=torch.bfloat16 if device_path else torch.float32)
     if mode.startswith("ddp"):
         wrapped: Any = torch.nn.parallel.DistributedDataParallel(model)
@@ -81,6 +81,8 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     offload = st.offload_activations(inner, pinned_bytes=64 << 20, min_bytes=1024)
     # ddp_device: CPUAdamW's device path (emulated) under DDP: its all-reduce writes the
     # gradients after their hand-over, which the optimizer detects and steps from .grad.
+    # fsdp2_device: the device path over FSDP2's bf16 shards (Note [FSDP2 on the device
+    # path]): each process's pipeline steps its shards, the norm all-reduced.
     opt = st.CPUAdamW(
         wrapped.parameters(),
         lr=LR,
@@ -115,14 +117,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp_device"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp_device", "fsdp2_device"])
 def test_two_gloo_processes_match_one_process(mode: str, tmp_path: Path) -> None:
     out = str(tmp_path / "rank0.pt")
     mp.start_processes(
         worker, args=(2, free_port(), mode, out), nprocs=2, join=True, start_method="spawn"
     )
     got = torch.load(out)
-    want_losses, want_params = single_process(device_path=mode == "ddp_device")
+    want_losses, want_params = single_process(device_path=mode.endswith("_device"))
     assert got["moved"] > 0, "activation offload ran inside the distributed blocks"
     assert "replay" in got["outcomes"], "the clip must act for the norm to be tested"
     # The reduction order differs (two halves all-reduced vs summed in one process): equal
@@ -210,3 +212,117 @@ def test_sharded_stream_weights_over_gloo_matches_the_resident_model(tmp_path: P
                 assert got["ahead"] >= 3 * layers - 1, where
             else:
                 assert 0 < got["ahead"] < 3 * layers, where
+
+
+def checkpoint_worker(rank: int, world: int, port: int, device_path: bool, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import spillway.torch as st
+
+    def sharded_model() -> Any:
+        model = tiny_llama(dtype=torch.bfloat16 if device_path else torch.float32)
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    def optimizer(model: Any) -> Any:
+        return st.CPUAdamW(
+            model.parameters(),
+            lr=LR,
+            max_grad_norm=CLIP,
+            threads=1,
+            device_emulation=device_path,
+        )
+
+    def make() -> tuple[Any, Any]:
+        model = sharded_model()
+        return model, optimizer(model)
+
+    def step(model: Any, opt: Any, s: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        model(**shard(global_batches()[s], rank, world)).loss.backward()
+        opt.step()
+
+    def full(model: Any) -> list[torch.Tensor]:
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    # The run checkpointed after step 1 (the state_dict calls must not touch it), the run
+    # resumed from that checkpoint in a fresh model and optimizer, and one never
+    # checkpointed: after step 2 all three hold the same bits.
+    model, opt = make()
+    plain, plain_opt = make()
+    for s in range(2):
+        step(model, opt, s)
+        step(plain, plain_opt, s)
+    msd, osd = get_state_dict(model, opt)
+    sharded_state = all(
+        hasattr(v, "to_local") for st_ in osd["state"].values() for v in st_.values() if v.dim()
+    )
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".ckpt")
+    resumed, resumed_opt = make()
+    msd2, osd2 = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": msd2, "optim": osd2}
+    dcp.load(loaded, checkpoint_id=out + ".ckpt")
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    # Weights loaded into a model whose optimizer exists (a warm start: the model's state
+    # only) reach its master weights: as an optimizer made after the load.
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    warm, warm_opt = make()
+    set_model_state_dict(warm, loaded["model"])
+    after = sharded_model()
+    set_model_state_dict(after, loaded["model"])
+    after_opt = optimizer(after)
+    for m, o in (
+        (model, opt),
+        (plain, plain_opt),
+        (resumed, resumed_opt),
+        (warm, warm_opt),
+        (after, after_opt),
+    ):
+        step(m, o, 2)
+    result = {
+        "checkpointed": full(model),
+        "plain": full(plain),
+        "resumed": full(resumed),
+        "warm": full(warm),
+        "after": full(after),
+        "sharded_state": sharded_state,
+    }
+    torch.save(result, out + f".{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
+def test_fsdp2_checkpoint_through_dcp_resumes_bitwise(device_path: bool, tmp_path: Path) -> None:
+    # Note [Optimizer state of sharded parameters]: DCP's get_state_dict / save / load /
+    # set_state_dict, as FSDP2 users checkpoint. Before it, the state was plain tensors (DCP
+    # saved one process's shard for both), get_state_dict stepped a trained optimizer once
+    # with lr 0 (its state looked empty), and weights loaded into the model alone did not
+    # reach the fp32 master (the DTensor's version counter, not its local tensor's, moved).
+    out = str(tmp_path / "ckpt")
+    mp.start_processes(
+        checkpoint_worker,
+        args=(2, free_port(), device_path, out),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    for rank in (0, 1):
+        got = torch.load(out + f".{rank}")
+        assert got["sharded_state"], "the optimizer state of FSDP2's parameters is DTensors"
+        for a, b, c in zip(got["checkpointed"], got["plain"], got["resumed"]):
+            assert torch.equal(a, b), f"rank {rank}: checkpointing changed the run"
+            assert torch.equal(c, b), f"rank {rank}: the resumed run differs"
+        for a, b in zip(got["warm"], got["after"]):
+            assert torch.equal(a, b), f"rank {rank}: loaded weights did not reach the master"

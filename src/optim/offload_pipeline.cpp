@@ -530,19 +530,34 @@ double OptimizerOffload::last_cpu_ms() const {
   return impl_->last_cpu_ms;
 }
 
-StvOutcome OptimizerOffload::end_step() {
+// The device buckets' lane sums (down by now) handed to STV, once per step.
+void OptimizerOffload::fold_device_sums() {
   Impl& s = *impl_;
-  s.dev.synchronize(s.cpu);
-  s.dev.synchronize(s.h2d);
-  s.dev.synchronize(s.d2h);
-  const auto t0 = Clock::now();
   for (int b = 0; b < s.opt.device_buckets; ++b) {
     if (s.device_arrived[static_cast<size_t>(b)] == 0) continue;  // finish() reports it
     s.stv->on_device_bucket(b, add_lane_sums(s.lanes_host + s.lane_at[static_cast<size_t>(b)],
                                              s.buckets[static_cast<size_t>(b)].n));
   }
   std::fill(s.device_arrived.begin(), s.device_arrived.end(), 0);
-  const StvOutcome outcome = s.stv->finish();
+}
+
+double OptimizerOffload::sum_of_squares() {
+  Impl& s = *impl_;
+  s.dev.synchronize(s.cpu);
+  s.dev.synchronize(s.d2h);
+  fold_device_sums();
+  return s.stv->sum_of_squares();
+}
+
+StvOutcome OptimizerOffload::end_step(std::optional<double> global_sum_of_squares) {
+  Impl& s = *impl_;
+  s.dev.synchronize(s.cpu);
+  s.dev.synchronize(s.h2d);
+  s.dev.synchronize(s.d2h);
+  const auto t0 = Clock::now();
+  fold_device_sums();
+  const StvOutcome outcome =
+      global_sum_of_squares ? s.stv->finish(*global_sum_of_squares) : s.stv->finish();
   if (outcome != StvOutcome::kSkip) {
     // The device buckets step now, on the compute stream, writing their bf16 weights.
     for (int b = 0; b < s.opt.device_buckets; ++b) {

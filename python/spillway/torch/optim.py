@@ -261,8 +261,12 @@ class CPUAdamW(torch.optim.Optimizer):
         if _stamp(p) == self._stamps[i]:
             return
         if self._flat_w is not None:
-            at, n = self._offsets[i], p.numel()
-            if _local(p).data_ptr() != self._flat_w.data_ptr() + 2 * at:
+            at, n = self._offsets[i], _local(p).numel()
+            if self._sharded:
+                # Note [FSDP2 on the device path]: the shard's values into its flat slice.
+                with torch.no_grad():
+                    self._flat_w[at : at + n].copy_(_local(p).detach().reshape(-1))
+            elif _local(p).data_ptr() != self._flat_w.data_ptr() + 2 * at:
                 # p.data was replaced: its values go back into its slice of the flat buffer,
                 # which the pipeline writes (Note [The device path of CPUAdamW]).
                 with torch.no_grad():
@@ -288,7 +292,13 @@ class CPUAdamW(torch.optim.Optimizer):
     def _hand_over(self, i: int, p: torch.Tensor, in_step: bool = False) -> None:
         if self._synced is None:  # the step's first gradient: its hyperparameters are set
             self._sync_hparams()
-        self._refresh(i)
+            # Note [Parameters changed under the optimizer]: every parameter written since
+            # the last step is read before any of this step's gradients arrives (the device
+            # path's pipeline takes a bucket's new state only between steps).
+            for j in range(len(self._params)):
+                self._refresh(j)
+        else:
+            self._refresh(i)
         grad = p.grad
         if grad is not None and grad.is_sparse:
             raise RuntimeError(
@@ -297,11 +307,15 @@ class CPUAdamW(torch.optim.Optimizer):
                 "nn.Embedding(sparse=False)) or torch.optim.SparseAdam for it"
             )
         assert grad is not None
+        seen = grad  # what step() checks for changes: FSDP2's DTensor stays .grad
         if self._flat_g is not None:
             grad = self._into_flat_grad(i, p, grad)
+            if not self._sharded:
+                seen = grad
         g = _local(grad)
         if g.dtype != p.dtype or not g.is_contiguous() or g.layout != torch.strided:
             g = g.to(dtype=p.dtype).contiguous()
+        grad = seen
         self._handed[i] = (g, grad, grad._version)
         if grad._base is not None:  # Note [Gradients that share a version counter]
             self._view_versions[id(grad._base)] = grad._version
@@ -316,7 +330,7 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _make_device_path(self, clip: float, speculative: bool, threads: int) -> Any:
         assert self._device is not None
-        sizes = [p.numel() for p in self._params]
+        sizes = [_local(p).numel() for p in self._params]
         n = sum(sizes)
         dev = self._device
         with torch.no_grad():
@@ -325,9 +339,15 @@ class CPUAdamW(torch.optim.Optimizer):
             at = 0
             for p, k in zip(self._params, sizes):
                 self._offsets.append(at)
-                self._flat_w[at : at + k].copy_(p.detach().reshape(-1))
+                self._flat_w[at : at + k].copy_(_local(p).detach().reshape(-1))
                 at += k
+            # Note [FSDP2 on the device path]: FSDP2 owns its shards' storage (it all-gathers
+            # from it), so a DTensor parameter keeps it: its gradient is copied into the
+            # flat buffer at its hand-over, and the pipeline's weights back into the shard
+            # after step(). Other parameters become views of the flat buffers.
             for i, p in enumerate(self._params):
+                if self._sharded:
+                    continue
                 old_grad = p.grad
                 p.data = self._flat_w[self._offsets[i] : self._offsets[i] + sizes[i]].view(p.shape)
                 view = self._grad_view(i, p)
@@ -360,7 +380,8 @@ class CPUAdamW(torch.optim.Optimizer):
     def _grad_view(self, i: int, p: torch.Tensor) -> torch.Tensor:
         assert self._flat_g is not None
         at = self._offsets[i]
-        return self._flat_g[at : at + p.numel()].view(p.shape)
+        local = _local(p)
+        return self._flat_g[at : at + local.numel()].view(local.shape)
 
     def _into_flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient in its slice of the flat buffer (copied there if torch made a new one,
@@ -372,6 +393,10 @@ class CPUAdamW(torch.optim.Optimizer):
                     "CPUAdamW: backward runs on a CUDA stream other than the one current when "
                     "the optimizer was made; make the optimizer under the training stream"
                 )
+        if self._sharded:  # Note [FSDP2 on the device path]: .grad stays FSDP2's DTensor
+            view = self._grad_view(i, p)
+            view.copy_(_local(grad))
+            return view
         if grad.data_ptr() == self._grad_ptr(i) and grad.dtype == torch.bfloat16:
             return grad
         view = self._grad_view(i, p)
@@ -435,11 +460,25 @@ class CPUAdamW(torch.optim.Optimizer):
                 [_local(p).data_ptr() for p in self._params],
                 [_DTYPES[p.dtype] for p in self._params],
             )
+        elif self._sharded and self._flat_w is not None:
+            # Note [FSDP2 on the device path]: the pipeline's weights into FSDP2's shards (on
+            # the compute stream, which end_step ordered after the uploads).
+            for i, p in enumerate(self._params):
+                lp = _local(p)
+                at = self._offsets[i]
+                lp.copy_(self._flat_w[at : at + lp.numel()].view(lp.shape))
         self._handed = [None] * len(self._params)
         self._view_versions.clear()
         self._seen = [0] * len(self._params)
         self._synced = None
         self._stamps = [_stamp(p) for p in self._params]
+        if not self.state:
+            # Note [Optimizer state of sharded parameters]: torch's state_dict helpers (DCP's
+            # get_state_dict) take an optimizer with an empty ``state`` for one never stepped
+            # and step it once with lr 0 to create it, which here would advance every step
+            # counter and decay the moments of a trained optimizer. After its first step the
+            # state is there (refreshed by every state_dict()).
+            self._sync_state_out()
         self._last = {
             "step": self._core.step,
             "outcome": outcome,  # commit, replay (clipped), skip (NaN/Inf)
@@ -568,7 +607,8 @@ class CPUAdamW(torch.optim.Optimizer):
         """Zeroes (or drops) the gradients; speculative work not yet validated is dropped.
 
         On the device path the gradients are views of the optimizer's flat buffer: they
-        are zeroed in place whatever ``set_to_none`` says (one kernel, no allocation).
+        are zeroed in place whatever ``set_to_none`` says (one kernel, no allocation); under
+        FSDP2 they are FSDP2's DTensors, as torch's optimizers treat them.
         """
         if any(h is not None for h in self._handed):
             self._core.abort()
@@ -577,7 +617,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._seen = [0] * len(self._params)
         self._discarded = None
         self._clip_norm = None
-        if self._flat_g is not None:
+        if self._flat_g is not None and not self._sharded:
             self._flat_g.zero_()
             for i, p in enumerate(self._params):
                 if p.grad is None or p.grad.data_ptr() != self._grad_ptr(i):
@@ -674,6 +714,14 @@ class CPUAdamW(torch.optim.Optimizer):
             }
             if p.dtype != torch.float32:
                 st["master_param"] = master
+            if hasattr(p, "to_local"):
+                # Note [Optimizer state of sharded parameters]: FSDP2's parameters are
+                # DTensors; so is their state, as torch's AdamW keeps it, so that DCP saves
+                # every process's shard (a plain tensor would be taken as replicated: one
+                # process's copy saved for all).
+                for k in ("exp_avg", "exp_avg_sq", "master_param"):
+                    if k in st:
+                        st[k] = _like_dtensor(p, st[k])
             self.state[p] = st
 
 
@@ -701,11 +749,24 @@ def _warn_user(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
-def _stamp(p: torch.Tensor) -> tuple[int, int]:
-    """What a parameter is now: its storage and its version counter (bumped by every
-    in-place write through torch)."""
+def _like_dtensor(p: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this process's shard of a state of p) as a DTensor laid out like p."""
+    from torch.distributed.tensor import DTensor
+
+    shard = local.view(_local(p).shape).to(_local(p).device)
+    out: torch.Tensor = DTensor.from_local(
+        shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    return out
+
+
+def _stamp(p: torch.Tensor) -> tuple[int, int, int]:
+    """What a parameter is now: its storage and its version counters (bumped by every
+    in-place write through torch). A DTensor (FSDP2) has two: an in-place write through it
+    (``load_state_dict``, DCP's ``set_state_dict``) bumps the wrapper's, not its local
+    tensor's, which only writes to the local tensor bump."""
     lp = _local(p)
-    return (lp.data_ptr(), lp._version)
+    return (lp.data_ptr(), lp._version, p._version)
 
 
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
@@ -746,11 +807,6 @@ def _device_path(params: list[torch.Tensor], emulate: bool) -> Optional[torch.de
     (dev,) = devices
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"CPUAdamW: a parameter is on {dev}; cpu and cuda are supported")
-    if any(hasattr(p, "to_local") for p in params):
-        raise ValueError(
-            "CPUAdamW: FSDP2 (DTensor) parameters on the device path are not supported yet; "
-            "DDP and single-device models are"
-        )
     return dev
 
 
