@@ -137,3 +137,49 @@ def test_cuda_stream_weights_compiles_with_fullgraph() -> None:
             got = compiled(input_ids=ids, use_cache=False).logits
             want = compiled_ref(input_ids=ids, use_cache=False).logits
             assert torch.equal(got, want), f"pass {s}"
+
+
+def test_cuda_cpu_adamw_device_path_under_fsdp2_is_the_plain_device_path() -> None:
+    # Note [FSDP2 on the device path], its CUDA twin (2 gloo processes test it emulated, in
+    # test_distributed.py): one NCCL rank, so FSDP2's DTensor parameters hold the whole
+    # tensors and its collectives move nothing; the same steps with clipping give the plain
+    # (unsharded) device path's bits.
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        runs = []
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False)
+            ).to(device="cuda", dtype=torch.bfloat16)
+            if sharded:
+                for layer in model:
+                    fully_shard(layer)
+                fully_shard(model)
+            opt = st.CPUAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+            outcomes = []
+            for s in range(4):
+                g = torch.Generator().manual_seed(s)
+                x = torch.randn(8, 64, generator=g).to("cuda", torch.bfloat16)
+                c = torch.randn(8, 64, generator=g).to("cuda") * (30.0 if s == 2 else 0.01)
+                (model(x).float() * c).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                outcomes.append(opt.last_step()["outcome"])
+            assert "replay" in outcomes
+            full = [getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters()]
+            runs.append([p.detach().cpu() for p in full])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
