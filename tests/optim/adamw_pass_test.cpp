@@ -15,6 +15,7 @@
 // Inputs are random with a printed seed; SPILLWAY_TEST_SEED=<n> reruns one.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -51,16 +52,18 @@ struct Guarded {
     buf.assign(n + offset + 2 * kGuard + 64, poison);
   }
   T* data() {
-    auto at = reinterpret_cast<uintptr_t>(buf.data() + kGuard);
-    at = (at + 63) / 64 * 64;
-    return reinterpret_cast<T*>(at) + offset;
+    T* base = buf.data() + kGuard;
+    const size_t past = reinterpret_cast<uintptr_t>(base) % 64;  // a multiple of sizeof(T)
+    return base + (past == 0 ? 0 : (64 - past) / sizeof(T)) + offset;
   }
-  // Everything outside [data(), data() + n) still `poison`.
+  // Everything outside [data(), data() + n) still `poison`, bit for bit.
   bool guards_intact(T poison) {
+    using Bits = std::array<unsigned char, sizeof(T)>;
     const T* d = data();
     for (const T& x : buf) {
       const T* p = &x;
-      if ((p < d || p >= d + n) && std::memcmp(p, &poison, sizeof(T)) != 0) return false;
+      if ((p < d || p >= d + n) && std::bit_cast<Bits>(x) != std::bit_cast<Bits>(poison))
+        return false;
     }
     return true;
   }

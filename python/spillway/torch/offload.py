@@ -188,6 +188,7 @@ class OffloadActivations:
 
         self._session: Optional[Any] = None
         self._device: Optional[torch.device] = None
+        self._device_index: Optional[int] = None  # its get_device(): -1 for the CPU
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._handles: list[Any] = []
         self._layer: Optional[int] = None
@@ -196,6 +197,7 @@ class OffloadActivations:
         self._in_backward = False
         self._param_storages: set[int] = set()
         self._pending: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
+        self._release_at = 8  # _pending's length that asks which copies are done
         self._by_layer: list[list[_Saved]] = [[] for _ in self.layers]
         self._dedup: dict[tuple[Any, ...], tuple[_Saved, weakref.ref[torch.Tensor]]] = {}
         self._counts: collections.Counter[str] = collections.Counter()
@@ -389,7 +391,7 @@ class OffloadActivations:
             if name not in self._offload_names[layer]:
                 self._counts["kept_by_plan"] += 1
                 return t
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         # A tensor saved again (the input of q, k and v projections) is offloaded once: the
         # same tensor object, alive (a freed tensor's address may come back for another).
         key = _key(t)
@@ -416,13 +418,14 @@ class OffloadActivations:
         self._counts["offloaded_bytes"] += nbytes
         if self._offload_names is not None:
             self._counts["offloaded:" + name] += 1
-        if len(self._pending) > 8:
+        if len(self._pending) > self._release_at:
             self._release_copied()
+            self._release_at = len(self._pending) + 8  # asked again after 8 more
         return s
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if type(packed) is not _Saved:
+            return packed  # type: ignore[no-any-return]
         s: _Saved = packed
         if s.step != self._step or (not self._open and s.tensor is None):
             raise RuntimeError(
@@ -444,19 +447,20 @@ class OffloadActivations:
         return out
 
     def _ineligible(self, t: torch.Tensor) -> str:
-        if t.layout != torch.strided or t.is_sparse or t.is_quantized:
+        # Note [Hook cost per tensor]: the cheapest questions first, none that builds a
+        # Python object (t.device does: get_device() is an int).
+        if t.layout != torch.strided or t.is_quantized:
             return "kept_not_strided"
-        if self._device is not None and t.device != self._device:
+        if self._device_index is not None and t.get_device() != self._device_index:
             return "kept_other_device"
-        # Parameters, views of them, and leaves that require grad (FSDP2's unsharded
-        # parameters live only while their block runs: they are leaves too).
-        if (
-            isinstance(t, nn.Parameter)
-            or (t.is_leaf and t.requires_grad)
-            or t.untyped_storage().data_ptr() in self._param_storages
+        # Parameters (their storages are the model's), views of them, and leaves that
+        # require grad (FSDP2's unsharded parameters live only while their block runs: they
+        # are leaves too, as a Parameter outside the model is).
+        if (t.is_leaf and t.requires_grad) or (
+            t.untyped_storage().data_ptr() in self._param_storages
         ):
             return "kept_parameters"
-        if t.numel() * t.element_size() < self.min_bytes:
+        if t.nbytes < self.min_bytes:
             return "kept_small"
         if not t.is_contiguous():
             return "kept_not_contiguous"
@@ -518,6 +522,9 @@ class OffloadActivations:
         self._step += 1
         if self._device is None:
             self._device = _model_device(self.model)
+        self._device_index = (
+            -1 if self._device.type == "cpu" else torch.empty(0, device=self._device).get_device()
+        )
         if self._session is None and self.pinned_bytes is not None:
             self._make_session(self.pinned_bytes)
         self._param_storages = _parameter_storages(self.model)
@@ -586,6 +593,7 @@ class OffloadActivations:
         if self._session is not None:
             rep.update(self._session.step_end())
         self._pending.clear()
+        self._release_at = 8
         for lst in self._by_layer:
             lst.clear()
         self._dedup.clear()
@@ -765,7 +773,7 @@ def _first_tensor(output: Any) -> Optional[torch.Tensor]:
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t._version)
+    return (t.data_ptr(), t.dtype, t.shape, t._version)
 
 
 def _parameter_storages(model: nn.Module) -> set[int]:

@@ -720,8 +720,9 @@ class CPUAdamW(torch.optim.Optimizer):
                 # every process's shard (a plain tensor would be taken as replicated: one
                 # process's copy saved for all).
                 for k in ("exp_avg", "exp_avg_sq", "master_param"):
-                    if k in st:
-                        st[k] = _like_dtensor(p, st[k])
+                    t = st.get(k)
+                    if isinstance(t, torch.Tensor):
+                        st[k] = _like_dtensor(p, t)
             self.state[p] = st
 
 

@@ -73,8 +73,8 @@ HWY_INLINE void store_fp16(DF df, hn::Vec<DF> p, uint16_t* HWY_RESTRICT out) {
   const auto a = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
   const auto ai = hn::BitCast(di, a);  // a < 2^31: signed compares are exact
   const auto r = hn::Sub(a, hn::Set(du, 0x38000000u));
-  const auto normal = hn::ShiftRight<13>(hn::Add(
-      hn::Add(r, hn::Set(du, 0xFFFu)), hn::And(hn::ShiftRight<13>(r), hn::Set(du, 1u))));
+  const auto normal = hn::ShiftRight<13>(
+      hn::Add(hn::Add(r, hn::Set(du, 0xFFFu)), hn::And(hn::ShiftRight<13>(r), hn::Set(du, 1u))));
   const auto subnormal = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, a), hn::Set(df, 0.5f))),
                                  hn::Set(du, 0x3F000000u));
   const auto quiet_nan =
