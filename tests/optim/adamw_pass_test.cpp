@@ -93,6 +93,26 @@ size_t copy_bytes(CopyType c) {
   return copy_type_bytes(c);
 }
 
+// One out-of-place step of `s` into po, mo, vo and its copy (of ct) into copy.
+AdamWArgs out_of_place(State& s, GradType gt, float* po, float* mo, float* vo, CopyType ct,
+                       void* copy, int64_t step) {
+  AdamWArgs a;
+  a.p = s.p.data();
+  a.m = s.m.data();
+  a.v = s.v.data();
+  a.g = gt == GradType::kBf16 ? static_cast<const void*>(s.g16.data())
+                              : static_cast<const void*>(s.g32.data());
+  a.grad_type = gt;
+  a.p_out = po;
+  a.m_out = mo;
+  a.v_out = vo;
+  a.copy_type = ct;
+  a.copy_out = ct == CopyType::kNone ? nullptr : copy;
+  a.n = s.p.size();
+  a.step = step;
+  return a;
+}
+
 // The scalar reference's p, m, v and copy (as bytes) of one step of `s`, out of place.
 struct Result {
   std::vector<float> p, m, v;
@@ -104,21 +124,9 @@ Result reference_step(const AdamWParams& hp, const State& s, GradType gt, CopyTy
   const size_t n = s.p.size();
   Result r{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n),
            std::vector<unsigned char>(n * copy_bytes(ct))};
-  AdamWArgs a;
-  a.p = const_cast<float*>(s.p.data());
-  a.m = const_cast<float*>(s.m.data());
-  a.v = const_cast<float*>(s.v.data());
-  a.g = gt == GradType::kBf16 ? static_cast<const void*>(s.g16.data())
-                              : static_cast<const void*>(s.g32.data());
-  a.grad_type = gt;
-  a.p_out = r.p.data();
-  a.m_out = r.m.data();
-  a.v_out = r.v.data();
-  a.copy_type = ct;
-  a.copy_out = ct == CopyType::kNone ? nullptr : r.copy.data();
-  a.n = n;
-  a.step = step;
-  adamw_step_scalar(hp, a);
+  State in = s;  // the step reads it only
+  adamw_step_scalar(
+      hp, out_of_place(in, gt, r.p.data(), r.m.data(), r.v.data(), ct, r.copy.data(), step));
   return r;
 }
 
@@ -152,20 +160,8 @@ TEST(AdamWStreamed, OutOfPlaceStoresMatchTheScalarReferenceAtEveryAlignment) {
               Guarded<float> po(n, po_off, fpoison), mo(n, mo_off, fpoison), vo(n, po_off, fpoison);
               Guarded<unsigned char> out(n * copy_bytes(ct), po_off * copy_bytes(ct), 0xEE);
               State in = s;
-              AdamWArgs a;
-              a.p = in.p.data();
-              a.m = in.m.data();
-              a.v = in.v.data();
-              a.g = gt == GradType::kBf16 ? static_cast<const void*>(in.g16.data())
-                                          : static_cast<const void*>(in.g32.data());
-              a.grad_type = gt;
-              a.p_out = po.data();
-              a.m_out = mo.data();
-              a.v_out = vo.data();
-              a.copy_type = ct;
-              a.copy_out = ct == CopyType::kNone ? nullptr : out.data();
-              a.n = n;
-              a.step = 3;
+              AdamWArgs a =
+                  out_of_place(in, gt, po.data(), mo.data(), vo.data(), ct, out.data(), 3);
               a.stream = true;
               adamw_step_simd(hp, a);
               EXPECT_TRUE(same_bits(po.data(), want.p.data(), n));
@@ -225,20 +221,8 @@ TEST(AdamWPass, StepAndNormLanesIsTheStepAndThePlainLaneSums) {
           Result got{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n),
                      std::vector<unsigned char>(n * copy_bytes(ct))};
           std::vector<double> lanes(std::min(n, kNormLanes), -1.0);
-          AdamWArgs a;
-          a.p = in.p.data();
-          a.m = in.m.data();
-          a.v = in.v.data();
-          a.g = gt == GradType::kBf16 ? static_cast<const void*>(in.g16.data())
-                                      : static_cast<const void*>(in.g32.data());
-          a.grad_type = gt;
-          a.p_out = got.p.data();
-          a.m_out = got.m.data();
-          a.v_out = got.v.data();
-          a.copy_type = ct;
-          a.copy_out = ct == CopyType::kNone ? nullptr : got.copy.data();
-          a.n = n;
-          a.step = 2;
+          AdamWArgs a = out_of_place(in, gt, got.p.data(), got.m.data(), got.v.data(), ct,
+                                     got.copy.data(), 2);
           a.stream = true;
           pool.step_and_norm_lanes(hp, a, lanes.data());
           EXPECT_EQ(std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(double)), 0);
