@@ -35,9 +35,10 @@ void add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand(
       "bench",
       "Benchmarks of spillway's engines on this machine (offload, adam, optim-offload, gemm, "
-      "stream, serve, serve-live): each checks its results before it times, and prints its "
-      "baseline measured in the same run and the physical limit. Runs spillway-bench, the "
-      "benchmarks' own tool beside this command: `spillway bench --help` lists them.");
+      "hybrid-gemm, stream, serve, serve-live): each checks its results before it times, and "
+      "prints its baseline measured in the same run and the physical limit. Runs "
+      "spillway-bench, the benchmarks' own tool beside this command: `spillway bench --help` "
+      "lists them.");
   bench->prefix_command();  // every argument after `bench` is spillway-bench's
   bench->set_help_flag();   // --help included
   bench->callback([bench]() {
