@@ -23,7 +23,7 @@ CTEST = ctest --output-on-failure -j $(JOBS)
 PYENV := $(shell bash scripts/install-python.sh --print)
 PYTHON = $(PYENV)/bin/python
 
-.PHONY: all deps deps-python configure build build-cli run test test-python bench bench-torch install test-asan test-tsan format fuzz fuzz-smoke clean
+.PHONY: all deps deps-python deps-arm configure build build-cli run test test-python bench bench-torch install test-asan test-tsan format fuzz fuzz-smoke clean
 
 all: build
 
@@ -35,6 +35,10 @@ deps:
 
 deps-python:
 	@bash scripts/install-python.sh
+
+# The Arm check's cross compiler, emulator and arm64 libraries (`make test` only).
+deps-arm:
+	@bash scripts/install-deps.sh --arm
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(PYTHON) \
@@ -56,7 +60,7 @@ run: build-cli
 	./$(BUILD)/bin/spillway plan --model Qwen3-30B-A3B --hardware gh200 \
 	  --micro-batch 2 --seq-len 8192 --ep 8 --dp 8
 
-test: build fuzz-smoke
+test: build fuzz-smoke deps-arm
 	cd $(BUILD) && $(CTEST)
 	@$(MAKE) --no-print-directory test-python
 

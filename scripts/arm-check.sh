@@ -28,11 +28,11 @@ skip() {
 }
 
 command -v aarch64-linux-gnu-g++ > /dev/null ||
-  skip "no aarch64-linux-gnu-g++ (scripts/install-deps.sh installs g++-aarch64-linux-gnu)"
-command -v qemu-aarch64 > /dev/null || skip "no qemu-aarch64 (scripts/install-deps.sh installs qemu-user)"
+  skip "no aarch64-linux-gnu-g++ (bash scripts/install-deps.sh --arm, which make test runs, installs g++-aarch64-linux-gnu)"
+command -v qemu-aarch64 > /dev/null || skip "no qemu-aarch64 (bash scripts/install-deps.sh --arm installs qemu-user)"
 for lib in libhwy.so libgtest.a libfmt.so libnuma.so; do
   [ -e "/usr/lib/aarch64-linux-gnu/$lib" ] ||
-    skip "no arm64 $lib in /usr/lib/aarch64-linux-gnu (scripts/install-deps.sh installs the arm64 -dev packages)"
+    skip "no arm64 $lib in /usr/lib/aarch64-linux-gnu (bash scripts/install-deps.sh --arm installs the arm64 -dev packages)"
 done
 [ -e /lib/ld-linux-aarch64.so.1 ] || skip "no arm64 loader /lib/ld-linux-aarch64.so.1 (libc6:arm64)"
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages spillway's build and tests need, only those missing.
+# Installs the Debian packages spillway's build and tests need, only those missing
+# (`--arm`: also those of the Arm check, which `make test` runs).
 # Idempotent; silent when everything is present. Run as root (or with sudo available).
 set -euo pipefail
 
@@ -17,11 +18,16 @@ packages=(
   libcpp-httplib-dev              # HTTP server of `spillway serve`
   python3 python3-venv            # test helpers that read JSON output; the Python env
   file                            # scripts that name what a binary is
-  # The CPU AdamW's Arm path (scripts/arm-check.sh): Debian's aarch64 cross compiler, the
-  # emulator, and the arm64 -dev packages it links (multiarch, beside the host's).
-  g++-aarch64-linux-gnu qemu-user
-  libhwy-dev:arm64 libgtest-dev:arm64 libfmt-dev:arm64 libnuma-dev:arm64
 )
+# --arm (`make test`, not `make run`): the CPU AdamW's Arm check (scripts/arm-check.sh):
+# Debian's aarch64 cross compiler, the emulator, and the arm64 -dev packages it links
+# (multiarch, beside the host's): about 92 MB to fetch on a fresh machine.
+arm=0
+[ "${1:-}" = "--arm" ] && arm=1
+if [ $arm -eq 1 ]; then
+  packages+=(g++-aarch64-linux-gnu qemu-user
+             libhwy-dev:arm64 libgtest-dev:arm64 libfmt-dev:arm64 libnuma-dev:arm64)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -34,7 +40,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   # The arm64 packages need the architecture known to dpkg (before the lists are fetched).
-  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  if [ $arm -eq 1 ] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
     $SUDO dpkg --add-architecture arm64
   fi
   # A fresh machine's package lists are empty: update before installing.
