@@ -208,6 +208,10 @@ def test_bf16_parameters_get_the_rounded_fp32_master() -> None:
         assert_params(model, ref.params(params), f"step {s}")
     master = opt.state_dict()["state"][0]["master_param"]
     assert master.dtype == torch.float32 and torch.equal(master.bfloat16(), params[0].detach())
+    # Note [Optimizer state of sharded parameters]: `state` keeps each parameter's step, not
+    # a copy of the host state (which state_dict() hands out and does not hold on to).
+    held = [(k, v) for st_ in opt.state.values() for k, v in st_.items()]
+    assert held and all(k == "step" and v.dim() == 0 for k, v in held), sorted({k for k, _ in held})
 
 
 def test_a_checkpoint_round_trip_resumes_bitwise() -> None:

@@ -476,9 +476,10 @@ class CPUAdamW(torch.optim.Optimizer):
             # Note [Optimizer state of sharded parameters]: torch's state_dict helpers (DCP's
             # get_state_dict) take an optimizer with an empty ``state`` for one never stepped
             # and step it once with lr 0 to create it, which here would advance every step
-            # counter and decay the moments of a trained optimizer. After its first step the
-            # state is there (refreshed by every state_dict()).
-            self._sync_state_out()
+            # counter and decay the moments of a trained optimizer. After its first step
+            # ``state`` holds each parameter's step (no copy of the host state: that is
+            # made by state_dict() and held only by what it returns).
+            self._sync_state_out(full=False)
         self._last = {
             "step": self._core.step,
             "outcome": outcome,  # commit, replay (clipped), skip (NaN/Inf)
@@ -651,7 +652,9 @@ class CPUAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: ``state[i] = {step, exp_avg, exp_avg_sq, master_param}``."""
         self._sync_state_out()
-        return super().state_dict()
+        out = super().state_dict()
+        self._sync_state_out(full=False)  # the copies live in `out` alone
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the master weights, moments, steps and hyperparameters, bitwise."""
@@ -698,10 +701,14 @@ class CPUAdamW(torch.optim.Optimizer):
             self._core.store_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
         self._synced = None
 
-    def _sync_state_out(self) -> None:
+    def _sync_state_out(self, full: bool = True) -> None:
+        """``self.state`` from the host state: whole (full), or each parameter's step."""
         for i, p in enumerate(self._params):
             t = self._core.bucket_step(i)
             if t == 0:
+                continue
+            if not full:
+                self.state[p] = {"step": torch.tensor(float(t))}
                 continue
             master = torch.empty(_local(p).shape, dtype=torch.float32)
             m = torch.empty_like(master)
