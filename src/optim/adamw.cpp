@@ -275,28 +275,63 @@ namespace {
 // x 64 KiB of fp32 gradient split among the workers fits their L2).
 constexpr size_t kRowsPerPass = 4;
 
-void step_lanes_of_rows(const AdamWParams& hp, const AdamWArgs& a, size_t c0, size_t c1,
-                        double* lanes) {
-  const size_t width = std::min(a.n, kNormLanes);
-  const size_t end = std::min(c1, width);
+// Lanes [c0, c1) of the lane sums of a gradient of n values (of `type`) at g, zeroed, then
+// added row block by row block (Note [Norm lanes]); after each block, then(first, rows,
+// count): the block's elements are count from first, in each of its rows.
+template <typename Then>
+void lane_sums_by_blocks(const void* g, GradType type, size_t n, size_t c0, size_t c1,
+                         double* lanes, Then then) {
+  const size_t end = std::min({c1, n, kNormLanes});
   if (c0 >= end) return;
   std::fill(lanes + c0, lanes + end, 0.0);
-  const size_t bytes = a.grad_type == GradType::kBf16 ? 2 : 4;
-  const auto* g = static_cast<const unsigned char*>(a.g);
-  const size_t full = a.n / kNormLanes;
+  const size_t bytes = type == GradType::kBf16 ? 2 : 4;
+  const auto* at = static_cast<const unsigned char*>(g);
+  const size_t full = n / kNormLanes;  // rows of kNormLanes elements
   for (size_t r0 = 0; r0 < full; r0 += kRowsPerPass) {
     const size_t rows = std::min(kRowsPerPass, full - r0);
-    norm_lanes_add(g + (r0 * kNormLanes + c0) * bytes, a.grad_type, kNormLanes, rows, end - c0,
-                   lanes + c0);
-    for (size_t r = r0; r < r0 + rows; ++r)
-      adamw_step_simd(hp, slice(a, r * kNormLanes + c0, r * kNormLanes + end));
+    const size_t first = r0 * kNormLanes + c0;
+    norm_lanes_add(at + first * bytes, type, kNormLanes, rows, end - c0, lanes + c0);
+    then(first, rows, end - c0);
   }
   const size_t row = full * kNormLanes;  // the last, shorter row
-  const size_t e = std::min(end, a.n - row);
-  if (row < a.n && c0 < e) {
-    norm_lanes_add(g + (row + c0) * bytes, a.grad_type, kNormLanes, 1, e - c0, lanes + c0);
-    adamw_step_simd(hp, slice(a, row + c0, row + e));
+  const size_t e = std::min(end, n - row);
+  if (row < n && c0 < e) {
+    norm_lanes_add(at + (row + c0) * bytes, type, kNormLanes, 1, e - c0, lanes + c0);
+    then(row + c0, 1, e - c0);
   }
+}
+
+void step_lanes_of_rows(const AdamWParams& hp, const AdamWArgs& a, size_t c0, size_t c1,
+                        double* lanes) {
+  lane_sums_by_blocks(a.g, a.grad_type, a.n, c0, c1, lanes,
+                      [&](size_t first, size_t rows, size_t count) {
+                        for (size_t r = 0; r < rows; ++r) {
+                          const size_t at = first + r * kNormLanes;
+                          adamw_step_simd(hp, slice(a, at, at + count));
+                        }
+                      });
+}
+
+// The lane sums on the pool's workers, each a block of lanes over every row (Note [Norm
+// lanes]: each lane in index order, the same sums as on one thread).
+void pooled_lane_sums(AdamW* pool, const void* g, GradType type, size_t n, double* lanes) {
+  if (pool == nullptr || pool->threads() == 1 || n < 4 * kNormLanes) {
+    norm_lane_sums_in(g, type, n, 0, kNormLanes, lanes);
+    return;
+  }
+  struct Job {
+    const void* g;
+    GradType type;
+    size_t n;
+    double* lanes;
+  } job{g, type, n, lanes};
+  pool->parallel(
+      [](void* c, size_t w, size_t nw) {
+        const Job& j = *static_cast<const Job*>(c);
+        norm_lane_sums_in(j.g, j.type, j.n, kNormLanes * w / nw, kNormLanes * (w + 1) / nw,
+                          j.lanes);
+      },
+      &job);
 }
 
 }  // namespace
@@ -339,46 +374,17 @@ void AdamW::parallel(void (*fn)(void* ctx, size_t worker, size_t workers), void*
   impl_->done.wait(lock, [&] { return impl_->pending == 0; });
 }
 
+void norm_lane_sums_in(const void* g, GradType type, size_t n, size_t c0, size_t c1,
+                       double* lanes) {
+  lane_sums_by_blocks(g, type, n, c0, c1, lanes, [](size_t, size_t, size_t) {});
+}
+
 void norm_lane_sums(AdamW* pool, const float* g, size_t n, double* lanes) {
-  if (pool == nullptr || pool->threads() == 1 || n < 4 * kNormLanes) {
-    norm_lane_sums(g, n, lanes);
-    return;
-  }
-  // Note [Norm lanes]: each lane is independent; a worker takes a block of lanes and runs
-  // them over every row, each lane in index order: the same sums as on one thread.
-  struct Job {
-    const float* g;
-    size_t n;
-    double* lanes;
-  } job{g, n, lanes};
-  pool->parallel(
-      [](void* c, size_t w, size_t nw) {
-        const Job& j = *static_cast<const Job*>(c);
-        const size_t l0 = kNormLanes * w / nw;
-        const size_t l1 = kNormLanes * (w + 1) / nw;
-        norm_lane_sums_in(j.g, GradType::kFp32, j.n, l0, l1, j.lanes);
-      },
-      &job);
+  pooled_lane_sums(pool, g, GradType::kFp32, n, lanes);
 }
 
 void norm_lane_sums_bf16(AdamW* pool, const uint16_t* g, size_t n, double* lanes) {
-  if (pool == nullptr || pool->threads() == 1 || n < 4 * kNormLanes) {
-    norm_lane_sums_bf16(g, n, lanes);
-    return;
-  }
-  struct Job {
-    const uint16_t* g;
-    size_t n;
-    double* lanes;
-  } job{g, n, lanes};
-  pool->parallel(
-      [](void* c, size_t w, size_t nw) {
-        const Job& j = *static_cast<const Job*>(c);
-        const size_t l0 = kNormLanes * w / nw;
-        const size_t l1 = kNormLanes * (w + 1) / nw;
-        norm_lane_sums_in(j.g, GradType::kBf16, j.n, l0, l1, j.lanes);
-      },
-      &job);
+  pooled_lane_sums(pool, g, GradType::kBf16, n, lanes);
 }
 
 }  // namespace spillway::optim

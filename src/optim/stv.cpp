@@ -40,37 +40,11 @@ void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
   SPILLWAY_CHECK(covered == n, "STV buckets cover {} elements; the state has {}", covered, n);
 }
 
-// The norm lanes of a's gradient (fp32 or bf16), on the calling thread.
-void norm_lane_sums_of(const AdamWArgs& a, double* lanes) {
-  if (a.grad_type == GradType::kBf16) {
-    norm_lane_sums_bf16(static_cast<const uint16_t*>(a.g), a.n, lanes);
-  } else {
-    norm_lane_sums(static_cast<const float*>(a.g), a.n, lanes);
-  }
-}
-
 }  // namespace
 
-// Note [Norm lanes]: one row of lanes at a time, each lane in index order, with the lane
-// arithmetic of the device layer (spillway/device_math.hpp), which a device's
-// norm_lanes_bf16 runs too.
-void norm_lane_sums_in(const void* g, GradType type, size_t n, size_t c0, size_t c1,
-                       double* lanes) {
-  const size_t end = std::min({c1, n, kNormLanes});
-  if (c0 >= end) return;
-  std::fill(lanes + c0, lanes + end, 0.0);
-  const size_t bytes = type == GradType::kBf16 ? 2 : 4;
-  const auto* at = static_cast<const unsigned char*>(g);
-  const size_t full = n / kNormLanes;  // rows of kNormLanes elements, 4 per pass
-  for (size_t r0 = 0; r0 < full; r0 += 4)
-    norm_lanes_add(at + (r0 * kNormLanes + c0) * bytes, type, kNormLanes,
-                   std::min<size_t>(4, full - r0), end - c0, lanes + c0);
-  const size_t row = full * kNormLanes;  // the last, shorter row
-  const size_t e = std::min(end, n - row);
-  if (row < n && c0 < e)
-    norm_lanes_add(at + (row + c0) * bytes, type, kNormLanes, 1, e - c0, lanes + c0);
-}
-
+// Note [Norm lanes]: a few rows of lanes at a time (norm_lane_sums_in, src/optim/adamw.cpp),
+// each lane in index order, with the lane arithmetic of the device layer
+// (spillway/device_math.hpp), which a device's norm_lanes_bf16 runs too.
 void norm_lane_sums(const float* g, size_t n, double* lanes) {
   norm_lane_sums_in(g, GradType::kFp32, n, 0, kNormLanes, lanes);
 }
@@ -233,7 +207,7 @@ void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place, double* lan
     if (pool_ != nullptr) {
       pool_->step_and_norm_lanes(hp, a, lanes);
     } else {
-      norm_lane_sums_of(a, lanes);
+      norm_lane_sums_in(a.g, a.grad_type, a.n, 0, kNormLanes, lanes);
       adamw_step_simd(hp, a);
     }
   } else if (pool_ != nullptr) {
