@@ -155,7 +155,24 @@ struct PlanRequest {
   bool grad_offload = false;            // gradient buckets stream to the host as they are final
   std::optional<double> cpu_adam_gbps;  // CPU AdamW state GB/s (default kDefaultCpuAdamGbps)
   int64_t loss_chunk = 0;  // tokens per loss chunk; 0: the planner's choice (Note [Loss chunks])
+  // Note [Named offload tensors] (src/plan/offload_tensors.cpp): when not empty, exactly these
+  // saved tensors (names of docs/plan-schema.md, or groups: attn, mlp, moe, ssm, lin, rec) are
+  // offloaded in every layer that offloads; the rest follows `strategy` (keep: kept; recompute,
+  // offload, auto: the block policy's recompute). Empty: the planner chooses the tensors.
+  std::vector<std::string> offload_tensors;
 };
+
+// The saved tensors `names` stand for in the blocks of `model` under `shape` (Note [Named
+// offload tensors]): each name is a tensor name or a group, expanded in the order of the
+// blocks' tensors, without repeats. A name no block of the model saves, or a group with no
+// member in them, throws spillway::InputError naming "offload_tensors", the name, and the
+// names the model's blocks save.
+std::vector<std::string> resolve_offload_tensors(const ModelConfig& model, const ShardShape& shape,
+                                                 const std::vector<std::string>& names);
+// The groups a name may be: "attn", "mlp", "moe", "ssm", "lin", "rec"; the members of group
+// `g` are the saved tensors named "g.*" but the sub-block's input and norm output.
+const std::vector<std::string>& offload_tensor_groups();
+bool in_offload_group(std::string_view group, std::string_view tensor);
 
 // FP8 delayed scaling (Transformer Engine's default recipe): per fp8 GEMM an amax history
 // of this many steps for each of its three fp8 operands (input, weight, output gradient),
@@ -330,6 +347,9 @@ struct PlanSummary {
 
 struct Plan {
   Policy strategy = Policy::kAuto;
+  // The tensors --offload-tensors named, resolved (Note [Named offload tensors]); empty when
+  // the planner chose them.
+  std::vector<std::string> offload_tensors;
   std::vector<LayerPlan> layers;  // this pipeline stage's layers (the first stage)
   PlanSummary summary;
   int64_t params_total = 0;

@@ -55,6 +55,9 @@ struct TrainOptions {
   double margin = 0.10;
   bool compare = false;
   bool fused_swiglu = false;  // the SwiGLU backward recomputes mlp.act: only gate and up saved
+  // Note [Named offload tensors]: exactly these tensors offloaded in every offloading layer
+  // (names of docs/plan-schema.md or groups); empty: the planner chooses.
+  std::vector<std::string> offload_tensors;
   // Optimizer offload (docs/optim.md): "device" (the model's AdamW on the device) or
   // "offload" (optim::OptimizerOffload: fp32 master weights and moments in host memory,
   // bf16 weights and gradients on the device, STV, the host cast).

@@ -7,6 +7,7 @@ training step. ``import spillway`` does not import torch; ``import spillway.torc
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _spillway
@@ -46,6 +47,7 @@ def plan(
     grad_offload: bool = False,
     loss_chunk: int = 0,
     cpu_adam_gbps: Optional[float] = None,
+    offload_tensors: Optional[Sequence[str] | str] = None,
 ) -> dict[str, Any]:
     """Plan what to keep, offload or recompute, as ``spillway plan`` does.
 
@@ -65,6 +67,12 @@ def plan(
         margin: transfers must fit their window divided by ``1 + margin`` (0.10 = 10%).
         zero, fsdp: ZeRO stage over ``dp`` (``fsdp=True`` is ``zero=3``).
         optimizer: ``device`` or ``offload`` (CPU AdamW, state in host memory).
+        offload_tensors: state the experiment: exactly these saved tensors (names of
+            docs/plan-schema.md, or the groups ``attn``, ``mlp``, ``moe``, ``ssm``, ``lin``,
+            ``rec``; a list, or one comma-separated string) are offloaded in every layer
+            that offloads; the rest follows ``policy`` (``keep`` keeps it; ``recompute``,
+            ``offload`` recompute it; ``auto`` chooses per layer). None: the planner
+            chooses. ``plan["options"]["offload_tensors"]`` lists the names resolved.
 
     Raises:
         ValueError: a value out of range, naming the field and the value.
@@ -102,6 +110,16 @@ def plan(
         grad_offload,
         loss_chunk,
         cpu_adam_gbps,
+        _names(offload_tensors),
     )
     result: dict[str, Any] = json.loads(text)
     return result
+
+
+def _names(names: Optional[Sequence[str] | str]) -> list[str]:
+    """Names given as a sequence, or as one comma-separated string (as the CLI's flag)."""
+    if names is None:
+        return []
+    if isinstance(names, str):
+        return names.split(",")
+    return [str(n) for n in names]

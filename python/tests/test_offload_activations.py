@@ -320,3 +320,29 @@ def test_compiling_the_model_after_offload_is_said() -> None:
     with pytest.raises(ValueError, match="compiled in place"):
         with offload:
             pass
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_offload_tensors_offloads_exactly_the_named_tensors(name: str) -> None:
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    offload = st.offload_activations(
+        model, offload_tensors="mlp", pinned_bytes=64 << 20, min_bytes=1024
+    )
+    data = batch()
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    rep = offload.last_report()
+    offloaded = {k.split(":", 1)[1] for k in rep["counts"] if k.startswith("offloaded:")}
+    assert offloaded and offloaded <= {"mlp.gate_out", "mlp.up_out", "mlp.act"}, offloaded
+    assert rep["counts"]["kept_not_named"] > 0  # attention's tensors stayed
+    last = len(model.model.layers) - 1
+    assert all(layer["d2h_bytes"] == 0 for layer in rep["layers"] if layer["layer"] == last)
+    offload.remove()
+    with pytest.raises(ValueError, match="names 'mlp.gate', which the adapter never gives"):
+        st.offload_activations(model, offload_tensors=["mlp.gate"])
+    plan = spillway.plan("Llama-3.1-8B", "h100-pcie", policy="offload")
+    with pytest.raises(ValueError, match="plan and offload_tensors both say"):
+        st.offload_activations(model, plan, offload_tensors="mlp")

@@ -74,3 +74,21 @@ def test_infeasible_plan_is_returned_with_reasons() -> None:
     p = spillway.plan("Llama-3.1-70B", "h100-sxm", tp=8, policy="offload")
     assert p["summary"]["feasible"] is False
     assert p["summary"]["reasons"]
+
+
+def test_offload_tensors_states_the_experiment() -> None:
+    # Seed 000: exactly the three MLP activations in every layer that offloads.
+    kw: dict[str, object] = dict(micro_batch=24, seq_len=4096, ep=8, dp=8, policy="offload")
+    own = spillway.plan("Qwen3-30B-A3B", "gh200", **kw)  # type: ignore[arg-type]
+    for names in ("mlp", ["mlp.gate_out", "mlp.up_out", "mlp.act"], "mlp.act,mlp.up_out,mlp"):
+        p = spillway.plan("Qwen3-30B-A3B", "gh200", offload_tensors=names, **kw)  # type: ignore[arg-type]
+        assert p["options"]["offload_tensors"] == ["mlp.gate_out", "mlp.up_out", "mlp.act"]
+        for layer, mine in zip(p["layers"][:-1], own["layers"][:-1]):
+            moved = {t["name"] for t in layer["tensors"] if t["action"] == "offload"}
+            assert moved == {"mlp.gate_out", "mlp.up_out", "mlp.act"}
+            assert layer["offload_bytes"] < mine["offload_bytes"]  # the planner adds expert_out
+    assert "offload_tensors" not in own["options"]
+    with pytest.raises(ValueError, match="offload_tensors is mlp.gate; no tensor of that name"):
+        spillway.plan("Qwen3-30B-A3B", "gh200", offload_tensors=["mlp.gate"])
+    with pytest.raises(ValueError, match="is selective; chooses its own tensors"):
+        spillway.plan("Qwen3-30B-A3B", "gh200", policy="selective", offload_tensors="mlp")

@@ -69,6 +69,13 @@ void add_train_command(CLI::App& app) {
                 "Run keep, checkpoint, recompute, offload, selective, hybrid and auto on the same "
                 "seed and "
                 "print one table");
+  cmd->add_option("--offload-tensors", o->offload_tensors,
+                  "Exactly these saved tensors are offloaded in every layer that offloads "
+                  "(comma-separated names or groups, as for `spillway plan "
+                  "--offload-tensors`); the rest follows --policy")
+      ->delimiter(',')
+      ->excludes("--plan")
+      ->excludes("--compare");
   cmd->add_option("--device", o->device, "host (cuda: refused with the reason)")
       ->capture_default_str();
   in_range(cmd->add_option("--device-memory-mb", o->device_memory_mb,

@@ -1,6 +1,9 @@
 // Shared planning flags -> PlanRequest.
 #include "cli/plan_flags.hpp"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -41,6 +44,7 @@ constexpr FieldFlag kFieldFlags[] = {
     {"optimizer_offload", "--optimizer offload"},
     {"grad_offload", "--grad-offload"},
     {"loss_chunk", "--loss-chunk"},
+    {"offload_tensors", "--offload-tensors"},
     {"margin", "--margin"},
     {"layer_fwd_ms", "--layer-fwd-ms"},
     {"profile", "--profile"},
@@ -207,6 +211,14 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
                ->capture_default_str()
                ->group("Training state"),
            closed(0, static_cast<double>(L::kMaxLossChunk)));
+  cmd.add_option("--offload-tensors", f.offload_tensors,
+                 "State the experiment: exactly these saved tensors are offloaded in every layer "
+                 "that offloads (names of docs/plan-schema.md, comma-separated, or groups: attn, "
+                 "mlp = mlp.gate_out,mlp.up_out,mlp.act, moe, ssm, lin, rec); the rest follows "
+                 "--policy: keep keeps it, recompute and offload recompute it by the block "
+                 "policy, auto chooses per layer. Unknown names are refused with the model's")
+      ->delimiter(',')
+      ->group("Policy");
   cmd.add_option("--margin", f.margin,
                  "Headroom a copy must leave in its window: '10%' or 0.1 (copies share HBM "
                  "bandwidth with kernels) [0%, 1000%]")
@@ -322,6 +334,7 @@ PlanRequest make_request(const PlanFlags& f) {
   r.optimizer_offload = f.optimizer == "offload";
   r.grad_offload = f.grad_offload;
   r.loss_chunk = f.loss_chunk;
+  r.offload_tensors = f.offload_tensors;
   r.model = load_model(f.model);
   if (f.mtp) r.model = with_mtp_layers(std::move(r.model));
   r.hardware = load_hardware(f.hardware);
@@ -383,6 +396,25 @@ void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Pla
   agree("--grad-offload", "grad_offload", f.grad_offload, planned.grad_offload);
   agree("--loss-chunk", "loss_chunk", f.loss_chunk, planned.loss_chunk);
   agree("--prefetch-depth", "prefetch_depth", f.prefetch_depth, planned.prefetch_depth);
+  if (given("--offload-tensors")) {
+    // The given names, groups expanded over the tensors the plan's layers save.
+    std::vector<std::string> named;
+    for (const LayerPlan& l : plan.layers) {
+      for (const TensorPlan& t : l.tensors) {
+        const bool hit = std::any_of(
+            f.offload_tensors.begin(), f.offload_tensors.end(),
+            [&](const std::string& n) { return n == t.name || in_offload_group(n, t.name); });
+        if (hit && std::find(named.begin(), named.end(), t.name) == named.end())
+          named.push_back(t.name);
+      }
+    }
+    std::sort(named.begin(), named.end());
+    std::vector<std::string> in_plan = planned.offload_tensors;
+    std::sort(in_plan.begin(), in_plan.end());
+    agree("--offload-tensors", "offload_tensors", fmt::format("{}", fmt::join(named, ",")),
+          in_plan.empty() ? std::string("the planner's choice")
+                          : fmt::format("{}", fmt::join(in_plan, ",")));
+  }
   if (f.d2h_gbps) agree("--d2h-gbps", "d2h_gbps", *f.d2h_gbps, plan.summary.d2h_gbps);
   if (f.h2d_gbps) agree("--h2d-gbps", "h2d_gbps", *f.h2d_gbps, plan.summary.h2d_gbps);
   if (f.hbm_budget_gb &&

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "spillway/error.hpp"
 #include "spillway/plan.hpp"
@@ -39,6 +40,7 @@ struct PlanFlags {
   std::string optimizer = "device";
   bool grad_offload = false;
   int64_t loss_chunk = 0;
+  std::vector<std::string> offload_tensors;  // Note [Named offload tensors]
 };
 
 void add_plan_flags(CLI::App& cmd, PlanFlags& f);

@@ -54,6 +54,22 @@ OptionSet build_options(const Stage& st, size_t l, Policy strategy) {
   os.can_offload = l + static_cast<size_t>(st.keep_last) < st.layers.size();
   if (!os.can_offload) return os;
 
+  if (!st.offload_named.empty()) {
+    // Note [Named offload tensors]: exactly the named set, the rest recomputed or kept.
+    std::vector<Action> off = rec;
+    std::vector<Action> off_keep(nt, Action::kKeep);
+    for (size_t i = 0; i < nt; ++i) {
+      const TensorInfo& t = c.inv.tensors[i];
+      if (t.saved && std::find(st.offload_named.begin(), st.offload_named.end(), t.name) !=
+                         st.offload_named.end()) {
+        off[i] = Action::kOffload;
+        off_keep[i] = Action::kOffload;
+      }
+    }
+    os.offload = make_option(c, Policy::kOffload, std::move(off));
+    os.offload_keep = make_option(c, Policy::kOffload, std::move(off_keep));
+    return os;
+  }
   std::vector<Action> off = rec;
   for (size_t i = 0; i < nt; ++i) {
     if (c.inv.tensors[i].saved && is_mlp_tensor(c.inv.tensors[i].name)) off[i] = Action::kOffload;
@@ -248,6 +264,26 @@ Allowed allowed_options(const LayerOptions& lo, const Stage& st, Policy strategy
   for (size_t l = 0; l < n; ++l) {
     const OptionSet& os = lo.at(l);
     auto& a = allowed[l];
+    if (!st.offload_named.empty()) {
+      // Note [Named offload tensors]: an offloading layer offloads exactly the named set.
+      switch (strategy) {
+        case Policy::kKeep:
+          a = {os.can_offload ? &os.offload_keep : &os.keep};
+          break;
+        case Policy::kAuto:
+          a = {&os.keep, &os.recompute};
+          if (os.can_offload) {
+            for (const Option* o : {&os.offload, &os.offload_keep}) {
+              if (fits_window(*o, st, l)) a.push_back(o);
+            }
+          }
+          break;
+        default:  // recompute, offload (validate() refuses the others)
+          a = {os.can_offload ? &os.offload : &os.recompute};
+          break;
+      }
+      continue;
+    }
     switch (strategy) {
       case Policy::kKeep:
         a = {&os.keep};

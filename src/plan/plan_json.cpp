@@ -239,6 +239,7 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                   {"grad_offload", r.grad_offload},
                   {"loss_chunk", r.loss_chunk}};
   if (r.cpu_adam_gbps) j["options"]["cpu_adam_gbps"] = *r.cpu_adam_gbps;
+  if (!plan.offload_tensors.empty()) j["options"]["offload_tensors"] = plan.offload_tensors;
   Json layers = Json::array();
   for (const LayerPlan& l : plan.layers) {
     Json tensors = Json::array();
@@ -395,6 +396,10 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
   r.optimizer_offload = opts.bool_or("optimizer_offload", false);
   r.grad_offload = opts.bool_or("grad_offload", false);
   r.loss_chunk = opts.int_or("loss_chunk", 0, 0, PlanLimits::kMaxLossChunk);
+  if (opts.has("offload_tensors")) {
+    r.offload_tensors = opts.str_array_or("offload_tensors");
+    plan.offload_tensors = r.offload_tensors;
+  }
   if (opts.has("cpu_adam_gbps"))
     r.cpu_adam_gbps = opts.num_or("cpu_adam_gbps", 0.0, PlanLimits::kMinGbps, PlanLimits::kMaxGbps);
 

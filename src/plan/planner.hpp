@@ -36,7 +36,10 @@ struct Stage {
   int64_t budget = 0;
   int keep_last = 1;
   int prefetch = 1;
-  bool fp8 = false;                   // Note [FP8 recompute]
+  bool fp8 = false;  // Note [FP8 recompute]
+  // Note [Named offload tensors]: the saved tensors an offloading layer offloads, resolved;
+  // empty: the options choose them.
+  std::vector<std::string> offload_named;
   std::vector<int64_t> layer_params;  // per GPU
   std::vector<std::vector<CollectivePlan>>
       collectives;                  // per layer (Note [Collectives in the plan])
@@ -50,6 +53,9 @@ struct Stage {
 
 struct OptionSet {
   Option keep, recompute, offload, hybrid, selective_recompute, selective_keep, checkpoint;
+  // With named offload tensors (Note [Named offload tensors]): `offload` offloads them with
+  // the rest recomputed, `offload_keep` with the rest kept.
+  Option offload_keep;
   bool can_offload = false;
 };
 

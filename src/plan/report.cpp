@@ -2,6 +2,7 @@
 // shown once with their index range), the summary by memory category, and the reasons
 // when the strategy is infeasible.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -93,6 +94,15 @@ std::string format_plan_report(const Plan& plan, const PlanRequest& r) {
                       ? ""
                       : fmt::format(" + {} measured kernels", r.efficiency.measured.size()),
                   m.calibration == "roofline" ? "" : fmt::format("; scaled x{:.3f}", m.time_scale));
+  if (!plan.offload_tensors.empty()) {
+    out += fmt::format(
+        "  offload   exactly {} in every layer that offloads (--offload-tensors); "
+        "the rest {}\n",
+        fmt::join(plan.offload_tensors, ", "),
+        r.strategy == Policy::kKeep   ? "kept"
+        : r.strategy == Policy::kAuto ? "kept or recomputed by the block policy, per layer"
+                                      : "recomputed by the block policy");
+  }
   {
     const TrainingStatePlan& ts = m.state;
     std::string state = fmt::format("  state     ZeRO-{} over dp {}", ts.zero, r.work.dp);

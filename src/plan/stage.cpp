@@ -51,6 +51,10 @@ int64_t layer_params_per_gpu(const LayerSpec& l, int64_t hidden, const ShardShap
 Stage build_stage(const PlanRequest& r, Plan& plan) {
   const ShardShape& s = r.work.shape;
   Stage st;
+  if (!r.offload_tensors.empty()) {
+    st.offload_named = resolve_offload_tensors(r.model, s, r.offload_tensors);
+    plan.offload_tensors = st.offload_named;
+  }
   const int64_t total_layers = static_cast<int64_t>(r.model.layers.size());
   const int64_t n = (total_layers + r.work.pp - 1) / r.work.pp;
   // Cost each distinct layer spec once.

@@ -98,6 +98,17 @@ void validate(const PlanRequest& r) {
                          "needs optimizer_offload (gradients go to the optimizer on the host)");
   }
   within("cpu_adam_gbps", r.cpu_adam_gbps, L::kMinGbps, L::kMaxGbps);
+  // Note [Named offload tensors]: the strategies that choose their own tensors refuse a set.
+  if (!r.offload_tensors.empty()) {
+    if (r.strategy == Policy::kSelective || r.strategy == Policy::kHybrid ||
+        r.strategy == Policy::kCheckpoint) {
+      SPILLWAY_FIELD_ERROR(
+          "strategy", to_string(r.strategy),
+          "chooses its own tensors; with offload_tensors use keep (the rest kept), recompute or "
+          "offload (the rest recomputed by the block policy), or auto");
+    }
+    (void)resolve_offload_tensors(r.model, s, r.offload_tensors);
+  }
   if (r.loss_chunk < 0 || r.loss_chunk > L::kMaxLossChunk) {
     SPILLWAY_FIELD_ERROR("loss_chunk", r.loss_chunk, "must be in [0, {}] (0: the planner's choice)",
                          L::kMaxLossChunk);

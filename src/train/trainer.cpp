@@ -123,6 +123,7 @@ PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Policy s,
   r.h2d_gbps = r.hardware.h2d_typical.value;
   r.keep_last_layers = o.keep_last;
   r.prefetch_depth = o.prefetch_depth;
+  r.offload_tensors = o.offload_tensors;
   return r;
 }
 

@@ -804,5 +804,55 @@ TEST(CliBench, HybridGemmCountsExactlyTheClosedFormsBytes) {
   EXPECT_FALSE(std::filesystem::exists(out));
 }
 
+// Note [Named offload tensors] from the command line: plan, simulate and train take
+// --offload-tensors; a plan file carries the names, and a flag beside it must agree.
+TEST(Cli, OffloadTensorsStatesTheExperimentInPlanSimulateAndTrain) {
+  TempDir dir;
+  const std::string plan = (dir.path() / "seed000.json").string();
+  const std::string args =
+      "--model Qwen3-30B-A3B --hardware gh200 --micro-batch 24 --seq-len 4096 --ep 8 --dp 8 ";
+  const CliRun made =
+      run("plan " + args + "--policy offload --offload-tensors mlp --json " + plan, "2>&1");
+  EXPECT_TRUE(made.code == 0 || made.code == 3) << made.out;
+  EXPECT_TRUE(contains(made.out, "exactly mlp.gate_out, mlp.up_out, mlp.act in every layer"))
+      << made.out;
+  EXPECT_TRUE(contains(read_file(plan), "\"offload_tensors\"")) << plan;
+  // Beside the plan: the same names (a group or its members) agree; others are refused.
+  for (const char* same : {"mlp", "mlp.act,mlp.up_out,mlp.gate_out"}) {
+    const CliRun sim = run("simulate --plan " + plan + " --offload-tensors " + same);
+    EXPECT_TRUE(sim.code == 0 || sim.code == 3) << same << "\n" << sim.out;
+  }
+  const CliRun other = run("simulate --plan " + plan + " --offload-tensors attn");
+  EXPECT_EQ(other.code, 1) << other.out;
+  EXPECT_TRUE(contains(
+      other.out, "--offload-tensors is attn.core_lse,attn.out_proj_in,attn.qkv_out; the plan "))
+      << other.out;
+  // Unknown names are refused with the model's names, and nothing is written.
+  const std::string bad = (dir.path() / "bad.json").string();
+  const CliRun unknown = run("plan " + args + "--offload-tensors mlp.gate --json " + bad);
+  EXPECT_EQ(unknown.code, 1) << unknown.out;
+  EXPECT_TRUE(contains(unknown.out, "--offload-tensors is mlp.gate; no tensor of that name"))
+      << unknown.out;
+  EXPECT_TRUE(contains(unknown.out, "moe.dispatch_in, mlp.gate_out")) << unknown.out;
+  EXPECT_FALSE(std::filesystem::exists(bad));
+  const CliRun hybrid = run("plan " + args + "--policy hybrid --offload-tensors mlp");
+  EXPECT_EQ(hybrid.code, 1) << hybrid.out;
+  EXPECT_TRUE(contains(hybrid.out, "--policy is hybrid; chooses its own tensors")) << hybrid.out;
+  // train: the reference model offloads the named tensors only (fewer than the offload
+  // policy's own), losses unchanged.
+  const std::string train = "train --policy offload --steps 2 --quiet --json - ";
+  const CliRun own = run(train, "2>/dev/null");
+  const CliRun named = run(train + "--offload-tensors mlp", "2>/dev/null");
+  ASSERT_EQ(own.code, 0) << own.out;
+  ASSERT_EQ(named.code, 0) << named.out;
+  const Json a = Json::parse(own.out)["policies"][0];
+  const Json b = Json::parse(named.out)["policies"][0];
+  EXPECT_LT(b["offloaded_bytes"].get<int64_t>(), a["offloaded_bytes"].get<int64_t>());
+  EXPECT_GT(b["offloaded_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(b["loss"].get<double>(), a["loss"].get<double>());
+  const CliRun excl = run(train + "--offload-tensors mlp --compare");
+  EXPECT_EQ(excl.code, 2) << excl.out;
+}
+
 }  // namespace
 }  // namespace spillway

@@ -130,6 +130,7 @@ class OffloadActivations:
         d2h_gbps: float = 0.0,
         h2d_gbps: float = 0.0,
         on_step: Optional[Callable[[dict[str, Any]], None]] = None,
+        offload_tensors: Optional[Sequence[str] | str] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations: model must be an nn.Module, not {type(model)}")
@@ -180,7 +181,16 @@ class OffloadActivations:
         self._checkpointed: list[int] = []
         self._originals: dict[int, Any] = {}
         if plan is not None:
+            if offload_tensors is not None:
+                raise ValueError(
+                    "offload_activations: plan and offload_tensors both say which tensors go "
+                    "to the host; plan with them instead (spillway.plan(..., "
+                    "offload_tensors=...))"
+                )
             self._read_plan(plan)
+        elif offload_tensors is not None:
+            self._read_names(offload_tensors)
+        self._plan_mode = plan is not None
         # Plan mode names each saved tensor (Note [Names of Hugging Face tensors]): the
         # submodules running, and the tensors some of them produced or were given.
         self._running: list[str] = []
@@ -252,6 +262,27 @@ class OffloadActivations:
             )
         self._offload_names = names
         self.keep_last = 0  # the plan decides which layers keep everything
+
+    def _read_names(self, offload_tensors: Sequence[str] | str) -> None:
+        # Note [Named offload tensors]: exactly the named tensors (by Note [Names of Hugging
+        # Face tensors]) of every block but the last keep_last; the rest kept.
+        given = offload_tensors.split(",") if isinstance(offload_tensors, str) else offload_tensors
+        groups = _spillway.offload_tensor_groups()
+        named: set[str] = set()
+        for n in given:
+            if n in groups:
+                named |= {a for a in _ADAPTER_NAMES if _spillway.in_offload_group(n, a)}
+            elif n in _ADAPTER_NAMES:
+                named.add(n)
+            else:
+                raise ValueError(
+                    f"offload_activations: offload_tensors names {n!r}, which the adapter "
+                    f"never gives a tensor; it names {', '.join(sorted(_ADAPTER_NAMES))} "
+                    f"(groups: {', '.join(groups)}; docs/python.md)"
+                )
+        if not named:
+            raise ValueError(f"offload_activations: offload_tensors is {list(given)!r}: empty")
+        self._offload_names = [frozenset(named) for _ in self.layers]
 
     def _wrap_in_checkpoint(self, i: int) -> None:
         block = self.layers[i]
@@ -389,7 +420,7 @@ class OffloadActivations:
         if self._offload_names is not None:
             name = self._plan_name(t)
             if name not in self._offload_names[layer]:
-                self._counts["kept_by_plan"] += 1
+                self._counts["kept_by_plan" if self._plan_mode else "kept_not_named"] += 1
                 return t
         nbytes = t.nbytes
         # A tensor saved again (the input of q, k and v projections) is offloaded once: the
@@ -693,6 +724,10 @@ def offload_activations(
         prefetch_depth: blocks ahead that backward reloads (default 1).
         inflight_bound_bytes: bound on D2H bytes in flight (0: none); an offload beyond it
             waits (back-pressure, counted as stall).
+        offload_tensors: exactly these saved tensors (their planner names, Note [Names of
+            Hugging Face tensors], or the groups ``attn``, ``mlp``, ``moe``; a list or one
+            comma-separated string) go to the host in every block but the last
+            ``keep_last``; the rest is kept. Not with ``plan`` (plan with them instead).
         verify: checksum every tensor at offload and check it at reload.
         d2h_gbps, h2d_gbps: on CPU, throttle the emulated copies (0: memcpy speed).
         on_step: called with each step's telemetry when the step ends.
@@ -733,6 +768,12 @@ _RUNNING_RULES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)experts$", "moe.dispatch_in"),
     (r"(^|\.)(router|gate)$", "moe.router_probs"),
     (r"(^|\.)(self_attn|attention|attn)$", "attn.qkv_out"),
+)
+
+
+# Every name the rules give a tensor: what offload_tensors may name.
+_ADAPTER_NAMES: frozenset[str] = frozenset(
+    name for rules in (_OUTPUT_RULES, _INPUT_RULES, _RUNNING_RULES) for _, name in rules
 )
 
 
