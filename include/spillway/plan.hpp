@@ -209,6 +209,11 @@ struct OpPlan {  // one forward op of a layer and its backward
   int64_t bwd_bytes = 0;
   double fwd_ms = 0.0;
   double bwd_ms = 0.0;
+  // The tensors it reads and writes, by name (saved ones and the transient intermediates
+  // between ops): the graph a plan's recompute closure is re-derived from (Note [Plans
+  // re-timed from their actions], src/plan/plan_json.cpp).
+  std::vector<std::string> inputs;
+  std::vector<std::string> outputs;
 };
 
 // A collective a layer issues (docs/collectives.md): its ring time from the message size S
@@ -350,6 +355,9 @@ struct Plan {
   // The tensors --offload-tensors named, resolved (Note [Named offload tensors]); empty when
   // the planner chose them.
   std::vector<std::string> offload_tensors;
+  // What reading the plan back found (Note [Plans re-timed from their actions]): a file
+  // whose stored times disagree with its actions, re-timed; empty for a plan as written.
+  std::vector<std::string> notes;
   std::vector<LayerPlan> layers;  // this pipeline stage's layers (the first stage)
   PlanSummary summary;
   int64_t params_total = 0;
@@ -361,6 +369,14 @@ struct Plan {
 // spillway::InputError naming the field ("micro_batch is 0; must be >= 1"); an infeasible
 // strategy is a value (summary.feasible == false).
 Plan make_plan(const PlanRequest& request);
+
+// Note [Plans re-timed from their actions] (src/plan/plan_json.cpp): the plan `given` (read
+// from a file, perhaps edited) judged for `request` as make_plan judges a choice: each layer
+// of the first stage runs the actions `given` has for its saved tensors (by name; a tensor
+// it does not list is kept), under the policy label it has; times, peak, step and verdict
+// are derived from those actions. `given` must be of the request's model and workload
+// (check_plan_matches).
+Plan retime_plan(const PlanRequest& request, const Plan& given);
 
 // Reads a calibration profile (schema spillway.profile/1: {"layers": [{"index", "fwd_ms",
 // "bwd_ms"}], "ops": [...]}); "layers" may be absent when "ops" is given.

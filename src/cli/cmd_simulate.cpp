@@ -1,4 +1,5 @@
 // `spillway simulate`: replay a plan as a timeline; find snowballs and stalls; draw them.
+#include <cstdio>
 #include <memory>
 
 #include "cli/commands.hpp"
@@ -98,6 +99,9 @@ void add_simulate_command(CLI::App& app) {
     if (!st->plan_path.empty()) {
       plan = load_plan_json(st->plan_path, &req);
       refuse_flags_beside_plan(*cmd, st->flags, plan, req, st->plan_path);
+      // Note [Plans re-timed from their actions]: an edited file is said, once, on stderr.
+      for (const std::string& note : plan.notes)
+        std::fprintf(stderr, "spillway simulate: note: %s\n", note.c_str());
     } else {
       req = make_request(st->flags);
       plan = make_plan(req);

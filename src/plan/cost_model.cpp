@@ -152,6 +152,7 @@ ActionCost evaluate_actions(const CostedLayer& c, const std::vector<Action>& act
   for (size_t k = 0; k < n_ops; ++k) {
     if (rerun >> k & 1u) r.recompute_ms += c.op_fwd_ms[k];
   }
+  r.rerun_ops = rerun;
   return r;
 }
 

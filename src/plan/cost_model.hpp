@@ -50,6 +50,7 @@ struct ActionCost {
   int64_t rematerialized_bytes = 0;
   double recompute_ms = 0.0;  // forward ops re-run in backward (closure over inputs)
   bool valid = true;          // false when a recompute needs an input that no longer exists
+  uint64_t rerun_ops = 0;     // bit k: op k runs again in backward
 };
 ActionCost evaluate_actions(const CostedLayer& layer, const std::vector<Action>& actions);
 

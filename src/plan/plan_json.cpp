@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "core/json_io.hpp"
+#include "plan/cost_model.hpp"
 #include "spillway/error.hpp"
 #include "spillway/inventory.hpp"
 #include "spillway/plan.hpp"
@@ -263,7 +264,9 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                      {"bwd_flops", o.bwd_flops},
                      {"bwd_bytes", o.bwd_bytes},
                      {"fwd_ms", o.fwd_ms},
-                     {"bwd_ms", o.bwd_ms}});
+                     {"bwd_ms", o.bwd_ms},
+                     {"inputs", o.inputs},
+                     {"outputs", o.outputs}});
     }
     Json collectives = Json::array();
     for (const CollectivePlan& c : l.collectives) {
@@ -349,6 +352,64 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
 
 namespace {
 
+// Note [Plans re-timed from their actions]: a plan file's per-layer figures follow from its
+// tensors' actions. The recompute time is the forward time of the closure of ops that the
+// recomputed tensors need (Note [Recompute closure], src/plan/cost_model.cpp), over the
+// layer's op graph the file carries (each op's `inputs` and `outputs`, saved tensors and
+// the transient ones between ops) and the ops' forward times; the kept, offloaded and
+// re-materialized bytes are sums over the actions. Reading a plan derives them again with
+// the planner's own evaluate_actions, so a plan as written reads back bit for bit. A file
+// whose stored figures disagree with its actions by more than rounding was edited (an
+// action changed, not its times): the derived figures replace the stored ones, and a note
+// names the file as edited with the layers and numbers. What the simulator replays
+// (`simulate --plan`) is then what the actions cost; `train --plan` re-plans an edited
+// file's actions for its prediction (retime_plan in plan.hpp). A file written before the
+// op graph was (no `inputs`/`outputs`) keeps its stored recompute times; when its bytes
+// disagree with its actions the note says that the times could not be re-derived.
+
+// The layer as the cost model sees it, from the file: its ops (times and graph) and its
+// tensors (the saved ones with their actions, then the transient ones the ops name).
+CostedLayer costed_from_file(const LayerPlan& lp, std::vector<Action>* actions) {
+  CostedLayer c;
+  auto index_of = [&](const std::string& name, int producer) -> int {
+    for (size_t i = 0; i < c.inv.tensors.size(); ++i) {
+      if (c.inv.tensors[i].name == name) return static_cast<int>(i);
+    }
+    TensorInfo t;
+    t.name = name;
+    t.saved = false;
+    t.producer = producer;
+    c.inv.tensors.push_back(std::move(t));
+    actions->push_back(Action::kKeep);
+    return static_cast<int>(c.inv.tensors.size()) - 1;
+  };
+  for (const TensorPlan& t : lp.tensors) {
+    TensorInfo ti;
+    ti.name = t.name;
+    ti.bytes = t.bytes;
+    ti.producer = t.producer;
+    c.inv.tensors.push_back(std::move(ti));
+    actions->push_back(t.action);
+  }
+  for (size_t k = 0; k < lp.ops.size(); ++k) {
+    OpCost op;
+    op.name = lp.ops[k].name;
+    for (const std::string& out : lp.ops[k].outputs)
+      op.outputs.push_back(index_of(out, static_cast<int>(k)));
+    c.inv.ops.push_back(std::move(op));
+    c.op_fwd_ms.push_back(lp.ops[k].fwd_ms);
+  }
+  // Inputs after every output is known (a transient tensor is named by its producer).
+  for (size_t k = 0; k < lp.ops.size(); ++k) {
+    for (const std::string& in : lp.ops[k].inputs) c.inv.ops[k].inputs.push_back(index_of(in, -1));
+  }
+  return c;
+}
+
+bool differs(double derived, double stored) {
+  return std::abs(derived - stored) > 1e-9 * std::max(1.0, std::abs(stored));
+}
+
 Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* request) {
   constexpr const char* kWhat = "plan";
   JsonObject root(doc, kWhat, path);
@@ -420,6 +481,9 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
            fmt::format(
                "is \"{}\"; must be keep, recompute, offload, selective, hybrid or checkpoint", p));
   };
+  std::vector<int> edited;     // layers whose stored figures disagree with their actions
+  std::vector<int> ungraphed;  // the same in a file without the op graph
+  std::string first_edit;
   for (const JsonObject& l : root.obj_array("layers")) {
     LayerPlan lp;
     lp.index = static_cast<int>(l.req_int("index", 0, 1 << 24));
@@ -439,6 +503,7 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
     lp.bwd_ms = l.req_num("bwd_ms", 0.0, 1e9);
     lp.recompute_ms = l.req_num("recompute_ms", 0.0, 1e9);
     lp.params = l.int_or("params", 0, 0, kBig);
+    bool graph = true;  // every op names its inputs and outputs
     for (const JsonObject& o : l.obj_array("ops")) {
       OpPlan op;
       op.name = o.req_str("name");
@@ -447,9 +512,17 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
       op.bwd_ms = o.num_or("bwd_ms", 0.0, 0.0, 1e9);
       op.fwd_flops = o.num_or("fwd_flops", 0.0, 0.0, 1e30);
       op.fwd_bytes = o.int_or("fwd_bytes", 0, 0, kBig);
+      if (o.has("inputs") && o.has("outputs")) {
+        op.inputs = o.str_array_or("inputs");
+        op.outputs = o.str_array_or("outputs");
+      } else {
+        graph = false;
+      }
       lp.ops.push_back(std::move(op));
     }
     if (lp.ops.empty()) l.fail("ops", "is missing or empty; the simulator needs the layer's ops");
+    if (lp.ops.size() > 64)
+      l.fail("ops", fmt::format("has {} entries; a layer has at most 64 ops", lp.ops.size()));
     for (const JsonObject& c : l.obj_array("collectives"))
       lp.collectives.push_back(collective_of(c));
     for (const JsonObject& t : l.obj_array("tensors")) {
@@ -475,9 +548,52 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
       }
       lp.tensors.push_back(std::move(tp));
     }
+    // Note [Plans re-timed from their actions].
+    const int64_t stored_kept = l.int_or("kept_bytes", lp.kept_bytes, 0, kBig);
+    const int64_t stored_offload = l.int_or("offload_bytes", lp.offload_bytes, 0, kBig);
+    std::vector<Action> actions;
+    const CostedLayer c = costed_from_file(lp, &actions);
+    const ActionCost cost = evaluate_actions(c, actions);
+    const bool bytes_differ = stored_kept != lp.kept_bytes || stored_offload != lp.offload_bytes;
+    if (graph) {
+      if (bytes_differ || differs(cost.recompute_ms, lp.recompute_ms)) {
+        if (edited.empty()) {
+          std::vector<std::string> rerun;
+          for (size_t k = 0; k < c.inv.ops.size(); ++k) {
+            if (cost.rerun_ops >> k & 1u) rerun.push_back(c.inv.ops[k].name);
+          }
+          first_edit = fmt::format(
+              "layer {}: its actions re-run {} in backward, {:.3f} ms, the file says {:.3f} ms; "
+              "kept {} bytes, the file says {}; offloaded {} bytes, the file says {}",
+              lp.index,
+              rerun.empty() ? std::string("nothing") : fmt::format("{}", fmt::join(rerun, ", ")),
+              cost.recompute_ms, lp.recompute_ms, lp.kept_bytes, stored_kept, lp.offload_bytes,
+              stored_offload);
+        }
+        edited.push_back(lp.index);
+      }
+      lp.recompute_ms = cost.recompute_ms;
+      lp.rematerialized_bytes = cost.rematerialized_bytes;
+    } else if (bytes_differ) {
+      ungraphed.push_back(lp.index);
+    }
     plan.layers.push_back(std::move(lp));
   }
   if (plan.layers.empty()) root.fail("layers", "is missing or empty");
+  if (!edited.empty()) {
+    plan.notes.push_back(fmt::format(
+        "{} was edited: the actions of {} layer(s) ({}) disagree with the times and bytes it "
+        "stores ({}); re-timed from the actions (the summary's predictions are from before the "
+        "edit)",
+        path, edited.size(), fmt::join(edited, ", "), first_edit));
+  }
+  if (!ungraphed.empty()) {
+    plan.notes.push_back(fmt::format(
+        "{} was edited: the actions of {} layer(s) ({}) disagree with the bytes it stores, and "
+        "the file carries no op graph (written before ops had inputs and outputs), so their "
+        "recompute times are the file's, not their actions'; plan again",
+        path, ungraphed.size(), fmt::join(ungraphed, ", ")));
+  }
   if (model_layers > 0) {
     const int64_t stage = (model_layers + r.work.pp - 1) / r.work.pp;
     if (static_cast<int64_t>(plan.layers.size()) != stage) {

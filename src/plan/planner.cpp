@@ -9,6 +9,30 @@
 
 namespace spillway {
 
+namespace {
+
+// What every plan gets once its layers' options are chosen: the summary, the offloaded
+// optimizer, the collectives' time and the step, the per-block numbers and the verdict.
+void finish_plan(const PlanRequest& r, const planner::Stage& st, planner::Timelines& timelines,
+                 double unhidden, double rec_unhidden, double keep_unhidden, Plan& plan) {
+  using namespace planner;
+  fill_summary(timelines, r.work.grad_accum, plan);
+  if (r.optimizer_offload) plan_offloaded_optimizer(r, plan);
+  plan_collective_time(r, unhidden, plan);
+  {
+    PlanSummary& s = plan.summary;
+    s.step_ms += s.state.optimizer_ms + unhidden;
+    s.recompute_step_ms += s.state.optimizer_ms + rec_unhidden;
+    s.keep_step_ms += s.state.optimizer_ms + keep_unhidden;
+    s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
+  }
+  summarize_blocks(st, r, plan);
+  plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);
+  plan.summary.feasible = plan.summary.reasons.empty();
+}
+
+}  // namespace
+
 Plan make_plan(const PlanRequest& r) {
   using namespace planner;
   validate(r);
@@ -40,19 +64,42 @@ Plan make_plan(const PlanRequest& r) {
     timelines = final_timelines(st, options, all_rec);
     unhidden = rec_unhidden;
   }
-  fill_summary(timelines, ga, plan);
-  if (r.optimizer_offload) plan_offloaded_optimizer(r, plan);
-  plan_collective_time(r, unhidden, plan);
-  {
-    PlanSummary& s = plan.summary;
-    s.step_ms += s.state.optimizer_ms + unhidden;
-    s.recompute_step_ms += s.state.optimizer_ms + rec_unhidden;
-    s.keep_step_ms += s.state.optimizer_ms + keep_unhidden;
-    s.speedup_vs_recompute = s.recompute_step_ms / s.step_ms;
+  finish_plan(r, st, timelines, unhidden, rec_unhidden, keep_unhidden, plan);
+  return plan;
+}
+
+Plan retime_plan(const PlanRequest& r, const Plan& given) {
+  using namespace planner;
+  validate(r);
+  Plan plan;
+  plan.strategy = r.strategy;
+  const Stage st = build_stage(r, plan);
+  plan.offload_tensors = given.offload_tensors;
+  // The references (keep, block recompute) as make_plan has them; the choice is the file's.
+  const LayerOptions options = build_layer_options(st, Policy::kKeep);
+  const size_t n = st.layers.size();
+  std::vector<Option> own(n);
+  std::vector<const Option*> choice(n);
+  for (size_t l = 0; l < n; ++l) {
+    const CostedLayer& c = st.layers[l];
+    Option& o = own[l];
+    o.actions.assign(c.inv.tensors.size(), Action::kKeep);
+    if (l < given.layers.size()) {
+      o.policy = given.layers[l].policy;
+      for (const TensorPlan& t : given.layers[l].tensors) {
+        const int i = c.inv.find(t.name);
+        if (i >= 0 && c.inv.tensors[static_cast<size_t>(i)].saved)
+          o.actions[static_cast<size_t>(i)] = t.action;
+      }
+    }
+    o.cost = evaluate_actions(c, o.actions);
+    choice[l] = &o;
   }
-  summarize_blocks(st, r, plan);
-  plan.summary.reasons = infeasibility_reasons(plan, timelines, st, r);
-  plan.summary.feasible = plan.summary.reasons.empty();
+  Timelines timelines = final_timelines(st, options, choice);
+  const int64_t ga = r.work.grad_accum;
+  finish_plan(r, st, timelines, overlapped_step_delay(st, timelines.chosen.layers, ga),
+              overlapped_step_delay(st, timelines.recompute.layers, ga),
+              overlapped_step_delay(st, timelines.keep.layers, ga), plan);
   return plan;
 }
 

@@ -203,8 +203,18 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
       lp.fwd_bytes = checked_add(lp.fwd_bytes, op.fwd_bytes, kBytesWhat);
       lp.bwd_bytes = checked_add(lp.bwd_bytes, op.bwd_bytes, kBytesWhat);
       if (detail) {
-        lp.ops.push_back({op.name, op.kind, op.fwd_flops, op.fwd_bytes, op.bwd_flops, op.bwd_bytes,
-                          c.op_fwd_ms[k], c.op_bwd_ms[k]});
+        OpPlan& p = lp.ops.emplace_back(OpPlan{op.name,
+                                               op.kind,
+                                               op.fwd_flops,
+                                               op.fwd_bytes,
+                                               op.bwd_flops,
+                                               op.bwd_bytes,
+                                               c.op_fwd_ms[k],
+                                               c.op_bwd_ms[k],
+                                               {},
+                                               {}});
+        for (int ti : op.inputs) p.inputs.push_back(c.inv.tensors[static_cast<size_t>(ti)].name);
+        for (int ti : op.outputs) p.outputs.push_back(c.inv.tensors[static_cast<size_t>(ti)].name);
       }
     }
     lp.recompute_ms = o.cost.recompute_ms;

@@ -376,6 +376,15 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
     check_plan_matches(*plan, req, plan_request(c, o, Policy::kAuto, fwd_ms), name);
     MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
+    if (!plan->notes.empty()) {
+      // Note [Plans re-timed from their actions]: an edited file's predictions were made
+      // before the edit; its actions are planned again for this run's request.
+      std::vector<std::string> notes = plan->notes;
+      *plan = retime_plan(plan_request(c, o, req.strategy, fwd_ms), *plan);
+      plan->notes = notes;
+      p.note = fmt::format("{}; the prediction is re-planned from its actions for this run",
+                           fmt::join(notes, "; "));
+    }
     return p;
   }
   const Policy s = strategy_of(name);
@@ -559,7 +568,9 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
     r.predicted_step_ms = plan.summary.step_ms;
     r.predicted_peak_bytes = plan.summary.peak.total();
     r.predicted_feasible = plan.summary.feasible;
-    r.prediction_calibrated = !is_plan_path(name);
+    // A plan file's prediction is its own, unless the file was edited (re-planned for this
+    // run: Note [Plans re-timed from their actions]).
+    r.prediction_calibrated = !is_plan_path(name) || !plan.notes.empty();
     rep.policies.push_back(std::move(r));
   }
   const PolicyResult* ref = nullptr;

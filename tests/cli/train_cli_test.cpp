@@ -511,3 +511,44 @@ TEST(TrainCli, CompareGoesOnWhenAPolicyCannotRun) {
 
 }  // namespace
 }  // namespace spillway
+
+namespace spillway {
+namespace {
+
+// Note [Plans re-timed from their actions]: a plan file edited by hand (an action changed,
+// not its times) is named as edited by simulate and train, and re-timed from its actions.
+TEST(TrainCli, AnEditedPlanFileIsSaidAndReTimedFromItsActions) {
+  TempDir dir;
+  const std::string model = std::string(SPILLWAY_DATA_DIR) + "/nn/tiny-moe.json";
+  const std::string plan = dir.file("plan.json");
+  const TrainRun p = run("plan --model '" + model + "' --hardware gh200 " + kTiny +
+                             " --dtype fp32 --policy offload --quiet --json '" + plan + "'",
+                         dir);
+  ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
+  const TrainRun sim0 = run("simulate --plan '" + plan + "' --json -", dir);
+  EXPECT_FALSE(contains(sim0.err, "was edited")) << shown(sim0);
+  Json doc = parse_or_fail(read_file(plan));
+  for (Json& t : doc["layers"][0]["tensors"]) {
+    if (t["action"] == "offload") t["action"] = "recompute";
+  }
+  const std::string edited = dir.file("edited.json");
+  std::ofstream(edited) << doc.dump(2);
+  const TrainRun sim = run("simulate --plan '" + edited + "' --json -", dir);
+  EXPECT_TRUE(sim.code == 0 || sim.code == 3) << shown(sim);
+  EXPECT_TRUE(contains(sim.err, "edited.json was edited: the actions of 1 layer(s) (0)"))
+      << shown(sim);
+  // The simulator recomputes what the edited actions re-run.
+  EXPECT_GT(parse_or_fail(sim.out)["recompute_ms"].get<double>(),
+            parse_or_fail(sim0.out)["recompute_ms"].get<double>());
+  const TrainRun r =
+      run("train --model '" + model + "' --plan '" + edited + "' " + kTiny + " --steps 2 --json -",
+          dir);
+  ASSERT_EQ(r.code, 0) << shown(r);
+  const Json j = parse_or_fail(r.out);
+  const Json& q = j["policies"][0];
+  EXPECT_TRUE(contains(q.value("actions", ""), "was edited")) << q.dump(2);
+  EXPECT_TRUE(q.value("prediction_calibrated", false)) << q.dump(2);
+}
+
+}  // namespace
+}  // namespace spillway

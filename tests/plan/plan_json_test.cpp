@@ -13,6 +13,7 @@
 #include "core/json_io.hpp"
 #include "plan_helpers.hpp"
 #include "spillway/collectives.hpp"
+#include "spillway/sim.hpp"
 #include "test_support.hpp"
 
 namespace spillway {
@@ -462,6 +463,107 @@ TEST(PlanJsonCollectives, RoundTripAbsentAndBadEntries) {
   not_array["layers"][2]["collectives"] = 3;
   expect_holds(load_error(r, [&](Json& d) { d = not_array; }),
                {"\"layers[2].collectives\" is 3; must be an array"});
+}
+
+}  // namespace
+}  // namespace spillway
+
+namespace spillway {
+namespace {
+
+// Note [Plans re-timed from their actions]: an action edited by hand in a plan file is
+// re-timed from the file's op graph; the recompute time follows the action, the file is
+// named as edited, and a plan as written reads back with its own figures bit for bit.
+TEST(PlanRetimed, EditingAnActionMakesTheRecomputeTimeFollow) {
+  const PlanRequest off = generous(request("Qwen3-30B-A3B", "gh200", 2, 8192, Policy::kOffload));
+  PlanRequest rec = off;
+  rec.strategy = Policy::kRecompute;
+  const Plan p_off = make_plan(off);
+  const Plan p_rec = make_plan(rec);
+  Json doc = Json::parse(plan_to_json(p_off, off));
+  // As written: every figure reads back bit for bit, no note.
+  PlanRequest back;
+  const Plan same = parse_plan_json(doc.dump(), "offload.json", &back);
+  EXPECT_TRUE(same.notes.empty());
+  for (size_t l = 0; l < same.layers.size(); ++l) {
+    EXPECT_EQ(same.layers[l].recompute_ms, p_off.layers[l].recompute_ms) << l;
+    EXPECT_EQ(same.layers[l].rematerialized_bytes, p_off.layers[l].rematerialized_bytes) << l;
+  }
+  // Layer 0 recomputes moe.expert_out instead of offloading it: the experts' down
+  // projection runs again in backward, and the file's stored time no longer holds.
+  Json& t0 = doc["layers"][0]["tensors"];
+  for (Json& t : t0) {
+    if (t["name"] == "moe.expert_out") t["action"] = "recompute";
+  }
+  const Plan edited = parse_plan_json(doc.dump(), "offload.json", &back);
+  ASSERT_EQ(edited.notes.size(), 1u);
+  EXPECT_NE(edited.notes[0].find("offload.json was edited: the actions of 1 layer(s) (0)"),
+            std::string::npos)
+      << edited.notes[0];
+  EXPECT_NE(edited.notes[0].find("re-run attn.norm, attn.qkv, attn.core, mlp.down in backward"),
+            std::string::npos)
+      << edited.notes[0];
+  EXPECT_GT(edited.layers[0].recompute_ms, p_off.layers[0].recompute_ms);
+  EXPECT_EQ(edited.layers[1].recompute_ms, p_off.layers[1].recompute_ms);
+  // Every layer edited to the recompute plan's actions: its recompute times, bit for bit.
+  for (size_t l = 0; l < p_rec.layers.size(); ++l) {
+    Json& ts = doc["layers"][l]["tensors"];
+    for (size_t i = 0; i < ts.size(); ++i)
+      ts[i]["action"] = to_string(p_rec.layers[l].tensors[i].action);
+  }
+  const Plan all = parse_plan_json(doc.dump(), "offload.json", &back);
+  ASSERT_EQ(all.notes.size(), 1u);
+  for (size_t l = 0; l < all.layers.size(); ++l) {
+    EXPECT_EQ(all.layers[l].recompute_ms, p_rec.layers[l].recompute_ms) << l;
+    EXPECT_EQ(all.layers[l].offload_bytes, 0) << l;
+    EXPECT_EQ(all.layers[l].kept_bytes, p_rec.layers[l].kept_bytes) << l;
+  }
+  // The simulator replays what the actions cost, not what the file said.
+  SimOptions o;
+  o.keep_tasks = false;
+  const SimResult sim_edited = simulate_training_step(all, back, o);
+  PlanRequest rec_back;
+  const Plan rec_read = parse_plan_json(plan_to_json(p_rec, rec), "recompute.json", &rec_back);
+  const SimResult sim_rec = simulate_training_step(rec_read, rec_back, o);
+  EXPECT_EQ(sim_edited.summary.recompute_ms, sim_rec.summary.recompute_ms);
+  EXPECT_EQ(sim_edited.summary.d2h_bytes, 0);
+}
+
+// retime_plan judges a given choice as make_plan judges its own: a plan re-timed for its
+// own request is the same plan, field for field, for every strategy.
+TEST(PlanRetimed, APlanReTimedForItsOwnRequestIsTheSamePlan) {
+  for (const char* name : {"Qwen3-30B-A3B", "Llama-3.1-8B", "DeepSeek-V3", "Jamba-Mini-1.5"}) {
+    for (Policy s : {Policy::kAuto, Policy::kKeep, Policy::kRecompute, Policy::kOffload,
+                     Policy::kSelective, Policy::kHybrid, Policy::kCheckpoint}) {
+      SCOPED_TRACE(std::string(name) + " " + to_string(s));
+      PlanRequest r = request(name, "gh200", 2, 8192, s);
+      if (std::string(name) == "DeepSeek-V3") {
+        r.work.shape.ep = 8;
+        r.work.shape.tp = 8;
+      }
+      const Plan p = make_plan(r);
+      EXPECT_EQ(plan_to_json(retime_plan(r, p), r), plan_to_json(p, r));
+    }
+  }
+}
+
+TEST(PlanRetimed, AFileWithoutTheOpGraphKeepsItsTimesAndSaysSoWhenEdited) {
+  const PlanRequest off = generous(request("Llama-3.1-8B", "gh200", 1, 4096, Policy::kOffload));
+  const Plan p = make_plan(off);
+  Json doc = Json::parse(plan_to_json(p, off));
+  for (Json& l : doc["layers"]) {
+    for (Json& op : l["ops"]) {
+      op.erase("inputs");
+      op.erase("outputs");
+    }
+  }
+  PlanRequest back;
+  EXPECT_TRUE(parse_plan_json(doc.dump(), "old.json", &back).notes.empty());
+  doc["layers"][2]["tensors"][0]["action"] = "offload";  // attn.input
+  const Plan q = parse_plan_json(doc.dump(), "old.json", &back);
+  ASSERT_EQ(q.notes.size(), 1u);
+  EXPECT_NE(q.notes[0].find("no op graph"), std::string::npos) << q.notes[0];
+  EXPECT_EQ(q.layers[2].recompute_ms, p.layers[2].recompute_ms);
 }
 
 }  // namespace
