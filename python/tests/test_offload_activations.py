@@ -209,10 +209,13 @@ def test_a_plan_offloads_only_its_tensors_and_checkpoints_its_recompute_layers(
         {t["name"] for t in layer["tensors"] if t["action"] == "offload"}
         for layer in plan["layers"]
     ]
+    # Layers that recompute anything run under checkpointing (a partial one selectively:
+    # Note [Selective recompute of a plan]).
     recomputed = [
         i
         for i, layer in enumerate(plan["layers"])
-        if layer["policy"] in ("recompute", "checkpoint")
+        if layer["policy"] == "checkpoint"
+        or any(t["action"] == "recompute" for t in layer["tensors"])
     ]
     assert recomputed, "the planner recomputes the last layer at least"
     runs = [0] * len(model.model.layers)
@@ -228,7 +231,11 @@ def test_a_plan_offloads_only_its_tensors_and_checkpoints_its_recompute_layers(
     # Every layer runs its forward once, and a recomputed one once more in backward.
     assert runs == [2 if i in recomputed else 1 for i in range(len(runs))]
     assert rep["counts"]["checkpointed_layers"] == len(recomputed)
-    offloaded = {k.split(":", 1)[1] for k in rep["counts"] if k.startswith("offloaded:")}
+    offloaded = {
+        k.split(":", 1)[1]
+        for k in rep["counts"]
+        if k.startswith(("offloaded:", "selective_offloaded:"))
+    }
     assert offloaded <= set().union(*planned)
     for layer in rep["layers"]:
         if layer["d2h_bytes"]:
@@ -346,3 +353,49 @@ def test_offload_tensors_offloads_exactly_the_named_tensors(name: str) -> None:
     plan = spillway.plan("Llama-3.1-8B", "h100-pcie", policy="offload")
     with pytest.raises(ValueError, match="plan and offload_tensors both say"):
         st.offload_activations(model, plan, offload_tensors="mlp")
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload", "hybrid"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_partial_plan_runs_as_planned_by_selective_recompute(
+    name: str, policy: str, tmp_path: Any
+) -> None:
+    """Note [Selective recompute of a plan]: a layer that keeps some tensors, offloads some
+    and recomputes the rest holds, from its forward to its backward, its input plus what the
+    plan keeps and offloads; gradients bitwise those of the plain model. Tolerance: the plan
+    counts attn.core_lse, which eager attention does not make, and int32 routing indices,
+    which PyTorch holds as int64; the rest within 2%."""
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    config = tmp_path / "config.json"
+    model.config.to_json_file(str(config))
+    plan = spillway.plan(
+        str(config), "h100-pcie", micro_batch=2, seq_len=32, policy=policy, dtype="fp32"
+    )
+    offload = st.offload_activations(model, plan, pinned_bytes=64 << 20, min_bytes=1024)
+    data = batch()
+    want = step(ref, data)
+    with offload:
+        got = step(model, data)
+    assert_bitwise(want, got)
+    rep = offload.last_report()
+    measured = rep["selective_saved_bytes"]
+    partial = 0
+    for i, layer in enumerate(plan["layers"]):
+        actions = {t["name"]: t["action"] for t in layer["tensors"]}
+        if "recompute" not in actions.values():
+            assert i not in measured
+            continue
+        partial += 1
+        held = sum(
+            t["bytes"]
+            for t in layer["tensors"]
+            if t["action"] in ("keep", "offload")
+            and t["name"] not in ("attn.input", "attn.core_lse")
+        )
+        assert abs(measured[i] - held) <= 0.02 * held, (i, measured[i], held, actions)
+    assert partial and rep["counts"]["selective_layers"] == partial
+    if policy in ("offload", "hybrid"):
+        assert any(k.startswith("selective_offloaded:") for k in rep["counts"]), rep["counts"]
+        assert rep["d2h_bytes"] > 0
+    offload.remove()

@@ -26,6 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _spillway
+from .selective import SelectiveLayer
 
 __all__ = ["OffloadActivations", "offload_activations", "report"]
 
@@ -179,6 +180,9 @@ class OffloadActivations:
         # layers the plan recomputes (wrapped in torch.utils.checkpoint).
         self._offload_names: Optional[list[frozenset[str]]] = None
         self._checkpointed: list[int] = []
+        # Note [Selective recompute of a plan]: the checkpointed layers that keep or offload
+        # some of their tensors.
+        self._selective: dict[int, SelectiveLayer] = {}
         self._originals: dict[int, Any] = {}
         if plan is not None:
             if offload_tensors is not None:
@@ -251,15 +255,19 @@ class OffloadActivations:
             )
         names: list[frozenset[str]] = []
         for i, layer in enumerate(layers):
-            if layer.get("policy") in ("recompute", "checkpoint"):
+            if layer.get("policy") == "checkpoint":  # only the layer input kept
                 self._checkpointed.append(i)
                 names.append(frozenset())
                 continue
-            names.append(
-                frozenset(
-                    t["name"] for t in layer.get("tensors", []) if t.get("action") == "offload"
-                )
-            )
+            actions = {t["name"]: t.get("action") for t in layer.get("tensors", [])}
+            offload = frozenset(n for n, a in actions.items() if a == "offload")
+            if "recompute" in actions.values():
+                # Note [Selective recompute of a plan]: kept and offloaded as the plan says,
+                # the rest recomputed in backward.
+                keep = frozenset(n for n, a in actions.items() if a == "keep")
+                self._selective[i] = SelectiveLayer(self, i, keep, offload)
+                self._checkpointed.append(i)
+            names.append(offload)
         self._offload_names = names
         self.keep_last = 0  # the plan decides which layers keep everything
 
@@ -302,18 +310,33 @@ class OffloadActivations:
                         "spillway: a layer the plan recomputes ran without its KV "
                         f"cache ({key}); pass use_cache=False when training",
                     )
+            sel = self._selective.get(i)
+            if sel is not None:
+                return torch.utils.checkpoint.checkpoint(
+                    original, *args, use_reentrant=False, context_fn=sel.contexts, **kwargs
+                )
             return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
+
+    def _recording(self) -> Optional[SelectiveLayer]:
+        sel = self._selective.get(self._layer) if self._layer is not None else None
+        return sel if sel is not None and sel.recording else None
 
     def _make_sub_pre(self, path: str) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
             if self._layer is None or self._in_backward:
                 return
+            parent = self._running[-1] if self._running else ""
             self._running.append(path)
             name = _input_name(path)
             if name and args and isinstance(args[0], torch.Tensor):
                 self._name_tensor(args[0], name)
+            sel = self._recording()
+            if sel is not None:
+                sel.drop(parent)  # the parent's ops before this module had their chance
+                if args and isinstance(args[0], torch.Tensor):
+                    sel.module_input(path, args[0])
 
         return pre
 
@@ -325,15 +348,29 @@ class OffloadActivations:
                 self._running.pop()
             name = _output_name(path)
             out = _first_tensor(output)
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if name and out is not None:
-                self._name_tensor(out, name)
+                self._name_tensor(out, name, source)
+                if name == "moe.router_probs" and isinstance(output, tuple) and len(output) == 3:
+                    # A top-k router's (scores, weights, indices) (transformers 5).
+                    for extra, t in zip(("moe.topk_weights", "moe.topk_idx"), output[1:]):
+                        if isinstance(t, torch.Tensor):
+                            self._name_tensor(t, extra)
+            sel = self._recording()
+            if sel is not None:
+                sel.drop(path)
 
         return post
 
-    def _name_tensor(self, t: torch.Tensor, name: str) -> None:
+    def _name_tensor(
+        self, t: torch.Tensor, name: str, source: Optional[torch.Tensor] = None
+    ) -> None:
         key = id(t)
         if key not in self._named or self._named[key][0]() is not t:
             self._named[key] = (weakref.ref(t), name)
+        sel = self._recording()
+        if sel is not None:
+            sel.name(t, name, source)
 
     def _plan_name(self, t: torch.Tensor) -> str:
         hit = self._named.get(id(t))
@@ -422,6 +459,21 @@ class OffloadActivations:
             if name not in self._offload_names[layer]:
                 self._counts["kept_by_plan" if self._plan_mode else "kept_not_named"] += 1
                 return t
+        return self._offload(t, layer, name)
+
+    def _offload(self, t: torch.Tensor, layer: int, name: str, uses: int = 0) -> Any:
+        """Hands `t` (of block `layer`, named `name`) to the engine: a _Saved to unpack, or
+        `t` itself when it stays (ineligible, the sizing step, a full pool). `uses`: a fixed
+        count of unpacks (a selective layer's cached output: one replay), 0 for autograd's
+        saved tensors (counted as they are saved again)."""
+        if uses:
+            if layer >= len(self.layers) - self.keep_last:
+                self._counts["kept_last_layers"] += 1
+                return t
+            reason = self._ineligible(t)
+            if reason:
+                self._counts[reason] += 1
+                return t
         nbytes = t.nbytes
         # A tensor saved again (the input of q, k and v projections) is offloaded once: the
         # same tensor object, alive (a freed tensor's address may come back for another).
@@ -443,6 +495,8 @@ class OffloadActivations:
             return t
         self._pending.append((ticket, t))
         s = _Saved(ticket, layer, t, self._step)
+        if uses:
+            s.uses = uses
         self._dedup[key] = (s, weakref.ref(t))
         self._by_layer[layer].append(s)
         self._counts["offloaded"] += 1
@@ -632,6 +686,16 @@ class OffloadActivations:
         counts = dict(self._counts)
         if self._checkpointed:
             counts["checkpointed_layers"] = len(self._checkpointed)
+        if self._selective:
+            counts["selective_layers"] = len(self._selective)
+            # Note [Selective recompute of a plan]: what each layer held from its forward
+            # to its backward besides its input (kept on the device or offloaded).
+            rep["selective_saved_bytes"] = {
+                i: sel.saved_bytes for i, sel in sorted(self._selective.items())
+            }
+            for sel in self._selective.values():
+                sel.cached.clear()
+                sel.storages.clear()
         rep["counts"] = counts
         if self._session is None and not failed and not quiet:
             # The sizing step: nothing was offloaded; the pool is sized from what would
@@ -713,10 +777,11 @@ def offload_activations(
             ``layers=`` names them.
         plan: a plan from :func:`spillway.plan` (or ``spillway plan --json``) of this
             model: only the saved tensors the plan offloads go to the host (named by Note
-            [Names of Hugging Face tensors]), the layers it recomputes are wrapped in
-            ``torch.utils.checkpoint``; tensors it recomputes inside an offloaded layer
-            are kept. None: every eligible saved tensor of the blocks but the last
-            ``keep_last``.
+            [Names of Hugging Face tensors]); a layer that recomputes some of its tensors
+            runs under selective recompute (kept, offloaded and recomputed as planned:
+            Note [Selective recompute of a plan]), a ``checkpoint`` layer under
+            ``torch.utils.checkpoint``. None: every eligible saved tensor of the blocks but
+            the last ``keep_last``.
         pinned_bytes: the host pool's size, allocated once; None: sized from the first step
             (which then offloads nothing, and says so).
         min_bytes: smaller saved tensors stay where they are (default 64 KiB).
