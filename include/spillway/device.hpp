@@ -39,6 +39,7 @@
 // A failed launch throws spillway::Error.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -319,8 +320,11 @@ std::chrono::steady_clock::duration checked_duration_ms(double ms, const char* w
 class HostLink {
  public:
   HostLink(double h2d_gbps, double d2h_gbps);  // >= kMinThrottleGbps each
-  double h2d_gbps() const { return gbps_[0]; }
-  double d2h_gbps() const { return gbps_[1]; }
+  double h2d_gbps() const { return gbps_[0].load(std::memory_order_relaxed); }
+  double d2h_gbps() const { return gbps_[1].load(std::memory_order_relaxed); }
+  // A link that changes speed (another job on it, a throttle lifted): copies booked from
+  // now on run at the new bandwidths (>= kMinThrottleGbps each).
+  void set_gbps(double h2d_gbps, double d2h_gbps);
   // Books `bytes` in a direction for a copy that started at `start`; returns when it ends.
   std::chrono::steady_clock::time_point book(bool h2d, size_t bytes,
                                              std::chrono::steady_clock::time_point start);
@@ -329,7 +333,7 @@ class HostLink {
   int64_t d2h_bytes() const;
 
  private:
-  double gbps_[2];
+  std::atomic<double> gbps_[2];
   mutable std::mutex mu_;
   std::chrono::steady_clock::time_point deadline_[2]{};
   int64_t booked_[2] = {0, 0};

@@ -37,6 +37,14 @@ struct TrainLimits {
   static constexpr double kMaxUndoMb = 1e6;
 };
 
+// Note [A link that changes speed]: from step `step` on (1-based, as the step lines count),
+// the emulated link runs at `gbps` in both directions (other jobs on the host link, a
+// throttle lifted).
+struct LinkChange {
+  int step = 1;
+  double gbps = 0;
+};
+
 struct TrainOptions {
   std::string model = "tiny-moe";
   int steps = 20;
@@ -58,6 +66,9 @@ struct TrainOptions {
   // Note [Named offload tensors]: exactly these tensors offloaded in every offloading layer
   // (names of docs/plan-schema.md or groups); empty: the planner chooses.
   std::vector<std::string> offload_tensors;
+  // Note [A link that changes speed]: needs d2h_gbps and h2d_gbps, the speed before the
+  // first change.
+  std::vector<LinkChange> link_schedule;
   // Optimizer offload (docs/optim.md): "device" (the model's AdamW on the device) or
   // "offload" (optim::OptimizerOffload: fp32 master weights and moments in host memory,
   // bf16 weights and gradients on the device, STV, the host cast).
@@ -113,6 +124,9 @@ struct PolicyResult {
   optim::StvCounters optimizer_counters;
   std::vector<float> final_master_weights;
   std::string error;  // --compare: why this policy could not run
+  // --policy adaptive (Note [Re-planning while training]): each re-plan between steps, with
+  // its numbers, in order.
+  std::vector<std::string> replans;
 };
 
 struct TrainReport {

@@ -73,6 +73,7 @@ constexpr FieldFlag kFieldFlags[] = {
     {"steps", "--steps"},
     {"device_memory_mb", "--device-memory-mb"},
     {"keep_last", "--keep-last"},
+    {"link_schedule", "--link-schedule"},
     {"lr", "--lr"},
     {"clip", "--clip"},
     {"undo_mb", "--undo-mb"},

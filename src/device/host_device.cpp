@@ -791,7 +791,8 @@ std::chrono::steady_clock::duration checked_duration_ms(double ms, const char* w
       std::chrono::duration<double, std::milli>(ms));
 }
 
-HostLink::HostLink(double h2d_gbps, double d2h_gbps) : gbps_{h2d_gbps, d2h_gbps} {
+namespace {
+void check_link_gbps(double h2d_gbps, double d2h_gbps) {
   if (!(h2d_gbps >= kMinThrottleGbps) || !std::isfinite(h2d_gbps))
     SPILLWAY_FIELD_ERROR("h2d_gbps", h2d_gbps, "must be in [{}, inf) (a shared link)",
                          kMinThrottleGbps);
@@ -799,11 +800,23 @@ HostLink::HostLink(double h2d_gbps, double d2h_gbps) : gbps_{h2d_gbps, d2h_gbps}
     SPILLWAY_FIELD_ERROR("d2h_gbps", d2h_gbps, "must be in [{}, inf) (a shared link)",
                          kMinThrottleGbps);
 }
+}  // namespace
+
+HostLink::HostLink(double h2d_gbps, double d2h_gbps) : gbps_{h2d_gbps, d2h_gbps} {
+  check_link_gbps(h2d_gbps, d2h_gbps);
+}
+
+void HostLink::set_gbps(double h2d_gbps, double d2h_gbps) {
+  check_link_gbps(h2d_gbps, d2h_gbps);
+  gbps_[0].store(h2d_gbps, std::memory_order_relaxed);
+  gbps_[1].store(d2h_gbps, std::memory_order_relaxed);
+}
 
 std::chrono::steady_clock::time_point HostLink::book(bool h2d, size_t bytes,
                                                      std::chrono::steady_clock::time_point start) {
   const int d = h2d ? 0 : 1;
-  const auto duration = transfer_duration(static_cast<double>(bytes), gbps_[d]);
+  const auto duration =
+      transfer_duration(static_cast<double>(bytes), gbps_[d].load(std::memory_order_relaxed));
   std::lock_guard<std::mutex> lock(mu_);
   const auto begin = std::max(start, deadline_[d]);
   deadline_[d] = begin + duration;

@@ -18,6 +18,7 @@
 #include "spillway/offload.hpp"
 #include "spillway/train.hpp"
 #include "spillway/units.hpp"
+#include "train/adaptive.hpp"
 
 namespace spillway::train {
 
@@ -51,6 +52,24 @@ void validate(const TrainOptions& o) {
   throttle("d2h_gbps", o.d2h_gbps);
   throttle("h2d_gbps", o.h2d_gbps);
   within("prefetch_depth", o.prefetch_depth, 1, PlanLimits::kMaxPrefetchDepth);
+  if (!o.link_schedule.empty()) {
+    // Note [A link that changes speed]: a shared link, with a speed before the first change.
+    if (o.d2h_gbps <= 0 || o.h2d_gbps <= 0)
+      SPILLWAY_FIELD_ERROR("link_schedule", fmt::format("{} change(s)", o.link_schedule.size()),
+                           "needs d2h_gbps and h2d_gbps (the link's speed before the first "
+                           "change)");
+    int last = 0;
+    for (const LinkChange& ch : o.link_schedule) {
+      if (ch.step <= last || ch.step > o.steps)
+        SPILLWAY_FIELD_ERROR("link_schedule", fmt::format("{}:{}", ch.step, ch.gbps),
+                             "steps must increase, each in [1, steps ({})]", o.steps);
+      if (!(ch.gbps >= PlanLimits::kMinGbps && ch.gbps <= PlanLimits::kMaxGbps))
+        SPILLWAY_FIELD_ERROR("link_schedule", fmt::format("{}:{}", ch.step, ch.gbps),
+                             "the speed must be in [{}, {}] GB/s", PlanLimits::kMinGbps,
+                             PlanLimits::kMaxGbps);
+      last = ch.step;
+    }
+  }
   at_least("keep_last", o.keep_last, 1);
   within("margin", o.margin, 0, 10);
   within("lr", o.lr, 0, L::kMaxLr);
@@ -178,14 +197,24 @@ std::string count_actions(const MemoryPolicy& p) {
                      p.count(Action::kOffload), p.count(Action::kRecompute));
 }
 
-PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryPolicy& pol,
+// Between two steps (never inside one): the step that ended (0-based), its measurements,
+// the device; a policy to run from the next step on, or nothing to keep the one in use.
+using Replanner = std::function<std::optional<MemoryPolicy>(
+    int step, const StepStats& stats, const StepTelemetry& telemetry, Device& device)>;
+
+PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryPolicy& first,
                         const std::vector<int32_t>& corpus,
-                        const std::function<void(const std::string&)>& progress) {
+                        const std::function<void(const std::string&)>& progress,
+                        const Replanner& replan = nullptr) {
   HostDeviceOptions ho;
   ho.device_bytes = static_cast<int64_t>(o.device_memory_mb * 1048576.0);
   ho.d2h_gbps = o.d2h_gbps;
   ho.h2d_gbps = o.h2d_gbps;
+  // Note [A link that changes speed]: the device's copies go through a link whose speed the
+  // schedule sets before the steps it names.
+  if (!o.link_schedule.empty()) ho.link = std::make_shared<HostLink>(o.h2d_gbps, o.d2h_gbps);
   std::unique_ptr<Device> dev = make_host_device(ho);
+  MemoryPolicy pol = first;
   PolicyResult r;
   r.name = pol.name;
   const bool offload_optimizer = o.optimizer == "offload";
@@ -215,19 +244,24 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
   std::unique_ptr<OffloadEngine> engine;
   std::unique_ptr<OffloadHooks> offload_hooks;
   std::unique_ptr<optim::OptimizerHooks> optimizer_hooks;
+  if (optimizer) optimizer_hooks = std::make_unique<optim::OptimizerHooks>(*optimizer);
   // Note [Hook sequence]: the offload engine first, so that its step_end (telemetry) comes
-  // before the optimizer's validation, as the step runs.
+  // before the optimizer's validation, as the step runs. A re-plan (between steps) makes
+  // the engine again for the new policy: its pools are sized once per policy.
   CompositeHooks hooks;
-  if (pol.any_offload()) {
-    engine = std::make_unique<OffloadEngine>(*dev, model.compute_stream(), pol,
-                                             offload_options(model, pol, o.micro_batch, o.seq_len));
-    offload_hooks = std::make_unique<OffloadHooks>(*engine);
-    hooks.add(offload_hooks.get());
-  }
-  if (optimizer) {
-    optimizer_hooks = std::make_unique<optim::OptimizerHooks>(*optimizer);
-    hooks.add(optimizer_hooks.get());
-  }
+  auto install = [&] {
+    hooks = CompositeHooks();
+    offload_hooks.reset();
+    engine.reset();
+    if (pol.any_offload()) {
+      engine = std::make_unique<OffloadEngine>(
+          *dev, model.compute_stream(), pol, offload_options(model, pol, o.micro_batch, o.seq_len));
+      offload_hooks = std::make_unique<OffloadHooks>(*engine);
+      hooks.add(offload_hooks.get());
+    }
+    if (optimizer_hooks) hooks.add(optimizer_hooks.get());
+  };
+  install();
   // Note [The model's own update]: the device optimizer, unless offloaded (or lr is 0).
   TextbookAdamW adamw(o.lr);
   const nn::ParameterUpdate update =
@@ -236,6 +270,14 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
   r.layer_fwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   r.layer_bwd_ms.assign(static_cast<size_t>(c.layers()), 0.0);
   for (int s = 0; s < o.steps; ++s) {
+    for (const LinkChange& ch : o.link_schedule) {
+      if (ch.step == s + 1) {
+        ho.link->set_gbps(ch.gbps, ch.gbps);
+        if (progress)
+          progress(fmt::format("{:<10} step {:>3}: the link now runs at {} GB/s", pol.name, s + 1,
+                               ch.gbps));
+      }
+    }
     const std::vector<int32_t> tokens = batch_tokens(corpus, o.seed, s, o.micro_batch, o.seq_len);
     const StepStats st = model.step(tokens, o.micro_batch, o.seq_len, pol, hooks, update);
     const StepTelemetry tel = offload_hooks ? offload_hooks->telemetry() : StepTelemetry{};
@@ -284,6 +326,14 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
             rec.snowball_layer.value_or(-1));
       progress(line);
     }
+    if (replan && s + 1 < o.steps) {
+      if (std::optional<MemoryPolicy> next = replan(s, st, tel, *dev)) {
+        pol = std::move(*next);
+        install();
+        r.replans.push_back(pol.note);
+        if (progress) progress(fmt::format("{:<10} {}", pol.name, pol.note));
+      }
+    }
   }
   const double n = static_cast<double>(times.size());
   for (double& v : r.layer_fwd_ms) v /= n;
@@ -316,11 +366,10 @@ Policy strategy_of(const std::string& name) {
   if (name == "selective") return Policy::kSelective;
   if (name == "hybrid") return Policy::kHybrid;
   if (name == "checkpoint") return Policy::kCheckpoint;
-  if (name == "auto") return Policy::kAuto;
+  if (name == "auto" || name == "adaptive") return Policy::kAuto;
   SPILLWAY_INPUT_ERROR(
-      "--policy is '{}'; must be keep, recompute, offload, selective, hybrid, checkpoint, auto or "
-      "a plan "
-      "JSON file (spillway plan --json)",
+      "--policy is '{}'; must be keep, recompute, offload, selective, hybrid, checkpoint, auto, "
+      "adaptive or a plan JSON file (spillway plan --json)",
       name);
 }
 
@@ -552,8 +601,22 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
     PolicyResult r;
     try {
       if (name != "keep" && fwd_ms <= 0) calibrate();  // no keep run (or it failed)
-      const MemoryPolicy pol = make_policy(c, o, name, fwd_ms > 0 ? fwd_ms : 1.0, corpus, &plan);
-      r = run_policy(c, o, pol, corpus, progress);
+      if (name == "adaptive") {
+        // Note [Re-planning while training]: auto's plan first, re-made between steps.
+        const double fwd = fwd_ms > 0 ? fwd_ms : 1.0;
+        MemoryPolicy pol = make_policy(c, o, "auto", fwd, corpus, &plan);
+        pol.name = name;
+        PlanRequest req = plan_request(c, o, Policy::kAuto, fwd);
+        req.hbm_budget_gb = static_cast<double>(plan.summary.peak.total()) / 1e9;
+        AdaptivePlanner adaptive(c, std::move(req), pol, o.prefetch_depth);
+        r = run_policy(c, o, pol, corpus, progress,
+                       [&](int step, const StepStats& st, const StepTelemetry& tel, Device& d) {
+                         return adaptive.after_step(step, st, tel, d);
+                       });
+      } else {
+        const MemoryPolicy pol = make_policy(c, o, name, fwd_ms > 0 ? fwd_ms : 1.0, corpus, &plan);
+        r = run_policy(c, o, pol, corpus, progress);
+      }
     } catch (const Error& e) {
       if (!o.compare) throw;
       r.name = name;
@@ -733,6 +796,7 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
     q["offloaded_bytes"] = p.offloaded_bytes;
     q["stall_ms"] = p.stall_ms;
     q["snowball"] = p.snowball;
+    if (!p.replans.empty()) q["replans"] = p.replans;
     q["snowball_layer"] = p.snowball_layer ? nlohmann::json(*p.snowball_layer) : nlohmann::json();
     q["predicted_step_ms"] = p.predicted_step_ms;
     q["predicted_peak_bytes"] = p.predicted_peak_bytes;
@@ -751,8 +815,13 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
                         {"deferred", k.deferred}};
     }
     nlohmann::json losses = nlohmann::json::array();
-    for (const StepRecord& s : p.steps) losses.push_back(s.loss);
+    nlohmann::json offloaded = nlohmann::json::array();
+    for (const StepRecord& s : p.steps) {
+      losses.push_back(s.loss);
+      offloaded.push_back(s.offloaded_bytes);
+    }
     q["losses"] = losses;
+    q["step_offloaded_bytes"] = offloaded;
     arr.push_back(q);
   }
   j["policies"] = arr;

@@ -1,0 +1,123 @@
+// Note [Re-planning while training]: `--policy adaptive` starts from auto's plan (calibrated
+// by the measured layer times, for the link the run starts on, within the HBM auto's plan
+// was measured to fit) and checks, after every step, the link (a 1 MiB probe copy between
+// steps: the step's own copies run at the pace their tensors are made, not the link's) and
+// the engine's telemetry: whether a layer's copies were still running when the next
+// layer's forward ended (its backlog at the boundary: a snowball). When the link is off by
+// more than a quarter from what the plan assumed, or a layer was late (then with a margin
+// half as large again, as often as it stays late), the plan is made again for the measured
+// link and the step's measured layer times, within the first plan's planned peak HBM; if its
+// actions differ, the next step runs it (offload demoted to recompute where the window no
+// longer holds, promoted back when it does). Never inside a step: the engine is made again
+// between steps for the new policy. Where tensors live never changes the arithmetic, so
+// losses and gradients are bitwise those of any fixed policy.
+#include "train/adaptive.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "spillway/error.hpp"
+
+namespace spillway::train {
+
+namespace {
+
+// Per layer: how many of its tensors it offloads, as the change is told.
+std::vector<int> offloaded_per_layer(const MemoryPolicy& p) {
+  std::vector<int> n;
+  for (const LayerActions& l : p.layers)
+    n.push_back(static_cast<int>(std::count(l.actions.begin(), l.actions.end(), Action::kOffload)));
+  return n;
+}
+
+bool same_actions(const MemoryPolicy& a, const MemoryPolicy& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  for (size_t l = 0; l < a.layers.size(); ++l) {
+    if (a.layers[l].tensors != b.layers[l].tensors || a.layers[l].actions != b.layers[l].actions)
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+AdaptivePlanner::AdaptivePlanner(const nn::RefConfig& config, PlanRequest request,
+                                 MemoryPolicy first, int prefetch_depth)
+    : config_(config),
+      request_(std::move(request)),
+      current_(std::move(first)),
+      planned_gbps_(request_.d2h_gbps.value_or(request_.hardware.d2h_typical.value)),
+      margin_(request_.margin),
+      prefetch_depth_(prefetch_depth) {}
+
+double AdaptivePlanner::probe_link_gbps(Device& device) const {
+  // Between steps only, when the step moved nothing: one copy, its memory given back.
+  const AllocResult src = device.allocate(kProbeBytes, MemoryKind::kDevice);
+  const AllocResult dst = device.allocate(kProbeBytes, MemoryKind::kPinnedHost);
+  if (!src || !dst) {
+    device.free(src.ptr, MemoryKind::kDevice);
+    device.free(dst.ptr, MemoryKind::kPinnedHost);
+    return 0.0;  // no room for the probe: the plan stays
+  }
+  double gbps = 0.0;
+  {
+    UniqueStream stream(device, StreamRole::kD2H);
+    const auto t0 = std::chrono::steady_clock::now();
+    device.copy_async(dst.ptr, src.ptr, kProbeBytes, stream.get());
+    device.synchronize(stream.get());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    gbps = s > 0 ? static_cast<double>(kProbeBytes) / s / 1e9 : 0.0;
+  }
+  device.free(src.ptr, MemoryKind::kDevice);
+  device.free(dst.ptr, MemoryKind::kPinnedHost);
+  return gbps;
+}
+
+std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::StepStats& stats,
+                                                        const StepTelemetry& telemetry,
+                                                        Device& device) {
+  // The link's capacity: a probe copy (the step's own copies start as their tensors are
+  // made, so their rate is the production's when the link keeps up, not the link's).
+  const double measured = probe_link_gbps(device);
+  if (!(measured > 0)) return std::nullopt;
+  const bool late = telemetry.snowball;
+  const double drift = std::abs(measured - planned_gbps_) / planned_gbps_;
+  if (!late && drift <= kLinkDrift) return std::nullopt;
+  // A layer late on a link the plan has right: the windows are shorter than planned, so
+  // the margin grows (x1.5 a time) until the plan moves less; a link drift starts again
+  // from the margin asked for.
+  request_.margin = late ? std::min(10.0, std::max(margin_, request_.margin) * 1.5) : margin_;
+  const double link = std::clamp(measured, PlanLimits::kMinGbps * 10, PlanLimits::kMaxGbps / 10);
+  request_.d2h_gbps = link;
+  request_.h2d_gbps = link;
+  if (!stats.layer_fwd_ms.empty()) {
+    const double mean = std::accumulate(stats.layer_fwd_ms.begin(), stats.layer_fwd_ms.end(), 0.0) /
+                        static_cast<double>(stats.layer_fwd_ms.size());
+    if (mean >= PlanLimits::kMinLayerMs && mean <= PlanLimits::kMaxLayerMs)
+      request_.layer_fwd_ms = mean;
+  }
+  const double assumed = planned_gbps_;
+  planned_gbps_ = link;
+  const Plan plan = make_plan(request_);
+  MemoryPolicy next = policy_from_plan(config_, plan, current_.name);
+  next.prefetch_depth = prefetch_depth_;
+  if (same_actions(next, current_)) return std::nullopt;
+  const std::string why =
+      late ? fmt::format("layer {}'s copies were late", telemetry.snowball_first_layer.value_or(-1))
+           : fmt::format("off by {:.0f}%", drift * 100.0);
+  next.note = fmt::format(
+      "re-planned after step {}: link {:.3f} GB/s measured, the plan assumed {:.3f} ({}; margin "
+      "{:.0f}%); offloaded tensors per layer [{}] -> [{}], {} -> {} recomputed",
+      step + 1, measured, assumed, why, request_.margin * 100.0,
+      fmt::join(offloaded_per_layer(current_), ", "), fmt::join(offloaded_per_layer(next), ", "),
+      current_.count(Action::kRecompute), next.count(Action::kRecompute));
+  current_ = next;
+  return next;
+}
+
+}  // namespace spillway::train
