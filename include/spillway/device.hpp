@@ -206,6 +206,15 @@ class Device final {
   DeviceBackend* backend_ = nullptr;
 };
 
+// The device->host bandwidth one copy of `bytes` (device memory to pinned host memory, on a
+// D2H stream of its own) reaches now, in GB/s; 0 when the memory for it is not available.
+// Allocates and frees its buffers: for between steps (a re-planner's probe of the link),
+// never on a hot path.
+double measure_d2h_gbps(Device& device, size_t bytes);
+// The same on the caller's D2H stream `s` (made once: on the host backend a stream is a
+// thread, whose start would be counted in the copy's time).
+double measure_d2h_gbps(Device& device, size_t bytes, Stream s);
+
 // Note [Owned streams and events]: a stream or event a caller creates for a scope (an
 // engine's copy streams, a benchmark's compute stream) is held by one of these, which
 // destroys it when it goes (as c10's guards restore a stream): no path, an exception's

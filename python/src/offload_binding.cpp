@@ -92,6 +92,12 @@ class OffloadSession {
     o.device_bytes = device_pool_bytes + (int64_t{1} << 20);
     o.d2h_gbps = d2h_gbps;
     o.h2d_gbps = h2d_gbps;
+    // Both ways throttled: a link whose speed set_link_gbps changes (Note [A link that
+    // changes speed]); its copies are scheduled as the stream throttles schedule them.
+    if (device == "host" && d2h_gbps > 0 && h2d_gbps > 0) {
+      link_ = std::make_shared<HostLink>(h2d_gbps, d2h_gbps);
+      o.link = link_;
+    }
     adopted_ = std::make_unique<AdoptedDevice>(device, ordinal, native_stream, o, "offload");
     device_ = adopted_->device.get();
     compute_ = adopted_->compute;
@@ -108,6 +114,7 @@ class OffloadSession {
   }
 
   ~OffloadSession() {
+    probe_.reset();
     hooks_.reset();
     engine_.reset();
   }
@@ -178,10 +185,30 @@ class OffloadSession {
     return nb::typed<nb::dict, nb::str, nb::object>(d);
   }
   std::string device_name() const { return device_->name(); }
+  // The emulated link's new speed, from the next copy on (a session made with both
+  // throttles); between steps.
+  void set_link_gbps(double d2h_gbps, double h2d_gbps) {
+    if (!link_)
+      SPILLWAY_INPUT_ERROR(
+          "set_link_gbps: this session's link has no throttle to change (make it with d2h_gbps "
+          "and h2d_gbps > 0, on CPU tensors)");
+    link_->set_gbps(h2d_gbps, d2h_gbps);
+  }
+  // The device->host bandwidth a 1 MiB probe copy reaches now (between steps).
+  double probe_d2h_gbps() {
+    if (!probe_made_) {
+      probe_ = UniqueStream(*device_, StreamRole::kD2H);
+      probe_made_ = true;
+    }
+    return measure_d2h_gbps(*device_, size_t{1} << 20, probe_.get());
+  }
   int64_t inflight_bytes() const { return engine_->inflight_bytes(); }
   int max_tensors() const { return engine_->max_tensors(); }
 
  private:
+  std::shared_ptr<HostLink> link_;  // before the device, which copies through it
+  UniqueStream probe_;              // probe_d2h_gbps's stream, made at its first use
+  bool probe_made_ = false;
   const SavedTicket& ticket(int id) const {
     if (id < 0 || static_cast<size_t>(id) >= tickets_.size() || !tickets_[static_cast<size_t>(id)])
       SPILLWAY_FIELD_ERROR("ticket", id, "is not a ticket of this step");
@@ -238,6 +265,8 @@ void bind_offload(nb::module_& m) {
       .def("backward_begin", &OffloadSession::backward_begin, "layer"_a)
       .def("needed", &OffloadSession::needed, "ticket"_a, "dst"_a)
       .def("step_end", &OffloadSession::step_end)
+      .def("set_link_gbps", &OffloadSession::set_link_gbps, "d2h_gbps"_a, "h2d_gbps"_a)
+      .def("probe_d2h_gbps", &OffloadSession::probe_d2h_gbps)
       .def_prop_ro("device_name", &OffloadSession::device_name)
       .def_prop_ro("inflight_bytes", &OffloadSession::inflight_bytes)
       .def_prop_ro("max_tensors", &OffloadSession::max_tensors);

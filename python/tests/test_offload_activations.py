@@ -399,3 +399,55 @@ def test_a_partial_plan_runs_as_planned_by_selective_recompute(
         assert any(k.startswith("selective_offloaded:") for k in rep["counts"]), rep["counts"]
         assert rep["d2h_bytes"] > 0
     offload.remove()
+
+
+def test_plan_auto_replans_when_the_link_slows_and_again_when_it_recovers(tmp_path: Any) -> None:
+    """Note [Re-planning while training]: the first step measures; the planner's plan runs
+    from step 2; a link throttled mid-run makes the late layers offload less within two
+    steps, and more again within two steps after it recovers; every step's gradients are
+    bitwise the plain model's; each change is in the report."""
+    model = tiny_llama(layers=4)
+    ref = copy.deepcopy(model)
+    config = tmp_path / "config.json"
+    model.config.to_json_file(str(config))
+    kw: dict[str, Any] = dict(micro_batch=2, seq_len=32, dtype="fp32")
+    keep = spillway.plan(str(config), "h100-pcie", policy="keep", **kw)
+    rec = spillway.plan(str(config), "h100-pcie", policy="recompute", **kw)
+    # A budget keep does not fit and recompute does: auto offloads on a fast link.
+    budget = (keep["summary"]["peak_hbm_bytes"] + rec["summary"]["peak_hbm_bytes"]) / 2 / 1e9
+    offload = st.offload_activations(
+        model,
+        "auto",
+        hardware="h100-pcie",
+        hbm_budget_gb=budget,
+        d2h_gbps=20,
+        h2d_gbps=20,
+        pinned_bytes=64 << 20,
+        min_bytes=1024,
+    )
+    data = batch()
+    moved = []
+    for s in range(1, 13):
+        if s == 5:
+            offload.set_link(0.02, 0.02)
+        if s == 9:
+            offload.set_link(20, 20)
+        want = step(ref, data)
+        with offload:
+            got = step(model, data)
+        assert_bitwise(want, got)
+        moved.append(offload.last_report().get("d2h_bytes", 0))
+    replans = offload.last_report()["replans"]
+    assert moved[0] == 0 and replans[0].startswith("planned after step 1: micro-batch 2 x seq 32")
+    assert moved[3] > 0, (moved, replans)  # the fast link: the plan offloads
+    assert moved[6] < moved[3], (moved, replans)  # throttled from step 5
+    assert moved[10] > moved[7], (moved, replans)  # lifted from step 9
+    assert any(
+        r.startswith(("re-planned after step 5", "re-planned after step 6")) for r in replans
+    )
+    assert any(
+        r.startswith(("re-planned after step 9", "re-planned after step 10")) for r in replans
+    )
+    offload.remove()
+    with pytest.raises(ValueError, match="plan is 'fast'; a plan is a dict"):
+        st.offload_activations(model, "fast")

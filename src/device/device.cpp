@@ -1,6 +1,7 @@
 // Device, the face of spillway/device.hpp: each call forwarded to the backend it owns.
 #include "spillway/device.hpp"
 
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <utility>
@@ -126,6 +127,24 @@ void UniqueEvent::reset() noexcept {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "spillway: error: destroying an event: %s\n", e.what());
   }
+}
+
+double measure_d2h_gbps(Device& device, size_t bytes, Stream s) {
+  const UniqueMemory src(device, bytes, MemoryKind::kDevice);
+  const UniqueMemory dst(device, bytes, MemoryKind::kPinnedHost);
+  if (!src || !dst || bytes == 0) return 0.0;
+  device.synchronize(s);
+  const auto t0 = std::chrono::steady_clock::now();
+  device.copy_async(dst.get(), src.get(), bytes, s);
+  device.synchronize(s);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+double measure_d2h_gbps(Device& device, size_t bytes) {
+  UniqueStream stream(device, StreamRole::kD2H);
+  return measure_d2h_gbps(device, bytes, stream.get());
 }
 
 }  // namespace spillway

@@ -17,7 +17,6 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <numeric>
 
@@ -55,35 +54,12 @@ AdaptivePlanner::AdaptivePlanner(const nn::RefConfig& config, PlanRequest reques
       margin_(request_.margin),
       prefetch_depth_(prefetch_depth) {}
 
-double AdaptivePlanner::probe_link_gbps(Device& device) const {
-  // Between steps only, when the step moved nothing: one copy, its memory given back.
-  const AllocResult src = device.allocate(kProbeBytes, MemoryKind::kDevice);
-  const AllocResult dst = device.allocate(kProbeBytes, MemoryKind::kPinnedHost);
-  if (!src || !dst) {
-    device.free(src.ptr, MemoryKind::kDevice);
-    device.free(dst.ptr, MemoryKind::kPinnedHost);
-    return 0.0;  // no room for the probe: the plan stays
-  }
-  double gbps = 0.0;
-  {
-    UniqueStream stream(device, StreamRole::kD2H);
-    const auto t0 = std::chrono::steady_clock::now();
-    device.copy_async(dst.ptr, src.ptr, kProbeBytes, stream.get());
-    device.synchronize(stream.get());
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    gbps = s > 0 ? static_cast<double>(kProbeBytes) / s / 1e9 : 0.0;
-  }
-  device.free(src.ptr, MemoryKind::kDevice);
-  device.free(dst.ptr, MemoryKind::kPinnedHost);
-  return gbps;
-}
-
 std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::StepStats& stats,
                                                         const StepTelemetry& telemetry,
                                                         Device& device) {
   // The link's capacity: a probe copy (the step's own copies start as their tensors are
   // made, so their rate is the production's when the link keeps up, not the link's).
-  const double measured = probe_link_gbps(device);
+  const double measured = measure_d2h_gbps(device, kProbeBytes);
   if (!(measured > 0)) return std::nullopt;
   const bool late = telemetry.snowball;
   const double drift = std::abs(measured - planned_gbps_) / planned_gbps_;

@@ -34,8 +34,6 @@ class AdaptivePlanner {
                                          const StepTelemetry& telemetry, Device& device);
 
  private:
-  double probe_link_gbps(Device& device) const;
-
   const nn::RefConfig& config_;
   PlanRequest request_;
   MemoryPolicy current_;

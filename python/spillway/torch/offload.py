@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -26,6 +27,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _spillway
+from .adaptive import AutoPlanner
 from .selective import SelectiveLayer
 
 __all__ = ["OffloadActivations", "offload_activations", "report"]
@@ -118,7 +120,7 @@ class OffloadActivations:
     def __init__(
         self,
         model: nn.Module,
-        plan: Optional[dict[str, Any]] = None,
+        plan: Optional[dict[str, Any] | str] = None,
         *,
         layers: Optional[Sequence[nn.Module]] = None,
         pinned_bytes: Optional[int] = None,
@@ -132,6 +134,9 @@ class OffloadActivations:
         h2d_gbps: float = 0.0,
         on_step: Optional[Callable[[dict[str, Any]], None]] = None,
         offload_tensors: Optional[Sequence[str] | str] = None,
+        hardware: str = "gh200",
+        hbm_budget_gb: Optional[float] = None,
+        margin: float = 0.10,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations: model must be an nn.Module, not {type(model)}")
@@ -175,6 +180,33 @@ class OffloadActivations:
         self.d2h_gbps = d2h_gbps
         self.h2d_gbps = h2d_gbps
         self.on_step = on_step
+        # Note [Re-planning while training]: plan="auto" plans after a measured first step
+        # and re-plans between steps.
+        self._auto: Optional[AutoPlanner] = None
+        self._fwd_start: dict[int, float] = {}
+        self._fwd_ms: list[float] = [0.0] * len(self.layers)
+        self._shape: Optional[tuple[int, int, str]] = None
+        if isinstance(plan, str):
+            if plan != "auto":
+                raise ValueError(
+                    f"offload_activations: plan is {plan!r}; a plan is a dict from spillway.plan() "
+                    'or "auto" (planned from a measured first step, re-planned as it drifts)'
+                )
+            if offload_tensors is not None:
+                raise ValueError(
+                    'offload_activations: plan="auto" chooses the tensors; offload_tensors '
+                    "states them: pass one of the two"
+                )
+            self._auto = AutoPlanner(
+                model,
+                hardware=hardware,
+                hbm_budget_gb=hbm_budget_gb,
+                margin=margin,
+                keep_last=max(self.keep_last, 1),
+                prefetch_depth=prefetch_depth,
+                d2h_gbps=d2h_gbps,
+            )
+            plan = None
         self.plan = plan
         # Plan mode: per layer, the plan's saved-tensor names that go to the host, and the
         # layers the plan recomputes (wrapped in torch.utils.checkpoint).
@@ -194,7 +226,11 @@ class OffloadActivations:
             self._read_plan(plan)
         elif offload_tensors is not None:
             self._read_names(offload_tensors)
-        self._plan_mode = plan is not None
+        elif self._auto is not None:
+            # The measured step offloads nothing; the names are given from the first plan on.
+            self._offload_names = [frozenset() for _ in self.layers]
+            self.keep_last = 0
+        self._plan_mode = plan is not None or self._auto is not None
         # Plan mode names each saved tensor (Note [Names of Hugging Face tensors]): the
         # submodules running, and the tensors some of them produced or were given.
         self._running: list[str] = []
@@ -397,6 +433,13 @@ class OffloadActivations:
             self._layer = i
             self._grad_forwards += 1
             self._running.clear()
+            if self._auto is not None:
+                if i == 0 and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+                    dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(
+                        args[0].dtype, "bf16"
+                    )
+                    self._shape = (int(args[0].shape[0]), int(args[0].shape[1]), dtype)
+                self._fwd_start[i] = time.perf_counter()
             if self._offload_names is not None and args and isinstance(args[0], torch.Tensor):
                 self._name_tensor(args[0], "attn.input")
             if self._session is not None:
@@ -409,6 +452,8 @@ class OffloadActivations:
             if not self._open or self._in_backward or not torch.is_grad_enabled():
                 return
             self._layer = None
+            if self._auto is not None and i in self._fwd_start:
+                self._fwd_ms[i] += (time.perf_counter() - self._fwd_start.pop(i)) * 1e3
             if self._session is not None:
                 self._session.forward_end(i)
                 self._release_copied()
@@ -697,7 +742,10 @@ class OffloadActivations:
                 sel.cached.clear()
                 sel.storages.clear()
         rep["counts"] = counts
-        if self._session is None and not failed and not quiet:
+        if self._auto is not None:
+            if not failed and not quiet:
+                self._replan(rep)
+        elif self._session is None and not failed and not quiet:
             # The sizing step: nothing was offloaded; the pool is sized from what would
             # have been, with room to spare, and allocated once.
             rep["sizing_step"] = True
@@ -731,7 +779,7 @@ class OffloadActivations:
                 f"{self._step}). Compile the blocks one by one instead (block.compile()), whose "
                 "saved tensors the hooks see (docs/python.md)",
             )
-        if not failed and not quiet and moved == 0:
+        if not failed and not quiet and moved == 0 and not rep.get("measured_step"):
             why = (
                 ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
                 or "no tensor was saved inside the decoder blocks"
@@ -746,6 +794,50 @@ class OffloadActivations:
         _record_report("offload", rep)
         if self.on_step is not None:
             self.on_step(rep)
+
+    def _replan(self, rep: dict[str, Any]) -> None:
+        """Note [Re-planning while training]: between steps, the first plan after the measured
+        step, then a new one when the link or the layers drift."""
+        auto = self._auto
+        assert auto is not None
+        measured = [ms for ms in self._fwd_ms if ms > 0]
+        fwd_ms = sum(measured) / len(measured) if measured else 0.0
+        self._fwd_ms = [0.0] * len(self.layers)
+        new: Optional[dict[str, Any]] = None
+        if auto.plan is None:
+            rep["measured_step"] = True
+            if self._shape is not None:
+                new = auto.first(self._shape, fwd_ms)
+        elif self._session is not None:
+            new = auto.after(self._step, rep, self._session.probe_d2h_gbps(), fwd_ms)
+        else:  # a plan that offloads nothing has no session to probe the link with
+            new = auto.after(self._step, rep, self.d2h_gbps, fwd_ms)
+        if new is not None:
+            self._apply_plan(new)
+        rep["replans"] = list(auto.replans)
+
+    def _apply_plan(self, plan: dict[str, Any]) -> None:
+        # Back to the blocks' own forwards, then the new plan's wrappers and engine.
+        for i, original in self._originals.items():
+            self.layers[i].forward = original
+        self._originals.clear()
+        self._checkpointed = []
+        self._selective = {}
+        self.plan = plan
+        self._read_plan(plan)
+        for i in self._checkpointed:
+            self._wrap_in_checkpoint(i)
+        planned = sum(layer.get("offload_bytes", 0) for layer in plan["layers"])
+        self._session = None
+        if planned > 0:
+            self._make_session(self.pinned_bytes or max(int(planned * 1.25), 16 * _MiB))
+
+    def set_link(self, d2h_gbps: float, h2d_gbps: float) -> None:
+        """Changes the emulated link's speed (CPU tensors, made with both throttles), from
+        the next copy on: a test of what re-planning does when the link drifts."""
+        self.d2h_gbps, self.h2d_gbps = d2h_gbps, h2d_gbps
+        if self._session is not None:
+            self._session.set_link_gbps(float(d2h_gbps), float(h2d_gbps))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -768,7 +860,7 @@ class OffloadActivations:
 
 
 def offload_activations(
-    model: nn.Module, plan: Optional[dict[str, Any]] = None, **kwargs: Any
+    model: nn.Module, plan: Optional[dict[str, Any] | str] = None, **kwargs: Any
 ) -> OffloadActivations:
     """Offload ``model``'s saved activations to host memory; see :class:`OffloadActivations`.
 
@@ -782,6 +874,13 @@ def offload_activations(
             Note [Selective recompute of a plan]), a ``checkpoint`` layer under
             ``torch.utils.checkpoint``. None: every eligible saved tensor of the blocks but
             the last ``keep_last``.
+            ``"auto"``: the first step measures each block's forward time and the batch's
+            shape and offloads nothing; the planner, calibrated by them, makes the plan the
+            next steps run, and makes it again between steps when a probe finds the link off
+            by a quarter or a layer's copies were late (Note [Re-planning while training];
+            ``report()["replans"]`` lists each change with its numbers). Needs
+            ``model.config`` (Hugging Face); ``hardware``, ``hbm_budget_gb`` and ``margin``
+            are the planner's.
         pinned_bytes: the host pool's size, allocated once; None: sized from the first step
             (which then offloads nothing, and says so).
         min_bytes: smaller saved tensors stay where they are (default 64 KiB).
