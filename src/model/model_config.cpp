@@ -82,6 +82,8 @@ constexpr Family kFamilies[] = {
     {"llama4_text", "llama4", families::parse_llama4},
     {"nemotron_h", "nemotron_h", families::parse_nemotron_h},
     {"mamba2", "mamba2", families::parse_mamba2},
+    {"mamba", "mamba", families::parse_mamba1},
+    {"falcon_mamba", "mamba", families::parse_mamba1},
     {"jamba", "jamba", families::parse_jamba},
     {"qwen3_next", "qwen3_next", families::parse_qwen3_next},
     {"granitemoehybrid", "granite_hybrid", families::parse_granite_hybrid},
@@ -126,6 +128,8 @@ std::string type_of_architecture(const std::string& arch) {
       {"Llama4ForConditionalGeneration", "llama4_text"},
       {"NemotronHForCausalLM", "nemotron_h"},
       {"Mamba2ForCausalLM", "mamba2"},
+      {"MambaForCausalLM", "mamba"},
+      {"FalconMambaForCausalLM", "falcon_mamba"},
       {"JambaForCausalLM", "jamba"},
       {"Qwen3NextForCausalLM", "qwen3_next"},
       {"GraniteMoeHybridForCausalLM", "granitemoehybrid"},
@@ -320,8 +324,10 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
     m.vocab = tracked.req_int("vocab_size", 1, kMaxDim);
   }
   const char* fam = family_of(type);
+  // transformers' defaults of tie_word_embeddings: true for these families' configs.
   const bool tied_default = fam != nullptr && (std::string_view(fam) == "gemma" ||
-                                               std::string_view(fam) == "recurrent_gemma");
+                                               std::string_view(fam) == "recurrent_gemma" ||
+                                               std::string_view(fam) == "mamba");
   m.tied_embeddings = tracked.has("tie_word_embeddings")
                           ? tracked.bool_or("tie_word_embeddings", tied_default)
                           : root.bool_or("tie_word_embeddings", tied_default);

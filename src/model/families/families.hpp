@@ -72,6 +72,7 @@ ModelConfig parse_glm4_moe(const JsonObject& c, ModelConfig m, const std::string
 ModelConfig parse_gpt_oss(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_grok(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_mamba2(const JsonObject& c, ModelConfig m, const std::string& type);
+ModelConfig parse_mamba1(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_jamba(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m, const std::string& type);

@@ -18,6 +18,49 @@ ModelConfig parse_mamba2(const JsonObject& c, ModelConfig m, const std::string&)
   return m;
 }
 
+// Mamba-1 (transformers' Mamba and FalconMamba): every layer a norm and a Mamba-1 mixer
+// (in_proj to x and z, a causal conv, x_proj to dt, B and C, dt_proj, the selective scan,
+// out_proj), no MLP. The inner width is intermediate_size (FalconMamba's config also says
+// "expand": 16, which transformers does not read: its intermediate_size is the width);
+// time_step_rank "auto" is ceil(hidden / 16). FalconMamba normalises dt, B and C by RMS
+// without weights (mixer_rms_eps): no parameters, a negligible op, not counted.
+ModelConfig parse_mamba1(const JsonObject& c, ModelConfig m, const std::string& type) {
+  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+  (void)c.has("n_layer");  // the mamba_ssm name of the same count, when both are written
+  if (c.has("n_layer") && c.req_int("n_layer", 1, kMaxLayers) != layers)
+    c.fail("n_layer", fmt::format("is {}; num_hidden_layers is {}", c.req_int("n_layer", 1,
+                                  kMaxLayers), layers));
+  LayerSpec l;
+  l.mixer = MixerKind::kMamba;
+  l.mlp.kind = MlpKind::kNone;
+  SsmSpec& ssm = l.ssm;
+  ssm.version = 1;
+  ssm.state = c.int_or("state_size", 16, 1, kMaxDim);
+  ssm.conv = c.int_or("conv_kernel", 4, 1, kMaxDim);
+  const int64_t expand = c.int_or("expand", 2, 1, 1024);
+  ssm.inner = c.has("intermediate_size")
+                  ? c.req_int("intermediate_size", 1, kMaxDim)
+                  : checked_mul(expand, m.hidden, "model config: expand x hidden_size");
+  if (c.has("time_step_rank") && c.raw().at("time_step_rank").is_string()) {
+    if (c.req_str("time_step_rank") != "auto")
+      c.fail("time_step_rank", "must be an integer or \"auto\"");
+    ssm.dt_rank = (m.hidden + 15) / 16;
+  } else {
+    ssm.dt_rank = c.int_or("time_step_rank", (m.hidden + 15) / 16, 1, kMaxDim);
+  }
+  ssm.conv_bias = c.bool_or("use_conv_bias", true);
+  ssm.proj_bias = c.bool_or("use_bias", false);
+  ssm.bcdt_norms = false;  // FalconMamba's are weightless
+  ssm.gated_norm = false;
+  (void)c.has("mixer_rms_eps");
+  // The vocabulary as the embedding holds it: mamba_ssm pads it to a multiple.
+  const int64_t pad = c.int_or("pad_vocab_size_multiple", 1, 1, kMaxDim);
+  m.vocab = (m.vocab + pad - 1) / pad * pad;
+  m.layers.assign(static_cast<size_t>(layers), l);
+  (void)type;
+  return m;
+}
+
 // The mamba_ssm package's own config.json (state-spaces/mamba2-*: no model_type): d_model,
 // n_layer, the vocabulary padded to pad_vocab_size_multiple, ssm_cfg with the Mamba2
 // module's arguments (its defaults: d_state 128, d_conv 4, expand 2, headdim 64, ngroups 1,
