@@ -43,8 +43,8 @@ TEST(NamedOffload, TheGroupMlpOffloadsExactlySeed000sThreeTensors) {
   const Plan p = make_plan(r);
   EXPECT_EQ(p.offload_tensors, (std::vector<std::string>{"mlp.gate_out", "mlp.up_out", "mlp.act"}));
   ASSERT_EQ(p.layers.size(), 48u);
-  const int64_t tokens = 24 * 4096;
-  const int64_t f_act = 8 * 768;  // top-8 of 768-wide experts
+  const int64_t tokens = int64_t{24} * 4096;
+  const int64_t f_act = int64_t{8} * 768;  // top-8 of 768-wide experts
   for (size_t i = 0; i + 1 < p.layers.size(); ++i) {
     const LayerPlan& l = p.layers[i];
     EXPECT_EQ(offloaded(l), kMlp) << "layer " << i;
