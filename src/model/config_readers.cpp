@@ -100,6 +100,15 @@ void read_mtp(const JsonObject& c, ModelConfig& m) {
   }
 }
 
+int64_t read_dt_rank(const JsonObject& c, const char* key, int64_t hidden) {
+  const int64_t automatic = (hidden + 15) / 16;
+  if (c.has(key) && c.raw().at(key).is_string()) {
+    if (c.req_str(key) != "auto") c.fail(key, "must be an integer or \"auto\"");
+    return automatic;
+  }
+  return c.int_or(key, automatic, 1, kMaxDim);
+}
+
 SsmSpec read_mamba2(const JsonObject& c, int64_t hidden) {
   SsmSpec s;
   s.version = 2;

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "spillway/error.hpp"
 
@@ -63,20 +62,25 @@ std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::Step
   if (!(measured > 0)) return std::nullopt;
   const bool late = telemetry.snowball;
   const double drift = std::abs(measured - planned_gbps_) / planned_gbps_;
-  if (!late && drift <= kLinkDrift) return std::nullopt;
+  // The layers drift too (clocks, another job on the device, a longer sequence).
+  double mean_fwd = 0.0;
+  for (double v : stats.layer_fwd_ms) mean_fwd += v;
+  if (!stats.layer_fwd_ms.empty()) mean_fwd /= static_cast<double>(stats.layer_fwd_ms.size());
+  const double planned_fwd = request_.layer_fwd_ms.value_or(0.0);
+  const double layers =
+      planned_fwd > 0 && mean_fwd > 0 ? std::abs(mean_fwd - planned_fwd) / planned_fwd : 0.0;
+  if (!late && drift <= kLinkDrift && layers <= kLinkDrift) return std::nullopt;
   // A layer late on a link the plan has right: the windows are shorter than planned, so
-  // the margin grows (x1.5 a time) until the plan moves less; a link drift starts again
-  // from the margin asked for.
-  request_.margin = late ? std::min(10.0, std::max(margin_, request_.margin) * 1.5) : margin_;
+  // the margin grows (x1.5 a time) until the plan moves less; a drifted link (or no
+  // lateness) starts again from the margin asked for.
+  request_.margin = late && drift <= kLinkDrift
+                        ? std::min(10.0, std::max(margin_, request_.margin) * 1.5)
+                        : margin_;
   const double link = std::clamp(measured, PlanLimits::kMinGbps * 10, PlanLimits::kMaxGbps / 10);
   request_.d2h_gbps = link;
   request_.h2d_gbps = link;
-  if (!stats.layer_fwd_ms.empty()) {
-    const double mean = std::accumulate(stats.layer_fwd_ms.begin(), stats.layer_fwd_ms.end(), 0.0) /
-                        static_cast<double>(stats.layer_fwd_ms.size());
-    if (mean >= PlanLimits::kMinLayerMs && mean <= PlanLimits::kMaxLayerMs)
-      request_.layer_fwd_ms = mean;
-  }
+  if (mean_fwd >= PlanLimits::kMinLayerMs && mean_fwd <= PlanLimits::kMaxLayerMs)
+    request_.layer_fwd_ms = mean_fwd;
   const double assumed = planned_gbps_;
   planned_gbps_ = link;
   const Plan plan = make_plan(request_);
@@ -85,7 +89,9 @@ std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::Step
   if (same_actions(next, current_)) return std::nullopt;
   const std::string why =
       late ? fmt::format("layer {}'s copies were late", telemetry.snowball_first_layer.value_or(-1))
-           : fmt::format("off by {:.0f}%", drift * 100.0);
+      : drift > kLinkDrift
+          ? fmt::format("off by {:.0f}%", drift * 100.0)
+          : fmt::format("the layers' forward {:.3f} ms, off by {:.0f}%", mean_fwd, layers * 100.0);
   next.note = fmt::format(
       "re-planned after step {}: link {:.3f} GB/s measured, the plan assumed {:.3f} ({}; margin "
       "{:.0f}%); offloaded tensors per layer [{}] -> [{}], {} -> {} recomputed",

@@ -19,8 +19,9 @@ namespace spillway::train {
 // plan was measured to fit), `first` that plan's policy.
 class AdaptivePlanner {
  public:
-  // Drift past which the plan is made again: the measured link off by more than this
-  // fraction of what the plan assumed (either way), or a layer's copies late.
+  // Drift past which the plan is made again: the measured link or the layers' forward time
+  // off by more than this fraction of what the plan assumed (either way), or a layer's
+  // copies late.
   static constexpr double kLinkDrift = 0.25;
   // The bytes of the probe copy that measures the link when a step moved nothing.
   static constexpr size_t kProbeBytes = size_t{1} << 20;

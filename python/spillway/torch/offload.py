@@ -489,14 +489,7 @@ class OffloadActivations:
 
     def _pack(self, t: torch.Tensor) -> Any:
         layer = self._layer
-        if layer is None or self._in_backward:
-            return t
-        if layer >= len(self.layers) - self.keep_last:
-            self._counts["kept_last_layers"] += 1
-            return t
-        reason = self._ineligible(t)
-        if reason:
-            self._counts[reason] += 1
+        if layer is None or self._in_backward or self._stays(t, layer):
             return t
         name = "saved"
         if self._offload_names is not None:
@@ -506,19 +499,25 @@ class OffloadActivations:
                 return t
         return self._offload(t, layer, name)
 
+    def _stays(self, t: torch.Tensor, layer: int) -> bool:
+        """Whether `t` of block `layer` stays where it is whatever its name (a last block, an
+        ineligible tensor), counted by why."""
+        if layer >= len(self.layers) - self.keep_last:
+            self._counts["kept_last_layers"] += 1
+            return True
+        reason = self._ineligible(t)
+        if reason:
+            self._counts[reason] += 1
+            return True
+        return False
+
     def _offload(self, t: torch.Tensor, layer: int, name: str, uses: int = 0) -> Any:
         """Hands `t` (of block `layer`, named `name`) to the engine: a _Saved to unpack, or
         `t` itself when it stays (ineligible, the sizing step, a full pool). `uses`: a fixed
         count of unpacks (a selective layer's cached output: one replay), 0 for autograd's
         saved tensors (counted as they are saved again)."""
-        if uses:
-            if layer >= len(self.layers) - self.keep_last:
-                self._counts["kept_last_layers"] += 1
-                return t
-            reason = self._ineligible(t)
-            if reason:
-                self._counts[reason] += 1
-                return t
+        if uses and self._stays(t, layer):
+            return t
         nbytes = t.nbytes
         # A tensor saved again (the input of q, k and v projections) is offloaded once: the
         # same tensor object, alive (a freed tensor's address may come back for another).

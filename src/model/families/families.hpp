@@ -52,6 +52,8 @@ void read_mtp(const JsonObject& c, ModelConfig& m);
 // mamba_-prefixed names of the latter two and the plain ones of Mamba2 and remote-code
 // Nemotron-H copies).
 SsmSpec read_mamba2(const JsonObject& c, int64_t hidden);
+// A Mamba-1 dt rank under `key`: an integer, or "auto" (ceil(hidden / 16), also when absent).
+int64_t read_dt_rank(const JsonObject& c, const char* key, int64_t hidden);
 
 // ---- the family parsers (one file each, or one per group) ------------------------------
 

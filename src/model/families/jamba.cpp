@@ -17,13 +17,7 @@ ModelConfig parse_jamba(const JsonObject& c, ModelConfig m, const std::string&) 
   ssm.state = c.int_or("mamba_d_state", 16, 1, kMaxDim);
   ssm.conv = c.int_or("mamba_d_conv", 4, 1, kMaxDim);
   ssm.inner = checked_mul(c.int_or("mamba_expand", 2, 1, 1024), m.hidden, "model config: inner");
-  if (c.has("mamba_dt_rank") && c.raw().at("mamba_dt_rank").is_string()) {
-    if (c.req_str("mamba_dt_rank") != "auto")
-      c.fail("mamba_dt_rank", "must be an integer or \"auto\"");
-    ssm.dt_rank = (m.hidden + 15) / 16;
-  } else {
-    ssm.dt_rank = c.int_or("mamba_dt_rank", (m.hidden + 15) / 16, 1, kMaxDim);
-  }
+  ssm.dt_rank = read_dt_rank(c, "mamba_dt_rank", m.hidden);
   ssm.conv_bias = c.bool_or("mamba_conv_bias", true);
   ssm.proj_bias = c.bool_or("mamba_proj_bias", false);
   ssm.bcdt_norms = true;

@@ -28,8 +28,8 @@ ModelConfig parse_mamba1(const JsonObject& c, ModelConfig m, const std::string& 
   const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
   (void)c.has("n_layer");  // the mamba_ssm name of the same count, when both are written
   if (c.has("n_layer") && c.req_int("n_layer", 1, kMaxLayers) != layers)
-    c.fail("n_layer", fmt::format("is {}; num_hidden_layers is {}", c.req_int("n_layer", 1,
-                                  kMaxLayers), layers));
+    c.fail("n_layer", fmt::format("is {}; num_hidden_layers is {}",
+                                  c.req_int("n_layer", 1, kMaxLayers), layers));
   LayerSpec l;
   l.mixer = MixerKind::kMamba;
   l.mlp.kind = MlpKind::kNone;
@@ -41,13 +41,7 @@ ModelConfig parse_mamba1(const JsonObject& c, ModelConfig m, const std::string& 
   ssm.inner = c.has("intermediate_size")
                   ? c.req_int("intermediate_size", 1, kMaxDim)
                   : checked_mul(expand, m.hidden, "model config: expand x hidden_size");
-  if (c.has("time_step_rank") && c.raw().at("time_step_rank").is_string()) {
-    if (c.req_str("time_step_rank") != "auto")
-      c.fail("time_step_rank", "must be an integer or \"auto\"");
-    ssm.dt_rank = (m.hidden + 15) / 16;
-  } else {
-    ssm.dt_rank = c.int_or("time_step_rank", (m.hidden + 15) / 16, 1, kMaxDim);
-  }
+  ssm.dt_rank = read_dt_rank(c, "time_step_rank", m.hidden);
   ssm.conv_bias = c.bool_or("use_conv_bias", true);
   ssm.proj_bias = c.bool_or("use_bias", false);
   ssm.bcdt_norms = false;  // FalconMamba's are weightless
