@@ -565,7 +565,7 @@ TEST(TrainCli, AdaptiveRePlansWhenTheLinkSlowsAndAgainWhenItRecovers) {
   TempDir dir;
   const std::string args =
       "--steps 12 --device-memory-mb 22 --d2h-gbps 20 --h2d-gbps 20 --quiet --json - ";
-  const TrainRun r = run("train --policy adaptive --link-schedule 5:0.15,9:20 " + args, dir);
+  const TrainRun r = run("train --policy adaptive --link-schedule 5:0.01,9:20 " + args, dir);
   ASSERT_EQ(r.code, 0) << shown(r);
   const Json j = parse_or_fail(r.out);
   const Json& q = j["policies"][0];
