@@ -206,14 +206,36 @@ class Device final {
   DeviceBackend* backend_ = nullptr;
 };
 
-// The device->host bandwidth one copy of `bytes` (device memory to pinned host memory, on a
-// D2H stream of its own) reaches now, in GB/s; 0 when the memory for it is not available.
-// Allocates and frees its buffers: for between steps (a re-planner's probe of the link),
-// never on a hot path.
-double measure_d2h_gbps(Device& device, size_t bytes);
-// The same on the caller's D2H stream `s` (made once: on the host backend a stream is a
-// thread, whose start would be counted in the copy's time).
+// Note [Copy samples]: a copy's bandwidth is measured over a sample of `copies`
+// back-to-back copies of one size on one stream, timed from the first enqueue to the
+// stream's synchronize (copies * bytes / time). One copy per sample would measure the
+// host <-> stream round trip (about 0.1 ms on the host backend, 10 us on CUDA) as much as
+// the link; so after one warm-up copy, `copies` grows from 1 (at least doubling) until a
+// sample lasts kMinCopySampleS, both as measured and as the fastest copy seen so far
+// predicts (one stalled sample on a busy host does not end it early), at most
+// kMaxCopiesPerSample. Large or slow copies take one copy per sample.
+inline constexpr double kMinCopySampleS = 2e-3;
+inline constexpr int kMaxCopiesPerSample = 4096;
+// `copies` copies of `bytes` from src to dst on s, first enqueue to synchronize, in seconds.
+double time_copies(Device& device, void* dst, const void* src, size_t bytes, int copies, Stream s);
+struct CopySample {
+  size_t bytes = 0;      // per copy
+  int copies = 1;        // per sample
+  double seconds = 0.0;  // the last calibration sample's time
+  double gbps() const;   // of that sample (1 GB/s = 1e9 bytes/s)
+};
+// The warm-up and calibration of Note [Copy samples]; the returned sample is a measurement.
+CopySample calibrate_copy_sample(Device& device, void* dst, const void* src, size_t bytes,
+                                 Stream s);
+
+// The device->host bandwidth of copies of `bytes` (device memory to pinned host memory, on
+// the caller's D2H stream `s`: made once, since on the host backend a stream is a thread
+// whose start would be counted) now, one sample of Note [Copy samples], in GB/s; 0 when
+// the memory for it is not available. Allocates and frees its buffers: for between steps
+// (a re-planner's probe of the link), never on a hot path.
 double measure_d2h_gbps(Device& device, size_t bytes, Stream s);
+// The same on a D2H stream of its own.
+double measure_d2h_gbps(Device& device, size_t bytes);
 
 // Note [Owned streams and events]: a stream or event a caller creates for a scope (an
 // engine's copy streams, a benchmark's compute stream) is held by one of these, which

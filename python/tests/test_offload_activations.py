@@ -35,6 +35,14 @@ def assert_bitwise(
         assert torch.equal(a[1][name], b[1][name]), f"gradient of {name} differs"
 
 
+def plan_of(model: Any, tmp_path: Any, **kwargs: Any) -> dict[str, Any]:
+    """spillway.plan() of `model`'s config (h100-pcie, micro-batch 2 x seq 32 unless given)."""
+    config = tmp_path / "config.json"
+    model.config.to_json_file(str(config))
+    kwargs = {"micro_batch": 2, "seq_len": 32, **kwargs}
+    return spillway.plan(str(config), "h100-pcie", **kwargs)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_loss_and_every_gradient_are_bitwise_equal(name: str) -> None:
     model = MODELS[name]()
@@ -202,9 +210,7 @@ def test_a_plan_offloads_only_its_tensors_and_checkpoints_its_recompute_layers(
 ) -> None:
     model = MODELS[name]()
     ref = copy.deepcopy(model)
-    config = tmp_path / "config.json"
-    model.config.to_json_file(str(config))
-    plan = spillway.plan(str(config), "h100-pcie", micro_batch=2, seq_len=32, policy=policy)
+    plan = plan_of(model, tmp_path, policy=policy)
     planned = [
         {t["name"] for t in layer["tensors"] if t["action"] == "offload"}
         for layer in plan["layers"]
@@ -367,11 +373,7 @@ def test_a_partial_plan_runs_as_planned_by_selective_recompute(
     which PyTorch holds as int64; the rest within 2%."""
     model = MODELS[name]()
     ref = copy.deepcopy(model)
-    config = tmp_path / "config.json"
-    model.config.to_json_file(str(config))
-    plan = spillway.plan(
-        str(config), "h100-pcie", micro_batch=2, seq_len=32, policy=policy, dtype="fp32"
-    )
+    plan = plan_of(model, tmp_path, policy=policy, dtype="fp32")
     offload = st.offload_activations(model, plan, pinned_bytes=64 << 20, min_bytes=1024)
     data = batch()
     want = step(ref, data)
@@ -408,11 +410,8 @@ def test_plan_auto_replans_when_the_link_slows_and_again_when_it_recovers(tmp_pa
     bitwise the plain model's; each change is in the report."""
     model = tiny_llama(layers=4)
     ref = copy.deepcopy(model)
-    config = tmp_path / "config.json"
-    model.config.to_json_file(str(config))
-    kw: dict[str, Any] = dict(micro_batch=2, seq_len=32, dtype="fp32")
-    keep = spillway.plan(str(config), "h100-pcie", policy="keep", **kw)
-    rec = spillway.plan(str(config), "h100-pcie", policy="recompute", **kw)
+    keep = plan_of(model, tmp_path, policy="keep", dtype="fp32")
+    rec = plan_of(model, tmp_path, policy="recompute", dtype="fp32")
     # A budget keep does not fit and recompute does: auto offloads on a fast link.
     budget = (keep["summary"]["peak_hbm_bytes"] + rec["summary"]["peak_hbm_bytes"]) / 2 / 1e9
     offload = st.offload_activations(

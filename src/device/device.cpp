@@ -1,7 +1,9 @@
 // Device, the face of spillway/device.hpp: each call forwarded to the backend it owns.
 #include "spillway/device.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <utility>
@@ -129,17 +131,41 @@ void UniqueEvent::reset() noexcept {
   }
 }
 
+double time_copies(Device& device, void* dst, const void* src, size_t bytes, int copies, Stream s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < copies; ++i) device.copy_async(dst, src, bytes, s);
+  device.synchronize(s);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double CopySample::gbps() const {
+  return static_cast<double>(bytes) * copies / std::max(seconds, 1e-9) / 1e9;
+}
+
+CopySample calibrate_copy_sample(Device& device, void* dst, const void* src, size_t bytes,
+                                 Stream s) {
+  time_copies(device, dst, src, bytes, 1, s);  // the warm-up: first-touch and wake-up costs
+  CopySample c;
+  c.bytes = bytes;
+  c.seconds = time_copies(device, dst, src, bytes, c.copies, s);
+  double copy_s = c.seconds;  // the fastest a copy has gone so far
+  while ((c.seconds < kMinCopySampleS || c.copies * copy_s < kMinCopySampleS) &&
+         c.copies < kMaxCopiesPerSample) {
+    const double wanted = std::ceil(1.25 * kMinCopySampleS / std::max(copy_s, 1e-9));
+    c.copies = static_cast<int>(std::min({std::clamp(wanted, 2.0 * c.copies, 16.0 * c.copies),
+                                          static_cast<double>(kMaxCopiesPerSample)}));
+    c.seconds = time_copies(device, dst, src, bytes, c.copies, s);
+    copy_s = std::min(copy_s, c.seconds / c.copies);
+  }
+  return c;
+}
+
 double measure_d2h_gbps(Device& device, size_t bytes, Stream s) {
   const UniqueMemory src(device, bytes, MemoryKind::kDevice);
   const UniqueMemory dst(device, bytes, MemoryKind::kPinnedHost);
   if (!src || !dst || bytes == 0) return 0.0;
   device.synchronize(s);
-  const auto t0 = std::chrono::steady_clock::now();
-  device.copy_async(dst.get(), src.get(), bytes, s);
-  device.synchronize(s);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+  return calibrate_copy_sample(device, dst.get(), src.get(), bytes, s).gbps();
 }
 
 double measure_d2h_gbps(Device& device, size_t bytes) {

@@ -2,14 +2,9 @@
 // each host memory kind, one host buffer that first carries a pattern host -> device ->
 // host (poisoned in between, compared bit for bit), then is timed in each direction.
 //
-// Note [Probe samples]: a sample is `copies` back-to-back copies of one size on one copy
-// stream, timed from the first enqueue to the stream's synchronize; its bandwidth is
-// copies * bytes / time. One copy per sample would measure the host <-> stream round trip
-// (about 0.1 ms on the host backend, 10 us on CUDA) as much as the link; so after one
-// warm-up copy, `copies` grows from 1 (at least doubling) until a sample lasts
-// kMinSampleS, both as measured and as the fastest copy seen so far predicts (so that
-// one stalled sample on a busy host does not end it early); the samples of that
-// calibration are discarded. Large sizes take one copy per sample.
+// Note [Probe samples]: each point's samples are those of Note [Copy samples]
+// (spillway/device.hpp: back-to-back copies lasting at least kMinCopySampleS, after a
+// warm-up), calibrated by calibrate_copy_sample, whose samples are discarded.
 //
 // Note [Probe budget]: each point gets its share of the time left (time left / points
 // left, so what a small size does not use passes to the large ones) and as many samples
@@ -93,17 +88,6 @@ std::string size_text(size_t bytes) {
   if (bytes >= kMiB && bytes % kMiB == 0) return fmt::format("{} MiB", bytes / kMiB);
   if (bytes >= kKiB && bytes % kKiB == 0) return fmt::format("{} KiB", bytes / kKiB);
   return fmt::format("{} B", bytes);
-}
-
-constexpr double kMinSampleS = 2e-3;  // Note [Probe samples]
-constexpr int kMaxCopiesPerSample = 4096;
-
-// `copies` copies, first enqueue to synchronize, in seconds.
-double timed_copies(Device& dev, void* dst, const void* src, size_t bytes, int copies, Stream s) {
-  const auto t0 = Clock::now();
-  for (int i = 0; i < copies; ++i) dev.copy_async(dst, src, bytes, s);
-  dev.synchronize(s);
-  return seconds_since(t0);
 }
 
 double gbps_of(size_t bytes, double seconds) {
@@ -204,18 +188,9 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
         const void* src = to_device ? host.get() : device.get();
         const Stream s = to_device ? h2d.get() : d2h.get();
         // Note [Probe samples].
-        timed_copies(dev, dst, src, bytes, 1, s);  // the warm-up: first-touch and wake-up costs
-        int copies = 1;
-        double sample_s = timed_copies(dev, dst, src, bytes, copies, s);
-        double copy_s = sample_s;  // the fastest a copy has gone so far
-        while ((sample_s < kMinSampleS || copies * copy_s < kMinSampleS) &&
-               copies < kMaxCopiesPerSample) {
-          const double wanted = std::ceil(1.25 * kMinSampleS / std::max(copy_s, 1e-9));
-          copies = static_cast<int>(std::min({std::clamp(wanted, 2.0 * copies, 16.0 * copies),
-                                              static_cast<double>(kMaxCopiesPerSample)}));
-          sample_s = timed_copies(dev, dst, src, bytes, copies, s);
-          copy_s = std::min(copy_s, sample_s / copies);
-        }
+        const CopySample cal = calibrate_copy_sample(dev, dst, src, bytes, s);
+        const int copies = cal.copies;
+        const double sample_s = cal.seconds;
         // Note [Probe budget].
         const double left_s = options.seconds_budget - seconds_since(start);
         const double share_s = left_s / static_cast<double>(std::max<size_t>(points_left, 1));
@@ -226,7 +201,7 @@ ProbeResult run_probe(Device& dev, const ProbeOptions& options) {
         gbps.reserve(static_cast<size_t>(repeats));
         const size_t sample_bytes = bytes * static_cast<size_t>(copies);
         for (int r = 0; r < repeats; ++r) {
-          gbps.push_back(gbps_of(sample_bytes, timed_copies(dev, dst, src, bytes, copies, s)));
+          gbps.push_back(gbps_of(sample_bytes, time_copies(dev, dst, src, bytes, copies, s)));
         }
         ProbePoint p;
         p.direction = direction;

@@ -739,7 +739,6 @@ class OffloadActivations:
             }
             for sel in self._selective.values():
                 sel.cached.clear()
-                sel.storages.clear()
         rep["counts"] = counts
         if self._auto is not None:
             if not failed and not quiet:

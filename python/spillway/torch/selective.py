@@ -77,8 +77,8 @@ class SelectiveLayer:
         self.recording = False
         self.count = 0
         self.pending: list[_Pending] = []
-        self.cached: dict[int, tuple[str, Any]] = {}  # op index -> (name, outputs)
-        self.storages: dict[int, set[int]] = {}  # op index -> its outputs' storages
+        # op index -> its name, its outputs' storages, its outputs (kept, or packed)
+        self.cached: dict[int, tuple[str, set[int], Any]] = {}
         self.saved_bytes = 0  # cached this step: kept + offloaded
         self.expert_step = 0  # Note [Names inside fused experts]
         self.act_named = False
@@ -155,7 +155,6 @@ class SelectiveLayer:
     def name_op(self, p: _Pending, name: str) -> None:
         if p.index in self.cached or (name not in self.keep and name not in self.offload):
             return
-        self.storages[p.index] = p.storages
         tensors = [x for x in torch.utils._pytree.tree_leaves(p.out) if isinstance(x, torch.Tensor)]
         self.saved_bytes += sum(x.nbytes for x in tensors)
         if name in self.offload:
@@ -163,17 +162,15 @@ class SelectiveLayer:
             packed = tree_map_only(
                 torch.Tensor, lambda x: owner._offload(x, self.layer, name, uses=1), p.out
             )
-            self.cached[p.index] = (name, packed)
+            self.cached[p.index] = (name, p.storages, packed)
         else:
-            self.cached[p.index] = (name, p.out)
+            self.cached[p.index] = (name, p.storages, p.out)
         self.owner._counts[
             f"selective_{'offloaded' if name in self.offload else 'kept'}:{name}"
         ] += 1
 
     def _cached_as(self, ptr: int, name: str) -> bool:
-        return any(
-            n == name and ptr in self.storages[index] for index, (n, _) in self.cached.items()
-        )
+        return any(n == name and ptr in storages for n, storages, _ in self.cached.values())
 
     def drop(self, creator: str) -> None:
         """The ops `creator` ran so far have had their chance to be named."""
@@ -186,14 +183,13 @@ class SelectiveLayer:
         if hit is None:
             return None
         unpack: Callable[[Any], torch.Tensor] = self.owner._unpack
-        return tree_map(lambda x: unpack(x) if not isinstance(x, torch.Tensor) else x, hit[1])
+        return tree_map(lambda x: unpack(x) if not isinstance(x, torch.Tensor) else x, hit[2])
 
     def begin(self) -> None:
         self.recording = True
         self.count = 0
         self.pending.clear()
         self.cached.clear()
-        self.storages.clear()
         self.saved_bytes = 0
 
     def end(self) -> None:
