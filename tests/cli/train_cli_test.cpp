@@ -71,6 +71,18 @@ Json parse_or_fail(const std::string& text) {
   }
 }
 
+// `spillway plan --policy offload` of the reference model `model` at kTiny, fp32, into
+// dir's plan.json: judged infeasible for gh200 (exit 3) or not, it is written either way.
+std::string offload_plan_file(const TempDir& dir, const std::string& model) {
+  const std::string plan = dir.file("plan.json");
+  const TrainRun p = run("plan --model '" + model + "' --hardware gh200 " + kTiny +
+                             " --dtype fp32 --policy offload --quiet --json '" + plan + "'",
+                         dir);
+  EXPECT_TRUE(p.code == 0 || p.code == 3) << shown(p);
+  EXPECT_TRUE(std::filesystem::exists(plan)) << shown(p);
+  return plan;
+}
+
 const std::vector<std::string> kPolicies = {"keep",      "checkpoint", "recompute", "offload",
                                             "selective", "hybrid",     "auto"};
 
@@ -382,13 +394,8 @@ TEST(TrainCli, OneSpellingPerIdeaAcrossSubcommands) {
 TEST(TrainCli, PlanFileFromSpillwayPlanIsAPolicy) {
   TempDir dir;
   const std::string model = std::string(SPILLWAY_DATA_DIR) + "/nn/tiny-moe.json";
-  const std::string plan = dir.file("plan.json");
-  const TrainRun p = run("plan --model '" + model + "' --hardware gh200 " + kTiny +
-                             " --dtype fp32 --policy offload --quiet --json '" + plan + "'",
-                         dir);
-  // The plan may be judged infeasible for gh200 (exit 3); it is written either way.
-  ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
-  ASSERT_TRUE(std::filesystem::exists(plan)) << shown(p);
+  const std::string plan = offload_plan_file(dir, model);
+  ASSERT_TRUE(std::filesystem::exists(plan));
 
   const TrainRun r = run(
       "train --model '" + model + "' --plan '" + plan + "' " + kTiny + " --steps 2 --json -", dir);
@@ -511,22 +518,13 @@ TEST(TrainCli, CompareGoesOnWhenAPolicyCannotRun) {
   EXPECT_GT(j["policies"][1].value("peak_device_bytes", int64_t{0}), 0) << "recompute ran";
 }
 
-}  // namespace
-}  // namespace spillway
-
-namespace spillway {
-namespace {
-
 // Note [Plans re-timed from their actions]: a plan file edited by hand (an action changed,
 // not its times) is named as edited by simulate and train, and re-timed from its actions.
 TEST(TrainCli, AnEditedPlanFileIsSaidAndReTimedFromItsActions) {
   TempDir dir;
   const std::string model = std::string(SPILLWAY_DATA_DIR) + "/nn/tiny-moe.json";
-  const std::string plan = dir.file("plan.json");
-  const TrainRun p = run("plan --model '" + model + "' --hardware gh200 " + kTiny +
-                             " --dtype fp32 --policy offload --quiet --json '" + plan + "'",
-                         dir);
-  ASSERT_TRUE(p.code == 0 || p.code == 3) << shown(p);
+  const std::string plan = offload_plan_file(dir, model);
+  ASSERT_TRUE(std::filesystem::exists(plan));
   const TrainRun sim0 = run("simulate --plan '" + plan + "' --json -", dir);
   EXPECT_FALSE(contains(sim0.err, "was edited")) << shown(sim0);
   Json doc = parse_or_fail(read_file(plan));
@@ -551,12 +549,6 @@ TEST(TrainCli, AnEditedPlanFileIsSaidAndReTimedFromItsActions) {
   EXPECT_TRUE(contains(q.value("actions", ""), "was edited")) << q.dump(2);
   EXPECT_TRUE(q.value("prediction_calibrated", false)) << q.dump(2);
 }
-
-}  // namespace
-}  // namespace spillway
-
-namespace spillway {
-namespace {
 
 // Note [Re-planning while training]: a link throttled mid-run makes the layers whose copies
 // snowball switch to recompute within two steps, and back within two steps after the

@@ -465,12 +465,6 @@ TEST(PlanJsonCollectives, RoundTripAbsentAndBadEntries) {
                {"\"layers[2].collectives\" is 3; must be an array"});
 }
 
-}  // namespace
-}  // namespace spillway
-
-namespace spillway {
-namespace {
-
 // Note [Plans re-timed from their actions]: an action edited by hand in a plan file is
 // re-timed from the file's op graph; the recompute time follows the action, the file is
 // named as edited, and a plan as written reads back with its own figures bit for bit.
