@@ -77,28 +77,30 @@ void add_train_command(CLI::App& app) {
       ->delimiter(',')
       ->excludes("--plan")
       ->excludes("--compare");
-  auto schedule = std::make_shared<std::vector<std::string>>();
-  cmd->add_option("--link-schedule", *schedule,
-                  "STEP:GBPS,...: from step STEP on (1-based) the emulated link runs at GBPS "
-                  "both ways (another job on the link, a throttle lifted); needs --d2h-gbps "
-                  "and --h2d-gbps, its speed before. E.g. --policy adaptive --d2h-gbps 20 "
-                  "--h2d-gbps 20 --link-schedule 5:0.05,9:20")
-      ->delimiter(',')
-      ->each([o](const std::string& v) {
-        const size_t colon = v.find(':');
-        train::LinkChange ch;
-        try {
-          size_t a = 0, b = 0;
-          if (colon == std::string::npos) throw std::invalid_argument(v);
-          ch.step = std::stoi(v.substr(0, colon), &a);
-          ch.gbps = std::stod(v.substr(colon + 1), &b);
-          if (a != colon || b != v.size() - colon - 1) throw std::invalid_argument(v);
-        } catch (const std::exception&) {
-          throw CLI::ValidationError("--link-schedule",
-                                     "'" + v + "' is not STEP:GBPS (e.g. 5:0.05)");
-        }
-        o->link_schedule.push_back(ch);
-      });
+  cmd->add_option_function<std::vector<std::string>>(
+         "--link-schedule",
+         [o](const std::vector<std::string>& changes) {
+           for (const std::string& v : changes) {
+             const size_t colon = v.find(':');
+             train::LinkChange ch;
+             try {
+               size_t a = 0, b = 0;
+               if (colon == std::string::npos) throw std::invalid_argument(v);
+               ch.step = std::stoi(v.substr(0, colon), &a);
+               ch.gbps = std::stod(v.substr(colon + 1), &b);
+               if (a != colon || b != v.size() - colon - 1) throw std::invalid_argument(v);
+             } catch (const std::exception&) {
+               throw CLI::ValidationError("--link-schedule",
+                                          "'" + v + "' is not STEP:GBPS (e.g. 5:0.05)");
+             }
+             o->link_schedule.push_back(ch);
+           }
+         },
+         "STEP:GBPS,...: from step STEP on (1-based) the emulated link runs at GBPS both ways "
+         "(another job on the link, a throttle lifted); needs --d2h-gbps and --h2d-gbps, its "
+         "speed before. E.g. --policy adaptive --d2h-gbps 20 --h2d-gbps 20 --link-schedule "
+         "5:0.05,9:20")
+      ->delimiter(',');
   cmd->add_option("--device", o->device, "host (cuda: refused with the reason)")
       ->capture_default_str();
   in_range(cmd->add_option("--device-memory-mb", o->device_memory_mb,
@@ -159,8 +161,7 @@ void add_train_command(CLI::App& app) {
            closed(0, L::kMaxClip));
   cmd->add_option("--json", *json, "Write the per-policy figures as JSON to FILE ('-' for stdout)");
   cmd->add_flag("--quiet", *quiet, "No per-step lines");
-  cmd->callback([o, json, quiet, margin, plan_file, schedule] {
-    (void)schedule;  // parsed into o->link_schedule by its option (kept alive here)
+  cmd->callback([o, json, quiet, margin, plan_file] {
     o->margin = parse_margin(*margin);
     if (!plan_file->empty()) {
       if (plan_file->size() <= 5 || plan_file->substr(plan_file->size() - 5) != ".json")

@@ -551,11 +551,11 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
     // Note [Plans re-timed from their actions].
     const int64_t stored_kept = l.int_or("kept_bytes", lp.kept_bytes, 0, kBig);
     const int64_t stored_offload = l.int_or("offload_bytes", lp.offload_bytes, 0, kBig);
-    std::vector<Action> actions;
-    const CostedLayer c = costed_from_file(lp, &actions);
-    const ActionCost cost = evaluate_actions(c, actions);
     const bool bytes_differ = stored_kept != lp.kept_bytes || stored_offload != lp.offload_bytes;
     if (graph) {
+      std::vector<Action> actions;
+      const CostedLayer c = costed_from_file(lp, &actions);
+      const ActionCost cost = evaluate_actions(c, actions);
       if (bytes_differ || differs(cost.recompute_ms, lp.recompute_ms)) {
         if (edited.empty()) {
           std::vector<std::string> rerun;
