@@ -437,6 +437,7 @@ def test_plan_auto_replans_when_the_link_slows_and_again_when_it_recovers(tmp_pa
         assert_bitwise(want, got)
         moved.append(offload.last_report().get("d2h_bytes", 0))
     replans = offload.last_report()["replans"]
+    print("\n".join(replans))  # docs/python.md quotes these (pytest -s)
     for r in replans:
         if any(r.startswith(f"re-planned after step {k}:") for k in (2, 3)) and "late" in r:
             pytest.skip(f"copies were late on the fast link (a loaded machine): {r}")
