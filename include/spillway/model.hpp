@@ -39,6 +39,9 @@ struct AttentionSpec {
   // A sigmoid gate on the core output from a second half of the Q projection (Qwen3-Next's
   // gated attention: q_proj is heads x qk_head_dim x 2 wide).
   bool output_gate = false;
+  // The width the Q, K and V projections read; 0 = the hidden size. Zamba2's shared attention
+  // reads the concatenated [hidden, input embedding]: 2 x hidden.
+  int64_t input_width = 0;
   friend bool operator==(const AttentionSpec&, const AttentionSpec&) = default;
 };
 
@@ -79,16 +82,25 @@ struct RecurrentSpec {
   friend bool operator==(const RecurrentSpec&, const RecurrentSpec&) = default;
 };
 
-// Linear attention with a gated delta rule (Qwen3-Next's Gated DeltaNet): q and k of
-// k_heads x k_head_dim, v of v_heads x v_head_dim, a causal depthwise convolution over q, k
-// and v, a recurrent state of k_head_dim x v_head_dim per value head, computed in chunks.
+// The linear attentions spillway plans: Qwen3-Next's Gated DeltaNet, Kimi-Linear's Kimi
+// Delta Attention (the delta rule with a per-channel decay), MiniMax's lightning attention
+// (softmax-free attention with a fixed per-head decay, no convolution).
+enum class LinearKind { kGatedDeltaNet, kKimiDelta, kLightning };
+
+// Linear attention: q and k of k_heads x k_head_dim, v of v_heads x v_head_dim, (but
+// lightning) a causal depthwise convolution over q, k and v, a recurrent state of
+// k_head_dim x v_head_dim per value head, computed in chunks.
 struct LinearAttentionSpec {
+  LinearKind kind = LinearKind::kGatedDeltaNet;
   int64_t k_heads = 0;
   int64_t v_heads = 0;
   int64_t k_head_dim = 0;
   int64_t v_head_dim = 0;
-  int64_t conv = 4;
+  int64_t conv = 4;  // 0: none (lightning)
   int64_t chunk = 64;
+  // Kimi Delta Attention: the rank of its low-rank decay and output-gate projections
+  // (d x rank, then rank x heads x head_dim).
+  int64_t gate_rank = 0;
   friend bool operator==(const LinearAttentionSpec&, const LinearAttentionSpec&) = default;
 };
 
@@ -115,7 +127,18 @@ struct LayerSpec {
   AttentionSpec attn;  // used when mixer is kAttention
   MlpSpec mlp;         // kNone: a mixer-only layer
   MixerKind mixer = MixerKind::kAttention;
-  SsmSpec ssm{};                 // mixer kMamba
+  SsmSpec ssm{};  // mixer kMamba, or beside the attention (parallel_ssm)
+  // Falcon-H1: a Mamba mixer (ssm) beside the attention, both reading the input norm's
+  // output, their outputs summed into the residual.
+  bool parallel_ssm = false;
+  // Zamba2's hybrid layers: shared transformer block number `shared_block` (attn over the
+  // concatenated [hidden, input embedding] with its own 2 x hidden norm, then the MLP in mlp
+  // with its norm; no residual inside) runs before the Mamba mixer, and its output, through
+  // the layer's own hidden x hidden projection, is added to the mixer's input. A block's
+  // weights are shared by every layer that names it: layer_parameter_count counts them in
+  // each such layer (each uses them), parameter_count once. The layer's own projection and
+  // LoRA adapters are in extra_params. -1: none.
+  int shared_block = -1;
   LinearAttentionSpec linear{};  // mixer kLinearAttention
   RecurrentSpec recurrent{};     // mixer kRecurrent
   // RMSNorms beyond the input and post-attention ones, d parameters each (Gemma 2/3's
@@ -126,7 +149,8 @@ struct LayerSpec {
   bool mtp = false;
   int64_t extra_params = 0;
   // Short block name used in plans: "gqa+dense", "swa+moe", "mla+moe", "gqa+moe+dense",
-  // "mamba2", "mamba+moe", "gdn+moe", "dense" (an MLP-only layer).
+  // "mamba2", "mamba+moe", "gdn+moe", "kda+moe", "lightning+moe", "gqa|mamba2+dense" (a
+  // parallel hybrid), "shared+mamba2" (Zamba2's hybrid layer), "dense" (an MLP-only layer).
   std::string block_name() const;
   friend bool operator==(const LayerSpec&, const LayerSpec&) = default;
 };
@@ -170,6 +194,7 @@ struct ModelCatalogEntry {
   double params_tolerance = 0.01;
   double active_tolerance = 0.01;
   bool active_counts_embedding = true;  // false: the published active count leaves it out
+  bool active_counts_head = true;       // false: ... and the (untied) LM head too (MiniMax)
 };
 std::vector<ModelCatalogEntry> model_catalog();
 
@@ -179,6 +204,9 @@ const std::vector<std::string>& supported_model_types();
 // Parameters of one layer (unsharded), of the whole model (embeddings, final norm and an
 // untied LM head included; multi-token-prediction modules excluded), and per token.
 int64_t layer_parameter_count(const LayerSpec& layer, int64_t hidden);
+// The weights of a layer's shared block (LayerSpec::shared_block), 0 without one: part of
+// layer_parameter_count, counted once per block by parameter_count.
+int64_t shared_block_parameter_count(const LayerSpec& layer, int64_t hidden);
 int64_t parameter_count(const ModelConfig& model);
 int64_t active_parameter_count(const ModelConfig& model);
 

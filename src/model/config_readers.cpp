@@ -89,6 +89,24 @@ std::vector<char> read_layer_types(const JsonObject& c, int64_t layers, int64_t 
   return sliding;
 }
 
+std::vector<char> read_full_attention_layers(const JsonObject& c, int64_t layers) {
+  const std::vector<std::string> types = c.str_array_or("layer_types");
+  if (types.empty()) return {};
+  if (static_cast<int64_t>(types.size()) != layers) {
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
+  }
+  std::vector<char> full(types.size(), 0);
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] != "full_attention" && types[i] != "linear_attention") {
+      c.fail(fmt::format("layer_types[{}]", i),
+             fmt::format("is \"{}\"; must be \"full_attention\" or \"linear_attention\"", types[i]));
+    }
+    full[i] = types[i] == "full_attention";
+  }
+  return full;
+}
+
 void read_mtp(const JsonObject& c, ModelConfig& m) {
   m.mtp_layers =
       c.int_or(alias(c, {"num_nextn_predict_layers", "mtp_num_hidden_layers"}), 0, 0, kMaxLayers);
@@ -109,6 +127,26 @@ int64_t read_dt_rank(const JsonObject& c, const char* key, int64_t hidden) {
   return c.int_or(key, automatic, 1, kMaxDim);
 }
 
+AttentionSpec read_mla(const JsonObject& c) {
+  AttentionSpec a;
+  a.kind = AttentionKind::kMla;
+  a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
+  a.kv_heads = a.heads;
+  (void)c.has("num_key_value_heads");  // MLA: every head has its own K and V
+  a.q_lora_rank = c.int_or("q_lora_rank", 0, 0, kMaxDim);
+  a.kv_lora_rank = c.req_int("kv_lora_rank", 1, kMaxDim);
+  const int64_t nope = c.req_int("qk_nope_head_dim", 0, kMaxDim);
+  a.qk_rope_head_dim = c.req_int("qk_rope_head_dim", 0, kMaxDim);
+  a.qk_head_dim = nope + a.qk_rope_head_dim;
+  if (a.qk_head_dim == 0)
+    c.fail("qk_nope_head_dim",
+           "and \"qk_rope_head_dim\" are both 0; the query/key head needs a width");
+  a.v_head_dim = c.req_int("v_head_dim", 1, kMaxDim);
+  (void)c.has("head_dim");  // transformers sets it to qk_rope_head_dim; the widths above rule
+  a.qkv_bias = c.bool_or("attention_bias", false);
+  return a;
+}
+
 SsmSpec read_mamba2(const JsonObject& c, int64_t hidden) {
   SsmSpec s;
   s.version = 2;
@@ -121,8 +159,7 @@ SsmSpec read_mamba2(const JsonObject& c, int64_t hidden) {
   s.conv_bias = c.bool_or(alias(c, {"use_conv_bias", "mamba_conv_bias"}), true);
   s.proj_bias = c.bool_or(alias(c, {"use_bias", "mamba_proj_bias"}), false);
   s.inner = checked_mul(s.heads, s.head_dim, "model config: mamba heads * head_dim");
-  const char* expand_key = alias(c, {"expand", "mamba_expand"});
-  if (c.has(expand_key)) {
+  if (const char* expand_key = alias(c, {"expand", "mamba_expand"}); c.has(expand_key)) {
     const int64_t expand = c.req_int(expand_key, 1, 1024);
     if (s.inner != expand * hidden) {
       c.fail(expand_key,

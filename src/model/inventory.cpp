@@ -125,7 +125,8 @@ class Builder {
   LayerInventory& inv_;
 };
 
-void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh, int h);
+void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh, int h,
+                   const char* out_name = "layer.output");
 
 // What every block part needs: tokens, widths and byte helpers of one shard shape.
 struct Dims {
@@ -158,7 +159,12 @@ struct Dims {
 // Note [Block inventories]: a layer is a token mixer (attention, a state-space model,
 // linear attention, or none) and an MLP (dense, MoE, or none), each with its pre-norm and
 // residual; the mixer's output is "mlp.input" when an MLP follows, else the unsaved
-// "layer.output". Widths split by tp as heads do.
+// "layer.output". Widths split by tp as heads do. Two hybrids: Falcon-H1's attention has a
+// Mamba mixer beside it on the same norm output, summed by the attention's out_proj (the
+// mixer's own out_proj writes the unsaved "ssm.out"); Zamba2's hybrid layer runs a shared
+// attention (over [hidden, input embedding], no residual, "mlp.input" its output) and MLP
+// ("shared.out", unsaved), then "shared.proj" (a hidden x hidden GEMM plus the hidden state)
+// makes "ssm.input" of the layer's Mamba mixer.
 //
 // Mamba (docs/plan-schema.md, "ssm.*"): norm; in_proj (GEMM) to z, x, B, C, dt; a causal
 // depthwise conv over x, B, C; the scan; the gate (Mamba-2: gated RMSNorm; Mamba-1:
@@ -169,14 +175,23 @@ struct Dims {
 // the attention efficiency with Q / 2 keys) and 4 N P across chunks. Mamba-1's is a
 // per-channel recurrence, 9 N FLOPs per token and channel, memory-bound; its states are
 // kept every 2048 tokens (the kernel's chunk).
+//
+// A parallel mixer (Falcon-H1) is given the attention's norm output as `parallel_in`: it has
+// no input or norm of its own, and its out_proj writes the unsaved "ssm.out" that the
+// attention's out_proj adds with the residual. A mixer after a shared block (Zamba2) is
+// given its input, made by the block's projection, as `input`.
 void mamba_inventory(Builder& b, const SsmSpec& s, int64_t d, const ShardShape& sh,
-                     const char* out_name, bool out_saved) {
+                     const char* out_name, bool out_saved, int parallel_in = -1, int input = -1) {
   const Dims k(d, sh);
   const char* dt = k.dt.c_str();
-  const int x = b.tensor("ssm.input", k.Tsp, d, dt, k.e);
-  const int xn = b.tensor("ssm.norm_out", k.Tsp, d, dt, k.e);
-  b.op("ssm.norm", OpKind::kMemory, 4.0 * k.Tf * k.df / k.tpf, mul(mul(2, k.Tsp), mul(d, k.e)), {x},
-       {xn});
+  int x = -1;
+  int xn = parallel_in;
+  if (parallel_in < 0) {
+    x = input >= 0 ? input : b.tensor("ssm.input", k.Tsp, d, dt, k.e);
+    xn = b.tensor("ssm.norm_out", k.Tsp, d, dt, k.e);
+    b.op("ssm.norm", OpKind::kMemory, 4.0 * k.Tf * k.df / k.tpf, mul(mul(2, k.Tsp), mul(d, k.e)),
+         {x}, {xn});
+  }
   const bool v1 = s.version == 1;
   // in_proj: Mamba-1 x and z; Mamba-2 z, x, B, C (groups) and dt (heads).
   const int64_t conv_dim = v1 ? s.inner : s.inner + mul(2, mul(s.groups, s.state));
@@ -229,15 +244,20 @@ void mamba_inventory(Builder& b, const SsmSpec& s, int64_t d, const ShardShape& 
   b.op("ssm.gate", OpKind::kMemory, 6.0 * k.Tf * static_cast<double>(s.inner) / k.tpf,
        mul(mul(3, k.T), mul(ceil_div(s.inner, k.tp), k.e)), {y, in}, {gated});
   const int out = b.tensor(out_name, k.Tsp, d, dt, k.e, out_saved);
+  std::vector<int> out_in = {gated};
+  if (x >= 0) out_in.push_back(x);  // the residual
   b.op("ssm.out_proj", OpKind::kGemm, 2.0 * k.Tf * static_cast<double>(s.inner) * k.df / k.tpf,
-       k.gemm_bytes(k.T, s.inner, d), {gated, x}, {out},
-       Dims::gemm(k.T, ceil_div(s.inner, k.tp), d));
+       k.gemm_bytes(k.T, s.inner, d), out_in, {out}, Dims::gemm(k.T, ceil_div(s.inner, k.tp), d));
 }
 
-// Gated DeltaNet (docs/plan-schema.md, "lin.*"), as Mamba-2 with the chunked gated delta
-// rule as its scan: per token and value head, C (dk + dv) FLOPs inside its chunk of C and
-// 4 dk dv across chunks (the recurrent state is dk x dv per value head); the block policy
-// recomputes the projections, conv and gate and keeps the core output and chunk states.
+// Linear attention (docs/plan-schema.md, "lin.*"), as Mamba-2 with the chunked linear
+// recurrence as its scan: per token and value head, C (dk + dv) FLOPs inside its chunk of C
+// and 4 dk dv across chunks (the recurrent state is dk x dv per value head); the block
+// policy recomputes the projections, conv and gate and keeps the core output and chunk
+// states. The input projection makes, per kind: Gated DeltaNet q, k, v, z (the output gate)
+// and b, a (beta and decay) per value head; Kimi Delta Attention q, k, v, the per-channel
+// decay and the output gate (each through a rank-r pair) and beta per head; lightning
+// attention q, k, v and the output gate, and has no convolution.
 void linear_attention_inventory(Builder& b, const LinearAttentionSpec& g, int64_t d,
                                 const ShardShape& sh, const char* out_name, bool out_saved) {
   const Dims k(d, sh);
@@ -248,16 +268,38 @@ void linear_attention_inventory(Builder& b, const LinearAttentionSpec& g, int64_
   const int xn = b.tensor("lin.norm_out", k.Tsp, d, dt, k.e);
   b.op("lin.norm", OpKind::kMemory, 4.0 * k.Tf * k.df / k.tpf, mul(mul(2, k.Tsp), mul(d, k.e)), {x},
        {xn});
-  // q, k, v, z (the output gate), and b, a (the delta rule's beta and decay) per value head.
-  const int64_t in_width = mul(2, key) + mul(2, value) + mul(2, g.v_heads);
-  const int in = b.tensor("lin.in_proj_out", k.T, ceil_div(in_width, k.tp), dt, k.e);
-  b.op("lin.in_proj", OpKind::kGemm, 2.0 * k.Tf * k.df * static_cast<double>(in_width) / k.tpf,
-       k.gemm_bytes(k.T, d, in_width), {xn}, {in}, Dims::gemm(k.T, d, ceil_div(in_width, k.tp)));
   const int64_t conv_dim = mul(2, key) + value;
-  const int conv = b.tensor("lin.conv_out", k.T, ceil_div(conv_dim, k.tp), dt, k.e);
-  b.op("lin.conv", OpKind::kMemory,
-       2.0 * k.Tf * static_cast<double>(conv_dim) * static_cast<double>(g.conv) / k.tpf,
-       mul(mul(2, k.T), mul(ceil_div(conv_dim, k.tp), k.e)), {in}, {conv});
+  int64_t in_width = 0;  // what the projections write
+  double in_flops = 0;
+  switch (g.kind) {
+    case LinearKind::kGatedDeltaNet:
+      in_width = mul(2, key) + mul(2, value) + mul(2, g.v_heads);
+      in_flops = 2.0 * k.Tf * k.df * static_cast<double>(in_width) / k.tpf;
+      break;
+    case LinearKind::kKimiDelta: {
+      in_width = conv_dim + key + g.v_heads + value;
+      const double r = static_cast<double>(g.gate_rank);
+      in_flops = 2.0 * k.Tf *
+                 (k.df * (static_cast<double>(conv_dim + g.v_heads) + 2.0 * r) +
+                  r * static_cast<double>(key + value)) /
+                 k.tpf;
+      break;
+    }
+    case LinearKind::kLightning:
+      in_width = conv_dim + value;
+      in_flops = 2.0 * k.Tf * k.df * static_cast<double>(in_width) / k.tpf;
+      break;
+  }
+  const int in = b.tensor("lin.in_proj_out", k.T, ceil_div(in_width, k.tp), dt, k.e);
+  b.op("lin.in_proj", OpKind::kGemm, in_flops, k.gemm_bytes(k.T, d, in_width), {xn}, {in},
+       Dims::gemm(k.T, d, ceil_div(in_width, k.tp)));
+  int conv = in;
+  if (g.conv > 0) {
+    conv = b.tensor("lin.conv_out", k.T, ceil_div(conv_dim, k.tp), dt, k.e);
+    b.op("lin.conv", OpKind::kMemory,
+         2.0 * k.Tf * static_cast<double>(conv_dim) * static_cast<double>(g.conv) / k.tpf,
+         mul(mul(2, k.T), mul(ceil_div(conv_dim, k.tp), k.e)), {in}, {conv});
+  }
   const int y = b.tensor("lin.core_out", k.T, ceil_div(value, k.tp), dt, k.e);
   const int states =
       b.tensor("lin.chunk_states", ceil_div(k.T, g.chunk),
@@ -267,10 +309,12 @@ void linear_attention_inventory(Builder& b, const LinearAttentionSpec& g, int64_
   const double dv = static_cast<double>(g.v_head_dim);
   OpShape core_shape;
   core_shape.keys = C / 2.0;
+  // The core reads q, k, v (the conv's output) and its gates (the rest of the projection).
+  std::vector<int> core_in = {conv};
+  if (conv != in) core_in.push_back(in);
   b.op("lin.core", OpKind::kAttention,
        k.Tf * static_cast<double>(g.v_heads) * (C * (dk + dv) + 4.0 * dk * dv) / k.tpf,
-       mul(mul(k.T, ceil_div(conv_dim + value + mul(2, g.v_heads), k.tp)), k.e), {conv, in},
-       {y, states}, core_shape, 2.5);
+       mul(mul(k.T, ceil_div(in_width, k.tp)), k.e), core_in, {y, states}, core_shape, 2.5);
   const int gated = b.tensor("lin.out_proj_in", k.T, ceil_div(value, k.tp), dt, k.e);
   b.op("lin.gate", OpKind::kMemory, 6.0 * k.Tf * static_cast<double>(value) / k.tpf,
        mul(mul(3, k.T), mul(ceil_div(value, k.tp), k.e)), {y, in}, {gated});
@@ -359,14 +403,16 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   // mixer-only layer (Note [Block inventories]).
   const bool has_mlp = m.kind != MlpKind::kNone;
   const char* mixer_out = has_mlp ? "mlp.input" : "layer.output";
-  if (layer.mixer == MixerKind::kMamba) {
+  if (layer.shared_block >= 0) {
+    // Zamba2: the shared block (attention, MLP) first, the Mamba mixer after (below).
+  } else if (layer.mixer == MixerKind::kMamba) {
     mamba_inventory(b, layer.ssm, d, sh, mixer_out, has_mlp);
   } else if (layer.mixer == MixerKind::kLinearAttention) {
     linear_attention_inventory(b, layer.linear, d, sh, mixer_out, has_mlp);
   } else if (layer.mixer == MixerKind::kRecurrent) {
     recurrent_inventory(b, layer.recurrent, d, sh, mixer_out, has_mlp);
   }
-  if (layer.mixer != MixerKind::kAttention) {
+  if (layer.mixer != MixerKind::kAttention && layer.shared_block < 0) {
     if (!has_mlp) return inv;
     if (layer.mixer == MixerKind::kNone) b.tensor("mlp.input", Tsp, d, dt, e);  // layer input
     mlp_inventory(b, m, d, sh, inv.find("mlp.input"));
@@ -374,9 +420,16 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
   }
 
   // ---- attention -----------------------------------------------------------------
-  const int x = b.tensor("attn.input", Tsp, d, dt, e);
-  const int xn = b.tensor("attn.norm_out", Tsp, d, dt, e);
-  b.op("attn.norm", OpKind::kMemory, 4.0 * Tf * df / tpf, mul(mul(2, Tsp), mul(d, e)), {x}, {xn});
+  // A shared block (Zamba2) reads [hidden, input embedding] (in_w wide) and adds no
+  // residual: the layer's mixer does, after the block's projection (Note [Block
+  // inventories]).
+  const bool shared = layer.shared_block >= 0;
+  const int64_t in_w = a.input_width > 0 ? a.input_width : d;
+  const double inf = static_cast<double>(in_w);
+  const int x = b.tensor("attn.input", Tsp, in_w, dt, e);
+  const int xn = b.tensor("attn.norm_out", Tsp, in_w, dt, e);
+  b.op("attn.norm", OpKind::kMemory, 4.0 * Tf * inf / tpf, mul(mul(2, Tsp), mul(in_w, e)), {x},
+       {xn});
 
   // Gated attention (Qwen3-Next): the Q projection also makes the output gate.
   const int64_t q_width = mul(mul(a.heads, a.qk_head_dim), a.output_gate ? 2 : 1);
@@ -409,8 +462,8 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
     b.op("attn.qkv_up", OpKind::kGemm, up_flops, gemm_bytes(T, up_k + a.kv_lora_rank, qkv_width),
          up_in, {qkv}, gemm_shape(T, up_k, ceil_div(qkv_width, tp)));
   } else {
-    b.op("attn.qkv", OpKind::kGemm, 2.0 * Tf * df * static_cast<double>(qkv_width) / tpf,
-         gemm_bytes(T, d, qkv_width), {xn}, {qkv}, gemm_shape(T, d, ceil_div(qkv_width, tp)));
+    b.op("attn.qkv", OpKind::kGemm, 2.0 * Tf * inf * static_cast<double>(qkv_width) / tpf,
+         gemm_bytes(T, in_w, qkv_width), {xn}, {qkv}, gemm_shape(T, in_w, ceil_div(qkv_width, tp)));
   }
 
   const int64_t o_width = mul(a.heads, a.v_head_dim);
@@ -425,17 +478,34 @@ LayerInventory build_inventory(const LayerSpec& layer, int64_t d, const ShardSha
        mul(checked_add(qkv_width, o_width, kOverflow), mul(T, e)) / tp, {qkv}, {core, lse},
        core_shape, 2.5);
 
+  std::vector<int> out_in = {core};
+  if (!shared) out_in.push_back(x);  // the residual
+  if (layer.parallel_ssm) {          // Falcon-H1: the Mamba mixer beside, summed by the out_proj
+    mamba_inventory(b, layer.ssm, d, sh, "ssm.out", false, xn);
+    out_in.push_back(inv.find("ssm.out"));
+  }
   const int h = b.tensor(mixer_out, Tsp, d, dt, e, has_mlp);
   b.op("attn.out_proj", OpKind::kGemm, 2.0 * Tf * static_cast<double>(o_width) * df / tpf,
-       gemm_bytes(T, o_width, d), {core, x}, {h}, gemm_shape(T, ceil_div(o_width, tp), d));
-  if (has_mlp) mlp_inventory(b, m, d, sh, h);
+       gemm_bytes(T, o_width, d), out_in, {h}, gemm_shape(T, ceil_div(o_width, tp), d));
+  if (!shared) {
+    if (has_mlp) mlp_inventory(b, m, d, sh, h);
+    return inv;
+  }
+  // The shared block's output, through the layer's projection, plus the hidden state (the
+  // first half of the block's input) is the mixer's input.
+  mlp_inventory(b, m, d, sh, h, "shared.out");
+  const int ssm_in = b.tensor("ssm.input", Tsp, d, dt, e);
+  b.op("shared.proj", OpKind::kGemm, 2.0 * Tf * df * df / tpf, gemm_bytes(T, d, d),
+       {inv.find("shared.out"), x}, {ssm_in}, gemm_shape(T, d, ceil_div(d, tp)));
+  mamba_inventory(b, layer.ssm, d, sh, "layer.output", false, -1, ssm_in);
   return inv;
 }
 
 namespace {
 
 // ---- MLP (dense or MoE), from its input tensor `h` -------------------------------------
-void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh, int h) {
+void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh, int h,
+                   const char* out_name) {
   const int64_t e = dtype_bytes(sh.dtype);
   const std::string dtype_name = to_string(sh.dtype);
   const char* dt = dtype_name.c_str();
@@ -521,12 +591,12 @@ void mlp_inventory(Builder& b, const MlpSpec& m, int64_t d, const ShardShape& sh
   if (m.kind == MlpKind::kMoe) {
     const int64_t rows = mul(T, m.top_k);
     const int eo = b.tensor("moe.expert_out", ceil_div(rows, tp), d, dt, e);
-    const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
+    const int out = b.tensor(out_name, Tsp, d, dt, e, false);
     b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {eo}, down_shape);
     b.op("moe.combine", OpKind::kMemory, 2.0 * static_cast<double>(rows) * df / tpf,
          mul(mul(2, ceil_div(rows, tp)), mul(d, e)), {eo, topk_w}, {out});
   } else {
-    const int out = b.tensor("layer.output", Tsp, d, dt, e, false);
+    const int out = b.tensor(out_name, Tsp, d, dt, e, false);
     b.op("mlp.down", OpKind::kGemm, proj_flops, down_bytes, {act}, {out}, down_shape);
   }
 }

@@ -88,7 +88,13 @@ constexpr Family kFamilies[] = {
     {"qwen3_next", "qwen3_next", families::parse_qwen3_next},
     {"granitemoehybrid", "granite_hybrid", families::parse_granite_hybrid},
     {"recurrent_gemma", "recurrent_gemma", families::parse_recurrent_gemma},
-    {"qwen3_5_moe_text", "qwen3_next", families::parse_qwen3_next}};
+    {"qwen3_5_moe_text", "qwen3_next", families::parse_qwen3_next},
+    {"falcon_h1", "falcon_h1", families::parse_falcon_h1},
+    {"kimi_linear", "kimi_linear", families::parse_kimi_linear},
+    {"minimax_m1", "minimax", families::parse_minimax},
+    {"minimax_text_01", "minimax", families::parse_minimax},
+    {"minimax", "minimax", families::parse_minimax},
+    {"zamba2", "zamba2", families::parse_zamba2}};
 
 const Family* find_family(const std::string& type) {
   for (const Family& f : kFamilies)
@@ -134,7 +140,13 @@ std::string type_of_architecture(const std::string& arch) {
       {"Qwen3NextForCausalLM", "qwen3_next"},
       {"GraniteMoeHybridForCausalLM", "granitemoehybrid"},
       {"RecurrentGemmaForCausalLM", "recurrent_gemma"},
-      {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"}};
+      {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"},
+      {"FalconH1ForCausalLM", "falcon_h1"},
+      {"KimiLinearForCausalLM", "kimi_linear"},
+      {"MiniMaxM1ForCausalLM", "minimax_m1"},
+      {"MiniMaxText01ForCausalLM", "minimax_text_01"},
+      {"MiniMaxForCausalLM", "minimax"},
+      {"Zamba2ForCausalLM", "zamba2"}};
   for (const auto& [a, t] : kArch)
     if (arch == a) return t;
   return {};
@@ -206,16 +218,20 @@ const std::vector<std::string>& supported_model_types() {
 }
 
 std::string LayerSpec::block_name() const {
+  if (shared_block >= 0) return ssm.version == 1 ? "shared+mamba" : "shared+mamba2";
   std::string s;
   switch (mixer) {
     case MixerKind::kAttention:
       s = attn.kind == AttentionKind::kMla ? "mla" : (attn.sliding_window > 0 ? "swa" : "gqa");
+      if (parallel_ssm) s += ssm.version == 1 ? "|mamba" : "|mamba2";
       break;
     case MixerKind::kMamba:
       s = ssm.version == 1 ? "mamba" : "mamba2";
       break;
     case MixerKind::kLinearAttention:
-      s = "gdn";
+      s = linear.kind == LinearKind::kGatedDeltaNet ? "gdn"
+          : linear.kind == LinearKind::kKimiDelta   ? "kda"
+                                                    : "lightning";
       break;
     case MixerKind::kRecurrent:
       s = "rglru";
@@ -325,9 +341,10 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
   }
   const char* fam = family_of(type);
   // transformers' defaults of tie_word_embeddings: true for these families' configs.
-  const bool tied_default = fam != nullptr && (std::string_view(fam) == "gemma" ||
-                                               std::string_view(fam) == "recurrent_gemma" ||
-                                               std::string_view(fam) == "mamba");
+  const bool tied_default =
+      fam != nullptr &&
+      (std::string_view(fam) == "gemma" || std::string_view(fam) == "recurrent_gemma" ||
+       std::string_view(fam) == "mamba" || std::string_view(fam) == "zamba2");
   m.tied_embeddings = tracked.has("tie_word_embeddings")
                           ? tracked.bool_or("tie_word_embeddings", tied_default)
                           : root.bool_or("tie_word_embeddings", tied_default);
@@ -366,6 +383,7 @@ std::vector<ModelCatalogEntry> model_catalog() {
     m.params_tolerance = e.num_or("params_tolerance", 0.01, 0.0, 0.5);
     m.active_tolerance = e.num_or("active_tolerance", 0.01, 0.0, 0.5);
     m.active_counts_embedding = e.bool_or("active_counts_embedding", true);
+    m.active_counts_head = e.bool_or("active_counts_head", true);
     out.push_back(std::move(m));
   }
   return out;

@@ -1,5 +1,7 @@
 // Parameter counts: of one layer (by its mixer and MLP, as transformers' modules hold them),
 // of a model, and of the part a token uses (the active MLP width and active parameters).
+#include <set>
+
 #include "spillway/model.hpp"
 #include "spillway/units.hpp"
 
@@ -24,9 +26,10 @@ int64_t padd(int64_t a, int64_t b) {
 int64_t attention_parameters(const AttentionSpec& a, int64_t d) {
   int64_t p = 0;
   if (a.kind == AttentionKind::kGqa) {
+    const int64_t in = a.input_width > 0 ? a.input_width : d;
     const int64_t q = pmul(pmul(a.heads, a.qk_head_dim), a.output_gate ? 2 : 1);
-    p = padd(p, pmul(d, q));                                               // q (and its gate)
-    p = padd(p, pmul(d, pmul(a.kv_heads, a.qk_head_dim + a.v_head_dim)));  // k, v
+    p = padd(p, pmul(in, q));                                               // q (and its gate)
+    p = padd(p, pmul(in, pmul(a.kv_heads, a.qk_head_dim + a.v_head_dim)));  // k, v
     if (a.qkv_bias) p = padd(p, q + pmul(a.kv_heads, a.qk_head_dim + a.v_head_dim));
   } else {
     const int64_t q_out = pmul(a.heads, a.qk_head_dim);
@@ -82,17 +85,39 @@ int64_t ssm_parameters(const SsmSpec& s, int64_t d) {
   return p;
 }
 
-// Qwen3-Next's Gated DeltaNet.
+// Linear attention: Qwen3-Next's Gated DeltaNet, Kimi-Linear's Kimi Delta Attention and
+// MiniMax's lightning attention, as transformers' and the checkpoints' modules hold them.
 int64_t linear_attention_parameters(const LinearAttentionSpec& g, int64_t d) {
   const int64_t key = pmul(g.k_heads, g.k_head_dim);
   const int64_t value = pmul(g.v_heads, g.v_head_dim);
-  int64_t p = pmul(d, padd(pmul(2, key), pmul(2, value)));  // in_proj_qkvz
-  p = padd(p, pmul(d, 2 * g.v_heads));                      // in_proj_ba
-  p = padd(p, pmul(padd(pmul(2, key), value), g.conv));     // conv1d (no bias)
-  p = padd(p, pmul(2, g.v_heads));                          // dt_bias, A_log
-  p = padd(p, g.v_head_dim);                                // gated RMSNorm
-  p = padd(p, pmul(value, d));                              // out_proj
-  return p;
+  const int64_t qkv = padd(pmul(2, key), value);
+  switch (g.kind) {
+    case LinearKind::kGatedDeltaNet: {
+      int64_t p = pmul(d, padd(qkv, value));  // in_proj_qkvz
+      p = padd(p, pmul(d, 2 * g.v_heads));    // in_proj_ba
+      p = padd(p, pmul(qkv, g.conv));         // conv1d (no bias)
+      p = padd(p, pmul(2, g.v_heads));        // dt_bias, A_log
+      p = padd(p, g.v_head_dim);              // gated RMSNorm
+      return padd(p, pmul(value, d));         // out_proj
+    }
+    case LinearKind::kKimiDelta: {
+      int64_t p = pmul(d, qkv);        // q_proj, k_proj, v_proj
+      p = padd(p, pmul(qkv, g.conv));  // q, k, v short convs (no bias)
+      p = padd(p, padd(pmul(d, g.gate_rank), pmul(g.gate_rank, key)));    // f_a, f_b: decay
+      p = padd(p, pmul(d, g.v_heads));                                    // b_proj: beta
+      p = padd(p, padd(g.v_heads, key));                                  // A_log, dt_bias
+      p = padd(p, padd(pmul(d, g.gate_rank), pmul(g.gate_rank, value)));  // g_a, g_b: gate
+      p = padd(p, g.v_head_dim);                                          // o_norm
+      return padd(p, pmul(value, d));                                     // o_proj
+    }
+    case LinearKind::kLightning: {
+      int64_t p = pmul(d, qkv);        // qkv_proj
+      p = padd(p, pmul(d, value));     // output_gate
+      p = padd(p, value);              // norm
+      return padd(p, pmul(value, d));  // out_proj
+    }
+  }
+  return 0;
 }
 
 // Griffin's recurrent block (transformers' RecurrentGemmaRecurrentBlock).
@@ -125,6 +150,13 @@ int64_t mlp_parameters(const MlpSpec& m, int64_t d) {
 
 }  // namespace
 
+int64_t shared_block_parameter_count(const LayerSpec& l, int64_t d) {
+  if (l.shared_block < 0) return 0;
+  // The attention with its norm over the concatenated input, the MLP with its norm.
+  const int64_t in = l.attn.input_width > 0 ? l.attn.input_width : d;
+  return padd(padd(in, attention_parameters(l.attn, d)), padd(d, mlp_parameters(l.mlp, d)));
+}
+
 int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
   // Each part brings its pre-norm (RMSNorm, d): the input norm of the mixer, the
   // post-attention norm of the MLP; Gemma's sandwich norms are extra_norms.
@@ -132,6 +164,7 @@ int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
   switch (l.mixer) {
     case MixerKind::kAttention:
       p = padd(p, padd(d, attention_parameters(l.attn, d)));
+      if (l.parallel_ssm) p = padd(p, ssm_parameters(l.ssm, d));  // on the same norm
       break;
     case MixerKind::kMamba:
       p = padd(p, padd(d, ssm_parameters(l.ssm, d)));
@@ -145,6 +178,7 @@ int64_t layer_parameter_count(const LayerSpec& l, int64_t d) {
     case MixerKind::kNone:
       break;
   }
+  if (l.shared_block >= 0) return padd(p, shared_block_parameter_count(l, d));
   if (l.mlp.kind != MlpKind::kNone) p = padd(p, padd(d, mlp_parameters(l.mlp, d)));
   return p;
 }
@@ -156,6 +190,17 @@ int64_t embedding_parameters(const ModelConfig& m) {
       m.tied_embeddings ? emb : checked_mul(2, emb, "model config: embedding size");
   return checked_add(both, m.hidden, "model config: parameter count");  // + final norm
 }
+
+// A shared block's weights are in every layer that uses it; the model holds them once.
+int64_t repeated_shared_parameters(const ModelConfig& m) {
+  int64_t repeated = 0;
+  std::set<int> seen;
+  for (const LayerSpec& l : m.layers) {
+    if (l.shared_block >= 0 && !seen.insert(l.shared_block).second)
+      repeated = padd(repeated, shared_block_parameter_count(l, m.hidden));
+  }
+  return repeated;
+}
 }  // namespace
 
 int64_t parameter_count(const ModelConfig& m) {
@@ -163,11 +208,11 @@ int64_t parameter_count(const ModelConfig& m) {
   for (const LayerSpec& l : m.layers) {
     p = checked_add(p, layer_parameter_count(l, m.hidden), "model config: parameter count");
   }
-  return p;
+  return p - repeated_shared_parameters(m);
 }
 
 int64_t active_parameter_count(const ModelConfig& m) {
-  int64_t p = embedding_parameters(m);
+  int64_t p = embedding_parameters(m) - repeated_shared_parameters(m);
   for (const LayerSpec& l : m.layers) {
     // Only the routed experts a token uses count (the router is then counted at top_k
     // width, a difference of d * (E - k) parameters per layer, well under 0.1%).

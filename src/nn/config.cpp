@@ -86,10 +86,11 @@ RefConfig load_reference_config(const std::string& name_or_path) {
     }
     if (s.mixer == MixerKind::kMamba) {
       const SsmSpec& m = s.ssm;
-      if (m.version != 2 || !m.gated_norm || m.proj_bias || !m.conv_bias) {
+      if (m.version != 2 || !m.gated_norm || m.proj_bias || !m.conv_bias || s.shared_block >= 0) {
         SPILLWAY_INPUT_ERROR(
             "model config: layer {} ({}) is not supported by the reference model: it runs "
-            "Mamba-2 with a gated norm, a conv bias and no projection biases (file: {})",
+            "Mamba-2 with a gated norm, a conv bias and no projection biases, without a shared "
+            "block before it (file: {})",
             l, s.block_name(), file);
       }
       (void)to_int(m.heads, "mamba heads");
@@ -106,11 +107,12 @@ RefConfig load_reference_config(const std::string& name_or_path) {
           l, s.block_name(), file);
     }
     if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.qkv_bias ||
-        s.attn.o_bias || s.attn.sinks || s.attn.output_gate ||
+        s.attn.o_bias || s.attn.sinks || s.attn.output_gate || s.parallel_ssm ||
         s.attn.qk_head_dim != s.attn.v_head_dim || !(s.attn == a)) {
       SPILLWAY_INPUT_ERROR(
           "model config: layer {} ({}) is not supported by the reference model: it runs full "
-          "causal GQA attention without biases, sinks or sliding windows (file: {})",
+          "causal GQA attention without biases, sinks, sliding windows or a mixer beside it "
+          "(file: {})",
           l, s.block_name(), file);
     }
   }

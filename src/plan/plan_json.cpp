@@ -44,8 +44,8 @@ Json finite_or_null(double v) {
   return std::isfinite(v) ? Json(v) : Json(nullptr);
 }
 
-// Every saved-tensor name of docs/plan-schema.md ("Tensor names"), and the block kind a
-// name needs ("" = any block).
+// Every saved-tensor name of docs/plan-schema.md ("Tensor names"), and the block kinds a
+// name needs, '|' between alternatives ("" = any block).
 struct KnownTensor {
   std::string_view name;
   std::string_view needs;
@@ -77,13 +77,13 @@ constexpr KnownTensor kKnownTensors[] = {
     {"ssm.scan_out", "mamba"},
     {"ssm.chunk_states", "mamba"},
     {"ssm.out_proj_in", "mamba"},
-    {"lin.input", "gdn"},
-    {"lin.norm_out", "gdn"},
-    {"lin.in_proj_out", "gdn"},
-    {"lin.conv_out", "gdn"},
-    {"lin.core_out", "gdn"},
-    {"lin.chunk_states", "gdn"},
-    {"lin.out_proj_in", "gdn"},
+    {"lin.input", "gdn|kda|lightning"},
+    {"lin.norm_out", "gdn|kda|lightning"},
+    {"lin.in_proj_out", "gdn|kda|lightning"},
+    {"lin.conv_out", "gdn|kda|lightning"},
+    {"lin.core_out", "gdn|kda|lightning"},
+    {"lin.chunk_states", "gdn|kda|lightning"},
+    {"lin.out_proj_in", "gdn|kda|lightning"},
     {"rec.input", "rglru"},
     {"rec.norm_out", "rglru"},
     {"rec.y_out", "rglru"},
@@ -171,9 +171,19 @@ void check_tensor(const JsonObject& t, const TensorPlan& tp, const std::string& 
            fmt::format("is \"{}\"; not a tensor name of spillway.plan/1 (docs/plan-schema.md)",
                        tp.name));
   }
-  if (!known->needs.empty() && !block.empty() && block.find(known->needs) == std::string::npos) {
-    t.fail("name", fmt::format("is \"{}\"; a {} tensor in a layer of block \"{}\"", tp.name,
-                               known->needs, block));
+  if (!known->needs.empty() && !block.empty()) {
+    bool fits = false;
+    std::vector<std::string_view> kinds;
+    for (size_t at = 0; at <= known->needs.size();) {
+      const size_t bar = std::min(known->needs.find('|', at), known->needs.size());
+      kinds.push_back(known->needs.substr(at, bar - at));
+      fits = fits || block.find(kinds.back()) != std::string::npos;
+      at = bar + 1;
+    }
+    if (!fits) {
+      t.fail("name", fmt::format("is \"{}\"; a {} tensor in a layer of block \"{}\"", tp.name,
+                                 fmt::join(kinds, " or "), block));
+    }
   }
   const int64_t elem = tensor_dtype_bytes(tp.dtype);
   if (!tp.dtype.empty() && elem == 0) {

@@ -127,14 +127,20 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
   st.prefetch = r.prefetch_depth;
   st.fp8 = s.dtype == DType::kFp8;
 
-  // Static memory of the first stage.
+  // Static memory of the first stage: a shared block's weights (Zamba2) once, though each
+  // layer using it gathers or streams them as its own (layer_params).
   int64_t params = 0;
+  std::vector<int> shared_seen;
   for (int64_t i = 0; i < n; ++i) {
-    st.layer_params.push_back(
-        layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s));
-    params = checked_add(
-        params, layer_params_per_gpu(r.model.layers[static_cast<size_t>(i)], r.model.hidden, s),
-        "parameters per GPU");
+    const LayerSpec& l = r.model.layers[static_cast<size_t>(i)];
+    st.layer_params.push_back(layer_params_per_gpu(l, r.model.hidden, s));
+    params = checked_add(params, st.layer_params.back(), "parameters per GPU");
+    if (l.shared_block < 0) continue;
+    if (std::find(shared_seen.begin(), shared_seen.end(), l.shared_block) != shared_seen.end()) {
+      params -= shared_block_parameter_count(l, r.model.hidden) / s.tp;
+    } else {
+      shared_seen.push_back(l.shared_block);
+    }
   }
   const int64_t emb = checked_mul(r.model.vocab, r.model.hidden, "embedding size") / s.tp;
   params += emb;

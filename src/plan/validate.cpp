@@ -34,7 +34,7 @@ void validate(const PlanRequest& r) {
     SPILLWAY_FIELD_ERROR("pp", r.work.pp, "must be <= the model's layers ({})", layers);
   }
   for (const LayerSpec& l : r.model.layers) {
-    if (l.mixer == MixerKind::kAttention && l.attn.heads % s.tp != 0) {
+    if ((l.mixer == MixerKind::kAttention || l.shared_block >= 0) && l.attn.heads % s.tp != 0) {
       SPILLWAY_FIELD_ERROR("tp", s.tp, "must divide the attention heads ({}) of {}", l.attn.heads,
                            r.model.name);
     }
@@ -45,6 +45,11 @@ void validate(const PlanRequest& r) {
             ? l.recurrent.heads
             : (l.mixer == MixerKind::kLinearAttention ? std::gcd(l.linear.k_heads, l.linear.v_heads)
                                                       : 0);
+    if (l.parallel_ssm && l.ssm.heads % s.tp != 0) {
+      SPILLWAY_FIELD_ERROR("tp", s.tp,
+                           "must divide the Mamba heads ({}) beside the attention of {}",
+                           l.ssm.heads, r.model.name);
+    }
     if (mixer_heads > 0 && mixer_heads % s.tp != 0) {
       SPILLWAY_FIELD_ERROR("tp", s.tp, "must divide the {} heads ({}) of {}", l.block_name(),
                            mixer_heads, r.model.name);

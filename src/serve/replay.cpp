@@ -89,7 +89,8 @@ Arch arch_of(const ModelConfig& m, double bytes_per_param) {
       static_cast<int64_t>(static_cast<double>(active_parameter_count(m)) * bytes_per_param);
   a.hidden = m.hidden;
   for (const LayerSpec& l : m.layers) {
-    if (l.mixer != MixerKind::kAttention) continue;
+    if (l.mixer != MixerKind::kAttention && l.shared_block < 0)
+      continue;  // Zamba2: its shared attention
     const AttentionSpec& at = l.attn;
     if (at.kind == AttentionKind::kMla)
       a.kv_per_token += (at.kv_lora_rank + at.qk_rope_head_dim) * 2;

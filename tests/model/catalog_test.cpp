@@ -56,9 +56,12 @@ TEST(ModelCatalog, EveryParameterCountMatchesThePublishedFigures) {
     const double counted = static_cast<double>(parameter_count(m));
     const double published = e.published_params_b * 1e9;
     const double rel = (counted - published) / published;
-    // Some cards leave the input embedding out of the active count (the catalog says so).
-    const int64_t active =
-        active_parameter_count(m) - (e.active_counts_embedding ? 0 : m.vocab * m.hidden);
+    // Some cards leave the input embedding, or it and the LM head, out of the active count
+    // (the catalog says so).
+    const int64_t head = m.tied_embeddings ? 0 : m.vocab * m.hidden;
+    const int64_t active = active_parameter_count(m) -
+                           (e.active_counts_embedding ? 0 : m.vocab * m.hidden) -
+                           (e.active_counts_head ? 0 : head);
     const double active_rel = (static_cast<double>(active) - e.published_active_params_b * 1e9) /
                               (e.published_active_params_b * 1e9);
     std::cout << "  " << e.name << ": total " << counted / 1e9 << "B vs " << e.published_params_b

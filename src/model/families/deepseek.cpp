@@ -5,31 +5,6 @@
 
 namespace spillway::families {
 
-namespace {
-
-// DeepSeek's multi-head latent attention (V2, V3, V3.2, Kimi-K2).
-AttentionSpec read_mla(const JsonObject& c) {
-  AttentionSpec a;
-  a.kind = AttentionKind::kMla;
-  a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
-  a.kv_heads = a.heads;
-  (void)c.has("num_key_value_heads");  // MLA: every head has its own K and V
-  a.q_lora_rank = c.int_or("q_lora_rank", 0, 0, kMaxDim);
-  a.kv_lora_rank = c.req_int("kv_lora_rank", 1, kMaxDim);
-  const int64_t nope = c.req_int("qk_nope_head_dim", 0, kMaxDim);
-  a.qk_rope_head_dim = c.req_int("qk_rope_head_dim", 0, kMaxDim);
-  a.qk_head_dim = nope + a.qk_rope_head_dim;
-  if (a.qk_head_dim == 0)
-    c.fail("qk_nope_head_dim",
-           "and \"qk_rope_head_dim\" are both 0; the query/key head needs a width");
-  a.v_head_dim = c.req_int("v_head_dim", 1, kMaxDim);
-  (void)c.has("head_dim");  // transformers sets it to qk_rope_head_dim; the widths above rule
-  a.qkv_bias = c.bool_or("attention_bias", false);
-  return a;
-}
-
-}  // namespace
-
 ModelConfig parse_deepseek(const JsonObject& c, ModelConfig m, const std::string& model_type) {
   // Kimi-K2 is DeepSeek-V3's architecture.
   const std::string type = model_type == "kimi_k2" ? "deepseek_v3" : model_type;

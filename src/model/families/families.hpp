@@ -30,6 +30,8 @@ const char* alias(const JsonObject& c, std::initializer_list<const char*> keys);
 
 // Common GQA fields of the Llama-like families.
 AttentionSpec read_gqa(const JsonObject& c, int64_t hidden);
+// DeepSeek's multi-head latent attention (V2, V3, V3.2, Kimi-K2, Kimi-Linear).
+AttentionSpec read_mla(const JsonObject& c);
 
 // A dense MLP whose width is the field `key`.
 MlpSpec dense_mlp(const JsonObject& c, const char* key = "intermediate_size");
@@ -44,6 +46,10 @@ int64_t read_window(const JsonObject& c);
 // "full_attention" or "sliding_attention" (the latter with `window`, which must then be
 // given). Empty when absent.
 std::vector<char> read_layer_types(const JsonObject& c, int64_t layers, int64_t window);
+
+// `layer_types` of the linear-attention hybrids: one entry per layer, "full_attention" (1)
+// or "linear_attention" (0). Empty when absent.
+std::vector<char> read_full_attention_layers(const JsonObject& c, int64_t layers);
 
 // Multi-token-prediction layers (num_nextn_predict_layers): counted, not planned.
 void read_mtp(const JsonObject& c, ModelConfig& m);
@@ -78,6 +84,10 @@ ModelConfig parse_mamba1(const JsonObject& c, ModelConfig m, const std::string& 
 ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_jamba(const JsonObject& c, ModelConfig m, const std::string& type);
 ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m, const std::string& type);
+ModelConfig parse_falcon_h1(const JsonObject& c, ModelConfig m, const std::string& type);
+ModelConfig parse_kimi_linear(const JsonObject& c, ModelConfig m, const std::string& type);
+ModelConfig parse_minimax(const JsonObject& c, ModelConfig m, const std::string& type);
+ModelConfig parse_zamba2(const JsonObject& c, ModelConfig m, const std::string& type);
 
 // The mamba_ssm package's own config.json (no model_type): the whole config, hidden size
 // and vocabulary included; parse_model_config recognises it by its keys.

@@ -29,24 +29,12 @@ ModelConfig parse_qwen3_next(const JsonObject& c, ModelConfig m, const std::stri
                                                  "\"linear_num_key_heads\" ({})",
                                                  lin.v_heads, lin.k_heads));
   }
-  std::vector<char> full(static_cast<size_t>(layers), 0);
-  const std::vector<std::string> types = c.str_array_or("layer_types");
-  if (!types.empty()) {
-    if (static_cast<int64_t>(types.size()) != layers) {
-      c.fail("layer_types",
-             fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
-    }
-    for (size_t i = 0; i < types.size(); ++i) {
-      if (types[i] != "full_attention" && types[i] != "linear_attention") {
-        c.fail(
-            fmt::format("layer_types[{}]", i),
-            fmt::format("is \"{}\"; must be \"full_attention\" or \"linear_attention\"", types[i]));
-      }
-      full[i] = types[i] == "full_attention";
-    }
+  std::vector<char> full = read_full_attention_layers(c, layers);
+  if (!full.empty()) {
     (void)c.has("full_attention_interval");
   } else {
     const int64_t interval = c.int_or("full_attention_interval", 4, 1, kMaxLayers);
+    full.assign(static_cast<size_t>(layers), 0);
     for (int64_t i = 0; i < layers; ++i) full[static_cast<size_t>(i)] = (i + 1) % interval == 0;
   }
   MlpSpec moe;
