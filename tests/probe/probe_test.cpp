@@ -110,15 +110,12 @@ TEST(Probe, ThrottledCopiesMeasureAtTheirThrottleAndUnthrottledOnesFaster) {
     seen.insert(p.direction + " " + p.host_memory + " " + std::to_string(p.bytes));
     const double limit = p.direction == "H2D" ? kH2DGbps : kD2HGbps;
     // The throttle is a floor on a copy's time: no sample beats it (10% for clock slack).
-    // How close it gets is timing, not correctness: only the 8 MiB points, where a copy
-    // lasts milliseconds and synchronization is noise, are held to half the throttle (the
-    // best sample: a busy host, ctest -j in CI, can stall any one sample; 1 MiB copies of
-    // 0.25-0.5 ms were seen at 0.49x on a loaded 2-core machine).
+    // How close it gets is timing, not correctness, and a loaded host (ctest -j, a build
+    // beside it) slows any sample arbitrarily: no lower bound (8 MiB points were seen below
+    // half the throttle on a loaded 2-core machine). That the throttle engages at all is
+    // shown below: unthrottled copies are faster.
     EXPECT_LE(p.gbps_median, 1.1 * limit) << p.direction << " " << p.host_memory << " " << p.bytes;
     EXPECT_LE(p.gbps_best, 1.1 * limit) << p.direction << " " << p.host_memory << " " << p.bytes;
-    if (p.bytes == 8 * kMiB) {
-      EXPECT_GE(p.gbps_best, 0.5 * limit) << p.direction << " " << p.host_memory << " " << p.bytes;
-    }
     EXPECT_GE(p.gbps_best, p.gbps_median);
     EXPECT_EQ(p.repeats, 3);
     // A sample lasts >= 2 ms: one 8 MiB copy does (>= 2.1 ms).

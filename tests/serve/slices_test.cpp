@@ -104,13 +104,15 @@ TEST(Slices, AGemmBoundByHbmOrComputeTakesThatTime) {
   const SliceGemmTiming h = hbm.gemm(gm.p, gm.x.data(), gm.w.data(), out.data());
   const double want_h = static_cast<double>(h.traffic.total().hbm_bytes()) / (0.05 * 1e6);
   EXPECT_NEAR(h.hbm_ms, want_h, 1e-9);
-  EXPECT_NEAR(h.elapsed_ms, want_h, 0.25 * want_h + 2.0);
+  // The emulation paces the call to the modelled time: never shorter (a loaded machine
+  // makes it longer, so no upper bound: no timed assertion that load can break).
+  EXPECT_GE(h.elapsed_ms, 0.99 * want_h);
   // Compute-bound: 2 M N K FLOPs at 0.1 GFLOP/s.
   EmulatedSlice slow({"compute", int64_t{16} << 20, 1e6, 0.1}, link);
   const SliceGemmTiming c = slow.gemm(gm.p, gm.x.data(), gm.w.data(), out.data());
   const double want_c = 2.0 * 64 * 128 * 128 / (0.1 * 1e6);
   EXPECT_NEAR(c.compute_ms, want_c, 1e-9);
-  EXPECT_NEAR(c.elapsed_ms, want_c, 0.25 * want_c + 2.0);
+  EXPECT_GE(c.elapsed_ms, 0.99 * want_c);
 }
 
 }  // namespace
