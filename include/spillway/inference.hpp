@@ -77,20 +77,27 @@ struct ModelFiles {
 // model.safetensors that is not a regular file and a directory that cannot be read (the OS's
 // reason); none at all is an error.
 std::vector<ModelFiles> find_models(const std::string& dir);
+// Note [Served attention extras] (spillway/nn.hpp): whether a checkpoint of config `c` is
+// served with q/k norms: its family has them (Qwen3, Qwen3-MoE) and the file holds the first
+// attention layer's q_norm. A file without them (the reference model's own qwen3_moe
+// checkpoints) is served without, in every layer; one that holds some is then refused by
+// resolve_checkpoint, naming the tensor.
+bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f);
 // Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
-// checkpoint: its own tensor; or, for attention's fused q, k, v, Hugging Face's q_proj,
-// k_proj and v_proj stacked by rows; or, for the LM head of a config with tied embeddings
-// and no lm_head tensor, the embedding. One dtype (F32 or BF16) for all. Every tensor of the
-// file must be read (RoPE's inv_freq aside): one the reference model has no use for (Qwen3's
-// q/k norms, biases) is refused, since serving would silently ignore it. Throws naming the
-// model, the tensor, what was expected and what was found.
+// checkpoint: its own tensor; or, for attention's fused q, k, v (weights, and biases when
+// the config has them), Hugging Face's q_proj, k_proj and v_proj stacked by rows; or, for
+// the LM head of a config with tied embeddings and no lm_head tensor, the embedding. One
+// dtype (F32 or BF16) for all. Every tensor of the file must be read (RoPE's inv_freq
+// aside): one the reference model has no use for (an MLP bias, q/k norms where the family
+// has none) is refused, since serving would silently ignore it. Throws naming the model,
+// the tensor, what was expected and what was found.
 std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
                                                          const nn::RefConfig& c,
                                                          const SafetensorsFile& f);
 void check_checkpoint(const std::string& model, const nn::RefConfig& c,
                       const std::string& weights_path);
-// A config.json whose model the reference model would compute differently: rope_scaling,
-// attention or MLP biases. Throws naming the model and the field.
+// A config.json whose model the reference model would compute differently: MLP biases.
+// Throws naming the model and the field.
 void check_servable_config(const std::string& model, const std::string& config_text);
 // Writes a checkpoint of the reference model initialized from `seed` (Model's own
 // initialization) into `dir` (created): config.json (the config's text as given: an
@@ -196,7 +203,8 @@ struct SubmitResult {
 struct ServedModelInfo {
   std::string name;
   int64_t weight_bytes = 0;
-  DType dtype = DType::kFp32;
+  DType dtype = DType::kFp32;  // the checkpoint's
+  std::string family;          // its config.json's model_type
   int vocab = 0;
   int layers = 0;
   bool resident = false;

@@ -1,8 +1,10 @@
-"""`spillway serve` on Hugging Face's own checkpoints: a tiny LlamaForCausalLM with random
-weights, saved by save_pretrained (q, k and v apart; the head tied or not), served over HTTP,
-continues a prompt greedily as transformers' own generate() does (docs/serve.md, Note
-[Checkpoint resolution]); a Qwen3 checkpoint (q/k norms the reference model does not run)
-is refused at startup, naming the tensor."""
+"""`spillway serve` on Hugging Face's own checkpoints: tiny models with random weights, saved by
+save_pretrained (q, k and v apart; the head tied or not), served over HTTP, continue a prompt
+greedily as transformers' own generate() does (docs/serve.md, Note [Checkpoint resolution]):
+Llama, Llama with attention biases, Qwen2 (q, k, v biases), Qwen3 (per-head q/k norms, a
+head_dim that is not hidden / heads; Note [Served attention extras]). A checkpoint with what
+the decoder does not compute (MLP biases, dynamic RoPE) is refused at startup, naming it.
+RoPE as transformers scales it: llama3, linear, yarn (Note [RoPE scaling])."""
 
 from __future__ import annotations
 
@@ -23,8 +25,16 @@ BUILD = os.environ.get("SPILLWAY_BUILD", "")
 pytestmark = pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI's build tree)")
 
 
-def tiny_llama(seed: int, tied: bool) -> Any:
-    cfg = transformers.LlamaConfig(
+def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
+    """A tiny model of `family` ("llama", "qwen2", "qwen3") with random weights, biases and
+    norm weights included (transformers starts biases at 0 and norms at 1: they would test
+    nothing)."""
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    cfg = config_class(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -36,10 +46,18 @@ def tiny_llama(seed: int, tied: bool) -> Any:
         # Larger weights than the default 0.02: logits spread enough that greedy choices are
         # clear of the tolerance (the default init's top two are often within 1e-4).
         initializer_range=0.3,
+        **extra,
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    model = model_class(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+            elif "q_norm" in name or "k_norm" in name:
+                p.normal_(1.0, 0.3)
+    return model
 
 
 def serve(models: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -83,12 +101,9 @@ def complete(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
-def test_served_llama_continues_as_transformers_generate(tmp_path: Path) -> None:
+def assert_served_as_generate(hf: dict[str, Any], tmp_path: Path) -> None:
+    """Each model of `hf`, saved and served, continues a prompt as generate() does."""
     models = tmp_path / "models"
-    hf = {
-        name: tiny_llama(seed, tied)
-        for name, seed, tied in (("untied", 1, False), ("tied", 2, True))
-    }
     for name, model in hf.items():
         model.save_pretrained(models / name, safe_serialization=True)
     proc, url = serve(models, tmp_path)
@@ -128,20 +143,82 @@ def test_served_llama_continues_as_transformers_generate(tmp_path: Path) -> None
     assert proc.returncode == 0
 
 
-def test_a_qwen3_checkpoint_with_qk_norms_is_refused(tmp_path: Path) -> None:
-    cfg = transformers.Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=300,
-        max_position_embeddings=128,
+def test_served_llama_continues_as_transformers_generate(tmp_path: Path) -> None:
+    assert_served_as_generate(
+        {
+            "untied": tiny("llama", 1),
+            "tied": tiny("llama", 2, tied=True),
+            "biased": tiny("llama", 3, attention_bias=True),  # q, k, v and o biases
+        },
+        tmp_path,
     )
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(
-        tmp_path / "models" / "qwen3", safe_serialization=True
+
+
+def test_served_qwen2_and_qwen3_continue_as_transformers_generate(tmp_path: Path) -> None:
+    assert_served_as_generate(
+        {
+            "qwen2": tiny("qwen2", 4),  # biases on q, k and v
+            # Per-head q/k norms before RoPE; head_dim 32, not hidden / heads (16).
+            "qwen3": tiny("qwen3", 5, head_dim=32),
+            "qwen3-tied": tiny("qwen3", 6, tied=True, head_dim=16),
+        },
+        tmp_path,
+    )
+
+
+def test_served_rope_scaling_continues_as_transformers_generate(tmp_path: Path) -> None:
+    """Note [RoPE scaling]: llama3, linear and yarn frequencies as transformers computes them,
+    rope_theta read from rope_parameters (transformers 5 writes it there, not beside)."""
+    assert_served_as_generate(
+        {
+            "theta": tiny("llama", 7, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+            "llama3": tiny(
+                "llama",
+                8,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            ),
+            "linear": tiny(
+                "qwen2",
+                9,
+                rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+            ),
+            "yarn": tiny(
+                "qwen3",
+                10,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            ),
+        },
+        tmp_path,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"mlp_bias": True}, "mlp_bias"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "dynamic",
+        ),
+    ],
+)
+def test_a_checkpoint_the_decoder_does_not_compute_is_refused(
+    tmp_path: Path, extra: dict[str, Any], named: str
+) -> None:
+    tiny("llama", 0, **extra).save_pretrained(
+        tmp_path / "models" / "llama-x", safe_serialization=True
     )
     r = subprocess.run(
         [
@@ -157,4 +234,4 @@ def test_a_qwen3_checkpoint_with_qk_norms_is_refused(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "_norm.weight" in r.stderr and "no use" in r.stderr, r.stderr
+    assert named in r.stderr, r.stderr

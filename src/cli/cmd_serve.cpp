@@ -246,8 +246,9 @@ void add_serve_command(CLI::App& app) {
     inference::ServingEngine engine(models, st->o);
     http::HttpServer http(engine, st->http);
     for (const inference::ServedModelInfo& m : engine.models())
-      std::printf("  model %s: %d layers, vocab %d, %.1f MB %s\n", m.name.c_str(), m.layers,
-                  m.vocab, static_cast<double>(m.weight_bytes) / 1e6, to_string(m.dtype).c_str());
+      std::printf("  model %s: %s, %d layers, vocab %d, %.1f MB %s\n", m.name.c_str(),
+                  m.family.c_str(), m.layers, m.vocab, static_cast<double>(m.weight_bytes) / 1e6,
+                  to_string(m.dtype).c_str());
     std::printf("  %d slices of %s %s, rates x %g; alpha %s\n", engine.slices(),
                 st->o.hardware.c_str(), st->o.profile.c_str(), st->o.rate_scale,
                 st->o.alpha < 0 ? "adaptive" : fmt::format("{}", st->o.alpha).c_str());

@@ -479,6 +479,7 @@ void HttpServer::Impl::routes() {
                 {"owned_by", "spillway"},
                 {"weight_bytes", m.weight_bytes},
                 {"dtype", to_string(m.dtype)},
+                {"family", m.family},
                 {"vocab_size", m.vocab},
                 {"layers", m.layers},
                 {"resident", m.resident}};
@@ -508,6 +509,7 @@ void HttpServer::Impl::routes() {
       models.push_back({{"id", m.name},
                         {"weight_bytes", m.weight_bytes},
                         {"dtype", to_string(m.dtype)},
+                        {"family", m.family},
                         {"vocab_size", m.vocab},
                         {"config", m.config_json}});
     res.set_content(dump(json{{"schema", "spillway.serve-setup/1"},

@@ -117,6 +117,16 @@ double physical_memory_bytes() {
 
 }  // namespace
 
+bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f) {
+  for (int l = 0; l < c.layers(); ++l) {
+    const LayerSpec& s = c.model.layers[static_cast<size_t>(l)];
+    if (s.mixer != MixerKind::kAttention) continue;
+    return s.attn.qk_norm &&
+           f.find(fmt::format("model.layers.{}.self_attn.q_norm.weight", l)) != nullptr;
+  }
+  return false;
+}
+
 std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
                                                          const nn::RefConfig& c,
                                                          const SafetensorsFile& f) {
@@ -137,7 +147,6 @@ std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& mode
     any = true;
     used.insert(name);
   };
-  const std::string qkv = "self_attn.qkv_proj.weight";
   const int64_t d = c.hidden, hd = c.head_dim;
   for (const nn::WeightSpec& s : nn::weight_specs(c)) {
     if (f.find(s.name) != nullptr) {
@@ -145,15 +154,23 @@ std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& mode
       parts.push_back({s.name});
       continue;
     }
-    // Note [Checkpoint resolution]: q, k and v as Hugging Face stores them.
-    if (s.name.size() > qkv.size() &&
-        s.name.compare(s.name.size() - qkv.size(), qkv.size(), qkv) == 0) {
-      const std::string p = s.name.substr(0, s.name.size() - qkv.size()) + "self_attn.";
-      const std::string q = p + "q_proj.weight", k = p + "k_proj.weight", v = p + "v_proj.weight";
+    // Note [Checkpoint resolution]: q, k and v (weights, and biases when the attention has
+    // them) as Hugging Face stores them.
+    static constexpr std::string_view kFused = "self_attn.qkv_proj.";
+    const size_t at = s.name.find(kFused);
+    if (at != std::string::npos) {
+      const std::string p = s.name.substr(0, at) + "self_attn.";
+      const std::string kind = s.name.substr(at + kFused.size());  // weight or bias
+      const bool bias = kind == "bias";
+      const auto part = [&](const char* proj) { return fmt::format("{}{}.{}", p, proj, kind); };
+      const std::string q = part("q_proj"), k = part("k_proj"), v = part("v_proj");
+      auto shape = [&](int64_t heads) {
+        return bias ? std::vector<int64_t>{heads * hd} : std::vector<int64_t>{heads * hd, d};
+      };
       if (f.find(q) != nullptr && f.find(k) != nullptr && f.find(v) != nullptr) {
-        take(q, {c.heads * hd, d});
-        take(k, {c.kv_heads * hd, d});
-        take(v, {c.kv_heads * hd, d});
+        take(q, shape(c.heads));
+        take(k, shape(c.kv_heads));
+        take(v, shape(c.kv_heads));
         parts.push_back({q, k, v});
         continue;
       }
@@ -179,9 +196,9 @@ std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& mode
          t.name.compare(t.name.size() - inv_freq.size(), inv_freq.size(), inv_freq) == 0))
       continue;
     SPILLWAY_INPUT_ERROR(
-        "model {}: {} holds tensor {}, which the reference model has no use "
-        "for (it runs no q/k norms, biases or shared experts): served, the "
-        "model would not be the checkpoint's",
+        "model {}: {} holds tensor {}, which the reference model has no use for with this "
+        "config.json (it runs q/k norms only where the config's family has them, and no MLP "
+        "biases or shared experts): served, the model would not be the checkpoint's",
         model, path, t.name);
   }
   return parts;
@@ -190,7 +207,9 @@ std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& mode
 void check_checkpoint(const std::string& model, const nn::RefConfig& c,
                       const std::string& weights_path) {
   const SafetensorsFile f(weights_path);  // Note [Safetensors checks]
-  (void)resolve_checkpoint(model, c, f);
+  nn::RefConfig served = c;
+  served.qk_norm = checkpoint_has_qk_norms(c, f);
+  (void)resolve_checkpoint(model, served, f);
 }
 
 void check_servable_config(const std::string& model, const std::string& config_text) {
@@ -200,17 +219,12 @@ void check_servable_config(const std::string& model, const std::string& config_t
   } catch (const nlohmann::json::exception& e) {
     SPILLWAY_INPUT_ERROR("model {}: config.json is not JSON ({})", model, e.what());
   }
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+  // RoPE's scaling is read (and an unserved type refused) with the config: Note [RoPE
+  // scaling] in spillway/nn.hpp.
+  // Attention biases are served (Note [Served attention extras] in spillway/nn.hpp).
+  if (j.contains("mlp_bias") && j["mlp_bias"].is_boolean() && j["mlp_bias"].get<bool>())
     SPILLWAY_INPUT_ERROR(
-        "model {}: config.json has rope_scaling {}; the reference model's RoPE "
-        "is unscaled, so the served model would not be the checkpoint's",
-        model, j["rope_scaling"].dump());
-  for (const char* flag : {"attention_bias", "mlp_bias"})
-    if (j.contains(flag) && j[flag].is_boolean() && j[flag].get<bool>())
-      SPILLWAY_INPUT_ERROR(
-          "model {}: config.json has {} true; the reference model runs no "
-          "biases",
-          model, flag);
+        "model {}: config.json has mlp_bias true; the reference model runs no MLP biases", model);
 }
 
 void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, const std::string& dir,

@@ -104,8 +104,9 @@ const char* after_token(Running& run, std::chrono::steady_clock::time_point now)
 bool same_decoder(const nn::RefConfig& a, const nn::RefConfig& b) {
   if (a.vocab != b.vocab || a.hidden != b.hidden || a.heads != b.heads ||
       a.kv_heads != b.kv_heads || a.head_dim != b.head_dim || a.rope_theta != b.rope_theta ||
-      a.rms_eps != b.rms_eps || a.norm_topk != b.norm_topk)
-    return false;
+      a.rms_eps != b.rms_eps || a.norm_topk != b.norm_topk ||
+      a.rope_inv_freq != b.rope_inv_freq || a.rope_attention_factor != b.rope_attention_factor)
+    return false;  // (biases and q/k norms are weights: compared below)
   const std::vector<nn::WeightSpec> x = nn::weight_specs(a), y = nn::weight_specs(b);
   if (x.size() != y.size()) return false;
   for (size_t i = 0; i < x.size(); ++i)
@@ -807,6 +808,7 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
     m.pool->add(f.name, f.weights_path);
     {
       SafetensorsFile st(f.weights_path);
+      r.config.qk_norm = checkpoint_has_qk_norms(r.config, st);
       r.parts = resolve_checkpoint(f.name, r.config, st);
       r.weight_bytes = st.data_bytes();
       r.dtype = st.tensors().empty() ? DType::kFp32 : st.tensors().front().dtype;
@@ -1004,8 +1006,8 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
 std::vector<ServedModelInfo> ServingEngine::models() const {
   std::vector<ServedModelInfo> out;
   for (const Registered& r : impl_->models)
-    out.push_back({r.files.name, r.weight_bytes, r.dtype, r.config.vocab, r.config.layers(),
-                   impl_->pool->resident(r.files.name), r.config_text});
+    out.push_back({r.files.name, r.weight_bytes, r.dtype, r.config.model.model_type, r.config.vocab,
+                   r.config.layers(), impl_->pool->resident(r.files.name), r.config_text});
   return out;
 }
 

@@ -31,11 +31,26 @@ PooledWeights::PooledWeights(const ModelHandle& handle, const nn::RefConfig& c,
     const PooledTensor& t = handle.tensor(parts[i].front());
     host_[i] = t.host;
     dtype_[i] = t.dtype;
-    if (!specs[i].linear && t.dtype == DType::kBf16) {
-      const auto* b = reinterpret_cast<const uint16_t*>(t.host);
+    // A weight read as values (a norm, a bias): fp32 in one piece, its parts (q, k and v
+    // biases) one after the other.
+    if (!specs[i].linear && (t.dtype == DType::kBf16 || parts[i].size() > 1)) {
       std::vector<float>& w = widened_[i];
-      w.resize(static_cast<size_t>(specs[i].elements()));
-      for (size_t k = 0; k < w.size(); ++k) w[k] = bf16_to_float(b[k]);
+      w.reserve(static_cast<size_t>(specs[i].elements()));
+      for (const std::string& name : parts[i]) {
+        const PooledTensor& pt = handle.tensor(name);
+        size_t n = 1;
+        for (int64_t e : pt.shape) n *= static_cast<size_t>(e);
+        if (pt.dtype == DType::kBf16) {
+          const auto* b = reinterpret_cast<const uint16_t*>(pt.host);
+          for (size_t k = 0; k < n; ++k) w.push_back(bf16_to_float(b[k]));
+        } else {
+          const auto* v = reinterpret_cast<const float*>(pt.host);
+          w.insert(w.end(), v, v + n);
+        }
+      }
+      SPILLWAY_CHECK(w.size() == static_cast<size_t>(specs[i].elements()),
+                     "PooledWeights: weight {} has {} values, not {}", specs[i].name, w.size(),
+                     specs[i].elements());
     }
   }
   split_.resize(split);

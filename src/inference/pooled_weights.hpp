@@ -49,7 +49,7 @@ class PooledWeights final : public nn::WeightSource {
   std::vector<const void*> host_;  // the first part's
   std::vector<DType> dtype_;
   std::vector<float> split_;                 // a split weight's outputs, part by part
-  std::vector<std::vector<float>> widened_;  // per weight, BF16 vectors only
+  std::vector<std::vector<float>> widened_;  // per weight read as values: bf16 or in parts
   double alpha_ = 0.0;
   IterationTraffic it_;
 };

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/embedded_data.hpp"
+#include "nn/rope_scaling.hpp"
 #include "nn/slots.hpp"
 #include "spillway/error.hpp"
 #include "spillway/nn.hpp"
@@ -106,13 +107,13 @@ RefConfig load_reference_config(const std::string& name_or_path) {
           "attention and Mamba-2 mixers (file: {})",
           l, s.block_name(), file);
     }
-    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.qkv_bias ||
-        s.attn.o_bias || s.attn.sinks || s.attn.output_gate || s.parallel_ssm ||
-        s.attn.qk_head_dim != s.attn.v_head_dim || !(s.attn == a)) {
+    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.sinks ||
+        s.attn.output_gate || s.parallel_ssm || s.attn.qk_head_dim != s.attn.v_head_dim ||
+        !(s.attn == a)) {
       SPILLWAY_INPUT_ERROR(
           "model config: layer {} ({}) is not supported by the reference model: it runs full "
-          "causal GQA attention without biases, sinks, sliding windows or a mixer beside it "
-          "(file: {})",
+          "causal GQA attention without sinks, sliding windows or a mixer beside it, the same "
+          "in every layer (file: {})",
           l, s.block_name(), file);
     }
   }
@@ -122,17 +123,16 @@ RefConfig load_reference_config(const std::string& name_or_path) {
         file);
   }
   c.heads = to_int(a.heads, "num_attention_heads");
+  c.qkv_bias = a.qkv_bias;  // Note [Served attention extras]
+  c.o_bias = a.o_bias;
   c.kv_heads = to_int(a.kv_heads, "num_key_value_heads");
   c.head_dim = to_int(a.qk_head_dim, "head_dim");
   if (c.head_dim % 2 != 0)
     SPILLWAY_INPUT_ERROR("model config: \"head_dim\" is {}; RoPE needs an even head_dim (file: {})",
                          c.head_dim, file);
-  c.rope_theta = j.value("rope_theta", 10000.0);
+  read_rope(j, file, c);  // Note [RoPE scaling]
   c.rms_eps = j.value("rms_norm_eps", 1e-6);
   c.norm_topk = j.value("norm_topk_prob", true);
-  if (!(c.rope_theta > 0))
-    SPILLWAY_INPUT_ERROR("model config: \"rope_theta\" is {}; must be > 0 (file: {})", c.rope_theta,
-                         file);
   if (!(c.rms_eps > 0))
     SPILLWAY_INPUT_ERROR("model config: \"rms_norm_eps\" is {}; must be > 0 (file: {})", c.rms_eps,
                          file);

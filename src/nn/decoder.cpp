@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -29,6 +30,8 @@ namespace {
 // A layer's weights (indices into weight_specs) and shapes.
 struct LayerIds {
   int attn_norm = -1, wqkv = -1, wo = -1, mlp_norm = -1, router = -1;
+  // Note [Served attention extras]: -1 when the attention has none.
+  int qkv_bias = -1, o_bias = -1, q_norm = -1, k_norm = -1;
   std::vector<int> w1, w3, w2;  // per expert (dense: one)
   bool moe = false;
   int experts = 1, top_k = 1, ffn = 0;
@@ -170,6 +173,28 @@ struct Decoder::Impl {
                         s.mamba_state;
   }
 
+  // Note [Served attention extras]: the q, k, v biases and the per-head q/k RMSNorm on the
+  // step's qkv rows, before attention (whose RoPE follows the norms, as in Qwen3).
+  void attention_extras(const LayerIds& L, WeightSource& w, int T) {
+    const int width = static_cast<int>(s.qkv);
+    if (L.qkv_bias >= 0) add_bias(qkv, w.values(L.qkv_bias), T, width);
+    if (L.q_norm < 0) return;
+    const float* qn = w.values(L.q_norm);
+    const float* kn = w.values(L.k_norm);
+    for (int t = 0; t < T; ++t) {
+      float* row = qkv + static_cast<size_t>(t) * static_cast<size_t>(width);
+      rmsnorm_fwd(row, qn, row, c.heads, c.head_dim, c.rms_eps);
+      float* k = row + static_cast<size_t>(c.heads) * static_cast<size_t>(c.head_dim);
+      rmsnorm_fwd(k, kn, k, c.kv_heads, c.head_dim, c.rms_eps);
+    }
+  }
+  static void add_bias(float* y, const float* b, int rows, int width) {
+    for (int r = 0; r < rows; ++r) {
+      float* yr = y + static_cast<size_t>(r) * static_cast<size_t>(width);
+      for (int i = 0; i < width; ++i) yr[i] += b[i];
+    }
+  }
+
   // A Mamba-2 mixer over the step's rows (Note [Decoder state]): norm rows in `norm`, the
   // mixer's output added to the residual x into `mid`.
   void mamba_mixer(const LayerIds& L, WeightSource& w, const DecodeChunk* chunks, int count, int T);
@@ -293,6 +318,12 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
     } else {
       L.wqkv = id(p + "self_attn.qkv_proj.weight");
       L.wo = id(p + "self_attn.o_proj.weight");
+      if (c.qkv_bias) L.qkv_bias = id(p + "self_attn.qkv_proj.bias");
+      if (c.o_bias) L.o_bias = id(p + "self_attn.o_proj.bias");
+      if (c.qk_norm) {
+        L.q_norm = id(p + "self_attn.q_norm.weight");
+        L.k_norm = id(p + "self_attn.k_norm.weight");
+      }
     }
     L.mlp_norm = id(p + "post_attention_layernorm.weight");
     L.moe = spec.mlp.kind == MlpKind::kMoe;
@@ -367,7 +398,19 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
   m.sy = f(31);
   m.sz = f(32);
   m.sgated = f(33);
-  rope_angles(o.max_context, c.head_dim, c.rope_theta, m.rope_cos, m.rope_sin);
+  // Note [RoPE scaling]: the config's frequencies; yarn scales cos and sin.
+  const int half = c.head_dim / 2;
+  SPILLWAY_CHECK(c.rope_inv_freq.size() == static_cast<size_t>(half),
+                 "decoder: {} RoPE frequencies for head_dim {}", c.rope_inv_freq.size(),
+                 c.head_dim);
+  for (int i = 0; i < half; ++i) {
+    for (int t = 0; t < o.max_context; ++t) {
+      const double angle = t * c.rope_inv_freq[static_cast<size_t>(i)];
+      const size_t at = static_cast<size_t>(t) * static_cast<size_t>(half) + static_cast<size_t>(i);
+      m.rope_cos[at] = std::cos(angle) * c.rope_attention_factor;
+      m.rope_sin[at] = std::sin(angle) * c.rope_attention_factor;
+    }
+  }
   std::fill_n(m.mstate, m.s.mamba_layers * m.s.seqs * m.s.mamba_state, 0.0f);
   m.lengths.assign(static_cast<size_t>(o.max_sequences), 0);
   m.seen.assign(static_cast<size_t>(o.max_sequences), 0);
@@ -447,6 +490,7 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
       m.mamba_mixer(L, weights, chunks, count, T);
     } else {
       weights.linear(L.wqkv, m.norm, m.qkv, T, d, qkv_dim);
+      m.attention_extras(L, weights, T);
       for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
         const int sq = chunks[i].sequence;
         attention_cached_fwd(
@@ -455,6 +499,7 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
             chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin, m.attn_scratch);
       }
       weights.linear(L.wo, m.core, m.mid, T, q_dim, d);
+      if (L.o_bias >= 0) Impl::add_bias(m.mid, weights.values(L.o_bias), T, d);
       add(m.x, m.mid, m.mid, Td);
     }
     rmsnorm_fwd(m.mid, weights.values(L.mlp_norm), m.norm, T, d, c.rms_eps);

@@ -92,6 +92,20 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
         "the reference model computes on the host: it needs the host backend (--device host), "
         "not {}",
         device.name());
+  // Note [Served attention extras] and [RoPE scaling]: served, not trained.
+  if (config.rope_type != "default")
+    SPILLWAY_INPUT_ERROR(
+        "model config: {} has rope type \"{}\"; the reference model trains with unscaled RoPE "
+        "(spillway serve runs it)",
+        config.model.name, config.rope_type);
+  if (config.qkv_bias || config.o_bias || config.qk_norm)
+    SPILLWAY_INPUT_ERROR(
+        "model config: {} has {}; the reference model trains attention without biases or q/k "
+        "norms (spillway serve runs them)",
+        config.model.name,
+        config.qk_norm ? "q/k norms"
+                       : (config.qkv_bias ? "biases on q, k and v (attention_bias, or Qwen2's)"
+                                          : "a bias on o (attention_bias)"));
   impl_ = std::make_unique<Impl>(config, device);
   Impl& m = *impl_;
   const RefConfig& c = m.c;

@@ -39,7 +39,13 @@ std::vector<WeightSpec> weight_specs(const RefConfig& c) {
       add(p + "mixer.out_proj.weight", {d, inner}, true);
     } else {
       add(p + "self_attn.qkv_proj.weight", {qkv_dim, d}, true);
+      if (c.qkv_bias) add(p + "self_attn.qkv_proj.bias", {qkv_dim}, false);
+      if (c.qk_norm) {  // Note [Served attention extras]
+        add(p + "self_attn.q_norm.weight", {c.head_dim}, false);
+        add(p + "self_attn.k_norm.weight", {c.head_dim}, false);
+      }
       add(p + "self_attn.o_proj.weight", {d, q_dim}, true);
+      if (c.o_bias) add(p + "self_attn.o_proj.bias", {d}, false);
     }
     add(p + "post_attention_layernorm.weight", {d}, false);
     const MlpSpec& mlp = spec.mlp;

@@ -282,6 +282,8 @@ TEST(HttpServer, ModelsMetricsAndHealth) {
   std::vector<std::string> ids;
   for (const json& m : list.at("data")) {
     EXPECT_EQ(m.at("object"), "model") << m;
+    EXPECT_EQ(m.at("family"), "qwen3_moe") << m;  // the config's model_type
+    EXPECT_EQ(m.at("dtype"), "fp32") << m;
     ids.push_back(m.at("id").get<std::string>());
   }
   EXPECT_EQ(ids, (std::vector<std::string>{"tiny-a", "tiny-b"}));

@@ -294,17 +294,26 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
   const std::vector<int32_t> got = complete(e, request("split", prompt, 12));
   for (size_t t = 0; t < got.size() && ref.margin[t] > 2 * ref.tol[t]; ++t)
     EXPECT_EQ(got[t], ref.tokens[t]) << "token " << t;
-  // A tensor the reference model would ignore is refused, named.
+  // A tensor the decoder would ignore is refused, named.
   std::vector<SafetensorsEntry> extra = entries_of(m.files[0].weights_path);
-  SafetensorsEntry norm;
-  norm.name = "model.layers.0.self_attn.q_norm.weight";
-  norm.shape = {c.head_dim};
-  norm.bytes.assign(static_cast<size_t>(c.head_dim) * 4, std::byte{0});
-  extra.push_back(norm);
+  SafetensorsEntry bias;
+  bias.name = "model.layers.0.mlp.down_proj.bias";
+  bias.shape = {c.hidden};
+  bias.bytes.assign(static_cast<size_t>(c.hidden) * 4, std::byte{0});
+  extra.push_back(bias);
   write_safetensors((dir.path() / "extra.safetensors").string(), extra);
   spillway::testing::expect_error(
       [&] { check_checkpoint("x", c, (dir.path() / "extra.safetensors").string()); },
-      {"model x", "q_norm", "no use"});
+      {"model x", "down_proj.bias", "no use"});
+  // Note [Served attention extras]: a qwen3_moe file with q norms is served with q/k norms,
+  // so a missing k_norm is named.
+  extra.back().name = "model.layers.0.self_attn.q_norm.weight";
+  extra.back().shape = {c.head_dim};
+  extra.back().bytes.assign(static_cast<size_t>(c.head_dim) * 4, std::byte{0});
+  write_safetensors((dir.path() / "extra.safetensors").string(), extra);
+  spillway::testing::expect_error(
+      [&] { check_checkpoint("x", c, (dir.path() / "extra.safetensors").string()); },
+      {"model x", "has no tensor model.layers.0.self_attn.k_norm.weight"});
   // No lm_head: refused unless the config ties the embeddings (tiny-moe does not).
   std::vector<SafetensorsEntry> headless = entries_of(m.files[0].weights_path);
   headless.erase(
@@ -320,12 +329,12 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
   const SafetensorsFile hf((dir.path() / "headless.safetensors").string());
   EXPECT_EQ(resolve_checkpoint("x", tied, hf).back(),
             std::vector<std::string>{"model.embed_tokens.weight"});
-  // A config the reference model would compute differently.
-  spillway::testing::expect_error(
-      [&] { check_servable_config("x", R"({"rope_scaling": {"rope_type": "llama3"}})"); },
-      {"model x", "rope_scaling"});
-  spillway::testing::expect_error(
-      [&] { check_servable_config("x", R"({"attention_bias": true})"); }, {"attention_bias"});
+  // A config the decoder would compute differently (MLP biases); RoPE scaling is read with
+  // the config instead (Note [RoPE scaling]; tests/nn/rope_scaling_test.cpp).
+  EXPECT_NO_THROW(check_servable_config("x", R"({"rope_scaling": {"rope_type": "llama3"}})"));
+  spillway::testing::expect_error([&] { check_servable_config("x", R"({"mlp_bias": true})"); },
+                                  {"mlp_bias"});
+  EXPECT_NO_THROW(check_servable_config("x", R"({"attention_bias": true})"));  // served
   EXPECT_NO_THROW(check_servable_config("x", R"({"rope_scaling": null})"));
 }
 

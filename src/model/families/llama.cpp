@@ -12,8 +12,9 @@ ModelConfig parse_llama_like(const JsonObject& c, ModelConfig m, const std::stri
   int64_t window = 0;
   int64_t window_from = 0;
   if (type == "qwen2" || type == "qwen3") {
+    // Qwen2: biases on q, k and v; Qwen3: on all four with attention_bias.
     a.qkv_bias = (type == "qwen2") ? true : c.bool_or("attention_bias", false);
-    a.o_bias = false;
+    a.o_bias = type == "qwen3" && a.qkv_bias;
     a.qk_norm = (type == "qwen3");
     // Qwen's sliding window applies only with use_sliding_window, from layer
     // max_window_layers on; both are read (and ignored) otherwise.

@@ -1,0 +1,139 @@
+// Note [RoPE scaling]: a config's RoPE read as transformers computes it (default, linear,
+// llama3, yarn; rope_theta beside or inside rope_parameters), the unserved types refused by
+// name, and the training reference model refusing what only the decoder runs (Note [Served
+// attention extras]). The expected frequencies are transformers 5.23's own
+// (ROPE_INIT_FUNCTIONS), in float32: compared to 1e-6.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "spillway/device.hpp"
+#include "spillway/nn.hpp"
+#include "test_support.hpp"
+
+namespace spillway::nn {
+namespace {
+
+using Json = nlohmann::json;
+
+// A tiny Llama config (head_dim 16, or `head_dim`) with `rope` merged into it.
+Json llama(const Json& rope, int head_dim = 16) {
+  Json j = {{"model_type", "llama"},       {"architectures", {"LlamaForCausalLM"}},
+            {"hidden_size", 64},           {"intermediate_size", 128},
+            {"num_hidden_layers", 1},      {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},    {"head_dim", head_dim},
+            {"vocab_size", 300},           {"max_position_embeddings", 128},
+            {"tie_word_embeddings", false}};
+  j.update(rope);
+  return j;
+}
+
+RefConfig load(const Json& j, const testing::TempDir& dir) {
+  const std::string path = dir.file("config.json");
+  std::ofstream(path) << j.dump();
+  return load_reference_config(path);
+}
+
+void expect_freqs(const RefConfig& c, const std::vector<double>& want) {
+  ASSERT_EQ(c.rope_inv_freq.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_NEAR(c.rope_inv_freq[i], want[i], 1e-6 * want[i]) << i;
+}
+
+TEST(RopeScaling, DefaultReadsThetaBesideOrInside) {
+  testing::TempDir dir;
+  const RefConfig beside = load(llama({{"rope_theta", 5e5}}), dir);
+  EXPECT_EQ(beside.rope_type, "default");
+  EXPECT_EQ(beside.rope_theta, 5e5);
+  // The frequencies the training model's RoPE uses, to the bit.
+  for (int i = 0; i < 8; ++i)
+    EXPECT_EQ(beside.rope_inv_freq[static_cast<size_t>(i)], std::pow(5e5, -2.0 * i / 16));
+  const RefConfig inside =
+      load(llama({{"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5e5}}}}), dir);
+  EXPECT_EQ(inside.rope_inv_freq, beside.rope_inv_freq);
+  EXPECT_EQ(inside.rope_attention_factor, 1.0);
+}
+
+TEST(RopeScaling, Llama3LinearAndYarnAsTransformers) {
+  testing::TempDir dir;
+  const RefConfig l3 = load(llama({{"rope_parameters",
+                                    {{"rope_type", "llama3"},
+                                     {"rope_theta", 5e5},
+                                     {"factor", 8.0},
+                                     {"low_freq_factor", 1.0},
+                                     {"high_freq_factor", 4.0},
+                                     {"original_max_position_embeddings", 16}}}}),
+                            dir);
+  expect_freqs(l3, {0.576056361, 0.0242403448, 0.00470075384, 0.000911583134, 0.000176776681,
+                    3.42810235e-05, 6.64786967e-06, 1.28917316e-06});
+  // transformers 4's spelling: rope_scaling with "type", rope_theta beside it.
+  const RefConfig lin = load(
+      llama({{"rope_theta", 1e4}, {"rope_scaling", {{"type", "linear"}, {"factor", 4.0}}}}), dir);
+  for (int i = 0; i < 8; ++i)
+    EXPECT_EQ(lin.rope_inv_freq[static_cast<size_t>(i)], std::pow(1e4, -2.0 * i / 16) / 4.0);
+  const RefConfig yarn = load(llama({{"rope_parameters",
+                                      {{"rope_type", "yarn"},
+                                       {"rope_theta", 1e4},
+                                       {"factor", 4.0},
+                                       {"original_max_position_embeddings", 64},
+                                       {"truncate", false},
+                                       {"mscale", 1.0},
+                                       {"mscale_all_dim", 0.5}}}},
+                                    32),
+                              dir);
+  expect_freqs(
+      yarn, {1, 0.457739174, 0.198583528, 0.0785936117, 0.0255952496, 0.0140585322, 0.00790569466,
+             0.00444569858, 0.00249999994, 0.00140585331, 0.000790569466, 0.000444569858,
+             0.000250000012, 0.000140585325, 7.90569466e-05, 4.44569851e-05});
+  EXPECT_NEAR(yarn.rope_attention_factor, 1.0648216253695715, 1e-12);
+}
+
+TEST(RopeScaling, UnservedRopeIsRefusedByName) {
+  testing::TempDir dir;
+  testing::expect_error(
+      [&] {
+        (void)load(llama({{"rope_parameters", {{"rope_type", "dynamic"}, {"factor", 2.0}}}}), dir);
+      },
+      {"rope type \"dynamic\" is not served", "config.json"});
+  testing::expect_error(
+      [&] {
+        (void)load(llama({{"partial_rotary_factor", 0.5}}), dir);
+      },
+      {"\"partial_rotary_factor\" is 0.5"});
+  testing::expect_error(
+      [&] {
+        (void)load(llama({{"rope_parameters", {{"full_attention", {{"rope_type", "default"}}}}}}),
+                   dir);
+      },
+      {"per layer type (\"full_attention\")"});
+  testing::expect_error(
+      [&] {
+        (void)load(llama({{"rope_parameters", {{"rope_type", "llama3"}, {"factor", 8}}}}), dir);
+      },
+      {"rope type \"llama3\" needs \"low_freq_factor\""});
+}
+
+// What the decoder serves and the training model does not run is refused by the latter.
+TEST(RopeScaling, TheTrainingModelRefusesWhatOnlyTheDecoderRuns) {
+  testing::TempDir dir;
+  const auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  const RefConfig scaled =
+      load(llama({{"rope_scaling", {{"type", "linear"}, {"factor", 2.0}}}}), dir);
+  testing::expect_error([&] { Model m(scaled, *dev, 1); }, {"rope type \"linear\""});
+  Json qwen2 = llama(Json::object());
+  qwen2["model_type"] = "qwen2";
+  qwen2["architectures"] = {"Qwen2ForCausalLM"};
+  const RefConfig biased = load(qwen2, dir);
+  EXPECT_TRUE(biased.qkv_bias);
+  testing::expect_error([&] { Model m(biased, *dev, 1); }, {"biases on q, k and v"});
+  // The decoder's weights gain the fused q, k, v bias.
+  bool has_bias = false;
+  for (const WeightSpec& s : weight_specs(biased))
+    has_bias = has_bias || s.name == "model.layers.0.self_attn.qkv_proj.bias";
+  EXPECT_TRUE(has_bias);
+}
+
+}  // namespace
+}  // namespace spillway::nn
