@@ -26,13 +26,14 @@ pytestmark = pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI
 
 
 def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
-    """A tiny model of `family` ("llama", "qwen2", "qwen3") with random weights, biases and
-    norm weights included (transformers starts biases at 0 and norms at 1: they would test
-    nothing)."""
+    """A tiny model of `family` ("llama", "qwen2", "qwen3", "qwen3_moe") with random weights,
+    biases and norm weights included (transformers starts biases at 0 and norms at 1: they
+    would test nothing)."""
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     cfg = config_class(
         hidden_size=64,
@@ -154,13 +155,27 @@ def test_served_llama_continues_as_transformers_generate(tmp_path: Path) -> None
     )
 
 
-def test_served_qwen2_and_qwen3_continue_as_transformers_generate(tmp_path: Path) -> None:
+def test_served_qwen2_qwen3_and_qwen3_moe_continue_as_transformers_generate(tmp_path: Path) -> None:
     assert_served_as_generate(
         {
             "qwen2": tiny("qwen2", 4),  # biases on q, k and v
             # Per-head q/k norms before RoPE; head_dim 32, not hidden / heads (16).
             "qwen3": tiny("qwen3", 5, head_dim=32),
             "qwen3-tied": tiny("qwen3", 6, tied=True, head_dim=16),
+            # Routed experts (transformers saves them one by one) under q/k norms; top-k
+            # weights renormalized or not, as the config says.
+            "qwen3-moe": tiny(
+                "qwen3_moe", 11, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+            ),
+            "qwen3-moe-norm": tiny(
+                "qwen3_moe",
+                12,
+                moe_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                mlp_only_layers=[0],
+            ),
         },
         tmp_path,
     )
