@@ -84,8 +84,9 @@ std::vector<ModelFiles> find_models(const std::string& dir);
 // resolve_checkpoint, naming the tensor.
 bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f);
 // Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
-// checkpoint: its own tensor; or, for attention's fused q, k, v (weights, and biases when
-// the config has them), Hugging Face's q_proj, k_proj and v_proj stacked by rows; or, for
+// checkpoint: its own tensor; or an MoE weight under Mixtral's names (block_sparse_moe.gate,
+// experts.N.w1/w2/w3 for gate/down/up); or, for attention's fused q, k, v (weights, and
+// biases when the config has them), Hugging Face's q_proj, k_proj and v_proj stacked by rows; or, for
 // the LM head of a config with tied embeddings and no lm_head tensor, the embedding. One
 // dtype (F32 or BF16) for all. Every tensor of the file must be read (RoPE's inv_freq
 // aside): one the reference model has no use for (an MLP bias, q/k norms where the family

@@ -26,14 +26,15 @@ pytestmark = pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI
 
 
 def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
-    """A tiny model of `family` ("llama", "qwen2", "qwen3", "qwen3_moe") with random weights,
-    biases and norm weights included (transformers starts biases at 0 and norms at 1: they
-    would test nothing)."""
+    """A tiny model of `family` ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral") with random
+    weights, biases and norm weights included (transformers starts biases at 0 and norms at 1:
+    they would test nothing)."""
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[family]
     cfg = config_class(
         hidden_size=64,
@@ -179,6 +180,12 @@ def test_served_qwen2_qwen3_and_qwen3_moe_continue_as_transformers_generate(tmp_
         },
         tmp_path,
     )
+
+
+def test_served_mixtral_continues_as_transformers_generate(tmp_path: Path) -> None:
+    """Mixtral's experts under block_sparse_moe (w1, w3, w2), its router renormalizing the
+    top-k weights."""
+    assert_served_as_generate({"mixtral": tiny("mixtral", 13, num_local_experts=4)}, tmp_path)
 
 
 def test_served_rope_scaling_continues_as_transformers_generate(tmp_path: Path) -> None:

@@ -127,6 +127,29 @@ bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f) {
   return false;
 }
 
+namespace {
+
+// Mixtral's name of an MoE weight of weight_specs (its router and experts under
+// block_sparse_moe, the experts' gate, down and up projections as w1, w2 and w3); "" for
+// another weight.
+std::string mixtral_name(const std::string& name) {
+  static constexpr std::string_view kMlp = ".mlp.";
+  const size_t at = name.find(kMlp);
+  if (at == std::string::npos) return {};
+  std::string rest = name.substr(at + kMlp.size());
+  if (rest != "gate.weight" && rest.rfind("experts.", 0) != 0) return {};
+  for (const auto& [ours, theirs] :
+       {std::pair<std::string_view, std::string_view>{".gate_proj.", ".w1."},
+        {".down_proj.", ".w2."},
+        {".up_proj.", ".w3."}}) {
+    if (const size_t p = rest.find(ours); p != std::string::npos)
+      rest.replace(p, ours.size(), theirs);
+  }
+  return name.substr(0, at) + ".block_sparse_moe." + rest;
+}
+
+}  // namespace
+
 std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
                                                          const nn::RefConfig& c,
                                                          const SafetensorsFile& f) {
@@ -154,8 +177,14 @@ std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& mode
       parts.push_back({s.name});
       continue;
     }
-    // Note [Checkpoint resolution]: q, k and v (weights, and biases when the attention has
-    // them) as Hugging Face stores them.
+    // Note [Checkpoint resolution]: the MoE under Mixtral's names.
+    if (const std::string alt = mixtral_name(s.name); !alt.empty() && f.find(alt) != nullptr) {
+      take(alt, s.shape);
+      parts.push_back({alt});
+      continue;
+    }
+    // q, k and v (weights, and biases when the attention has them) as Hugging Face stores
+    // them.
     static constexpr std::string_view kFused = "self_attn.qkv_proj.";
     const size_t at = s.name.find(kFused);
     if (at != std::string::npos) {
