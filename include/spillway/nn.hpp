@@ -44,13 +44,15 @@ struct RefConfig {
   bool norm_topk = true;
   // Note [Served attention extras]: what a served checkpoint's attention computes beyond the
   // reference model's, which the decoder runs and the training model refuses: biases on the
-  // q, k and v projections (Qwen2; attention_bias), on o (attention_bias), and a per-head
-  // RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE). The biases follow the config; the
+  // q, k and v projections (Qwen2; attention_bias), on o (attention_bias), a per-head
+  // RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE), sliding windows (per layer, in the
+  // layers' AttentionSpec). The biases follow the config; the
   // norms are set by the server for a checkpoint that holds them (the reference model's own
   // qwen3_moe checkpoints have none).
   bool qkv_bias = false;
   bool o_bias = false;
   bool qk_norm = false;
+  bool sliding_window = false;  // some layer attends a sliding window (Mistral, Qwen2)
   // Note [RoPE scaling] (rope_scaling.cpp): the type, head_dim / 2 inverse frequencies and
   // the factor on cos and sin (yarn's attention factor) as transformers computes them. The
   // decoder serves every type read; the training model only the default one.

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI
 
 
 def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
-    """A tiny model of `family` ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral") with random
+    """A tiny model of `family` (llama, qwen2, qwen3, qwen3_moe, mixtral, mistral) with random
     weights, biases and norm weights included (transformers starts biases at 0 and norms at 1:
     they would test nothing)."""
     config_class, model_class = {
@@ -35,6 +35,7 @@ def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[family]
     cfg = config_class(
         hidden_size=64,
@@ -186,6 +187,20 @@ def test_served_mixtral_continues_as_transformers_generate(tmp_path: Path) -> No
     """Mixtral's experts under block_sparse_moe (w1, w3, w2), its router renormalizing the
     top-k weights."""
     assert_served_as_generate({"mixtral": tiny("mixtral", 13, num_local_experts=4)}, tmp_path)
+
+
+def test_served_sliding_windows_continue_as_transformers_generate(tmp_path: Path) -> None:
+    """Windows of 4 keys under a 9-token prompt and 10 new tokens: Mistral's in every layer,
+    Qwen2's from max_window_layers on (its first layer full)."""
+    assert_served_as_generate(
+        {
+            "mistral": tiny("mistral", 14, sliding_window=4),
+            "qwen2-window": tiny(
+                "qwen2", 15, use_sliding_window=True, sliding_window=4, max_window_layers=1
+            ),
+        },
+        tmp_path,
+    )
 
 
 def test_served_rope_scaling_continues_as_transformers_generate(tmp_path: Path) -> None:

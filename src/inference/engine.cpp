@@ -104,9 +104,14 @@ const char* after_token(Running& run, std::chrono::steady_clock::time_point now)
 bool same_decoder(const nn::RefConfig& a, const nn::RefConfig& b) {
   if (a.vocab != b.vocab || a.hidden != b.hidden || a.heads != b.heads ||
       a.kv_heads != b.kv_heads || a.head_dim != b.head_dim || a.rope_theta != b.rope_theta ||
-      a.rms_eps != b.rms_eps || a.norm_topk != b.norm_topk ||
-      a.rope_inv_freq != b.rope_inv_freq || a.rope_attention_factor != b.rope_attention_factor)
+      a.rms_eps != b.rms_eps || a.norm_topk != b.norm_topk || a.rope_inv_freq != b.rope_inv_freq ||
+      a.rope_attention_factor != b.rope_attention_factor)
     return false;  // (biases and q/k norms are weights: compared below)
+  if (a.layers() != b.layers()) return false;
+  for (int l = 0; l < a.layers(); ++l)  // the layers' sliding windows
+    if (a.model.layers[static_cast<size_t>(l)].attn.sliding_window !=
+        b.model.layers[static_cast<size_t>(l)].attn.sliding_window)
+      return false;
   const std::vector<nn::WeightSpec> x = nn::weight_specs(a), y = nn::weight_specs(b);
   if (x.size() != y.size()) return false;
   for (size_t i = 0; i < x.size(); ++i)

@@ -107,15 +107,18 @@ RefConfig load_reference_config(const std::string& name_or_path) {
           "attention and Mamba-2 mixers (file: {})",
           l, s.block_name(), file);
     }
-    if (s.attn.kind != AttentionKind::kGqa || s.attn.sliding_window != 0 || s.attn.sinks ||
-        s.attn.output_gate || s.parallel_ssm || s.attn.qk_head_dim != s.attn.v_head_dim ||
-        !(s.attn == a)) {
+    // A sliding window may differ by layer (served: Note [Served attention extras]).
+    AttentionSpec same = s.attn;
+    same.sliding_window = a.sliding_window;
+    if (s.attn.kind != AttentionKind::kGqa || s.attn.sinks || s.attn.output_gate ||
+        s.parallel_ssm || s.attn.qk_head_dim != s.attn.v_head_dim || !(same == a)) {
       SPILLWAY_INPUT_ERROR(
-          "model config: layer {} ({}) is not supported by the reference model: it runs full "
-          "causal GQA attention without sinks, sliding windows or a mixer beside it, the same "
-          "in every layer (file: {})",
+          "model config: layer {} ({}) is not supported by the reference model: it runs causal "
+          "GQA attention without sinks or a mixer beside it, the same in every layer but its "
+          "window (file: {})",
           l, s.block_name(), file);
     }
+    if (s.attn.sliding_window > 0) c.sliding_window = true;
   }
   if (a.heads == 0) {
     SPILLWAY_INPUT_ERROR(

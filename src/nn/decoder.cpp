@@ -32,6 +32,7 @@ struct LayerIds {
   int attn_norm = -1, wqkv = -1, wo = -1, mlp_norm = -1, router = -1;
   // Note [Served attention extras]: -1 when the attention has none.
   int qkv_bias = -1, o_bias = -1, q_norm = -1, k_norm = -1;
+  int window = 0;               // a sliding window's keys (Mistral, Qwen2's upper layers); 0: full
   std::vector<int> w1, w3, w2;  // per expert (dense: one)
   bool moe = false;
   int experts = 1, top_k = 1, ffn = 0;
@@ -317,6 +318,7 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
       L.state_index = mamba++;
     } else {
       L.wqkv = id(p + "self_attn.qkv_proj.weight");
+      L.window = static_cast<int>(spec.attn.sliding_window);
       L.wo = id(p + "self_attn.o_proj.weight");
       if (c.qkv_bias) L.qkv_bias = id(p + "self_attn.qkv_proj.bias");
       if (c.o_bias) L.o_bias = id(p + "self_attn.o_proj.bias");
@@ -493,10 +495,11 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
       m.attention_extras(L, weights, T);
       for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
         const int sq = chunks[i].sequence;
-        attention_cached_fwd(
-            m.qkv + static_cast<size_t>(r) * qkv_dim, m.core + static_cast<size_t>(r) * q_dim,
-            m.k_cache(l, sq), m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
-            chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin, m.attn_scratch);
+        attention_cached_fwd(m.qkv + static_cast<size_t>(r) * qkv_dim,
+                             m.core + static_cast<size_t>(r) * q_dim, m.k_cache(l, sq),
+                             m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
+                             chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin,
+                             m.attn_scratch, L.window);
       }
       weights.linear(L.wo, m.core, m.mid, T, q_dim, d);
       if (L.o_bias >= 0) Impl::add_bias(m.mid, weights.values(L.o_bias), T, d);

@@ -98,6 +98,11 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
         "model config: {} has rope type \"{}\"; the reference model trains with unscaled RoPE "
         "(spillway serve runs it)",
         config.model.name, config.rope_type);
+  if (config.sliding_window)
+    SPILLWAY_INPUT_ERROR(
+        "model config: {} has sliding-window attention; the reference model trains full "
+        "causal attention (spillway serve runs the windows)",
+        config.model.name);
   if (config.qkv_bias || config.o_bias || config.qk_norm)
     SPILLWAY_INPUT_ERROR(
         "model config: {} has {}; the reference model trains attention without biases or q/k "

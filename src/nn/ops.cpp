@@ -360,7 +360,7 @@ void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, 
 template <class T>
 void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capacity, int pos,
                           int n, int heads, int kv_heads, int head_dim, const double* cos_t,
-                          const double* sin_t, T* scratch_buf) {
+                          const double* sin_t, T* scratch_buf, int window) {
   const auto [group, width, out_width, hd, scale, q_size, k_size, block] =
       attention_geometry(n, heads, kv_heads, head_dim);
   (void)k_size;
@@ -396,8 +396,13 @@ void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capa
       const int cols = pos + i0 + rows;
       gemm<T>(false, true, rows, cols, head_dim, T(1), qh + i0 * hd, head_dim, kh, head_dim, T(0),
               probs, cols);
-      for (int r = 0; r < rows; ++r)  // keys 0 .. pos + i
-        (void)causal_softmax_row(probs + static_cast<size_t>(r) * cols, pos + i0 + r + 1, cols);
+      for (int r = 0; r < rows; ++r) {  // keys 0 (or the window's first) .. pos + i
+        const int q = pos + i0 + r;
+        const int lo = window > 0 ? std::max(0, q - window + 1) : 0;
+        T* p = probs + static_cast<size_t>(r) * cols;
+        std::fill(p, p + lo, T(0));
+        (void)causal_softmax_row(p + lo, q + 1 - lo, cols - lo);
+      }
       gemm<T>(false, false, rows, head_dim, cols, T(1), probs, cols, vh, head_dim, T(0),
               out + static_cast<size_t>(i0) * out_width + h * hd, out_width);
     }
@@ -708,7 +713,7 @@ void add(const T* a, const T* b, T* y, size_t n) {
   template void attention_bwd<T>(const T*, const T*, const T*, const T*, T*, int, int, int, int,   \
                                  int, double);                                                     \
   template void attention_cached_fwd<T>(const T*, T*, T*, T*, int, int, int, int, int, int,        \
-                                        const double*, const double*, T*);                         \
+                                        const double*, const double*, T*, int);                    \
   template void swiglu_fwd<T>(const T*, const T*, T*, size_t);                                     \
   template void swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, size_t);                       \
   template void softmax_fwd<T>(const T*, T*, int, int);                                            \

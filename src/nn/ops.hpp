@@ -69,14 +69,15 @@ inline constexpr int kAttnBlock = 64;
 // Attention of n new tokens of one sequence at positions pos .. pos + n - 1 against its KV
 // cache (Note [Cached attention] in ops.cpp): qkv (n, width) their rows, as attention_fwd's;
 // their rotated k and their v are written into k_cache and v_cache (kv_heads, capacity,
-// head_dim) at pos .. pos + n - 1, then query i attends keys 0 .. pos + i. out (n, heads *
-// head_dim) overwritten. pos + n <= capacity (checked). cos_t, sin_t: rope_angles of at
-// least pos + n positions; scratch: attention_cached_scratch(n, pos + n, ...) elements.
-// Allocates nothing.
+// head_dim) at pos .. pos + n - 1, then query i attends keys 0 .. pos + i (with a sliding
+// `window` > 0, the last `window` of them: pos + i - window + 1 .. pos + i, as transformers'
+// sliding-window mask). out (n, heads * head_dim) overwritten. pos + n <= capacity
+// (checked). cos_t, sin_t: rope_angles of at least pos + n positions; scratch:
+// attention_cached_scratch(n, pos + n, ...) elements. Allocates nothing.
 template <class T>
 void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capacity, int pos,
                           int n, int heads, int kv_heads, int head_dim, const double* cos_t,
-                          const double* sin_t, T* scratch);
+                          const double* sin_t, T* scratch, int window = 0);
 // The scratch attention_cached_fwd needs for n new tokens ending at position `end`.
 inline size_t attention_cached_scratch(int n, int end, int heads, int head_dim) {
   const int block = n < kAttnBlock ? n : kAttnBlock;

@@ -822,5 +822,33 @@ TEST(NnOps, GatedRmsNormGradients) {
   });
 }
 
+// A sliding window (Mistral's) over the KV cache: one that covers every key is full
+// attention to the bit; a window of one key gives each query its own token's v.
+TEST(CachedAttention, SlidingWindowKeepsTheLastKeys) {
+  constexpr int n = 7, heads = 2, kv = 1, hd = 4, cap = 8;
+  const int width = (heads + 2 * kv) * hd;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> qkv(static_cast<size_t>(n * width));
+  for (float& v : qkv) v = normal(rng);
+  std::vector<double> cs(static_cast<size_t>(cap * hd / 2)), sn(cs.size());
+  rope_angles(cap, hd, 10000.0, cs.data(), sn.data());
+  auto run = [&](int window) {
+    std::vector<float> out(static_cast<size_t>(n * heads * hd)), k(static_cast<size_t>(cap * hd)),
+        v(k.size()), scratch(attention_cached_scratch(n, n, heads, hd));
+    attention_cached_fwd(qkv.data(), out.data(), k.data(), v.data(), cap, 0, n, heads, kv, hd,
+                         cs.data(), sn.data(), scratch.data(), window);
+    return out;
+  };
+  EXPECT_EQ(run(n), run(0));
+  EXPECT_NE(run(3), run(0));
+  const std::vector<float> own = run(1);
+  for (int t = 0; t < n; ++t)
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < hd; ++i)
+        EXPECT_FLOAT_EQ(own[static_cast<size_t>((t * heads + h) * hd + i)],
+                        qkv[static_cast<size_t>(t * width + (heads + kv) * hd + i)]);
+}
+
 }  // namespace
 }  // namespace spillway::nn
