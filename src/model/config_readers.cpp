@@ -54,6 +54,16 @@ MlpSpec dense_mlp(const JsonObject& c, const char* key) {
   return m;
 }
 
+MlpSpec local_experts_moe(const JsonObject& c) {
+  MlpSpec moe;
+  moe.kind = MlpKind::kMoe;
+  moe.experts = c.req_int("num_local_experts", 1, kMaxDim);
+  moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
+  check_topk(c, "num_experts_per_tok", moe.top_k, "num_local_experts", moe.experts);
+  moe.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  return moe;
+}
+
 void check_topk(const JsonObject& c, const char* k_key, int64_t k, const char* e_key, int64_t e) {
   if (k > e) {
     c.fail(k_key, fmt::format("is {}; must be <= \"{}\" ({})", k, e_key, e));
@@ -99,8 +109,9 @@ std::vector<char> read_full_attention_layers(const JsonObject& c, int64_t layers
   std::vector<char> full(types.size(), 0);
   for (size_t i = 0; i < types.size(); ++i) {
     if (types[i] != "full_attention" && types[i] != "linear_attention") {
-      c.fail(fmt::format("layer_types[{}]", i),
-             fmt::format("is \"{}\"; must be \"full_attention\" or \"linear_attention\"", types[i]));
+      c.fail(
+          fmt::format("layer_types[{}]", i),
+          fmt::format("is \"{}\"; must be \"full_attention\" or \"linear_attention\"", types[i]));
     }
     full[i] = types[i] == "full_attention";
   }

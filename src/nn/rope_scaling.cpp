@@ -110,8 +110,9 @@ void read_rope(const nlohmann::json& j, const std::string& file, RefConfig& c) {
                                   : (mscale != 0 && mscale_all != 0
                                          ? mscale_of(factor, mscale) / mscale_of(factor, mscale_all)
                                          : mscale_of(factor, 1.0));
-    const double fast = num(p, "beta_fast", 0.0) != 0 ? num(p, "beta_fast", 32.0) : 32.0;
-    const double slow = num(p, "beta_slow", 0.0) != 0 ? num(p, "beta_slow", 1.0) : 1.0;
+    // transformers: `beta_fast or 32`, `beta_slow or 1` (an absent, null or 0 value).
+    const double fast = num(p, "beta_fast", 0.0) != 0 ? num(p, "beta_fast", 0.0) : 32.0;
+    const double slow = num(p, "beta_slow", 0.0) != 0 ? num(p, "beta_slow", 0.0) : 1.0;
     const bool truncate =
         !p.contains("truncate") || !p["truncate"].is_boolean() || p["truncate"].get<bool>();
     const auto correction_dim = [&](double rotations) {

@@ -36,6 +36,10 @@ AttentionSpec read_mla(const JsonObject& c);
 // A dense MLP whose width is the field `key`.
 MlpSpec dense_mlp(const JsonObject& c, const char* key = "intermediate_size");
 
+// A Mixtral-style MoE: num_local_experts routed experts of intermediate_size, the top
+// num_experts_per_tok of them a token (Mixtral, MiniMax).
+MlpSpec local_experts_moe(const JsonObject& c);
+
 // Fails on `k_key` when top-k `k` exceeds the `e_key` experts `e`.
 void check_topk(const JsonObject& c, const char* k_key, int64_t k, const char* e_key, int64_t e);
 

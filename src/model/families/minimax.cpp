@@ -53,12 +53,7 @@ ModelConfig parse_minimax(const JsonObject& c, ModelConfig m, const std::string&
         "mlp_alpha_factor", "mlp_beta_factor", "postnorm"}) {
     (void)c.has(k);
   }
-  MlpSpec moe;
-  moe.kind = MlpKind::kMoe;
-  moe.experts = c.req_int("num_local_experts", 1, kMaxDim);
-  moe.top_k = c.req_int("num_experts_per_tok", 1, kMaxDim);
-  check_topk(c, "num_experts_per_tok", moe.top_k, "num_local_experts", moe.experts);
-  moe.ffn = c.req_int("intermediate_size", 1, kMaxDim);
+  const MlpSpec moe = local_experts_moe(c);
   if (c.int_or("shared_intermediate_size", 0, 0, kMaxDim) != 0) {
     c.fail("shared_intermediate_size",
            "is not 0: MiniMax's shared expert is sized from intermediate_size by the "
