@@ -59,6 +59,33 @@ struct RefConfig {
   std::string rope_type = "default";
   std::vector<double> rope_inv_freq;
   double rope_attention_factor = 1.0;
+  // Sliding-window layers with their own RoPE (Gemma 3: rope_parameters per layer type, the
+  // local base 10,000): their frequencies and factor; empty: the ones above.
+  std::vector<double> rope_local_inv_freq;
+  double rope_local_attention_factor = 1.0;
+  // Dynamic NTK RoPE ("dynamic"): past rope_dynamic_length positions (max_position_embeddings)
+  // a step's frequencies are those of base theta x (factor x L / length - (factor - 1))^(dim
+  // / (dim - 2)), L the sequence's length after the step; 0: not dynamic.
+  double rope_dynamic_factor = 0.0;
+  int rope_dynamic_length = 0;
+  // Note [Served Gemma] (config.cpp): what Gemma 2 and 3 compute beyond the reference
+  // model, all served and refused by the training model: norms that multiply by
+  // (norm_offset + w) (Gemma: 1); the embedding times embed_scale (sqrt(hidden), rounded to
+  // fp32); sandwich norms (after attention, post_attention_layernorm, and after the MLP,
+  // post_feedforward_layernorm; the MLP's own is pre_feedforward_layernorm); a GeGLU MLP with
+  // tanh-approximated GELU (hidden_activation gelu_pytorch_tanh); the softmax scale
+  // query_pre_attn_scalar^-1/2 (attn_scale; 0: 1 / sqrt(head_dim)); soft caps of the
+  // attention scores and of the logits (cap x tanh(x / cap); 0: none).
+  double norm_offset = 0.0;
+  float embed_scale = 1.0f;
+  bool sandwich_norms = false;
+  bool gelu_mlp = false;
+  double attn_scale = 0.0;
+  double attn_softcap = 0.0;
+  double final_softcap = 0.0;
+  // Qwen2-MoE's shared expert: in each MoE layer a SwiGLU MLP of shared_expert_ffn beside the
+  // routed experts, its output times sigmoid(shared_expert_gate . x). 0: none.
+  int shared_expert_ffn = 0;
   int layers() const { return static_cast<int>(model.layers.size()); }
 };
 

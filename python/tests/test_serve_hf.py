@@ -26,9 +26,9 @@ pytestmark = pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI
 
 
 def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
-    """A tiny model of `family` (llama, qwen2, qwen3, qwen3_moe, mixtral, mistral) with random
-    weights, biases and norm weights included (transformers starts biases at 0 and norms at 1:
-    they would test nothing)."""
+    """A tiny model of `family` (llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, mistral,
+    gemma2, gemma3_text) with random weights, biases and norm weights included (transformers
+    starts biases at 0 and norms at 1, Gemma's at 0: they would test nothing)."""
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -36,21 +36,24 @@ def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[family]
-    cfg = config_class(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
+    shape: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": tied,
         # Larger weights than the default 0.02: logits spread enough that greedy choices are
         # clear of the tolerance (the default init's top two are often within 1e-4).
-        initializer_range=0.3,
-        **extra,
-    )
+        "initializer_range": 0.3,
+    }
+    cfg = config_class(**{**shape, **extra})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_class(cfg).eval()
@@ -58,6 +61,12 @@ def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.3)
+            elif family.startswith("gemma") and "norm" in name:
+                p.normal_(0.0, 0.3)  # Gemma's norms multiply by 1 + w
+            elif family.startswith("gemma") and "embed_tokens" in name:
+                # Scaled by sqrt(hidden) = 8, the default init would drown the layers' outputs
+                # (each normed to ~1 by the sandwich) and the layers would not be tested.
+                p.normal_(0.0, 0.04)
             elif "q_norm" in name or "k_norm" in name:
                 p.normal_(1.0, 0.3)
     return model
@@ -104,11 +113,23 @@ def complete(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
-def assert_served_as_generate(hf: dict[str, Any], tmp_path: Path) -> None:
-    """Each model of `hf`, saved and served, continues a prompt as generate() does."""
+def assert_served_as_generate(
+    hf: dict[str, Any], tmp_path: Path, bf16: tuple[str, ...] = ()
+) -> None:
+    """Each model of `hf`, saved and served, continues a prompt as generate() does. Those named
+    in `bf16` are saved in bf16 and compared with transformers computing in fp32 from the
+    same rounded weights (the decoder widens bf16 weights to fp32)."""
     models = tmp_path / "models"
     for name, model in hf.items():
-        model.save_pretrained(models / name, safe_serialization=True)
+        if name in bf16:
+            model.to(torch.bfloat16)
+            model.save_pretrained(models / name, safe_serialization=True)
+            model.to(torch.float32)
+            with open(models / name / "model.safetensors", "rb") as f:
+                header = f.read(8 + int.from_bytes(f.read(8), "little"))
+            assert b'"BF16"' in header and b'"F32"' not in header, name
+        else:
+            model.save_pretrained(models / name, safe_serialization=True)
     proc, url = serve(models, tmp_path)
     try:
         prompt = [5, 17, 250, 3, 99, 42, 7, 7, 180]
@@ -241,21 +262,87 @@ def test_served_rope_scaling_continues_as_transformers_generate(tmp_path: Path) 
     )
 
 
+def test_served_dynamic_rope_continues_as_transformers_generate(tmp_path: Path) -> None:
+    """Note [Dynamic RoPE]: past max_position_embeddings (12: the 9-token prompt and 10 new
+    tokens cross it) each step rotates at the frequencies of the sequence's new length, the
+    cached keys keeping theirs, as transformers' dynamic NTK RoPE does for one sequence."""
+    assert_served_as_generate(
+        {
+            "dynamic": tiny(
+                "llama",
+                16,
+                max_position_embeddings=12,
+                rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 3.0},
+            ),
+        },
+        tmp_path,
+    )
+
+
+def test_served_gemma_continues_as_transformers_generate(tmp_path: Path) -> None:
+    """Note [Served Gemma]: (1 + w) norms (q/k norms too), the scaled embedding, sandwich
+    norms, GeGLU, query_pre_attn_scalar, soft caps (Gemma 2's defaults, 50 and 30, or tight
+    ones; Gemma 3's none), tied heads and not, sliding layers (Gemma 2: even layers; Gemma 3: as
+    layer_types says, with their own RoPE beside the global layers' scaled one); bf16 and
+    fp32 checkpoints."""
+    gemma: dict[str, Any] = {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4}
+    gemma3 = {
+        **gemma,
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
+    assert_served_as_generate(
+        {
+            "gemma2": tiny("gemma2", 17, tied=True, **gemma),
+            "gemma2-bf16": tiny("gemma2", 18, tied=True, **gemma),
+            "gemma3": tiny("gemma3_text", 19, tied=True, **gemma3),
+            "gemma2-capped": tiny(
+                "gemma2", 20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, **gemma
+            ),
+            "gemma3-bf16": tiny("gemma3_text", 21, tied=True, **gemma3),
+        },
+        tmp_path,
+        bf16=("gemma2-bf16", "gemma3-bf16"),
+    )
+
+
+def test_served_qwen2_moe_continues_as_transformers_generate(tmp_path: Path) -> None:
+    """Qwen2-MoE: routed experts beside a shared expert under a sigmoid gate, q/k/v biases;
+    in fp32 and bf16."""
+    moe: dict[str, Any] = {
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    assert_served_as_generate(
+        {
+            "qwen2-moe": tiny("qwen2_moe", 22, **moe),
+            "qwen2-moe-bf16": tiny("qwen2_moe", 23, norm_topk_prob=True, **moe),
+        },
+        tmp_path,
+        bf16=("qwen2-moe-bf16",),
+    )
+
+
 @pytest.mark.parametrize(
-    ("extra", "named"),
+    ("family", "extra", "named"),
     [
-        ({"mlp_bias": True}, "mlp_bias"),
-        (
-            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
-            "dynamic",
-        ),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+        # transformers' Gemma 3 attention ignores it: what the checkpoint means is ambiguous.
+        ("gemma3_text", {"attn_logit_softcapping": 3.0, "head_dim": 16}, "attn_logit_softcapping"),
     ],
 )
 def test_a_checkpoint_the_decoder_does_not_compute_is_refused(
-    tmp_path: Path, extra: dict[str, Any], named: str
+    tmp_path: Path, family: str, extra: dict[str, Any], named: str
 ) -> None:
-    tiny("llama", 0, **extra).save_pretrained(
-        tmp_path / "models" / "llama-x", safe_serialization=True
+    tiny(family, 0, **extra).save_pretrained(
+        tmp_path / "models" / "model-x", safe_serialization=True
     )
     r = subprocess.run(
         [

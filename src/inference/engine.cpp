@@ -102,11 +102,19 @@ const char* after_token(Running& run, std::chrono::steady_clock::time_point now)
 // Whether a decoder built for a serves b: the same weights (names and shapes) and the same
 // constants of its arithmetic. (Models of one architecture share a slice's decoder.)
 bool same_decoder(const nn::RefConfig& a, const nn::RefConfig& b) {
+  // (rope_theta is in the frequencies; biases, q/k norms, sandwich norms and shared experts
+  // are weights: compared below)
   if (a.vocab != b.vocab || a.hidden != b.hidden || a.heads != b.heads ||
-      a.kv_heads != b.kv_heads || a.head_dim != b.head_dim || a.rope_theta != b.rope_theta ||
-      a.rms_eps != b.rms_eps || a.norm_topk != b.norm_topk || a.rope_inv_freq != b.rope_inv_freq ||
-      a.rope_attention_factor != b.rope_attention_factor)
-    return false;  // (biases and q/k norms are weights: compared below)
+      a.kv_heads != b.kv_heads || a.head_dim != b.head_dim || a.rms_eps != b.rms_eps ||
+      a.norm_topk != b.norm_topk || a.rope_inv_freq != b.rope_inv_freq ||
+      a.rope_attention_factor != b.rope_attention_factor ||
+      a.rope_local_inv_freq != b.rope_local_inv_freq ||
+      a.rope_local_attention_factor != b.rope_local_attention_factor ||
+      a.rope_dynamic_factor != b.rope_dynamic_factor ||
+      a.rope_dynamic_length != b.rope_dynamic_length || a.norm_offset != b.norm_offset ||
+      a.embed_scale != b.embed_scale || a.gelu_mlp != b.gelu_mlp || a.attn_scale != b.attn_scale ||
+      a.attn_softcap != b.attn_softcap || a.final_softcap != b.final_softcap)
+    return false;
   if (a.layers() != b.layers()) return false;
   for (int l = 0; l < a.layers(); ++l)  // the layers' sliding windows
     if (a.model.layers[static_cast<size_t>(l)].attn.sliding_window !=

@@ -32,7 +32,12 @@ struct LayerIds {
   int attn_norm = -1, wqkv = -1, wo = -1, mlp_norm = -1, router = -1;
   // Note [Served attention extras]: -1 when the attention has none.
   int qkv_bias = -1, o_bias = -1, q_norm = -1, k_norm = -1;
-  int window = 0;               // a sliding window's keys (Mistral, Qwen2's upper layers); 0: full
+  int window = 0;           // a sliding window's keys (Mistral, Qwen2's upper layers); 0: full
+  bool local_rope = false;  // RoPE from the local tables (Gemma 3's sliding layers)
+  // Note [Served Gemma]: the sandwich's norms of the attention's and the MLP's outputs.
+  int attn_post_norm = -1, mlp_post_norm = -1;
+  // Qwen2-MoE's shared expert: its projections and gate, and its width (0: none).
+  int sh_gate = -1, sh_up = -1, sh_down = -1, sh_weight = -1, shared_ffn = 0;
   std::vector<int> w1, w3, w2;  // per expert (dense: one)
   bool moe = false;
   int experts = 1, top_k = 1, ffn = 0;
@@ -55,6 +60,8 @@ struct Sizes {
   size_t mamba_layers = 0, mamba_state = 0, in_width = 0, conv_rows = 0, conv_dim = 0, inner = 0,
          gn = 0, heads = 0;
   size_t rope = 0;          // max_context x head_dim / 2 angles
+  size_t local_rope = 0;    // the same for the sliding layers' own RoPE (Gemma 3), or 0
+  size_t dynamic_rope = 0;  // a step's rows x head_dim / 2 angles (dynamic RoPE), or 0
   size_t attn_scratch = 0;  // attention_cached_fwd's, for the largest chunk at the end
 };
 
@@ -69,6 +76,7 @@ Sizes sizes_for(const RefConfig& c, const DecoderOptions& o) {
     const bool moe = l.mlp.kind == MlpKind::kMoe;
     const size_t k = moe ? static_cast<size_t>(l.mlp.top_k) : 1;
     s.ffn_rows = std::max(s.ffn_rows, s.rows * k * static_cast<size_t>(l.mlp.ffn));
+    if (moe) s.ffn_rows = std::max(s.ffn_rows, s.rows * static_cast<size_t>(l.mlp.shared_ffn));
     s.topk_rows = std::max(s.topk_rows, s.rows * k);
     if (moe) s.experts = std::max(s.experts, static_cast<size_t>(l.mlp.experts));
     if (l.mixer != MixerKind::kMamba) {
@@ -92,6 +100,8 @@ Sizes sizes_for(const RefConfig& c, const DecoderOptions& o) {
   s.cache_floats =
       static_cast<size_t>(c.kv_heads) * static_cast<size_t>(o.max_context) * c.head_dim;
   s.rope = static_cast<size_t>(o.max_context) * static_cast<size_t>(c.head_dim / 2);
+  s.local_rope = c.rope_local_inv_freq.empty() ? 0 : s.rope;
+  s.dynamic_rope = c.rope_dynamic_factor > 0 ? s.rows * static_cast<size_t>(c.head_dim / 2) : 0;
   s.attn_scratch = attention_cached_scratch(std::min(o.max_step_tokens, o.max_context),
                                             o.max_context, c.heads, c.head_dim);
   return s;
@@ -134,8 +144,40 @@ std::vector<size_t> buffer_floats(const RefConfig& c, const Sizes& s) {
       s.rows * s.inner,                             // the scan's y, all chunks
       s.rows * s.inner,                             // z
       s.rows * s.inner,                             // the gated norm's output
+      2 * s.local_rope,                             // local RoPE cosines (doubles)
+      2 * s.local_rope,                             // local RoPE sines (doubles)
+      2 * s.dynamic_rope,                           // a step's dynamic RoPE cosines (doubles)
+      2 * s.dynamic_rope,                           // ... and sines
   };
   (void)c;
+}
+
+// RoPE's cos and sin (times `factor`) of positions first .. first + count - 1 at frequencies
+// `inv`, row t - first of the tables (head_dim / 2 each).
+void fill_rope(const std::vector<double>& inv, double factor, int first, int count, double* cos_t,
+               double* sin_t) {
+  const size_t half = inv.size();
+  for (int t = 0; t < count; ++t) {
+    for (size_t i = 0; i < half; ++i) {
+      const double angle = (first + t) * inv[i];
+      const size_t at = static_cast<size_t>(t) * half + i;
+      cos_t[at] = std::cos(angle) * factor;
+      sin_t[at] = std::sin(angle) * factor;
+    }
+  }
+}
+
+// Note [Dynamic RoPE]: transformers' dynamic NTK frequencies for a sequence `length` long
+// (_compute_dynamic_ntk_parameters): up to max_position_embeddings the default ones; past it
+// those of base theta x (factor x length / max - (factor - 1))^(dim / (dim - 2)).
+void dynamic_frequencies(const RefConfig& c, int length, std::vector<double>& inv) {
+  const double dim = c.head_dim;
+  const double max = c.rope_dynamic_length;
+  const double f = c.rope_dynamic_factor;
+  const double seq = std::max(static_cast<double>(length), max);
+  const double base = c.rope_theta * std::pow(f * seq / max - (f - 1), dim / (dim - 2));
+  for (size_t i = 0; i < inv.size(); ++i)
+    inv[i] = 1.0 / std::pow(base, 2.0 * static_cast<double>(i) / dim);
 }
 
 }  // namespace
@@ -156,7 +198,12 @@ struct Decoder::Impl {
         *last = nullptr, *lastn = nullptr, *attn_scratch = nullptr, *mstate = nullptr,
         *inproj = nullptr, *conv_in = nullptr, *conv_out = nullptr, *sx = nullptr, *sb = nullptr,
         *sc = nullptr, *sdt = nullptr, *sy = nullptr, *sz = nullptr, *sgated = nullptr;
-  double *rope_cos = nullptr, *rope_sin = nullptr;
+  double *rope_cos = nullptr, *rope_sin = nullptr, *local_cos = nullptr, *local_sin = nullptr,
+         *dyn_cos = nullptr, *dyn_sin = nullptr;
+  // Note [Dynamic RoPE]: per chunk of a step, its RoPE table and the table's first position.
+  std::vector<const double*> chunk_cos, chunk_sin;
+  std::vector<int> chunk_first;
+  std::vector<double> dyn_inv;  // a step's frequencies (head_dim / 2), sized once
   int32_t *tidx = nullptr, *perm = nullptr, *inv = nullptr, *offsets = nullptr, *tokens = nullptr;
   std::vector<char> seen;  // per sequence, during a step's checks
 
@@ -184,9 +231,9 @@ struct Decoder::Impl {
     const float* kn = w.values(L.k_norm);
     for (int t = 0; t < T; ++t) {
       float* row = qkv + static_cast<size_t>(t) * static_cast<size_t>(width);
-      rmsnorm_fwd(row, qn, row, c.heads, c.head_dim, c.rms_eps);
+      rmsnorm_fwd(row, qn, row, c.heads, c.head_dim, c.rms_eps, c.norm_offset);
       float* k = row + static_cast<size_t>(c.heads) * static_cast<size_t>(c.head_dim);
-      rmsnorm_fwd(k, kn, k, c.kv_heads, c.head_dim, c.rms_eps);
+      rmsnorm_fwd(k, kn, k, c.kv_heads, c.head_dim, c.rms_eps, c.norm_offset);
     }
   }
   static void add_bias(float* y, const float* b, int rows, int width) {
@@ -319,6 +366,7 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
     } else {
       L.wqkv = id(p + "self_attn.qkv_proj.weight");
       L.window = static_cast<int>(spec.attn.sliding_window);
+      L.local_rope = L.window > 0 && !c.rope_local_inv_freq.empty();
       L.wo = id(p + "self_attn.o_proj.weight");
       if (c.qkv_bias) L.qkv_bias = id(p + "self_attn.qkv_proj.bias");
       if (c.o_bias) L.o_bias = id(p + "self_attn.o_proj.bias");
@@ -327,7 +375,15 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
         L.k_norm = id(p + "self_attn.k_norm.weight");
       }
     }
-    L.mlp_norm = id(p + "post_attention_layernorm.weight");
+    if (c.sandwich_norms) {  // Note [Served Gemma]
+      SPILLWAY_CHECK(!L.mamba && spec.mlp.kind != MlpKind::kMoe,
+                     "decoder: sandwich norms in layer {} with a Mamba mixer or experts", l);
+      L.attn_post_norm = id(p + "post_attention_layernorm.weight");
+      L.mlp_norm = id(p + "pre_feedforward_layernorm.weight");
+      L.mlp_post_norm = id(p + "post_feedforward_layernorm.weight");
+    } else {
+      L.mlp_norm = id(p + "post_attention_layernorm.weight");
+    }
     L.moe = spec.mlp.kind == MlpKind::kMoe;
     L.ffn = static_cast<int>(spec.mlp.ffn);
     if (L.moe) {
@@ -338,6 +394,13 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
         L.w1.push_back(id(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e)));
         L.w3.push_back(id(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e)));
         L.w2.push_back(id(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e)));
+      }
+      L.shared_ffn = static_cast<int>(spec.mlp.shared_ffn);
+      if (L.shared_ffn > 0) {
+        L.sh_gate = id(p + "mlp.shared_expert.gate_proj.weight");
+        L.sh_up = id(p + "mlp.shared_expert.up_proj.weight");
+        L.sh_down = id(p + "mlp.shared_expert.down_proj.weight");
+        L.sh_weight = id(p + "mlp.shared_expert_gate.weight");
       }
     } else {
       L.w1 = {id(p + "mlp.gate_proj.weight")};
@@ -400,18 +463,26 @@ Decoder::Decoder(const RefConfig& c, Device& dev, const DecoderOptions& o)
   m.sy = f(31);
   m.sz = f(32);
   m.sgated = f(33);
+  m.local_cos = static_cast<double*>(m.blocks[34]);
+  m.local_sin = static_cast<double*>(m.blocks[35]);
+  m.dyn_cos = static_cast<double*>(m.blocks[36]);
+  m.dyn_sin = static_cast<double*>(m.blocks[37]);
+  m.chunk_cos.assign(static_cast<size_t>(o.max_sequences), nullptr);
+  m.chunk_sin.assign(static_cast<size_t>(o.max_sequences), nullptr);
+  m.chunk_first.assign(static_cast<size_t>(o.max_sequences), 0);
+  m.dyn_inv.assign(static_cast<size_t>(c.head_dim / 2), 0.0);
   // Note [RoPE scaling]: the config's frequencies; yarn scales cos and sin.
   const int half = c.head_dim / 2;
   SPILLWAY_CHECK(c.rope_inv_freq.size() == static_cast<size_t>(half),
                  "decoder: {} RoPE frequencies for head_dim {}", c.rope_inv_freq.size(),
                  c.head_dim);
-  for (int i = 0; i < half; ++i) {
-    for (int t = 0; t < o.max_context; ++t) {
-      const double angle = t * c.rope_inv_freq[static_cast<size_t>(i)];
-      const size_t at = static_cast<size_t>(t) * static_cast<size_t>(half) + static_cast<size_t>(i);
-      m.rope_cos[at] = std::cos(angle) * c.rope_attention_factor;
-      m.rope_sin[at] = std::sin(angle) * c.rope_attention_factor;
-    }
+  fill_rope(c.rope_inv_freq, c.rope_attention_factor, 0, o.max_context, m.rope_cos, m.rope_sin);
+  if (!c.rope_local_inv_freq.empty()) {
+    SPILLWAY_CHECK(c.rope_local_inv_freq.size() == static_cast<size_t>(half),
+                   "decoder: {} local RoPE frequencies for head_dim {}",
+                   c.rope_local_inv_freq.size(), c.head_dim);
+    fill_rope(c.rope_local_inv_freq, c.rope_local_attention_factor, 0, o.max_context, m.local_cos,
+              m.local_sin);
   }
   std::fill_n(m.mstate, m.s.mamba_layers * m.s.seqs * m.s.mamba_state, 0.0f);
   m.lengths.assign(static_cast<size_t>(o.max_sequences), 0);
@@ -484,10 +555,31 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
   const int q_dim = static_cast<int>(m.s.q);
   for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i)
     std::copy(chunks[i].tokens, chunks[i].tokens + chunks[i].n, m.tokens + r);
+  // Note [Dynamic RoPE]: a chunk that takes its sequence past max_position_embeddings
+  // rotates its queries and keys at the frequencies of its sequence's new length (keys
+  // cached before keep theirs: transformers' cache does the same); others read the table.
+  for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
+    const int pos = m.lengths[static_cast<size_t>(chunks[i].sequence)];
+    const auto at = static_cast<size_t>(i);
+    m.chunk_cos[at] = m.rope_cos;
+    m.chunk_sin[at] = m.rope_sin;
+    m.chunk_first[at] = 0;
+    if (c.rope_dynamic_factor > 0 && pos + chunks[i].n > c.rope_dynamic_length) {
+      dynamic_frequencies(c, pos + chunks[i].n, m.dyn_inv);
+      const size_t row = static_cast<size_t>(r) * m.dyn_inv.size();
+      fill_rope(m.dyn_inv, 1.0, pos, chunks[i].n, m.dyn_cos + row, m.dyn_sin + row);
+      m.chunk_cos[at] = m.dyn_cos + row;
+      m.chunk_sin[at] = m.dyn_sin + row;
+      m.chunk_first[at] = pos;
+    }
+  }
   embedding_fwd(m.tokens, weights.values(m.embed), m.x, T, d);
+  if (c.embed_scale != 1.0f)  // Note [Served Gemma]: in fp32, as torch multiplies
+    for (size_t i = 0; i < Td; ++i) m.x[i] *= c.embed_scale;
+  const double off = c.norm_offset;
   for (int l = 0; l < c.layers(); ++l) {
     const LayerIds& L = m.layers[static_cast<size_t>(l)];
-    rmsnorm_fwd(m.x, weights.values(L.attn_norm), m.norm, T, d, c.rms_eps);
+    rmsnorm_fwd(m.x, weights.values(L.attn_norm), m.norm, T, d, c.rms_eps, off);
     if (L.mamba) {
       m.mamba_mixer(L, weights, chunks, count, T);
     } else {
@@ -495,22 +587,35 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
       m.attention_extras(L, weights, T);
       for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
         const int sq = chunks[i].sequence;
-        attention_cached_fwd(m.qkv + static_cast<size_t>(r) * qkv_dim,
-                             m.core + static_cast<size_t>(r) * q_dim, m.k_cache(l, sq),
-                             m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
-                             chunks[i].n, c.heads, c.kv_heads, c.head_dim, m.rope_cos, m.rope_sin,
-                             m.attn_scratch, L.window);
+        const auto at = static_cast<size_t>(i);
+        CachedAttention how{L.window, c.attn_scale, c.attn_softcap, m.chunk_first[at]};
+        const bool local = L.local_rope;
+        attention_cached_fwd(
+            m.qkv + static_cast<size_t>(r) * qkv_dim, m.core + static_cast<size_t>(r) * q_dim,
+            m.k_cache(l, sq), m.v_cache(l, sq), m.o.max_context, m.lengths[static_cast<size_t>(sq)],
+            chunks[i].n, c.heads, c.kv_heads, c.head_dim, local ? m.local_cos : m.chunk_cos[at],
+            local ? m.local_sin : m.chunk_sin[at], m.attn_scratch, how);
       }
       weights.linear(L.wo, m.core, m.mid, T, q_dim, d);
       if (L.o_bias >= 0) Impl::add_bias(m.mid, weights.values(L.o_bias), T, d);
+      if (L.attn_post_norm >= 0)
+        rmsnorm_fwd(m.mid, weights.values(L.attn_post_norm), m.mid, T, d, c.rms_eps, off);
       add(m.x, m.mid, m.mid, Td);
     }
-    rmsnorm_fwd(m.mid, weights.values(L.mlp_norm), m.norm, T, d, c.rms_eps);
+    rmsnorm_fwd(m.mid, weights.values(L.mlp_norm), m.norm, T, d, c.rms_eps, off);
+    const auto glu = [&](size_t n) {
+      if (c.gelu_mlp)
+        geglu_tanh_fwd(m.gate, m.up, m.act, n);
+      else
+        swiglu_fwd(m.gate, m.up, m.act, n);
+    };
     if (!L.moe) {
       weights.linear(L.w1[0], m.norm, m.gate, T, d, L.ffn);
       weights.linear(L.w3[0], m.norm, m.up, T, d, L.ffn);
-      swiglu_fwd(m.gate, m.up, m.act, static_cast<size_t>(T) * static_cast<size_t>(L.ffn));
+      glu(static_cast<size_t>(T) * static_cast<size_t>(L.ffn));
       weights.linear(L.w2[0], m.act, m.y, T, L.ffn, d);
+      if (L.mlp_post_norm >= 0)
+        rmsnorm_fwd(m.y, weights.values(L.mlp_post_norm), m.y, T, d, c.rms_eps, off);
       add(m.mid, m.y, m.y, Td);
     } else {
       const int rows = T * L.top_k;
@@ -522,9 +627,24 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
       moe_dispatch_fwd(m.norm, m.perm, m.disp, rows, L.top_k, d);
       m.experts_linear(weights, L.w1, m.disp, m.gate, d, L.ffn);
       m.experts_linear(weights, L.w3, m.disp, m.up, d, L.ffn);
-      swiglu_fwd(m.gate, m.up, m.act, static_cast<size_t>(rows) * static_cast<size_t>(L.ffn));
+      glu(static_cast<size_t>(rows) * static_cast<size_t>(L.ffn));
       m.experts_linear(weights, L.w2, m.act, m.eout, L.ffn, d);
       moe_combine_fwd(m.mid, m.eout, m.tw, m.inv, m.y, T, L.top_k, d);
+      if (L.shared_ffn > 0) {
+        // Qwen2-MoE: y += sigmoid(norm . shared_expert_gate) x shared_expert(norm); its output
+        // in eout and its gate in the router's logits, both free once combined.
+        weights.linear(L.sh_gate, m.norm, m.gate, T, d, L.shared_ffn);
+        weights.linear(L.sh_up, m.norm, m.up, T, d, L.shared_ffn);
+        glu(static_cast<size_t>(T) * static_cast<size_t>(L.shared_ffn));
+        weights.linear(L.sh_down, m.act, m.eout, T, L.shared_ffn, d);
+        weights.linear(L.sh_weight, m.norm, m.rlogits, T, d, 1);
+        for (int t = 0; t < T; ++t) {
+          const float g = 1.0f / (1.0f + std::exp(-m.rlogits[t]));
+          float* yr = m.y + static_cast<size_t>(t) * static_cast<size_t>(d);
+          const float* er = m.eout + static_cast<size_t>(t) * static_cast<size_t>(d);
+          for (int i = 0; i < d; ++i) yr[i] += g * er[i];
+        }
+      }
     }
     std::swap(m.x, m.y);
   }
@@ -533,8 +653,13 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
     const size_t row = static_cast<size_t>(r + chunks[i].n - 1);
     std::memcpy(m.last + static_cast<size_t>(i) * d, m.x + row * d, sizeof(float) * d);
   }
-  rmsnorm_fwd(m.last, weights.values(m.final_norm), m.lastn, count, d, c.rms_eps);
+  rmsnorm_fwd(m.last, weights.values(m.final_norm), m.lastn, count, d, c.rms_eps, off);
   weights.linear(m.lm_head, m.lastn, logits, count, d, c.vocab);
+  if (c.final_softcap > 0) {  // Note [Served Gemma]
+    const size_t n = static_cast<size_t>(count) * static_cast<size_t>(c.vocab);
+    const auto cap = static_cast<float>(c.final_softcap);
+    for (size_t i = 0; i < n; ++i) logits[i] = cap * std::tanh(logits[i] / cap);
+  }
   for (int i = 0; i < count; ++i) m.lengths[static_cast<size_t>(chunks[i].sequence)] += chunks[i].n;
 }
 

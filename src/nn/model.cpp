@@ -111,6 +111,22 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
         config.qk_norm ? "q/k norms"
                        : (config.qkv_bias ? "biases on q, k and v (attention_bias, or Qwen2's)"
                                           : "a bias on o (attention_bias)"));
+  // Note [Served Gemma] and Qwen2-MoE's shared expert: served, not trained.
+  const char* served_only = config.norm_offset != 0.0     ? "(1 + w) norms (Gemma)"
+                            : config.sandwich_norms       ? "sandwich norms (Gemma)"
+                            : config.gelu_mlp             ? "a GeGLU MLP (gelu_pytorch_tanh)"
+                            : config.embed_scale != 1.0f  ? "a scaled embedding (Gemma)"
+                            : config.attn_scale != 0.0    ? "query_pre_attn_scalar (Gemma)"
+                            : config.attn_softcap != 0.0  ? "soft-capped attention scores"
+                            : config.final_softcap != 0.0 ? "soft-capped logits"
+                            : !config.rope_local_inv_freq.empty() ? "a local RoPE (Gemma 3)"
+                            : config.shared_expert_ffn != 0       ? "a shared expert (Qwen2-MoE)"
+                                                                  : nullptr;
+  if (served_only != nullptr)
+    SPILLWAY_INPUT_ERROR(
+        "model config: {} has {}; the reference model does not train it (spillway serve runs "
+        "it)",
+        config.model.name, served_only);
   impl_ = std::make_unique<Impl>(config, device);
   Impl& m = *impl_;
   const RefConfig& c = m.c;

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <numbers>
 #include <type_traits>
 #include <vector>
 
@@ -172,14 +173,15 @@ void linear_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int in
 // --- RMSNorm ------------------------------------------------------------------------
 
 template <class T>
-void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps) {
+void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps, double offset) {
   for (int r = 0; r < n; ++r) {
     const T* xr = x + static_cast<size_t>(r) * d;
     T* yr = y + static_cast<size_t>(r) * d;
     double ss = 0;
     for (int i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
     const double inv_rms = 1.0 / std::sqrt(ss / d + eps);
-    for (int i = 0; i < d; ++i) yr[i] = static_cast<T>(xr[i] * inv_rms * w[i]);
+    // (offset + w_i: Gemma's (1 + w); 0 + w_i is w_i exactly)
+    for (int i = 0; i < d; ++i) yr[i] = static_cast<T>(xr[i] * inv_rms * (offset + w[i]));
   }
 }
 
@@ -360,14 +362,18 @@ void attention_fwd(const T* qkv, T* out, T* lse, int batch, int seq, int heads, 
 template <class T>
 void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capacity, int pos,
                           int n, int heads, int kv_heads, int head_dim, const double* cos_t,
-                          const double* sin_t, T* scratch_buf, int window) {
-  const auto [group, width, out_width, hd, scale, q_size, k_size, block] =
+                          const double* sin_t, T* scratch_buf, const CachedAttention& how) {
+  const auto [group, width, out_width, hd, default_scale, q_size, k_size, block] =
       attention_geometry(n, heads, kv_heads, head_dim);
+  const double scale = how.scale > 0 ? how.scale : default_scale;
+  const int window = how.window;
   (void)k_size;
   if (n <= 0) return;
   SPILLWAY_CHECK(pos >= 0 && pos + n <= capacity,
                  "attention_cached_fwd: positions {}..{} outside the cache's {}", pos, pos + n - 1,
                  capacity);
+  SPILLWAY_CHECK(pos >= how.rope_first, "attention_cached_fwd: position {} before the table's {}",
+                 pos, how.rope_first);
   const int half = head_dim / 2;
   T* qs = scratch_buf;     // (heads, n, head_dim) rotated, scaled q
   T* probs = qs + q_size;  // (rows, cols) one row block's scores, then probabilities
@@ -375,8 +381,9 @@ void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capa
   for (int t = 0; t < n; ++t) {
     const T* row = qkv + static_cast<size_t>(t) * width;
     const size_t at = static_cast<size_t>(pos) + static_cast<size_t>(t);
-    const double* cs = cos_t + at * half;
-    const double* sn = sin_t + at * half;
+    const size_t rope_row = at - static_cast<size_t>(how.rope_first);
+    const double* cs = cos_t + rope_row * half;
+    const double* sn = sin_t + rope_row * half;
     for (int h = 0; h < heads; ++h)
       rope_rotate(row + h * head_dim, qs + (static_cast<size_t>(h) * n + t) * hd, cs, sn, half,
                   scale);
@@ -400,6 +407,9 @@ void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capa
         const int q = pos + i0 + r;
         const int lo = window > 0 ? std::max(0, q - window + 1) : 0;
         T* p = probs + static_cast<size_t>(r) * cols;
+        if (how.softcap > 0)
+          for (int j = lo; j <= q; ++j)
+            p[j] = static_cast<T>(how.softcap * std::tanh(p[j] / how.softcap));
         std::fill(p, p + lo, T(0));
         (void)causal_softmax_row(p + lo, q + 1 - lo, cols - lo);
       }
@@ -499,6 +509,15 @@ void attention_bwd(const T* qkv, const T* out, const T* lse, const T* dout, T* d
 }
 
 // --- SwiGLU -------------------------------------------------------------------------
+
+template <class T>
+void geglu_tanh_fwd(const T* g, const T* u, T* act, size_t n) {
+  const double c = std::sqrt(2.0 / std::numbers::pi);
+  for (size_t i = 0; i < n; ++i) {
+    const double x = g[i];
+    act[i] = static_cast<T>(0.5 * x * (1.0 + std::tanh(c * (x + 0.044715 * x * x * x))) * u[i]);
+  }
+}
 
 template <class T>
 void swiglu_fwd(const T* g, const T* u, T* act, size_t n) {
@@ -705,7 +724,7 @@ void add(const T* a, const T* b, T* y, size_t n) {
   template void gemm<T>(bool, bool, int, int, int, T, const T*, int, const T*, int, T, T*, int);   \
   template void linear_fwd<T>(const T*, const T*, T*, int, int, int);                              \
   template void linear_bwd<T>(const T*, const T*, const T*, T*, T*, int, int, int, bool);          \
-  template void rmsnorm_fwd<T>(const T*, const T*, T*, int, int, double);                          \
+  template void rmsnorm_fwd<T>(const T*, const T*, T*, int, int, double, double);                  \
   template void rmsnorm_bwd<T>(const T*, const T*, const T*, T*, T*, int, int, double);            \
   template void embedding_fwd<T>(const int32_t*, const T*, T*, int, int);                          \
   template void embedding_bwd<T>(const int32_t*, const T*, T*, int, int);                          \
@@ -713,8 +732,9 @@ void add(const T* a, const T* b, T* y, size_t n) {
   template void attention_bwd<T>(const T*, const T*, const T*, const T*, T*, int, int, int, int,   \
                                  int, double);                                                     \
   template void attention_cached_fwd<T>(const T*, T*, T*, T*, int, int, int, int, int, int,        \
-                                        const double*, const double*, T*, int);                    \
+                                        const double*, const double*, T*, const CachedAttention&); \
   template void swiglu_fwd<T>(const T*, const T*, T*, size_t);                                     \
+  template void geglu_tanh_fwd<T>(const T*, const T*, T*, size_t);                                 \
   template void swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, size_t);                       \
   template void softmax_fwd<T>(const T*, T*, int, int);                                            \
   template void softmax_bwd<T>(const T*, const T*, T*, int, int);                                  \

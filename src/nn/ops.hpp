@@ -35,7 +35,7 @@ void linear_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int in
 
 // RMSNorm: y = x / sqrt(mean(x^2) + eps) * w; x, y (n, d), w (d).
 template <class T>
-void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps);
+void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps, double offset = 0.0);
 // dx (n, d) overwritten; dw (d) accumulated. Recomputes the rms from x.
 template <class T>
 void rmsnorm_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int d, double eps);
@@ -74,10 +74,21 @@ inline constexpr int kAttnBlock = 64;
 // sliding-window mask). out (n, heads * head_dim) overwritten. pos + n <= capacity
 // (checked). cos_t, sin_t: rope_angles of at least pos + n positions; scratch:
 // attention_cached_scratch(n, pos + n, ...) elements. Allocates nothing.
+// What a served model's cached attention computes beyond the default (Note [Served Gemma]
+// in spillway/nn.hpp): a sliding `window` > 0 of keys; the softmax `scale` (0:
+// 1 / sqrt(head_dim)); a `softcap` > 0 of the scores (cap * tanh(score / cap), before the
+// mask); `rope_first`, the position of cos_t's and sin_t's first row (a table of the step's
+// positions only, dynamic RoPE's).
+struct CachedAttention {
+  int window = 0;
+  double scale = 0.0;
+  double softcap = 0.0;
+  int rope_first = 0;
+};
 template <class T>
 void attention_cached_fwd(const T* qkv, T* out, T* k_cache, T* v_cache, int capacity, int pos,
                           int n, int heads, int kv_heads, int head_dim, const double* cos_t,
-                          const double* sin_t, T* scratch, int window = 0);
+                          const double* sin_t, T* scratch, const CachedAttention& how = {});
 // The scratch attention_cached_fwd needs for n new tokens ending at position `end`.
 inline size_t attention_cached_scratch(int n, int end, int heads, int head_dim) {
   const int block = n < kAttnBlock ? n : kAttnBlock;
@@ -90,6 +101,10 @@ void rope_angles(int positions, int head_dim, double theta, double* cos_t, doubl
 // act = silu(g) * u elementwise, n elements.
 template <class T>
 void swiglu_fwd(const T* g, const T* u, T* act, size_t n);
+// act = gelu_tanh(g) * u elementwise (GeGLU with torch's tanh-approximated GELU, Gemma's
+// gelu_pytorch_tanh), n elements. Forward only (served).
+template <class T>
+void geglu_tanh_fwd(const T* g, const T* u, T* act, size_t n);
 // dg, du overwritten.
 template <class T>
 void swiglu_bwd(const T* g, const T* u, const T* dact, T* dg, T* du, size_t n);

@@ -1,8 +1,9 @@
 // Note [RoPE scaling]: RoPE's inverse frequencies as transformers computes them for the
-// rope types the decoder serves (modeling_rope_utils: default, linear, llama3, yarn), read
-// from `rope_parameters` (transformers 5: rope_theta inside) or `rope_scaling` (transformers
-// 4: rope_theta beside it). Types whose frequencies change with the sequence (dynamic,
-// longrope) or that rotate part of a head (partial_rotary_factor) are refused by name.
+// rope types the decoder serves (modeling_rope_utils: default, linear, llama3, yarn, and
+// dynamic, whose frequencies the decoder computes per step: Note [Dynamic RoPE]), read
+// from `rope_parameters` (transformers 5: rope_theta inside; per layer type for Gemma 3) or
+// `rope_scaling` (transformers 4: rope_theta beside it). longrope and partial rotation
+// (partial_rotary_factor) are refused by name.
 #include "nn/rope_scaling.hpp"
 
 #include <fmt/format.h>
@@ -23,31 +24,27 @@ double num(const nlohmann::json& o, const char* key, double fallback) {
   return it != o.end() && it->is_number() ? it->get<double>() : fallback;
 }
 
-}  // namespace
+struct Rope {
+  std::string type = "default";
+  double theta = 10000.0;
+  std::vector<double> inv_freq;
+  double attention_factor = 1.0;
+  double dynamic_factor = 0.0;
+  int dynamic_length = 0;
+};
 
-void read_rope(const nlohmann::json& j, const std::string& file, RefConfig& c) {
-  const auto params_at = [&]() -> nlohmann::json {
-    for (const char* key : {"rope_parameters", "rope_scaling"}) {
-      const auto it = j.find(key);
-      if (it != j.end() && it->is_object()) return *it;
-    }
-    return nlohmann::json::object();
-  };
-  const nlohmann::json p = params_at();
-  for (const auto& [key, value] : p.items()) {
-    if (value.is_object())
-      SPILLWAY_INPUT_ERROR(
-          "model config: \"rope_parameters\" has RoPE parameters per layer type (\"{}\"); the "
-          "decoder runs one RoPE in every layer (file: {})",
-          key, file);
-  }
+// One RoPE's frequencies from its parameters `p` (config `j` for what transformers reads
+// beside them), rope_theta defaulting to `default_theta`.
+Rope rope_of(const nlohmann::json& p, const nlohmann::json& j, const std::string& file,
+             int head_dim, double default_theta) {
+  Rope r;
   std::string type = "default";
   for (const char* key : {"rope_type", "type"})
     if (p.contains(key) && p[key].is_string()) type = p[key].get<std::string>();
-  c.rope_type = type;
-  c.rope_theta = num(p, "rope_theta", num(j, "rope_theta", 10000.0));
-  if (!(c.rope_theta > 0))
-    SPILLWAY_INPUT_ERROR("model config: \"rope_theta\" is {}; must be > 0 (file: {})", c.rope_theta,
+  r.type = type;
+  r.theta = num(p, "rope_theta", num(j, "rope_theta", default_theta));
+  if (!(r.theta > 0))
+    SPILLWAY_INPUT_ERROR("model config: \"rope_theta\" is {}; must be > 0 (file: {})", r.theta,
                          file);
   const double partial = num(p, "partial_rotary_factor", num(j, "partial_rotary_factor", 1.0));
   if (partial != 1.0)
@@ -55,26 +52,35 @@ void read_rope(const nlohmann::json& j, const std::string& file, RefConfig& c) {
         "model config: \"partial_rotary_factor\" is {}; the decoder rotates whole heads (file: "
         "{})",
         partial, file);
-  const int half = c.head_dim / 2;
-  const double dim = c.head_dim;
-  const double base = c.rope_theta;
-  std::vector<double>& inv = c.rope_inv_freq;
+  const int half = head_dim / 2;
+  const double dim = head_dim;
+  const double base = r.theta;
+  std::vector<double>& inv = r.inv_freq;
   inv.resize(static_cast<size_t>(half));
   for (int i = 0; i < half; ++i) inv[static_cast<size_t>(i)] = std::pow(base, -2.0 * i / dim);
-  c.rope_attention_factor = 1.0;
   const auto need = [&](const char* key) {
     if (!p.contains(key) || !p[key].is_number())
       SPILLWAY_INPUT_ERROR("model config: rope type \"{}\" needs \"{}\" (file: {})", type, key,
                            file);
     return p[key].get<double>();
   };
-  if (type == "default") return;
+  if (type == "default") return r;
   const double max_pos = num(j, "max_position_embeddings", 0.0);
   // transformers: the config's own original_max_position_embeddings first (Phi-3), then the
   // rope parameters', then max_position_embeddings.
   const double original = num(j, "original_max_position_embeddings",
                               num(p, "original_max_position_embeddings", max_pos));
-  if (type == "linear") {
+  if (type == "dynamic") {
+    // transformers' dynamic NTK: the frequencies of a longer sequence are computed when it
+    // comes (Decoder: Note [Dynamic RoPE]); up to max_position_embeddings the default ones.
+    r.dynamic_factor = need("factor");
+    if (!(r.dynamic_factor >= 1) || !(max_pos >= 1) || max_pos > 1e9)
+      SPILLWAY_INPUT_ERROR(
+          "model config: dynamic RoPE needs \"factor\" >= 1 (it is {}) and "
+          "max_position_embeddings >= 1 (it is {}) (file: {})",
+          r.dynamic_factor, max_pos, file);
+    r.dynamic_length = static_cast<int>(max_pos);
+  } else if (type == "linear") {
     const double factor = need("factor");
     for (double& f : inv) f /= factor;
   } else if (type == "llama3") {
@@ -105,11 +111,11 @@ void read_rope(const nlohmann::json& j, const std::string& file, RefConfig& c) {
     };
     const double mscale = num(p, "mscale", 0.0);
     const double mscale_all = num(p, "mscale_all_dim", 0.0);
-    c.rope_attention_factor = p.contains("attention_factor") && p["attention_factor"].is_number()
-                                  ? p["attention_factor"].get<double>()
-                                  : (mscale != 0 && mscale_all != 0
-                                         ? mscale_of(factor, mscale) / mscale_of(factor, mscale_all)
-                                         : mscale_of(factor, 1.0));
+    r.attention_factor = p.contains("attention_factor") && p["attention_factor"].is_number()
+                             ? p["attention_factor"].get<double>()
+                             : (mscale != 0 && mscale_all != 0
+                                    ? mscale_of(factor, mscale) / mscale_of(factor, mscale_all)
+                                    : mscale_of(factor, 1.0));
     // transformers: `beta_fast or 32`, `beta_slow or 1` (an absent, null or 0 value).
     const double fast = num(p, "beta_fast", 0.0) != 0 ? num(p, "beta_fast", 0.0) : 32.0;
     const double slow = num(p, "beta_slow", 0.0) != 0 ? num(p, "beta_slow", 0.0) : 1.0;
@@ -136,9 +142,81 @@ void read_rope(const nlohmann::json& j, const std::string& file, RefConfig& c) {
   } else {
     SPILLWAY_INPUT_ERROR(
         "model config: rope type \"{}\" is not served (the decoder computes default, linear, "
-        "llama3 and yarn RoPE; dynamic and longrope change their frequencies with the "
-        "sequence) (file: {})",
+        "llama3, yarn and dynamic RoPE) (file: {})",
         type, file);
+  }
+  return r;
+}
+
+}  // namespace
+
+void read_rope(const nlohmann::json& j, const std::string& file, RefConfig& c) {
+  const auto params_at = [&]() -> nlohmann::json {
+    for (const char* key : {"rope_parameters", "rope_scaling"}) {
+      const auto it = j.find(key);
+      if (it != j.end() && it->is_object()) return *it;
+    }
+    return nlohmann::json::object();
+  };
+  const nlohmann::json p = params_at();
+  bool per_type = false;
+  for (const auto& [key, value] : p.items()) {
+    if (!value.is_object()) continue;
+    per_type = true;
+    if (key != "full_attention" && key != "sliding_attention")
+      SPILLWAY_INPUT_ERROR(
+          "model config: \"rope_parameters\" has RoPE parameters for layer type \"{}\"; the "
+          "decoder knows full_attention and sliding_attention (file: {})",
+          key, file);
+  }
+  // Gemma 3: a global RoPE (rope_theta, default 1,000,000, scaled by rope_scaling) and a
+  // local one for the sliding layers (rope_local_base_freq, default 10,000), per layer type
+  // in rope_parameters (transformers 5) or beside it.
+  const bool gemma3 = c.model.model_type == "gemma3_text";
+  const double global_theta = gemma3 ? 1e6 : 10000.0;
+  const nlohmann::json none = nlohmann::json::object();
+  nlohmann::json beside = j;  // the per-type parameters carry their own rope_theta
+  beside.erase("rope_theta");
+  Rope global, local;
+  bool has_local = false;
+  if (per_type) {
+    global = rope_of(p.contains("full_attention") ? p["full_attention"] : none, beside, file,
+                     c.head_dim, global_theta);
+    if (p.contains("sliding_attention")) {
+      local = rope_of(p["sliding_attention"], beside, file, c.head_dim, 10000.0);
+      has_local = true;
+    }
+  } else {
+    global = rope_of(p, j, file, c.head_dim, global_theta);
+    if (gemma3) {
+      nlohmann::json lp = nlohmann::json::object();
+      lp["rope_theta"] = num(j, "rope_local_base_freq", 10000.0);
+      local = rope_of(lp, beside, file, c.head_dim, 10000.0);
+      has_local = true;
+    }
+  }
+  if (has_local && local.dynamic_factor > 0)
+    SPILLWAY_INPUT_ERROR(
+        "model config: the sliding layers' RoPE is dynamic; the decoder runs dynamic RoPE in "
+        "every layer or none (file: {})",
+        file);
+  if (has_local && global.dynamic_factor > 0 && local.inv_freq != global.inv_freq)
+    SPILLWAY_INPUT_ERROR(
+        "model config: dynamic RoPE with another RoPE in the sliding layers is not served "
+        "(file: {})",
+        file);
+  c.rope_type = global.type;
+  c.rope_theta = global.theta;
+  c.rope_inv_freq = global.inv_freq;
+  c.rope_attention_factor = global.attention_factor;
+  c.rope_dynamic_factor = global.dynamic_factor;
+  c.rope_dynamic_length = global.dynamic_length;
+  c.rope_local_inv_freq.clear();
+  c.rope_local_attention_factor = 1.0;
+  if (has_local &&
+      (local.inv_freq != global.inv_freq || local.attention_factor != global.attention_factor)) {
+    c.rope_local_inv_freq = local.inv_freq;
+    c.rope_local_attention_factor = local.attention_factor;
   }
 }
 

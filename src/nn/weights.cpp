@@ -47,7 +47,10 @@ std::vector<WeightSpec> weight_specs(const RefConfig& c) {
       add(p + "self_attn.o_proj.weight", {d, q_dim}, true);
       if (c.o_bias) add(p + "self_attn.o_proj.bias", {d}, false);
     }
+    // The MLP's norm; Gemma's sandwich (Note [Served Gemma]) norms the attention's output
+    // with post_attention_layernorm and the MLP's input with pre_feedforward_layernorm.
     add(p + "post_attention_layernorm.weight", {d}, false);
+    if (c.sandwich_norms) add(p + "pre_feedforward_layernorm.weight", {d}, false);
     const MlpSpec& mlp = spec.mlp;
     if (mlp.kind == MlpKind::kMoe) {
       add(p + "mlp.gate.weight", {mlp.experts, d}, true);
@@ -57,11 +60,18 @@ std::vector<WeightSpec> weight_specs(const RefConfig& c) {
           add(fmt::format("{}mlp.experts.{}.{}.weight", p, e, proj),
               down ? std::vector<int64_t>{d, mlp.ffn} : std::vector<int64_t>{mlp.ffn, d}, true);
       }
+      if (mlp.shared_ffn > 0) {  // Qwen2-MoE's gated shared expert
+        add(p + "mlp.shared_expert.gate_proj.weight", {mlp.shared_ffn, d}, true);
+        add(p + "mlp.shared_expert.up_proj.weight", {mlp.shared_ffn, d}, true);
+        add(p + "mlp.shared_expert.down_proj.weight", {d, mlp.shared_ffn}, true);
+        add(p + "mlp.shared_expert_gate.weight", {1, d}, true);
+      }
     } else {
       add(p + "mlp.gate_proj.weight", {mlp.ffn, d}, true);
       add(p + "mlp.up_proj.weight", {mlp.ffn, d}, true);
       add(p + "mlp.down_proj.weight", {d, mlp.ffn}, true);
     }
+    if (c.sandwich_norms) add(p + "post_feedforward_layernorm.weight", {d}, false);
   }
   add("model.norm.weight", {d}, false);
   add("lm_head.weight", {c.vocab, d}, true);

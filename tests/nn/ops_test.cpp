@@ -837,7 +837,7 @@ TEST(CachedAttention, SlidingWindowKeepsTheLastKeys) {
     std::vector<float> out(static_cast<size_t>(n * heads * hd)), k(static_cast<size_t>(cap * hd)),
         v(k.size()), scratch(attention_cached_scratch(n, n, heads, hd));
     attention_cached_fwd(qkv.data(), out.data(), k.data(), v.data(), cap, 0, n, heads, kv, hd,
-                         cs.data(), sn.data(), scratch.data(), window);
+                         cs.data(), sn.data(), scratch.data(), CachedAttention{window});
     return out;
   };
   EXPECT_EQ(run(n), run(0));
@@ -848,6 +848,70 @@ TEST(CachedAttention, SlidingWindowKeepsTheLastKeys) {
       for (int i = 0; i < hd; ++i)
         EXPECT_FLOAT_EQ(own[static_cast<size_t>((t * heads + h) * hd + i)],
                         qkv[static_cast<size_t>(t * width + (heads + kv) * hd + i)]);
+}
+
+// Note [Served Gemma]: the softmax scale (query_pre_attn_scalar^-1/2) and the soft cap of the
+// scores (cap * tanh(s / cap) before the mask), against a direct computation (RoPE at angle
+// 0: the identity); the default scale given explicitly is the default to the bit; the table
+// of the step's positions only (rope_first) is the whole table's.
+TEST(CachedAttention, ScaleAndSoftcapAsGemmaComputesThem) {
+  constexpr int n = 6, heads = 2, kv = 1, hd = 4, cap = 8;
+  const int width = (heads + 2 * kv) * hd;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> qkv(static_cast<size_t>(n * width));
+  for (float& v : qkv) v = normal(rng);
+  const std::vector<double> one(static_cast<size_t>(cap * hd / 2), 1.0), zero(one.size(), 0.0);
+  auto run = [&](const CachedAttention& how, const double* cs, const double* sn) {
+    std::vector<float> out(static_cast<size_t>(n * heads * hd)), k(static_cast<size_t>(cap * hd)),
+        v(k.size()), scratch(attention_cached_scratch(n, n, heads, hd));
+    attention_cached_fwd(qkv.data(), out.data(), k.data(), v.data(), cap, 0, n, heads, kv, hd, cs,
+                         sn, scratch.data(), how);
+    return out;
+  };
+  const double scale = 0.3, softcap = 1.5;
+  const std::vector<float> got = run({0, scale, softcap, 0}, one.data(), zero.data());
+  for (int h = 0; h < heads; ++h) {
+    for (int i = 0; i < n; ++i) {
+      const float* q = &qkv[static_cast<size_t>(i * width + h * hd)];
+      std::vector<double> p(static_cast<size_t>(i + 1));
+      double mx = -1e300, sum = 0;
+      for (int j = 0; j <= i; ++j) {
+        const float* k = &qkv[static_cast<size_t>(j * width + heads * hd)];
+        double s = 0;
+        for (int e = 0; e < hd; ++e) s += static_cast<double>(q[e]) * k[e];
+        s = softcap * std::tanh(s * scale / softcap);
+        p[static_cast<size_t>(j)] = s;
+        mx = std::max(mx, s);
+      }
+      for (double& x : p) sum += (x = std::exp(x - mx));
+      for (int e = 0; e < hd; ++e) {
+        double o = 0;
+        for (int j = 0; j <= i; ++j)
+          o += p[static_cast<size_t>(j)] / sum *
+               qkv[static_cast<size_t>(j * width + (heads + kv) * hd + e)];
+        EXPECT_NEAR(got[static_cast<size_t>((i * heads + h) * hd + e)], o, 1e-5) << h << i << e;
+      }
+    }
+  }
+  std::vector<double> cs(one.size()), sn(one.size());
+  rope_angles(cap, hd, 10000.0, cs.data(), sn.data());
+  EXPECT_EQ(run({0, 1.0 / std::sqrt(double{hd}), 0, 0}, cs.data(), sn.data()),
+            run({}, cs.data(), sn.data()));
+  EXPECT_NE(run({0, 0, softcap, 0}, cs.data(), sn.data()), run({}, cs.data(), sn.data()));
+  // Two steps of 3 tokens; the second with the whole table or its rows from position 3 on.
+  auto two_steps = [&](int first) {
+    std::vector<float> out(static_cast<size_t>(n * heads * hd)), k(static_cast<size_t>(cap * hd)),
+        v(k.size()), scratch(attention_cached_scratch(3, n, heads, hd));
+    attention_cached_fwd(qkv.data(), out.data(), k.data(), v.data(), cap, 0, 3, heads, kv, hd,
+                         cs.data(), sn.data(), scratch.data());
+    const size_t skip = static_cast<size_t>(first * hd / 2);
+    attention_cached_fwd(qkv.data() + 3 * width, out.data() + 3 * heads * hd, k.data(), v.data(),
+                         cap, 3, 3, heads, kv, hd, cs.data() + skip, sn.data() + skip,
+                         scratch.data(), CachedAttention{0, 0, 0, first});
+    return out;
+  };
+  EXPECT_EQ(two_steps(3), two_steps(0));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Note [RoPE scaling]: a config's RoPE read as transformers computes it (default, linear,
-// llama3, yarn; rope_theta beside or inside rope_parameters), the unserved types refused by
+// llama3, yarn, dynamic; rope_theta beside or inside rope_parameters; Gemma 3's per layer
+// type), Gemma's extras (Note [Served Gemma]), the unserved types refused by
 // name, and the training reference model refusing what only the decoder runs (Note [Served
 // attention extras]). The expected frequencies are transformers 5.23's own
 // (ROPE_INIT_FUNCTIONS), in float32: compared to 1e-6.
@@ -94,9 +95,9 @@ TEST(RopeScaling, UnservedRopeIsRefusedByName) {
   testing::TempDir dir;
   testing::expect_error(
       [&] {
-        (void)load(llama({{"rope_parameters", {{"rope_type", "dynamic"}, {"factor", 2.0}}}}), dir);
+        (void)load(llama({{"rope_parameters", {{"rope_type", "longrope"}, {"factor", 2.0}}}}), dir);
       },
-      {"rope type \"dynamic\" is not served", "config.json"});
+      {"rope type \"longrope\" is not served", "config.json"});
   testing::expect_error(
       [&] {
         (void)load(llama({{"partial_rotary_factor", 0.5}}), dir);
@@ -104,15 +105,89 @@ TEST(RopeScaling, UnservedRopeIsRefusedByName) {
       {"\"partial_rotary_factor\" is 0.5"});
   testing::expect_error(
       [&] {
-        (void)load(llama({{"rope_parameters", {{"full_attention", {{"rope_type", "default"}}}}}}),
-                   dir);
+        (void)load(
+            llama({{"rope_parameters", {{"chunked_attention", {{"rope_type", "default"}}}}}}), dir);
       },
-      {"per layer type (\"full_attention\")"});
+      {"for layer type \"chunked_attention\""});
   testing::expect_error(
       [&] {
         (void)load(llama({{"rope_parameters", {{"rope_type", "llama3"}, {"factor", 8}}}}), dir);
       },
       {"rope type \"llama3\" needs \"low_freq_factor\""});
+  testing::expect_error(
+      [&] {
+        (void)load(llama({{"rope_parameters", {{"rope_type", "dynamic"}, {"factor", 0.5}}}}), dir);
+      },
+      {"dynamic RoPE needs \"factor\" >= 1 (it is 0.5)"});
+}
+
+// Note [Dynamic RoPE]: the default frequencies and what the decoder recomputes them from;
+// Gemma 3's RoPE per layer type (transformers 5's rope_parameters, or transformers 4's
+// rope_theta, rope_scaling and rope_local_base_freq beside them).
+TEST(RopeScaling, DynamicAndPerLayerTypeAreRead) {
+  testing::TempDir dir;
+  const RefConfig dyn =
+      load(llama({{"rope_parameters", {{"rope_type", "dynamic"}, {"factor", 2.0}}}}), dir);
+  EXPECT_EQ(dyn.rope_type, "dynamic");
+  EXPECT_EQ(dyn.rope_dynamic_factor, 2.0);
+  EXPECT_EQ(dyn.rope_dynamic_length, 128);
+  EXPECT_EQ(dyn.rope_inv_freq, load(llama(Json::object()), dir).rope_inv_freq);
+  Json g =
+      llama({{"rope_parameters",
+              {{"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1e6}}},
+               {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}}},
+             {"sliding_window", 4},
+             {"layer_types", {"sliding_attention"}}});
+  g["model_type"] = "gemma3_text";
+  g["architectures"] = {"Gemma3ForCausalLM"};
+  const RefConfig g3 = load(g, dir);
+  ASSERT_EQ(g3.rope_local_inv_freq.size(), 8u);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(g3.rope_inv_freq[static_cast<size_t>(i)], std::pow(1e6, -2.0 * i / 16) / 8.0);
+    EXPECT_EQ(g3.rope_local_inv_freq[static_cast<size_t>(i)], std::pow(1e4, -2.0 * i / 16));
+  }
+  g.erase("rope_parameters");
+  g["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  const RefConfig old = load(g, dir);  // rope_theta 1e6 and the local base 1e4 by default
+  EXPECT_EQ(old.rope_inv_freq, g3.rope_inv_freq);
+  EXPECT_EQ(old.rope_local_inv_freq, g3.rope_local_inv_freq);
+}
+
+// Note [Served Gemma]: what a Gemma 2 config makes the decoder compute, and the training
+// model refusing it.
+TEST(RopeScaling, GemmaIsReadAndRefusedByTheTrainingModel) {
+  testing::TempDir dir;
+  Json g = llama({{"sliding_window", 4}, {"query_pre_attn_scalar", 24}});
+  g["model_type"] = "gemma2";
+  g["architectures"] = {"Gemma2ForCausalLM"};
+  g["hidden_activation"] = "gelu_pytorch_tanh";
+  const RefConfig c = load(g, dir);
+  EXPECT_EQ(c.norm_offset, 1.0);
+  EXPECT_EQ(c.embed_scale, 8.0f);
+  EXPECT_TRUE(c.sandwich_norms);
+  EXPECT_TRUE(c.gelu_mlp);
+  EXPECT_EQ(c.attn_scale, std::pow(24.0, -0.5));
+  EXPECT_EQ(c.attn_softcap, 50.0);  // Gemma 2's defaults
+  EXPECT_EQ(c.final_softcap, 30.0);
+  g["final_logit_softcapping"] = nullptr;
+  EXPECT_EQ(load(g, dir).final_softcap, 0.0);
+  g["attn_logit_softcapping"] = -1;
+  testing::expect_error([&] { (void)load(g, dir); }, {"\"attn_logit_softcapping\" is -1"});
+  g.erase("attn_logit_softcapping");
+  g["use_bidirectional_attention"] = true;
+  testing::expect_error([&] { (void)load(g, dir); }, {"\"use_bidirectional_attention\""});
+  g.erase("use_bidirectional_attention");
+  g["hidden_activation"] = "relu";
+  testing::expect_error([&] { (void)load(g, dir); }, {"\"hidden_activation\" is \"relu\""});
+  const auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  g["hidden_activation"] = "gelu_pytorch_tanh";
+  g.erase("sliding_window");  // (refused first)
+  testing::expect_error([&] { Model m(load(g, dir), *dev, 1); },
+                        {"(1 + w) norms (Gemma)", "spillway serve"});
+  bool sandwich = false;
+  for (const WeightSpec& s : weight_specs(c))
+    sandwich = sandwich || s.name == "model.layers.0.post_feedforward_layernorm.weight";
+  EXPECT_TRUE(sandwich);
 }
 
 // What the decoder serves and the training model does not run is refused by the latter.

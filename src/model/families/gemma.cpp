@@ -27,7 +27,8 @@ ModelConfig parse_gemma(const JsonObject& c, ModelConfig m, const std::string& t
       sliding[static_cast<size_t>(i)] = type == "gemma2" ? (i % 2 == 0) : ((i + 1) % pattern != 0);
     }
   } else {
-    (void)c.has("sliding_window_pattern");  // layer_types decides
+    (void)c.has("sliding_window_pattern");   // layer_types decides
+    (void)c.has("_sliding_window_pattern");  // (transformers 5 saves the pattern so)
   }
   for (int64_t i = 0; i < layers; ++i) {
     LayerSpec l{a, mlp};

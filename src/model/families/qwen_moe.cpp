@@ -29,7 +29,8 @@ ModelConfig parse_qwen_moe(const JsonObject& c, ModelConfig m, const std::string
              "windows on every layer or none here");
     }
   } else {
-    (void)read_window(c);
+    // Unused: any window, 0 included (transformers 5's Qwen2MoeConfig writes 0 then).
+    (void)c.has("sliding_window");
     (void)c.has("max_window_layers");
   }
   if (type == "qwen2_moe") {
@@ -43,9 +44,14 @@ ModelConfig parse_qwen_moe(const JsonObject& c, ModelConfig m, const std::string
   MlpSpec dense;
   if (any_dense) dense = dense_mlp(c);
   (void)c.has("intermediate_size");  // the dense layers' width: unused when there are none
+  // transformers 5 writes layer_types (sliding where the window applies): when given, it
+  // says which layers slide.
+  const std::vector<char> sliding = read_layer_types(c, layers, a.sliding_window);
   for (int64_t i = 0; i < layers; ++i) {
     const bool sparse = !dense_set.count(i) && (i + 1) % step == 0;
-    m.layers.push_back(LayerSpec{a, sparse ? moe : dense});
+    LayerSpec l{a, sparse ? moe : dense};
+    if (!sliding.empty() && !sliding[static_cast<size_t>(i)]) l.attn.sliding_window = 0;
+    m.layers.push_back(l);
   }
   return m;
 }
