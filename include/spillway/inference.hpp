@@ -49,52 +49,78 @@ namespace spillway::inference {
 // ---- model directories ------------------------------------------------------------------
 
 // Note [Model directories]: a servable model is a directory holding config.json (a
-// reference-model config: qwen3_moe / qwen3 / llama-like, spillway/nn.hpp) and
-// model.safetensors with the tensors of weight_specs() (Note [Checkpoint names]), F32 or
-// BF16, shaped as the config says. The model's name is the directory's.
+// reference-model config: qwen3_moe / qwen3 / llama-like, spillway/nn.hpp) and its weights,
+// the tensors of weight_specs() (Note [Checkpoint names]), F32 or BF16, shaped as the config
+// says: in model.safetensors, or sharded as Hugging Face saves them (model.safetensors.index.json
+// and the shards it names: Note [Sharded checkpoints] in spillway/serve.hpp). A directory with
+// both is refused as ambiguous, naming both. The model's name is the directory's.
 struct ModelFiles {
   std::string name;
   std::string dir;
   std::string config_path;   // dir/config.json
-  std::string weights_path;  // dir/model.safetensors
+  std::string weights_path;  // dir/model.safetensors, or dir/model.safetensors.index.json
 };
 // Note [Checkpoints that change on disk]: a model's config.json is read once, at start; its
-// model.safetensors whenever the pool loads it (the first request, and again after an
-// eviction). A load reads the file the engine checked or nothing (ModelPool's stamp: device,
-// inode, size, mtime). A file found changed is checked again there, against the config read
-// at start: a valid checkpoint of the same tensors and dtype (replaced whole, by a rename) is
-// loaded and served from then on; anything else (half-written, truncated, another layout, a
-// directory, gone) makes the model unavailable: the requests that needed the load fail
-// (kFailed, naming the model and the reason) and every later submit for it stats the file:
-// the same file found bad, it is refused at once (kUnavailable, the reason); another, it is
-// read and checked again: still bad, refused; valid, served. A copy
+// weights whenever the pool loads them (the first request, and again after an eviction). A
+// load reads the files the engine checked or nothing (ModelPool's stamps: device, inode,
+// size, mtime of the file, or of the index and every shard). Files found changed are checked
+// again there, against the config read at start: a valid checkpoint of the same tensors and
+// dtype (replaced whole, by a rename; a sharded one may be re-sharded) is loaded and served
+// from then on; anything else (half-written, truncated, another layout, a directory, gone, a
+// shard missing) makes the model unavailable: the requests that needed the load fail
+// (kFailed, naming the model and the reason) and every later submit for it stats the files:
+// the same files found bad, it is refused at once (kUnavailable, the reason); others, they
+// are read and checked again: still bad, refused; valid, served. A copy
 // already resident keeps serving until it is evicted. Nothing else is touched, and nothing
 // crashes. A file rewritten in place while a load reads it fails that load (the bytes are
 // read through the file, never a mapping that could fault): replace checkpoints by rename.
 //
-// Every subdirectory of `dir` with a config.json, sorted by name; a subdirectory with a
-// config.json and no model.safetensors is an error naming it, and so are a config.json or a
-// model.safetensors that is not a regular file and a directory that cannot be read (the OS's
-// reason); none at all is an error.
+// Note [Refused model directories]: scan_models() sorts every subdirectory of `dir` with a
+// config.json (by name) into the models to serve and the refused, each with its reason: no
+// weights (neither model.safetensors nor model.safetensors.index.json), both (ambiguous), a
+// config.json or weights path that is not a regular file, an entry that cannot be read (the
+// OS's reason). What needs the files read (a config the decoder cannot compute, a checkpoint
+// that does not match its config, a missing or disagreeing shard) is refused by the engine
+// when EngineOptions::skip_refused is set (ServingEngine::refused()). `spillway serve
+// --models DIR` serves the rest, printing each refused one ("  refused NAME: reason"), and
+// fails naming every refusal when none is left. A `dir` that is not a readable directory is
+// an error.
+struct RefusedModel {
+  std::string name;  // the directory's
+  std::string dir;
+  std::string why;
+};
+struct ModelScan {
+  std::vector<ModelFiles> models;     // sorted by name
+  std::vector<RefusedModel> refused;  // sorted by name
+};
+ModelScan scan_models(const std::string& dir);
+// The strict form: the models of scan_models(); its first refusal, or none found, is an
+// error.
 std::vector<ModelFiles> find_models(const std::string& dir);
 // Note [Served attention extras] (spillway/nn.hpp): whether a checkpoint of config `c` is
 // served with q/k norms: its family has them (Qwen3, Qwen3-MoE) and the file holds the first
 // attention layer's q_norm. A file without them (the reference model's own qwen3_moe
 // checkpoints) is served without, in every layer; one that holds some is then refused by
 // resolve_checkpoint, naming the tensor.
+bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsSet& f);
 bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f);
 // Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
 // checkpoint: its own tensor; or an MoE weight under Mixtral's names (block_sparse_moe.gate,
 // experts.N.w1/w2/w3 for gate/down/up); or, for attention's fused q, k, v (weights, and
-// biases when the config has them), Hugging Face's q_proj, k_proj and v_proj stacked by rows; or, for
-// the LM head of a config with tied embeddings and no lm_head tensor, the embedding. One
-// dtype (F32 or BF16) for all. Every tensor of the file must be read (RoPE's inv_freq
-// aside): one the reference model has no use for (an MLP bias, q/k norms where the family
-// has none) is refused, since serving would silently ignore it. Throws naming the model,
-// the tensor, what was expected and what was found.
+// biases when the config has them), Hugging Face's q_proj, k_proj and v_proj stacked by rows; or,
+// for the LM head of a config with tied embeddings and no lm_head tensor, the embedding. One dtype
+// (F32 or BF16) for all. Every tensor of the file must be read (RoPE's inv_freq aside): one the
+// reference model has no use for (an MLP bias, q/k norms where the family has none) is refused,
+// since serving would silently ignore it. Throws naming the model, the tensor, what was expected
+// and what was found.
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsSet& f);
 std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
                                                          const nn::RefConfig& c,
                                                          const SafetensorsFile& f);
+// resolve_checkpoint on the checkpoint at `weights_path` (a file or an index).
 void check_checkpoint(const std::string& model, const nn::RefConfig& c,
                       const std::string& weights_path);
 // A config.json whose model the reference model would compute differently: MLP biases.
@@ -122,6 +148,10 @@ struct EngineOptions {
   double ttft_ms = 2000.0;  // targets: the Scheduler's and the SLO of the metrics
   double tpot_ms = 100.0;
   double alpha = -1.0;  // < 0: the alpha controller adapts it per slice; else fixed
+  // Note [Refused model directories]: false: a model that cannot be registered fails the
+  // constructor; true: it is left out, with its reason in ServingEngine::refused(), and the
+  // constructor fails (naming every refusal) only when none is left.
+  bool skip_refused = false;
 };
 
 struct CompletionRequest {
@@ -252,14 +282,20 @@ std::string prometheus_text(const EngineMetrics& m);
 class ServingEngine {
  public:
   // Registers every model (checked: config, checkpoint) and starts one thread per slice of
-  // `options.profile`. Errors name the model and the field.
-  ServingEngine(const std::vector<ModelFiles>& models, const EngineOptions& options);
+  // `options.profile`. Errors name the model and the field; with options.skip_refused a model
+  // that cannot be registered is left out instead (refused()). `refused_already`: the
+  // directories the caller refused (scan_models), listed in refused() and in the error when
+  // no model is left.
+  ServingEngine(const std::vector<ModelFiles>& models, const EngineOptions& options,
+                std::vector<RefusedModel> refused_already = {});
   ~ServingEngine();  // drains, then stops the slices
   ServingEngine(const ServingEngine&) = delete;
   ServingEngine& operator=(const ServingEngine&) = delete;
 
   SubmitResult submit(const CompletionRequest& request);
   std::vector<ServedModelInfo> models() const;
+  // The models left out (EngineOptions::skip_refused, refused_already), by name, with why.
+  const std::vector<RefusedModel>& refused() const;
   const nn::RefConfig& config(const std::string& model) const;  // throws naming it if absent
   EngineMetrics metrics() const;
   int slices() const;

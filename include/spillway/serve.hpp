@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "spillway/device.hpp"
@@ -32,6 +33,7 @@ struct SafetensorsTensor {
   std::vector<int64_t> shape;
   int64_t offset = 0;  // from the start of the data region
   int64_t bytes = 0;
+  int shard = 0;  // SafetensorsSet: the index of the file holding it (0 for a single file)
 };
 
 inline constexpr int64_t kSafetensorsMaxHeaderBytes = int64_t{100} << 20;
@@ -78,6 +80,53 @@ class SafetensorsFile {
   int64_t data_start_ = 0;
   void* map_ = nullptr;
   std::vector<SafetensorsTensor> tensors_;
+};
+
+// Note [Sharded checkpoints]: a checkpoint is one safetensors file, or Hugging Face's
+// index (a file named *.index.json: {"metadata": {...}, "weight_map": {tensor: shard file}})
+// and the shards it names, read as one file. The index is a JSON object whose weight_map is
+// an object of strings (metadata is not read); each shard is a plain file name in the
+// index's directory (a path with '/', "." or ".." is refused: a shard never escapes the
+// directory) and is checked whole (Note [Safetensors checks]). The index must agree with the
+// shards: a tensor mapped to a shard that does not hold it, a tensor held by a shard other
+// than the one it is mapped to (a tensor in two shards), and a *.safetensors file in the
+// directory that the index does not name are refused, each naming the tensor and the files.
+// A missing shard is an error naming it and the index. Tensors are looked up by name across
+// the shards; each change-on-disk stamp covers the index and every shard.
+class SafetensorsSet {
+ public:
+  // `path`: a safetensors file, or an index (a name ending in ".index.json") and its shards.
+  explicit SafetensorsSet(const std::string& path);
+  ~SafetensorsSet();
+  SafetensorsSet(const SafetensorsSet&) = delete;
+  SafetensorsSet& operator=(const SafetensorsSet&) = delete;
+
+  const std::string& path() const { return path_; }  // the file or the index
+  bool sharded() const { return sharded_; }
+  // The files read, in stamps() order: the index (when sharded), then each shard by name.
+  const std::vector<std::string>& paths() const { return paths_; }
+  const std::vector<std::unique_ptr<SafetensorsFile>>& shards() const { return shards_; }
+  // Every tensor, shard by shard, each shard's by offset (SafetensorsTensor::shard).
+  const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
+  const SafetensorsTensor* find(const std::string& name) const;  // null: none
+  const std::string& file_of(const SafetensorsTensor& t) const;  // the shard's path
+  // Copies the tensor's bytes through its shard (SafetensorsFile::read).
+  void read(const SafetensorsTensor& t, std::byte* dst) const;
+  int64_t data_bytes() const;  // all shards' tensors, headers excluded
+  // The files as they were opened, paths() order.
+  const std::vector<FileStamp>& stamps() const { return stamps_; }
+  // The stamps `path` has now, as stamps() would give them (an index that cannot be read:
+  // its own stamp alone; a file that cannot be stat'ed: FileStamp{}). Reads only the index.
+  static std::vector<FileStamp> stamps_now(const std::string& path);
+
+ private:
+  std::string path_;
+  bool sharded_ = false;
+  std::vector<std::string> paths_;
+  std::vector<FileStamp> stamps_;
+  std::vector<std::unique_ptr<SafetensorsFile>> shards_;
+  std::vector<SafetensorsTensor> tensors_;
+  std::vector<std::pair<std::string, size_t>> by_name_;  // sorted: name, index in tensors_
 };
 
 // Writes tensors as a safetensors file (for tests and demos): names, dtypes, shapes and
@@ -165,9 +214,10 @@ class ModelPool {
   ModelPool(const ModelPool&) = delete;
   ModelPool& operator=(const ModelPool&) = delete;
 
-  // Registers a model by its safetensors file: the file is opened and checked now (Note
-  // [Safetensors checks]); its weights are loaded at the first acquire. A model larger than
-  // the whole budget is refused here, naming both.
+  // Registers a model by its checkpoint, a safetensors file or an index and its shards
+  // (SafetensorsSet, Note [Sharded checkpoints]): opened and checked now (Note [Safetensors
+  // checks]); its weights are loaded at the first acquire, every shard into one allocation.
+  // A model larger than the whole budget is refused here, naming both.
   void add(const std::string& model, const std::string& path);
   std::vector<std::string> models() const;
   bool resident(const std::string& model) const;
@@ -175,14 +225,16 @@ class ModelPool {
   // The model's weights, resident: at once if they are (a switch: nothing copied), else
   // loaded from disk after evicting the least recently used idle models until they fit;
   // kFull when the models in use leave no room. Thread-safe.
-  // A cold load first checks that the file is still the one add() (or refresh()) checked: the
-  // same stamp; otherwise kChanged, naming the model, the path and what changed.
+  // A cold load first checks that the files are still the ones add() (or refresh()) checked:
+  // the same stamps (the index and every shard); otherwise kChanged, naming the model, the
+  // file and what changed.
   PoolAcquire acquire(const std::string& model);
   // The model's file is now `f` (opened from its path and checked by the caller): the next
   // load reads it. A resident copy that is idle is dropped; one in use stays until released
   // (throws naming the model when f's size would differ from it). f larger than the whole
   // budget is refused as in add().
-  void refresh(const std::string& model, const SafetensorsFile& f);
+  void refresh(const std::string& model, const SafetensorsSet& f);
+  void refresh(const std::string& model, const SafetensorsFile& f);  // a single file
   ModelPoolStats stats() const;
 
  private:

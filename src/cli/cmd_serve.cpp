@@ -242,13 +242,20 @@ void add_serve_command(CLI::App& app) {
           "tiny-moe reference model, seeds 1 and 2) in %s (removed at exit)\n",
           dir.c_str());
     }
-    const std::vector<inference::ModelFiles> models = inference::find_models(dir);
-    inference::ServingEngine engine(models, st->o);
+    // Note [Refused model directories]: the servable models are served, each refused one is
+    // listed with its reason; none servable is an error listing them all.
+    inference::ModelScan scan = inference::scan_models(dir);
+    if (scan.models.empty() && scan.refused.empty()) (void)inference::find_models(dir);  // why
+    inference::EngineOptions engine_options = st->o;
+    engine_options.skip_refused = true;
+    inference::ServingEngine engine(scan.models, engine_options, std::move(scan.refused));
     http::HttpServer http(engine, st->http);
     for (const inference::ServedModelInfo& m : engine.models())
       std::printf("  model %s: %s, %d layers, vocab %d, %.1f MB %s\n", m.name.c_str(),
                   m.family.c_str(), m.layers, m.vocab, static_cast<double>(m.weight_bytes) / 1e6,
                   to_string(m.dtype).c_str());
+    for (const inference::RefusedModel& r : engine.refused())
+      std::printf("  refused %s: %s\n", r.name.c_str(), r.why.c_str());
     std::printf("  %d slices of %s %s, rates x %g; alpha %s\n", engine.slices(),
                 st->o.hardware.c_str(), st->o.profile.c_str(), st->o.rate_scale,
                 st->o.alpha < 0 ? "adaptive" : fmt::format("{}", st->o.alpha).c_str());

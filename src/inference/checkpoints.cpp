@@ -23,7 +23,7 @@ namespace spillway::inference {
 
 namespace fs = std::filesystem;
 
-std::vector<ModelFiles> find_models(const std::string& dir) {
+ModelScan scan_models(const std::string& dir) {
   std::error_code ec;
   const fs::file_status st = fs::status(dir, ec);
   if (ec && ec != std::errc::no_such_file_or_directory)
@@ -38,42 +38,83 @@ std::vector<ModelFiles> find_models(const std::string& dir) {
   auto unreadable = [](const fs::path& p, const std::error_code& e) {
     SPILLWAY_INPUT_ERROR("--models: cannot read '{}': {}", p.string(), e.message());
   };
-  std::vector<ModelFiles> out;
+  ModelScan out;
   fs::directory_iterator it(dir, ec);
   if (ec) unreadable(dir, ec);
   for (; it != fs::directory_iterator(); it.increment(ec)) {
     if (ec) unreadable(dir, ec);
     const fs::directory_entry& e = *it;
     if (!e.is_directory(ec)) continue;
+    const std::string name = e.path().filename().string();
+    const std::string where = e.path().string();
+    auto refuse = [&](std::string why) { out.refused.push_back({name, where, std::move(why)}); };
+    auto what = [](const fs::file_status& s) {
+      return fs::is_directory(s) ? "a directory" : "not a regular file";
+    };
     const fs::path config = e.path() / "config.json";
     const fs::file_status cs = fs::status(config, ec);
-    if (ec && ec != std::errc::no_such_file_or_directory) unreadable(config, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      refuse(fmt::format("cannot read '{}': {}", config.string(), ec.message()));
+      continue;
+    }
     if (!fs::exists(cs)) continue;
-    if (!fs::is_regular_file(cs))
-      SPILLWAY_INPUT_ERROR("model directory '{}': config.json is {}, not a file", e.path().string(),
-                           fs::is_directory(cs) ? "a directory" : "not a regular file");
-    const fs::path weights = e.path() / "model.safetensors";
-    const fs::file_status ws = fs::status(weights, ec);
-    if (ec && ec != std::errc::no_such_file_or_directory) unreadable(weights, ec);
-    if (!fs::exists(ws))
-      SPILLWAY_INPUT_ERROR("model directory '{}' has a config.json but no model.safetensors",
-                           e.path().string());
-    if (!fs::is_regular_file(ws))
-      SPILLWAY_INPUT_ERROR("model directory '{}': model.safetensors is {}, not a file",
-                           e.path().string(),
-                           fs::is_directory(ws) ? "a directory" : "not a regular file");
-    out.push_back(
-        {e.path().filename().string(), e.path().string(), config.string(), weights.string()});
+    if (!fs::is_regular_file(cs)) {
+      refuse(fmt::format("model directory '{}': config.json is {}, not a file", where, what(cs)));
+      continue;
+    }
+    // Note [Sharded checkpoints] (spillway/serve.hpp): one file, or an index and its shards.
+    const fs::path single = e.path() / "model.safetensors";
+    const fs::path index = e.path() / "model.safetensors.index.json";
+    fs::file_status ss = fs::status(single, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      refuse(fmt::format("cannot read '{}': {}", single.string(), ec.message()));
+      continue;
+    }
+    fs::file_status is = fs::status(index, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      refuse(fmt::format("cannot read '{}': {}", index.string(), ec.message()));
+      continue;
+    }
+    if (fs::exists(ss) && fs::exists(is)) {
+      refuse(fmt::format(
+          "model directory '{}' has both model.safetensors and model.safetensors.index.json: "
+          "which one is the model is ambiguous; remove one",
+          where));
+      continue;
+    }
+    if (!fs::exists(ss) && !fs::exists(is)) {
+      refuse(
+          fmt::format("model directory '{}' has a config.json but no model.safetensors (nor "
+                      "model.safetensors.index.json)",
+                      where));
+      continue;
+    }
+    const fs::path weights = fs::exists(ss) ? single : index;
+    const fs::file_status ws = fs::exists(ss) ? ss : is;
+    if (!fs::is_regular_file(ws)) {
+      refuse(fmt::format("model directory '{}': {} is {}, not a file", where,
+                         weights.filename().string(), what(ws)));
+      continue;
+    }
+    out.models.push_back({name, where, config.string(), weights.string()});
   }
   if (ec) unreadable(dir, ec);
-  if (out.empty())
+  std::sort(out.models.begin(), out.models.end(),
+            [](const ModelFiles& a, const ModelFiles& b) { return a.name < b.name; });
+  std::sort(out.refused.begin(), out.refused.end(),
+            [](const RefusedModel& a, const RefusedModel& b) { return a.name < b.name; });
+  return out;
+}
+
+std::vector<ModelFiles> find_models(const std::string& dir) {
+  ModelScan scan = scan_models(dir);
+  if (!scan.refused.empty()) SPILLWAY_INPUT_ERROR("{}", scan.refused.front().why);
+  if (scan.models.empty())
     SPILLWAY_INPUT_ERROR(
         "--models: '{}' holds no model (a subdirectory with config.json and "
         "model.safetensors; `spillway checkpoint` writes one)",
         dir);
-  std::sort(out.begin(), out.end(),
-            [](const ModelFiles& a, const ModelFiles& b) { return a.name < b.name; });
-  return out;
+  return std::move(scan.models);
 }
 
 namespace {
@@ -117,7 +158,10 @@ double physical_memory_bytes() {
 
 }  // namespace
 
-bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f) {
+namespace {
+
+template <typename Checkpoint>  // SafetensorsFile or SafetensorsSet
+bool has_qk_norms(const nn::RefConfig& c, const Checkpoint& f) {
   for (int l = 0; l < c.layers(); ++l) {
     const LayerSpec& s = c.model.layers[static_cast<size_t>(l)];
     if (s.mixer != MixerKind::kAttention) continue;
@@ -126,8 +170,6 @@ bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f) {
   }
   return false;
 }
-
-namespace {
 
 // Mixtral's name of an MoE weight of weight_specs (its router and experts under
 // block_sparse_moe, the experts' gate, down and up projections as w1, w2 and w3); "" for
@@ -148,11 +190,9 @@ std::string mixtral_name(const std::string& name) {
   return name.substr(0, at) + ".block_sparse_moe." + rest;
 }
 
-}  // namespace
-
-std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
-                                                         const nn::RefConfig& c,
-                                                         const SafetensorsFile& f) {
+template <typename Checkpoint>  // SafetensorsFile or SafetensorsSet
+std::vector<std::vector<std::string>> resolve(const std::string& model, const nn::RefConfig& c,
+                                              const Checkpoint& f) {
   const std::string& path = f.path();
   std::vector<std::vector<std::string>> parts;
   std::set<std::string> used;
@@ -233,9 +273,28 @@ std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& mode
   return parts;
 }
 
+}  // namespace
+
+bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsSet& f) {
+  return has_qk_norms(c, f);
+}
+bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f) {
+  return has_qk_norms(c, f);
+}
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsSet& f) {
+  return resolve(model, c, f);
+}
+std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
+                                                         const nn::RefConfig& c,
+                                                         const SafetensorsFile& f) {
+  return resolve(model, c, f);
+}
+
 void check_checkpoint(const std::string& model, const nn::RefConfig& c,
                       const std::string& weights_path) {
-  const SafetensorsFile f(weights_path);  // Note [Safetensors checks]
+  const SafetensorsSet f(weights_path);  // Note [Safetensors checks], [Sharded checkpoints]
   nn::RefConfig served = c;
   served.qk_norm = checkpoint_has_qk_norms(c, f);
   (void)resolve_checkpoint(model, served, f);

@@ -319,6 +319,7 @@ void Completion::finish(State s, std::string why) {
 struct ServingEngine::Impl {
   EngineOptions o;
   std::vector<Registered> models;
+  std::vector<RefusedModel> refused;  // Note [Refused model directories]
   SliceSetup setup;
   std::shared_ptr<HostLink> link;
   std::unique_ptr<Device> pool_device;
@@ -365,7 +366,7 @@ struct ServingEngine::Impl {
   // that change on disk]).
   struct Unavailable {
     std::string why;
-    FileStamp stamp;  // the file found bad (Note [Checkpoints that change on disk])
+    std::vector<FileStamp> stamps;  // the files found bad (SafetensorsSet::stamps_now)
   };
   std::map<const Registered*, Unavailable> unavailable;
   // Metrics (guarded by mu).
@@ -442,15 +443,16 @@ struct ServingEngine::Impl {
     idle_cv.notify_all();
   }
 
-  // Note [Checkpoints that change on disk]: reads m's model.safetensors again and checks it
+  // Note [Checkpoints that change on disk]: reads m's checkpoint again and checks it
   // against m's config and registered tensors: true when it may be served (the pool loads it
   // next); false with *why, the reason (the caller names the model).
   bool reread(const Registered& m, std::string* why);
-  // `stamp`: the file as it was before the check that failed (FileStamp{}: not the file's
-  // fault); a submit reads the file again only once its stamp differs.
-  void mark_unavailable(const Registered& m, const std::string& why, const FileStamp& stamp) {
+  // `stamps`: the files as they were before the check that failed (empty: not the files'
+  // fault); a submit reads them again only once their stamps differ.
+  void mark_unavailable(const Registered& m, const std::string& why,
+                        std::vector<FileStamp> stamps) {
     std::lock_guard lk(mu);
-    unavailable[&m] = {why, stamp};
+    unavailable[&m] = {why, std::move(stamps)};
   }
 
   // The slice thread (Note [Serving engine]).
@@ -497,10 +499,10 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
   const Registered* was = s.bound;  // kept while idle: taking it again is no switch
   unbind(s);
   PoolAcquire a = pool->acquire(m.files.name);
-  FileStamp checked;
+  std::vector<FileStamp> checked;
   if (a.status == PoolStatus::kChanged) {
     // Note [Checkpoints that change on disk]: checked again; served when it still may be.
-    checked = file_stamp(m.files.weights_path);
+    checked = SafetensorsSet::stamps_now(m.files.weights_path);
     std::string reason;
     if (!reread(m, &reason)) {
       *why = fmt::format("model {} is unavailable: {}; {}", m.files.name,
@@ -552,7 +554,7 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
 
 bool ServingEngine::Impl::reread(const Registered& m, std::string* why) {
   try {
-    const SafetensorsFile f(m.files.weights_path);
+    const SafetensorsSet f(m.files.weights_path);
     const std::vector<std::vector<std::string>> parts =
         resolve_checkpoint(m.files.name, m.config, f);
     const DType dtype = f.tensors().empty() ? DType::kFp32 : f.tensors().front().dtype;
@@ -603,7 +605,7 @@ void ServingEngine::Impl::admit_requests(int index, Slice& s,
     s.decoder_config = nullptr;
     why = fmt::format("model {} is unavailable: {}", m.files.name,
                       without_model(m.files.name, e.what()));
-    mark_unavailable(m, why, FileStamp{});
+    mark_unavailable(m, why, {});
   }
   for (std::shared_ptr<Request>& r : admit) {
     if (!bound) {
@@ -778,12 +780,15 @@ void ServingEngine::Impl::run_slice(int index) {
   }
 }
 
-ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const EngineOptions& options)
+ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const EngineOptions& options,
+                             std::vector<RefusedModel> refused_already)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.o = options;
+  m.refused = std::move(refused_already);
   const EngineOptions& o = m.o;
-  if (models.empty()) SPILLWAY_FIELD_ERROR("models", 0, "at least one model to serve");
+  if (models.empty() && m.refused.empty())
+    SPILLWAY_FIELD_ERROR("models", 0, "at least one model to serve");
   if (o.max_running < 1) SPILLWAY_FIELD_ERROR("max_running", o.max_running, "must be >= 1");
   if (o.max_context < 2) SPILLWAY_FIELD_ERROR("max_context", o.max_context, "must be >= 2");
   if (o.max_step_tokens < 2 * o.max_running)
@@ -807,40 +812,55 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
   // The Scheduler sees each slice's KV capacity as its HBM (the decoder's buffers are
   // allocated up front: a chunk needs no more), so its placements hold the real cache.
   std::vector<SliceSpec> sched_slices;
+  // Note [Refused model directories]: each model is checked whole before it is added to the
+  // pool (the last step that may fail), so a refused one leaves nothing behind.
+  const SliceSpec& first_slice = m.setup.slices.front();  // every slice has the profile
+  const nn::DecoderOptions decoder_options{o.max_running, o.max_context, o.max_step_tokens};
   for (const ModelFiles& f : models) {
+    if (m.find(f.name) != nullptr) SPILLWAY_FIELD_ERROR("model", f.name, "is listed twice");
     Registered r;
     r.files = f;
-    r.config = nn::load_reference_config(f.config_path);
-    {
-      std::ifstream in(f.config_path, std::ios::binary);
-      std::stringstream ss;
-      ss << in.rdbuf();
-      r.config_text = ss.str();
+    try {
+      r.config = nn::load_reference_config(f.config_path);
+      {
+        std::ifstream in(f.config_path, std::ios::binary);
+        std::stringstream ss;
+        ss << in.rdbuf();
+        r.config_text = ss.str();
+      }
+      check_servable_config(f.name, r.config_text);
+      {
+        const SafetensorsSet st(f.weights_path);  // Note [Sharded checkpoints]
+        r.config.qk_norm = checkpoint_has_qk_norms(r.config, st);
+        r.parts = resolve_checkpoint(f.name, r.config, st);
+        r.weight_bytes = st.data_bytes();
+        r.dtype = st.tensors().empty() ? DType::kFp32 : st.tensors().front().dtype;
+      }
+      const int64_t need = nn::Decoder::device_bytes_for(r.config, decoder_options);
+      if (need > first_slice.hbm_bytes)
+        SPILLWAY_FIELD_ERROR("max_running", o.max_running,
+                             "model {}: the decoder needs {} bytes of slice memory ({} sequences "
+                             "of {} tokens); a {} slice has {} (memory_scale {}); {}",
+                             f.name, need, o.max_running, o.max_context, first_slice.profile,
+                             first_slice.hbm_bytes, o.memory_scale, fitting_profile(hw, o, need));
+      m.pool->add(f.name, f.weights_path);
+    } catch (const std::exception& e) {
+      if (!o.skip_refused) throw;
+      m.refused.push_back({f.name, f.dir, without_model(f.name, e.what())});
+      continue;
     }
-    check_servable_config(f.name, r.config_text);
-    m.pool->add(f.name, f.weights_path);
-    {
-      SafetensorsFile st(f.weights_path);
-      r.config.qk_norm = checkpoint_has_qk_norms(r.config, st);
-      r.parts = resolve_checkpoint(f.name, r.config, st);
-      r.weight_bytes = st.data_bytes();
-      r.dtype = st.tensors().empty() ? DType::kFp32 : st.tensors().front().dtype;
-    }
-    if (m.find(f.name) != nullptr) SPILLWAY_FIELD_ERROR("model", f.name, "is listed twice");
     m.models.push_back(std::move(r));
+  }
+  std::stable_sort(m.refused.begin(), m.refused.end(),
+                   [](const RefusedModel& a, const RefusedModel& b) { return a.name < b.name; });
+  if (m.models.empty()) {
+    std::string all;
+    for (const RefusedModel& x : m.refused) all += fmt::format("\n  refused {}: {}", x.name, x.why);
+    SPILLWAY_INPUT_ERROR("no model can be served:{}", all);
   }
   int64_t kv_capacity = 0;
   for (const Registered& r : m.models) {
     const nn::RefConfig& c = r.config;
-    nn::DecoderOptions d{o.max_running, o.max_context, o.max_step_tokens};
-    const int64_t need = nn::Decoder::device_bytes_for(c, d);
-    const SliceSpec& sp = m.setup.slices.front();  // every slice has the profile
-    if (need > sp.hbm_bytes)
-      SPILLWAY_FIELD_ERROR("max_running", o.max_running,
-                           "model {}: the decoder needs {} bytes of slice memory ({} sequences "
-                           "of {} tokens); a {} slice has {} (memory_scale {}); {}",
-                           r.files.name, need, o.max_running, o.max_context, sp.profile,
-                           sp.hbm_bytes, o.memory_scale, fitting_profile(hw, o, need));
     const int64_t kv_per_token = int64_t{2} * c.layers() * c.kv_heads * c.head_dim * 4;
     kv_capacity = std::max(kv_capacity, kv_per_token * o.max_running * o.max_context);
   }
@@ -970,14 +990,14 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
     if (auto it = m.unavailable.find(model); it != m.unavailable.end()) bad = it->second;
   }
   if (bad) {
-    const FileStamp now = file_stamp(model->files.weights_path);
+    const std::vector<FileStamp> now = SafetensorsSet::stamps_now(model->files.weights_path);
     std::string why = bad->why;
-    const bool ok = now != bad->stamp && m.reread(*model, &why);
+    const bool ok = now != bad->stamps && m.reread(*model, &why);
     std::lock_guard lk(m.mu);
     if (ok) {
       m.unavailable.erase(model);
     } else {
-      if (now != bad->stamp)
+      if (now != bad->stamps)
         why = fmt::format("model {} is unavailable: {}", model->files.name, why);
       m.unavailable[model] = {why, now};
       ++m.outcomes[to_string(SubmitStatus::kUnavailable)];
@@ -1014,6 +1034,10 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
   m.dispatch_locked();
   res.completion = r->out;
   return res;
+}
+
+const std::vector<RefusedModel>& ServingEngine::refused() const {
+  return impl_->refused;
 }
 
 std::vector<ServedModelInfo> ServingEngine::models() const {

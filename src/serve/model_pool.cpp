@@ -1,17 +1,18 @@
-// The model pool (spillway/serve.hpp): models registered by their safetensors files, loaded
-// on first use into one mapped host allocation each (tensors 64-byte aligned), kept up to
-// the host budget, the least recently released idle model evicted first.
+// The model pool (spillway/serve.hpp): models registered by their checkpoints (one
+// safetensors file, or an index and its shards: Note [Sharded checkpoints]), loaded on first
+// use into one mapped host allocation each, every shard's tensors in it (64-byte aligned),
+// kept up to the host budget, the least recently released idle model evicted first.
 //
 // Note [Pool switches copy nothing]: acquiring a resident model hands out pointers into its
 // mapped host memory, which the device reads in place: no device allocation, no copy. The
 // only bytes the pool moves are a cold load's, from the file into host memory; it never
 // calls the device's copy operations (a test counts them through a forwarding device).
 //
-// A cold load reads the file add() (or refresh()) checked, or nothing: the file's stamp
-// (device, inode, size, mtime) must be the one recorded, else the acquire answers kChanged
-// and the caller decides (Note [Checkpoints that change on disk] in spillway/inference.hpp).
-// Tensors are copied through the file, not the mapping, so a file truncated during the load
-// fails it (kChanged) instead of raising SIGBUS.
+// A cold load reads the files add() (or refresh()) checked, or nothing: each file's stamp
+// (device, inode, size, mtime; the index's and every shard's) must be the one recorded, else the
+// acquire answers kChanged and the caller decides (Note [Checkpoints that change on disk] in
+// spillway/inference.hpp). Tensors are copied through the file, not the mapping, so a file
+// truncated during the load fails it (kChanged) instead of raising SIGBUS.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -25,8 +26,9 @@
 namespace spillway {
 
 struct PoolEntry {
-  std::string model, path;
-  FileStamp stamp;                    // the file add() or refresh() checked
+  std::string model, path;            // path: the safetensors file or the index
+  std::vector<std::string> paths;     // SafetensorsSet::paths() as checked
+  std::vector<FileStamp> stamps;      // the files add() or refresh() checked
   int64_t bytes = 0;                  // the packed allocation
   std::vector<PooledTensor> tensors;  // empty while not resident
   void* host = nullptr;               // mapped host memory (null: not resident)
@@ -52,10 +54,51 @@ struct ModelPool::Impl {
     return nullptr;
   }
 
-  static int64_t packed_bytes(const SafetensorsFile& f) {
+  static int64_t packed_bytes(const std::vector<SafetensorsTensor>& tensors) {
     int64_t at = 0;
-    for (const SafetensorsTensor& t : f.tensors()) at += (t.bytes + 63) / 64 * 64;
+    for (const SafetensorsTensor& t : tensors) at += (t.bytes + 63) / 64 * 64;
     return std::max<int64_t>(at, 64);
+  }
+
+  // How the files `now` differ from those e recorded (they differ).
+  static std::string change(const Entry& e, const std::vector<std::string>& paths,
+                            const std::vector<FileStamp>& now) {
+    if (paths != e.paths)
+      return fmt::format("{} now names other shards ({} files; {} when checked)", e.path,
+                         paths.size(), e.paths.size());
+    for (size_t i = 0; i < now.size(); ++i) {
+      const FileStamp& was = e.stamps[i];
+      const FileStamp& is = now[i];
+      if (is == was) continue;
+      const std::string how =
+          is.device != was.device || is.inode != was.inode ? "another file was put in its place"
+          : is.bytes != was.bytes
+              ? fmt::format("its size went from {} to {} bytes", was.bytes, is.bytes)
+              : std::string("it was rewritten (another modification time)");
+      return fmt::format("{} changed on disk since it was checked: {}", paths[i], how);
+    }
+    return fmt::format("{} changed on disk since it was checked: its tensors take another size",
+                       e.path);
+  }
+
+  // Records checked files as e's (add, refresh): the next load reads them.
+  void set_files(Entry& e, const std::string& model, const std::string& path,
+                 const std::vector<std::string>& paths, const std::vector<FileStamp>& stamps,
+                 int64_t bytes) {
+    if (bytes > opt.host_budget_bytes)
+      SPILLWAY_INPUT_ERROR(
+          "model pool: model '{}' ({}) takes {} bytes of host memory; the pool's budget is {}",
+          model, path, bytes, opt.host_budget_bytes);
+    if (stamps == e.stamps && paths == e.paths && bytes == e.bytes) return;  // as checked
+    if (e.host != nullptr && e.users == 0) evict(e);
+    if (e.host != nullptr && bytes != e.bytes)
+      SPILLWAY_INPUT_ERROR(
+          "model pool: model '{}' is in use ({} bytes resident); its new file ({} bytes) is "
+          "read once it is released",
+          model, e.bytes, bytes);
+    e.paths = paths;
+    e.stamps = stamps;
+    if (e.host == nullptr) e.bytes = bytes;
   }
 
   void evict(Entry& e) {
@@ -70,9 +113,9 @@ struct ModelPool::Impl {
   // with *why, nothing loaded.
   PoolStatus load(Entry& e, std::string* why) {
     const auto t0 = std::chrono::steady_clock::now();
-    std::unique_ptr<SafetensorsFile> f;
+    std::unique_ptr<SafetensorsSet> f;
     try {
-      f = std::make_unique<SafetensorsFile>(e.path);
+      f = std::make_unique<SafetensorsSet>(e.path);
     } catch (const std::exception& x) {
       *why = fmt::format(
           "model '{}': its file changed on disk since it was checked and cannot be "
@@ -80,16 +123,8 @@ struct ModelPool::Impl {
           e.model, x.what());
       return PoolStatus::kChanged;
     }
-    if (f->stamp() != e.stamp || packed_bytes(*f) != e.bytes) {
-      const FileStamp& was = e.stamp;
-      const FileStamp& now = f->stamp();
-      const std::string how =
-          now.device != was.device || now.inode != was.inode ? "another file was put in its place"
-          : now.bytes != was.bytes
-              ? fmt::format("its size went from {} to {} bytes", was.bytes, now.bytes)
-              : std::string("it was rewritten (another modification time)");
-      *why = fmt::format("model '{}': {} changed on disk since it was checked: {}", e.model, e.path,
-                         how);
+    if (f->stamps() != e.stamps || f->paths() != e.paths || packed_bytes(f->tensors()) != e.bytes) {
+      *why = fmt::format("model '{}': {}", e.model, change(e, f->paths(), f->stamps()));
       return PoolStatus::kChanged;
     }
     const AllocResult r = dev.allocate(static_cast<size_t>(e.bytes), MemoryKind::kMappedHost);
@@ -138,42 +173,32 @@ ModelPool::~ModelPool() {
 
 void ModelPool::add(const std::string& model, const std::string& path) {
   if (model.empty()) SPILLWAY_FIELD_ERROR("model", "''", "must not be empty");
-  const SafetensorsFile f(path);
-  const int64_t bytes = Impl::packed_bytes(f);
+  const SafetensorsSet f(path);
+  const int64_t bytes = Impl::packed_bytes(f.tensors());
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->find(model) != nullptr)
     SPILLWAY_INPUT_ERROR("model pool: model '{}' is already added", model);
-  if (bytes > impl_->opt.host_budget_bytes)
-    SPILLWAY_INPUT_ERROR(
-        "model pool: model '{}' ({}) takes {} bytes of host memory; the pool's budget is {}", model,
-        path, bytes, impl_->opt.host_budget_bytes);
   auto e = std::make_unique<Impl::Entry>();
   e->model = model;
   e->path = path;
-  e->stamp = f.stamp();
-  e->bytes = bytes;
+  impl_->set_files(*e, model, path, f.paths(), f.stamps(), bytes);
   impl_->entries.push_back(std::move(e));
 }
 
-void ModelPool::refresh(const std::string& model, const SafetensorsFile& f) {
-  const int64_t bytes = Impl::packed_bytes(f);
-  Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
-  Impl::Entry* e = s.find(model);
+void ModelPool::refresh(const std::string& model, const SafetensorsSet& f) {
+  const int64_t bytes = Impl::packed_bytes(f.tensors());
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl::Entry* e = impl_->find(model);
   if (e == nullptr) SPILLWAY_INPUT_ERROR("model pool: no model '{}' to refresh", model);
-  if (bytes > s.opt.host_budget_bytes)
-    SPILLWAY_INPUT_ERROR(
-        "model pool: model '{}' ({}) now takes {} bytes of host memory; the pool's budget is {}",
-        model, f.path(), bytes, s.opt.host_budget_bytes);
-  if (f.stamp() == e->stamp && bytes == e->bytes) return;  // the file add() checked
-  if (e->host != nullptr && e->users == 0) s.evict(*e);
-  if (e->host != nullptr && bytes != e->bytes)
-    SPILLWAY_INPUT_ERROR(
-        "model pool: model '{}' is in use ({} bytes resident); its new file ({} bytes) is read "
-        "once it is released",
-        model, e->bytes, bytes);
-  e->stamp = f.stamp();
-  if (e->host == nullptr) e->bytes = bytes;
+  impl_->set_files(*e, model, f.path(), f.paths(), f.stamps(), bytes);
+}
+
+void ModelPool::refresh(const std::string& model, const SafetensorsFile& f) {
+  const int64_t bytes = Impl::packed_bytes(f.tensors());
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl::Entry* e = impl_->find(model);
+  if (e == nullptr) SPILLWAY_INPUT_ERROR("model pool: no model '{}' to refresh", model);
+  impl_->set_files(*e, model, f.path(), {f.path()}, {f.stamp()}, bytes);
 }
 
 std::vector<std::string> ModelPool::models() const {
