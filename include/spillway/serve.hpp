@@ -89,8 +89,10 @@ class SafetensorsFile {
 // index's directory (a path with '/', "." or ".." is refused: a shard never escapes the
 // directory) and is checked whole (Note [Safetensors checks]). The index must agree with the
 // shards: a tensor mapped to a shard that does not hold it, a tensor held by a shard other
-// than the one it is mapped to (a tensor in two shards), and a *.safetensors file in the
-// directory that the index does not name are refused, each naming the tensor and the files.
+// than the one it is mapped to (a tensor in two shards), and a shard of a save
+// (model-*-of-*.safetensors) in the directory that the index does not name are refused, each
+// naming the tensor and the files; other safetensors files (Mistral's consolidated.safetensors)
+// are not the checkpoint and are not read, as transformers does not read them.
 // A missing shard is an error naming it and the index. Tensors are looked up by name across
 // the shards; each change-on-disk stamp covers the index and every shard.
 class SafetensorsSet {

@@ -128,13 +128,17 @@ SafetensorsSet::SafetensorsSet(const std::string& path) : path_(path), sharded_(
               path, t.name, it->second, name, it->second);
       }
     }
-    // A safetensors file beside the shards that the index does not name: a shard of another
-    // save, or a single-file checkpoint; which one is the model is not for us to guess.
+    // A shard of a save (model-NNNNN-of-NNNNN.safetensors) beside the shards that the index
+    // does not name: a shard of another save, half replaced; which is the model is not for us
+    // to guess. Other safetensors files are not the checkpoint and are not read, as
+    // transformers does not read them (Mistral's repositories ship consolidated.safetensors,
+    // the original format, beside the Hugging Face shards).
     std::error_code ec;
     for (fs::directory_iterator it(dir, ec); !ec && it != fs::directory_iterator();
          it.increment(ec)) {
       const std::string name = it->path().filename().string();
-      if (name.size() > 12 && name.ends_with(".safetensors") && idx.shards.count(name) == 0 &&
+      const bool shard_name = name.starts_with("model-") && name.find("-of-") != std::string::npos;
+      if (shard_name && name.ends_with(".safetensors") && idx.shards.count(name) == 0 &&
           it->is_regular_file(ec))
         SPILLWAY_INPUT_ERROR(
             "{}: {} is a safetensors file the index does not name (a shard of another save?); "

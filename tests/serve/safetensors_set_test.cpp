@@ -110,6 +110,13 @@ TEST(SafetensorsSet, AnIndexThatDisagreesWithItsShardsIsRefusedByName) {
     expect_error([&] { SafetensorsSet f(s.index()); },
                  {"model-00003-of-00003.safetensors", "the index does not name"});
   }
+  {  // Another safetensors file (Mistral's consolidated.safetensors) is not the checkpoint.
+    Sharded s;
+    write_safetensors(s.dir.file("consolidated.safetensors"), {tensor("e", 4, 0.0f)});
+    SafetensorsSet f(s.index());
+    EXPECT_EQ(f.find("e"), nullptr);
+    EXPECT_EQ(f.tensors().size(), 3u);
+  }
   {  // A missing shard: named, with the index.
     Sharded s;
     fs::remove(s.dir.file(s.two));
