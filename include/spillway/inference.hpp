@@ -85,6 +85,21 @@ struct ModelFiles {
 // --models DIR` serves the rest, printing each refused one ("  refused NAME: reason"), and
 // fails naming every refusal when none is left. A `dir` that is not a readable directory is
 // an error.
+// One piece of a served weight (Note [Checkpoint resolution]): `rows` rows from row `row` of
+// checkpoint tensor `tensor`, viewed as a matrix of its last dimension's width (rows 0: the
+// whole tensor).
+struct WeightPart {
+  std::string tensor;
+  int64_t row = 0;
+  int64_t rows = 0;
+  WeightPart() = default;
+  WeightPart(std::string t, int64_t r = 0, int64_t n = 0)  // NOLINT(google-explicit-constructor)
+      : tensor(std::move(t)), row(r), rows(n) {}
+  friend bool operator==(const WeightPart&, const WeightPart&) = default;
+};
+// Per weight of weight_specs(), its parts side by side (q, k and v: three; others one).
+using ResolvedWeights = std::vector<std::vector<WeightPart>>;
+
 struct RefusedModel {
   std::string name;  // the directory's
   std::string dir;
@@ -107,19 +122,20 @@ bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsSet& f);
 bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f);
 // Note [Checkpoint resolution]: where each weight of weight_specs(c) comes from in a
 // checkpoint: its own tensor; or an MoE weight under Mixtral's names (block_sparse_moe.gate,
-// experts.N.w1/w2/w3 for gate/down/up); or, for attention's fused q, k, v (weights, and
-// biases when the config has them), Hugging Face's q_proj, k_proj and v_proj stacked by rows; or,
-// for the LM head of a config with tied embeddings and no lm_head tensor, the embedding. One dtype
-// (F32 or BF16) for all. Every tensor of the file must be read (RoPE's inv_freq aside): one the
-// reference model has no use for (an MLP bias, q/k norms where the family has none) is refused,
-// since serving would silently ignore it. Throws naming the model, the tensor, what was expected
-// and what was found.
-std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
-                                                         const nn::RefConfig& c,
-                                                         const SafetensorsSet& f);
-std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
-                                                         const nn::RefConfig& c,
-                                                         const SafetensorsFile& f);
+// experts.N.w1/w2/w3 for gate/down/up); or an expert's gate, up or down projection as rows
+// of transformers 5's fused experts (mlp.experts.gate_up_proj (experts, 2 ffn, hidden): each
+// expert's gate rows then its up rows; mlp.experts.down_proj (experts, hidden, ffn)), which
+// save_pretrained(save_original_format=False) writes for Qwen3-MoE, Qwen2-MoE and Mixtral; or, for
+// attention's fused q, k, v (weights, and biases when the config has them), Hugging Face's q_proj,
+// k_proj and v_proj stacked by rows; or, for the LM head of a config with tied embeddings and no
+// lm_head tensor, the embedding. One dtype (F32 or BF16) for all. Every tensor of the file must be
+// read (RoPE's inv_freq aside): one the reference model has no use for (an MLP bias, q/k norms
+// where the family has none) is refused, since serving would silently ignore it. Throws naming the
+// model, the tensor, what was expected and what was found.
+ResolvedWeights resolve_checkpoint(const std::string& model, const nn::RefConfig& c,
+                                   const SafetensorsSet& f);
+ResolvedWeights resolve_checkpoint(const std::string& model, const nn::RefConfig& c,
+                                   const SafetensorsFile& f);
 // resolve_checkpoint on the checkpoint at `weights_path` (a file or an index).
 void check_checkpoint(const std::string& model, const nn::RefConfig& c,
                       const std::string& weights_path);

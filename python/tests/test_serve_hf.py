@@ -113,23 +113,31 @@ def complete(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
+def header(path: Path) -> bytes:
+    """A safetensors file's JSON header."""
+    with open(path, "rb") as f:
+        return f.read(int.from_bytes(f.read(8), "little"))
+
+
 def assert_served_as_generate(
-    hf: dict[str, Any], tmp_path: Path, bf16: tuple[str, ...] = ()
+    hf: dict[str, Any], tmp_path: Path, bf16: tuple[str, ...] = (), fused: tuple[str, ...] = ()
 ) -> None:
     """Each model of `hf`, saved and served, continues a prompt as generate() does. Those named
     in `bf16` are saved in bf16 and compared with transformers computing in fp32 from the
-    same rounded weights (the decoder widens bf16 weights to fp32)."""
+    same rounded weights (the decoder widens bf16 weights to fp32); those in `fused` keep
+    transformers 5's fused experts (save_original_format=False)."""
     models = tmp_path / "models"
     for name, model in hf.items():
         if name in bf16:
             model.to(torch.bfloat16)
-            model.save_pretrained(models / name, safe_serialization=True)
-            model.to(torch.float32)
-            with open(models / name / "model.safetensors", "rb") as f:
-                header = f.read(8 + int.from_bytes(f.read(8), "little"))
-            assert b'"BF16"' in header and b'"F32"' not in header, name
-        else:
-            model.save_pretrained(models / name, safe_serialization=True)
+        model.save_pretrained(
+            models / name, safe_serialization=True, save_original_format=name not in fused
+        )
+        model.to(torch.float32)
+        h = header(models / name / "model.safetensors")
+        if name in bf16:
+            assert b'"BF16"' in h and b'"F32"' not in h, name
+        assert (b"experts.gate_up_proj" in h) == (name in fused), name
     proc, url = serve(models, tmp_path)
     try:
         prompt = [5, 17, 250, 3, 99, 42, 7, 7, 180]
@@ -208,6 +216,25 @@ def test_served_mixtral_continues_as_transformers_generate(tmp_path: Path) -> No
     """Mixtral's experts under block_sparse_moe (w1, w3, w2), its router renormalizing the
     top-k weights."""
     assert_served_as_generate({"mixtral": tiny("mixtral", 13, num_local_experts=4)}, tmp_path)
+
+
+def test_served_fused_experts_continue_as_transformers_generate(tmp_path: Path) -> None:
+    """Note [Checkpoint resolution]: transformers 5's own layout of the experts
+    (mlp.experts.gate_up_proj, mlp.experts.down_proj: every expert in one tensor), which
+    save_pretrained writes with save_original_format=False, for Qwen3-MoE, Qwen2-MoE (beside
+    its shared expert) and Mixtral."""
+    moe: dict[str, Any] = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+    assert_served_as_generate(
+        {
+            "qwen3-moe": tiny("qwen3_moe", 24, **moe),
+            "qwen2-moe": tiny("qwen2_moe", 25, shared_expert_intermediate_size=48, **moe),
+            "mixtral": tiny("mixtral", 26, num_local_experts=4),
+            "mixtral-bf16": tiny("mixtral", 27, num_local_experts=4),
+        },
+        tmp_path,
+        bf16=("mixtral-bf16",),
+        fused=("qwen3-moe", "qwen2-moe", "mixtral", "mixtral-bf16"),
+    )
 
 
 def test_served_sliding_windows_continue_as_transformers_generate(tmp_path: Path) -> None:

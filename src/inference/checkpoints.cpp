@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -190,11 +191,43 @@ std::string mixtral_name(const std::string& name) {
   return name.substr(0, at) + ".block_sparse_moe." + rest;
 }
 
+// transformers 5's fused experts (Note [Checkpoint resolution]): for an expert's projection
+// of weight_specs ("P.mlp.experts.E.gate_proj.weight", up_proj, down_proj), the fused
+// tensor's name ("P.mlp.experts.gate_up_proj" or "P.mlp.experts.down_proj"), the expert and
+// whether it is the up projection; {} for another weight.
+struct FusedExpert {
+  std::string tensor;
+  int64_t expert = -1;
+  bool up = false, down = false;
+};
+FusedExpert fused_expert(const std::string& name) {
+  static constexpr std::string_view kExperts = "mlp.experts.";
+  const size_t at = name.find(kExperts);
+  if (at == std::string::npos) return {};
+  const std::string rest = name.substr(at + kExperts.size());  // E.gate_proj.weight
+  const size_t dot = rest.find('.');
+  if (dot == std::string::npos || dot == 0 || rest.find_first_not_of("0123456789") != dot)
+    return {};
+  const std::string proj = rest.substr(dot + 1);
+  FusedExpert f;
+  f.expert = std::stoll(rest.substr(0, dot));
+  const std::string p = name.substr(0, at + kExperts.size());
+  if (proj == "gate_proj.weight" || proj == "up_proj.weight") {
+    f.tensor = p + "gate_up_proj";
+    f.up = proj[0] == 'u';
+  } else if (proj == "down_proj.weight") {
+    f.tensor = p + "down_proj";
+    f.down = true;
+  } else {
+    return {};
+  }
+  return f;
+}
+
 template <typename Checkpoint>  // SafetensorsFile or SafetensorsSet
-std::vector<std::vector<std::string>> resolve(const std::string& model, const nn::RefConfig& c,
-                                              const Checkpoint& f) {
+ResolvedWeights resolve(const std::string& model, const nn::RefConfig& c, const Checkpoint& f) {
   const std::string& path = f.path();
-  std::vector<std::vector<std::string>> parts;
+  ResolvedWeights parts;
   std::set<std::string> used;
   DType first = DType::kFp32;
   bool any = false;
@@ -221,6 +254,20 @@ std::vector<std::vector<std::string>> resolve(const std::string& model, const nn
     if (const std::string alt = mixtral_name(s.name); !alt.empty() && f.find(alt) != nullptr) {
       take(alt, s.shape);
       parts.push_back({alt});
+      continue;
+    }
+    // An expert as rows of transformers 5's fused experts.
+    if (const FusedExpert fe = fused_expert(s.name);
+        !fe.tensor.empty() && f.find(fe.tensor) != nullptr) {
+      // (ffn, hidden) or (hidden, ffn): the expert's rows of the fused (experts, ...) tensor.
+      const int64_t rows = s.shape[0], width = s.shape[1];
+      int layer = -1;
+      (void)std::sscanf(s.name.c_str(), "model.layers.%d.", &layer);
+      SPILLWAY_CHECK(layer >= 0 && layer < c.layers(), "resolve: no layer in {}", s.name);
+      const int64_t experts = c.model.layers[static_cast<size_t>(layer)].mlp.experts;
+      take(fe.tensor, {experts, fe.down ? rows : 2 * rows, width});
+      const int64_t per = fe.down ? rows : 2 * rows;
+      parts.push_back({{fe.tensor, fe.expert * per + (fe.up ? rows : 0), rows}});
       continue;
     }
     // q, k and v (weights, and biases when the attention has them) as Hugging Face stores
@@ -250,7 +297,7 @@ std::vector<std::vector<std::string>> resolve(const std::string& model, const nn
     }
     if (s.name == "lm_head.weight" && c.model.tied_embeddings &&
         f.find("model.embed_tokens.weight") != nullptr) {
-      parts.push_back({"model.embed_tokens.weight"});  // tied: taken as the embedding
+      parts.push_back({WeightPart{"model.embed_tokens.weight"}});  // tied: taken as the embedding
       continue;
     }
     SPILLWAY_INPUT_ERROR("model {}: {} has no tensor {} (shape {}) that its config.json needs",
@@ -281,14 +328,12 @@ bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsSet& f) {
 bool checkpoint_has_qk_norms(const nn::RefConfig& c, const SafetensorsFile& f) {
   return has_qk_norms(c, f);
 }
-std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
-                                                         const nn::RefConfig& c,
-                                                         const SafetensorsSet& f) {
+ResolvedWeights resolve_checkpoint(const std::string& model, const nn::RefConfig& c,
+                                   const SafetensorsSet& f) {
   return resolve(model, c, f);
 }
-std::vector<std::vector<std::string>> resolve_checkpoint(const std::string& model,
-                                                         const nn::RefConfig& c,
-                                                         const SafetensorsFile& f) {
+ResolvedWeights resolve_checkpoint(const std::string& model, const nn::RefConfig& c,
+                                   const SafetensorsFile& f) {
   return resolve(model, c, f);
 }
 

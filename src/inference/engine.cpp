@@ -48,7 +48,7 @@ struct Registered {
   ModelFiles files;
   std::string config_text;
   nn::RefConfig config;
-  std::vector<std::vector<std::string>> parts;  // Note [Checkpoint resolution]
+  ResolvedWeights parts;  // Note [Checkpoint resolution]
   int64_t weight_bytes = 0;
   DType dtype = DType::kFp32;
 };
@@ -555,8 +555,7 @@ bool ServingEngine::Impl::bind(Slice& s, const Registered& m, std::string* why, 
 bool ServingEngine::Impl::reread(const Registered& m, std::string* why) {
   try {
     const SafetensorsSet f(m.files.weights_path);
-    const std::vector<std::vector<std::string>> parts =
-        resolve_checkpoint(m.files.name, m.config, f);
+    const ResolvedWeights parts = resolve_checkpoint(m.files.name, m.config, f);
     const DType dtype = f.tensors().empty() ? DType::kFp32 : f.tensors().front().dtype;
     if (parts != m.parts || dtype != m.dtype) {
       *why = fmt::format(

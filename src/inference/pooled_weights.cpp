@@ -8,9 +8,31 @@
 
 namespace spillway::inference {
 
+namespace {
+
+// A part's place in the pooled tensor (Note [Checkpoint resolution]): its first byte, its
+// rows and their width (the tensor viewed as a matrix of its last dimension's width).
+struct PartView {
+  const std::byte* host = nullptr;
+  int64_t rows = 0, width = 0;
+};
+PartView view(const ModelHandle& handle, const WeightPart& part) {
+  const PooledTensor& pt = handle.tensor(part.tensor);
+  const int64_t width = pt.shape.empty() ? 1 : pt.shape.back();
+  int64_t all = 1;
+  for (size_t d = 0; d + 1 < pt.shape.size(); ++d) all *= pt.shape[d];
+  const int64_t rows = part.rows > 0 ? part.rows : all;
+  SPILLWAY_CHECK(part.row >= 0 && part.row + rows <= all,
+                 "PooledWeights: rows {}..{} of {}, which has {}", part.row, part.row + rows - 1,
+                 part.tensor, all);
+  const int64_t elem = pt.dtype == DType::kBf16 ? 2 : 4;
+  return {pt.host + part.row * width * elem, rows, width};
+}
+
+}  // namespace
+
 PooledWeights::PooledWeights(const ModelHandle& handle, const nn::RefConfig& c,
-                             EmulatedSlice& slice,
-                             const std::vector<std::vector<std::string>>& parts, int max_rows)
+                             EmulatedSlice& slice, const ResolvedWeights& parts, int max_rows)
     : slice_(slice) {
   const std::vector<nn::WeightSpec> specs = nn::weight_specs(c);
   SPILLWAY_CHECK(parts.size() == specs.size(), "PooledWeights: {} resolved weights for {}",
@@ -21,31 +43,29 @@ PooledWeights::PooledWeights(const ModelHandle& handle, const nn::RefConfig& c,
   parts_.resize(specs.size());
   size_t split = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
-    for (const std::string& name : parts[i]) {
-      const PooledTensor& pt = handle.tensor(name);
-      parts_[i].push_back({pt.host, static_cast<int>(pt.shape.front())});
-    }
+    for (const WeightPart& part : parts[i])
+      parts_[i].push_back({view(handle, part).host, static_cast<int>(view(handle, part).rows)});
     if (parts_[i].size() > 1)
       split = std::max(split,
                        static_cast<size_t>(max_rows) * static_cast<size_t>(specs[i].shape.front()));
-    const PooledTensor& t = handle.tensor(parts[i].front());
-    host_[i] = t.host;
+    const PooledTensor& t = handle.tensor(parts[i].front().tensor);
+    host_[i] = parts_[i].front().host;
     dtype_[i] = t.dtype;
     // A weight read as values (a norm, a bias): fp32 in one piece, its parts (q, k and v
     // biases) one after the other.
     if (!specs[i].linear && (t.dtype == DType::kBf16 || parts[i].size() > 1)) {
       std::vector<float>& w = widened_[i];
       w.reserve(static_cast<size_t>(specs[i].elements()));
-      for (const std::string& name : parts[i]) {
-        const PooledTensor& pt = handle.tensor(name);
-        size_t n = 1;
-        for (int64_t e : pt.shape) n *= static_cast<size_t>(e);
+      for (const WeightPart& part : parts[i]) {
+        const PooledTensor& pt = handle.tensor(part.tensor);
+        const PartView v = view(handle, part);
+        const auto n = static_cast<size_t>(v.rows * v.width);
         if (pt.dtype == DType::kBf16) {
-          const auto* b = reinterpret_cast<const uint16_t*>(pt.host);
+          const auto* b = reinterpret_cast<const uint16_t*>(v.host);
           for (size_t k = 0; k < n; ++k) w.push_back(bf16_to_float(b[k]));
         } else {
-          const auto* v = reinterpret_cast<const float*>(pt.host);
-          w.insert(w.end(), v, v + n);
+          const auto* f = reinterpret_cast<const float*>(v.host);
+          w.insert(w.end(), f, f + n);
         }
       }
       SPILLWAY_CHECK(w.size() == static_cast<size_t>(specs[i].elements()),

@@ -9,6 +9,7 @@
 
 #include "spillway/decoder.hpp"
 #include "spillway/hybrid_gemm.hpp"
+#include "spillway/inference.hpp"
 #include "spillway/serve.hpp"
 #include "spillway/slices.hpp"
 
@@ -28,7 +29,7 @@ class PooledWeights final : public nn::WeightSource {
   // weight of several parts (q, k, v) is multiplied part by part into a buffer of max_rows
   // rows sized here, then laid out as the fused weight's output.
   PooledWeights(const ModelHandle& handle, const nn::RefConfig& c, EmulatedSlice& slice,
-                const std::vector<std::vector<std::string>>& parts, int max_rows);
+                const ResolvedWeights& parts, int max_rows);
   const float* values(int weight) override;
   void linear(int weight, const float* x, float* y, int n, int in, int out) override;
 

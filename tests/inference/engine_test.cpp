@@ -2,11 +2,13 @@
 // greedy completions equal to the reference model's (Note [Served outputs]), completions
 // that depend only on their request whatever the slices, alpha or batching (Note [Served
 // determinism]), overload refused loudly with nothing lost, drain, cancel, and the metrics.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include "inference/pooled_weights.hpp"
@@ -282,10 +284,10 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
   }
   write_safetensors((split / "model.safetensors").string(), es);
   const SafetensorsFile sf((split / "model.safetensors").string());
-  const std::vector<std::vector<std::string>> parts = resolve_checkpoint("split", c, sf);
-  EXPECT_EQ(parts[2], (std::vector<std::string>{"model.layers.0.self_attn.q_proj.weight",
-                                                "model.layers.0.self_attn.k_proj.weight",
-                                                "model.layers.0.self_attn.v_proj.weight"}));
+  const ResolvedWeights parts = resolve_checkpoint("split", c, sf);
+  EXPECT_EQ(parts[2], (std::vector<WeightPart>{{"model.layers.0.self_attn.q_proj.weight"},
+                                               {"model.layers.0.self_attn.k_proj.weight"},
+                                               {"model.layers.0.self_attn.v_proj.weight"}}));
   const std::string prompt = "split heads";
   const Greedy ref = reference_greedy(c, 1, bytes(prompt), 12);
   ServingEngine e({{"split", split.string(), (split / "config.json").string(),
@@ -328,7 +330,7 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
   tied.model.tied_embeddings = true;
   const SafetensorsFile hf((dir.path() / "headless.safetensors").string());
   EXPECT_EQ(resolve_checkpoint("x", tied, hf).back(),
-            std::vector<std::string>{"model.embed_tokens.weight"});
+            std::vector<WeightPart>{{"model.embed_tokens.weight"}});
   // A config the decoder would compute differently (MLP biases); RoPE scaling is read with
   // the config instead (Note [RoPE scaling]; tests/nn/rope_scaling_test.cpp).
   EXPECT_NO_THROW(check_servable_config("x", R"({"rope_scaling": {"rope_type": "llama3"}})"));
@@ -336,6 +338,84 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
                                   {"mlp_bias"});
   EXPECT_NO_THROW(check_servable_config("x", R"({"attention_bias": true})"));  // served
   EXPECT_NO_THROW(check_servable_config("x", R"({"rope_scaling": null})"));
+}
+
+// Note [Checkpoint resolution]: transformers 5's fused experts (each MoE layer's experts in
+// mlp.experts.gate_up_proj (experts, 2 ffn, hidden), gate rows then up rows, and
+// mlp.experts.down_proj (experts, hidden, ffn)) are read as rows of those tensors, served as
+// the per-expert checkpoint is; a fused tensor with another expert count is refused, named.
+TEST(Checkpoints, FusedExpertsAreReadAsRowsOfOneTensor) {
+  const Models& m = models();
+  const nn::RefConfig c = nn::load_reference_config(m.files[0].config_path);
+  TempDir dir;
+  const fs::path fused = dir.path() / "fused";
+  fs::create_directories(fused);
+  fs::copy_file(m.files[0].config_path, fused / "config.json");
+  std::map<std::string, SafetensorsEntry> by_name;
+  for (SafetensorsEntry& e : entries_of(m.files[0].weights_path)) by_name[e.name] = std::move(e);
+  std::vector<SafetensorsEntry> es;
+  int64_t ffn = 0, experts = 0;
+  for (int l = 0; l < c.layers(); ++l) {
+    const MlpSpec& mlp = c.model.layers[static_cast<size_t>(l)].mlp;
+    if (mlp.kind != MlpKind::kMoe) continue;
+    ffn = mlp.ffn;
+    experts = mlp.experts;
+    const std::string p = fmt::format("model.layers.{}.mlp.experts.", l);
+    SafetensorsEntry gate_up{p + "gate_up_proj", DType::kFp32, {experts, 2 * ffn, c.hidden}, {}};
+    SafetensorsEntry down{p + "down_proj", DType::kFp32, {experts, c.hidden, ffn}, {}};
+    for (int64_t e = 0; e < experts; ++e) {
+      for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+        const std::string name = fmt::format("{}{}.{}.weight", p, e, proj);
+        std::vector<std::byte>& b = by_name.at(name).bytes;
+        std::vector<std::byte>& into = proj[0] == 'd' ? down.bytes : gate_up.bytes;
+        into.insert(into.end(), b.begin(), b.end());
+        by_name.erase(name);
+      }
+    }
+    es.push_back(std::move(gate_up));
+    es.push_back(std::move(down));
+  }
+  ASSERT_GT(experts, 1);
+  for (auto& [name, e] : by_name) es.push_back(std::move(e));
+  write_safetensors((fused / "model.safetensors").string(), es);
+  const SafetensorsFile sf((fused / "model.safetensors").string());
+  const ResolvedWeights parts = resolve_checkpoint("fused", c, sf);
+  const std::vector<nn::WeightSpec> specs = nn::weight_specs(c);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].name == "model.layers.1.mlp.experts.3.up_proj.weight") {
+      EXPECT_EQ(parts[i], (std::vector<WeightPart>{{"model.layers.1.mlp.experts.gate_up_proj",
+                                                    3 * 2 * ffn + ffn, ffn}}));
+    }
+    if (specs[i].name == "model.layers.1.mlp.experts.2.down_proj.weight") {
+      EXPECT_EQ(parts[i], (std::vector<WeightPart>{
+                              {"model.layers.1.mlp.experts.down_proj", 2 * c.hidden, c.hidden}}));
+    }
+  }
+  const std::string prompt = "fused experts";
+  const Greedy ref = reference_greedy(c, 1, bytes(prompt), 12);
+  {
+    ServingEngine e({{"fused", fused.string(), (fused / "config.json").string(),
+                      (fused / "model.safetensors").string()}},
+                    fast("7g.96gb", 0.5));
+    const std::vector<int32_t> got = complete(e, request("fused", prompt, 12));
+    size_t compared = 0;
+    for (; compared < got.size() && ref.margin[compared] > 2 * ref.tol[compared]; ++compared)
+      EXPECT_EQ(got[compared], ref.tokens[compared]) << "token " << compared;
+    EXPECT_GT(compared, 0u);
+  }
+  // One expert short in layer 1: refused, naming the tensor and both shapes.
+  for (SafetensorsEntry& e : es) {
+    if (e.name != "model.layers.1.mlp.experts.down_proj") continue;
+    e.shape[0] -= 1;
+    e.bytes.resize(e.bytes.size() / static_cast<size_t>(experts) *
+                   static_cast<size_t>(experts - 1));
+  }
+  write_safetensors((fused / "model.safetensors").string(), es);
+  spillway::testing::expect_error(
+      [&] { check_checkpoint("fused", c, (fused / "model.safetensors").string()); },
+      {"model.layers.1.mlp.experts.down_proj",
+       fmt::format("[{}, {}, {}]", experts - 1, c.hidden, ffn),
+       fmt::format("needs [{}, {}, {}]", experts, c.hidden, ffn)});
 }
 
 TEST(ServingEngine, AHybridMambaModelIsServedAsTheReferenceDecodesIt) {
