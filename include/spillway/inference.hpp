@@ -179,6 +179,18 @@ struct CompletionRequest {
   // Up to 4 sequences of 1 to 64 tokens: the request ends when its output would end with
   // one, which is left out (Note [Stop sequences] in engine.cpp).
   std::vector<std::vector<int32_t>> stop;
+  // Note [Logprobs]: -1: none; 0 to kMaxLogprobs: each generated token's log-probability and
+  // the `logprobs` most likely tokens' (OpenAI's completions `logprobs`).
+  int logprobs = -1;
+};
+inline constexpr int kMaxLogprobs = 20;
+
+// Note [Logprobs]: a generated token's log-probability under the model's distribution (the
+// log-softmax of its logits, after any soft cap; before the temperature), and the most likely
+// tokens' (id and log-probability, most likely first; ties by id).
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;
 };
 
 enum class SubmitStatus {
@@ -197,13 +209,17 @@ const char* to_string(SubmitStatus s);
 class Completion {
  public:
   enum class State { kRunning, kDone, kFailed, kCancelled };
-  explicit Completion(int max_tokens);
+  // `logprobs`: the request's (Note [Logprobs]); its storage is sized here.
+  explicit Completion(int max_tokens, int logprobs = -1);
   // Blocks until a token after the `have` already taken exists or the request ended;
   // appends the new ones to *out and returns the state (kRunning: more may come).
   State wait_tokens(size_t have, std::vector<int32_t>* out);
   // The same, returning kRunning with nothing new once `timeout` has passed.
   State wait_tokens_for(size_t have, std::vector<int32_t>* out, std::chrono::milliseconds timeout);
   State state() const;
+  // Note [Logprobs]: those of tokens [from, to) taken (requests with logprobs >= 0; else
+  // empty).
+  std::vector<TokenLogprobs> logprobs(size_t from, size_t to) const;
   std::string error() const;          // kFailed or kCancelled: why
   std::string finish_reason() const;  // kDone: "length", or "stop" (a stop sequence)
   // The client went away: the slice stops generating for it at its next iteration.
@@ -221,6 +237,9 @@ class Completion {
 
   // The engine's side.
   void push(int32_t token, std::chrono::steady_clock::time_point now);
+  // With its logprobs: `top` holds the request's logprobs entries.
+  void push(int32_t token, float logprob, const std::pair<int32_t, float>* top,
+            std::chrono::steady_clock::time_point now);
   void finish(State s, std::string why);
   bool cancelled() const;
   void set_slice(int s);
@@ -231,6 +250,9 @@ class Completion {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int32_t> tokens_;
+  int top_k_ = -1;                              // the request's logprobs
+  std::vector<float> logprob_;                  // per token
+  std::vector<std::pair<int32_t, float>> top_;  // top_k_ per token
   State state_ = State::kRunning;
   std::string why_;
   bool cancel_ = false;

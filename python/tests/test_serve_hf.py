@@ -8,6 +8,7 @@ RoPE as transformers scales it: llama3, linear, yarn (Note [RoPE scaling])."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -23,6 +24,11 @@ transformers = pytest.importorskip("transformers")
 
 BUILD = os.environ.get("SPILLWAY_BUILD", "")
 pytestmark = pytest.mark.skipif(not BUILD, reason="needs SPILLWAY_BUILD (the CLI's build tree)")
+
+
+# Note [Logprobs]: how far a served log-probability may be from transformers' (fp32 logits
+# there, fp32 with double accumulations here; the largest seen is below 3e-5).
+LOGPROB_TOL = 5e-5
 
 
 def tiny(family: str, seed: int, tied: bool = False, **extra: Any) -> Any:
@@ -128,12 +134,17 @@ def assert_served_as_generate(
     transformers 5's fused experts (save_original_format=False)."""
     models = tmp_path / "models"
     for name, model in hf.items():
+        saved = model
         if name in bf16:
-            model.to(torch.bfloat16)
-        model.save_pretrained(
+            # Saved from a bf16 copy; the reference keeps its fp32 buffers (RoPE's inv_freq:
+            # rounded to bf16 it would move the logits by ~5e-4) and its parameters rounded.
+            saved = copy.deepcopy(model).to(torch.bfloat16)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        saved.save_pretrained(
             models / name, safe_serialization=True, save_original_format=name not in fused
         )
-        model.to(torch.float32)
         h = header(models / name / "model.safetensors")
         if name in bf16:
             assert b'"BF16"' in h and b'"F32"' not in h, name
@@ -151,13 +162,27 @@ def assert_served_as_generate(
                     output_scores=True,
                     return_dict_in_generate=True,
                     pad_token_id=0,
+                    output_logits=True,
                 )
             want = ref.sequences[0, len(prompt) :].tolist()
             got = complete(
-                url, {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0}
+                url,
+                {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5},
             )
             tokens = got["choices"][0]["token_ids"]
             assert len(tokens) == n
+            # Note [Logprobs]: each served token's log-probability and the top 5 (ids and
+            # log-probabilities) are transformers' log-softmax of its logits, within
+            # LOGPROB_TOL, while the tokens agree.
+            lp = got["choices"][0]["logprobs"]
+            for t, logits in enumerate(ref.logits):
+                if tokens[: t + 1] != want[: t + 1]:
+                    break
+                hf = torch.log_softmax(logits[0].double(), dim=-1)
+                assert abs(lp["token_logprobs"][t] - hf[tokens[t]].item()) <= LOGPROB_TOL, (name, t)
+                for got_id, got_lp in lp["top_logprob_ids"][t]:
+                    assert abs(got_lp - hf[got_id].item()) <= LOGPROB_TOL, (name, t, got_id)
+                    assert (hf > hf[got_id] + LOGPROB_TOL).sum().item() < 5, (name, t, got_id)
             # Token for token, up to a choice within the tolerance of a tie (Note [Served
             # outputs]): none here.
             compared = 0

@@ -201,7 +201,16 @@ inference::CompletionRequest parse_request(const json& body, const inference::Se
   only_default("presence_penalty", equals(0));
   only_default("frequency_penalty", equals(0));
   only_default("echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
-  only_default("logprobs", [](const json&) { return false; });
+  if (body.contains("logprobs") && !body["logprobs"].is_null()) {  // Note [Logprobs]
+    const json& v = body["logprobs"];
+    if (!v.is_number_integer())
+      throw FieldError{"logprobs", "'logprobs' must be an integer, not " + type_name(v)};
+    const int64_t n = v.get<int64_t>();
+    if (n < 0 || n > inference::kMaxLogprobs)
+      throw FieldError{"logprobs", fmt::format("'logprobs' is {}; must be in [0, {}]", n,
+                                               inference::kMaxLogprobs)};
+    q.logprobs = static_cast<int>(n);
+  }
   only_default("suffix",
                [](const json& v) { return v.is_string() && v.get<std::string>().empty(); });
   if (body.contains("stop") && !body["stop"].is_null()) {
@@ -240,6 +249,41 @@ std::string token_text(const std::vector<int32_t>& tokens, size_t from, int voca
   if (vocab > 256) return s;  // not a byte-level model: token_ids only
   for (size_t i = from; i < tokens.size(); ++i) s.push_back(static_cast<char>(tokens[i]));
   return s;
+}
+
+// Note [Logprobs]: OpenAI's completions logprobs of tokens[from, ...): each token's text
+// (a byte-level model's byte; else "token_id:N", as vLLM writes ids), its log-probability,
+// the top entries by text, and each token's offset in the returned text; the top entries
+// also by id (top_logprob_ids: [[id, logprob], ...], texts of different tokens may
+// coincide).
+json logprobs_json(const std::vector<int32_t>& tokens, size_t from,
+                   const std::vector<inference::TokenLogprobs>& lps, int vocab,
+                   size_t first_offset = 0) {
+  const auto text = [&](int32_t t) {
+    return vocab > 256 ? fmt::format("token_id:{}", t) : token_text({t}, 0, vocab);
+  };
+  json toks = json::array(), lp = json::array(), top = json::array(), ids = json::array(),
+       offsets = json::array();
+  size_t offset = first_offset;
+  for (size_t i = 0; i < lps.size() && from + i < tokens.size(); ++i) {
+    const int32_t t = tokens[from + i];
+    toks.push_back(text(t));
+    lp.push_back(lps[i].logprob);
+    json by_text = json::object(), by_id = json::array();
+    for (const auto& [id, l] : lps[i].top) {
+      if (!by_text.contains(text(id))) by_text[text(id)] = l;
+      by_id.push_back(json::array({id, l}));
+    }
+    top.push_back(std::move(by_text));
+    ids.push_back(std::move(by_id));
+    offsets.push_back(offset);
+    offset += vocab > 256 ? 0 : 1;
+  }
+  return {{"tokens", toks},
+          {"token_logprobs", lp},
+          {"top_logprobs", top},
+          {"text_offset", offsets},
+          {"top_logprob_ids", ids}};
 }
 
 // The response's "spillway" extension: how the server ran the request.
@@ -379,11 +423,14 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
                  "server_unavailable", "", "unavailable");
       return;
     }
-    json choice = {{"index", 0},
-                   {"text", token_text(tokens, 0, vocab)},
-                   {"token_ids", tokens},
-                   {"logprobs", nullptr},
-                   {"finish_reason", c->finish_reason()}};
+    json choice = {
+        {"index", 0},
+        {"text", token_text(tokens, 0, vocab)},
+        {"token_ids", tokens},
+        {"logprobs", q.logprobs < 0
+                         ? json(nullptr)
+                         : logprobs_json(tokens, 0, c->logprobs(0, tokens.size()), vocab)},
+        {"finish_reason", c->finish_reason()}};
     json out = {{"id", id},
                 {"object", "text_completion"},
                 {"created", now},
@@ -406,7 +453,7 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
   res.set_chunked_content_provider(
       "text/event-stream",
       [c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage,
-       prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
+       logprobs = q.logprobs, prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
         auto write = [&](const json& choices, const json& usage) {
           json ev = {{"id", id},
                      {"object", "text_completion"},
@@ -422,11 +469,14 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
         const inference::Completion::State st = c->wait_tokens(*sent, &fresh);
         for (int32_t t : fresh) {
           const std::vector<int32_t> one{t};
-          if (!event({{"index", 0},
-                      {"text", token_text(one, 0, vocab)},
-                      {"token_ids", one},
-                      {"logprobs", nullptr},
-                      {"finish_reason", nullptr}})) {
+          if (!event(
+                  {{"index", 0},
+                   {"text", token_text(one, 0, vocab)},
+                   {"token_ids", one},
+                   {"logprobs", logprobs < 0 ? json(nullptr)
+                                             : logprobs_json(one, 0, c->logprobs(*sent, *sent + 1),
+                                                             vocab, vocab > 256 ? 0 : *sent)},
+                   {"finish_reason", nullptr}})) {
             c->cancel();  // the client went away: the slice stops generating for it
             return false;
           }

@@ -355,6 +355,19 @@ void check_servable_config(const std::string& model, const std::string& config_t
   // RoPE's scaling is read (and an unserved type refused) with the config: Note [RoPE
   // scaling] in spillway/nn.hpp.
   // Attention biases are served (Note [Served attention extras] in spillway/nn.hpp).
+  // Quantized checkpoints (FP8, AWQ, GPTQ, bitsandbytes, ...): their weights need their
+  // method's dequantization, which the decoder does not run.
+  if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
+    const nlohmann::json& q = j["quantization_config"];
+    const std::string method = q.is_object() && q.contains("quant_method") &&
+                                       q["quant_method"].is_string()
+                                   ? q["quant_method"].get<std::string>()
+                                   : q.dump();
+    SPILLWAY_INPUT_ERROR(
+        "model {}: config.json has a quantization_config (quant_method \"{}\"); the decoder "
+        "serves unquantized F32 and BF16 checkpoints only",
+        model, method);
+  }
   if (j.contains("mlp_bias") && j["mlp_bias"].is_boolean() && j["mlp_bias"].get<bool>())
     SPILLWAY_INPUT_ERROR(
         "model {}: config.json has mlp_bias true; the reference model runs no MLP biases", model);

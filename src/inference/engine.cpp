@@ -72,7 +72,56 @@ struct Running {
   // Note [Stop sequences]: generated tokens not yet published (the last longest-stop - 1).
   std::vector<int32_t> held;
   size_t hold = 0;
+  // Note [Logprobs]: the held tokens' log-probabilities and top entries (req.logprobs each).
+  std::vector<float> held_lp;
+  std::vector<std::pair<int32_t, float>> held_top;
 };
+
+// Publishes held token i (with its logprobs when the request asked).
+void publish(Running& run, size_t i, std::chrono::steady_clock::time_point now) {
+  const int k = run.r->req.logprobs;
+  if (k < 0) {
+    run.r->out->push(run.held[i], now);
+    return;
+  }
+  run.r->out->push(run.held[i], run.held_lp[i], run.held_top.data() + i * static_cast<size_t>(k),
+                   now);
+}
+
+// Drops the first n held tokens (published or a stop sequence's).
+void drop_held(Running& run, size_t n) {
+  run.held.erase(run.held.begin(), run.held.begin() + static_cast<long>(n));
+  if (run.r->req.logprobs < 0) return;
+  run.held_lp.erase(run.held_lp.begin(), run.held_lp.begin() + static_cast<long>(n));
+  run.held_top.erase(run.held_top.begin(),
+                     run.held_top.begin() + static_cast<long>(n) * run.r->req.logprobs);
+}
+
+// Note [Logprobs]: the log-softmax of `logits` at `token` and the k most likely tokens'
+// (most likely first, ties by id), appended to run's held logprobs. Two passes over the
+// vocabulary; nothing allocated once the held vectors have grown.
+void held_logprobs(Running& run, const float* logits, int vocab, int32_t token) {
+  const int k = run.r->req.logprobs;
+  float mx = logits[0];
+  for (int v = 1; v < vocab; ++v) mx = std::max(mx, logits[v]);
+  double sum = 0.0;
+  for (int v = 0; v < vocab; ++v) sum += std::exp(static_cast<double>(logits[v]) - mx);
+  const double lse = mx + std::log(sum);
+  run.held_lp.push_back(static_cast<float>(logits[token] - lse));
+  const size_t at = run.held_top.size();
+  run.held_top.resize(at + static_cast<size_t>(k), {-1, 0.0f});
+  std::pair<int32_t, float>* top = run.held_top.data() + at;
+  int have = 0;
+  for (int v = 0; v < vocab && k > 0; ++v) {
+    // Insert (v, logit) into the sorted top if it beats the last (the first seen wins ties).
+    if (have == k && !(logits[v] > top[k - 1].second)) continue;
+    int i = have < k ? have++ : k - 1;
+    for (; i > 0 && logits[v] > top[i - 1].second; --i) top[i] = top[i - 1];
+    top[i] = {v, logits[v]};
+  }
+  for (int i = 0; i < k; ++i)
+    top[i].second = static_cast<float>(static_cast<double>(top[i].second) - lse);
+}
 
 // Note [Stop sequences]: a request with stop sequences publishes a token only once no stop
 // sequence can still end on it: the last (longest - 1) tokens are held back. When the
@@ -87,15 +136,15 @@ const char* after_token(Running& run, std::chrono::steady_clock::time_point now)
     if (run.held.size() < st.size() ||
         !std::equal(st.begin(), st.end(), run.held.end() - static_cast<long>(st.size())))
       continue;
-    for (size_t i = 0; i + st.size() < run.held.size(); ++i) run.r->out->push(run.held[i], now);
-    run.held.clear();
+    for (size_t i = 0; i + st.size() < run.held.size(); ++i) publish(run, i, now);
+    drop_held(run, run.held.size());
     return "stop";
   }
   const bool last = run.generated >= run.r->req.max_tokens;
-  size_t publish =
+  const size_t ready =
       last ? run.held.size() : (run.held.size() > run.hold ? run.held.size() - run.hold : 0);
-  for (size_t i = 0; i < publish; ++i) run.r->out->push(run.held[i], now);
-  run.held.erase(run.held.begin(), run.held.begin() + static_cast<long>(publish));
+  for (size_t i = 0; i < ready; ++i) publish(run, i, now);
+  drop_held(run, ready);
   return last ? "length" : nullptr;
 }
 
@@ -202,8 +251,24 @@ const char* to_string(SubmitStatus s) {
 
 // ---- Completion ---------------------------------------------------------------------------
 
-Completion::Completion(int max_tokens) {
+Completion::Completion(int max_tokens, int logprobs) : top_k_(logprobs) {
   tokens_.reserve(static_cast<size_t>(max_tokens));
+  if (logprobs >= 0) {
+    logprob_.reserve(static_cast<size_t>(max_tokens));
+    top_.reserve(static_cast<size_t>(max_tokens) * static_cast<size_t>(logprobs));
+  }
+}
+
+std::vector<TokenLogprobs> Completion::logprobs(size_t from, size_t to) const {
+  std::lock_guard lk(mu_);
+  std::vector<TokenLogprobs> out;
+  if (top_k_ < 0) return out;
+  const auto k = static_cast<size_t>(top_k_);
+  for (size_t i = from; i < std::min(to, logprob_.size()); ++i)
+    out.push_back(
+        {logprob_[i],
+         {top_.begin() + static_cast<long>(i * k), top_.begin() + static_cast<long>((i + 1) * k)}});
+  return out;
 }
 
 Completion::State Completion::wait_tokens(size_t have, std::vector<int32_t>* out) {
@@ -292,6 +357,17 @@ int Completion::slice() const {
 void Completion::set_slice(int s) {
   std::lock_guard lk(mu_);
   slice_ = s;
+}
+
+void Completion::push(int32_t token, float logprob, const std::pair<int32_t, float>* top,
+                      Clock::time_point now) {
+  {
+    std::lock_guard lk(mu_);
+    SPILLWAY_CHECK(top_k_ >= 0, "completion: logprobs for a request without");
+    logprob_.push_back(logprob);
+    top_.insert(top_.end(), top, top + top_k_);
+  }
+  push(token, now);
 }
 
 void Completion::push(int32_t token, Clock::time_point now) {
@@ -689,8 +765,9 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
       run.prompt_pos += static_cast<size_t>(s.chunks[k].n);
       if (run.prompt_pos < run.r->req.prompt.size()) continue;  // more of the prompt to read
     }
-    run.last = sample(s.logits.data() + k * static_cast<size_t>(c.vocab), c.vocab,
-                      run.r->req.temperature, run.rng);
+    const float* logits = s.logits.data() + k * static_cast<size_t>(c.vocab);
+    run.last = sample(logits, c.vocab, run.r->req.temperature, run.rng);
+    if (run.r->req.logprobs >= 0) held_logprobs(run, logits, c.vocab, run.last);
     ++run.generated;
     ++new_tokens;
     if (const char* why = after_token(run, t1)) finished.push_back({s.who[k], why});
@@ -956,6 +1033,10 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
                   fmt::format("the prompt has {} tokens; this server holds {} per request, prompt "
                               "and output, so a prompt may have at most {}",
                               prompt_tokens, m.o.max_context, m.o.max_context - 1));
+  if (q.logprobs < -1 || q.logprobs > std::min(kMaxLogprobs, vocab))
+    return refuse(SubmitStatus::kInvalid, "logprobs",
+                  fmt::format("logprobs is {}; must be in [0, {}]", q.logprobs,
+                              std::min(kMaxLogprobs, vocab)));
   if (q.max_tokens < 1)
     return refuse(SubmitStatus::kInvalid, "max_tokens",
                   fmt::format("max_tokens is {}; must be >= 1", q.max_tokens));
@@ -1009,7 +1090,7 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
   auto r = std::make_shared<Request>();
   r->req = q;
   r->model = model;
-  r->out = std::make_shared<Completion>(q.max_tokens);
+  r->out = std::make_shared<Completion>(q.max_tokens, q.logprobs);
   r->out->submitted = Clock::now();
   std::lock_guard lk(m.mu);
   if (m.draining) {

@@ -231,6 +231,52 @@ TEST(HttpServer, BadRequestsGetOpenAIErrorsNamingTheField) {
   EXPECT_EQ(s.engine.metrics().requests.at("ok"), 1);
 }
 
+// Note [Logprobs]: OpenAI's completions logprobs (tokens, token_logprobs, top_logprobs by
+// text, text_offset) plus the top entries by id; the same in a stream, token by token; a
+// logprobs outside [0, 20] or not an integer is a 400 naming it.
+TEST(HttpServer, LogprobsInOpenAIsShapeStreamedOrNot) {
+  Served s(fast());
+  httplib::Client cli = s.client();
+  const json body = {{"model", "tiny-a"},
+                     {"prompt", "log probs "},
+                     {"max_tokens", 6},
+                     {"temperature", 0},
+                     {"logprobs", 3}};
+  const httplib::Result whole = post(cli, body);
+  ASSERT_TRUE(whole) << httplib::to_string(whole.error());
+  ASSERT_EQ(whole->status, 200) << whole->body;
+  const json choice = json::parse(whole->body).at("choices").at(0);
+  const std::vector<int32_t> tokens = token_ids(choice);
+  const json& lp = choice.at("logprobs");
+  ASSERT_EQ(lp.at("tokens").size(), tokens.size());
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    EXPECT_EQ(lp.at("tokens")[t], std::string(1, static_cast<char>(tokens[t])));
+    EXPECT_EQ(lp.at("text_offset")[t], t);
+    ASSERT_EQ(lp.at("top_logprob_ids")[t].size(), 3u);
+    EXPECT_EQ(lp.at("top_logprob_ids")[t][0][0], tokens[t]);  // greedy: the most likely
+    EXPECT_EQ(lp.at("top_logprob_ids")[t][0][1], lp.at("token_logprobs")[t]);
+    EXPECT_LE(lp.at("top_logprobs")[t].size(), 3u);
+  }
+  json streamed = body;
+  streamed["stream"] = true;
+  const httplib::Result res = post(cli, streamed);
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  const std::vector<std::string> payloads = sse_payloads(res->body);
+  ASSERT_EQ(payloads.size(), tokens.size() + 2) << res->body;
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    const json one = json::parse(payloads[t]).at("choices").at(0).at("logprobs");
+    EXPECT_EQ(one.at("token_logprobs")[0], lp.at("token_logprobs")[t]) << t;
+    EXPECT_EQ(one.at("top_logprob_ids")[0], lp.at("top_logprob_ids")[t]) << t;
+    EXPECT_EQ(one.at("text_offset")[0], t);
+  }
+  EXPECT_TRUE(json::parse(payloads[tokens.size()]).at("choices").at(0).at("logprobs").is_null());
+  for (const json& bad : {json(21), json(-1), json("3"), json(1.5)}) {
+    json b = body;
+    b["logprobs"] = bad;
+    expect_api_error(post(cli, b), 400, "logprobs");
+  }
+}
+
 TEST(HttpServer, AStopStringEndsTheTextBeforeIt) {
   Served s(fast("7g.96gb", 0.0));
   httplib::Client cli = s.client();

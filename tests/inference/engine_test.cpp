@@ -334,6 +334,9 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
   // A config the decoder would compute differently (MLP biases); RoPE scaling is read with
   // the config instead (Note [RoPE scaling]; tests/nn/rope_scaling_test.cpp).
   EXPECT_NO_THROW(check_servable_config("x", R"({"rope_scaling": {"rope_type": "llama3"}})"));
+  spillway::testing::expect_error(
+      [&] { check_servable_config("x", R"({"quantization_config": {"quant_method": "fp8"}})"); },
+      {"quantization_config", "quant_method \"fp8\""});
   spillway::testing::expect_error([&] { check_servable_config("x", R"({"mlp_bias": true})"); },
                                   {"mlp_bias"});
   EXPECT_NO_THROW(check_servable_config("x", R"({"attention_bias": true})"));  // served
@@ -516,6 +519,72 @@ TEST(ServingEngine, StopSequencesEndTheOutputBeforeThemAndHoldNothingBack) {
     const SubmitResult x = e.submit(q);
     EXPECT_EQ(x.status, SubmitStatus::kInvalid) << x.message;
     EXPECT_EQ(x.field, "stop");
+  }
+}
+
+// Note [Logprobs]: each token's log-probability and the k most likely (sorted, the greedy
+// choice first and equal to its own), the same with a stop sequence holding tokens back and
+// in a streaming read; logprobs outside [0, 20] refused naming the field.
+TEST(ServingEngine, LogprobsComeWithTheirTokensHeldOrNot) {
+  const Models& m = models();
+  ServingEngine e(m.files, fast("7g.96gb", 0.0));
+  CompletionRequest q = request("tiny-a", "log probabilities", 12);
+  q.logprobs = 4;
+  const SubmitResult r = e.submit(q);
+  ASSERT_EQ(r.status, SubmitStatus::kAccepted);
+  std::vector<int32_t> all;
+  std::vector<TokenLogprobs> streamed;
+  while (r.completion->wait_tokens(all.size(), &all) == Completion::State::kRunning) {
+    const std::vector<TokenLogprobs> more = r.completion->logprobs(streamed.size(), all.size());
+    streamed.insert(streamed.end(), more.begin(), more.end());
+  }
+  const std::vector<TokenLogprobs> lps = r.completion->logprobs(0, all.size());
+  ASSERT_EQ(lps.size(), all.size());
+  for (size_t t = 0; t < all.size(); ++t) {
+    ASSERT_EQ(lps[t].top.size(), 4u);
+    EXPECT_EQ(lps[t].top[0].first, all[t]) << t;  // greedy: the most likely
+    EXPECT_EQ(lps[t].top[0].second, lps[t].logprob) << t;
+    double mass = 0;
+    for (size_t i = 0; i < 4; ++i) {
+      mass += std::exp(lps[t].top[i].second);
+      EXPECT_LE(lps[t].top[i].second, 0.0f);
+      if (i > 0) {
+        EXPECT_GE(lps[t].top[i - 1].second, lps[t].top[i].second);
+      }
+    }
+    EXPECT_LE(mass, 1.0 + 1e-6);
+    if (t < streamed.size()) {
+      EXPECT_EQ(streamed[t].top, lps[t].top);
+    }
+  }
+  // A stop sequence (tokens 6, 7): tokens held back keep their logprobs.
+  CompletionRequest stopped = q;
+  stopped.stop = {{all[6], all[7]}};
+  size_t at = 0;
+  while (!(all[at] == all[6] && all[at + 1] == all[7])) ++at;
+  const SubmitResult s = e.submit(stopped);
+  ASSERT_EQ(s.status, SubmitStatus::kAccepted);
+  std::vector<int32_t> got;
+  while (s.completion->wait_tokens(got.size(), &got) == Completion::State::kRunning) {
+  }
+  ASSERT_EQ(got.size(), at);
+  const std::vector<TokenLogprobs> held = s.completion->logprobs(0, got.size());
+  ASSERT_EQ(held.size(), at);
+  for (size_t t = 0; t < at; ++t) {
+    EXPECT_EQ(held[t].logprob, lps[t].logprob) << t;
+    EXPECT_EQ(held[t].top, lps[t].top) << t;
+  }
+  // Without logprobs: none kept.
+  const SubmitResult plain = e.submit(request("tiny-a", "log probabilities", 4));
+  std::vector<int32_t> p;
+  while (plain.completion->wait_tokens(p.size(), &p) == Completion::State::kRunning) {
+  }
+  EXPECT_TRUE(plain.completion->logprobs(0, p.size()).empty());
+  for (int bad : {-2, 21}) {
+    q.logprobs = bad;
+    const SubmitResult x = e.submit(q);
+    EXPECT_EQ(x.status, SubmitStatus::kInvalid) << bad;
+    EXPECT_EQ(x.field, "logprobs");
   }
 }
 
