@@ -66,6 +66,10 @@ struct DecodeChunk {
   int sequence = 0;                 // 0 .. max_sequences - 1
   const int32_t* tokens = nullptr;  // appended at the sequence's length
   int n = 0;                        // >= 1
+  // Note [Dynamic RoPE]: the sequence length whose frequencies a dynamic RoPE rotates this
+  // chunk at (a prompt's chunks: the whole prompt's, as transformers' one prefill call
+  // does); 0: the sequence's length after the chunk.
+  int rope_length = 0;
 };
 
 class Decoder {

@@ -744,7 +744,9 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
                                 run.r->chunk, static_cast<int64_t>(prompt.size() - run.prompt_pos)))
                           : 1;
     if (rows + n > o.max_step_tokens) continue;
-    s.chunks.push_back({run.sequence, prefill ? prompt.data() + run.prompt_pos : &run.last, n});
+    // Note [Dynamic RoPE]: a prompt's chunks rotate at the whole prompt's length.
+    s.chunks.push_back({run.sequence, prefill ? prompt.data() + run.prompt_pos : &run.last, n,
+                        prefill ? static_cast<int>(prompt.size()) : 0});
     s.who.push_back(i);
     rows += n;
   }

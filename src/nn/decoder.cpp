@@ -556,16 +556,18 @@ void Decoder::step(const DecodeChunk* chunks, int count, WeightSource& weights, 
   for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i)
     std::copy(chunks[i].tokens, chunks[i].tokens + chunks[i].n, m.tokens + r);
   // Note [Dynamic RoPE]: a chunk that takes its sequence past max_position_embeddings
-  // rotates its queries and keys at the frequencies of its sequence's new length (keys
-  // cached before keep theirs: transformers' cache does the same); others read the table.
+  // rotates its queries and keys at the frequencies of its sequence's new length, or of its
+  // rope_length (a prompt's chunks: the whole prompt, as transformers' prefill), keys cached
+  // before keeping theirs (transformers' cache does the same); others read the table.
   for (int i = 0, r = 0; i < count; r += chunks[i].n, ++i) {
     const int pos = m.lengths[static_cast<size_t>(chunks[i].sequence)];
     const auto at = static_cast<size_t>(i);
     m.chunk_cos[at] = m.rope_cos;
     m.chunk_sin[at] = m.rope_sin;
     m.chunk_first[at] = 0;
-    if (c.rope_dynamic_factor > 0 && pos + chunks[i].n > c.rope_dynamic_length) {
-      dynamic_frequencies(c, pos + chunks[i].n, m.dyn_inv);
+    const int length = std::max(pos + chunks[i].n, chunks[i].rope_length);
+    if (c.rope_dynamic_factor > 0 && length > c.rope_dynamic_length) {
+      dynamic_frequencies(c, length, m.dyn_inv);
       const size_t row = static_cast<size_t>(r) * m.dyn_inv.size();
       fill_rope(m.dyn_inv, 1.0, pos, chunks[i].n, m.dyn_cos + row, m.dyn_sin + row);
       m.chunk_cos[at] = m.dyn_cos + row;
