@@ -78,6 +78,7 @@ bench: build
 	./$(BUILD)/bin/spillway bench stream
 	./$(BUILD)/bin/spillway bench serve
 	./$(BUILD)/bin/spillway bench serve-live
+	$(PYTHON) bench/text/bench_tokenizer.py --build $(BUILD)
 	./$(BUILD)/bin/spillway train --model small-moe --steps 6 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet --optimizer offload
 	./$(BUILD)/bin/spillway train --model small-moe --compare --steps 4 --micro-batch 16 --seq-len 64 --device-memory-mb 512 --d2h-gbps 10 --h2d-gbps 10 --quiet
 

@@ -44,6 +44,22 @@ if(NOT TARGET hwy::hwy)
   endif()
 endif()
 
+# PCRE2 (8-bit) and utf8proc: the tokenizer's regular expressions with Unicode classes and
+# its Unicode normalization (src/text).
+foreach(lib pcre2-8 utf8proc)
+  if(NOT TARGET spillway_deps::${lib})
+    string(TOUPPER "${lib}" var)
+    string(REPLACE "-" "_" var "${var}")
+    find_library(${var}_LIBRARY ${lib})
+    if(${var}_LIBRARY)
+      add_library(spillway_deps::${lib} UNKNOWN IMPORTED)
+      set_target_properties(spillway_deps::${lib} PROPERTIES IMPORTED_LOCATION "${${var}_LIBRARY}")
+    else()
+      list(APPEND SPILLWAY_SYSTEM_LIBS_MISSING "${lib} (${var}_LIBRARY)")
+    endif()
+  endif()
+endforeach()
+
 # cpp-httplib (the live server): Debian builds it as a library, with the defines its header
 # needs to match the library's build (its pkg-config file's).
 if(NOT TARGET spillway_deps::httplib)

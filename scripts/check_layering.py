@@ -34,9 +34,10 @@ ARROWS = {
     "train": ["nn", "probe", "offload", "optim", "stream"],  # the reference model trained with the engines
     # host-resident serving (docs/serve.md); its trace replay runs on the simulator's engine
     "serve": ["memory", "catalog", "sim"],
-    "inference": ["nn", "serve"],  # the inference engine: the decoder over the serving parts
+    "text": ["core"],  # a model's tokenizer and chat templates
+    "inference": ["nn", "serve", "text"],  # the inference engine: the decoder over the serving parts
     "http": ["inference"],  # its front ends: the HTTP endpoint, live replay and load (httplib)
-    "cli": ["train", "sim", "probe", "serve", "inference", "http", "tool"],  # a leaf: nothing depends on it
+    "cli": ["train", "sim", "probe", "serve", "inference", "http", "text", "tool"],  # a leaf: nothing depends on it
     "tool": ["core"],  # what the spillway tools share (the CLI, spillway-bench): outputs, ranges
     # python/src: the extension module of the Python package, a leaf over the engines'
     # and the planner's public headers (docs/python.md)
@@ -60,6 +61,7 @@ PUBLIC = {
     "train": "train",
     "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
     "inference": "inference", "http_server": "http", "live": "http",
+    "tokenizer": "text", "chat_template": "text",
 }
 
 # Sockets: public headers that only their part's backends include; every other part uses

@@ -31,6 +31,7 @@ DEPS_PACKAGES=(
   libopenblas-dev libopenblas-pthread-dev libopenblas0-pthread libgfortran5 libquadmath0
   libhwy-dev libhwy1 libcpp-httplib-dev libcpp-httplib0.11
   libssl-dev libssl3 zlib1g-dev libbrotli-dev libbrotli1
+  libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2
 )
 # What the device machine carries: the tree and .gpu-deps together (docs/gpu.md).
 readonly CARRY_LIMIT_MIB=64

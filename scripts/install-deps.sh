@@ -16,6 +16,7 @@ packages=(
   libopenblas-dev                 # BLAS for the reference model (src/nn)
   libhwy-dev                      # portable SIMD with run-time dispatch (optimizer offload)
   libcpp-httplib-dev              # HTTP server of `spillway serve`
+  libpcre2-dev libutf8proc-dev    # the tokenizer: regexes with Unicode classes, normalization
   python3 python3-venv            # test helpers that read JSON output; the Python env
   file                            # scripts that name what a binary is
 )

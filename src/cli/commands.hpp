@@ -38,5 +38,7 @@ void add_replay_command(CLI::App& app);
 void add_serve_command(CLI::App& app);
 void add_checkpoint_command(CLI::App& app);
 void add_load_command(CLI::App& app);
+void add_tokenize_command(CLI::App& app);
+void add_chat_template_command(CLI::App& app);
 
 }  // namespace spillway::cli

@@ -40,6 +40,8 @@ int run(int argc, char** argv) {
   spillway::cli::add_serve_command(app);
   spillway::cli::add_checkpoint_command(app);
   spillway::cli::add_load_command(app);
+  spillway::cli::add_tokenize_command(app);
+  spillway::cli::add_chat_template_command(app);
   // A first word that names no subcommand: say which ones exist (CLI11 would only say that
   // one is required).
   if (argc >= 2 && argv[1][0] != '-' && !known_subcommand(app, argv[1])) {
