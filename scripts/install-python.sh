@@ -7,6 +7,7 @@
 #   scripts/install-python.sh            create it when missing
 #   scripts/install-python.sh --print    print its path (creates nothing)
 #   scripts/install-python.sh --bench    also the benchmarks' peers (python/requirements-bench.txt)
+# The client layer (python/requirements-client.txt: the OpenAI client) is always added on top.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +22,18 @@ if [ "${1:-}" = "--print" ]; then
 fi
 bench=0
 [ "${1:-}" = "--bench" ] && bench=1
+# The client layer (python/requirements-client.txt): on top, without changing the
+# environment's key, added to an environment made before it existed.
+client_layer() {
+  [ -f "$venv/.client-complete" ] && cmp -s python/requirements-client.txt "$venv/.client-complete" && return 0
+  echo "install-python: adding the client layer (python/requirements-client.txt) to $venv"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-input --progress-bar off \
+    -r python/requirements-client.txt
+  "$venv/bin/python" -c 'import openai' >/dev/null
+  cp python/requirements-client.txt "$venv/.client-complete"
+}
 if [ -f "$venv/.complete" ]; then
+  client_layer
   [ $bench -eq 0 ] && exit 0
   [ -f "$venv/.bench-complete" ] && cmp -s python/requirements-bench.txt "$venv/.bench-complete" && exit 0
   echo "install-python: adding the benchmarks' peers (python/requirements-bench.txt) to $venv"
@@ -47,6 +59,7 @@ x = torch.ones(4, requires_grad=True)
 assert torch.equal(x.grad, 2 * torch.ones(4))
 PY
 touch "$venv/.complete"
+client_layer
 echo "install-python: done in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"
 [ $bench -eq 1 ] && exec bash "$0" --bench
 exit 0

@@ -39,10 +39,12 @@
 #include <string>
 #include <vector>
 
+#include "spillway/chat_template.hpp"
 #include "spillway/decoder.hpp"
 #include "spillway/inventory.hpp"
 #include "spillway/nn.hpp"
 #include "spillway/serve.hpp"
+#include "spillway/tokenizer.hpp"
 
 namespace spillway::inference {
 
@@ -175,10 +177,14 @@ struct CompletionRequest {
   std::vector<int32_t> prompt;
   int max_tokens = 16;
   double temperature = 0.0;  // 0: greedy
+  double top_p = 1.0;        // Note [Sampling]: (0, 1]; < 1: the nucleus
   uint64_t seed = 0;
   // Up to 4 sequences of 1 to 64 tokens: the request ends when its output would end with
   // one, which is left out (Note [Stop sequences] in engine.cpp).
   std::vector<std::vector<int32_t>> stop;
+  // Note [Model text]: end-of-sequence tokens (a checkpoint's generation_config.json): the
+  // request ends when it samples one ("stop"), which is left out. At most 16.
+  std::vector<int32_t> eos;
   // Note [Logprobs]: -1: none; 0 to kMaxLogprobs: each generated token's log-probability and
   // the `logprobs` most likely tokens' (OpenAI's completions `logprobs`).
   int logprobs = -1;
@@ -269,6 +275,26 @@ struct SubmitResult {
   std::shared_ptr<Completion> completion;  // kAccepted
 };
 
+// Note [Model text]: what a model directory carries for text, read at start: tokenizer.json
+// (Tokenizer), the chat template (chat_template.jinja, or tokenizer_config.json's
+// "chat_template": a string, or the "default" of a list), the BOS and EOS token strings
+// (tokenizer_config.json's bos_token and eos_token, strings or {"content": ...}), and the
+// EOS ids (generation_config.json's eos_token_id, an id or a list; else the EOS string's id).
+// A directory without a tokenizer.json serves token ids only (its `unavailable` says why
+// text is not served); one whose files cannot be read or use what the tokenizer or the
+// template reader does not implement is served the same, the reason kept there (and
+// printed at startup).
+struct ModelText {
+  std::unique_ptr<text::Tokenizer> tokenizer;  // null: token ids only
+  std::unique_ptr<text::ChatTemplate> chat;    // null: no chat template
+  std::string bos_token, eos_token;
+  std::vector<int32_t> eos;
+  std::string unavailable;       // why there is no tokenizer ("" when there is one)
+  std::string chat_unavailable;  // why there is no chat template
+};
+// Reads the text files of model directory `dir` (Note [Model text]); never throws.
+ModelText read_model_text(const std::string& dir);
+
 struct ServedModelInfo {
   std::string name;
   int64_t weight_bytes = 0;
@@ -278,6 +304,7 @@ struct ServedModelInfo {
   int layers = 0;
   bool resident = false;
   std::string config_json;  // its config.json's text
+  std::string text;         // Note [Model text]: "tokenizer and chat template", or why not
 };
 
 // Counters since start and the live state, for /metrics.
@@ -335,6 +362,8 @@ class ServingEngine {
   // The models left out (EngineOptions::skip_refused, refused_already), by name, with why.
   const std::vector<RefusedModel>& refused() const;
   const nn::RefConfig& config(const std::string& model) const;  // throws naming it if absent
+  // Note [Model text]: the model's tokenizer and chat template; null for a model not served.
+  const ModelText* text(const std::string& model) const;
   EngineMetrics metrics() const;
   int slices() const;
   const EngineOptions& options() const;

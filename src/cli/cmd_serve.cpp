@@ -251,9 +251,9 @@ void add_serve_command(CLI::App& app) {
     inference::ServingEngine engine(scan.models, engine_options, std::move(scan.refused));
     http::HttpServer http(engine, st->http);
     for (const inference::ServedModelInfo& m : engine.models())
-      std::printf("  model %s: %s, %d layers, vocab %d, %.1f MB %s\n", m.name.c_str(),
+      std::printf("  model %s: %s, %d layers, vocab %d, %.1f MB %s; text: %s\n", m.name.c_str(),
                   m.family.c_str(), m.layers, m.vocab, static_cast<double>(m.weight_bytes) / 1e6,
-                  to_string(m.dtype).c_str());
+                  to_string(m.dtype).c_str(), m.text.c_str());
     for (const inference::RefusedModel& r : engine.refused())
       std::printf("  refused %s: %s\n", r.name.c_str(), r.why.c_str());
     std::printf("  %d slices of %s %s, rates x %g; alpha %s\n", engine.slices(),

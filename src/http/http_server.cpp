@@ -15,6 +15,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "http/http_connection.hpp"
@@ -74,8 +75,60 @@ constexpr const char* kKnownFields[] = {"model",
                                         "user",
                                         "stream_options"};
 
+// Note [Text out]: a tokenizer model's output as text while its tokens come: detokenized
+// incrementally (text::StreamDecoder, special tokens left out), then held back while its end
+// could begin a stop string; a stop string found ends the text before it (the request is
+// then cancelled: nothing after it is generated). The pieces never split a character.
+class TextOut {
+ public:
+  TextOut(const text::Tokenizer& t, std::vector<std::string> stops)
+      : dec_(t, true), stops_(std::move(stops)) {}
+  std::string push(int32_t id) { return feed(dec_.push(id), false); }
+  std::string finish() { return feed(dec_.finish(), true); }
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::string feed(const std::string& piece, bool last) {
+    if (stopped_) return {};
+    pending_ += piece;
+    size_t cut = std::string::npos;
+    for (const std::string& st : stops_) cut = std::min(cut, pending_.find(st));
+    if (cut != std::string::npos) {
+      stopped_ = true;
+      std::string out = pending_.substr(0, cut);
+      pending_.clear();
+      return out;
+    }
+    size_t keep = 0;  // the longest end of pending_ that begins a stop string
+    if (!last) {
+      for (const std::string& st : stops_) {
+        for (size_t k = std::min(st.size() - 1, pending_.size()); k > keep; --k) {
+          if (pending_.compare(pending_.size() - k, k, st, 0, k) == 0) {
+            keep = k;
+            break;
+          }
+        }
+      }
+    }
+    std::string out = pending_.substr(0, pending_.size() - keep);
+    pending_.erase(0, pending_.size() - keep);
+    return out;
+  }
+  text::StreamDecoder dec_;
+  std::vector<std::string> stops_;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+// A request's text handling (Note [Text out]): the model's tokenizer when the model has one
+// (text prompts encoded by it, the output decoded), and its stop strings.
+struct TextMode {
+  const inference::ModelText* model = nullptr;  // null: bytes (a byte-level model) or ids
+  std::vector<std::string> stop;
+};
+
 inference::CompletionRequest parse_request(const json& body, const inference::ServingEngine& engine,
-                                           bool* stream, bool* include_usage) {
+                                           bool* stream, bool* include_usage, TextMode* tm) {
   if (!body.is_object()) throw FieldError{"", "the request body must be a JSON object"};
   std::string unknown, first_unknown;
   for (const auto& [key, value] : body.items()) {
@@ -101,7 +154,19 @@ inference::CompletionRequest parse_request(const json& body, const inference::Se
   } catch (const Error&) {
     vocab = 0;  // the engine answers the unknown model (404)
   }
-  if (p.is_string()) {
+  const inference::ModelText* mt = engine.text(q.model);
+  if (mt != nullptr && mt->tokenizer) {
+    tm->model = mt;
+    q.eos = mt->eos;  // Note [Model text]
+  }
+  if (p.is_string() && tm->model != nullptr) {
+    // The checkpoint's own tokenizer, its special tokens (a BOS) added, as vLLM does.
+    try {
+      q.prompt = tm->model->tokenizer->encode(p.get<std::string>(), true);
+    } catch (const Error& e) {
+      throw FieldError{"prompt", e.what()};
+    }
+  } else if (p.is_string()) {
     if (vocab != 0 && vocab < 256)
       throw FieldError{"prompt", fmt::format("model {} has a vocabulary of {} tokens, not bytes: "
                                              "send the prompt as an array of token ids",
@@ -197,7 +262,13 @@ inference::CompletionRequest parse_request(const json& body, const inference::Se
   auto equals = [](double d) { return [d](const json& v) { return v.is_number() && v == d; }; };
   only_default("n", equals(1));
   only_default("best_of", equals(1));
-  only_default("top_p", equals(1));
+  if (body.contains("top_p") && !body["top_p"].is_null()) {  // Note [Sampling]
+    const json& v = body["top_p"];
+    if (!v.is_number()) throw FieldError{"top_p", "'top_p' must be a number, not " + type_name(v)};
+    q.top_p = v.get<double>();
+    if (!(q.top_p > 0.0 && q.top_p <= 1.0))
+      throw FieldError{"top_p", fmt::format("'top_p' is {}; must be in (0, 1]", q.top_p)};
+  }
   only_default("presence_penalty", equals(0));
   only_default("frequency_penalty", equals(0));
   only_default("echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
@@ -223,6 +294,14 @@ inference::CompletionRequest parse_request(const json& body, const inference::Se
                        "'stop' must be a string or an array of strings, not " + type_name(v)};
     for (size_t i = 0; i < list.size(); ++i) {
       std::vector<int32_t> seq;
+      if (list[i].is_string() && tm->model != nullptr) {  // Note [Text out]: matched in text
+        if (list[i].get<std::string>().empty())
+          throw FieldError{"stop", fmt::format("stop[{}] is empty", i)};
+        if (tm->stop.size() + q.stop.size() >= 4)
+          throw FieldError{"stop", "at most 4 stop sequences"};
+        tm->stop.push_back(list[i].get<std::string>());
+        continue;
+      }
       if (list[i].is_string()) {
         for (unsigned char ch : list[i].get<std::string>()) seq.push_back(ch);
       } else if (list[i].is_array()) {
@@ -331,6 +410,11 @@ struct HttpServer::Impl {
   }
 
   void completions(httplib::Response& res, const httplib::ContentReader& reader);
+  void chat_completions(httplib::Response& res, const httplib::ContentReader& reader);
+  // The body, at most kMaxBody bytes, into *text; false: answered (413 or 400).
+  bool read_body(httplib::Response& res, const httplib::ContentReader& reader, std::string* text);
+  // Answers a refused submit; true: accepted.
+  bool accepted(httplib::Response& res, const inference::SubmitResult& r);
   void routes();
 };
 
@@ -370,8 +454,9 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
   }
   inference::CompletionRequest q;
   bool stream = false, include_usage = false;
+  TextMode tm;
   try {
-    q = parse_request(body, engine, &stream, &include_usage);
+    q = parse_request(body, engine, &stream, &include_usage, &tm);
   } catch (const FieldError& e) {
     refuse(400, e.message, e.field, "");
     return;
@@ -407,30 +492,45 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
     std::vector<int32_t> tokens;
     inference::Completion::State st = inference::Completion::State::kRunning;
     ConnectionStream* conn = current_connection();
+    // Note [Text out]: a tokenizer model's text, its stop strings ending it.
+    std::unique_ptr<TextOut> tout;
+    if (tm.model != nullptr) tout = std::make_unique<TextOut>(*tm.model->tokenizer, tm.stop);
+    std::string out_text;
+    size_t fed = 0;
+    const auto feed = [&] {
+      if (!tout) return;
+      while (fed < tokens.size()) out_text += tout->push(tokens[fed++]);
+      if (tout->stopped() && !c->cancelled()) c->cancel("stop");
+    };
     while ((st = c->wait_tokens_for(tokens.size(), &tokens, std::chrono::milliseconds(50))) ==
            inference::Completion::State::kRunning) {
+      feed();
       if (conn != nullptr && !c->cancelled() && conn->peer_closed()) {
         c->cancel();
         conn->close_after = true;
       }
     }
-    if (st == inference::Completion::State::kCancelled && conn != nullptr && conn->close_after) {
+    feed();
+    const bool text_stop = tout && tout->stopped();
+    if (tout && !text_stop) out_text += tout->finish();
+    if (st == inference::Completion::State::kCancelled && !text_stop && conn != nullptr &&
+        conn->close_after) {
       res.status = 499;  // nobody reads it: the connection is closed after it
       return;
     }
-    if (st != inference::Completion::State::kDone) {
+    if (st != inference::Completion::State::kDone && !text_stop) {
       send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
                  "server_unavailable", "", "unavailable");
       return;
     }
     json choice = {
         {"index", 0},
-        {"text", token_text(tokens, 0, vocab)},
+        {"text", tout ? out_text : token_text(tokens, 0, vocab)},
         {"token_ids", tokens},
         {"logprobs", q.logprobs < 0
                          ? json(nullptr)
                          : logprobs_json(tokens, 0, c->logprobs(0, tokens.size()), vocab)},
-        {"finish_reason", c->finish_reason()}};
+        {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()}};
     json out = {{"id", id},
                 {"object", "text_completion"},
                 {"created", now},
@@ -449,10 +549,12 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
   begin_write();
   auto sent = std::make_shared<size_t>(0);
   auto finished = std::make_shared<bool>(false);
+  std::shared_ptr<TextOut> tout;  // Note [Text out]
+  if (tm.model != nullptr) tout = std::make_shared<TextOut>(*tm.model->tokenizer, tm.stop);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage,
+      [c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage, tout,
        logprobs = q.logprobs, prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
         auto write = [&](const json& choices, const json& usage) {
           json ev = {{"id", id},
@@ -466,12 +568,15 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
         };
         auto event = [&](const json& choice) { return write(json::array({choice}), nullptr); };
         std::vector<int32_t> fresh;
-        const inference::Completion::State st = c->wait_tokens(*sent, &fresh);
+        inference::Completion::State st = c->wait_tokens(*sent, &fresh);
         for (int32_t t : fresh) {
           const std::vector<int32_t> one{t};
+          if (tout && tout->stopped()) break;
+          const std::string piece = tout ? tout->push(t) : token_text(one, 0, vocab);
+          if (tout && tout->stopped() && !c->cancelled()) c->cancel("stop");
           if (!event(
                   {{"index", 0},
-                   {"text", token_text(one, 0, vocab)},
+                   {"text", piece},
                    {"token_ids", one},
                    {"logprobs", logprobs < 0 ? json(nullptr)
                                              : logprobs_json(one, 0, c->logprobs(*sent, *sent + 1),
@@ -482,13 +587,15 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
           }
           ++*sent;
         }
-        if (st == inference::Completion::State::kRunning) return true;
-        if (st == inference::Completion::State::kDone) {
+        const bool text_stop = tout && tout->stopped();
+        if (st == inference::Completion::State::kRunning && !text_stop) return true;
+        if (st == inference::Completion::State::kDone || text_stop) {
+          const std::string rest = tout && !text_stop ? tout->finish() : std::string();
           if (!event({{"index", 0},
-                      {"text", ""},
+                      {"text", rest},
                       {"token_ids", json::array()},
                       {"logprobs", nullptr},
-                      {"finish_reason", c->finish_reason()},
+                      {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()},
                       {"spillway", extension(*c, seed)}}))
             return false;
           if (include_usage && !write(json::array(), {{"prompt_tokens", prompt_tokens},
@@ -518,10 +625,324 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
       });
 }
 
+bool HttpServer::Impl::read_body(httplib::Response& res, const httplib::ContentReader& reader,
+                                 std::string* text) {
+  bool too_large = false;
+  const bool read = reader([&](const char* data, size_t n) {
+    if (text->size() + n > kMaxBody) {
+      too_large = true;
+      return false;
+    }
+    text->append(data, n);
+    return true;
+  });
+  if (read) return true;
+  if (current_connection() != nullptr) current_connection()->close_after = true;
+  engine.count_outcome("invalid");
+  if (too_large || res.status == 413)
+    send_error(res, 413, fmt::format("the request body is over {} bytes", kMaxBody),
+               "invalid_request_error", "", "too_large");
+  else
+    send_error(res, 400, "the request body could not be read to its end", "invalid_request_error",
+               "", "");
+  return false;
+}
+
+bool HttpServer::Impl::accepted(httplib::Response& res, const inference::SubmitResult& r) {
+  switch (r.status) {
+    case inference::SubmitStatus::kAccepted:
+      return true;
+    case inference::SubmitStatus::kInvalid:
+      send_error(res, 400, r.message, "invalid_request_error", r.field, "");
+      return false;
+    case inference::SubmitStatus::kUnknownModel:
+      send_error(res, 404, r.message, "invalid_request_error", "model", "model_not_found");
+      return false;
+    case inference::SubmitStatus::kOverloaded:
+      res.set_header("Retry-After", "1");
+      send_error(res, 429, r.message, "server_overloaded", "", "overloaded");
+      return false;
+    case inference::SubmitStatus::kDraining:
+      send_error(res, 503, r.message, "server_unavailable", "", "draining");
+      return false;
+    case inference::SubmitStatus::kUnavailable:
+      send_error(res, 503, r.message, "server_unavailable", r.field, "unavailable");
+      return false;
+  }
+  return false;
+}
+
+// Note [Chat completions]: OpenAI's /v1/chat/completions for a model with a tokenizer and a
+// chat template (Note [Model text]): the messages (and tools, and chat_template_kwargs as
+// vLLM takes them) rendered by the model's template with add_generation_prompt, as
+// transformers' apply_chat_template renders them, then encoded without added special
+// tokens (the template writes its own BOS); the sampling fields are the completions
+// endpoint's (max_completion_tokens or max_tokens; default: the rest of the context); the
+// reply is the assistant's text, detokenized as it comes (Note [Text out]), ending at an EOS
+// (finish_reason "stop"), a stop string ("stop") or max tokens ("length").
+void HttpServer::Impl::chat_completions(httplib::Response& res,
+                                        const httplib::ContentReader& reader) {
+  auto refuse = [&](int status, const std::string& message, const std::string& param,
+                    const std::string& code) {
+    engine.count_outcome(status == 404 ? "unknown_model" : "invalid");
+    send_error(res, status, message, "invalid_request_error", param, code);
+  };
+  std::string raw;
+  if (!read_body(res, reader, &raw)) return;
+  nlohmann::ordered_json body;
+  try {
+    body = nlohmann::ordered_json::parse(raw);
+  } catch (const nlohmann::ordered_json::exception& e) {
+    refuse(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "");
+    return;
+  }
+  if (!body.is_object()) {
+    refuse(400, "the request body must be a JSON object", "", "");
+    return;
+  }
+  static const std::set<std::string> kChatOnly = {
+      "messages",        "max_completion_tokens", "tools",
+      "tool_choice",     "parallel_tool_calls",   "chat_template_kwargs",
+      "response_format", "top_logprobs",          "logprobs"};
+  static const std::set<std::string> kShared = {
+      "model", "max_tokens",       "temperature",       "top_p",
+      "seed",  "stream",           "stream_options",    "stop",
+      "n",     "presence_penalty", "frequency_penalty", "logit_bias",
+      "user"};
+  for (const auto& [key, value] : body.items()) {
+    if (kChatOnly.count(key) == 0 && kShared.count(key) == 0) {
+      refuse(400, fmt::format("unrecognized request argument(s) supplied: '{}'", key), key, "");
+      return;
+    }
+  }
+  if (!body.contains("model") || !body["model"].is_string()) {
+    refuse(400, "'model' is required (a string)", "model", "");
+    return;
+  }
+  const std::string model = body["model"].get<std::string>();
+  const inference::ModelText* mt = engine.text(model);
+  if (mt == nullptr) {
+    refuse(404, fmt::format("model '{}' is not served", model), "model", "model_not_found");
+    return;
+  }
+  if (!mt->tokenizer || !mt->chat) {
+    refuse(400,
+           fmt::format("model '{}' serves no chat: {}", model,
+                       !mt->tokenizer ? mt->unavailable : mt->chat_unavailable),
+           "model", "");
+    return;
+  }
+  const auto only = [&](const char* field, auto&& ok) {
+    if (body.contains(field) && !body[field].is_null() && !ok(body[field])) {
+      refuse(400,
+             fmt::format("'{}' = {} is not supported by spillway serve (only its default)", field,
+                         body[field].dump()),
+             field, "");
+      return false;
+    }
+    return true;
+  };
+  if (!only("logprobs", [](const auto& v) { return v.is_boolean() && !v.template get<bool>(); }) ||
+      !only("top_logprobs", [](const auto& v) { return v.is_number() && v == 0; }) ||
+      !only("response_format", [](const auto& v) {
+        return v.is_object() && v.value("type", std::string()) == "text";
+      }))
+    return;
+  if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty()) {
+    refuse(400, "'messages' is required: a non-empty array of messages", "messages", "");
+    return;
+  }
+  for (size_t i = 0; i < body["messages"].size(); ++i) {
+    const auto& m = body["messages"][i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      refuse(400, fmt::format("messages[{}] must be an object with a string 'role'", i), "messages",
+             "");
+      return;
+    }
+  }
+  // The template's context, as transformers passes it.
+  nlohmann::ordered_json ctx = {
+      {"messages", body["messages"]}, {"tools", body.contains("tools") ? body["tools"] : nullptr},
+      {"documents", nullptr},         {"add_generation_prompt", true},
+      {"bos_token", mt->bos_token},   {"eos_token", mt->eos_token}};
+  if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
+    if (!body["chat_template_kwargs"].is_object()) {
+      refuse(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs", "");
+      return;
+    }
+    for (const auto& [k, v] : body["chat_template_kwargs"].items()) ctx[k] = v;
+  }
+  std::vector<int32_t> prompt;
+  try {
+    prompt = mt->tokenizer->encode(mt->chat->render(ctx), false);
+  } catch (const Error& e) {
+    refuse(400, e.what(), "messages", "");
+    return;
+  }
+  // The sampling fields through the completions endpoint's reader.
+  json completion = {{"model", model}, {"prompt", prompt}};
+  for (const std::string& k : kShared)
+    if (k != "model" && body.contains(k)) completion[k] = json::parse(body[k].dump());
+  if (body.contains("max_completion_tokens") && !body["max_completion_tokens"].is_null())
+    completion["max_tokens"] = json::parse(body["max_completion_tokens"].dump());
+  if (!completion.contains("max_tokens") || completion["max_tokens"].is_null())
+    completion["max_tokens"] =
+        std::max<int64_t>(1, engine.options().max_context - static_cast<int64_t>(prompt.size()));
+  inference::CompletionRequest q;
+  bool stream = false, include_usage = false;
+  TextMode tm;
+  try {
+    q = parse_request(completion, engine, &stream, &include_usage, &tm);
+  } catch (const FieldError& e) {
+    refuse(400, e.message,
+           e.field == "max_tokens" && body.contains("max_completion_tokens")
+               ? "max_completion_tokens"
+               : e.field,
+           "");
+    return;
+  }
+  const inference::SubmitResult r = engine.submit(q);
+  if (!accepted(res, r)) return;
+  const std::string id = fmt::format("chatcmpl-{}", next_id++);
+  const std::time_t now = std::time(nullptr);
+  std::shared_ptr<inference::Completion> c = r.completion;
+  auto tout = std::make_shared<TextOut>(*mt->tokenizer, tm.stop);
+  const auto usage = [prompt_tokens = q.prompt.size()](size_t n) {
+    return json{{"prompt_tokens", prompt_tokens},
+                {"completion_tokens", n},
+                {"total_tokens", prompt_tokens + n}};
+  };
+  if (!stream) {
+    std::vector<int32_t> tokens;
+    inference::Completion::State st = inference::Completion::State::kRunning;
+    ConnectionStream* conn = current_connection();
+    std::string content;
+    size_t fed = 0;
+    const auto feed = [&] {
+      while (fed < tokens.size()) content += tout->push(tokens[fed++]);
+      if (tout->stopped() && !c->cancelled()) c->cancel("stop");
+    };
+    while ((st = c->wait_tokens_for(tokens.size(), &tokens, std::chrono::milliseconds(50))) ==
+           inference::Completion::State::kRunning) {
+      feed();
+      if (conn != nullptr && !c->cancelled() && conn->peer_closed()) {
+        c->cancel();
+        conn->close_after = true;
+      }
+    }
+    feed();
+    const bool text_stop = tout->stopped();
+    if (!text_stop) content += tout->finish();
+    if (st == inference::Completion::State::kCancelled && !text_stop && conn != nullptr &&
+        conn->close_after) {
+      res.status = 499;
+      return;
+    }
+    if (st != inference::Completion::State::kDone && !text_stop) {
+      send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
+                 "server_unavailable", "", "unavailable");
+      return;
+    }
+    const json choice = {{"index", 0},
+                         {"message", {{"role", "assistant"}, {"content", content}}},
+                         {"logprobs", nullptr},
+                         {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()}};
+    const json out = {{"id", id},
+                      {"object", "chat.completion"},
+                      {"created", now},
+                      {"model", model},
+                      {"choices", json::array({choice})},
+                      {"usage", usage(tokens.size())},
+                      {"spillway", extension(*c, q.seed)}};
+    res.set_content(dump(out), "application/json");
+    return;
+  }
+  begin_write();
+  auto sent = std::make_shared<size_t>(0);
+  auto finished = std::make_shared<bool>(false);
+  auto started = std::make_shared<bool>(false);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [c, sent, finished, started, id, now, model, seed = q.seed, include_usage, tout, usage](
+          size_t, httplib::DataSink& sink) {
+        auto write = [&](const json& choices, const json& u) {
+          json ev = {{"id", id},
+                     {"object", "chat.completion.chunk"},
+                     {"created", now},
+                     {"model", model},
+                     {"choices", choices}};
+          if (include_usage) ev["usage"] = u;
+          const std::string line = "data: " + dump(ev) + "\n\n";
+          return sink.write(line.data(), line.size());
+        };
+        auto delta = [&](const json& d, const json& finish) {
+          return write(
+              json::array(
+                  {{{"index", 0}, {"delta", d}, {"logprobs", nullptr}, {"finish_reason", finish}}}),
+              nullptr);
+        };
+        if (!*started) {  // the assistant's role first, as OpenAI's stream does
+          if (!delta({{"role", "assistant"}, {"content", ""}}, nullptr)) {
+            c->cancel();
+            return false;
+          }
+          *started = true;
+        }
+        std::vector<int32_t> fresh;
+        const inference::Completion::State st = c->wait_tokens(*sent, &fresh);
+        for (int32_t t : fresh) {
+          if (tout->stopped()) break;
+          const std::string piece = tout->push(t);
+          if (tout->stopped() && !c->cancelled()) c->cancel("stop");
+          ++*sent;
+          if (!piece.empty() && !delta({{"content", piece}}, nullptr)) {
+            c->cancel();
+            return false;
+          }
+        }
+        const bool text_stop = tout->stopped();
+        if (st == inference::Completion::State::kRunning && !text_stop) return true;
+        if (st == inference::Completion::State::kDone || text_stop) {
+          const std::string rest = text_stop ? std::string() : tout->finish();
+          if (!rest.empty() && !delta({{"content", rest}}, nullptr)) return false;
+          json last = {{"index", 0},
+                       {"delta", json::object()},
+                       {"logprobs", nullptr},
+                       {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()},
+                       {"spillway", extension(*c, seed)}};
+          if (!write(json::array({last}), nullptr)) return false;
+          if (include_usage && !write(json::array(), usage(*sent))) return false;
+        } else {
+          const std::string line =
+              "data: " +
+              dump(json{{"error",
+                         {{"message", c->error().empty() ? "cancelled" : c->error()},
+                          {"type", "server_unavailable"},
+                          {"param", nullptr},
+                          {"code", "unavailable"}}}}) +
+              "\n\n";
+          if (!sink.write(line.data(), line.size())) return false;
+        }
+        static const std::string done = "data: [DONE]\n\n";
+        if (!sink.write(done.data(), done.size())) return false;
+        *finished = true;
+        sink.done();
+        return true;
+      },
+      [this, c, finished](bool) {
+        if (!*finished) c->cancel();
+        end_write();
+      });
+}
+
 void HttpServer::Impl::routes() {
   svr.Post("/v1/completions",
            [this](const httplib::Request&, httplib::Response& res,
                   const httplib::ContentReader& reader) { completions(res, reader); });
+  svr.Post("/v1/chat/completions",
+           [this](const httplib::Request&, httplib::Response& res,
+                  const httplib::ContentReader& reader) { chat_completions(res, reader); });
   auto model_object = [this](const inference::ServedModelInfo& m) {
     return json{{"id", m.name},
                 {"object", "model"},
@@ -532,7 +953,8 @@ void HttpServer::Impl::routes() {
                 {"family", m.family},
                 {"vocab_size", m.vocab},
                 {"layers", m.layers},
-                {"resident", m.resident}};
+                {"resident", m.resident},
+                {"text", m.text}};
   };
   svr.Get("/v1/models", [this, model_object](const httplib::Request&, httplib::Response& res) {
     json data = json::array();

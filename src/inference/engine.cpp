@@ -51,6 +51,7 @@ struct Registered {
   ResolvedWeights parts;  // Note [Checkpoint resolution]
   int64_t weight_bytes = 0;
   DType dtype = DType::kFp32;
+  std::shared_ptr<ModelText> text;  // Note [Model text]
 };
 
 struct Request {
@@ -130,6 +131,13 @@ void held_logprobs(Running& run, const float* logits, int vocab, int32_t token) 
 // at max_tokens everything held is published and it ends with "length". Returns the finish
 // reason, or nullptr while it goes on.
 const char* after_token(Running& run, std::chrono::steady_clock::time_point now) {
+  // Note [Model text]: an end-of-sequence token ends the request, left out.
+  const std::vector<int32_t>& eos = run.r->req.eos;
+  if (std::find(eos.begin(), eos.end(), run.last) != eos.end()) {
+    for (size_t i = 0; i < run.held.size(); ++i) publish(run, i, now);
+    drop_held(run, run.held.size());
+    return "stop";
+  }
   run.held.push_back(run.last);
   const std::vector<std::vector<int32_t>>& stops = run.r->req.stop;
   for (const std::vector<int32_t>& st : stops) {
@@ -183,7 +191,12 @@ std::string without_model(const std::string& name, const std::string& what) {
   return what;
 }
 
-int32_t sample(const float* logits, int vocab, double temperature, std::mt19937_64& rng) {
+// Note [Sampling]: greedy at temperature 0; else the softmax of logits / temperature, cut to
+// its nucleus when top_p < 1 (the most likely tokens, by logit and then id, up to the one that
+// brings their mass to top_p, as vLLM's top-p keeps them), drawn with one 53-bit uniform of
+// the request's own generator. `order` is the caller's scratch (vocab entries once grown).
+int32_t sample(const float* logits, int vocab, double temperature, double top_p,
+               std::mt19937_64& rng, std::vector<int32_t>& order) {
   if (temperature <= 0.0) {
     int best = 0;
     for (int v = 1; v < vocab; ++v)
@@ -193,6 +206,27 @@ int32_t sample(const float* logits, int vocab, double temperature, std::mt19937_
   const float mx = *std::max_element(logits, logits + vocab);
   double sum = 0.0;
   for (int v = 0; v < vocab; ++v) sum += std::exp((logits[v] - mx) / temperature);
+  if (top_p < 1.0) {
+    order.resize(static_cast<size_t>(vocab));
+    for (int v = 0; v < vocab; ++v) order[static_cast<size_t>(v)] = v;
+    const auto before = [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    };
+    for (size_t k = std::min<size_t>(64, order.size());; k = std::min(order.size(), k * 4)) {
+      std::partial_sort(order.begin(), order.begin() + static_cast<long>(k), order.end(), before);
+      double mass = 0.0;
+      size_t n = 0;
+      while (n < k && mass < top_p * sum) mass += std::exp((logits[order[n++]] - mx) / temperature);
+      if (mass < top_p * sum && k < order.size()) continue;
+      const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * mass;
+      double acc = 0.0;
+      for (size_t i = 0; i < n; ++i) {
+        acc += std::exp((logits[order[i]] - mx) / temperature);
+        if (u < acc) return order[i];
+      }
+      return order[n - 1];
+    }
+  }
   // One 53-bit uniform per token from the request's own generator.
   const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * sum;
   double acc = 0.0;
@@ -414,6 +448,7 @@ struct ServingEngine::Impl {
     std::unique_ptr<PooledWeights> weights;
     std::unique_ptr<nn::Decoder> decoder;
     const nn::RefConfig* decoder_config = nullptr;
+    std::vector<int32_t> sample_order;  // Note [Sampling]: top-p's scratch, grown once
     std::vector<Running> running;
     std::vector<int> free_sequences;
     std::vector<float> logits;
@@ -768,7 +803,8 @@ void ServingEngine::Impl::iterate(int index, Slice& s) {
       if (run.prompt_pos < run.r->req.prompt.size()) continue;  // more of the prompt to read
     }
     const float* logits = s.logits.data() + k * static_cast<size_t>(c.vocab);
-    run.last = sample(logits, c.vocab, run.r->req.temperature, run.rng);
+    run.last =
+        sample(logits, c.vocab, run.r->req.temperature, run.r->req.top_p, run.rng, s.sample_order);
     if (run.r->req.logprobs >= 0) held_logprobs(run, logits, c.vocab, run.last);
     ++run.generated;
     ++new_tokens;
@@ -922,6 +958,7 @@ ServingEngine::ServingEngine(const std::vector<ModelFiles>& models, const Engine
                              f.name, need, o.max_running, o.max_context, first_slice.profile,
                              first_slice.hbm_bytes, o.memory_scale, fitting_profile(hw, o, need));
       m.pool->add(f.name, f.weights_path);
+      r.text = std::make_shared<ModelText>(read_model_text(f.dir));
     } catch (const std::exception& e) {
       if (!o.skip_refused) throw;
       m.refused.push_back({f.name, f.dir, without_model(f.name, e.what())});
@@ -1048,6 +1085,9 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
         fmt::format("max_tokens is {}; at most {} for this prompt of {} tokens (the "
                     "context holds {} per request, prompt and output)",
                     q.max_tokens, m.o.max_context - prompt_tokens, prompt_tokens, m.o.max_context));
+  if (q.eos.size() > 16)
+    return refuse(SubmitStatus::kInvalid, "eos",
+                  fmt::format("{} EOS tokens; at most 16", q.eos.size()));
   if (q.stop.size() > 4)
     return refuse(SubmitStatus::kInvalid, "stop",
                   fmt::format("{} stop sequences; at most 4", q.stop.size()));
@@ -1061,6 +1101,9 @@ SubmitResult ServingEngine::submit(const CompletionRequest& q) {
                       fmt::format("stop sequence {}: token {} is outside the vocabulary [0, {})", i,
                                   t, vocab));
   }
+  if (!(q.top_p > 0.0 && q.top_p <= 1.0))
+    return refuse(SubmitStatus::kInvalid, "top_p",
+                  fmt::format("top_p is {}; must be in (0, 1]", q.top_p));
   if (!(q.temperature >= 0.0) || !std::isfinite(q.temperature))
     return refuse(SubmitStatus::kInvalid, "temperature",
                   fmt::format("temperature is {}; must be >= 0", q.temperature));
@@ -1124,10 +1167,20 @@ const std::vector<RefusedModel>& ServingEngine::refused() const {
 
 std::vector<ServedModelInfo> ServingEngine::models() const {
   std::vector<ServedModelInfo> out;
-  for (const Registered& r : impl_->models)
+  for (const Registered& r : impl_->models) {
+    const ModelText* t = r.text.get();
+    const std::string text = t == nullptr || !t->tokenizer ? (t == nullptr ? "" : t->unavailable)
+                             : t->chat                     ? "tokenizer and chat template"
+                                       : "tokenizer; no chat template: " + t->chat_unavailable;
     out.push_back({r.files.name, r.weight_bytes, r.dtype, r.config.model.model_type, r.config.vocab,
-                   r.config.layers(), impl_->pool->resident(r.files.name), r.config_text});
+                   r.config.layers(), impl_->pool->resident(r.files.name), r.config_text, text});
+  }
   return out;
+}
+
+const ModelText* ServingEngine::text(const std::string& model) const {
+  const Registered* r = impl_->find(model);
+  return r == nullptr ? nullptr : r->text.get();
 }
 
 const nn::RefConfig& ServingEngine::config(const std::string& model) const {

@@ -191,6 +191,11 @@ TEST(HttpServer, BadRequestsGetOpenAIErrorsNamingTheField) {
     expect_api_error(post(cli, with("temperature", 5)), 400, "temperature");
   }
   {
+    SCOPED_TRACE("top_p 0 and top_p 'x'");
+    expect_api_error(post(cli, with("top_p", 0)), 400, "top_p");
+    expect_api_error(post(cli, with("top_p", "x")), 400, "top_p");
+  }
+  {
     SCOPED_TRACE("n 2");
     expect_api_error(post(cli, with("n", 2)), 400, "n");
   }

@@ -588,6 +588,31 @@ TEST(ServingEngine, LogprobsComeWithTheirTokensHeldOrNot) {
   }
 }
 
+// Note [Sampling]: a nucleus of one token is the greedy choice at any temperature; top_p 1 is
+// plain sampling (the same draws for the same seed); top_p outside (0, 1] is refused.
+TEST(ServingEngine, TopPKeepsTheMostLikelyTokens) {
+  const Models& m = models();
+  ServingEngine e(m.files, fast("7g.96gb", 0.0));
+  const std::vector<int32_t> greedy = complete(e, request("tiny-a", "nucleus", 10));
+  CompletionRequest q = request("tiny-a", "nucleus", 10);
+  q.temperature = 1.5;
+  q.seed = 11;
+  q.top_p = 1e-9;
+  EXPECT_EQ(complete(e, q), greedy);
+  q.top_p = 1.0;
+  const std::vector<int32_t> plain = complete(e, q);
+  EXPECT_EQ(complete(e, q), plain);
+  EXPECT_NE(plain, greedy);  // a temperature of 1.5 over 10 tokens strays
+  q.top_p = 0.9;
+  EXPECT_EQ(complete(e, q), complete(e, q));  // seeded: the same draws
+  for (double bad : {0.0, 1.5, -1.0}) {
+    q.top_p = bad;
+    const SubmitResult x = e.submit(q);
+    EXPECT_EQ(x.status, SubmitStatus::kInvalid) << bad;
+    EXPECT_EQ(x.field, "top_p");
+  }
+}
+
 TEST(ServingEngine, ChunksThatDoNotFitAStepWaitAndChangeNothing) {
   // Steps of 8 rows, chunks of at most 4, four prompts of 20 tokens at once: not every
   // prefill chunk fits every step; those left wait for the next, and each completion is
