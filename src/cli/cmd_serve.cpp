@@ -126,11 +126,19 @@ void add_serve_command(CLI::App& app) {
       "continuously, and the alpha controller tunes HybridGEMM per slice. The slices and the "
       "link are emulated on this machine with every rate times --rate-scale: times are the "
       "GPU's divided by it.\n\n"
-      "Models: --models DIR, one subdirectory per model with config.json (a reference-model "
-      "config) and model.safetensors (`spillway checkpoint` writes one); without --models, two "
-      "demo models (tiny-moe, seeds 1 and 2) are written to a temporary directory.\n\n"
-      "Endpoints: POST /v1/completions (model, prompt: a string of bytes or token ids, "
-      "max_tokens, temperature, seed, stop, stream, stream_options), GET /v1/models, GET "
+      "Models: --models DIR, one subdirectory per model with config.json and its weights "
+      "(model.safetensors, or model.safetensors.index.json and its shards): Hugging Face "
+      "directories as downloaded (Llama, Qwen2/3, Qwen MoE, Mistral, Mixtral, Gemma 2/3; "
+      "with tokenizer.json and a chat template they serve text and chat) or `spillway "
+      "checkpoint`'s; a directory that cannot be served is listed with the reason and the "
+      "rest are served. Without --models, two demo models (tiny-moe, seeds 1 and 2) are "
+      "written to a temporary directory.\n\n"
+      "Endpoints: POST /v1/chat/completions (messages, tools, max_tokens or "
+      "max_completion_tokens, temperature, top_p, seed, stop, stream: for models with a "
+      "tokenizer and a chat template; the OpenAI client works), POST /v1/completions (model, "
+      "prompt: text (a byte-level model's bytes, or the model's tokenizer) or token ids, "
+      "max_tokens, temperature, top_p, seed, stop, logprobs, stream, stream_options), GET "
+      "/v1/models, GET "
       "/v1/models/{id}, GET /metrics (Prometheus), GET /health. Bad requests: 400 naming the "
       "field (an unknown field too); unknown model: 404; wrong method: 405; a body over 1 MiB: "
       "413; a compressed body: 415; more than --max-waiting requests queued: 429; shutting "
@@ -147,7 +155,7 @@ void add_serve_command(CLI::App& app) {
       "  spillway checkpoint --config tiny-moe --seed 3 --out models/tiny-c\n"
       "  spillway serve --models models --port 0 --port-file port.txt --profile 3g.48gb");
   cmd->add_option("--models", st->models,
-                  "Directory of models (subdirectories with config.json and model.safetensors)");
+                  "Directory of models (subdirectories with config.json and their weights)");
   cmd->add_option("--host", st->http.host, "Address to listen on")->capture_default_str();
   in_range(
       cmd->add_option("--port", st->http.port, "Port (0: any free port)")->capture_default_str(),

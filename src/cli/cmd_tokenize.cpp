@@ -170,7 +170,7 @@ void add_chat_template_command(CLI::App& app) {
       "one line out, {\"text\": ...} or {\"error\": ...} (the template's raise_exception, or "
       "what went wrong). A template using Jinja beyond what chat templates use is refused, "
       "naming the construct and its line.\n\n"
-      "Example:\n"
+      "Examples:\n"
       "  echo '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
       "\"add_generation_prompt\": true}' | spillway chat-template --template "
       "tokenizer_config.json --jsonl -");
