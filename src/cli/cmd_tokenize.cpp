@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -32,6 +33,29 @@ std::string read_text(const std::string& path, const char* flag) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// Each non-empty line of --jsonl `path` ('-': stdin), parsed as JSON (ordered: a chat
+// template shows its keys in order), with its line number; a line not JSON is an error.
+void for_each_json_line(const std::string& path,
+                        const std::function<void(const nlohmann::ordered_json&, size_t)>& fn) {
+  std::ifstream file;
+  if (path != "-") {
+    file.open(path, std::ios::binary);
+    if (!file) SPILLWAY_INPUT_ERROR("--jsonl: cannot read '{}'", path);
+  }
+  std::istream& in = path == "-" ? std::cin : file;
+  std::string line;
+  for (size_t n = 1; std::getline(in, line); ++n) {
+    if (line.empty()) continue;
+    nlohmann::ordered_json j;
+    try {
+      j = nlohmann::ordered_json::parse(line);
+    } catch (const nlohmann::ordered_json::exception& e) {
+      SPILLWAY_INPUT_ERROR("--jsonl: line {} is not JSON ({})", n, e.what());
+    }
+    fn(j, n);
+  }
 }
 
 // A tokenizer.json, or a model directory holding one.
@@ -113,24 +137,11 @@ void add_tokenize_command(CLI::App& app) {
       return;
     }
     if (jsonl->count() > 0) {
-      std::ifstream file;
-      if (st->jsonl != "-") {
-        file.open(st->jsonl, std::ios::binary);
-        if (!file) SPILLWAY_INPUT_ERROR("--jsonl: cannot read '{}'", st->jsonl);
-      }
-      std::istream& in = st->jsonl == "-" ? std::cin : file;
-      std::string line;
-      for (size_t n = 1; std::getline(in, line); ++n) {
-        if (line.empty()) continue;
-        json j;
-        try {
-          j = json::parse(line);
-        } catch (const json::exception& e) {
-          SPILLWAY_INPUT_ERROR("--jsonl: line {} is not JSON ({})", n, e.what());
-        }
-        std::printf("%s\n",
-                    run_line(t, j, n).dump(-1, ' ', false, json::error_handler_t::replace).c_str());
-      }
+      for_each_json_line(st->jsonl, [&](const nlohmann::ordered_json& j, size_t n) {
+        std::printf("%s\n", run_line(t, json::parse(j.dump()), n)
+                                .dump(-1, ' ', false, json::error_handler_t::replace)
+                                .c_str());
+      });
       return;
     }
     if (bench->count() > 0) {
@@ -186,21 +197,7 @@ void add_chat_template_command(CLI::App& app) {
       source = cfg["chat_template"].get<std::string>();
     }
     const text::ChatTemplate tmpl(source, st->file);
-    std::ifstream file;
-    if (st->jsonl != "-") {
-      file.open(st->jsonl, std::ios::binary);
-      if (!file) SPILLWAY_INPUT_ERROR("--jsonl: cannot read '{}'", st->jsonl);
-    }
-    std::istream& in = st->jsonl == "-" ? std::cin : file;
-    std::string line;
-    for (size_t n = 1; std::getline(in, line); ++n) {
-      if (line.empty()) continue;
-      nlohmann::ordered_json ctx;
-      try {
-        ctx = nlohmann::ordered_json::parse(line);
-      } catch (const nlohmann::ordered_json::exception& e) {
-        SPILLWAY_INPUT_ERROR("--jsonl: line {} is not JSON ({})", n, e.what());
-      }
+    for_each_json_line(st->jsonl, [&](const nlohmann::ordered_json& ctx, size_t) {
       json out;
       try {
         out = {{"text", tmpl.render(ctx)}};
@@ -208,7 +205,7 @@ void add_chat_template_command(CLI::App& app) {
         out = {{"error", e.what()}};
       }
       std::printf("%s\n", out.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
-    }
+    });
   });
 }
 

@@ -365,6 +365,27 @@ json logprobs_json(const std::vector<int32_t>& tokens, size_t from,
           {"top_logprob_ids", ids}};
 }
 
+// The end of a stream of events: an error event when the request did not finish (`failed`:
+// the reason), then [DONE]; *finished once all is written.
+bool end_stream(httplib::DataSink& sink, const inference::Completion& c, bool failed,
+                bool* finished) {
+  if (failed) {
+    const std::string line = "data: " +
+                             dump(json{{"error",
+                                        {{"message", c.error().empty() ? "cancelled" : c.error()},
+                                         {"type", "server_unavailable"},
+                                         {"param", nullptr},
+                                         {"code", "unavailable"}}}}) +
+                             "\n\n";
+    if (!sink.write(line.data(), line.size())) return false;
+  }
+  static const std::string done = "data: [DONE]\n\n";
+  if (!sink.write(done.data(), done.size())) return false;
+  *finished = true;
+  sink.done();
+  return true;
+}
+
 // The response's "spillway" extension: how the server ran the request.
 // A time not measured (TPOT with one token) is null.
 json extension(const inference::Completion& c, uint64_t seed) {
@@ -428,23 +449,7 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
   // The body, at most kMaxBody bytes however it is framed (a chunked body has no length to
   // check up front); a body not read to its end closes the connection after the answer.
   std::string text;
-  bool too_large = false;
-  const bool read = reader([&](const char* data, size_t n) {
-    if (text.size() + n > kMaxBody) {
-      too_large = true;
-      return false;
-    }
-    text.append(data, n);
-    return true;
-  });
-  if (!read) {
-    if (current_connection() != nullptr) current_connection()->close_after = true;
-    if (too_large || res.status == 413)
-      refuse(413, fmt::format("the request body is over {} bytes", kMaxBody), "", "too_large");
-    else
-      refuse(400, "the request body could not be read to its end", "", "");
-    return;
-  }
+  if (!read_body(res, reader, &text)) return;
   json body;
   try {
     body = json::parse(text);
@@ -462,26 +467,7 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
     return;
   }
   inference::SubmitResult r = engine.submit(q);
-  switch (r.status) {
-    case inference::SubmitStatus::kAccepted:
-      break;
-    case inference::SubmitStatus::kInvalid:
-      send_error(res, 400, r.message, "invalid_request_error", r.field, "");
-      return;
-    case inference::SubmitStatus::kUnknownModel:
-      send_error(res, 404, r.message, "invalid_request_error", "model", "model_not_found");
-      return;
-    case inference::SubmitStatus::kOverloaded:
-      res.set_header("Retry-After", "1");
-      send_error(res, 429, r.message, "server_overloaded", "", "overloaded");
-      return;
-    case inference::SubmitStatus::kDraining:
-      send_error(res, 503, r.message, "server_unavailable", "", "draining");
-      return;
-    case inference::SubmitStatus::kUnavailable:
-      send_error(res, 503, r.message, "server_unavailable", r.field, "unavailable");
-      return;
-  }
+  if (!accepted(res, r)) return;
   const int vocab = engine.config(q.model).vocab;
   const std::string id = fmt::format("cmpl-{}", next_id++);
   const std::time_t now = std::time(nullptr);
@@ -602,22 +588,9 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
                                                       {"completion_tokens", *sent},
                                                       {"total_tokens", prompt_tokens + *sent}}))
             return false;
-        } else {
-          const std::string line =
-              "data: " +
-              dump(json{{"error",
-                         {{"message", c->error().empty() ? "cancelled" : c->error()},
-                          {"type", "server_unavailable"},
-                          {"param", nullptr},
-                          {"code", "unavailable"}}}}) +
-              "\n\n";
-          if (!sink.write(line.data(), line.size())) return false;
+          return end_stream(sink, *c, false, finished.get());
         }
-        static const std::string done = "data: [DONE]\n\n";
-        if (!sink.write(done.data(), done.size())) return false;
-        *finished = true;
-        sink.done();
-        return true;
+        return end_stream(sink, *c, true, finished.get());
       },
       [this, c, finished](bool) {
         if (!*finished) c->cancel();
@@ -913,22 +886,9 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
                        {"spillway", extension(*c, seed)}};
           if (!write(json::array({last}), nullptr)) return false;
           if (include_usage && !write(json::array(), usage(*sent))) return false;
-        } else {
-          const std::string line =
-              "data: " +
-              dump(json{{"error",
-                         {{"message", c->error().empty() ? "cancelled" : c->error()},
-                          {"type", "server_unavailable"},
-                          {"param", nullptr},
-                          {"code", "unavailable"}}}}) +
-              "\n\n";
-          if (!sink.write(line.data(), line.size())) return false;
+          return end_stream(sink, *c, false, finished.get());
         }
-        static const std::string done = "data: [DONE]\n\n";
-        if (!sink.write(done.data(), done.size())) return false;
-        *finished = true;
-        sink.done();
-        return true;
+        return end_stream(sink, *c, true, finished.get());
       },
       [this, c, finished](bool) {
         if (!*finished) c->cancel();
