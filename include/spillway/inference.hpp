@@ -253,6 +253,8 @@ class Completion {
   std::chrono::steady_clock::time_point submitted;
 
  private:
+  void append(int32_t token, const float* logprob, const std::pair<int32_t, float>* top,
+              std::chrono::steady_clock::time_point now);
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int32_t> tokens_;

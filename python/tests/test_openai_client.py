@@ -106,17 +106,17 @@ def test_the_openai_client_talks_to_spillway_serve(tmp_path: Path) -> None:
         assert "".join(x.choices[0].text for x in streamed) == want_text
 
         # A stop string ends the text before it (Note [Text out]).
-        if len(want_chat) > 4:
-            stop = want_chat[2:4]
-            s = client.chat.completions.create(
-                model="qwen-chat",
-                messages=MESSAGES,
-                max_tokens=12,
-                temperature=0,
-                stop=[stop],
-            )
-            assert s.choices[0].message.content == want_chat[: want_chat.find(stop)]
-            assert s.choices[0].finish_reason == "stop"
+        assert len(want_chat) > 4, want_chat  # the fixed seed's reply: room for a stop string
+        stop = want_chat[2:4]
+        s = client.chat.completions.create(
+            model="qwen-chat",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+        )
+        assert s.choices[0].message.content == want_chat[: want_chat.find(stop)]
+        assert s.choices[0].finish_reason == "stop"
 
         # What the server does not do is refused by name, through the client's error.
         with pytest.raises(openai.BadRequestError, match="logprobs"):

@@ -72,12 +72,12 @@ text::Tokenizer load(const std::string& path) {
 
 // One JSON line: {"text": s[, "add_special_tokens": b]} gives {"ids": [...]};
 // {"ids": [...][, "skip_special_tokens": b]} gives {"text": s, "stream": [pieces]}.
-json run_line(const text::Tokenizer& t, const json& in, size_t line) {
+json run_line(const text::Tokenizer& t, const nlohmann::ordered_json& in, size_t line) {
   if (in.contains("text") && in["text"].is_string())
     return {{"ids", t.encode(in["text"].get<std::string>(), in.value("add_special_tokens", true))}};
   if (in.contains("ids") && in["ids"].is_array()) {
     std::vector<int32_t> ids;
-    for (const json& v : in["ids"]) {
+    for (const auto& v : in["ids"]) {
       if (!v.is_number_integer())
         SPILLWAY_INPUT_ERROR("--jsonl: line {}: \"ids\" holds {}, not a token id", line, v.dump());
       ids.push_back(v.get<int32_t>());
@@ -138,9 +138,8 @@ void add_tokenize_command(CLI::App& app) {
     }
     if (jsonl->count() > 0) {
       for_each_json_line(st->jsonl, [&](const nlohmann::ordered_json& j, size_t n) {
-        std::printf("%s\n", run_line(t, json::parse(j.dump()), n)
-                                .dump(-1, ' ', false, json::error_handler_t::replace)
-                                .c_str());
+        std::printf("%s\n",
+                    run_line(t, j, n).dump(-1, ' ', false, json::error_handler_t::replace).c_str());
       });
       return;
     }

@@ -436,6 +436,16 @@ struct HttpServer::Impl {
   bool read_body(httplib::Response& res, const httplib::ContentReader& reader, std::string* text);
   // Answers a refused submit; true: accepted.
   bool accepted(httplib::Response& res, const inference::SubmitResult& r);
+  // A request answered whole: its tokens, and with a TextOut their text (its stop string
+  // ending it: the request is then cancelled, text_stop).
+  struct Whole {
+    std::vector<int32_t> tokens;
+    std::string text;
+    bool text_stop = false;
+  };
+  // Waits for a request answered whole (Note [Client gone]: a client gone meanwhile cancels
+  // it); false: already answered (499 for the gone client, 503 when it did not complete).
+  bool wait_whole(httplib::Response& res, inference::Completion& c, TextOut* tout, Whole* w);
   void routes();
 };
 
@@ -473,42 +483,13 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
   const std::time_t now = std::time(nullptr);
   std::shared_ptr<inference::Completion> c = r.completion;
   if (!stream) {
-    // Note [Client gone]: while it waits, the handler looks at its connection; a client that
-    // went away cancels its request (the slice stops at its next iteration).
-    std::vector<int32_t> tokens;
-    inference::Completion::State st = inference::Completion::State::kRunning;
-    ConnectionStream* conn = current_connection();
-    // Note [Text out]: a tokenizer model's text, its stop strings ending it.
-    std::unique_ptr<TextOut> tout;
+    std::unique_ptr<TextOut> tout;  // Note [Text out]: a tokenizer model's text
     if (tm.model != nullptr) tout = std::make_unique<TextOut>(*tm.model->tokenizer, tm.stop);
-    std::string out_text;
-    size_t fed = 0;
-    const auto feed = [&] {
-      if (!tout) return;
-      while (fed < tokens.size()) out_text += tout->push(tokens[fed++]);
-      if (tout->stopped() && !c->cancelled()) c->cancel("stop");
-    };
-    while ((st = c->wait_tokens_for(tokens.size(), &tokens, std::chrono::milliseconds(50))) ==
-           inference::Completion::State::kRunning) {
-      feed();
-      if (conn != nullptr && !c->cancelled() && conn->peer_closed()) {
-        c->cancel();
-        conn->close_after = true;
-      }
-    }
-    feed();
-    const bool text_stop = tout && tout->stopped();
-    if (tout && !text_stop) out_text += tout->finish();
-    if (st == inference::Completion::State::kCancelled && !text_stop && conn != nullptr &&
-        conn->close_after) {
-      res.status = 499;  // nobody reads it: the connection is closed after it
-      return;
-    }
-    if (st != inference::Completion::State::kDone && !text_stop) {
-      send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
-                 "server_unavailable", "", "unavailable");
-      return;
-    }
+    Whole w;
+    if (!wait_whole(res, *c, tout.get(), &w)) return;
+    const std::vector<int32_t>& tokens = w.tokens;
+    const std::string& out_text = w.text;
+    const bool text_stop = w.text_stop;
     json choice = {
         {"index", 0},
         {"text", tout ? out_text : token_text(tokens, 0, vocab)},
@@ -619,6 +600,42 @@ bool HttpServer::Impl::read_body(httplib::Response& res, const httplib::ContentR
     send_error(res, 400, "the request body could not be read to its end", "invalid_request_error",
                "", "");
   return false;
+}
+
+bool HttpServer::Impl::wait_whole(httplib::Response& res, inference::Completion& c, TextOut* tout,
+                                  Whole* w) {
+  // Note [Client gone]: while it waits, the handler looks at its connection; a client that
+  // went away cancels its request (the slice stops at its next iteration).
+  inference::Completion::State st = inference::Completion::State::kRunning;
+  ConnectionStream* conn = current_connection();
+  size_t fed = 0;
+  const auto feed = [&] {
+    if (tout == nullptr) return;
+    while (fed < w->tokens.size()) w->text += tout->push(w->tokens[fed++]);
+    if (tout->stopped() && !c.cancelled()) c.cancel("stop");
+  };
+  while ((st = c.wait_tokens_for(w->tokens.size(), &w->tokens, std::chrono::milliseconds(50))) ==
+         inference::Completion::State::kRunning) {
+    feed();
+    if (conn != nullptr && !c.cancelled() && conn->peer_closed()) {
+      c.cancel();
+      conn->close_after = true;
+    }
+  }
+  feed();
+  w->text_stop = tout != nullptr && tout->stopped();
+  if (tout != nullptr && !w->text_stop) w->text += tout->finish();
+  if (st == inference::Completion::State::kCancelled && !w->text_stop && conn != nullptr &&
+      conn->close_after) {
+    res.status = 499;  // nobody reads it: the connection is closed after it
+    return false;
+  }
+  if (st != inference::Completion::State::kDone && !w->text_stop) {
+    send_error(res, 503, c.error().empty() ? "the request did not complete" : c.error(),
+               "server_unavailable", "", "unavailable");
+    return false;
+  }
+  return true;
 }
 
 bool HttpServer::Impl::accepted(httplib::Response& res, const inference::SubmitResult& r) {
@@ -786,36 +803,11 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
                 {"total_tokens", prompt_tokens + n}};
   };
   if (!stream) {
-    std::vector<int32_t> tokens;
-    inference::Completion::State st = inference::Completion::State::kRunning;
-    ConnectionStream* conn = current_connection();
-    std::string content;
-    size_t fed = 0;
-    const auto feed = [&] {
-      while (fed < tokens.size()) content += tout->push(tokens[fed++]);
-      if (tout->stopped() && !c->cancelled()) c->cancel("stop");
-    };
-    while ((st = c->wait_tokens_for(tokens.size(), &tokens, std::chrono::milliseconds(50))) ==
-           inference::Completion::State::kRunning) {
-      feed();
-      if (conn != nullptr && !c->cancelled() && conn->peer_closed()) {
-        c->cancel();
-        conn->close_after = true;
-      }
-    }
-    feed();
-    const bool text_stop = tout->stopped();
-    if (!text_stop) content += tout->finish();
-    if (st == inference::Completion::State::kCancelled && !text_stop && conn != nullptr &&
-        conn->close_after) {
-      res.status = 499;
-      return;
-    }
-    if (st != inference::Completion::State::kDone && !text_stop) {
-      send_error(res, 503, c->error().empty() ? "the request did not complete" : c->error(),
-                 "server_unavailable", "", "unavailable");
-      return;
-    }
+    Whole w;
+    if (!wait_whole(res, *c, tout.get(), &w)) return;
+    const std::string& content = w.text;
+    const bool text_stop = w.text_stop;
+    const std::vector<int32_t>& tokens = w.tokens;
     const json choice = {{"index", 0},
                          {"message", {{"role", "assistant"}, {"content", content}}},
                          {"logprobs", nullptr},

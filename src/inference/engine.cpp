@@ -395,19 +395,23 @@ void Completion::set_slice(int s) {
 
 void Completion::push(int32_t token, float logprob, const std::pair<int32_t, float>* top,
                       Clock::time_point now) {
-  {
-    std::lock_guard lk(mu_);
-    SPILLWAY_CHECK(top_k_ >= 0, "completion: logprobs for a request without");
-    logprob_.push_back(logprob);
-    top_.insert(top_.end(), top, top + top_k_);
-  }
-  push(token, now);
+  append(token, top_k_ >= 0 ? &logprob : nullptr, top, now);
 }
 
 void Completion::push(int32_t token, Clock::time_point now) {
+  append(token, nullptr, nullptr, now);
+}
+
+// One lock a token: its logprobs (when given) land with it.
+void Completion::append(int32_t token, const float* logprob, const std::pair<int32_t, float>* top,
+                        Clock::time_point now) {
   {
     std::lock_guard lk(mu_);
     SPILLWAY_CHECK(tokens_.size() < tokens_.capacity(), "completion: more tokens than max_tokens");
+    if (logprob != nullptr) {
+      logprob_.push_back(*logprob);
+      top_.insert(top_.end(), top, top + top_k_);
+    }
     if (tokens_.empty()) first_ = now;
     last_ = now;
     tokens_.push_back(token);
