@@ -50,7 +50,10 @@
 // [Norm lanes]); after finish() the caller steps them with last_scale() at step() unless
 // the step was skipped. They add no CPU step to the critical path; any split gives bitwise
 // the same result. STV never touches their elements: the state arrays need only hold the
-// CPU buckets (the offsets of the device buckets must still tile [0, n) with the others).
+// CPU buckets (the offsets of the device buckets must still lie in [0, n) with the others).
+// Buckets may leave gaps between them (never overlap): the CPU path starts each at a
+// multiple of kStateAlignFloats, as the second buffers are laid out, so that a bucket's
+// outputs stream whole vectors from its first element (Note [Streamed stores]).
 //
 // Note [Bounded undo]: the second buffers (the undo memory) hold 12 bytes per element of
 // the speculative buckets, sized once: by default every CPU bucket has one; with
@@ -233,6 +236,19 @@ struct StvCounters {
 // multiply-add gives the same bits. On the CPU the lanes vectorize (one row of lanes at a
 // time); on a GPU one thread per lane reads coalesced.
 inline constexpr size_t kNormLanes = 16384;
+// Where optimizer state arrays start: 64 bytes (the widest vector, AVX-512 and 512-bit SVE)
+// in floats; n elements rounded up to it.
+inline constexpr size_t kStateAlignFloats = 16;
+inline constexpr size_t state_padded(size_t n) {
+  return (n + kStateAlignFloats - 1) / kStateAlignFloats * kStateAlignFloats;
+}
+// The first element of `buf` at a kStateAlignFloats boundary (buf holds kStateAlignFloats
+// more than it must for that).
+inline float* state_aligned(std::vector<float>& buf) {
+  const auto at = reinterpret_cast<uintptr_t>(buf.data());
+  const size_t bytes = kStateAlignFloats * sizeof(float);
+  return buf.data() + (bytes - at % bytes) % bytes / sizeof(float);
+}
 // lanes (min(n, kNormLanes)) = the lane sums of n fp32 or bf16 (bits) values.
 void norm_lane_sums(const float* g, size_t n, double* lanes);
 void norm_lane_sums_bf16(const uint16_t* g, size_t n, double* lanes);
@@ -348,7 +364,8 @@ class StvAdamW {
   // at its arrival) in the same pass: nothing is left to publish.
   bool published_late(int b) const { return published_late_[static_cast<size_t>(b)] != 0; }
   const StvCounters& counters() const { return counters_; }
-  int64_t undo_bytes() const { return static_cast<int64_t>(undo_.size() * sizeof(float)); }
+  // The second buffers' bytes (each bucket's p, m, v padded to kStateAlignFloats).
+  int64_t undo_bytes() const { return static_cast<int64_t>(undo_floats_ * sizeof(float)); }
 
  private:
   void arrive(int b, const void* g, GradType type, void* early);
@@ -371,7 +388,9 @@ class StvAdamW {
   int64_t step_ = 0;
   StvCounters counters_;
   float last_scale_ = 1.0f;
-  std::vector<float> undo_;          // the second buffers: p, m, v of each, back to back
+  std::vector<float> undo_;     // the second buffers: p, m, v of each, back to back
+  float* undo_base_ = nullptr;  // undo_'s first element at a kStateAlignFloats boundary
+  size_t undo_floats_ = 0;
   std::vector<size_t> undo_offset_;  // per bucket with a second buffer
   std::vector<char> has_undo_;       // per bucket: speculated (has a second buffer)
   std::vector<char> in_undo_;        // per bucket: its current buffer is the second one

@@ -43,23 +43,27 @@ int pool_threads(int threads) {
 struct SpeculativeCpuAdamW::Impl {
   Impl(const std::vector<int64_t>& sizes, double clip, bool speculative, int threads)
       : speculative_(speculative), n_(parameter_elements(sizes)), pool_(pool_threads(threads)) {
+    // Each parameter's state starts at a kStateAlignFloats boundary, as its second buffer
+    // does: its step streams whole vectors from its first element (Note [Streamed stores]).
     std::vector<Bucket> buckets;
     size_t off = 0;
     for (int64_t s : sizes) {
       buckets.push_back({off, static_cast<size_t>(s)});
       ns_.push_back(static_cast<size_t>(s));
-      off += static_cast<size_t>(s);
+      off += state_padded(static_cast<size_t>(s));
     }
+    padded_ = off;
     early_.assign(ns_.size(), 0);
     early_dst_.assign(ns_.size(), nullptr);
     early_dtype_.assign(ns_.size(), ParamDtype::kFp32);
-    p_.assign(n_, 0.0f);
-    m_.assign(n_, 0.0f);
-    v_.assign(n_, 0.0f);
+    p_.assign(padded_ + kStateAlignFloats, 0.0f);
+    m_.assign(padded_ + kStateAlignFloats, 0.0f);
+    v_.assign(padded_ + kStateAlignFloats, 0.0f);
     // Non-speculative: no undo memory, so every bucket is deferred to finish() (Note
     // [Bounded undo]): the exact non-speculative optimizer, on the critical path.
-    stv_ = std::make_unique<StvAdamW>(AdamWParams{}, clip, p_.data(), m_.data(), v_.data(), n_,
-                                      std::move(buckets), 0, &pool_, speculative ? -1 : 0);
+    stv_ = std::make_unique<StvAdamW>(AdamWParams{}, clip, state_aligned(p_), state_aligned(m_),
+                                      state_aligned(v_), padded_, std::move(buckets), 0, &pool_,
+                                      speculative ? -1 : 0);
     worker_ = std::thread([this] { run(); });
   }
 
@@ -200,7 +204,7 @@ struct SpeculativeCpuAdamW::Impl {
   int64_t step() const { return stv_->step(); }
   const StvCounters& counters() const { return stv_->counters(); }
   int threads() const { return pool_.threads(); }
-  int64_t state_bytes() const { return static_cast<int64_t>(3 * n_ * sizeof(float)); }
+  int64_t state_bytes() const { return static_cast<int64_t>(3 * padded_ * sizeof(float)); }
   int64_t undo_bytes() const { return stv_->undo_bytes(); }
 
  private:
@@ -303,6 +307,7 @@ struct SpeculativeCpuAdamW::Impl {
   StvOutcome last_ = StvOutcome::kCommit;
   bool speculative_;
   size_t n_;
+  size_t padded_ = 0;  // the state arrays' elements: each parameter's padded
   AdamW pool_;
   std::vector<float> p_, m_, v_;
   std::unique_ptr<StvAdamW> stv_;

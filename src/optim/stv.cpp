@@ -31,13 +31,13 @@ void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
   std::sort(sorted.begin(), sorted.end(),
             [](const Bucket& a, const Bucket& b) { return a.offset < b.offset; });
   for (const Bucket& b : sorted) {
-    SPILLWAY_CHECK(b.offset == covered,
-                   "STV buckets must tile the state without gap or overlap: a bucket starts "
-                   "at {}, expected {}",
+    SPILLWAY_CHECK(b.offset >= covered,
+                   "STV buckets must not overlap: a bucket starts at {}, the one before ends "
+                   "at {}",
                    b.offset, covered);
-    covered += b.n;
+    covered = b.offset + b.n;
   }
-  SPILLWAY_CHECK(covered == n, "STV buckets cover {} elements; the state has {}", covered, n);
+  SPILLWAY_CHECK(covered <= n, "STV buckets reach element {}; the state has {}", covered, n);
 }
 
 }  // namespace
@@ -110,13 +110,15 @@ StvAdamW::StvAdamW(const AdamWParams& hp, double clip, float* p, float* m, float
   has_undo_.assign(buckets_.size(), 0);
   in_undo_.assign(buckets_.size(), 0);
   for (int b = nb - 1; b >= device_buckets_; --b) {
-    const size_t need = 3 * buckets_[static_cast<size_t>(b)].n;
+    const size_t need = 3 * state_padded(buckets_[static_cast<size_t>(b)].n);
     if (undo + need > limit) continue;
     undo_offset_[static_cast<size_t>(b)] = undo;
     has_undo_[static_cast<size_t>(b)] = 1;
     undo += need;
   }
-  undo_.assign(undo, 0.0f);
+  undo_.assign(undo == 0 ? 0 : undo + kStateAlignFloats, 0.0f);
+  undo_base_ = undo == 0 ? nullptr : state_aligned(undo_);
+  undo_floats_ = undo;
   grads_.assign(buckets_.size(), nullptr);
   grad_types_.assign(buckets_.size(), GradType::kFp32);
   sq_.assign(buckets_.size(), 0.0);
@@ -158,8 +160,8 @@ StvAdamW::BucketState StvAdamW::state(int b) const {
                  "STV: state of bucket {}: not a CPU bucket", b);
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   if (in_undo_[static_cast<size_t>(b)] == 0) return {p_ + k.offset, m_ + k.offset, v_ + k.offset};
-  float* u = const_cast<float*>(undo_.data()) + undo_offset_[static_cast<size_t>(b)];
-  return {u, u + k.n, u + 2 * k.n};
+  float* u = undo_base_ + undo_offset_[static_cast<size_t>(b)];
+  return {u, u + state_padded(k.n), u + 2 * state_padded(k.n)};
 }
 
 StvAdamW::BucketState StvAdamW::speculative_state(int b) const {
@@ -173,8 +175,8 @@ StvAdamW::BucketState StvAdamW::speculative_state(int b) const {
 StvAdamW::BucketState StvAdamW::other(int b) const {
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   if (in_undo_[static_cast<size_t>(b)] != 0) return {p_ + k.offset, m_ + k.offset, v_ + k.offset};
-  float* u = const_cast<float*>(undo_.data()) + undo_offset_[static_cast<size_t>(b)];
-  return {u, u + k.n, u + 2 * k.n};
+  float* u = undo_base_ + undo_offset_[static_cast<size_t>(b)];
+  return {u, u + state_padded(k.n), u + 2 * state_padded(k.n)};
 }
 
 void StvAdamW::run(int b, float scale, int64_t t, bool out_of_place, double* lanes, void* early) {

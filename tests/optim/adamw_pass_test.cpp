@@ -5,10 +5,11 @@
 //       Highway target: bitwise the scalar reference, at every alignment of the outputs
 //       (those that share p_out's alignment stream; the others fall back), nothing written
 //       outside [0, n), the inputs untouched;
-//   (b) step_and_norm_lanes: the lanes bitwise the plain per-lane reference
-//       (lane_sums_by_rows of spillway/device_math.hpp) and the state bitwise the scalar
-//       step, for 1-3 workers, shapes below a row, whole rows and a ragged last row, fp32
-//       and bf16 gradients;
+//   (b) step_and_norm_lanes: the lanes bitwise the plain per-lane reference (lane_sums_by_rows of
+//   spillway/device_math.hpp) and the state bitwise
+//       the scalar step, on every Highway target, for 1-3 workers, shapes below a row,
+//       whole rows and a ragged last row, fp32 and bf16 gradients, every copy type,
+//       outputs aligned, off alignment or in place;
 //   (c) norm_lane_sums (SIMD, by rows) and its pooled form against the same reference;
 //   (d) write_weights: the fp32 copy (streamed) bitwise, the bf16 one float_to_bf16's, at
 //       every alignment, nothing written outside [0, n).
@@ -204,37 +205,67 @@ std::vector<double> reference_lanes(const State& s, GradType gt) {
 TEST(AdamWPass, StepAndNormLanesIsTheStepAndThePlainLaneSums) {
   std::mt19937 rng = make_rng();
   const AdamWParams hp = test_params();
+  const float fpoison = std::bit_cast<float>(kPoison);
   // Below a row, a row and a bit, below the pooled threshold, whole rows, ragged rows.
   const std::vector<size_t> sizes{5, kNormLanes + 3, 3 * kNormLanes + 5, 8 * kNormLanes,
                                   9 * kNormLanes + 77};
-  for (int threads : {1, 2, 3}) {
-    AdamW pool(threads);
-    for (size_t n : sizes) {
-      const State s = random_state(n, rng);
-      for (GradType gt : kGradTypes) {
-        for (CopyType ct : {CopyType::kNone, CopyType::kFp32, CopyType::kBf16}) {
-          SCOPED_TRACE("threads=" + std::to_string(threads) + " n=" + std::to_string(n) +
-                       " grad=" + std::to_string(int(gt)) + " copy=" + std::to_string(int(ct)));
-          const Result want = reference_step(hp, s, gt, ct, 2);
-          const std::vector<double> want_lanes = reference_lanes(s, gt);
-          State in = s;
-          Result got{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n),
-                     std::vector<unsigned char>(n * copy_bytes(ct))};
-          std::vector<double> lanes(std::min(n, kNormLanes), -1.0);
-          AdamWArgs a = out_of_place(in, gt, got.p.data(), got.m.data(), got.v.data(), ct,
-                                     got.copy.data(), 2);
-          a.stream = true;
-          pool.step_and_norm_lanes(hp, a, lanes.data());
-          EXPECT_EQ(std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(double)), 0);
-          EXPECT_TRUE(same_bits(got.p.data(), want.p.data(), n));
-          EXPECT_TRUE(same_bits(got.m.data(), want.m.data(), n));
-          EXPECT_TRUE(same_bits(got.v.data(), want.v.data(), n));
-          EXPECT_EQ(got.copy, want.copy);
-          if (::testing::Test::HasFailure()) return;
+  // The outputs at a 64-byte boundary (the fused loop streams) or off it (in two loops), or
+  // in place.
+  enum class Out { kAligned, kOff, kInPlace };
+  for (const std::string& target : adamw_simd_targets()) {
+    ASSERT_TRUE(adamw_simd_force_target(target.c_str())) << target;
+    for (int threads : {1, 2, 3}) {
+      AdamW pool(threads);
+      for (size_t n : sizes) {
+        const State s = random_state(n, rng);
+        for (GradType gt : kGradTypes) {
+          for (CopyType ct : kCopyTypes) {
+            for (Out out : {Out::kAligned, Out::kOff, Out::kInPlace}) {
+              SCOPED_TRACE(target + " threads=" + std::to_string(threads) +
+                           " n=" + std::to_string(n) + " grad=" + std::to_string(int(gt)) +
+                           " copy=" + std::to_string(int(ct)) + " out=" + std::to_string(int(out)));
+              const Result want = reference_step(hp, s, gt, ct, 2);
+              const std::vector<double> want_lanes = reference_lanes(s, gt);
+              State in = s;
+              const size_t off = out == Out::kOff ? 5 : 0;
+              Guarded<float> po(n, off, fpoison), mo(n, off, fpoison), vo(n, off, fpoison);
+              Guarded<unsigned char> copy(n * copy_bytes(ct), off * copy_bytes(ct), 0xEE);
+              std::vector<double> lanes(std::min(n, kNormLanes), -1.0);
+              AdamWArgs a =
+                  out_of_place(in, gt, po.data(), mo.data(), vo.data(), ct, copy.data(), 2);
+              a.stream = out != Out::kInPlace;
+              if (out == Out::kInPlace) a.p_out = a.m_out = a.v_out = nullptr;
+              pool.step_and_norm_lanes(hp, a, lanes.data());
+              EXPECT_EQ(std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(double)),
+                        0);
+              const float* p = out == Out::kInPlace ? in.p.data() : po.data();
+              const float* m = out == Out::kInPlace ? in.m.data() : mo.data();
+              const float* v = out == Out::kInPlace ? in.v.data() : vo.data();
+              EXPECT_TRUE(same_bits(p, want.p.data(), n));
+              EXPECT_TRUE(same_bits(m, want.m.data(), n));
+              EXPECT_TRUE(same_bits(v, want.v.data(), n));
+              if (ct != CopyType::kNone) {
+                EXPECT_EQ(std::memcmp(copy.data(), want.copy.data(), want.copy.size()), 0);
+              }
+              EXPECT_TRUE(copy.guards_intact(0xEE));
+              if (out != Out::kInPlace) {
+                EXPECT_TRUE(po.guards_intact(fpoison) && mo.guards_intact(fpoison) &&
+                            vo.guards_intact(fpoison));
+                EXPECT_TRUE(same_bits(in.p.data(), s.p.data(), n) &&
+                            same_bits(in.m.data(), s.m.data(), n) &&
+                            same_bits(in.v.data(), s.v.data(), n));
+              }
+              if (::testing::Test::HasFailure()) {
+                adamw_simd_force_target(nullptr);
+                return;
+              }
+            }
+          }
         }
       }
     }
   }
+  adamw_simd_force_target(nullptr);
 }
 
 // (c)

@@ -164,10 +164,12 @@ TEST(Stv, LimitedUndoMemoryGoesToTheBucketsInDeliveryOrder) {
   std::vector<float> p(100, 0.5f), m(100), v(100), g(100, 1e-3f);
   const std::vector<Bucket> buckets = {{0, 10}, {10, 30}, {40, 60}};
   AdamWParams hp;
-  // Backward delivers 2, 1, 0: room for bucket 2 (60 elements) and then bucket 0 (10), not
-  // for bucket 1 (30) in between.
-  StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr, int64_t{75} * 12);
-  EXPECT_EQ(s.undo_bytes(), 70 * 12);
+  // Backward delivers 2, 1, 0: room for bucket 2 (60 elements, 64 with their padding to
+  // kStateAlignFloats) and then bucket 0 (10, 16 padded), not for bucket 1 (30, 32) in
+  // between.
+  static_assert(kStateAlignFloats == 16);
+  StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr, int64_t{84} * 12);
+  EXPECT_EQ(s.undo_bytes(), (64 + 16) * 12);
   EXPECT_TRUE(s.admit(2));
   EXPECT_FALSE(s.admit(1));
   EXPECT_TRUE(s.admit(0));
@@ -249,17 +251,23 @@ TEST(Stv, UndoMemoryCoversOnlyTheSpeculativeBuckets) {
   const std::vector<Bucket> buckets = {{0, 10}, {10, 30}, {40, 60}};
   AdamWParams hp;
   StvAdamW all(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 0, nullptr);
-  EXPECT_EQ(all.undo_bytes(), 100 * 12);
+  EXPECT_EQ(all.undo_bytes(), (16 + 32 + 64) * 12);  // each padded to kStateAlignFloats
   StvAdamW split(hp, 1.0, p.data(), m.data(), v.data(), 100, buckets, 2, nullptr);
-  EXPECT_EQ(split.undo_bytes(), 60 * 12);  // buckets 0 and 1 stay on the device
+  EXPECT_EQ(split.undo_bytes(), 64 * 12);  // buckets 0 and 1 stay on the device
 }
 
 TEST(Stv, MisuseIsAnError) {
   std::vector<float> p(100), m(100), v(100), g(100, 0.0f);
   AdamWParams hp;
   EXPECT_THROW(
-      StvAdamW(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 10}, {20, 80}}, 0, nullptr),
-      Error);  // a gap
+      StvAdamW(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 30}, {20, 80}}, 0, nullptr),
+      Error);  // an overlap
+  EXPECT_THROW(
+      StvAdamW(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 50}, {64, 40}}, 0, nullptr),
+      Error);  // past the state
+  // A gap is allowed (the CPU path pads each bucket's start to kStateAlignFloats).
+  EXPECT_NO_THROW(
+      StvAdamW(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 10}, {16, 80}}, 0, nullptr));
   EXPECT_THROW(StvAdamW(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 100}}, 2, nullptr),
                Error);  // more device buckets than buckets
   StvAdamW s(hp, 1.0, p.data(), m.data(), v.data(), 100, {{0, 50}, {50, 50}}, 0, nullptr);
