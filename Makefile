@@ -41,7 +41,7 @@ deps-arm:
 	@bash scripts/install-deps.sh --arm
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(PYTHON) \
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) \
 	  $(CMAKE_FLAGS)
 
 # Configured again once the Python environment exists (a build first configured by
@@ -104,7 +104,7 @@ test-tsan: deps
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 $(CTEST)
 
 build-fuzz/CMakeCache.txt:
-	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Release \
 	  -DSPILLWAY_FUZZ=ON -DSPILLWAY_CUDA=OFF -DSPILLWAY_TESTS=OFF -DSPILLWAY_BENCH=OFF \
 	  -DSPILLWAY_PYTHON=OFF
 
