@@ -506,7 +506,8 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options) {
   // foreach temporaries: about 24 B per element). Refuse what the machine cannot hold.
   const double state_bytes = static_cast<double>(n) * (16.0 + (copy ? 2.0 : 0.0));
   const double needed = 2.0 * state_bytes + 12.0 * static_cast<double>(o.triad_elements) +
-                        (o.torch ? 24.0 * static_cast<double>(n) : 0.0);
+                        (o.torch ? 24.0 * static_cast<double>(n) : 0.0) +
+                        (o.passes ? 16.0 * static_cast<double>(n) : 0.0);
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page = sysconf(_SC_PAGESIZE);
   if (pages > 0 && page > 0) {
@@ -514,8 +515,9 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options) {
     if (needed > 0.75 * physical) {
       SPILLWAY_INPUT_ERROR(
           "adam bench: {} elements need about {} of host memory (state, reference copy, triad "
-          "arrays{}); this machine has {}: use fewer --elements",
-          n, bytes_text(needed), o.torch ? ", torch process" : "", bytes_text(physical));
+          "arrays{}{}); this machine has {}: use fewer --elements",
+          n, bytes_text(needed), o.torch ? ", torch process" : "",
+          o.passes ? ", the passes' outputs" : "", bytes_text(physical));
     }
   }
 
@@ -592,11 +594,65 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options) {
     }
   }
 
+  // Note [The step's passes]: their outputs (the second buffer's p, m, v and an fp32
+  // parameter), each at a 64-byte boundary as CPUAdamW's are, and the lanes.
+  const size_t pass_n = o.passes ? n : 0;
+  HostArray<float> pass_p(pass_n, 0.0f, "p_out"), pass_m(pass_n, 0.0f, "m_out"),
+      pass_v(pass_n, 0.0f, "v_out"), pass_w(pass_n, 0.0f, "fp32 parameter");
+  std::vector<double> lanes(o.passes ? optim::kNormLanes : 0);
+  struct PassRun {
+    const char* name;
+    double bytes;
+    bool out_of_place, fp32_copy, lanes, lanes_alone;
+  };
+  const PassRun pass_runs[] = {
+      {"in place (DeepSpeedCPUAdam's step)", 28, false, false, false, false},
+      {"in place + fp32 copy", 32, false, true, false, false},
+      {"out of place, streamed", 28, true, false, false, false},
+      {"out of place, streamed + fp32 copy", 32, true, true, false, false},
+      {"out of place + fp32 copy + norm lanes", 32, true, true, true, false},
+      {"norm lanes alone", 4, false, false, false, true},
+  };
+  const auto run_pass = [&](const PassRun& p, int64_t t) {
+    if (p.lanes_alone) {
+      optim::norm_lane_sums(&adamw, g.get(), n, lanes.data());
+      return;
+    }
+    optim::AdamWArgs a;
+    a.p = ours.p.get();
+    a.m = ours.m.get();
+    a.v = ours.v.get();
+    a.g = g.get();
+    a.n = n;
+    a.step = t;
+    if (p.out_of_place) {
+      a.p_out = pass_p.get();
+      a.m_out = pass_m.get();
+      a.v_out = pass_v.get();
+      a.stream = true;
+    }
+    if (p.fp32_copy) {
+      a.copy_out = pass_w.get();
+      a.copy_type = optim::CopyType::kFp32;
+    }
+    if (p.lanes) {
+      adamw.step_and_norm_lanes(hp, a, lanes.data());
+    } else {
+      adamw.step(hp, a);
+    }
+  };
+  if (o.passes) {
+    for (const PassRun& p : pass_runs) r.passes.push_back({p.name, p.bytes, {}, 0.0, 0.0});
+  }
+
   // One untimed round of the timed paths (first calls; the first passes after the
   // allocations and the torch start run measurably slower), then the repeats.
   for (int s = 0; s < o.steps; ++s) (void)triad.pass();
   for (int s = 0; s < o.steps; ++s) adamw.step(hp, ours.args(g.get(), step++));
   optim::adamw_step_scalar(hp, ours.args(g.get(), step++));
+  if (o.passes) {
+    for (const PassRun& p : pass_runs) run_pass(p, step++);
+  }
   const double elements = static_cast<double>(n);
   for (int rep = 0; rep < o.repeats; ++rep) {
     for (int s = 0; s < o.steps; ++s) {
@@ -615,6 +671,14 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options) {
       const auto t0 = Clock::now();
       optim::adamw_step_scalar(hp, a);
       r.samples_scalar_elements_per_s.push_back(elements / seconds_since(t0));
+    }
+    for (size_t k = 0; k < r.passes.size(); ++k) {
+      for (int s = 0; s < o.steps; ++s) {
+        const int64_t t = step++;
+        const auto t0 = Clock::now();
+        run_pass(pass_runs[k], t);
+        r.passes[k].samples_ms.push_back(seconds_since(t0) * 1e3);
+      }
     }
     if (r.torch_ran) {
       const std::string why = torch.run(&r.samples_torch_elements_per_s);
@@ -648,6 +712,10 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options) {
   if (r.torch_ran) {
     r.torch_elements_per_s = median(r.samples_torch_elements_per_s);
     r.torch_ratio = r.torch_elements_per_s > 0.0 ? r.elements_per_s / r.torch_elements_per_s : 0.0;
+  }
+  for (AdamPass& p : r.passes) {
+    p.ms = median(p.samples_ms);
+    p.relative = r.passes.front().ms > 0.0 ? p.ms / r.passes.front().ms : 0.0;
   }
   return r;
 }
@@ -693,6 +761,17 @@ std::string adam_bench_json(const AdamBenchResult& r) {
       "B/element (read b, c; write a + its write-allocate read); GB/s = 1e9 bytes/s";
   j["correct"] = r.correct;
   j["elements_checked"] = r.elements_checked;
+  if (!r.passes.empty()) {
+    Json passes = Json::array();
+    for (const AdamPass& p : r.passes) {
+      passes.push_back(Json{{"name", p.name},
+                            {"bytes_per_element", p.bytes_per_element},
+                            {"ms", finite(p.ms)},
+                            {"relative_to_in_place", finite(p.relative)},
+                            {"samples_ms", finite_all(p.samples_ms)}});
+    }
+    j["passes"] = passes;
+  }
   j["workload"] = Json{{"elements", o.elements},
                        {"state_bytes", static_cast<double>(o.elements) * r.bytes_per_element},
                        {"copy", o.copy_bf16 ? "bf16" : "none"},
@@ -796,6 +875,17 @@ std::string format_adam_bench(const AdamBenchResult& r) {
   if (r.torch_ran) {
     out += fmt::format("         torch Melements/s [{}]\n",
                        list(r.samples_torch_elements_per_s, 1e6, "{:.1f}"));
+  }
+  if (!r.passes.empty()) {
+    out += fmt::format(
+        "passes (Note [The step's passes]): the passes of CPUAdamW's paths over the same {} "
+        "fp32 elements, {} threads, interleaved with the above; median ms per step and the "
+        "ratio to the in-place step (DeepSpeedCPUAdam's):\n",
+        o.elements, r.threads);
+    for (const AdamPass& p : r.passes) {
+      out += fmt::format("  {:<40} {:>4g} B/element {:>9.2f} ms {:>6.2f}x  [{}]\n", p.name,
+                         p.bytes_per_element, p.ms, p.relative, list(p.samples_ms, 1.0, "{:.1f}"));
+    }
   }
   out += fmt::format(
       "limit: this machine's memory bandwidth, the triad a = b + s * c over three arrays of {} "

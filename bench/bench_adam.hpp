@@ -51,6 +51,27 @@ struct AdamBenchOptions {
   size_t triad_elements = 0;          // per array; 0: max(n, 2^25)
   bool torch = true;                  // run the PyTorch comparison when torch imports
   std::string python;                 // interpreter; empty: python3, then /usr/bin/python3
+  bool passes = false;                // also time the passes of CPUAdamW's paths (below)
+};
+
+// Note [The step's passes]: with `passes`, each repeat also times the shapes of pass the
+// CPU paths of CPUAdamW run over the same n fp32 elements (docs/optim.md, "One pass per
+// parameter"), against the in-place step that DeepSpeedCPUAdam runs:
+//   in place                      28 B/element (the baseline: DeepSpeedCPUAdam's step)
+//   in place + fp32 copy          32 (a deferred bucket's step writing the parameter)
+//   out of place, streamed        28 (STV's second buffer, non-temporal stores)
+//   out of place + fp32 copy      32 (a bucket handed over in step(), or early_weights)
+//   + norm lanes                  32 (the same through AdamW::step_and_norm_lanes: the
+//                                     speculative pass, lanes summed in it)
+//   norm lanes alone               4 (a deferred bucket's arrival)
+// Each its median ms per step of n elements and its ratio to the in-place step's: what the
+// exact rollback (the old state kept) and the norm cost beyond DeepSpeed's pass, measured.
+struct AdamPass {
+  std::string name;
+  double bytes_per_element = 0.0;
+  std::vector<double> samples_ms;
+  double ms = 0.0;        // median
+  double relative = 0.0;  // ms / the in-place step's ms
 };
 
 struct AdamBenchResult {
@@ -86,6 +107,8 @@ struct AdamBenchResult {
   double torch_elements_per_s = 0.0;
   double torch_ratio = 0.0;  // elements_per_s / torch_elements_per_s
   std::vector<double> samples_torch_elements_per_s;
+
+  std::vector<AdamPass> passes;  // Note [The step's passes]; empty unless options.passes
 
   double target_fraction_of_triad = 0.9;
   double target_torch_ratio = 5.0;

@@ -141,7 +141,8 @@ void add_bench_adam_command(CLI::App& bench) {
       "Examples:\n"
       "  spillway bench adam\n"
       "  spillway bench adam --elements 4000000 --repeats 2\n"
-      "  spillway bench adam --threads 1 --no-torch --json -");
+      "  spillway bench adam --threads 1 --no-torch --json -\n"
+      "  spillway bench adam --no-torch --passes   # what CPUAdamW's passes cost");
   AdamBenchOptions& o = st->options;
   in_range(
       cmd->add_option("--elements", o.elements, "Elements of state (n); ~30 bytes each per step")
@@ -172,6 +173,11 @@ void add_bench_adam_command(CLI::App& bench) {
            closed(0, kMaxElements));
   cmd->add_flag("--no-copy", st->no_copy, "Do not write the bf16 copy of p (28 B/element)");
   cmd->add_flag("--no-torch", st->no_torch, "Skip the PyTorch comparison");
+  cmd->add_flag("--passes", o.passes,
+                "Also time the passes of CPUAdamW's paths (in place with and without an fp32 "
+                "copy, out of place streamed with and without it, with the norm lanes, the "
+                "lanes alone) against the in-place step, interleaved (16 more bytes per "
+                "element)");
   cmd->add_option("--python", o.python,
                   "Interpreter for the torch comparison (default: python3, then "
                   "/usr/bin/python3, the first that imports torch)");

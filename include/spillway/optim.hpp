@@ -156,7 +156,14 @@ struct AdamWArgs {
   // line is read for ownership first. For outputs nobody reads soon (STV's other buffer, a
   // parameter written for the next forward); the bits are the same either way.
   bool stream = false;
+  // With `stream`: whether the call ends with a store fence (the streamed stores visible
+  // before it returns). false: the caller fences once after its last call (optim::
+  // stream_fence), as a pass that steps a bucket in many short calls does: a fence per call
+  // waits for the write-combining buffers each time (Note [Streamed stores]).
+  bool stream_fence = true;
 };
+// The store fence that makes the streamed stores of the calling thread visible.
+void stream_fence();
 
 // The per-step scalars of Note [AdamW operation order]: computed in double once per call
 // and rounded to float, so the scalar and SIMD paths (and a device's) see the same bits.

@@ -303,13 +303,17 @@ void lane_sums_by_blocks(const void* g, GradType type, size_t n, size_t c0, size
 
 void step_lanes_of_rows(const AdamWParams& hp, const AdamWArgs& a, size_t c0, size_t c1,
                         double* lanes) {
+  // One store fence for the worker's whole share, not one per row (Note [Streamed stores]).
+  AdamWArgs rows_args = a;
+  rows_args.stream_fence = false;
   lane_sums_by_blocks(a.g, a.grad_type, a.n, c0, c1, lanes,
                       [&](size_t first, size_t rows, size_t count) {
                         for (size_t r = 0; r < rows; ++r) {
                           const size_t at = first + r * kNormLanes;
-                          adamw_step_simd(hp, slice(a, at, at + count));
+                          adamw_step_simd(hp, slice(rows_args, at, at + count));
                         }
                       });
+  if (a.stream && a.stream_fence) stream_fence();
 }
 
 // The lane sums on the pool's workers, each a block of lanes over every row (Note [Norm

@@ -84,6 +84,37 @@ TEST(BenchAdam, TinyRunIsCorrectAndReportsEveryFigure) {
   EXPECT_NE(table.find("torch: skipped"), std::string::npos) << table;
 }
 
+// Note [The step's passes]: each pass of CPUAdamW's paths timed, interleaved, against the
+// in-place step; none without --passes.
+TEST(BenchAdam, PassesAreEachTimedAgainstTheInPlaceStep) {
+  EXPECT_TRUE(run_adam_bench(tiny()).passes.empty());
+  AdamBenchOptions o = tiny();
+  o.passes = true;
+  o.repeats = 2;
+  const AdamBenchResult r = run_adam_bench(o);
+  const std::vector<double> bytes{28, 32, 28, 32, 32, 4};
+  ASSERT_EQ(r.passes.size(), bytes.size());
+  for (size_t k = 0; k < bytes.size(); ++k) {
+    const AdamPass& p = r.passes[k];
+    SCOPED_TRACE(p.name);
+    EXPECT_DOUBLE_EQ(p.bytes_per_element, bytes[k]);
+    EXPECT_EQ(p.samples_ms.size(), 4u);  // repeats x steps
+    expect_positive(p.ms, "ms");
+    EXPECT_NEAR(p.relative, p.ms / r.passes[0].ms, 1e-12);
+  }
+  EXPECT_DOUBLE_EQ(r.passes[0].relative, 1.0);
+  EXPECT_NE(r.passes[0].name.find("in place"), std::string::npos);
+  EXPECT_NE(r.passes[4].name.find("norm lanes"), std::string::npos);
+  const nlohmann::json j = nlohmann::json::parse(adam_bench_json(r));
+  ASSERT_EQ(j.at("passes").size(), bytes.size());
+  EXPECT_EQ(j.at("passes")[3].at("name").get<std::string>(), r.passes[3].name);
+  EXPECT_DOUBLE_EQ(j.at("passes")[5].at("relative_to_in_place").get<double>(),
+                   r.passes[5].relative);
+  const std::string table = format_adam_bench(r);
+  EXPECT_NE(table.find("passes (Note [The step's passes])"), std::string::npos) << table;
+  EXPECT_NE(table.find(r.passes[1].name), std::string::npos) << table;
+}
+
 TEST(BenchAdam, OddSizeWithoutCopyAndATorchThatCannotRun) {
   AdamBenchOptions o = tiny();
   o.elements = 4099;  // not a multiple of any vector width or thread count

@@ -216,7 +216,8 @@ void step_range(const AdamWStepScalars& s, const AdamWArgs& a) {
       } else {
         step_vectors<kGrad, kCopy, true, false>(df, s, a.grad_scale, q, i, end);
       }
-      hwy::FlushStream();  // the streamed stores are visible before the step returns
+      // The streamed stores visible before the step returns (or the caller's fence).
+      if (a.stream_fence) hwy::FlushStream();
     } else {
       step_vectors<kGrad, kCopy, false, false>(df, s, a.grad_scale, q, i, end);
     }
@@ -344,6 +345,10 @@ HWY_EXPORT(adamw_step_target);
 HWY_EXPORT(adamw_target_name);
 HWY_EXPORT(norm_lanes_add_target);
 HWY_EXPORT(write_weights_target);
+
+void stream_fence() {
+  hwy::FlushStream();
+}
 
 void write_weights(const float* p, void* dst, ParamDtype dtype, size_t n) {
   if (n == 0) return;
