@@ -206,3 +206,12 @@ def test_bad_arguments_and_tied_blocks_are_refused() -> None:
     layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight
     with pytest.raises(ValueError, match="tied weights"):
         st.stream_weights(model)
+    # Note [Streamed calls without tie detection]: one block reaching a Linear twice.
+    for training in (False, True):
+        blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        blocks[1].append(blocks[1][0])
+        with pytest.raises(
+            ValueError,
+            match=r"block 1 reaches a parameter under two names \(2\.weight, 2\.bias again\)",
+        ):
+            st.stream_weights(blocks, layers=list(blocks), training=training)

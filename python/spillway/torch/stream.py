@@ -142,7 +142,7 @@ class _StreamedBlock(nn.Module):
             name: flat[off : off + n].view(dtype).view(shape)
             for name, off, dtype, shape, n in self._layout
         }
-        out = torch.func.functional_call(self.inner, params, args, kwargs)
+        out = torch.func.functional_call(self.inner, params, args, kwargs, tie_weights=False)
         first = _first_tensor(out)
         torch.ops.spillway.stream_release(
             self._token, first if first is not None else self._token, self._owner_id, self._index
@@ -282,7 +282,9 @@ class _StreamedBlockFn(torch.autograd.Function):
         for i, t in zip(where, inputs):
             call[i] = t
         args, kwargs = pytree.tree_unflatten(call, spec)
-        out = torch.func.functional_call(block.inner, block._views(flat), args, kwargs)
+        out = torch.func.functional_call(
+            block.inner, block._views(flat), args, kwargs, tie_weights=False
+        )
         owner._session.release(layer)
         out_leaves, out_spec = pytree.tree_flatten(out)
         out_where = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -309,7 +311,7 @@ class _StreamedBlockFn(torch.autograd.Function):
         }
         with torch.random.fork_rng(devices=_rng_devices(owner.device)), torch.enable_grad():
             _set_rng_state(owner.device, ctx.rng)
-            out = torch.func.functional_call(block.inner, weights, args, kwargs)
+            out = torch.func.functional_call(block.inner, weights, args, kwargs, tie_weights=False)
         out_leaves = pytree.tree_leaves(out)
         outs, gs = [], []
         for i, g in zip(ctx.out_where, grads):
@@ -416,6 +418,20 @@ class StreamedWeights:
                 at += (n + _ALIGN - 1) // _ALIGN * _ALIGN
             if not ps:
                 raise ValueError(f"stream_weights: block {i} has no parameters")
+            # Note [Streamed calls without tie detection]: a block reaching one parameter
+            # under two names (a submodule assigned twice) is refused: functional_call's
+            # restore after a call leaves one of the names holding the streamed view instead
+            # of the parameter (found: training then put the gradients on the streamed
+            # copy, the model's own parameters got none). Without aliases the calls skip
+            # the tie detection, which walks the block at every call.
+            every = [name for name, _ in block.named_parameters(remove_duplicate=False)]
+            if len(every) != len(layout):
+                kept = {name for name, *_ in layout}
+                raise ValueError(
+                    f"stream_weights: block {i} reaches a parameter under two names "
+                    f"({', '.join(n for n in every if n not in kept)} again); a block whose "
+                    "submodule or parameter is assigned twice cannot stream: assign it once"
+                )
             self._layouts.append(layout)
             self._params.append(ps)
             self.layer_bytes.append(at)
