@@ -398,6 +398,58 @@ json extension(const inference::Completion& c, uint64_t seed) {
           {"cold", c.cold()}};
 }
 
+// OpenAI's usage object.
+json usage_json(size_t prompt_tokens, size_t completion_tokens) {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", completion_tokens},
+          {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+// A choice's finish reason: "stop" when a stop string ended it in text (Note [Text out]),
+// else the engine's.
+std::string finish_reason(const inference::Completion& c, bool text_stop) {
+  return text_stop ? std::string("stop") : c.finish_reason();
+}
+
+// A whole (not streamed) response of one choice.
+json whole_response(const std::string& id, const char* object, std::time_t created,
+                    const std::string& model, const json& choice, json usage, json extension) {
+  return {{"id", id},
+          {"object", object},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({choice})},
+          {"usage", std::move(usage)},
+          {"spillway", std::move(extension)}};
+}
+
+// What every event of one streamed response carries: its id, object, creation time and
+// model; usage only when the request asked for it (OpenAI: null but in the last chunk).
+struct EventHead {
+  std::string id;
+  std::string object;
+  std::time_t created = 0;
+  std::string model;
+  bool include_usage = false;
+  bool write(httplib::DataSink& sink, const json& choices, const json& usage) const {
+    json ev = {{"id", id},
+               {"object", object},
+               {"created", created},
+               {"model", model},
+               {"choices", choices}};
+    if (include_usage) ev["usage"] = usage;
+    const std::string line = "data: " + dump(ev) + "\n\n";
+    return sink.write(line.data(), line.size());
+  }
+  // After the last choice's event: the usage event when asked for, then [DONE].
+  bool end(httplib::DataSink& sink, const inference::Completion& c, size_t prompt_tokens,
+           size_t completion_tokens, bool* finished) const {
+    if (include_usage && !write(sink, json::array(), usage_json(prompt_tokens, completion_tokens)))
+      return false;
+    return end_stream(sink, c, false, finished);
+  }
+};
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -428,6 +480,14 @@ struct HttpServer::Impl {
       --writing;
     }
     cv.notify_all();
+  }
+  // A streamed response's release (begin_write before it): a stream closed before its end
+  // (the client went away) cancels its completion.
+  auto stream_closed(std::shared_ptr<inference::Completion> c, std::shared_ptr<bool> finished) {
+    return [this, c = std::move(c), finished = std::move(finished)](bool) {
+      if (!*finished) c->cancel();
+      end_write();
+    };
   }
 
   void completions(httplib::Response& res, const httplib::ContentReader& reader);
@@ -497,18 +557,11 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
         {"logprobs", q.logprobs < 0
                          ? json(nullptr)
                          : logprobs_json(tokens, 0, c->logprobs(0, tokens.size()), vocab)},
-        {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()}};
-    json out = {{"id", id},
-                {"object", "text_completion"},
-                {"created", now},
-                {"model", q.model},
-                {"choices", json::array({choice})},
-                {"usage",
-                 {{"prompt_tokens", q.prompt.size()},
-                  {"completion_tokens", tokens.size()},
-                  {"total_tokens", q.prompt.size() + tokens.size()}}},
-                {"spillway", extension(*c, q.seed)}};
-    res.set_content(dump(out), "application/json");
+        {"finish_reason", finish_reason(*c, text_stop)}};
+    res.set_content(
+        dump(whole_response(id, "text_completion", now, q.model, choice,
+                            usage_json(q.prompt.size(), tokens.size()), extension(*c, q.seed))),
+        "application/json");
     return;
   }
   // Server-sent events: one per token as it comes, a last one with the finish reason, then
@@ -521,19 +574,12 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [c, sent, finished, id, now, model = q.model, vocab, seed = q.seed, include_usage, tout,
-       logprobs = q.logprobs, prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
-        auto write = [&](const json& choices, const json& usage) {
-          json ev = {{"id", id},
-                     {"object", "text_completion"},
-                     {"created", now},
-                     {"model", model},
-                     {"choices", choices}};
-          if (include_usage) ev["usage"] = usage;  // OpenAI: null but in the last chunk
-          const std::string line = "data: " + dump(ev) + "\n\n";
-          return sink.write(line.data(), line.size());
+      [c, sent, finished, head = EventHead{id, "text_completion", now, q.model, include_usage},
+       vocab, seed = q.seed, tout, logprobs = q.logprobs,
+       prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
+        auto event = [&](const json& choice) {
+          return head.write(sink, json::array({choice}), nullptr);
         };
-        auto event = [&](const json& choice) { return write(json::array({choice}), nullptr); };
         std::vector<int32_t> fresh;
         inference::Completion::State st = c->wait_tokens(*sent, &fresh);
         for (int32_t t : fresh) {
@@ -562,21 +608,14 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
                       {"text", rest},
                       {"token_ids", json::array()},
                       {"logprobs", nullptr},
-                      {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()},
+                      {"finish_reason", finish_reason(*c, text_stop)},
                       {"spillway", extension(*c, seed)}}))
             return false;
-          if (include_usage && !write(json::array(), {{"prompt_tokens", prompt_tokens},
-                                                      {"completion_tokens", *sent},
-                                                      {"total_tokens", prompt_tokens + *sent}}))
-            return false;
-          return end_stream(sink, *c, false, finished.get());
+          return head.end(sink, *c, prompt_tokens, *sent, finished.get());
         }
         return end_stream(sink, *c, true, finished.get());
       },
-      [this, c, finished](bool) {
-        if (!*finished) c->cancel();
-        end_write();
-      });
+      stream_closed(c, finished));
 }
 
 bool HttpServer::Impl::read_body(httplib::Response& res, const httplib::ContentReader& reader,
@@ -797,11 +836,6 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
   const std::time_t now = std::time(nullptr);
   std::shared_ptr<inference::Completion> c = r.completion;
   auto tout = std::make_shared<TextOut>(*mt->tokenizer, tm.stop);
-  const auto usage = [prompt_tokens = q.prompt.size()](size_t n) {
-    return json{{"prompt_tokens", prompt_tokens},
-                {"completion_tokens", n},
-                {"total_tokens", prompt_tokens + n}};
-  };
   if (!stream) {
     Whole w;
     if (!wait_whole(res, *c, tout.get(), &w)) return;
@@ -811,15 +845,11 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
     const json choice = {{"index", 0},
                          {"message", {{"role", "assistant"}, {"content", content}}},
                          {"logprobs", nullptr},
-                         {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()}};
-    const json out = {{"id", id},
-                      {"object", "chat.completion"},
-                      {"created", now},
-                      {"model", model},
-                      {"choices", json::array({choice})},
-                      {"usage", usage(tokens.size())},
-                      {"spillway", extension(*c, q.seed)}};
-    res.set_content(dump(out), "application/json");
+                         {"finish_reason", finish_reason(*c, text_stop)}};
+    res.set_content(
+        dump(whole_response(id, "chat.completion", now, model, choice,
+                            usage_json(q.prompt.size(), tokens.size()), extension(*c, q.seed))),
+        "application/json");
     return;
   }
   begin_write();
@@ -829,20 +859,12 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [c, sent, finished, started, id, now, model, seed = q.seed, include_usage, tout, usage](
-          size_t, httplib::DataSink& sink) {
-        auto write = [&](const json& choices, const json& u) {
-          json ev = {{"id", id},
-                     {"object", "chat.completion.chunk"},
-                     {"created", now},
-                     {"model", model},
-                     {"choices", choices}};
-          if (include_usage) ev["usage"] = u;
-          const std::string line = "data: " + dump(ev) + "\n\n";
-          return sink.write(line.data(), line.size());
-        };
+      [c, sent, finished, started,
+       head = EventHead{id, "chat.completion.chunk", now, model, include_usage}, seed = q.seed,
+       tout, prompt_tokens = q.prompt.size()](size_t, httplib::DataSink& sink) {
         auto delta = [&](const json& d, const json& finish) {
-          return write(
+          return head.write(
+              sink,
               json::array(
                   {{{"index", 0}, {"delta", d}, {"logprobs", nullptr}, {"finish_reason", finish}}}),
               nullptr);
@@ -874,18 +896,14 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
           json last = {{"index", 0},
                        {"delta", json::object()},
                        {"logprobs", nullptr},
-                       {"finish_reason", text_stop ? std::string("stop") : c->finish_reason()},
+                       {"finish_reason", finish_reason(*c, text_stop)},
                        {"spillway", extension(*c, seed)}};
-          if (!write(json::array({last}), nullptr)) return false;
-          if (include_usage && !write(json::array(), usage(*sent))) return false;
-          return end_stream(sink, *c, false, finished.get());
+          if (!head.write(sink, json::array({last}), nullptr)) return false;
+          return head.end(sink, *c, prompt_tokens, *sent, finished.get());
         }
         return end_stream(sink, *c, true, finished.get());
       },
-      [this, c, finished](bool) {
-        if (!*finished) c->cancel();
-        end_write();
-      });
+      stream_closed(c, finished));
 }
 
 void HttpServer::Impl::routes() {
