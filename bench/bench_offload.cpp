@@ -761,9 +761,10 @@ std::string format_offload_bench(const OffloadBenchResult& r) {
       "steps: {} allocations)\n",
       r.allocations_steady_state, r.fallbacks_steady_state, r.backpressure_ms_steady_state,
       r.allocations_first_step);
-  out +=
-      "limit: the host backend's copy engines are worker threads doing memcpy, so the limit is "
-      "this machine's memcpy bandwidth (the baseline above).\n";
+  out += o.cuda ? "limit: the link between host and device, as pinned copies on the device's "
+                  "own copy streams move it (the baseline above).\n"
+                : "limit: the host backend's copy engines are worker threads doing memcpy, so "
+                  "the limit is this machine's memcpy bandwidth (the baseline above).\n";
   return out;
 }
 

@@ -139,6 +139,44 @@ def test_cuda_stream_weights_compiles_with_fullgraph() -> None:
             assert torch.equal(got, want), f"pass {s}"
 
 
+def test_cuda_cpu_adamw_takes_gradients_whose_hooks_run_on_another_stream() -> None:
+    # Note [Gradients on a side stream]: the optimizer made on the default stream, forward and
+    # backward on another one (their gradients' hooks run there, as FSDP2's run on its reduce
+    # stream): the same bits as the run all on the default stream.
+    runs = []
+    for side in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False)
+        ).to(device="cuda", dtype=torch.bfloat16)
+        opt = st.CPUAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+        default = torch.cuda.current_stream()
+        stream = torch.cuda.Stream() if side else default
+        hooked: list[int] = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _p, seen=hooked: seen.append(torch.cuda.current_stream().cuda_stream)
+            )
+        outcomes = []
+        for s in range(4):
+            g = torch.Generator().manual_seed(s)
+            x = torch.randn(8, 64, generator=g).to("cuda", torch.bfloat16)
+            c = torch.randn(8, 64, generator=g).to("cuda") * (30.0 if s == 2 else 0.01)
+            stream.wait_stream(default)
+            with torch.cuda.stream(stream):
+                (model(x).float() * c).sum().backward()
+            default.wait_stream(stream)
+            opt.step()
+            opt.zero_grad()
+            outcomes.append(opt.last_step()["outcome"])
+        assert "replay" in outcomes
+        if side:
+            assert stream.cuda_stream in hooked, "no gradient hook ran on the side stream"
+        runs.append([p.detach().cpu() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_cuda_cpu_adamw_device_path_under_fsdp2_is_the_plain_device_path() -> None:
     # Note [FSDP2 on the device path], its CUDA twin (2 gloo processes test it emulated, in
     # test_distributed.py): one NCCL rank, so FSDP2's DTensor parameters hold the whole

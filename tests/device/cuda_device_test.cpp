@@ -45,14 +45,18 @@ TEST(HybridGemmLimits, TilesBeyondSharedMemoryOrOutputsPerBlockAreNamed) {
   DeviceHybridGemm a;
   a.symmetric = {16, 32, 32};
   a.asymmetric = {16, 16, 32};
-  EXPECT_EQ(cuda::hybrid_gemm_tiles_refusal(a), "");
+  EXPECT_EQ(cuda::hybrid_gemm_tiles_refusal(a).tiles, "");
   a.symmetric = {256, 256, 64};  // 128 KiB of shared memory
-  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).find("256x256x64"), std::string::npos);
+  cuda::HybridGemmTilesRefusal r = cuda::hybrid_gemm_tiles_refusal(a);
+  EXPECT_EQ(r.tiles, "256x256x64");
+  EXPECT_NE(r.rule.find("(m + n) * k * 4: 131072"), std::string::npos) << r.rule;
   a.symmetric = {16, 32, 32};
   a.asymmetric = {128, 64, 4};  // few bytes, 8192 outputs > 16 x 256
-  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).find("8192 outputs"), std::string::npos);
+  r = cuda::hybrid_gemm_tiles_refusal(a);
+  EXPECT_EQ(r.tiles, "128x64x4");
+  EXPECT_NE(r.rule.find("(m * n: 8192)"), std::string::npos) << r.rule;
   a.asymmetric = {0, 16, 16};
-  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).find("each side > 0"), std::string::npos);
+  EXPECT_NE(cuda::hybrid_gemm_tiles_refusal(a).rule.find("each side > 0"), std::string::npos);
 }
 
 // An allocation freed on scope exit (the device must outlive it).

@@ -218,8 +218,10 @@ TEST(HybridGemmCuda, TilesBeyondTheKernelsLimitsAreRefusedWithoutALaunch) {
   try {
     (void)hybrid_gemm_on_device(*dev, p, nullptr, nullptr, nullptr, s, &why);
     ADD_FAILURE() << "tiles 256x256x64 were not refused";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("shared memory"), std::string::npos) << e.what();
+  } catch (const InputError& e) {  // the problem's field, as the host backend's check names it
+    EXPECT_EQ(e.field(), "tiles");
+    EXPECT_EQ(e.value(), "256x256x64");
+    EXPECT_NE(e.rule().find("shared memory"), std::string::npos) << e.what();
   }
 }
 

@@ -152,6 +152,7 @@ class CPUAdamW(torch.optim.Optimizer):
         # FSDP2 (fully_shard): a parameter is a DTensor; this process steps its local shard,
         # and the gradient norm is all-reduced over the shards (Note [Sharded norms]).
         self._sharded = any(hasattr(p, "to_local") for p in self._params)
+        self._norm_groups: Optional[tuple[list[Any], torch.device]] = None
         # The state is allocated once, here: refuse what the host cannot hold, with numbers.
         elements = sum(_local(p).numel() for p in self._params)
         need = elements * 12 * (2 if speculative else 1)  # p, m, v (+ STV's second buffers)
@@ -171,6 +172,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._flat_g: Optional[torch.Tensor] = None
         self._offsets: list[int] = []
         self._stream = 0  # the device path: the CUDA stream adopted (0: CPU)
+        self._adopted: Optional[torch.cuda.Stream] = None  # the same, as torch's object
         if self._device is not None:
             self._core = self._make_device_path(float(max_grad_norm or 0.0), speculative, threads)
         else:
@@ -356,7 +358,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 p.grad = view
         if dev.type == "cuda":
             kind, ordinal = "cuda", dev.index if dev.index is not None else 0
-            stream = torch.cuda.current_stream(dev).cuda_stream
+            self._adopted = torch.cuda.current_stream(dev)
+            stream = self._adopted.cuda_stream
         else:
             kind, ordinal, stream = "host", 0, 0
         self._stream = stream
@@ -385,14 +388,29 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _into_flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient in its slice of the flat buffer (copied there if torch made a new one,
-        after ``set_to_none``), on the stream the pipeline adopted."""
+        after ``set_to_none``), ordered on the stream the pipeline adopted."""
+        side = None
         if self._device is not None and self._device.type == "cuda":
-            current = torch.cuda.current_stream(self._device).cuda_stream
-            if current != self._stream:
-                raise RuntimeError(
-                    "CPUAdamW: backward runs on a CUDA stream other than the one current when "
-                    "the optimizer was made; make the optimizer under the training stream"
-                )
+            current = torch.cuda.current_stream(self._device)
+            if current.cuda_stream != self._stream:
+                side = current
+        if side is None:
+            return self._flat_grad(i, p, grad)
+        # Note [Gradients on a side stream]: FSDP2 reduces gradients and runs the hook on its
+        # own reduce stream (so may a user's code). The adopted stream waits for that stream
+        # (a device-side wait, no host synchronization), the copy into the flat buffer runs
+        # on the adopted stream, where the pipeline's event follows it, and the caching
+        # allocator learns that the gradient is read there, so that its memory is not
+        # handed out again before that read.
+        adopted = self._adopted
+        assert adopted is not None
+        adopted.wait_stream(side)
+        with torch.cuda.stream(adopted):
+            view = self._flat_grad(i, p, grad)
+        _local(grad).record_stream(adopted)
+        return view
+
+    def _flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if self._sharded:  # Note [FSDP2 on the device path]: .grad stays FSDP2's DTensor
             view = self._grad_view(i, p)
             view.copy_(_local(grad))
@@ -449,8 +467,12 @@ class CPUAdamW(torch.optim.Optimizer):
             # squares is all-reduced, so every shard clips by the same norm and a NaN or Inf
             # anywhere skips the step everywhere. Its rounding differs from one process's
             # (the shards' sums are added, not the buckets' in one order).
-            sq = torch.tensor([self._core.sum_of_squares()], dtype=torch.float64)
-            torch.distributed.all_reduce(sq)
+            if self._norm_groups is None:
+                self._norm_groups = _norm_groups(self._params)
+            groups, device = self._norm_groups
+            sq = torch.tensor([self._core.sum_of_squares()], dtype=torch.float64, device=device)
+            for group in groups:
+                torch.distributed.all_reduce(sq, group=group)
             global_sq = float(sq.item())
         outcome, scale, worker_ms, finish_ms = self._core.finish(global_sq)
         # The weights not written yet (all of them, unless early_weights; after a skip, the
@@ -755,6 +777,28 @@ def _warn_user(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     warnings.warn(message, UserWarning, stacklevel=level + 1)
+
+
+def _norm_groups(params: list[torch.Tensor]) -> tuple[list[Any], torch.device]:
+    """Note [Sharded norms]: the process groups the sum of squares is all-reduced over (one
+    per mesh dimension the parameters are sharded along: FSDP2's, not HSDP's replicas, which
+    hold the same shards) and the device the groups' backend reduces on (NCCL: the GPU, never
+    a CPU tensor; gloo: the CPU)."""
+    sharded = [p for p in params if hasattr(p, "device_mesh")]
+    mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
+    for p in sharded[1:]:
+        if p.device_mesh != mesh or tuple(p.placements) != placements:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "CPUAdamW: the parameters are sharded over different device meshes or "
+                f"placements ({mesh} {placements} and {p.device_mesh} {p.placements}); one "  # type: ignore[attr-defined]
+                "CPUAdamW steps the parameters of one mesh: make one optimizer per mesh"
+            )
+    groups = [mesh.get_group(d) for d, pl in enumerate(placements) if pl.is_shard()]
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", _local(sharded[0]).device.index or 0)
+    else:
+        device = torch.device(mesh.device_type)
+    return groups, device
 
 
 def _like_dtensor(p: Any, local: torch.Tensor) -> torch.Tensor:

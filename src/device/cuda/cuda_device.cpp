@@ -435,7 +435,7 @@ class CudaDevice final : public DeviceBackend {
     auto boxed = std::make_unique<std::function<void()>>(std::move(fn));
     DeviceGuard guard(ordinal_);
     SPILLWAY_CUDA_CHECK(cudaLaunchHostFunc(stream, &run_host_callback, boxed.get()));
-    boxed.release();  // run_host_callback deletes it
+    (void)boxed.release();  // run_host_callback deletes it
   }
 
   void* native_stream(Stream s) override {
@@ -465,8 +465,9 @@ class CudaDevice final : public DeviceBackend {
     return launch(s, a.n, [&](cudaStream_t stream) { cuda::launch_widen_bf16(a, stream); });
   }
   bool hybrid_gemm(const DeviceHybridGemm& a, Stream s) override {
-    const std::string refusal = cuda::hybrid_gemm_tiles_refusal(a);
-    if (!refusal.empty()) SPILLWAY_INPUT_ERROR("{}: hybrid_gemm: {}", name_, refusal);
+    const cuda::HybridGemmTilesRefusal refusal = cuda::hybrid_gemm_tiles_refusal(a);
+    if (!refusal.tiles.empty())  // bad input in the problem's field, as the host's check
+      SPILLWAY_FIELD_ERROR("tiles", refusal.tiles, "{} on {}", refusal.rule, name_);
     const size_t outputs = static_cast<size_t>(a.m * a.n);
     SPILLWAY_CHECK(outputs == 0 || (a.x != nullptr && a.w != nullptr && a.o != nullptr),
                    "{}: hybrid_gemm: x, w and o must be non-null for {}x{}x{}", name_, a.m, a.n,

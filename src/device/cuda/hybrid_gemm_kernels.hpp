@@ -13,9 +13,13 @@ inline constexpr int kHybridGemmThreads = 256;
 inline constexpr int64_t kHybridGemmOutputsPerThread = 16;
 inline constexpr int64_t kHybridGemmSharedBytes = int64_t{48} * 1024;
 
-// Empty when both tile shapes fit the kernels (shared memory, outputs per block), else
-// what does not: checked before anything is launched.
-std::string hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a);
+// The first tile shape the kernels cannot take (shared memory, outputs per block), "MxNxK",
+// and the rule it breaks; `tiles` empty when both fit. Checked before anything is launched.
+struct HybridGemmTilesRefusal {
+  std::string tiles;
+  std::string rule;
+};
+HybridGemmTilesRefusal hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a);
 
 // Enqueues both paths on `stream` (a cudaStream_t); x, o device memory, w mapped host
 // memory; with a.traffic set, the counting kernels add to it (Note [Counted HybridGEMM

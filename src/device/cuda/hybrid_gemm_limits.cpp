@@ -8,16 +8,17 @@
 
 namespace spillway::cuda {
 
-std::string hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a) {
+HybridGemmTilesRefusal hybrid_gemm_tiles_refusal(const DeviceHybridGemm& a) {
   for (const DeviceGemmTiles* g : {&a.symmetric, &a.asymmetric}) {
     const int64_t shared = (g->m + g->n) * g->k * static_cast<int64_t>(sizeof(float));
     const int64_t outputs = kHybridGemmOutputsPerThread * kHybridGemmThreads;
     if (g->m <= 0 || g->n <= 0 || g->k <= 0 || shared > kHybridGemmSharedBytes ||
         g->m * g->n > outputs)
-      return fmt::format(
-          "tiles {}x{}x{} need {} bytes of shared memory (at most {}) and {} outputs per block "
-          "(at most {}), each side > 0",
-          g->m, g->n, g->k, shared, kHybridGemmSharedBytes, g->m * g->n, outputs);
+      return {fmt::format("{}x{}x{}", g->m, g->n, g->k),
+              fmt::format("the CUDA kernels take tiles of at most {} bytes of shared memory "
+                          "((m + n) * k * 4: {}) and {} outputs per block (m * n: {}), each "
+                          "side > 0",
+                          kHybridGemmSharedBytes, shared, outputs, g->m * g->n)};
   }
   return {};
 }
