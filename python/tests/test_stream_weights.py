@@ -43,6 +43,36 @@ def test_eager_logits_are_bitwise_the_resident_models(make: Callable[..., Any], 
     assert all(p.numel() == 0 for b in handle.blocks for p in b.parameters())
 
 
+def test_eager_calls_lend_the_slot_views_for_the_call_only() -> None:
+    # Note [Eager streamed calls]: during a block's call its parameters are the streamed
+    # weights (a hook inside sees them), under inference_mode too (the views were made
+    # outside it); before and after, and after a call that raised, the empty placeholders.
+    model = tiny_llama(seed=6, layers=3)
+    ref = copy.deepcopy(model)
+    handle = st.stream_weights(model, depth=1)
+    proj = handle.blocks[1].mlp.down_proj
+    want = ref.model.layers[1].mlp.down_proj.weight
+    seen: list[bool] = []
+    proj.register_forward_hook(lambda m, i, o: seen.append(torch.equal(m.weight, want)))
+    ids = batch(seed=1)["input_ids"]
+    with torch.inference_mode():
+        got = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(got, logits(ref, 1)) and seen == [True]
+    assert proj.weight.numel() == 0 and isinstance(proj.weight, nn.Parameter)
+
+    def boom(m: nn.Module, i: Any) -> None:
+        raise RuntimeError("boom")
+
+    proj.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        logits(model, 2)
+    assert all(
+        isinstance(p, nn.Parameter) and p.numel() == 0
+        for b in handle.blocks
+        for p in b.parameters()
+    )
+
+
 def test_a_slow_link_only_makes_compute_wait() -> None:
     model = tiny_llama(seed=4, layers=4)
     ref = copy.deepcopy(model)

@@ -15,6 +15,8 @@ them in program order; the slot comes out of the op as a fresh value rather than
 mutated input, so a compiled graph never writes weights back into the ring, and
 ``torch.compile(model, fullgraph=True)`` traces through with no graph break (tested with
 inductor and aot_eager, bitwise). The blocks' own parameters keep no memory meanwhile.
+That is the path a compiler traces; an eager call does the same work without the
+dispatcher and ``functional_call`` (Note [Eager streamed calls]).
 
 Note [Sharded streaming in PyTorch]: with ``sharded=True`` inside a ``torch.distributed``
 job, each of the N ranks keeps 1/N of every block in its pinned slab (shards of
@@ -118,6 +120,17 @@ class _StreamedBlock(nn.Module):
         self.register_state_dict_post_hook(_hide_wrapper)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_load_into_slab)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_post_hook(_not_missing)  # type: ignore[no-untyped-call]
+        # Note [Eager streamed calls]: block l always computes from slot l % (depth + 1)
+        # (Note [Static slots]), so its parameters' views of that slot are made once, here,
+        # outside any inference mode (a view made under it could not be used outside), each
+        # beside the parameter table of the submodule that holds it.
+        with torch.inference_mode(False):
+            slot = owner._slots[index % (owner.depth + 1)][: self._nbytes]
+            self._swaps: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+            for name, off, dtype, shape, n in self._layout:
+                where, _, key = name.rpartition(".")
+                table = inner.get_submodule(where)._parameters
+                self._swaps.append((table, key, slot[off : off + n].view(dtype).view(shape)))
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {
@@ -129,12 +142,14 @@ class _StreamedBlock(nn.Module):
         owner = self._owner
         if owner.training:
             return _train_call(self, owner, args, kwargs)
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise RuntimeError(
-                "stream_weights: this session streams inference; run the model under "
-                "torch.no_grad() or torch.inference_mode(), or stream with training=True "
-                "(blocks re-streamed in backward)"
-            )
+        if not torch.compiler.is_compiling():
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "stream_weights: this session streams inference; run the model under "
+                    "torch.no_grad() or torch.inference_mode(), or stream with training=True "
+                    "(blocks re-streamed in backward)"
+                )
+            return self._eager_call(owner, args, kwargs)
         flat = torch.ops.spillway.stream_acquire(
             self._token, self._owner_id, self._index, self._nbytes
         )
@@ -147,6 +162,26 @@ class _StreamedBlock(nn.Module):
         torch.ops.spillway.stream_release(
             self._token, first if first is not None else self._token, self._owner_id, self._index
         )
+        return out
+
+    def _eager_call(self, owner: StreamedWeights, args: Any, kwargs: Any) -> Any:
+        """Note [Eager streamed calls]: outside a compiler the custom ops and
+        ``functional_call`` are only their cost (the dispatcher twice, a view per parameter
+        and the module walk of functional_call at every call, about 50 us per block): the
+        streamer is called directly and the block's parameter tables hold the slot's views
+        made once for the length of the call, then their placeholders again (whatever the
+        call raised). What the block computes, and from which bytes, is the same."""
+        owner._ready(self._index)
+        swaps = self._swaps
+        held = [table[key] for table, key, _ in swaps]
+        for table, key, view in swaps:
+            table[key] = view
+        try:
+            out = self.inner(*args, **kwargs)
+        finally:
+            for (table, key, _), p in zip(swaps, held):
+                table[key] = p
+        owner._session.release(self._index)
         return out
 
 
@@ -528,6 +563,12 @@ class StreamedWeights:
         self.reloads += 1
 
     def _acquire(self, layer: int, nbytes: int) -> torch.Tensor:
+        """Block ``layer``'s slot, its first ``nbytes``, once its weights are there."""
+        self._ready(layer)
+        return self._slots[layer % (self.depth + 1)][:nbytes]
+
+    def _ready(self, layer: int) -> None:
+        """Returns once block ``layer``'s weights are in its slot (for torch's work after)."""
         if layer == 0 and not self.training:
             self._check_writes()
         slot = self._slots[layer % (self.depth + 1)]
@@ -535,7 +576,7 @@ class StreamedWeights:
         if ptr != slot.data_ptr() + self._slot_offset:
             raise RuntimeError(f"stream_weights: block {layer} landed outside its slot")
         if self.ranks == 1:
-            return slot[:nbytes]
+            return
         # Note [Sharded streaming in PyTorch]: the block's all-gather was started ahead, or
         # runs now; then the gathers of the blocks up to depth - 1 ahead start, each once
         # its shard's copy has landed (the copies run depth ahead), on a side stream on CUDA.
@@ -560,7 +601,6 @@ class StreamedWeights:
             else:
                 self._gathers[nxt] = self._gather(nxt, True)
             self.gathers_ahead += 1
-        return slot[:nbytes]
 
     def _gather(self, layer: int, async_op: bool) -> Any:
         """Assembles block ``layer``'s shards in its slot (its own has landed)."""
