@@ -326,3 +326,24 @@ def test_fsdp2_checkpoint_through_dcp_resumes_bitwise(device_path: bool, tmp_pat
             assert torch.equal(c, b), f"rank {rank}: the resumed run differs"
         for a, b in zip(got["warm"], got["after"]):
             assert torch.equal(a, b), f"rank {rank}: loaded weights did not reach the master"
+
+
+def test_plain_parameters_beside_fsdp2_shards_are_refused_at_construction() -> None:
+    # Note [Sharded norms]: the sum of squares is all-reduced over the shards; a plain
+    # parameter's share would be added once per process, a norm silently too large. One
+    # process (a gloo group of one) is enough to see the refusal.
+    from torch.distributed.fsdp import fully_shard
+
+    import spillway.torch as st
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        fully_shard(model[0])  # the second layer stays plain
+        with pytest.raises(RuntimeError, match=r"parameters \[2, 3\] are plain tensors"):
+            st.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=CLIP)
+        fully_shard(model)  # every parameter sharded: taken
+        st.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=CLIP).close()
+    finally:
+        dist.destroy_process_group()

@@ -133,6 +133,15 @@ TEST(Probe, ThrottledCopiesMeasureAtTheirThrottleAndUnthrottledOnesFaster) {
   const ProbeResult u = run_probe(*free_running, o);
   print_points("unthrottled", u);
   ASSERT_EQ(u.points.size(), 4u);
+  // Whether unthrottled copies beat the throttle depends on what the host can copy now: a
+  // build beside the suite once took memcpy down to 9 GB/s between the check at the top and
+  // this one, and the unthrottled copies under the throttle's. Measured again here, the
+  // comparison is made only where memcpy is still clear of the throttle.
+  const double memcpy_now = memcpy_gbps();
+  if (memcpy_now < 2.0 * kH2DGbps) {
+    GTEST_SKIP() << "memcpy does only " << memcpy_now << " GB/s now (host loaded): too close to "
+                 << "the " << kH2DGbps << " GB/s throttle to compare the unthrottled copies";
+  }
   // Best against best: a busy host can stall any one sample, not a throttle's floor.
   for (const ProbePoint& p : u.points) {
     EXPECT_GT(p.gbps_best, point(r, 8 * kMiB, p.direction, p.host_memory).gbps_best)

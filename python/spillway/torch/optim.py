@@ -153,6 +153,8 @@ class CPUAdamW(torch.optim.Optimizer):
         # and the gradient norm is all-reduced over the shards (Note [Sharded norms]).
         self._sharded = any(hasattr(p, "to_local") for p in self._params)
         self._norm_groups: Optional[tuple[list[Any], torch.device]] = None
+        if self._sharded:  # refused here, not at the first step, when it cannot be done
+            self._norm_groups = _norm_groups(self._params)
         # The state is allocated once, here: refuse what the host cannot hold, with numbers.
         elements = sum(_local(p).numel() for p in self._params)
         need = elements * 12 * (2 if speculative else 1)  # p, m, v (+ STV's second buffers)
@@ -784,13 +786,23 @@ def _norm_groups(params: list[torch.Tensor]) -> tuple[list[Any], torch.device]:
     per mesh dimension the parameters are sharded along: FSDP2's, not HSDP's replicas, which
     hold the same shards) and the device the groups' backend reduces on (NCCL: the GPU, never
     a CPU tensor; gloo: the CPU)."""
-    sharded = [p for p in params if hasattr(p, "device_mesh")]
+    sharded: list[Any] = [p for p in params if hasattr(p, "device_mesh")]
+    plain = [i for i, p in enumerate(params) if not hasattr(p, "device_mesh")]
+    if plain:
+        # Each process would add its own copy of these to the all-reduced sum: a norm N times
+        # theirs, silently.
+        raise RuntimeError(
+            f"CPUAdamW: parameters {plain[:8]} are plain tensors beside FSDP2's sharded ones "
+            "(DTensors); the gradient norm over both cannot be all-reduced: shard every "
+            "parameter (fully_shard on the root module too) or step the plain ones with "
+            "another optimizer"
+        )
     mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
     for p in sharded[1:]:
-        if p.device_mesh != mesh or tuple(p.placements) != placements:  # type: ignore[attr-defined]
+        if p.device_mesh != mesh or tuple(p.placements) != placements:
             raise RuntimeError(
                 "CPUAdamW: the parameters are sharded over different device meshes or "
-                f"placements ({mesh} {placements} and {p.device_mesh} {p.placements}); one "  # type: ignore[attr-defined]
+                f"placements ({mesh} {placements} and {p.device_mesh} {p.placements}); one "
                 "CPUAdamW steps the parameters of one mesh: make one optimizer per mesh"
             )
     groups = [mesh.get_group(d) for d, pl in enumerate(placements) if pl.is_shard()]
