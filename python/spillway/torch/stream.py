@@ -167,22 +167,27 @@ class _StreamedBlock(nn.Module):
     def _eager_call(self, owner: StreamedWeights, args: Any, kwargs: Any) -> Any:
         """Note [Eager streamed calls]: outside a compiler the custom ops and
         ``functional_call`` are only their cost (the dispatcher twice, a view per parameter
-        and the module walk of functional_call at every call, about 50 us per block): the
-        streamer is called directly and the block's parameter tables hold the slot's views
-        made once for the length of the call, then their placeholders again (whatever the
-        call raised). What the block computes, and from which bytes, is the same."""
+        and the module walk of functional_call at every call, about 65 us per block on
+        2026-11-28): the streamer is called directly and the block computes from the slot's
+        views made once (``_call_with``). What the block computes, and from which bytes, is
+        the same."""
         owner._ready(self._index)
+        out = self._call_with([view for _, _, view in self._swaps], args, kwargs)
+        owner._session.release(self._index)
+        return out
+
+    def _call_with(self, weights: Sequence[torch.Tensor], args: Any, kwargs: Any) -> Any:
+        """The block called with `weights` (in layout order) in its parameter tables for the
+        length of the call, then what they held again, whatever the call raised."""
         swaps = self._swaps
         held = [table[key] for table, key, _ in swaps]
-        for table, key, view in swaps:
-            table[key] = view
+        for (table, key, _), w in zip(swaps, weights):
+            table[key] = w
         try:
-            out = self.inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         finally:
             for (table, key, _), p in zip(swaps, held):
                 table[key] = p
-        owner._session.release(self._index)
-        return out
 
 
 # Note [A streamed model's state dict]: a streamed block sits in its wrapper (``inner``) and,
@@ -312,14 +317,13 @@ class _StreamedBlockFn(torch.autograd.Function):
         if layer == 0 and owner._backward_done:
             owner._step_end()
         rng = _rng_state(owner.device)
-        flat = owner._acquire(layer, block._nbytes)
+        owner._ready(layer)
         call = list(leaves)
         for i, t in zip(where, inputs):
             call[i] = t
         args, kwargs = pytree.tree_unflatten(call, spec)
-        out = torch.func.functional_call(
-            block.inner, block._views(flat), args, kwargs, tie_weights=False
-        )
+        # Note [Eager streamed calls]: the slot's views, lent for the call.
+        out = block._call_with([view for _, _, view in block._swaps], args, kwargs)
         owner._session.release(layer)
         out_leaves, out_spec = pytree.tree_flatten(out)
         out_where = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -339,14 +343,14 @@ class _StreamedBlockFn(torch.autograd.Function):
         for i, t in zip(ctx.where, inputs):
             call[i] = t
         args, kwargs = pytree.tree_unflatten(call, ctx.spec)
-        flat = owner._acquire(layer, block._nbytes)
-        weights = {
-            name: w.detach().requires_grad_(p.requires_grad)
-            for (name, w), p in zip(block._views(flat).items(), params)
-        }
+        owner._ready(layer)
+        weights = [
+            view.detach().requires_grad_(p.requires_grad)
+            for (_, _, view), p in zip(block._swaps, params)
+        ]
         with torch.random.fork_rng(devices=_rng_devices(owner.device)), torch.enable_grad():
             _set_rng_state(owner.device, ctx.rng)
-            out = torch.func.functional_call(block.inner, weights, args, kwargs, tie_weights=False)
+            out = block._call_with(weights, args, kwargs)
         out_leaves = pytree.tree_leaves(out)
         outs, gs = [], []
         for i, g in zip(ctx.out_where, grads):
@@ -354,9 +358,7 @@ class _StreamedBlockFn(torch.autograd.Function):
             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
                 outs.append(o)
                 gs.append(g)
-        wanted = [t for t in inputs if t.requires_grad] + [
-            w for w in weights.values() if w.requires_grad
-        ]
+        wanted = [t for t in inputs if t.requires_grad] + [w for w in weights if w.requires_grad]
         got = list(torch.autograd.grad(outs, wanted, gs, allow_unused=True)) if outs else []
         owner._session.release(layer)
         if layer == 0:
@@ -364,7 +366,7 @@ class _StreamedBlockFn(torch.autograd.Function):
         it = iter(got + [None] * (len(wanted) - len(got)))
         d_in = [next(it) if t.requires_grad else None for t in inputs]
         d_w: list[Optional[torch.Tensor]] = []
-        for w, p in zip(weights.values(), params):
+        for w, p in zip(weights, params):
             g = next(it) if w.requires_grad else None
             # The parameters live in the slabs (CPU): a CUDA block's gradients come back.
             d_w.append(g.to(p.device) if g is not None and g.device != p.device else g)
