@@ -139,16 +139,30 @@ def test_cuda_stream_weights_compiles_with_fullgraph() -> None:
             assert torch.equal(got, want), f"pass {s}"
 
 
+def two_linears() -> torch.nn.Sequential:
+    """Two bf16 Linears on the GPU, seeded: the device path's small model."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False)
+    ).to(device="cuda", dtype=torch.bfloat16)
+
+
+def clipped_at_step_2(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step s's input and loss weights: (model(x).float() * c).sum() clips at 0.5 in step 2
+    only (a replay), not in the others."""
+    g = torch.Generator().manual_seed(s)
+    x = torch.randn(8, 64, generator=g).to("cuda", torch.bfloat16)
+    c = torch.randn(8, 64, generator=g).to("cuda") * (30.0 if s == 2 else 0.01)
+    return x, c
+
+
 def test_cuda_cpu_adamw_takes_gradients_whose_hooks_run_on_another_stream() -> None:
     # Note [Gradients on a side stream]: the optimizer made on the default stream, forward and
     # backward on another one (their gradients' hooks run there, as FSDP2's run on its reduce
     # stream): the same bits as the run all on the default stream.
     runs = []
     for side in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False)
-        ).to(device="cuda", dtype=torch.bfloat16)
+        model = two_linears()
         opt = st.CPUAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
         default = torch.cuda.current_stream()
         stream = torch.cuda.Stream() if side else default
@@ -159,9 +173,7 @@ def test_cuda_cpu_adamw_takes_gradients_whose_hooks_run_on_another_stream() -> N
             )
         outcomes = []
         for s in range(4):
-            g = torch.Generator().manual_seed(s)
-            x = torch.randn(8, 64, generator=g).to("cuda", torch.bfloat16)
-            c = torch.randn(8, 64, generator=g).to("cuda") * (30.0 if s == 2 else 0.01)
+            x, c = clipped_at_step_2(s)
             stream.wait_stream(default)
             with torch.cuda.stream(stream):
                 (model(x).float() * c).sum().backward()
@@ -188,18 +200,15 @@ def test_cuda_cpu_adamw_device_path_under_fsdp2_is_the_plain_device_path() -> No
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
     try:
         runs = []
         for sharded in (False, True):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(
-                torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False)
-            ).to(device="cuda", dtype=torch.bfloat16)
+            model = two_linears()
             if sharded:
                 for layer in model:
                     fully_shard(layer)
@@ -207,9 +216,7 @@ def test_cuda_cpu_adamw_device_path_under_fsdp2_is_the_plain_device_path() -> No
             opt = st.CPUAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
             outcomes = []
             for s in range(4):
-                g = torch.Generator().manual_seed(s)
-                x = torch.randn(8, 64, generator=g).to("cuda", torch.bfloat16)
-                c = torch.randn(8, 64, generator=g).to("cuda") * (30.0 if s == 2 else 0.01)
+                x, c = clipped_at_step_2(s)
                 (model(x).float() * c).sum().backward()
                 opt.step()
                 opt.zero_grad()
