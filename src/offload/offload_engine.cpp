@@ -82,7 +82,8 @@ struct OffloadEngine::Impl {
     bool hold = false;    // OffloadHold::kUntilLayerEnd: released at end_forward_layer at most
     bool copied = false;  // its D2H copy is known complete
     bool reload_issued = false;
-    int h2d_seq = 0;  // issue order of its reload in the step (1, 2, ...)
+    int h2d_seq = 0;      // issue order of its reload in the step (1, 2, ...)
+    int64_t d2h_seq = 0;  // issue order of its D2H copy, never reset (0: no copy)
     bool reload_taken = false;
     bool pinned_released = false;
     DeviceTensor reloaded;
@@ -101,6 +102,7 @@ struct OffloadEngine::Impl {
   struct LayerMarks {  // calling thread only
     bool d2h_started = false, h2d_started = false, reached = false, forward_ended = false;
     int last_h2d_slot = -1;      // the layer's last reload issued (Note [One wait per layer])
+    int last_d2h_slot = -1;      // the layer's last D2H copy issued (Note [One H2D wait])
     int compute_waited_seq = 0;  // compute is ordered after this layer's reloads up to here
   };
   std::vector<LayerTimes> times;
@@ -149,6 +151,10 @@ struct OffloadEngine::Impl {
   bool in_step = false;
   int issue_cursor = -1;  // prefetch(): the highest layer whose reloads may be unissued
   int h2d_issued = 0;     // reloads issued this step (Slot::h2d_seq)
+  // Note [One H2D wait]: D2H copies issued (Slot::d2h_seq), and the latest of them the H2D
+  // stream is ordered after. Never reset: a copy of an earlier step is done.
+  int64_t d2h_issued = 0;
+  int64_t h2d_waited_d2h = 0;
 
   Impl(Device& device, Stream compute_stream, const MemoryPolicy& policy, const OffloadOptions& o)
       : dev(device),
@@ -334,6 +340,8 @@ struct OffloadEngine::Impl {
     sp->verify = opt.verify;
     if (sp->verify) dev.host_callback(d2h, [sp] { sp->sum = checksum(sp->pinned.ptr, sp->bytes); });
     dev.record(s.d2h_done, d2h);
+    s.d2h_seq = ++d2h_issued;
+    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr) mk->last_d2h_slot = id;
     d2h_pending.push_back(id);
     inflight += static_cast<int64_t>(s.bytes);
     if (s.layer >= 0 && static_cast<size_t>(s.layer) < tel.layers.size()) {
@@ -474,7 +482,19 @@ struct OffloadEngine::Impl {
       dst = s.reloaded.ptr;
       s.h2d_done = take_event();
     }
-    dev.wait(h2d, s.d2h_done);  // never before the offload finished
+    // Never before the offload finished. Note [One H2D wait]: D2H copies complete in the
+    // order they were issued on their one stream, so the reload waits for its layer's last
+    // copy (its own or a later one), and not at all when the H2D stream already waits for
+    // a copy issued after that: one wait per layer at most, where it was one per tensor
+    // (a runtime call each on CUDA). Waiting for the layer's last copy rather than its own
+    // delays a reload only while its layer's later copies are still on the link.
+    const Slot* last = &s;
+    if (const LayerMarks* mk = layer_marks(s.layer); mk != nullptr && mk->last_d2h_slot >= 0)
+      last = &slots[static_cast<size_t>(mk->last_d2h_slot)];
+    if (last->d2h_seq > h2d_waited_d2h) {
+      dev.wait(h2d, last->d2h_done);
+      h2d_waited_d2h = last->d2h_seq;
+    }
     Slot* sp = &s;
     if (opt.verify) {
       dev.host_callback(h2d, [this, sp, id] {

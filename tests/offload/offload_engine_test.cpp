@@ -221,6 +221,51 @@ TEST(OffloadEngine, ComputeWaitsOncePerLayerOfReloads) {
   EXPECT_EQ(compute_waits, 2) << "one per layer reloaded";
 }
 
+TEST(OffloadEngine, TheH2DStreamWaitsForTheOffloadsOnceNotPerTensor) {
+  // Note [One H2D wait]: the D2H copies complete in issue order, so the first reload
+  // issued (the last offloaded layer's, through prefetch) waits for that layer's last copy,
+  // which orders every reload of the step after its own copy: one H2D wait where there
+  // were 3 x 3. Slow copies, so the waits matter, and every byte is checked.
+  Rig r(0.5, 0.5);
+  CopyLog log(*r.dev);
+  OffloadOptions o;
+  o.device_pool_bytes = int64_t{8} << 20;
+  OffloadEngine e(log, r.compute, all_names(4), o);
+  for (int step = 0; step < 2; ++step) {
+    e.begin_step();
+    std::vector<std::vector<OffloadHandle>> h(3);
+    const char* names[] = {"mlp.gate_out", "mlp.up_out", "mlp.act"};
+    for (int l = 0; l < 4; ++l) {
+      for (int k = 0; k < 3; ++k) {
+        DeviceTensor t = e.allocate(64 << 10);
+        produce(r, t, static_cast<uint32_t>(step * 100 + l * 10 + k));
+        if (l < 3) {
+          h[static_cast<size_t>(l)].push_back(e.offload(t, l, names[k]));
+        } else {
+          e.free(t);
+        }
+      }
+      e.end_forward_layer(l);
+    }
+    log.wait_streams.clear();
+    std::atomic<int> bad{0};
+    for (int l = 2; l >= 0; --l) {
+      e.prefetch(l - 1);
+      for (int k = 0; k < 3; ++k) {
+        DeviceTensor t = e.reload(h[static_cast<size_t>(l)][static_cast<size_t>(k)]);
+        consume(r, t, static_cast<uint32_t>(step * 100 + l * 10 + k), &bad);
+        e.free(t);
+      }
+    }
+    const auto compute_waits =
+        std::count(log.wait_streams.begin(), log.wait_streams.end(), r.compute.id);
+    EXPECT_EQ(static_cast<long>(log.wait_streams.size() - compute_waits), 1)
+        << "step " << step << ": the H2D stream's waits for the offload copies";
+    e.end_step();
+    EXPECT_EQ(bad.load(), 0) << "step " << step;
+  }
+}
+
 TEST(OffloadEngine, AHeldTensorStaysOnTheDeviceUntilItsLayerEnds) {
   // Note [Offload hold]: with kUntilLayerEnd the forward may still read the tensor after
   // offload(): its device memory goes back only once the copy is done and the layer ended.
