@@ -181,6 +181,42 @@ TEST(OffloadEngine, PrefetchIssuesTheLayersBackwardNeedsFirst) {
   EXPECT_EQ(h2d, reloaded);  // layer 2, then 1, then 0
 }
 
+// One step's forward over `layers` layers of three 64 KiB tensors, each filled from its tag
+// (seed + layer * 10 + index): the first `offloaded` layers' tensors are offloaded, the
+// others freed. Their handles, by layer.
+std::vector<std::vector<OffloadHandle>> forward_threes(Rig& r, OffloadEngine& e, int layers,
+                                                       int offloaded, uint32_t seed) {
+  std::vector<std::vector<OffloadHandle>> h(static_cast<size_t>(offloaded));
+  const char* names[] = {"mlp.gate_out", "mlp.up_out", "mlp.act"};
+  for (int l = 0; l < layers; ++l) {
+    for (int k = 0; k < 3; ++k) {
+      DeviceTensor t = e.allocate(64 << 10);
+      produce(r, t, seed + static_cast<uint32_t>(l * 10 + k));
+      if (l < offloaded) {
+        h[static_cast<size_t>(l)].push_back(e.offload(t, l, names[k]));
+      } else {
+        e.free(t);
+      }
+    }
+    e.end_forward_layer(l);
+  }
+  return h;
+}
+
+// Its backward: at each layer, last first, prefetch(l - 1), then every tensor of l reloaded,
+// checked against its tag on the compute stream (mismatches counted in *bad) and freed.
+void backward_threes(Rig& r, OffloadEngine& e, const std::vector<std::vector<OffloadHandle>>& h,
+                     uint32_t seed, std::atomic<int>* bad) {
+  for (int l = static_cast<int>(h.size()) - 1; l >= 0; --l) {
+    e.prefetch(l - 1);
+    for (int k = 0; k < 3; ++k) {
+      DeviceTensor t = e.reload(h[static_cast<size_t>(l)][static_cast<size_t>(k)]);
+      consume(r, t, seed + static_cast<uint32_t>(l * 10 + k), bad);
+      e.free(t);
+    }
+  }
+}
+
 TEST(OffloadEngine, ComputeWaitsOncePerLayerOfReloads) {
   // Note [One wait per layer]: reload() of a layer's first tensor orders compute after
   // the layer's last issued reload; its other tensors need no wait of their own.
@@ -190,30 +226,10 @@ TEST(OffloadEngine, ComputeWaitsOncePerLayerOfReloads) {
   o.device_pool_bytes = int64_t{8} << 20;
   OffloadEngine e(log, r.compute, all_names(3), o);
   e.begin_step();
-  std::vector<std::vector<OffloadHandle>> h(2);
-  const char* names[] = {"mlp.gate_out", "mlp.up_out", "mlp.act"};
-  for (int l = 0; l < 3; ++l) {
-    for (int k = 0; k < 3; ++k) {
-      DeviceTensor t = e.allocate(64 << 10);
-      produce(r, t, static_cast<uint32_t>(l * 10 + k));
-      if (l < 2) {
-        h[static_cast<size_t>(l)].push_back(e.offload(t, l, names[k]));
-      } else {
-        e.free(t);
-      }
-    }
-    e.end_forward_layer(l);
-  }
+  const std::vector<std::vector<OffloadHandle>> h = forward_threes(r, e, 3, 2, 0);
   log.wait_streams.clear();
   std::atomic<int> bad{0};
-  for (int l = 1; l >= 0; --l) {
-    e.prefetch(l - 1);
-    for (int k = 0; k < 3; ++k) {
-      DeviceTensor t = e.reload(h[static_cast<size_t>(l)][static_cast<size_t>(k)]);
-      consume(r, t, static_cast<uint32_t>(l * 10 + k), &bad);
-      e.free(t);
-    }
-  }
+  backward_threes(r, e, h, 0, &bad);
   e.end_step();
   EXPECT_EQ(bad.load(), 0);
   const auto compute_waits =
@@ -232,31 +248,12 @@ TEST(OffloadEngine, TheH2DStreamWaitsForTheOffloadsOnceNotPerTensor) {
   o.device_pool_bytes = int64_t{8} << 20;
   OffloadEngine e(log, r.compute, all_names(4), o);
   for (int step = 0; step < 2; ++step) {
+    const auto seed = static_cast<uint32_t>(step * 100);
     e.begin_step();
-    std::vector<std::vector<OffloadHandle>> h(3);
-    const char* names[] = {"mlp.gate_out", "mlp.up_out", "mlp.act"};
-    for (int l = 0; l < 4; ++l) {
-      for (int k = 0; k < 3; ++k) {
-        DeviceTensor t = e.allocate(64 << 10);
-        produce(r, t, static_cast<uint32_t>(step * 100 + l * 10 + k));
-        if (l < 3) {
-          h[static_cast<size_t>(l)].push_back(e.offload(t, l, names[k]));
-        } else {
-          e.free(t);
-        }
-      }
-      e.end_forward_layer(l);
-    }
+    const std::vector<std::vector<OffloadHandle>> h = forward_threes(r, e, 4, 3, seed);
     log.wait_streams.clear();
     std::atomic<int> bad{0};
-    for (int l = 2; l >= 0; --l) {
-      e.prefetch(l - 1);
-      for (int k = 0; k < 3; ++k) {
-        DeviceTensor t = e.reload(h[static_cast<size_t>(l)][static_cast<size_t>(k)]);
-        consume(r, t, static_cast<uint32_t>(step * 100 + l * 10 + k), &bad);
-        e.free(t);
-      }
-    }
+    backward_threes(r, e, h, seed, &bad);
     const auto compute_waits =
         std::count(log.wait_streams.begin(), log.wait_streams.end(), r.compute.id);
     EXPECT_EQ(static_cast<long>(log.wait_streams.size() - compute_waits), 1)
