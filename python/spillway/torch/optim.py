@@ -173,8 +173,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._flat_w: Optional[torch.Tensor] = None
         self._flat_g: Optional[torch.Tensor] = None
         self._offsets: list[int] = []
-        self._stream = 0  # the device path: the CUDA stream adopted (0: CPU)
-        self._adopted: Optional[torch.cuda.Stream] = None  # the same, as torch's object
+        self._adopted: Optional[torch.cuda.Stream] = None  # the device path's CUDA stream
         if self._device is not None:
             self._core = self._make_device_path(float(max_grad_norm or 0.0), speculative, threads)
         else:
@@ -364,7 +363,6 @@ class CPUAdamW(torch.optim.Optimizer):
             stream = self._adopted.cuda_stream
         else:
             kind, ordinal, stream = "host", 0, 0
-        self._stream = stream
         return _spillway.OffloadAdamW(
             kind,
             ordinal,
@@ -391,12 +389,11 @@ class CPUAdamW(torch.optim.Optimizer):
     def _into_flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient in its slice of the flat buffer (copied there if torch made a new one,
         after ``set_to_none``), ordered on the stream the pipeline adopted."""
-        side = None
-        if self._device is not None and self._device.type == "cuda":
-            current = torch.cuda.current_stream(self._device)
-            if current.cuda_stream != self._stream:
-                side = current
-        if side is None:
+        adopted = self._adopted
+        if adopted is None:  # CPU tensors (device emulation)
+            return self._flat_grad(i, p, grad)
+        side = torch.cuda.current_stream(self._device)
+        if side.cuda_stream == adopted.cuda_stream:
             return self._flat_grad(i, p, grad)
         # Note [Gradients on a side stream]: FSDP2 reduces gradients and runs the hook on its
         # own reduce stream (so may a user's code). The adopted stream waits for that stream
@@ -404,8 +401,6 @@ class CPUAdamW(torch.optim.Optimizer):
         # on the adopted stream, where the pipeline's event follows it, and the caching
         # allocator learns that the gradient is read there, so that its memory is not
         # handed out again before that read.
-        adopted = self._adopted
-        assert adopted is not None
         adopted.wait_stream(side)
         with torch.cuda.stream(adopted):
             view = self._flat_grad(i, p, grad)
@@ -469,8 +464,7 @@ class CPUAdamW(torch.optim.Optimizer):
             # squares is all-reduced, so every shard clips by the same norm and a NaN or Inf
             # anywhere skips the step everywhere. Its rounding differs from one process's
             # (the shards' sums are added, not the buckets' in one order).
-            if self._norm_groups is None:
-                self._norm_groups = _norm_groups(self._params)
+            assert self._norm_groups is not None  # made with the optimizer
             groups, device = self._norm_groups
             sq = torch.tensor([self._core.sum_of_squares()], dtype=torch.float64, device=device)
             for group in groups:
