@@ -1269,7 +1269,7 @@ stage_sanitizer() {  # TOOL MAX_SECONDS CUDA_TESTS_FILTER SERVE_FILTER
   fig summary "${summary:-none printed}"
   if [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ]; then
     stage_end pass "${summary:-no errors}"
-  elif [[ " $rc1 $rc2 $rc3 " == *" 124 "* || " $rc1 $rc2 $rc3 " == *" 137 "* ]]; then
+  elif [[ " $rc1 $rc2 " == *" 124 "* || " $rc1 $rc2 " == *" 137 "* ]]; then
     stage_end timeout "ran out of its budget (${summary:-no summary yet}); what it found so far is in tests.log"
   else
     stage_end fail "exit $rc1 / $rc2 (99: the sanitizer found errors; else a test failed): ${summary:-see tests.log}"
