@@ -131,6 +131,7 @@ class _StreamedBlock(nn.Module):
                 where, _, key = name.rpartition(".")
                 table = inner.get_submodule(where)._parameters
                 self._swaps.append((table, key, slot[off : off + n].view(dtype).view(shape)))
+            self._slot_views = [view for _, _, view in self._swaps]
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {
@@ -172,7 +173,7 @@ class _StreamedBlock(nn.Module):
         views made once (``_call_with``). What the block computes, and from which bytes, is
         the same."""
         owner._ready(self._index)
-        out = self._call_with([view for _, _, view in self._swaps], args, kwargs)
+        out = self._call_with(self._slot_views, args, kwargs)
         owner._session.release(self._index)
         return out
 
@@ -323,7 +324,7 @@ class _StreamedBlockFn(torch.autograd.Function):
             call[i] = t
         args, kwargs = pytree.tree_unflatten(call, spec)
         # Note [Eager streamed calls]: the slot's views, lent for the call.
-        out = block._call_with([view for _, _, view in block._swaps], args, kwargs)
+        out = block._call_with(block._slot_views, args, kwargs)
         owner._session.release(layer)
         out_leaves, out_spec = pytree.tree_flatten(out)
         out_where = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
