@@ -14,7 +14,8 @@ Every optimizer steps its own copy of the same fp32 parameters from the same gra
     step waits for after backward; with ``early_weights`` too. Peers have no overlap: their
     whole step is on the critical path.
 With ``--clip C`` CPUAdamW runs with ``max_grad_norm=C`` (the gradients' norm is far above 1,
-so every step clips).
+so every step clips). CPUAdamW runs twice, plain and with ``share_weights=True`` (the
+parameters' storage is its master weights: no weight copy, commits swap buffers).
 The limit: AdamW reads p, g, m, v and writes p, m, v: 28 bytes per element at the in-place
 stream bandwidth measured here (a += b on two large tensors: 12 bytes per element).
 
@@ -151,9 +152,13 @@ def main() -> None:
         limit = 28 * n / (gbps * 1e9)
         fns: dict[str, Callable[[], Any]] = {}
         keep: list[Any] = []
+        ours_names = ("spillway CPUAdamW", "spillway share_weights")
         ps = make_params(shapes)
         ours = st.CPUAdamW(ps, threads=threads, max_grad_norm=a.clip, **kw)
         fns["spillway CPUAdamW"] = ours.step  # .grad stays set: each step() hands it over
+        sps = make_params(shapes)
+        shared = st.CPUAdamW(sps, threads=threads, max_grad_norm=a.clip, share_weights=True, **kw)
+        fns["spillway share_weights"] = shared.step
         if ds is not None:
             dps = make_params(shapes)
             dopt = ds(dps, adamw_mode=True, **kw)
@@ -172,6 +177,9 @@ def main() -> None:
         del keep, fns
         gc.collect()
         critical = critical_path(ours, ps, a.repeats)
+        shared_critical = critical_path(shared, sps, a.repeats)
+        del shared, sps
+        gc.collect()
         trainer = critical_path(ours, ps, a.repeats, trainer_clip=True)
         del ours
         gc.collect()
@@ -184,6 +192,7 @@ def main() -> None:
         del early_opt, ps
         gc.collect()
         ours_t = whole["spillway CPUAdamW"]
+        shared_t = whole["spillway share_weights"]
         print(
             f"threads {threads}: in-place stream bandwidth {gbps:.1f} GB/s, limit "
             f"(28 B/element) {limit * 1e3:.1f} ms"
@@ -198,13 +207,19 @@ def main() -> None:
             f"{trainer * 1e3:.1f} ms on the critical path; {unrecognised * 1e3:.1f} ms with "
             f"recognize_clip=False (the speculation redone): {unrecognised / trainer:.1f}x"
         )
+        print(
+            f"  {'spillway share_weights':22s} {shared_t * 1e3:8.1f} ms whole CPU work "
+            f"({limit / shared_t:.2f} of the limit); {shared_critical * 1e3:.1f} ms on the "
+            "critical path after backward"
+        )
         for name, t in whole.items():
-            if name == "spillway CPUAdamW":
+            if name in ours_names:
                 continue
             print(
                 f"  {name:22s} {t * 1e3:8.1f} ms  ({limit / t:.2f} of the limit)   spillway "
-                f"is {t / ours_t:.2f}x faster in CPU work, {t / critical:.1f}x on the "
-                f"critical path ({t / early:.0f}x with early_weights)"
+                f"is {t / ours_t:.2f}x faster in CPU work ({t / shared_t:.2f}x with "
+                f"share_weights), {t / critical:.1f}x on the critical path ({t / early:.0f}x "
+                f"with early_weights, {t / shared_critical:.0f}x with share_weights)"
             )
 
 

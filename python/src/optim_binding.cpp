@@ -111,6 +111,20 @@ class CpuAdamW {
     nb::gil_scoped_release release;
     opt_.store_all(ptrs, types);
   }
+  // Note [Weights shared with the parameters].
+  std::pair<uintptr_t, uintptr_t> weight_buffers(int b) {
+    nb::gil_scoped_release release;
+    const auto [first, second] = opt_.weight_buffers(b);
+    return {reinterpret_cast<uintptr_t>(first), reinterpret_cast<uintptr_t>(second)};
+  }
+  nb::bytes current_buffers() {
+    std::vector<uint8_t> cur;
+    {
+      nb::gil_scoped_release release;
+      cur = opt_.current_buffers();
+    }
+    return nb::bytes(reinterpret_cast<const char*>(cur.data()), cur.size());
+  }
   void read_state(int b, uintptr_t p, uintptr_t m, uintptr_t v) {
     nb::gil_scoped_release release;
     opt_.read_state(b, static_cast<float*>(as_ptr(p)), static_cast<float*>(as_ptr(m)),
@@ -330,6 +344,10 @@ void bind_optim(nb::module_& m) {
       .def("store_all", &CpuAdamW::store_all, "dst"_a, "dtypes"_a)
       .def("read_state", &CpuAdamW::read_state, "bucket"_a, "p"_a, "m"_a, "v"_a)
       .def("write_state", &CpuAdamW::write_state, "bucket"_a, "p"_a, "m"_a, "v"_a)
+      .def("weight_buffers", &CpuAdamW::weight_buffers, "bucket"_a,
+           "Bucket b's two fp32 weight buffers' addresses (the second 0 where it has none)")
+      .def("current_buffers", &CpuAdamW::current_buffers,
+           "Per bucket, which weight buffer is current (0 or 1), as bytes")
       .def("grad_ready", &CpuAdamW::grad_ready, "bucket"_a, "grad"_a, "dtype"_a, "dst"_a = 0)
       .def("absent", &CpuAdamW::absent, "bucket"_a)
       .def("finish", &CpuAdamW::finish, "global_sum_of_squares"_a = nb::none())

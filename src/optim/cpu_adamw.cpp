@@ -94,7 +94,7 @@ struct SpeculativeCpuAdamW::Impl {
     const auto s = stv_->state(b);
     const size_t n = bucket_n(b);
     if (dtype == ParamDtype::kFp32) {
-      std::memcpy(s.p, src, n * sizeof(float));
+      if (src != s.p) std::memcpy(s.p, src, n * sizeof(float));  // a shared parameter: itself
     } else {
       const auto* h = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) s.p[i] = bf16_to_float(h[i]);
@@ -102,7 +102,9 @@ struct SpeculativeCpuAdamW::Impl {
   }
   // The master weights of bucket b into a parameter's memory (bf16: rounded to nearest even).
   void store_weights(int b, void* dst, ParamDtype dtype) {
-    write_weights(stv_->state(b).p, bucket_n(b), dst, dtype);
+    const float* p = stv_->state(b).p;
+    if (dst == p && dtype == ParamDtype::kFp32) return;  // a shared parameter: already there
+    write_weights(p, bucket_n(b), dst, dtype);
   }
   // Every bucket's weights into its parameter, after finish(), where they are not there
   // yet (Note [Early weights]): one call.
@@ -135,7 +137,7 @@ struct SpeculativeCpuAdamW::Impl {
     drain();
     const auto s = stv_->state(b);
     const size_t bytes = bucket_n(b) * sizeof(float);
-    std::memcpy(p, s.p, bytes);
+    if (p != s.p) std::memcpy(p, s.p, bytes);  // a shared parameter: itself
     std::memcpy(m, s.m, bytes);
     std::memcpy(v, s.v, bytes);
   }
@@ -143,7 +145,7 @@ struct SpeculativeCpuAdamW::Impl {
     drain();
     const auto s = stv_->state(b);
     const size_t bytes = bucket_n(b) * sizeof(float);
-    std::memcpy(s.p, p, bytes);
+    if (p != s.p) std::memcpy(s.p, p, bytes);  // a shared parameter: itself
     std::memcpy(s.m, m, bytes);
     std::memcpy(s.v, v, bytes);
   }
@@ -199,6 +201,19 @@ struct SpeculativeCpuAdamW::Impl {
         write_weights(stv_->state(static_cast<int>(b)).p, ns_[b], early_dst_[b], early_dtype_[b]);
     }
     std::fill(early_.begin(), early_.end(), 0);
+  }
+
+  std::pair<float*, float*> weight_buffers(int b) {
+    drain();
+    (void)bucket_n(b);  // checks b
+    return stv_->weight_buffers(b);
+  }
+  std::vector<uint8_t> current_buffers() {
+    drain();
+    std::vector<uint8_t> out(ns_.size());
+    for (size_t b = 0; b < ns_.size(); ++b)
+      out[b] = static_cast<uint8_t>(stv_->current_buffer(static_cast<int>(b)));
+    return out;
   }
 
   int64_t step() const { return stv_->step(); }
@@ -370,6 +385,12 @@ double SpeculativeCpuAdamW::arrived_sum_of_squares() {
 }
 void SpeculativeCpuAdamW::abort() {
   impl_->abort();
+}
+std::pair<float*, float*> SpeculativeCpuAdamW::weight_buffers(int b) {
+  return impl_->weight_buffers(b);
+}
+std::vector<uint8_t> SpeculativeCpuAdamW::current_buffers() {
+  return impl_->current_buffers();
 }
 int64_t SpeculativeCpuAdamW::step() const {
   return impl_->step();

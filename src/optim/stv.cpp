@@ -172,6 +172,20 @@ StvAdamW::BucketState StvAdamW::speculative_state(int b) const {
   return other(b);
 }
 
+std::pair<float*, float*> StvAdamW::weight_buffers(int b) const {
+  SPILLWAY_CHECK(b >= device_buckets_ && static_cast<size_t>(b) < buckets_.size(),
+                 "STV: weight_buffers of bucket {}: not a CPU bucket", b);
+  const size_t i = static_cast<size_t>(b);
+  float* second = has_undo_[i] != 0 ? undo_base_ + undo_offset_[i] : nullptr;
+  return {p_ + buckets_[i].offset, second};
+}
+
+int StvAdamW::current_buffer(int b) const {
+  SPILLWAY_CHECK(b >= device_buckets_ && static_cast<size_t>(b) < buckets_.size(),
+                 "STV: current_buffer of bucket {}: not a CPU bucket", b);
+  return in_undo_[static_cast<size_t>(b)] != 0 ? 1 : 0;
+}
+
 StvAdamW::BucketState StvAdamW::other(int b) const {
   const Bucket& k = buckets_[static_cast<size_t>(b)];
   if (in_undo_[static_cast<size_t>(b)] != 0) return {p_ + k.offset, m_ + k.offset, v_ + k.offset};
@@ -338,8 +352,11 @@ StvOutcome StvAdamW::finish(double global_sum_of_squares) {
         }
         in_undo_[i] = static_cast<char>(in_undo_[i] ^ 1);  // commit: the other is current
       } else {
-        // Deferred: into the second buffer where there is one (Note [Streamed stores]).
-        const bool out_of_place = has_undo_[i] != 0;
+        // Deferred: into the second buffer where there is one and the pass also writes the
+        // weights elsewhere (Note [Streamed stores]: out of place with a copy costs what in
+        // place and a copy cost); in place otherwise, which moves the same bytes for less
+        // (Note [Weights shared with the parameters]). The same bits either way.
+        const bool out_of_place = has_undo_[i] != 0 && (early_[i] != nullptr || copy_ != nullptr);
         run(b, scale, t, out_of_place, nullptr, early_[i]);
         if (out_of_place) in_undo_[i] = static_cast<char>(in_undo_[i] ^ 1);
         late_[i] = 1;

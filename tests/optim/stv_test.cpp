@@ -246,6 +246,53 @@ TEST(Stv, ArrivedSumOfSquaresIsTheSumSoFar) {
   EXPECT_EQ(s.arrived_sum_of_squares(), 0.0);  // the next step starts from nothing
 }
 
+// Note [Weights shared with the parameters]: each CPU bucket's two weight buffers and which
+// is current, as a caller whose parameters view them follows it: a speculated commit moves
+// to the other buffer; a deferred step writing no copy stays in place, one writing a copy
+// (an early destination) goes out of place. Every step bitwise the reference.
+TEST(Stv, WeightBuffersSayWhereTheCurrentWeightsAre) {
+  const size_t n = 100;
+  const std::vector<Bucket> buckets = {{0, 40}, {40, 60}};
+  State arrays(n, 7);
+  State ref = arrays;
+  int64_t ref_step = 0;
+  AdamWParams hp;
+  StvAdamW stv(hp, 0.0, arrays.p.data(), arrays.m.data(), arrays.v.data(), n, buckets, 1, nullptr);
+  EXPECT_THROW((void)stv.weight_buffers(0), Error);  // a device bucket's are the caller's
+  EXPECT_THROW((void)stv.current_buffer(0), Error);
+  const auto [first, second] = stv.weight_buffers(1);
+  EXPECT_EQ(first, arrays.p.data() + 40);
+  ASSERT_NE(second, nullptr);
+  std::vector<float> grad(n), copy(60);
+  std::mt19937 g(3);
+  std::normal_distribution<float> d(0.0f, 0.01f);
+  auto step = [&](bool speculate, void* early) {
+    for (float& x : grad) x = d(g);
+    stv.set_speculation(speculate);
+    stv.on_device_bucket(0, bucket_sum_of_squares(grad.data(), 40));
+    stv.on_bucket(1, grad.data() + 40, early);
+    ASSERT_EQ(stv.finish(), StvOutcome::kCommit);
+    ASSERT_EQ(reference_adamw_step(hp, 0.0, ref.p.data(), ref.m.data(), ref.v.data(), grad.data(),
+                                   buckets, &ref_step),
+              StvOutcome::kCommit);
+    const float* p = stv.state(1).p;
+    EXPECT_EQ(p, stv.current_buffer(1) == 0 ? first : second);
+    EXPECT_EQ(std::memcmp(p, ref.p.data() + 40, 60 * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(stv.state(1).m, ref.m.data() + 40, 60 * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(stv.state(1).v, ref.v.data() + 40, 60 * sizeof(float)), 0);
+  };
+  EXPECT_EQ(stv.current_buffer(1), 0);
+  step(true, nullptr);  // speculated into the second buffer, committed: it is current
+  EXPECT_EQ(stv.current_buffer(1), 1);
+  step(false, nullptr);  // deferred, no copy: in place, where it was
+  EXPECT_EQ(stv.current_buffer(1), 1);
+  step(false, copy.data());  // deferred with a copy: out of place (streamed), the first again
+  EXPECT_EQ(stv.current_buffer(1), 0);
+  EXPECT_EQ(std::memcmp(copy.data(), ref.p.data() + 40, 60 * sizeof(float)), 0);
+  step(true, nullptr);
+  EXPECT_EQ(stv.current_buffer(1), 1);
+}
+
 TEST(Stv, UndoMemoryCoversOnlyTheSpeculativeBuckets) {
   std::vector<float> p(100), m(100), v(100);
   const std::vector<Bucket> buckets = {{0, 10}, {10, 30}, {40, 60}};

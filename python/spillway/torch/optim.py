@@ -10,6 +10,7 @@ non-speculative optimizer would (Note [STV exactness]).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import sys
@@ -67,6 +68,15 @@ class CPUAdamW(torch.optim.Optimizer):
             [Clips the speculation saw]): a clip that scales nothing keeps the speculative
             step, as ``transformers.Trainer`` and ``accelerate`` clip every step. False:
             torch's function runs as it is, and any clip discards the speculation.
+        share_weights: the float32 parameters' storage becomes the optimizer's fp32 master
+            weights (Note [Weights shared with the parameters]): no copy of the weights is
+            kept or written, and a step that commits its speculation points each parameter
+            at its other buffer (``p.data``) instead of copying the weights back: 4 bytes
+            per parameter fewer each step, in memory and in traffic (docs/optim.md). A
+            parameter's ``data_ptr()`` then changes from step to step: a view of a
+            parameter taken before a ``step()`` may be stale after it (take them anew, as
+            ``nn.Module`` does each forward). CPU float32 parameters only, not with
+            ``early_weights``. ``close()`` gives each parameter its own storage back.
 
     The device path (Note [The device path of CPUAdamW]): bfloat16 parameters on a CUDA
     device are stepped through spillway's optimizer-offload pipeline. Their fp32 master
@@ -99,6 +109,7 @@ class CPUAdamW(torch.optim.Optimizer):
         early_weights: Optional[bool] = None,
         device_emulation: bool = False,
         recognize_clip: bool = True,
+        share_weights: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -134,6 +145,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 "speculative=False to write them only in step()"
             )
         self.early_weights = self._device is not None or bool(early_weights)
+        if share_weights:
+            _check_shareable(self._params, self._device, self.early_weights)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         # Note [One optimizer per parameter]: a parameter is stepped by one live CPUAdamW. A
         # new one over parameters of an older one takes them over: the older is closed (its
@@ -185,6 +198,12 @@ class CPUAdamW(torch.optim.Optimizer):
             )
             for i, p in enumerate(self._params):
                 self._core.load_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
+        # Note [Weights shared with the parameters]: per parameter, views of its two weight
+        # buffers (made once; the second None without one), each parameter on its current one.
+        self._shared: Optional[list[tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
+        if share_weights:
+            self._shared = [self._buffer_views(i, p) for i, p in enumerate(self._params)]
+            self._follow()
         # Per parameter, what was handed over: (the gradient stepped, p.grad, its version).
         self._handed: list[Optional[tuple[torch.Tensor, torch.Tensor, int]]] = [None] * len(
             self._params
@@ -234,6 +253,15 @@ class CPUAdamW(torch.optim.Optimizer):
         if any(h is not None for h in self._handed):
             self._core.abort()
             self._handed = [None] * len(self._params)
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            # Note [Weights shared with the parameters]: the parameters outlive the
+            # optimizer's memory, so they take their values into storage of their own.
+            with torch.no_grad():
+                for p, (first, second) in zip(self._params, shared):
+                    if p.data_ptr() in (first.data_ptr(), _ptr(second)):
+                        p.data = p.data.clone()
+            self._shared = None
 
     def __enter__(self) -> CPUAdamW:
         return self
@@ -290,6 +318,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 )
             else:
                 self._core.load_weights(i, lp.data_ptr(), _DTYPES[p.dtype])
+        if self._shared is not None:
+            self._follow(i)  # p.data was replaced: its values are the master's now
         self._stamps[i] = _stamp(p)
 
     def _hand_over(self, i: int, p: torch.Tensor, in_step: bool = False) -> None:
@@ -326,8 +356,28 @@ class CPUAdamW(torch.optim.Optimizer):
         # asked to during backward, and always inside step(), where they are due anyway (one
         # pass instead of a second one reading the master weights back).
         early = self.early_weights or (in_step and self._device is None)
-        dst = _local(p).data_ptr() if early else 0
+        dst = _local(p).data_ptr() if early and self._shared is None else 0
         self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype], dst)
+
+    # ---- shared weights (Note [Weights shared with the parameters]) --------------------
+
+    def _buffer_views(self, i: int, p: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        first, second = self._core.weight_buffers(i)
+        return (
+            _view_at(first, p.shape, self._core),
+            _view_at(second, p.shape, self._core) if second else None,
+        )
+
+    def _follow(self, only: Optional[int] = None) -> None:
+        """Points each parameter (or parameter ``only``) at its current weight buffer."""
+        assert self._shared is not None
+        current = self._core.current_buffers()
+        for i in range(len(self._params)) if only is None else (only,):
+            view = self._shared[i][current[i]]
+            assert view is not None  # a bucket without a second buffer never switches
+            p = self._params[i]
+            if p.data_ptr() != view.data_ptr():
+                p.data = view
 
     # ---- the device path (Note [The device path of CPUAdamW]) --------------------------
 
@@ -473,7 +523,9 @@ class CPUAdamW(torch.optim.Optimizer):
         outcome, scale, worker_ms, finish_ms = self._core.finish(global_sq)
         # The weights not written yet (all of them, unless early_weights; after a skip, the
         # early ones are restored). The device path's end of step uploaded them already.
-        if self._device is None:
+        if self._shared is not None:
+            self._follow()  # Note [Weights shared with the parameters]: nothing to write
+        elif self._device is None:
             self._core.store_all(
                 [_local(p).data_ptr() for p in self._params],
                 [_DTYPES[p.dtype] for p in self._params],
@@ -816,6 +868,44 @@ def _like_dtensor(p: Any, local: torch.Tensor) -> torch.Tensor:
         shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
     return out
+
+
+def _view_at(address: int, shape: torch.Size, owner: Any) -> torch.Tensor:
+    """A float32 tensor of ``shape`` over ``address`` (the optimizer's memory), which keeps
+    ``owner`` (what owns that memory) alive as long as the tensor or a view of it lives."""
+    n = max(1, math.prod(shape))
+    buffer = (ctypes.c_float * n).from_address(address)
+    buffer._spillway_owner = owner  # type: ignore[attr-defined]
+    return torch.frombuffer(buffer, dtype=torch.float32).view(shape)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _check_shareable(
+    params: list[torch.Tensor], device: Optional[torch.device], early_weights: bool
+) -> None:
+    """Note [Weights shared with the parameters]: what share_weights=True needs."""
+    if device is not None:
+        raise ValueError(
+            "CPUAdamW: share_weights=True is for CPU float32 parameters; these are stepped "
+            f"on the device path ({device}), whose parameters are bfloat16 views of a flat "
+            "device buffer"
+        )
+    if early_weights:
+        raise ValueError(
+            "CPUAdamW: share_weights=True with early_weights=True: early weights write the "
+            "parameter during backward, which would overwrite the master weights a rollback "
+            "(a clip, a NaN) steps again from; pass one of them"
+        )
+    for i, p in enumerate(params):
+        if hasattr(p, "to_local") or p.dtype != torch.float32:
+            what = "a DTensor (FSDP2's shard)" if hasattr(p, "to_local") else str(p.dtype)
+            raise ValueError(
+                f"CPUAdamW: share_weights=True: parameter {i} is {what}; the parameters "
+                "whose storage can be the fp32 master weights are plain float32 CPU tensors"
+            )
 
 
 def _stamp(p: torch.Tensor) -> tuple[int, int, int]:
