@@ -140,6 +140,13 @@ class OffloadSession {
   bool copied(int id) { return device_->query(ticket(id).copied); }
   void forward_end(int layer) { hooks_->forward_end(layer); }
   void will_need(int id, uintptr_t dst) { hooks_->will_need(ticket(id), as_ptr(dst)); }
+  // will_need of each (ticket, destination) pair in order: one call per block's reloads
+  // (Note [Reloads in slabs], spillway/torch/offload.py).
+  void will_need_many(const std::vector<int>& ids, const std::vector<uintptr_t>& dsts) {
+    SPILLWAY_CHECK(ids.size() == dsts.size(), "will_need_many: {} tickets, {} destinations",
+                   ids.size(), dsts.size());
+    for (size_t i = 0; i < ids.size(); ++i) hooks_->will_need(ticket(ids[i]), as_ptr(dsts[i]));
+  }
   void backward_begin(int layer) { hooks_->backward_begin(layer); }
   // The tensor of ticket `id` back in `dst` (caller-allocated, the ticket's bytes). Work on
   // the compute stream after this call sees the bytes; on the inline stream of CPU tensors
@@ -262,6 +269,7 @@ void bind_offload(nb::module_& m) {
       .def("copied", &OffloadSession::copied, "ticket"_a)
       .def("forward_end", &OffloadSession::forward_end, "layer"_a)
       .def("will_need", &OffloadSession::will_need, "ticket"_a, "dst"_a)
+      .def("will_need_many", &OffloadSession::will_need_many, "tickets"_a, "dsts"_a)
       .def("backward_begin", &OffloadSession::backward_begin, "layer"_a)
       .def("needed", &OffloadSession::needed, "ticket"_a, "dst"_a)
       .def("step_end", &OffloadSession::step_end)

@@ -454,3 +454,59 @@ def test_plan_auto_replans_when_the_link_slows_and_again_when_it_recovers(tmp_pa
     offload.remove()
     with pytest.raises(ValueError, match="plan is 'fast'; a plan is a dict"):
         st.offload_activations(model, "fast")
+
+
+class _MixedBlock(torch.nn.Module):
+    """Saves tensors of several shapes and dtypes: 2-D and 3-D of different trailing
+    shapes, bf16 beside fp32, and a 0-d sum (Note [Reloads in slabs])."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.sin(x @ self.w)  # (4, 8) saved twice: x and x @ w
+        b = torch.sin(a.reshape(2, 2, 8))  # (2, 2, 8)
+        c = b.to(torch.bfloat16).sin().float().reshape(4, 8)  # bf16 (2, 2, 8)
+        d = c * c.sum()  # (4, 8) and a 0-d tensor
+        e = torch.sin(d[:2].contiguous())  # (2, 8): a slab's parts of different lengths
+        f = torch.sin(d[:, :3].contiguous()).sum(dim=1, keepdim=True)  # (4, 3)
+        return f.expand(4, 8) + d + e.sum()
+
+
+def test_reloads_in_slabs_come_back_bitwise_whatever_their_shapes_and_dtypes() -> None:
+    """Note [Reloads in slabs]: the prefetched destinations of a block are parts of a few
+    tensors; every gradient is bitwise the one without offload."""
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(_MixedBlock(i) for i in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.layers:
+                x = block(x)
+            return x.square().mean()
+
+    model = Stack()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = run()
+    offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=0, keep_last=0)
+    with offload:
+        run()  # sizes the pool
+    for _ in range(2):
+        with offload:
+            got = run()
+        assert_bitwise(want, got)
+        report = offload.last_report()
+        assert report["tensors_offloaded"] >= 4 * 6
+        assert report["h2d_bytes"] == report["d2h_bytes"] > 0
+    offload.remove()

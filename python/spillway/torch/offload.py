@@ -477,13 +477,40 @@ class OffloadActivations:
             # Reloads of the blocks below start now, into tensors allocated here, where
             # backward will use them.
             for j in range(i - 1, max(i - 1 - self.prefetch_depth, -1), -1):
-                for s in self._by_layer[j]:
-                    if s.dst is None and s.tensor is None:
-                        s.dst = torch.empty(s.shape, dtype=s.dtype, device=s.device)
-                        self._session.will_need(s.ticket, s.dst.data_ptr())
+                self._reload_block(j)
             self._session.backward_begin(i)
 
         return on_grad
+
+    def _reload_block(self, layer: int) -> None:
+        """Starts the reloads of block `layer`'s offloaded tensors not started yet.
+
+        Note [Reloads in slabs]: their destinations are allocated a few at a time, not one
+        by one: the tensors of one dtype, device and trailing shape are the parts of one
+        tensor split along its first dimension (one allocation and one split instead of an
+        allocation each, about 2 us of torch's argument parsing per tensor), and the
+        engine hears of them in one call. Each part is contiguous, shaped as its tensor
+        was. A slab lives until its last part is released: at the start of the block's
+        backward all of them are live in either scheme, so the peak is the same."""
+        todo = [s for s in self._by_layer[layer] if s.dst is None and s.tensor is None]
+        if not todo:
+            return
+        groups: dict[tuple[Any, ...], list[_Saved]] = {}
+        for s in todo:
+            if s.shape:
+                groups.setdefault((s.dtype, s.device, s.shape[1:]), []).append(s)
+            else:  # a 0-d tensor has no first dimension to split
+                s.dst = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+        for (dtype, device, rest), members in groups.items():
+            firsts = [s.shape[0] for s in members]
+            slab = torch.empty((sum(firsts), *rest), dtype=dtype, device=device)
+            for s, part in zip(members, slab.split_with_sizes(firsts)):
+                s.dst = part
+        assert self._session is not None
+        self._session.will_need_many(
+            [s.ticket for s in todo],
+            [s.dst.data_ptr() for s in todo],  # type: ignore[union-attr]
+        )
 
     # ---- the saved-tensor hooks ------------------------------------------------------
 
