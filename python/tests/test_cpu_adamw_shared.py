@@ -242,3 +242,23 @@ def test_a_compiled_model_trains_on_the_swapped_storage_without_recompiling() ->
         results.append((losses, model))
     assert results[0][0] == results[1][0]
     assert_same(results[0][1], results[1][1], "compiled, shared")
+
+
+def test_a_parameter_converted_under_shared_weights_is_refused_at_the_next_step() -> None:
+    model = mlp()
+    opt = st.CPUAdamW(model.parameters(), lr=1e-2, threads=2, share_weights=True)
+    loss_of(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="became torch.bfloat16 on cpu under share_weights"):
+        model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+
+
+def test_saved_and_loaded_with_torch_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, opt, _ = train(True, steps=3)
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    fresh = mlp(seed=1)
+    fresh.load_state_dict(torch.load(tmp_path / "m.pt"))
+    assert_same(model, fresh, "torch.save / torch.load")

@@ -319,6 +319,13 @@ class CPUAdamW(torch.optim.Optimizer):
             else:
                 self._core.load_weights(i, lp.data_ptr(), _DTYPES[p.dtype])
         if self._shared is not None:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise ValueError(
+                    f"CPUAdamW: parameter {i} became {p.dtype} on {p.device} under "
+                    "share_weights=True, whose parameters are the optimizer's float32 CPU "
+                    "master weights; close() the optimizer before converting the model, "
+                    "then make a new one"
+                )
             self._follow(i)  # p.data was replaced: its values are the master's now
         self._stamps[i] = _stamp(p)
 
