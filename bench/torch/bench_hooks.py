@@ -69,6 +69,35 @@ def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def interleaved(
+    base: Callable[[], None],
+    fns: dict[str, Callable[[], None]],
+    repeats: int,
+    device: torch.device,
+) -> tuple[float, dict[str, float]]:
+    """The baseline's median step, and each variant's median excess over the baseline of
+    the same round: one step of each per round, so the machine's drift (which moves this
+    host's figures by 2x within an hour) shifts all of a round alike."""
+    for fn in (base, *fns.values()):
+        timed(fn, 1, device)  # warm-up (and the sizing of pools)
+    bases: list[float] = []
+    over: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        b = timed_once(base, device)
+        bases.append(b)
+        for k, fn in fns.items():
+            over[k].append(timed_once(fn, device) - b)
+    return statistics.median(bases), {k: statistics.median(v) for k, v in over.items()}
+
+
+def timed_once(fn: Callable[[], None], device: torch.device) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -122,18 +151,23 @@ def main() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             model(x).backward()
 
-    base = timed(plain, a.repeats, device)
-    rows = [
-        ("spillway offload_activations", timed(spillway_step, a.repeats, device)),
-        ("torch save_on_cpu", timed(save_on_cpu, a.repeats, device)),
-        ("python-only pack/unpack", timed(python_only, a.repeats, device)),
-    ]
+    base, over = interleaved(
+        plain,
+        {
+            "spillway offload_activations": spillway_step,
+            "torch save_on_cpu": save_on_cpu,
+            "python-only pack/unpack": python_only,
+        },
+        a.repeats,
+        device,
+    )
     saved = offload.last_report()["tensors_offloaded"]  # sin()'s inputs and x * scale's
     print(
         f"{saved} saved tensors of {a.elements * 4} bytes per step on {a.device}; baseline "
-        f"(no hooks) {base * 1e3:.2f} ms per step"
+        f"(no hooks) {base * 1e3:.2f} ms per step; each variant beside the baseline in every "
+        "round"
     )
-    per = {name: (t - base) / saved * 1e6 for name, t in rows}
+    per = {name: t / saved * 1e6 for name, t in over.items()}
     for name, us in per.items():
         print(f"  {name:32s} {us:7.2f} us per tensor over the baseline")
     ours = per["spillway offload_activations"]
