@@ -99,6 +99,11 @@ class TrainingHooks {
     (void)ticket;
     (void)dst;
   }
+  // (optional) will_need() of `n` tickets at once (a block's reloads): a hook may order
+  // them all after one point of the compute stream. Default: will_need() of each, in order.
+  virtual void will_need_many(const SavedTicket* tickets, void* const* dsts, size_t n) {
+    for (size_t i = 0; i < n; ++i) will_need(tickets[i], dsts[i]);
+  }
   // The caller no longer reads what needed() returned for `ticket`.
   virtual void done(const SavedTicket& ticket) { (void)ticket; }
   // The gradients of optimizer bucket `bucket` are final (their producer is enqueued).

@@ -161,6 +161,11 @@ class OffloadEngine {
   // Returns false, and changes nothing, when the reload is already issued into the pool
   // or the tensor was kept on the device (reload_into copies on the compute stream then).
   bool set_reload_target(OffloadHandle h, void* dst);
+  // set_reload_target() of each of `n` handles, in one call: one fence on the compute
+  // stream for all of them (Note [One fence per batch]); compute work enqueued before this
+  // call may still use the destinations. Returns how many got theirs (the others, issued
+  // or kept, are left as set_reload_target leaves them).
+  size_t set_reload_targets(const OffloadHandle* h, void* const* dst, size_t n);
   // Waits for the engine's streams, checks verify-mode checksums, returns the telemetry.
   StepTelemetry end_step();
 
@@ -198,6 +203,7 @@ class OffloadHooks final : public TrainingHooks {
   void forward_end(int layer) override;
   void backward_begin(int layer) override;
   void will_need(const SavedTicket& ticket, void* dst) override;
+  void will_need_many(const SavedTicket* tickets, void* const* dsts, size_t n) override;
   void* needed(const SavedTicket& ticket, void* dst) override;
   void done(const SavedTicket& ticket) override;
   void step_end() override;

@@ -145,7 +145,13 @@ class OffloadSession {
   void will_need_many(const std::vector<int>& ids, const std::vector<uintptr_t>& dsts) {
     SPILLWAY_CHECK(ids.size() == dsts.size(), "will_need_many: {} tickets, {} destinations",
                    ids.size(), dsts.size());
-    for (size_t i = 0; i < ids.size(); ++i) hooks_->will_need(ticket(ids[i]), as_ptr(dsts[i]));
+    batch_tickets_.clear();
+    batch_dsts_.clear();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      batch_tickets_.push_back(ticket(ids[i]));
+      batch_dsts_.push_back(as_ptr(dsts[i]));
+    }
+    hooks_->will_need_many(batch_tickets_.data(), batch_dsts_.data(), ids.size());
   }
   void backward_begin(int layer) { hooks_->backward_begin(layer); }
   // The tensor of ticket `id` back in `dst` (caller-allocated, the ticket's bytes). Work on
@@ -227,6 +233,9 @@ class OffloadSession {
   std::unique_ptr<OffloadEngine> engine_;
   std::unique_ptr<OffloadHooks> hooks_;
   std::vector<SavedTicket> tickets_;  // by id (sized once: max_tensors)
+  // will_need_many's arguments (grown to a block's reloads once, then reused).
+  std::vector<SavedTicket> batch_tickets_;
+  std::vector<void*> batch_dsts_;
 };
 
 // MemAvailable of /proc/meminfo in bytes (-1 when unknown): the adapter refuses a pinned

@@ -36,6 +36,15 @@
 //   kept     the pinned pool was full: compute copies from the engine's block (owned,
 //            then freed as above) or from the caller's source (borrowed) into dst.
 // In each, compute is ordered after the bytes land in dst and the host never waits.
+//
+// Note [One fence per batch]: set_reload_targets() sets the destinations of several
+// reloads in one call, between which no compute work can be enqueued: the first slot's H
+// is recorded on compute as the fence of all of them, and each of the others refers to
+// it (its own H is recorded only after its copy). The H2D stream waits on a fence only
+// once, and not at all for a fence recorded before one it already waits on (compute is
+// one stream: a later fence covers an earlier one). Per reload into caller memory that is
+// one record on compute and one wait on H2D fewer for all but the first of a batch (two
+// runtime calls on CUDA).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -82,8 +91,10 @@ struct OffloadEngine::Impl {
     bool hold = false;    // OffloadHold::kUntilLayerEnd: released at end_forward_layer at most
     bool copied = false;  // its D2H copy is known complete
     bool reload_issued = false;
-    int h2d_seq = 0;      // issue order of its reload in the step (1, 2, ...)
-    int64_t d2h_seq = 0;  // issue order of its D2H copy, never reset (0: no copy)
+    int h2d_seq = 0;        // issue order of its reload in the step (1, 2, ...)
+    int64_t d2h_seq = 0;    // issue order of its D2H copy, never reset (0: no copy)
+    int64_t fence_seq = 0;  // Note [One fence per batch]: its fence's order (0: none)
+    int fence_slot = -1;    // the slot whose H holds that fence until its copy is issued
     bool reload_taken = false;
     bool pinned_released = false;
     DeviceTensor reloaded;
@@ -155,6 +166,10 @@ struct OffloadEngine::Impl {
   // stream is ordered after. Never reset: a copy of an earlier step is done.
   int64_t d2h_issued = 0;
   int64_t h2d_waited_d2h = 0;
+  // Note [One fence per batch]: fences recorded on compute, and the latest the H2D stream
+  // waits on (never reset).
+  int64_t fences_recorded = 0;
+  int64_t h2d_waited_fence = 0;
 
   Impl(Device& device, Stream compute_stream, const MemoryPolicy& policy, const OffloadOptions& o)
       : dev(device),
@@ -351,11 +366,20 @@ struct OffloadEngine::Impl {
     return true;
   }
 
-  // The direct path's fence (Note [Reload into caller memory]).
-  void set_target(Slot& s, void* dst) {
+  // The direct path's fence (Note [Reload into caller memory]): recorded now, or the one
+  // slot `fence` recorded in the same batch (Note [One fence per batch]).
+  void set_target(int id, void* dst, int fence = -1) {
+    Slot& s = slots[static_cast<size_t>(id)];
     s.target = dst;
     s.h2d_done = take_event();
-    dev.record(s.h2d_done, compute);
+    if (fence < 0) {
+      dev.record(s.h2d_done, compute);
+      s.fence_seq = ++fences_recorded;
+      s.fence_slot = id;
+    } else {
+      s.fence_seq = slots[static_cast<size_t>(fence)].fence_seq;
+      s.fence_slot = fence;
+    }
   }
 
   // The slot of a handle not reloaded yet (reload, reload_into, set_reload_target).
@@ -476,7 +500,13 @@ struct OffloadEngine::Impl {
     s.reload_issued = true;
     void* dst = s.target;
     if (dst != nullptr) {
-      dev.wait(h2d, s.h2d_done);  // the fence (Note [Reload into caller memory])
+      // The fence (Note [Reload into caller memory]), once per fence at most: Note [One
+      // fence per batch]. A fence slot's H still holds the fence here unless its own
+      // reload was issued, and then the H2D stream already waits on that fence.
+      if (s.fence_seq > h2d_waited_fence) {
+        dev.wait(h2d, slots[static_cast<size_t>(s.fence_slot)].h2d_done);
+        h2d_waited_fence = s.fence_seq;
+      }
     } else {
       s.reloaded = device_block(s.bytes);
       dst = s.reloaded.ptr;
@@ -696,7 +726,7 @@ void OffloadEngine::reload_into(OffloadHandle h, void* dst) {
     return;
   }
   if (!s.reload_issued) {
-    if (s.target == nullptr) m.set_target(s, dst);
+    if (s.target == nullptr) m.set_target(h, dst);
     m.issue_reload(h);
     m.mark_h2d_end(s.layer);
   }
@@ -719,8 +749,30 @@ bool OffloadEngine::set_reload_target(OffloadHandle h, void* dst) {
                  s.name, s.layer, s.target, dst);
   if (s.target == dst) return true;
   if (s.kept || s.reload_issued) return false;
-  m.set_target(s, dst);
+  m.set_target(h, dst);
   return true;
+}
+
+size_t OffloadEngine::set_reload_targets(const OffloadHandle* h, void* const* dst, size_t n) {
+  Impl& m = *impl_;
+  size_t set = 0;
+  int fence = -1;  // Note [One fence per batch]
+  for (size_t i = 0; i < n; ++i) {
+    SPILLWAY_CHECK(dst[i] != nullptr, "set_reload_targets(): handle {} to a null pointer", h[i]);
+    Impl::Slot& s = m.unreloaded(h[i], "set_reload_targets()");
+    SPILLWAY_CHECK(s.target == nullptr || s.target == dst[i],
+                   "set_reload_targets(): handle {} ({} of layer {}) already goes to {}, not {}",
+                   h[i], s.name, s.layer, s.target, dst[i]);
+    if (s.target == dst[i]) {
+      ++set;
+      continue;
+    }
+    if (s.kept || s.reload_issued) continue;
+    m.set_target(h[i], dst[i], fence);
+    if (fence < 0) fence = h[i];
+    ++set;
+  }
+  return set;
 }
 
 int OffloadEngine::max_tensors() const {

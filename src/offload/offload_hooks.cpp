@@ -1,5 +1,7 @@
 // The activation offload engine on the socket (OffloadHooks in include/spillway/offload.hpp):
 // the hook calls of a training loop mapped onto the engine's calls, one to one.
+#include <algorithm>
+
 #include "spillway/error.hpp"
 #include "spillway/offload.hpp"
 
@@ -50,6 +52,25 @@ void OffloadHooks::will_need(const SavedTicket& ticket, void* dst) {
                  ticket.id);
   // Too late (already prefetched into staging) is fine: needed() copies from there.
   (void)engine_.set_reload_target(ticket.id, dst);
+}
+
+void OffloadHooks::will_need_many(const SavedTicket* tickets, void* const* dsts, size_t n) {
+  // Note [One fence per batch]: the handles (ticket ids) in one engine call. A block's
+  // reloads are a few dozen: a fixed buffer, refilled, so nothing is allocated per call.
+  constexpr size_t kChunk = 64;
+  OffloadHandle ids[kChunk];
+  for (size_t at = 0; at < n; at += kChunk) {
+    const size_t k = std::min(kChunk, n - at);
+    for (size_t i = 0; i < k; ++i) {
+      const SavedTicket& t = tickets[at + i];
+      SPILLWAY_CHECK(t.id >= 0 && static_cast<size_t>(t.id) < reloaded_.size(),
+                     "OffloadHooks: unknown ticket {}", t.id);
+      SPILLWAY_CHECK(dsts[at + i] != nullptr,
+                     "OffloadHooks: will_need_many() of ticket {} with no destination", t.id);
+      ids[i] = t.id;
+    }
+    (void)engine_.set_reload_targets(ids, dsts + at, k);
+  }
 }
 
 void* OffloadHooks::needed(const SavedTicket& ticket, void* dst) {

@@ -83,14 +83,20 @@ struct Compute {
 // How a test hands tensors over and gets them back.
 struct Mode {
   const char* name;
-  bool borrowed;  // offload_borrowed() of caller memory (else offload() of an engine block)
-  bool into;      // reload_into() caller memory (else reload() + free())
-  bool targeted;  // set_reload_target() before prefetch() issues the reload
+  bool borrowed;         // offload_borrowed() of caller memory (else offload() of an engine block)
+  bool into;             // reload_into() caller memory (else reload() + free())
+  bool targeted;         // set_reload_target() before prefetch() issues the reload
+  bool batched = false;  // a layer's targets in one set_reload_targets() call
 };
 constexpr Mode kModes[] = {
-    {"owned", false, false, false},        {"owned_into", false, true, false},
-    {"owned_targeted", false, true, true}, {"borrowed", true, false, false},
-    {"borrowed_into", true, true, false},  {"borrowed_targeted", true, true, true},
+    {"owned", false, false, false},
+    {"owned_into", false, true, false},
+    {"owned_targeted", false, true, true},
+    {"borrowed", true, false, false},
+    {"borrowed_into", true, true, false},
+    {"borrowed_targeted", true, true, true},
+    {"owned_batched", false, true, true, true},
+    {"borrowed_batched", true, true, true, true},
 };
 
 // A training loop over caller memory allocated once: one source buffer per tensor index,
@@ -223,15 +229,30 @@ class Loop {
     }
   }
   void target_layer(int l) {
+    batch_handles_.clear();
+    batch_dsts_.clear();
     for (int k = 0; k < per_layer_; ++k) {
       Tensor& t = tensor(l, k);
       if (t.handle < 0 || t.targeted) continue;
       void* dst = destination(l, k);
       c.poison(dst, &t.expected, t.bytes);  // before: the H2D copy is ordered after it
-      EXPECT_TRUE(engine_.set_reload_target(t.handle, dst)) << "layer " << l << " tensor " << k;
+      if (mode_.batched) {
+        batch_handles_.push_back(t.handle);
+        batch_dsts_.push_back(dst);
+      } else {
+        EXPECT_TRUE(engine_.set_reload_target(t.handle, dst)) << "layer " << l << " tensor " << k;
+      }
       t.targeted = true;
     }
+    if (!batch_handles_.empty()) {  // Note [One fence per batch]
+      EXPECT_EQ(engine_.set_reload_targets(batch_handles_.data(), batch_dsts_.data(),
+                                           batch_handles_.size()),
+                batch_handles_.size())
+          << "layer " << l;
+    }
   }
+  std::vector<OffloadHandle> batch_handles_;
+  std::vector<void*> batch_dsts_;
 
   Mode mode_;
   int layers_;
@@ -492,11 +513,83 @@ class CopyLog final : public spillway::testing::ForwardingDevice {
     int stream;
   };
   std::vector<Copy> copies;
+  std::vector<int> waits;    // the stream of every wait, in order
+  std::vector<int> records;  // the stream of every event record, in order
   void copy_async(void* dst, const void* src, size_t bytes, Stream s) override {
     copies.push_back({dst, s.id});
     inner().copy_async(dst, src, bytes, s);
   }
+  void wait(Stream s, Event e) override {
+    waits.push_back(s.id);
+    inner().wait(s, e);
+  }
+  void record(Event e, Stream s) override {
+    records.push_back(s.id);
+    inner().record(e, s);
+  }
 };
+
+TEST(CallerOwned, ABatchOfTargetsIsFencedOnce) {
+  // Note [One fence per batch]: the targets of a layer set in one call share one fence on
+  // the compute stream, and the H2D stream waits on it once; a fence recorded before one the
+  // H2D stream already waits on is not waited on at all. Every byte checked.
+  auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+  CopyLog dev(*inner);
+  Compute c{dev, dev.create_stream(StreamRole::kCompute, 0)};
+  OffloadOptions o;
+  o.pinned_bytes = int64_t{1} << 20;
+  o.device_pool_bytes = int64_t{1} << 20;
+  OffloadEngine e(dev, c.s, MemoryPolicy::uniform(2, {"a", "b", "c", "d"}), o);
+  const size_t bytes = 4096;
+  const char* names[] = {"a", "b", "c", "d"};
+  std::vector<std::vector<unsigned char>> data(8, std::vector<unsigned char>(bytes));
+  std::vector<void*> src, dst;
+  std::mt19937 rng = spillway::testing::make_rng();
+  for (int i = 0; i < 8; ++i) {
+    fill_random(data[static_cast<size_t>(i)], bytes, rng);
+    src.push_back(must_allocate(dev, bytes));
+    dst.push_back(must_allocate(dev, bytes + kGuard));
+  }
+  e.begin_step();
+  std::vector<OffloadHandle> h;
+  for (int i = 0; i < 8; ++i) {  // layer 0: tensors 0-3, layer 1: tensors 4-7
+    c.produce(src[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes);
+    const BorrowedOffload b =
+        e.offload_borrowed(src[static_cast<size_t>(i)], bytes, i / 4, names[i % 4]);
+    ASSERT_FALSE(b.kept);
+    h.push_back(b.handle);
+    if (i % 4 == 3) e.end_forward_layer(i / 4);
+  }
+  for (int i = 0; i < 8; ++i)
+    c.poison(dst[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes);
+  // Layer 0's targets first (fence 1), then layer 1's (fence 2).
+  const int compute = c.s.id;
+  const int h2d = e.h2d_stream().id;
+  dev.records.clear();
+  EXPECT_EQ(e.set_reload_targets(h.data(), dst.data(), 4), 4u);
+  EXPECT_EQ(e.set_reload_targets(h.data() + 4, dst.data() + 4, 4), 4u);
+  EXPECT_EQ(std::count(dev.records.begin(), dev.records.end(), compute), 2)
+      << "one fence per batch, where set_reload_target() records one per tensor";
+  EXPECT_EQ(e.set_reload_targets(h.data(), dst.data(), 1), 1u) << "the same target: fine";
+  dev.waits.clear();
+  e.prefetch(0);  // issues layer 1 (it waits on fence 2), then layer 0 (fence 1 is covered)
+  const auto h2d_waits = std::count(dev.waits.begin(), dev.waits.end(), h2d);
+  EXPECT_EQ(h2d_waits, 2) << "the last offload copy and fence 2, where it was 1 + 8";
+  for (int i = 7; i >= 0; --i) {
+    e.reload_into(h[static_cast<size_t>(i)], dst[static_cast<size_t>(i)]);
+    c.check(dst[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes, true);
+  }
+  const StepTelemetry t = e.end_step();
+  EXPECT_EQ(c.bad.load(), 0);
+  EXPECT_EQ(c.checked.load(), 8);
+  EXPECT_EQ(t.reloads_staged, 0);
+  void* null_dst[] = {nullptr};
+  e.begin_step();
+  EXPECT_THROW(e.set_reload_targets(h.data(), null_dst, 1), Error);
+  e.end_step();
+  for (void* p : src) dev.free(p, MemoryKind::kDevice);
+  for (void* p : dst) dev.free(p, MemoryKind::kDevice);
+}
 
 TEST(CallerOwned, AReloadTargetedBeforePrefetchLandsInCallerMemoryDirectly) {
   auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
