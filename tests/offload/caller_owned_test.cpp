@@ -529,94 +529,104 @@ class CopyLog final : public spillway::testing::ForwardingDevice {
   }
 };
 
+// The targeted-reload tests' setup: a host device logged by CopyLog, its compute stream,
+// 1 MiB pools, and `n` random tensors of `bytes` with a source and a guarded destination
+// each (freed at the end).
+struct TargetRig {
+  explicit TargetRig(int n, size_t tensor_bytes = 4096)
+      : inner(make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0})),
+        dev(*inner),
+        c{dev, dev.create_stream(StreamRole::kCompute, 0)},
+        bytes(tensor_bytes),
+        data(static_cast<size_t>(n), std::vector<unsigned char>(tensor_bytes)) {
+    o.pinned_bytes = int64_t{1} << 20;
+    o.device_pool_bytes = int64_t{1} << 20;
+    std::mt19937 rng = spillway::testing::make_rng();
+    for (auto& d : data) {
+      fill_random(d, bytes, rng);
+      src.push_back(must_allocate(dev, bytes));
+      dst.push_back(must_allocate(dev, bytes + kGuard));
+    }
+  }
+  ~TargetRig() {
+    for (void* p : src) dev.free(p, MemoryKind::kDevice);
+    for (void* p : dst) dev.free(p, MemoryKind::kDevice);
+  }
+  TargetRig(const TargetRig&) = delete;
+  TargetRig& operator=(const TargetRig&) = delete;
+  // Tensor i produced on the compute stream and offloaded borrowed as `name` of `layer`.
+  OffloadHandle offload(OffloadEngine& e, int i, int layer, const char* name) {
+    const auto k = static_cast<size_t>(i);
+    c.produce(src[k], &data[k], bytes);
+    const BorrowedOffload b = e.offload_borrowed(src[k], bytes, layer, name);
+    EXPECT_FALSE(b.kept) << "tensor " << i;
+    return b.handle;
+  }
+
+  std::unique_ptr<Device> inner;
+  CopyLog dev;
+  Compute c;
+  OffloadOptions o;
+  size_t bytes;
+  std::vector<std::vector<unsigned char>> data;
+  std::vector<void*> src, dst;
+};
+
 TEST(CallerOwned, ABatchOfTargetsIsFencedOnce) {
   // Note [One fence per batch]: the targets of a layer set in one call share one fence on
   // the compute stream, and the H2D stream waits on it once; a fence recorded before one the
   // H2D stream already waits on is not waited on at all. Every byte checked.
-  auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
-  CopyLog dev(*inner);
-  Compute c{dev, dev.create_stream(StreamRole::kCompute, 0)};
-  OffloadOptions o;
-  o.pinned_bytes = int64_t{1} << 20;
-  o.device_pool_bytes = int64_t{1} << 20;
-  OffloadEngine e(dev, c.s, MemoryPolicy::uniform(2, {"a", "b", "c", "d"}), o);
-  const size_t bytes = 4096;
+  TargetRig r(8);
+  OffloadEngine e(r.dev, r.c.s, MemoryPolicy::uniform(2, {"a", "b", "c", "d"}), r.o);
   const char* names[] = {"a", "b", "c", "d"};
-  std::vector<std::vector<unsigned char>> data(8, std::vector<unsigned char>(bytes));
-  std::vector<void*> src, dst;
-  std::mt19937 rng = spillway::testing::make_rng();
-  for (int i = 0; i < 8; ++i) {
-    fill_random(data[static_cast<size_t>(i)], bytes, rng);
-    src.push_back(must_allocate(dev, bytes));
-    dst.push_back(must_allocate(dev, bytes + kGuard));
-  }
   e.begin_step();
   std::vector<OffloadHandle> h;
   for (int i = 0; i < 8; ++i) {  // layer 0: tensors 0-3, layer 1: tensors 4-7
-    c.produce(src[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes);
-    const BorrowedOffload b =
-        e.offload_borrowed(src[static_cast<size_t>(i)], bytes, i / 4, names[i % 4]);
-    ASSERT_FALSE(b.kept);
-    h.push_back(b.handle);
+    h.push_back(r.offload(e, i, i / 4, names[i % 4]));
     if (i % 4 == 3) e.end_forward_layer(i / 4);
   }
   for (int i = 0; i < 8; ++i)
-    c.poison(dst[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes);
+    r.c.poison(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes);
   // Layer 0's targets first (fence 1), then layer 1's (fence 2).
-  const int compute = c.s.id;
+  const int compute = r.c.s.id;
   const int h2d = e.h2d_stream().id;
-  dev.records.clear();
-  EXPECT_EQ(e.set_reload_targets(h.data(), dst.data(), 4), 4u);
-  EXPECT_EQ(e.set_reload_targets(h.data() + 4, dst.data() + 4, 4), 4u);
-  EXPECT_EQ(std::count(dev.records.begin(), dev.records.end(), compute), 2)
+  r.dev.records.clear();
+  EXPECT_EQ(e.set_reload_targets(h.data(), r.dst.data(), 4), 4u);
+  EXPECT_EQ(e.set_reload_targets(h.data() + 4, r.dst.data() + 4, 4), 4u);
+  EXPECT_EQ(std::count(r.dev.records.begin(), r.dev.records.end(), compute), 2)
       << "one fence per batch, where set_reload_target() records one per tensor";
-  EXPECT_EQ(e.set_reload_targets(h.data(), dst.data(), 1), 1u) << "the same target: fine";
-  dev.waits.clear();
+  EXPECT_EQ(e.set_reload_targets(h.data(), r.dst.data(), 1), 1u) << "the same target: fine";
+  r.dev.waits.clear();
   e.prefetch(0);  // issues layer 1 (it waits on fence 2), then layer 0 (fence 1 is covered)
-  const auto h2d_waits = std::count(dev.waits.begin(), dev.waits.end(), h2d);
+  const auto h2d_waits = std::count(r.dev.waits.begin(), r.dev.waits.end(), h2d);
   EXPECT_EQ(h2d_waits, 2) << "the last offload copy and fence 2, where it was 1 + 8";
   for (int i = 7; i >= 0; --i) {
-    e.reload_into(h[static_cast<size_t>(i)], dst[static_cast<size_t>(i)]);
-    c.check(dst[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes, true);
+    e.reload_into(h[static_cast<size_t>(i)], r.dst[static_cast<size_t>(i)]);
+    r.c.check(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes, true);
   }
   const StepTelemetry t = e.end_step();
-  EXPECT_EQ(c.bad.load(), 0);
-  EXPECT_EQ(c.checked.load(), 8);
+  EXPECT_EQ(r.c.bad.load(), 0);
+  EXPECT_EQ(r.c.checked.load(), 8);
   EXPECT_EQ(t.reloads_staged, 0);
   void* null_dst[] = {nullptr};
   e.begin_step();
   EXPECT_THROW(e.set_reload_targets(h.data(), null_dst, 1), Error);
   e.end_step();
-  for (void* p : src) dev.free(p, MemoryKind::kDevice);
-  for (void* p : dst) dev.free(p, MemoryKind::kDevice);
 }
 
 TEST(CallerOwned, AReloadTargetedBeforePrefetchLandsInCallerMemoryDirectly) {
-  auto inner = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
-  CopyLog dev(*inner);
-  Compute c{dev, dev.create_stream(StreamRole::kCompute, 0)};
-  OffloadOptions o;
-  o.pinned_bytes = int64_t{1} << 20;
-  o.device_pool_bytes = int64_t{1} << 20;
-  OffloadEngine e(dev, c.s, MemoryPolicy::uniform(3, {"x", "y"}), o);
-  const size_t bytes = 4096;
-  std::vector<std::vector<unsigned char>> data(4, std::vector<unsigned char>(bytes));
-  std::vector<void*> src, dst;
-  std::mt19937 rng = spillway::testing::make_rng();
-  for (int i = 0; i < 4; ++i) {
-    fill_random(data[static_cast<size_t>(i)], bytes, rng);
-    src.push_back(must_allocate(dev, bytes));
-    dst.push_back(must_allocate(dev, bytes + kGuard));
-  }
+  TargetRig r(4);
+  CopyLog& dev = r.dev;
+  Compute& c = r.c;
+  const size_t bytes = r.bytes;
+  std::vector<void*>& dst = r.dst;
+  const auto& data = r.data;
+  OffloadEngine e(dev, c.s, MemoryPolicy::uniform(3, {"x", "y"}), r.o);
   e.begin_step();
   std::vector<OffloadHandle> h;
   for (int i = 0; i < 4; ++i) {  // layer 0: x, y; layer 1: x, y
     const int l = i / 2;
-    c.produce(src[static_cast<size_t>(i)], &data[static_cast<size_t>(i)], bytes);
-    const BorrowedOffload b =
-        e.offload_borrowed(src[static_cast<size_t>(i)], bytes, l, i % 2 == 0 ? "x" : "y");
-    ASSERT_FALSE(b.kept);
-    h.push_back(b.handle);
+    h.push_back(r.offload(e, i, l, i % 2 == 0 ? "x" : "y"));
     if (i % 2 == 1) e.end_forward_layer(l);
   }
   const size_t forward_copies = dev.copies.size();
@@ -649,8 +659,6 @@ TEST(CallerOwned, AReloadTargetedBeforePrefetchLandsInCallerMemoryDirectly) {
   EXPECT_NE(b[3].dst, dst[1]) << "the pool block";
   EXPECT_EQ(b[4].dst, dst[1]);
   EXPECT_EQ(b[4].stream, c.s.id);
-  for (void* p : src) dev.free(p, MemoryKind::kDevice);
-  for (void* p : dst) dev.free(p, MemoryKind::kDevice);
 }
 
 TEST(CallerOwned, MisuseIsAnError) {
