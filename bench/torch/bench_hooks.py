@@ -54,19 +54,8 @@ class Model(nn.Module):
 
 
 def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()  # warm-up (and the sizing of pools)
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    timed_once(fn, device)  # warm-up (and the sizing of pools)
+    return statistics.median(timed_once(fn, device) for _ in range(repeats))
 
 
 def interleaved(
@@ -79,7 +68,7 @@ def interleaved(
     the same round: one step of each per round, so the machine's drift (which moves this
     host's figures by 2x within an hour) shifts all of a round alike."""
     for fn in (base, *fns.values()):
-        timed(fn, 1, device)  # warm-up (and the sizing of pools)
+        timed_once(fn, device)  # warm-up (and the sizing of pools)
     bases: list[float] = []
     over: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
