@@ -741,16 +741,7 @@ void OffloadEngine::reload_into(OffloadHandle h, void* dst) {
 }
 
 bool OffloadEngine::set_reload_target(OffloadHandle h, void* dst) {
-  Impl& m = *impl_;
-  SPILLWAY_CHECK(dst != nullptr, "set_reload_target(): handle {} to a null pointer", h);
-  Impl::Slot& s = m.unreloaded(h, "set_reload_target()");
-  SPILLWAY_CHECK(s.target == nullptr || s.target == dst,
-                 "set_reload_target(): handle {} ({} of layer {}) already goes to {}, not {}", h,
-                 s.name, s.layer, s.target, dst);
-  if (s.target == dst) return true;
-  if (s.kept || s.reload_issued) return false;
-  m.set_target(h, dst);
-  return true;
+  return set_reload_targets(&h, &dst, 1) == 1;  // a batch of one: its own fence
 }
 
 size_t OffloadEngine::set_reload_targets(const OffloadHandle* h, void* const* dst, size_t n) {
@@ -758,10 +749,10 @@ size_t OffloadEngine::set_reload_targets(const OffloadHandle* h, void* const* ds
   size_t set = 0;
   int fence = -1;  // Note [One fence per batch]
   for (size_t i = 0; i < n; ++i) {
-    SPILLWAY_CHECK(dst[i] != nullptr, "set_reload_targets(): handle {} to a null pointer", h[i]);
-    Impl::Slot& s = m.unreloaded(h[i], "set_reload_targets()");
+    SPILLWAY_CHECK(dst[i] != nullptr, "set_reload_target(s): handle {} to a null pointer", h[i]);
+    Impl::Slot& s = m.unreloaded(h[i], "set_reload_target(s)");
     SPILLWAY_CHECK(s.target == nullptr || s.target == dst[i],
-                   "set_reload_targets(): handle {} ({} of layer {}) already goes to {}, not {}",
+                   "set_reload_target(s): handle {} ({} of layer {}) already goes to {}, not {}",
                    h[i], s.name, s.layer, s.target, dst[i]);
     if (s.target == dst[i]) {
       ++set;
