@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -111,6 +112,7 @@ class OffloadSession {
                                               make_policy(layers, prefetch_depth), oo);
     hooks_ = std::make_unique<OffloadHooks>(*engine_);
     tickets_.resize(static_cast<size_t>(max_tensors));
+    order_.reserve(static_cast<size_t>(max_tensors));
   }
 
   ~OffloadSession() {
@@ -121,12 +123,18 @@ class OffloadSession {
   OffloadSession(const OffloadSession&) = delete;
   OffloadSession& operator=(const OffloadSession&) = delete;
 
-  void step_begin() { hooks_->step_begin(); }
+  void step_begin() {
+    hooks_->step_begin();
+    order_.clear();
+    done_ = 0;
+  }
   void forward_begin(int layer) { hooks_->forward_begin(layer); }
   bool wants(int layer, const std::string& name) const { return engine_->wants(layer, name); }
   // A borrowed saved tensor: the ticket id, or -1 when the engine did not take it (not
   // wanted, or the pinned pool is full: the caller keeps it).
-  int saved(int layer, const std::string& name, uintptr_t data, size_t bytes) {
+  // (The name as a view of Python's string: a plan's names are longer than a short
+  // string's buffer, and nothing is allocated per tensor.)
+  int saved(int layer, std::string_view name, uintptr_t data, size_t bytes) {
     SavedTensor t;
     t.data = as_ptr(data);
     t.bytes = bytes;
@@ -134,10 +142,18 @@ class OffloadSession {
     const SavedTicket k = hooks_->saved(layer, name, t);
     if (!k) return -1;
     tickets_.at(static_cast<size_t>(k.id)) = k;
+    order_.push_back(k.id);  // within the capacity reserved: a step's saves <= max_tensors
     return k.id;
   }
   // Whether the D2H copy of ticket `id` has read its source (the caller may drop it).
   bool copied(int id) { return device_->query(ticket(id).copied); }
+  // How many of this step's tickets, in the order saved() handed them out, have been
+  // copied, counted from the first: the adapter drops that many of the sources it holds
+  // (one call for a few tensors, where copied() is one each). Grows within a step.
+  int copies_done() {
+    while (done_ < order_.size() && device_->query(ticket(order_[done_]).copied)) ++done_;
+    return static_cast<int>(done_);
+  }
   void forward_end(int layer) { hooks_->forward_end(layer); }
   void will_need(int id, uintptr_t dst) { hooks_->will_need(ticket(id), as_ptr(dst)); }
   // will_need of each (ticket, destination) pair in order: one call per block's reloads
@@ -233,6 +249,8 @@ class OffloadSession {
   std::unique_ptr<OffloadEngine> engine_;
   std::unique_ptr<OffloadHooks> hooks_;
   std::vector<SavedTicket> tickets_;  // by id (sized once: max_tensors)
+  std::vector<int> order_;            // this step's ticket ids as saved() handed them out
+  size_t done_ = 0;                   // how many of order_ copies_done() saw copied
   // will_need_many's arguments (grown to a block's reloads once, then reused).
   std::vector<SavedTicket> batch_tickets_;
   std::vector<void*> batch_dsts_;
@@ -276,6 +294,7 @@ void bind_offload(nb::module_& m) {
       .def("wants", &OffloadSession::wants, "layer"_a, "name"_a)
       .def("saved", &OffloadSession::saved, "layer"_a, "name"_a, "data"_a, "bytes"_a)
       .def("copied", &OffloadSession::copied, "ticket"_a)
+      .def("copies_done", &OffloadSession::copies_done)
       .def("forward_end", &OffloadSession::forward_end, "layer"_a)
       .def("will_need", &OffloadSession::will_need, "ticket"_a, "dst"_a)
       .def("will_need_many", &OffloadSession::will_need_many, "tickets"_a, "dsts"_a)

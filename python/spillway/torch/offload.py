@@ -77,16 +77,38 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class _Saved:
-    """One offloaded saved tensor: its ticket, how to rebuild it, its reload."""
+    """One offloaded saved tensor: its ticket, how to rebuild it (on the offload's device),
+    its reload."""
 
-    __slots__ = ("ticket", "layer", "shape", "dtype", "device", "uses", "dst", "tensor", "step")
+    __slots__ = (
+        "ticket",
+        "layer",
+        "shape",
+        "dtype",
+        "nbytes",
+        "name",
+        "uses",
+        "dst",
+        "tensor",
+        "step",
+    )
 
-    def __init__(self, ticket: int, layer: int, t: torch.Tensor, step: int) -> None:
+    def __init__(
+        self,
+        ticket: int,
+        layer: int,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        nbytes: int,
+        name: str,
+        step: int,
+    ) -> None:
         self.ticket = ticket
         self.layer = layer
-        self.shape = t.shape
-        self.dtype = t.dtype
-        self.device = t.device
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.name = name  # counted at the step's end (Note [Hook cost per tensor])
         self.uses = 1  # unpacks still to come (a tensor saved twice is offloaded once)
         self.dst: Optional[torch.Tensor] = None  # prefetch destination
         self.tensor: Optional[torch.Tensor] = None  # reloaded, until its last use
@@ -246,10 +268,15 @@ class OffloadActivations:
         self._open = False  # a step began and has not ended
         self._in_backward = False
         self._param_storages: set[int] = set()
-        self._pending: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
+        # The sources of this step's copies, in the order the engine took them, until the
+        # engine says they are copied (_released of them were dropped).
+        self._pending: collections.deque[torch.Tensor] = collections.deque()
+        self._released = 0
         self._release_at = 8  # _pending's length that asks which copies are done
+        self._offload_below = len(self.layers)  # the blocks below it may offload
         self._by_layer: list[list[_Saved]] = [[] for _ in self.layers]
-        self._dedup: dict[tuple[Any, ...], tuple[_Saved, weakref.ref[torch.Tensor]]] = {}
+        # Offloaded this step, by id(): what it became, the tensor, its version and address.
+        self._dedup: dict[int, tuple[_Saved, weakref.ref[torch.Tensor], int, int]] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self._sizing_bytes = 0
         self._grad_forwards = 0  # blocks that ran with grad enabled this step
@@ -495,13 +522,14 @@ class OffloadActivations:
         todo = [s for s in self._by_layer[layer] if s.dst is None and s.tensor is None]
         if not todo:
             return
+        device = self._device
         groups: dict[tuple[Any, ...], list[_Saved]] = {}
         for s in todo:
             if s.shape:
-                groups.setdefault((s.dtype, s.device, s.shape[1:]), []).append(s)
+                groups.setdefault((s.dtype, s.shape[1:]), []).append(s)
             else:  # a 0-d tensor has no first dimension to split
-                s.dst = torch.empty(s.shape, dtype=s.dtype, device=s.device)
-        for (dtype, device, rest), members in groups.items():
+                s.dst = torch.empty(s.shape, dtype=s.dtype, device=device)
+        for (dtype, rest), members in groups.items():
             firsts = [s.shape[0] for s in members]
             slab = torch.empty((sum(firsts), *rest), dtype=dtype, device=device)
             for s, part in zip(members, slab.split_with_sizes(firsts)):
@@ -513,6 +541,14 @@ class OffloadActivations:
         )
 
     # ---- the saved-tensor hooks ------------------------------------------------------
+
+    # Note [Hook cost per tensor]: the pack and unpack hooks run for every tensor autograd
+    # saves, on the training step's CPU path. Each asks what it must and builds little: the
+    # cheapest questions first, none that makes a Python object it need not (t.device does:
+    # get_device() is an int; the device is the offload's), a tensor saved again found by
+    # id() (checked alive, unchanged and at the same address), the engine told once a few
+    # tensors which copies are done (copies_done), and the counts of offloaded tensors
+    # summed at the step's end from what was offloaded, not counted one by one.
 
     def _pack(self, t: torch.Tensor) -> Any:
         layer = self._layer
@@ -529,7 +565,7 @@ class OffloadActivations:
     def _stays(self, t: torch.Tensor, layer: int) -> bool:
         """Whether `t` of block `layer` stays where it is whatever its name (a last block, an
         ineligible tensor), counted by why."""
-        if layer >= len(self.layers) - self.keep_last:
+        if layer >= self._offload_below:
             self._counts["kept_last_layers"] += 1
             return True
         reason = self._ineligible(t)
@@ -545,67 +581,67 @@ class OffloadActivations:
         saved tensors (counted as they are saved again)."""
         if uses and self._stays(t, layer):
             return t
-        nbytes = t.nbytes
         # A tensor saved again (the input of q, k and v projections) is offloaded once: the
-        # same tensor object, alive (a freed tensor's address may come back for another).
-        key = _key(t)
+        # same tensor object, alive (a freed tensor's id may come back for another), not
+        # written in place since, at the same address.
+        key = id(t)
+        ptr = t.data_ptr()
         dup = self._dedup.get(key)
-        if dup is not None and dup[1]() is t:
+        if dup is not None and dup[1]() is t and dup[2] == t._version and dup[3] == ptr:
             if self._session is None:
                 return t
             dup[0].uses += 1
             self._counts["deduplicated"] += 1
             return dup[0]
-        if self._session is None:  # the sizing step
-            self._dedup[key] = (_Saved(-1, layer, t, self._step), weakref.ref(t))
+        nbytes = t.nbytes
+        session = self._session
+        if session is None:  # the sizing step
+            s = _Saved(-1, layer, t.shape, t.dtype, nbytes, name, self._step)
+            self._dedup[key] = (s, weakref.ref(t), t._version, ptr)
             self._sizing_bytes += nbytes
             return t
-        ticket = self._session.saved(layer, name, t.data_ptr(), nbytes)
+        ticket = session.saved(layer, name, ptr, nbytes)
         if ticket < 0:
             self._counts["kept_pinned_pool_full"] += 1
             return t
-        self._pending.append((ticket, t))
-        s = _Saved(ticket, layer, t, self._step)
+        pending = self._pending
+        pending.append(t)
+        s = _Saved(ticket, layer, t.shape, t.dtype, nbytes, name, self._step)
         if uses:
             s.uses = uses
-        self._dedup[key] = (s, weakref.ref(t))
+        self._dedup[key] = (s, weakref.ref(t), t._version, ptr)
         self._by_layer[layer].append(s)
-        self._counts["offloaded"] += 1
-        self._counts["offloaded_bytes"] += nbytes
-        if self._offload_names is not None:
-            self._counts["offloaded:" + name] += 1
-        if len(self._pending) > self._release_at:
+        if len(pending) > self._release_at:
             self._release_copied()
-            self._release_at = len(self._pending) + 8  # asked again after 8 more
+            self._release_at = len(pending) + 8  # asked again after 8 more
         return s
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not _Saved:
             return packed  # type: ignore[no-any-return]
         s: _Saved = packed
-        if s.step != self._step or (not self._open and s.tensor is None):
+        out = s.tensor
+        if s.step != self._step or (out is None and not self._open):
             raise RuntimeError(
                 "spillway: a saved tensor offloaded in a step that has ended is needed again "
                 "(backward run twice with retain_graph=True, or after the step ended); "
                 "offload_activations supports one backward per forward"
             )
-        if s.tensor is None:
+        if out is None:
             assert self._session is not None
-            dst = (
-                s.dst if s.dst is not None else torch.empty(s.shape, dtype=s.dtype, device=s.device)
-            )
-            self._session.needed(s.ticket, dst.data_ptr())
-            s.tensor, s.dst = dst, None
-        out = s.tensor
+            out = s.dst
+            if out is None:
+                out = torch.empty(s.shape, dtype=s.dtype, device=self._device)
+            self._session.needed(s.ticket, out.data_ptr())
+            s.dst = None
         s.uses -= 1
-        if s.uses <= 0:
-            s.tensor = None  # its last use: the memory goes back once autograd is done
+        # Kept for the uses to come; at its last, the memory goes back once autograd is done.
+        s.tensor = out if s.uses > 0 else None
         return out
 
     def _ineligible(self, t: torch.Tensor) -> str:
-        # Note [Hook cost per tensor]: the cheapest questions first, none that builds a
-        # Python object (t.device does: get_device() is an int).
-        if t.layout != torch.strided or t.is_quantized:
+        # Note [Hook cost per tensor].
+        if t.layout is not torch.strided or t.is_quantized:
             return "kept_not_strided"
         if self._device_index is not None and t.get_device() != self._device_index:
             return "kept_other_device"
@@ -624,9 +660,13 @@ class OffloadActivations:
 
     def _release_copied(self) -> None:
         session = self._session
+        if session is None:
+            return
+        done = session.copies_done()
         pending = self._pending
-        while pending and session is not None and session.copied(pending[0][0]):
+        for _ in range(done - self._released):
             pending.popleft()
+        self._released = done
 
     # ---- steps ---------------------------------------------------------------------
 
@@ -684,6 +724,7 @@ class OffloadActivations:
         if self._session is None and self.pinned_bytes is not None:
             self._make_session(self.pinned_bytes)
         self._param_storages = _parameter_storages(self.model)
+        self._offload_below = len(self.layers) - self.keep_last
         self._counts.clear()
         self._dedup.clear()
         self._sizing_bytes = 0
@@ -749,7 +790,15 @@ class OffloadActivations:
         if self._session is not None:
             rep.update(self._session.step_end())
         self._pending.clear()
+        self._released = 0
         self._release_at = 8
+        # Note [Hook cost per tensor]: the offloaded tensors counted here, not one by one.
+        offloaded = [s for lst in self._by_layer for s in lst]
+        if offloaded:
+            self._counts["offloaded"] += len(offloaded)
+            self._counts["offloaded_bytes"] += sum(s.nbytes for s in offloaded)
+            if self._offload_names is not None:
+                self._counts.update("offloaded:" + s.name for s in offloaded)
         for lst in self._by_layer:
             lst.clear()
         self._dedup.clear()
@@ -1000,10 +1049,6 @@ def _first_tensor(output: Any) -> Optional[torch.Tensor]:
             if isinstance(o, torch.Tensor):
                 return o
     return None
-
-
-def _key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t.dtype, t.shape, t._version)
 
 
 def _parameter_storages(model: nn.Module) -> set[int]:
