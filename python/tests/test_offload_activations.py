@@ -510,3 +510,56 @@ def test_reloads_in_slabs_come_back_bitwise_whatever_their_shapes_and_dtypes() -
         assert report["tensors_offloaded"] >= 4 * 6
         assert report["h2d_bytes"] == report["d2h_bytes"] > 0
     offload.remove()
+
+
+def test_a_tensor_saved_by_several_ops_is_offloaded_once() -> None:
+    """Note [Hook cost per tensor]: a tensor saved again is found by id() (alive, unchanged,
+    at the same address) and offloaded once: here each block's h is saved by three matmuls,
+    as a block's input is by its q, k and v projections. Every gradient is bitwise the one
+    without offload."""
+
+    class QKV(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.q, self.k, self.v = (
+                torch.nn.Parameter(torch.randn(16, 16, generator=g) * 0.25) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.sin(x)  # sin saves x; the three projections save h
+            return (h @ self.q) * (h @ self.k) + h @ self.v  # the product saves both sides
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(QKV(i) for i in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.layers:
+                x = block(x)
+            return x.square().mean()
+
+    model = Stack()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = run()
+    offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=0, keep_last=0)
+    for _ in range(2):
+        with offload:
+            got = run()
+        assert_bitwise(want, got)
+        report = offload.last_report()
+        # Per block: x (not in the first: the model's input needs no gradient), h (once),
+        # h @ q and h @ k, 256 bytes each; h found again twice.
+        assert report["counts"]["deduplicated"] == 3 * 2
+        assert report["counts"]["offloaded"] == report["tensors_offloaded"] == 3 + 4 + 4
+        assert report["counts"]["offloaded_bytes"] == report["d2h_bytes"] == 11 * 256
+        assert report["h2d_bytes"] == report["d2h_bytes"]
+    offload.remove()
