@@ -1075,14 +1075,15 @@ stage_pytest() {
 # --- stage: bench-torch -----------------------------------------------------------------
 # The PyTorch adapter's costs on the GPU, each against its baseline in the same run: the
 # saved-tensor hooks' cost per tensor (offload_activations beside torch's save_on_cpu and a
-# Python-only offload) and stream_weights on a 1.6 B-parameter bf16 stack of blocks against
+# Python-only offload, and with the engine's D2H copies one at a time and in batches of 8:
+# Note [Copies in batches]) and stream_weights on a 1.6 B-parameter bf16 stack of blocks against
 # the same blocks resident and against the link's limit (a pinned copy measured there);
 # then the same bench with 64 blocks of 16 KiB, where the copies are nothing and what a pass
 # costs over the resident one is the streamed call's CPU work per block on the GPU.
 stage_bench_torch() {
   stage_begin bench-torch bench 60 15 || return 0
   local py=(env "PYTHONPATH=$build_dir/python" PYTHONUNBUFFERED=1 python3)
-  local hooks=("${py[@]}" bench/torch/bench_hooks.py --device cuda --repeats 9
+  local hooks=("${py[@]}" bench/torch/bench_hooks.py --device cuda --repeats 9 --copy-batches 1,8
     --json "$work/bench-hooks.json")
   local stream=("${py[@]}" bench/torch/bench_stream_hooks.py --device cuda --dtype bfloat16
     --blocks 24 --width 8192 --batch 8 --repeats 5 --no-training --json "$work/bench-stream.json")

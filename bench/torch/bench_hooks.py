@@ -14,6 +14,11 @@ and the copies' waits together, as a training loop sees them.
 
   PYTHONPATH=build/python python bench/torch/bench_hooks.py [--layers 16 --ops 64 --repeats 15]
   PYTHONPATH=build/python python bench/torch/bench_hooks.py --device cuda --json hooks.json
+  PYTHONPATH=build/python python bench/torch/bench_hooks.py --copy-batches 1,8
+
+--copy-batches also times offload_activations with the engine's D2H copies enqueued in
+batches of each size given (Note [Copies in batches]; the adapter uses 8), each on its own
+copy of the model, in the same rounds.
 """
 
 from __future__ import annotations
@@ -96,6 +101,11 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", help="write the figures as JSON to this file")
     ap.add_argument(
+        "--copy-batches",
+        default="",
+        help="comma-separated copy batch sizes to time beside the default (e.g. 1,8)",
+    )
+    ap.add_argument(
         "--split",
         action="store_true",
         help="then time the engine's calls inside the hooks, per call name (each wrapped in a "
@@ -140,16 +150,14 @@ def main() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             model(x).backward()
 
-    base, over = interleaved(
-        plain,
-        {
-            "spillway offload_activations": spillway_step,
-            "torch save_on_cpu": save_on_cpu,
-            "python-only pack/unpack": python_only,
-        },
-        a.repeats,
-        device,
-    )
+    variants: dict[str, Callable[[], None]] = {
+        "spillway offload_activations": spillway_step,
+        "torch save_on_cpu": save_on_cpu,
+        "python-only pack/unpack": python_only,
+    }
+    for size in (int(v) for v in a.copy_batches.split(",") if v.strip()):
+        variants[f"spillway, copy batch {size}"] = batched_step(a, device, saved, size)
+    base, over = interleaved(plain, variants, a.repeats, device)
     saved = offload.last_report()["tensors_offloaded"]  # sin()'s inputs and x * scale's
     print(
         f"{saved} saved tensors of {a.elements * 4} bytes per step on {a.device}; baseline "
@@ -182,6 +190,23 @@ def main() -> None:
                 f,
                 indent=2,
             )
+
+
+def batched_step(a: argparse.Namespace, device: torch.device, saved: int, size: int) -> Any:
+    """A step of offload_activations on its own copy of the model, with the engine's D2H
+    copies enqueued in batches of `size` (the adapter's private default is 8)."""
+    model = Model(a.layers, a.ops).to(device)
+    x = torch.randn(a.elements, device=device, requires_grad=True)
+    offload = st.offload_activations(
+        model, pinned_bytes=64 << 20, min_bytes=0, keep_last=0, max_tensors=saved + 64
+    )
+    offload._copy_batch = size  # read when its engine session is made, at its first step
+
+    def step() -> None:
+        with offload:
+            model(x).backward()
+
+    return step
 
 
 def split(offload: Any, step: Callable[[], None], repeats: int, saved: int, device: Any) -> None:

@@ -46,6 +46,11 @@ struct OffloadOptions {
   int64_t inflight_bound_bytes = 0;                // 0: no bound on D2H bytes in flight
   bool verify = false;                             // checksums at offload, checked at reload
   int max_tensors = 1024;                          // handles alive at once (offloaded + reloaded)
+  // D2H copies enqueued together after one fence on the compute stream, in [1,
+  // max_tensors]: 1 enqueues each at once; n > 1 queues them until n are waiting or the
+  // layer's forward ends (Note [Copies in batches]: one copy per tensor on the D2H stream
+  // instead of four stream operations; BorrowedOffload::copied is then empty).
+  int copy_batch = 1;
 };
 
 struct DeviceTensor {
@@ -66,7 +71,9 @@ struct BorrowedOffload {
   // on the stream that reuses the memory, or query/synchronize on the host) before it
   // overwrites or frees the source. One of the engine's pre-sized events, valid until
   // end_step() (which completes it); it is recycled for another tensor after that, so
-  // neither wait on it nor query it then. Empty (id -1) when `kept`.
+  // neither wait on it nor query it then. Empty (id -1) when `kept`, and when the copy is
+  // queued for a batch (OffloadOptions::copy_batch > 1): then OffloadEngine::copied(handle)
+  // says whether it is done, and copy_event(handle) is its event once it is enqueued.
   Event copied;
   // The pinned pool was full, nothing was copied: the engine cannot keep a tensor it does
   // not own, so the caller keeps it alive and unchanged until the compute stream has
@@ -172,6 +179,13 @@ class OffloadEngine {
   const MemoryPolicy& policy() const { return policy_; }
   // Handles alive at once (OffloadOptions::max_tensors).
   int max_tensors() const;
+  // Whether the D2H copy of `h` (offloaded this step) has read its source: false while it
+  // is queued for a batch and for a kept tensor (Note [Copies in batches]).
+  bool copied(OffloadHandle h) const;
+  // The event after `h`'s D2H copy (BorrowedOffload::copied, valid as long): empty while
+  // the copy is queued for a batch (it is enqueued by end_forward_layer of its layer at the
+  // latest) and for a kept tensor.
+  Event copy_event(OffloadHandle h) const;
   // D2H bytes issued and not yet known complete (as of the last engine call).
   int64_t inflight_bytes() const;
   Stream d2h_stream() const;

@@ -76,7 +76,7 @@ class OffloadSession {
                  const std::vector<std::vector<std::pair<std::string, std::string>>>& layers,
                  int prefetch_depth, int64_t pinned_bytes, int64_t device_pool_bytes,
                  int64_t inflight_bound_bytes, int max_tensors, bool verify, double d2h_gbps,
-                 double h2d_gbps) {
+                 double h2d_gbps, int copy_batch) {
     if (prefetch_depth < 1 || prefetch_depth > 64)
       SPILLWAY_FIELD_ERROR("prefetch_depth", prefetch_depth, "must be in [1, 64]");
     if (pinned_bytes < 1) SPILLWAY_FIELD_ERROR("pinned_bytes", pinned_bytes, "must be >= 1");
@@ -85,6 +85,9 @@ class OffloadSession {
     if (inflight_bound_bytes < 0)
       SPILLWAY_FIELD_ERROR("inflight_bound_bytes", inflight_bound_bytes, "must be >= 0");
     if (max_tensors < 1) SPILLWAY_FIELD_ERROR("max_tensors", max_tensors, "must be >= 1");
+    if (copy_batch < 1 || copy_batch > max_tensors)
+      SPILLWAY_FIELD_ERROR("copy_batch", copy_batch, "must be in [1, max_tensors = {}]",
+                           max_tensors);
     // CPU tensors: the host backend (its copies are memcpy on the copy streams' threads,
     // with the given throttles; its arena holds only the engine's own device pool) and an
     // inline compute stream: a reload's wait blocks the unpack hook until the bytes are
@@ -108,6 +111,7 @@ class OffloadSession {
     oo.inflight_bound_bytes = inflight_bound_bytes;
     oo.max_tensors = max_tensors;
     oo.verify = verify;
+    oo.copy_batch = copy_batch;
     engine_ = std::make_unique<OffloadEngine>(*device_, compute_,
                                               make_policy(layers, prefetch_depth), oo);
     hooks_ = std::make_unique<OffloadHooks>(*engine_);
@@ -145,13 +149,17 @@ class OffloadSession {
     order_.push_back(k.id);  // within the capacity reserved: a step's saves <= max_tensors
     return k.id;
   }
-  // Whether the D2H copy of ticket `id` has read its source (the caller may drop it).
-  bool copied(int id) { return device_->query(ticket(id).copied); }
+  // Whether the D2H copy of ticket `id` has read its source (the caller may drop it); false
+  // while it waits for its batch (Note [Copies in batches]).
+  bool copied(int id) {
+    (void)ticket(id);
+    return engine_->copied(id);
+  }
   // How many of this step's tickets, in the order saved() handed them out, have been
   // copied, counted from the first: the adapter drops that many of the sources it holds
   // (one call for a few tensors, where copied() is one each). Grows within a step.
   int copies_done() {
-    while (done_ < order_.size() && device_->query(ticket(order_[done_]).copied)) ++done_;
+    while (done_ < order_.size() && engine_->copied(order_[done_])) ++done_;
     return static_cast<int>(done_);
   }
   void forward_end(int layer) { hooks_->forward_end(layer); }
@@ -285,10 +293,10 @@ void bind_offload(nb::module_& m) {
                              "(spillway.torch.offload_activations drives it)")
       .def(nb::init<const std::string&, int, uintptr_t,
                     const std::vector<std::vector<std::pair<std::string, std::string>>>&, int,
-                    int64_t, int64_t, int64_t, int, bool, double, double>(),
+                    int64_t, int64_t, int64_t, int, bool, double, double, int>(),
            "device"_a, "ordinal"_a, "native_stream"_a, "layers"_a, "prefetch_depth"_a,
            "pinned_bytes"_a, "device_pool_bytes"_a, "inflight_bound_bytes"_a, "max_tensors"_a,
-           "verify"_a, "d2h_gbps"_a, "h2d_gbps"_a)
+           "verify"_a, "d2h_gbps"_a, "h2d_gbps"_a, "copy_batch"_a = 1)
       .def("step_begin", &OffloadSession::step_begin)
       .def("forward_begin", &OffloadSession::forward_begin, "layer"_a)
       .def("wants", &OffloadSession::wants, "layer"_a, "name"_a)

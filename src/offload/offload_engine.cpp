@@ -37,6 +37,19 @@
 //            then freed as above) or from the caller's source (borrowed) into dst.
 // In each, compute is ordered after the bytes land in dst and the host never waits.
 //
+// Note [Copies in batches]: with OffloadOptions::copy_batch = n > 1, an offload takes its
+// pinned block at once (so that a full pool still leaves the tensor with its owner, on the
+// spot) and queues its copy; the queue is enqueued when it holds n copies, when a layer's
+// forward ends, and before anything that waits for or reloads an offloaded tensor (a
+// back-pressure wait, a full device pool, prefetch, reload, end_step): one event P on
+// compute recorded after the last of them was produced, one D2H wait on it, the n copies,
+// one event D after them, which the n slots share (the last one owns it). Per tensor that
+// is the copy alone, where it was four stream operations (four runtime calls on CUDA); the
+// copies start later, at the latest when their layer's forward ends, which is the window
+// the plan gives them (the next layer's forward). A borrowed tensor's event is then not
+// known when offload_borrowed() returns: the caller asks copied(h) or copy_event(h). With
+// n = 1 (the default) each copy is enqueued at once, exactly as before.
+//
 // Note [One fence per batch]: set_reload_targets() sets the destinations of several
 // reloads in one call, between which no compute work can be enqueued: the first slot's H
 // is recorded on compute as the fence of all of them, and each of the others refers to
@@ -84,8 +97,9 @@ struct OffloadEngine::Impl {
     bool borrowed = false;         // offload_borrowed(): the caller owns `source`
     void* target = nullptr;        // reload destination in caller memory (direct path)
     PinnedBlock pinned;
-    bool kept = false;  // pinned pool full: stayed on the device
-    Event d2h_done{-1};
+    bool kept = false;      // pinned pool full: stayed on the device
+    Event d2h_done{-1};     // after its copy (shared by a batch: Note [Copies in batches])
+    bool owns_d2h = false;  // d2h_done is this slot's to give back (a batch's last slot)
     Event h2d_done{-1};
     bool device_released = false;
     bool hold = false;    // OffloadHold::kUntilLayerEnd: released at end_forward_layer at most
@@ -134,6 +148,7 @@ struct OffloadEngine::Impl {
   size_t d2h_head = 0;
   std::vector<int> h2d_pending;  // slots whose pinned block is not yet released (FIFO)
   size_t h2d_head = 0;
+  std::vector<int> queued;  // slots whose copies wait for the batch (Note [Copies in batches])
   struct Deferred {
     DeviceTensor t;
     Event e;
@@ -192,8 +207,13 @@ struct OffloadEngine::Impl {
     events.reserve(3 * n);
     free_events.reserve(3 * n);
     for (size_t i = 0; i < 3 * n; ++i) free_events.push_back(events.emplace_back(dev).get());
+    if (o.copy_batch < 1 || o.copy_batch > o.max_tensors) {
+      SPILLWAY_FIELD_ERROR("copy_batch", o.copy_batch, "must be in [1, max_tensors = {}]",
+                           o.max_tensors);
+    }
     d2h_pending.reserve(n);
     h2d_pending.reserve(n);
+    queued.reserve(static_cast<size_t>(o.copy_batch));
     deferred.reserve(n);
     layer_slots.resize(policy.layers.size());
     times.resize(policy.layers.size());
@@ -219,7 +239,13 @@ struct OffloadEngine::Impl {
     return e;
   }
   void give_event(Event& e) {
-    if (e.id >= 0) free_events.push_back(e);
+    if (e.id >= 0) {
+      // A batch's shared event is given back by its owner only (Note [Copies in batches]):
+      // one given twice would be handed to two uses at once.
+      SPILLWAY_CHECK(free_events.size() < events.size(), "offload: event {} given back twice",
+                     e.id);
+      free_events.push_back(e);
+    }
     e = Event{-1};
   }
 
@@ -238,7 +264,9 @@ struct OffloadEngine::Impl {
     release_device(s.reloaded);  // prefetched but never taken by reload()
     if (s.pinned) pinned.release(s.pinned);
     s.pinned = PinnedBlock{};
-    give_event(s.d2h_done);
+    if (s.owns_d2h) give_event(s.d2h_done);
+    s.d2h_done = Event{-1};
+    s.owns_d2h = false;
     give_event(s.h2d_done);
   }
 
@@ -299,6 +327,7 @@ struct OffloadEngine::Impl {
     if (opt.inflight_bound_bytes <= 0) return;
     const int64_t need = static_cast<int64_t>(bytes);
     if (inflight + need <= opt.inflight_bound_bytes) return;
+    flush();  // queued copies count as in flight; only enqueued ones can be waited for
     const double t0 = now_ms();
     const Event busy = take_event();
     dev.record(busy, compute);
@@ -337,33 +366,48 @@ struct OffloadEngine::Impl {
     }
     ++tel.tensors_offloaded;
     make_room(s.bytes, s.layer);
-    Event produced = take_event();
-    dev.record(produced, compute);
-    dev.wait(d2h, produced);
-    give_event(produced);  // the wait captured its target: reusable at once
-    s.d2h_done = take_event();
-    Slot* sp = &s;
-    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr && !mk->d2h_started) {
-      mk->d2h_started = true;
-      LayerTimes* lt = &times[static_cast<size_t>(s.layer)];
-      dev.host_callback(d2h, [lt] { lt->d2h_start = now_ms(); });
-    }
-    dev.copy_async(s.pinned.ptr, s.source, s.bytes, d2h);
-    // Verify mode: the checksum of what landed on the host, right after its copy. (The
-    // layer's copy end is stamped once, by end_forward_layer: Note [Layer timestamps].)
-    // One pointer: fits std::function's local buffer, so no allocation per tensor.
-    sp->verify = opt.verify;
-    if (sp->verify) dev.host_callback(d2h, [sp] { sp->sum = checksum(sp->pinned.ptr, sp->bytes); });
-    dev.record(s.d2h_done, d2h);
-    s.d2h_seq = ++d2h_issued;
-    if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr) mk->last_d2h_slot = id;
-    d2h_pending.push_back(id);
     inflight += static_cast<int64_t>(s.bytes);
     if (s.layer >= 0 && static_cast<size_t>(s.layer) < tel.layers.size()) {
       tel.layers[static_cast<size_t>(s.layer)].d2h_bytes += static_cast<int64_t>(s.bytes);
     }
     tel.d2h_bytes += static_cast<int64_t>(s.bytes);
+    queued.push_back(id);
+    if (queued.size() >= static_cast<size_t>(opt.copy_batch)) flush();
     return true;
+  }
+
+  // Enqueues the queued copies after one fence on compute, and one event after them
+  // (Note [Copies in batches]).
+  void flush() {
+    if (queued.empty()) return;
+    Event produced = take_event();
+    dev.record(produced, compute);
+    dev.wait(d2h, produced);
+    give_event(produced);  // the wait captured its target: reusable at once
+    for (int id : queued) {
+      Slot& s = slots[static_cast<size_t>(id)];
+      Slot* sp = &s;
+      if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr && !mk->d2h_started) {
+        mk->d2h_started = true;
+        LayerTimes* lt = &times[static_cast<size_t>(s.layer)];
+        dev.host_callback(d2h, [lt] { lt->d2h_start = now_ms(); });
+      }
+      dev.copy_async(s.pinned.ptr, s.source, s.bytes, d2h);
+      // Verify mode: the checksum of what landed on the host, right after its copy. (The
+      // layer's copy end is stamped once, by end_forward_layer: Note [Layer timestamps].)
+      // One pointer: fits std::function's local buffer, so no allocation per tensor.
+      sp->verify = opt.verify;
+      if (sp->verify)
+        dev.host_callback(d2h, [sp] { sp->sum = checksum(sp->pinned.ptr, sp->bytes); });
+      s.d2h_seq = ++d2h_issued;
+      if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr) mk->last_d2h_slot = id;
+      d2h_pending.push_back(id);
+    }
+    const Event done = take_event();
+    dev.record(done, d2h);
+    for (int id : queued) slots[static_cast<size_t>(id)].d2h_done = done;
+    slots[static_cast<size_t>(queued.back())].owns_d2h = true;
+    queued.clear();
   }
 
   // The direct path's fence (Note [Reload into caller memory]): recorded now, or the one
@@ -383,6 +427,11 @@ struct OffloadEngine::Impl {
   }
 
   // The slot of a handle not reloaded yet (reload, reload_into, set_reload_target).
+  const Slot& offloaded(OffloadHandle h, const char* what) const {
+    SPILLWAY_CHECK(h >= 0 && static_cast<size_t>(h) < slots_used,
+                   "{}: unknown handle {} (not offloaded in this step)", what, h);
+    return slots[static_cast<size_t>(h)];
+  }
   Slot& unreloaded(OffloadHandle h, const char* what) {
     SPILLWAY_CHECK(h >= 0 && static_cast<size_t>(h) < slots_used, "{}: unknown handle {}", what, h);
     Slot& s = slots[static_cast<size_t>(h)];
@@ -424,6 +473,7 @@ struct OffloadEngine::Impl {
       if (again) return DeviceTensor{again.ptr, bytes, again.slab, again.offset, false};
       // Back-pressure: wait for the oldest offload copy (it frees a block as soon as it
       // ends), else for the oldest pending free.
+      flush();
       if (d2h_head < d2h_pending.size()) {
         dev.synchronize(slots[static_cast<size_t>(d2h_pending[d2h_head])].d2h_done);
         continue;
@@ -626,7 +676,7 @@ BorrowedOffload OffloadEngine::offload_borrowed(const void* src, size_t bytes, i
   BorrowedOffload b;
   b.handle = id;
   if (m.start_copy(id)) {
-    b.copied = s.d2h_done;  // Note [Caller-owned memory]
+    b.copied = s.d2h_done;  // Note [Caller-owned memory]; none yet while queued
   } else {
     b.kept = true;
   }
@@ -635,6 +685,7 @@ BorrowedOffload OffloadEngine::offload_borrowed(const void* src, size_t bytes, i
 
 void OffloadEngine::end_forward_layer(int layer) {
   Impl& m = *impl_;
+  m.flush();  // Note [Copies in batches]: at the latest when the layer's forward ends
   if (Impl::LayerMarks* mk = m.layer_marks(layer); mk != nullptr) {
     if (mk->d2h_started && !mk->forward_ended) {
       // After the layer's last copy in stream order: its end (Note [Layer timestamps]).
@@ -666,6 +717,7 @@ void OffloadEngine::end_forward_layer(int layer) {
 
 void OffloadEngine::prefetch(int layer) {
   Impl& m = *impl_;
+  m.flush();
   m.poll();
   if (layer < 0 || static_cast<size_t>(layer) >= m.layer_slots.size()) return;
   // Backward needs the layers above `layer` first: their reloads not issued yet go ahead
@@ -678,6 +730,7 @@ void OffloadEngine::prefetch(int layer) {
 
 DeviceTensor OffloadEngine::reload(OffloadHandle h) {
   Impl& m = *impl_;
+  m.flush();
   Impl::Slot& s = m.unreloaded(h, "reload()");
   SPILLWAY_CHECK(s.target == nullptr,
                  "reload(): handle {} ({} of layer {}) has a destination (set_reload_target); "
@@ -707,6 +760,7 @@ DeviceTensor OffloadEngine::reload(OffloadHandle h) {
 
 void OffloadEngine::reload_into(OffloadHandle h, void* dst) {
   Impl& m = *impl_;
+  m.flush();
   SPILLWAY_CHECK(dst != nullptr, "reload_into(): handle {} into a null pointer", h);
   Impl::Slot& s = m.unreloaded(h, "reload_into()");
   SPILLWAY_CHECK(s.target == nullptr || s.target == dst,
@@ -770,9 +824,21 @@ int OffloadEngine::max_tensors() const {
   return impl_->opt.max_tensors;
 }
 
+bool OffloadEngine::copied(OffloadHandle h) const {
+  const Impl::Slot& s = impl_->offloaded(h, "copied()");
+  if (s.kept || s.d2h_done.id < 0) return false;  // kept, or queued (Note [Copies in batches])
+  return s.copied || impl_->dev.query(s.d2h_done);
+}
+
+Event OffloadEngine::copy_event(OffloadHandle h) const {
+  const Impl::Slot& s = impl_->offloaded(h, "copy_event()");
+  return s.kept ? Event{-1} : s.d2h_done;
+}
+
 StepTelemetry OffloadEngine::end_step() {
   Impl& m = *impl_;
   SPILLWAY_CHECK(m.in_step, "end_step() without begin_step()");
+  m.flush();
   m.record_frees();  // before the synchronize, so that the step's frees complete with it
   m.dev.synchronize(m.compute);
   m.dev.synchronize(m.d2h);

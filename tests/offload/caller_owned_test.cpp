@@ -87,6 +87,7 @@ struct Mode {
   bool into;             // reload_into() caller memory (else reload() + free())
   bool targeted;         // set_reload_target() before prefetch() issues the reload
   bool batched = false;  // a layer's targets in one set_reload_targets() call
+  int copy_batch = 1;    // OffloadOptions::copy_batch (Note [Copies in batches])
 };
 constexpr Mode kModes[] = {
     {"owned", false, false, false},
@@ -97,6 +98,9 @@ constexpr Mode kModes[] = {
     {"borrowed_targeted", true, true, true},
     {"owned_batched", false, true, true, true},
     {"borrowed_batched", true, true, true, true},
+    // Copies in batches of 3 among a layer's 4 tensors: one batch full, one at its end.
+    {"owned_copies_in_batches", false, true, true, true, 3},
+    {"borrowed_copies_in_batches", true, true, true, true, 3},
 };
 
 // A training loop over caller memory allocated once: one source buffer per tensor index,
@@ -113,7 +117,7 @@ class Loop {
         per_layer_(per_layer),
         max_bytes_(max_bytes),
         depth_(depth),
-        engine_(dev, compute, policy(layers, depth), o) {
+        engine_(dev, compute, policy(layers, depth), with_batch(o, mode.copy_batch)) {
     for (int k = 0; k < per_layer; ++k) sources_.push_back(must_allocate(dev, max_bytes));
     for (int k = 0; k < (depth + 1) * per_layer; ++k)
       dsts_.push_back(must_allocate(dev, max_bytes + kGuard));
@@ -143,7 +147,8 @@ class Loop {
       }
     }
     e.begin_step();
-    std::vector<Event> last(static_cast<size_t>(per_layer_), Event{-1});
+    // Per source, the handle that last borrowed it: its copy's event orders the reuse.
+    std::vector<OffloadHandle> last(static_cast<size_t>(per_layer_), -1);
     for (int l = 0; l < layers_; ++l) {
       for (int k = 0; k < per_layer_; ++k) {
         Tensor& t = tensor(l, k);
@@ -159,20 +164,23 @@ class Loop {
           continue;
         }
         void* src = source(k);
-        Event& prev = last[static_cast<size_t>(k)];
-        if (prev.id >= 0) reuse(k, prev);
+        OffloadHandle& prev = last[static_cast<size_t>(k)];
+        if (prev >= 0) reuse(k, copy_event(prev));
         c.produce(src, &t.expected, t.bytes);
         const BorrowedOffload b = e.offload_borrowed(src, t.bytes, l, name);
         EXPECT_FALSE(b.kept) << "layer " << l << " tensor " << k;
-        if (!c.dev.query(b.copied)) ++pending_at_offload;
-        prev = b.copied;
+        if (!e.copied(b.handle)) ++pending_at_offload;
+        if (mode_.copy_batch == 1) {
+          EXPECT_EQ(b.copied.id, e.copy_event(b.handle).id) << "the event, at once";
+        }
+        prev = b.handle;
         t.handle = b.handle;
       }
       e.end_forward_layer(l);
     }
     for (int k = 0; k < per_layer_ && mode_.borrowed; ++k) {
-      if (last[static_cast<size_t>(k)].id < 0) continue;
-      c.dev.synchronize(last[static_cast<size_t>(k)]);
+      if (last[static_cast<size_t>(k)] < 0) continue;
+      c.dev.synchronize(copy_event(last[static_cast<size_t>(k)]));
       std::memset(source(k), kSourcePoison, max_bytes_);  // no reload may read a source
     }
     for (int l = layers_ - 1; l >= 0; --l) {
@@ -209,6 +217,17 @@ class Loop {
     OffloadHandle handle = -1;
     bool targeted = false;
   };
+  static OffloadOptions with_batch(OffloadOptions o, int copy_batch) {
+    o.copy_batch = copy_batch;
+    return o;
+  }
+  // The event of a borrowed source's copy, enqueued by now: its layer's forward ended
+  // (Note [Copies in batches]).
+  Event copy_event(OffloadHandle h) {
+    const Event e = engine_.copy_event(h);
+    EXPECT_GE(e.id, 0) << "handle " << h << ": its copy is enqueued once its layer ended";
+    return e;
+  }
   static MemoryPolicy policy(int layers, int depth) {
     MemoryPolicy p =
         MemoryPolicy::uniform(layers, {"mlp.gate_out", "mlp.up_out", "mlp.act", "attn.input"});
@@ -377,7 +396,7 @@ TEST(CallerOwned, TheSourceMayBeOverwrittenTheMomentItsEventCompletes) {
 TEST(CallerOwned, InFlightD2HBytesNeverExceedTheBoundInEitherMode) {
   spillway::testing::make_rng();  // prints the seed
   const uint32_t seed = spillway::testing::test_seed();
-  for (const Mode& m : {kModes[0], kModes[4]}) {
+  for (const Mode& m : {kModes[0], kModes[4], kModes[9]}) {
     SCOPED_TRACE(m.name);
     // 0.1 GB/s: the host offloads far faster than the link drains.
     auto inner = make_host_device(HostDeviceOptions{int64_t{128} << 20, 0.1, 0.0});
@@ -614,6 +633,89 @@ TEST(CallerOwned, ABatchOfTargetsIsFencedOnce) {
   e.end_step();
 }
 
+TEST(CallerOwned, CopiesInABatchShareOneFenceAndOneEvent) {
+  // Note [Copies in batches]: 8 tensors in 2 layers, batches of 3: a batch is enqueued when
+  // full and when its layer's forward ends, so 4 fences on compute, 4 waits and 4 events on
+  // the D2H stream, where one at a time makes 8 of each. A queued copy is not copied and
+  // has no event yet. Every byte checked.
+  for (const int batch : {1, 3}) {
+    SCOPED_TRACE(batch);
+    TargetRig r(8);
+    r.o.copy_batch = batch;
+    OffloadEngine e(r.dev, r.c.s, MemoryPolicy::uniform(2, {"a", "b", "c", "d"}), r.o);
+    const char* names[] = {"a", "b", "c", "d"};
+    const int compute = r.c.s.id;
+    const int d2h = e.d2h_stream().id;
+    e.begin_step();
+    r.dev.records.clear();
+    r.dev.waits.clear();
+    std::vector<OffloadHandle> h;
+    for (int i = 0; i < 8; ++i) {  // layer 0: tensors 0-3, layer 1: tensors 4-7
+      h.push_back(r.offload(e, i, i / 4, names[i % 4]));
+      if (batch > 1 && i == 0) {
+        EXPECT_FALSE(e.copied(h[0])) << "queued";
+        EXPECT_LT(e.copy_event(h[0]).id, 0) << "queued: no event yet";
+      }
+      if (i % 4 == 3) e.end_forward_layer(i / 4);
+    }
+    const int copies = batch == 1 ? 8 : 4;
+    EXPECT_EQ(std::count(r.dev.records.begin(), r.dev.records.end(), compute), copies);
+    EXPECT_EQ(std::count(r.dev.waits.begin(), r.dev.waits.end(), d2h), copies);
+    EXPECT_EQ(std::count(r.dev.records.begin(), r.dev.records.end(), d2h), copies);
+    // A batch's tensors share its event: 0-2, 3, 4-6, 7.
+    EXPECT_EQ(e.copy_event(h[0]).id == e.copy_event(h[2]).id, batch > 1);
+    EXPECT_NE(e.copy_event(h[2]).id, e.copy_event(h[3]).id);
+    for (OffloadHandle x : h) {
+      const Event ev = e.copy_event(x);
+      ASSERT_GE(ev.id, 0) << "handle " << x << ": enqueued once its layer ended";
+      r.dev.synchronize(ev);
+      EXPECT_TRUE(e.copied(x));
+    }
+    for (int i = 0; i < 8; ++i) {  // the sources may be reused: no reload reads them
+      std::memset(r.src[static_cast<size_t>(i)], kSourcePoison, r.bytes);
+      r.c.poison(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes);
+    }
+    for (int i = 7; i >= 0; --i) {
+      e.reload_into(h[static_cast<size_t>(i)], r.dst[static_cast<size_t>(i)]);
+      r.c.check(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes, true);
+    }
+    const StepTelemetry t = e.end_step();
+    EXPECT_EQ(r.c.bad.load(), 0);
+    EXPECT_EQ(r.c.checked.load(), 8);
+    EXPECT_EQ(t.tensors_offloaded, 8);
+    EXPECT_EQ(t.d2h_bytes, t.h2d_bytes);
+  }
+}
+
+TEST(CallerOwned, CopiesInBatchesGiveEachEventBackOnce) {
+  // A batch's slots share one event and only the last gives it back: with 8 slots (24
+  // events), steps of 8 tensors in batches of 3 would hand out a doubly given event within
+  // a step or two. Every byte checked, every step.
+  TargetRig r(8);
+  r.o.copy_batch = 3;
+  r.o.max_tensors = 8;
+  OffloadEngine e(r.dev, r.c.s, MemoryPolicy::uniform(2, {"a", "b", "c", "d"}), r.o);
+  const char* names[] = {"a", "b", "c", "d"};
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE(step);
+    e.begin_step();
+    std::vector<OffloadHandle> h;
+    for (int i = 0; i < 8; ++i) {
+      h.push_back(r.offload(e, i, i / 4, names[i % 4]));
+      if (i % 4 == 3) e.end_forward_layer(i / 4);
+    }
+    for (int i = 7; i >= 0; --i) {
+      const auto k = static_cast<size_t>(i);
+      r.c.poison(r.dst[k], &r.data[k], r.bytes);
+      e.reload_into(h[k], r.dst[k]);
+      r.c.check(r.dst[k], &r.data[k], r.bytes, true);
+    }
+    e.end_step();
+  }
+  EXPECT_EQ(r.c.bad.load(), 0);
+  EXPECT_EQ(r.c.checked.load(), 4 * 8);
+}
+
 TEST(CallerOwned, AReloadTargetedBeforePrefetchLandsInCallerMemoryDirectly) {
   TargetRig r(4);
   CopyLog& dev = r.dev;
@@ -676,6 +778,8 @@ TEST(CallerOwned, MisuseIsAnError) {
   EXPECT_THROW(e.offload_borrowed(nullptr, 256, 0, "x"), Error);
   EXPECT_THROW(e.reload_into(3, dst), Error);        // unknown handle
   EXPECT_THROW(e.set_reload_target(3, dst), Error);  // unknown handle
+  EXPECT_THROW((void)e.copied(3), Error);            // unknown handle
+  EXPECT_THROW((void)e.copy_event(-1), Error);
   const BorrowedOffload a = e.offload_borrowed(src, 256, 0, "x");
   const BorrowedOffload b = e.offload_borrowed(src, 256, 0, "x");
   e.end_forward_layer(0);
@@ -690,6 +794,11 @@ TEST(CallerOwned, MisuseIsAnError) {
   EXPECT_THROW(e.set_reload_target(b.handle, other), Error);  // already reloaded
   e.end_step();
   for (void* p : {src, dst, other}) dev->free(p, MemoryKind::kDevice);
+  for (int batch : {0, 1025}) {  // in [1, max_tensors]
+    OffloadOptions bad = o;
+    bad.copy_batch = batch;
+    EXPECT_THROW(OffloadEngine(*dev, c.s, MemoryPolicy::uniform(2, {"x"}), bad), Error) << batch;
+  }
 }
 
 // A hook that takes nothing: OffloadHooks sits second in the composite (owner 1).
