@@ -100,7 +100,8 @@ struct OffloadEngine::Impl {
     bool kept = false;      // pinned pool full: stayed on the device
     Event d2h_done{-1};     // after its copy (shared by a batch: Note [Copies in batches])
     bool owns_d2h = false;  // d2h_done is this slot's to give back (a batch's last slot)
-    Event h2d_done{-1};
+    Event h2d_done{-1};     // its reload's (shared by a layer's: Note [One event per layer])
+    bool owns_h2d = false;  // h2d_done is this slot's to give back
     bool device_released = false;
     bool hold = false;    // OffloadHold::kUntilLayerEnd: released at end_forward_layer at most
     bool copied = false;  // its D2H copy is known complete
@@ -148,7 +149,8 @@ struct OffloadEngine::Impl {
   size_t d2h_head = 0;
   std::vector<int> h2d_pending;  // slots whose pinned block is not yet released (FIFO)
   size_t h2d_head = 0;
-  std::vector<int> queued;  // slots whose copies wait for the batch (Note [Copies in batches])
+  std::vector<int> queued;   // slots whose copies wait for the batch (Note [Copies in batches])
+  std::vector<int> issuing;  // the reloads issue_layer() issues (Note [One event per layer])
   struct Deferred {
     DeviceTensor t;
     Event e;
@@ -214,6 +216,7 @@ struct OffloadEngine::Impl {
     d2h_pending.reserve(n);
     h2d_pending.reserve(n);
     queued.reserve(static_cast<size_t>(o.copy_batch));
+    issuing.reserve(n);
     deferred.reserve(n);
     layer_slots.resize(policy.layers.size());
     times.resize(policy.layers.size());
@@ -267,7 +270,9 @@ struct OffloadEngine::Impl {
     if (s.owns_d2h) give_event(s.d2h_done);
     s.d2h_done = Event{-1};
     s.owns_d2h = false;
-    give_event(s.h2d_done);
+    if (s.owns_h2d) give_event(s.h2d_done);
+    s.h2d_done = Event{-1};
+    s.owns_h2d = false;
   }
 
   // Releases whatever finished: device blocks of completed offloads, pinned blocks of
@@ -416,6 +421,7 @@ struct OffloadEngine::Impl {
     Slot& s = slots[static_cast<size_t>(id)];
     s.target = dst;
     s.h2d_done = take_event();
+    s.owns_h2d = true;
     if (fence < 0) {
       dev.record(s.h2d_done, compute);
       s.fence_seq = ++fences_recorded;
@@ -534,17 +540,40 @@ struct OffloadEngine::Impl {
   }
 
   // Issues every reload of `layer` not issued yet.
+  //
+  // Note [One event per layer]: the reloads issued together share one event, recorded on
+  // the H2D stream after the last of them, where each recorded its own: the stream is
+  // FIFO, so that event completing means every copy before it is done, which is all the
+  // slots' events are asked (the pinned block's release in poll(), compute's one wait per
+  // layer). A slot's own event (taken by set_target: its fence, which the H2D stream has
+  // waited on by then, or taken for nothing) goes back. The slots join h2d_pending only
+  // once the event is recorded: poll() must not ask an event not recorded yet. One
+  // runtime call per reload fewer on CUDA, but one per layer.
   void issue_layer(int layer) {
-    bool issued = false;
+    issuing.clear();
     for (int id : layer_slots[static_cast<size_t>(layer)]) {
       const Slot& s = slots[static_cast<size_t>(id)];
-      issued = issued || (!s.kept && !s.reload_issued);
-      issue_reload(id);
+      if (s.kept || s.reload_issued) continue;
+      issue_reload(id, /*alone=*/false);
+      issuing.push_back(id);
     }
-    if (issued) mark_h2d_end(layer);
+    if (issuing.empty()) return;
+    const Event done = take_event();
+    dev.record(done, h2d);
+    for (int id : issuing) {
+      Slot& s = slots[static_cast<size_t>(id)];
+      if (s.owns_h2d) give_event(s.h2d_done);
+      s.h2d_done = done;
+      s.owns_h2d = false;
+      h2d_pending.push_back(id);
+    }
+    slots[static_cast<size_t>(issuing.back())].owns_h2d = true;
+    mark_h2d_end(layer);
   }
 
-  void issue_reload(int id) {
+  // `alone`: the reload records its own event and joins h2d_pending; else issue_layer()
+  // does both for its layer (Note [One event per layer]).
+  void issue_reload(int id, bool alone = true) {
     Slot& s = slots[static_cast<size_t>(id)];
     if (s.kept || s.reload_issued) return;
     s.reload_issued = true;
@@ -560,7 +589,10 @@ struct OffloadEngine::Impl {
     } else {
       s.reloaded = device_block(s.bytes);
       dst = s.reloaded.ptr;
-      s.h2d_done = take_event();
+      if (alone) {
+        s.h2d_done = take_event();
+        s.owns_h2d = true;
+      }
     }
     // Never before the offload finished. Note [One H2D wait]: D2H copies complete in the
     // order they were issued on their one stream, so the reload waits for its layer's last
@@ -591,8 +623,10 @@ struct OffloadEngine::Impl {
       dev.host_callback(h2d, [lt] { lt->h2d_start = now_ms(); });
     }
     dev.copy_async(dst, s.pinned.ptr, s.bytes, h2d);
-    dev.record(s.h2d_done, h2d);
-    h2d_pending.push_back(id);
+    if (alone) {
+      dev.record(s.h2d_done, h2d);
+      h2d_pending.push_back(id);
+    }
     s.h2d_seq = ++h2d_issued;
     if (LayerMarks* mk = layer_marks(s.layer); mk != nullptr) mk->last_h2d_slot = id;
   }

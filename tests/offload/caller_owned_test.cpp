@@ -616,9 +616,12 @@ TEST(CallerOwned, ABatchOfTargetsIsFencedOnce) {
       << "one fence per batch, where set_reload_target() records one per tensor";
   EXPECT_EQ(e.set_reload_targets(h.data(), r.dst.data(), 1), 1u) << "the same target: fine";
   r.dev.waits.clear();
+  r.dev.records.clear();
   e.prefetch(0);  // issues layer 1 (it waits on fence 2), then layer 0 (fence 1 is covered)
   const auto h2d_waits = std::count(r.dev.waits.begin(), r.dev.waits.end(), h2d);
   EXPECT_EQ(h2d_waits, 2) << "the last offload copy and fence 2, where it was 1 + 8";
+  EXPECT_EQ(std::count(r.dev.records.begin(), r.dev.records.end(), h2d), 2)
+      << "one event per layer of reloads (Note [One event per layer]), where it was 8";
   for (int i = 7; i >= 0; --i) {
     e.reload_into(h[static_cast<size_t>(i)], r.dst[static_cast<size_t>(i)]);
     r.c.check(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes, true);
@@ -687,16 +690,18 @@ TEST(CallerOwned, CopiesInABatchShareOneFenceAndOneEvent) {
   }
 }
 
-TEST(CallerOwned, CopiesInBatchesGiveEachEventBackOnce) {
-  // A batch's slots share one event and only the last gives it back: with 8 slots (24
-  // events), steps of 8 tensors in batches of 3 would hand out a doubly given event within
-  // a step or two. Every byte checked, every step.
+TEST(CallerOwned, BatchesOfCopiesAndReloadsGiveEachEventBackOnce) {
+  // A batch of copies shares one event, and so do a layer's reloads (Note [One event per
+  // layer]); only the last slot gives it back, and the slots' own events (a target's) go
+  // back when the shared one replaces them. With 8 slots (24 events), steps of 8 tensors in
+  // batches of 3, reloads prefetched by layer (targeted on even steps, staged on odd ones),
+  // an event given twice or never runs out within a few steps. Every byte checked.
   TargetRig r(8);
   r.o.copy_batch = 3;
   r.o.max_tensors = 8;
   OffloadEngine e(r.dev, r.c.s, MemoryPolicy::uniform(2, {"a", "b", "c", "d"}), r.o);
   const char* names[] = {"a", "b", "c", "d"};
-  for (int step = 0; step < 4; ++step) {
+  for (int step = 0; step < 8; ++step) {
     SCOPED_TRACE(step);
     e.begin_step();
     std::vector<OffloadHandle> h;
@@ -704,16 +709,23 @@ TEST(CallerOwned, CopiesInBatchesGiveEachEventBackOnce) {
       h.push_back(r.offload(e, i, i / 4, names[i % 4]));
       if (i % 4 == 3) e.end_forward_layer(i / 4);
     }
-    for (int i = 7; i >= 0; --i) {
-      const auto k = static_cast<size_t>(i);
-      r.c.poison(r.dst[k], &r.data[k], r.bytes);
-      e.reload_into(h[k], r.dst[k]);
-      r.c.check(r.dst[k], &r.data[k], r.bytes, true);
+    for (int l = 1; l >= 0; --l) {
+      for (size_t k = 4 * static_cast<size_t>(l); k < 4 * static_cast<size_t>(l) + 4; ++k)
+        r.c.poison(r.dst[k], &r.data[k], r.bytes);
+      if (step % 2 == 0) {
+        EXPECT_EQ(e.set_reload_targets(h.data() + 4 * l, r.dst.data() + 4 * l, 4), 4u);
+      }
+      e.prefetch(l);
+      for (size_t k = 4 * static_cast<size_t>(l); k < 4 * static_cast<size_t>(l) + 4; ++k) {
+        e.reload_into(h[k], r.dst[k]);
+        r.c.check(r.dst[k], &r.data[k], r.bytes, true);
+      }
     }
-    e.end_step();
+    const StepTelemetry t = e.end_step();
+    EXPECT_EQ(t.reloads_staged, step % 2 == 0 ? 0 : 8);
   }
   EXPECT_EQ(r.c.bad.load(), 0);
-  EXPECT_EQ(r.c.checked.load(), 4 * 8);
+  EXPECT_EQ(r.c.checked.load(), 8 * 8);
 }
 
 TEST(CallerOwned, AReloadTargetedBeforePrefetchLandsInCallerMemoryDirectly) {
