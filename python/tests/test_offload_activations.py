@@ -456,6 +456,29 @@ def test_plan_auto_replans_when_the_link_slows_and_again_when_it_recovers(tmp_pa
         st.offload_activations(model, "fast")
 
 
+class _Stack(torch.nn.Module):
+    """Blocks in a row (its `layers`, as offload_activations finds them) under a squared
+    mean."""
+
+    def __init__(self, blocks: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x.square().mean()
+
+
+def _loss_and_grads(
+    model: torch.nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(x)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 class _MixedBlock(torch.nn.Module):
     """Saves tensors of several shapes and dtypes: 2-D and 3-D of different trailing
     shapes, bf16 beside fp32, and a 0-d sum (Note [Reloads in slabs])."""
@@ -479,24 +502,11 @@ def test_reloads_in_slabs_come_back_bitwise_whatever_their_shapes_and_dtypes() -
     """Note [Reloads in slabs]: the prefetched destinations of a block are parts of a few
     tensors; every gradient is bitwise the one without offload."""
 
-    class Stack(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.ModuleList(_MixedBlock(i) for i in range(4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.layers:
-                x = block(x)
-            return x.square().mean()
-
-    model = Stack()
+    model = _Stack([_MixedBlock(i) for i in range(4)])
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
 
     def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        loss = model(x)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return _loss_and_grads(model, x)
 
     want = run()
     offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=0, keep_last=0)
@@ -530,24 +540,11 @@ def test_a_tensor_saved_by_several_ops_is_offloaded_once() -> None:
             h = torch.sin(x)  # sin saves x; the three projections save h
             return (h @ self.q) * (h @ self.k) + h @ self.v  # the product saves both sides
 
-    class Stack(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.ModuleList(QKV(i) for i in range(3))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.layers:
-                x = block(x)
-            return x.square().mean()
-
-    model = Stack()
+    model = _Stack([QKV(i) for i in range(3)])
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
 
     def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        loss = model(x)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return _loss_and_grads(model, x)
 
     want = run()
     offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=0, keep_last=0)

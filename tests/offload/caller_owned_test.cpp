@@ -581,6 +581,12 @@ struct TargetRig {
     EXPECT_FALSE(b.kept) << "tensor " << i;
     return b.handle;
   }
+  // Tensor i (handle h) reloaded into its destination, checked there, guard included.
+  void reload(OffloadEngine& e, OffloadHandle h, int i) {
+    const auto k = static_cast<size_t>(i);
+    e.reload_into(h, dst[k]);
+    c.check(dst[k], &data[k], bytes, true);
+  }
 
   std::unique_ptr<Device> inner;
   CopyLog dev;
@@ -622,10 +628,7 @@ TEST(CallerOwned, ABatchOfTargetsIsFencedOnce) {
   EXPECT_EQ(h2d_waits, 2) << "the last offload copy and fence 2, where it was 1 + 8";
   EXPECT_EQ(std::count(r.dev.records.begin(), r.dev.records.end(), h2d), 2)
       << "one event per layer of reloads (Note [One event per layer]), where it was 8";
-  for (int i = 7; i >= 0; --i) {
-    e.reload_into(h[static_cast<size_t>(i)], r.dst[static_cast<size_t>(i)]);
-    r.c.check(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes, true);
-  }
+  for (int i = 7; i >= 0; --i) r.reload(e, h[static_cast<size_t>(i)], i);
   const StepTelemetry t = e.end_step();
   EXPECT_EQ(r.c.bad.load(), 0);
   EXPECT_EQ(r.c.checked.load(), 8);
@@ -678,10 +681,7 @@ TEST(CallerOwned, CopiesInABatchShareOneFenceAndOneEvent) {
       std::memset(r.src[static_cast<size_t>(i)], kSourcePoison, r.bytes);
       r.c.poison(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes);
     }
-    for (int i = 7; i >= 0; --i) {
-      e.reload_into(h[static_cast<size_t>(i)], r.dst[static_cast<size_t>(i)]);
-      r.c.check(r.dst[static_cast<size_t>(i)], &r.data[static_cast<size_t>(i)], r.bytes, true);
-    }
+    for (int i = 7; i >= 0; --i) r.reload(e, h[static_cast<size_t>(i)], i);
     const StepTelemetry t = e.end_step();
     EXPECT_EQ(r.c.bad.load(), 0);
     EXPECT_EQ(r.c.checked.load(), 8);
@@ -716,10 +716,7 @@ TEST(CallerOwned, BatchesOfCopiesAndReloadsGiveEachEventBackOnce) {
         EXPECT_EQ(e.set_reload_targets(h.data() + 4 * l, r.dst.data() + 4 * l, 4), 4u);
       }
       e.prefetch(l);
-      for (size_t k = 4 * static_cast<size_t>(l); k < 4 * static_cast<size_t>(l) + 4; ++k) {
-        e.reload_into(h[k], r.dst[k]);
-        r.c.check(r.dst[k], &r.data[k], r.bytes, true);
-      }
+      for (int i = 4 * l; i < 4 * l + 4; ++i) r.reload(e, h[static_cast<size_t>(i)], i);
     }
     const StepTelemetry t = e.end_step();
     EXPECT_EQ(t.reloads_staged, step % 2 == 0 ? 0 : 8);
