@@ -504,17 +504,13 @@ def test_reloads_in_slabs_come_back_bitwise_whatever_their_shapes_and_dtypes() -
 
     model = _Stack([_MixedBlock(i) for i in range(4)])
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
-
-    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return _loss_and_grads(model, x)
-
-    want = run()
+    want = _loss_and_grads(model, x)
     offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=0, keep_last=0)
     with offload:
-        run()  # sizes the pool
+        _loss_and_grads(model, x)  # sizes the pool
     for _ in range(2):
         with offload:
-            got = run()
+            got = _loss_and_grads(model, x)
         assert_bitwise(want, got)
         report = offload.last_report()
         assert report["tensors_offloaded"] >= 4 * 6
@@ -542,15 +538,11 @@ def test_a_tensor_saved_by_several_ops_is_offloaded_once() -> None:
 
     model = _Stack([QKV(i) for i in range(3)])
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
-
-    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return _loss_and_grads(model, x)
-
-    want = run()
+    want = _loss_and_grads(model, x)
     offload = st.offload_activations(model, pinned_bytes=1 << 20, min_bytes=0, keep_last=0)
     for _ in range(2):
         with offload:
-            got = run()
+            got = _loss_and_grads(model, x)
         assert_bitwise(want, got)
         report = offload.last_report()
         # Per block: x (not in the first: the model's input needs no gradient), h (once),
