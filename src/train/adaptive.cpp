@@ -11,6 +11,16 @@
 // longer holds, promoted back when it does). Never inside a step: the engine is made again
 // between steps for the new policy. Where tensors live never changes the arithmetic, so
 // losses and gradients are bitwise those of any fixed policy.
+//
+// Note [Re-plans within the measured budget]: the planner's peak leaves out the offload
+// engine's reload staging (the device pool holds prefetch_depth + 1 layers of offloaded
+// bytes: Note [Train offload sizing]), which auto's first plan was measured with (Note
+// [Auto fits the arena]). A re-plan with the same planned peak that offloads more of one
+// layer (a faster link, a smaller margin) holds more staging and can run out of the arena
+// the first plan fit. So a re-plan's peak plus its staging stays within the first plan's:
+// when it does not, the plan is made again with the budget lowered by the excess (three
+// times at most); a plan that still does not fit is not taken (the plan in use stays, and
+// the next step tries again).
 #include "train/adaptive.hpp"
 
 #include <fmt/format.h>
@@ -18,6 +28,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 #include "spillway/error.hpp"
 
@@ -44,21 +56,34 @@ bool same_actions(const MemoryPolicy& a, const MemoryPolicy& b) {
 
 }  // namespace
 
+int64_t AdaptivePlanner::staging_bytes(const Plan& plan, int prefetch_depth) {
+  int64_t layer_max = 0;
+  for (const LayerPlan& l : plan.layers) layer_max = std::max(layer_max, l.offload_bytes);
+  return static_cast<int64_t>(prefetch_depth + 1) * layer_max;
+}
+
 AdaptivePlanner::AdaptivePlanner(const nn::RefConfig& config, PlanRequest request,
-                                 MemoryPolicy first, int prefetch_depth)
+                                 MemoryPolicy first, const Plan& first_plan, int prefetch_depth)
     : config_(config),
       request_(std::move(request)),
       current_(std::move(first)),
       planned_gbps_(request_.d2h_gbps.value_or(request_.hardware.d2h_typical.value)),
       margin_(request_.margin),
-      prefetch_depth_(prefetch_depth) {}
+      prefetch_depth_(prefetch_depth),
+      budget_bytes_(first_plan.summary.peak.total() + staging_bytes(first_plan, prefetch_depth)),
+      plan_(first_plan) {}
 
 std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::StepStats& stats,
                                                         const StepTelemetry& telemetry,
                                                         Device& device) {
   // The link's capacity: a probe copy (the step's own copies start as their tensors are
   // made, so their rate is the production's when the link keeps up, not the link's).
-  const double measured = measure_d2h_gbps(device, kProbeBytes);
+  return after_step(step, stats, telemetry, measure_d2h_gbps(device, kProbeBytes));
+}
+
+std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::StepStats& stats,
+                                                        const StepTelemetry& telemetry,
+                                                        double measured) {
   if (!(measured > 0)) return std::nullopt;
   const bool late = telemetry.snowball;
   const double drift = std::abs(measured - planned_gbps_) / planned_gbps_;
@@ -81,9 +106,45 @@ std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::Step
   request_.h2d_gbps = link;
   if (mean_fwd >= PlanLimits::kMinLayerMs && mean_fwd <= PlanLimits::kMaxLayerMs)
     request_.layer_fwd_ms = mean_fwd;
+  // Note [Re-plans within the measured budget].
+  const double budget_gb = request_.hbm_budget_gb.value_or(request_.hardware.hbm_gb);
+  // The plan for a budget (in GB), and by how much its peak and staging exceed the first
+  // plan's (<= 0: it fits).
+  auto plan_for = [&](double gb) {
+    request_.hbm_budget_gb = gb;
+    Plan p = make_plan(request_);
+    const int64_t over = p.summary.peak.total() + staging_bytes(p, prefetch_depth_) - budget_bytes_;
+    return std::make_pair(std::move(p), over);
+  };
+  auto [plan, over] = plan_for(budget_gb);
+  if (over > 0) {
+    // A budget that fits: lowered by the excess (the staging shrinks with it), three times
+    // at most; then the largest that fits between it and the one that did not, halving the
+    // interval four times.
+    double fits = budget_gb, fails = budget_gb;
+    for (int attempt = 0; attempt < 3 && over > 0; ++attempt) {
+      fails = fits;
+      fits -= static_cast<double>(over) / 1e9;
+      std::tie(plan, over) = plan_for(fits);
+    }
+    if (over > 0) {  // none fits: the plan in use stays (the next step tries again)
+      request_.hbm_budget_gb = budget_gb;
+      return std::nullopt;
+    }
+    for (int i = 0; i < 4; ++i) {
+      const double mid = (fits + fails) / 2;
+      auto [p, o] = plan_for(mid);
+      if (o <= 0) {
+        fits = mid;
+        plan = std::move(p);
+      } else {
+        fails = mid;
+      }
+    }
+  }
+  request_.hbm_budget_gb = budget_gb;
   const double assumed = planned_gbps_;
   planned_gbps_ = link;
-  const Plan plan = make_plan(request_);
   MemoryPolicy next = policy_from_plan(config_, plan, current_.name);
   next.prefetch_depth = prefetch_depth_;
   if (same_actions(next, current_)) return std::nullopt;
@@ -99,6 +160,7 @@ std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::Step
       fmt::join(offloaded_per_layer(current_), ", "), fmt::join(offloaded_per_layer(next), ", "),
       current_.count(Action::kRecompute), next.count(Action::kRecompute));
   current_ = next;
+  plan_ = std::move(plan);
   return next;
 }
 

@@ -98,6 +98,8 @@ void validate(const TrainOptions& o) {
         "--device-buckets and --undo-mb set the offloaded optimizer: add --optimizer offload");
 }
 
+}  // namespace
+
 // The emulated device as a hardware profile, so that the planner can plan for it: HBM =
 // the arena, the link = the throttles (unthrottled: this machine's memcpy speed, ~20 GB/s
 // here); compute is calibrated from measured layer times, so the peak figures only seed
@@ -145,6 +147,8 @@ PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Policy s,
   r.offload_tensors = o.offload_tensors;
   return r;
 }
+
+namespace {
 
 // Note [Train offload sizing]: the pinned pool holds one step's offloaded tensors; the
 // device pool (the documented staging, part of the device budget) holds the reloads of
@@ -608,7 +612,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
         pol.name = name;
         PlanRequest req = plan_request(c, o, Policy::kAuto, fwd);
         req.hbm_budget_gb = static_cast<double>(plan.summary.peak.total()) / 1e9;
-        AdaptivePlanner adaptive(c, std::move(req), pol, o.prefetch_depth);
+        AdaptivePlanner adaptive(c, std::move(req), pol, plan, o.prefetch_depth);
         r = run_policy(c, o, pol, corpus, progress,
                        [&](int step, const StepStats& st, const StepTelemetry& tel, Device& d) {
                          return adaptive.after_step(step, st, tel, d);
