@@ -110,8 +110,8 @@ def main() -> None:
     ap.add_argument(
         "--split",
         action="store_true",
-        help="then time the engine's calls inside the hooks, per call name (each wrapped in a "
-        "timer, whose own cost is counted in)",
+        help="then time the engine's calls, per call name, and the adapter's hooks (pack, "
+        "unpack, a block's reloads), each wrapped in a timer whose own cost is counted in",
     )
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -221,38 +221,58 @@ def batched_step(a: argparse.Namespace, device: torch.device, saved: int, size: 
     return step
 
 
+def timer(f: Callable[..., Any], name: str, spent: dict[str, int]) -> Callable[..., Any]:
+    """`f`, its time added to spent[name] at each call (perf_counter_ns)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
+
+    return call
+
+
 def split(offload: Any, step: Callable[[], None], repeats: int, saved: int, device: Any) -> None:
-    """The hooks' time inside the engine's session calls, per call name: each call wrapped in
-    a perf_counter_ns timer for `repeats` more steps; the rest of a tensor's cost is the
-    hooks' Python and torch's work around them."""
+    """Where a tensor's cost goes, each part timed for `repeats` more steps by a
+    perf_counter_ns timer around it (its own cost counted in): the engine's session calls,
+    per call name; then, in other steps, the adapter's hooks themselves (pack and unpack,
+    and a block's reloads), the engine's calls inside them. The rest of a tensor's cost is
+    torch's work around the hooks."""
+    runs = repeats + 1  # timed() warms up once
+
+    def report(title: str, spent: dict[str, int]) -> None:
+        total = sum(spent.values()) / runs / saved / 1e3
+        print(f"  {title} (timers included): {total:.2f} us per tensor")
+        for name, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
+            print(f"    {name:16s} {ns / runs / saved / 1e3:6.2f} us per tensor")
+
     spent: dict[str, int] = {}
     inner = offload._session
 
     class Timed:
         def __getattr__(self, name: str) -> Any:
             f = getattr(inner, name)
-            if not callable(f):
-                return f
-
-            def call(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter_ns()
-                try:
-                    return f(*args, **kwargs)
-                finally:
-                    spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
-
-            return call
+            return timer(f, name, spent) if callable(f) else f
 
     offload._session = Timed()
     try:
         timed(step, repeats, device)
     finally:
         offload._session = inner
-    runs = repeats + 1  # timed() warms up once
-    total = sum(spent.values()) / runs / saved / 1e3
-    print(f"  inside the engine's calls (timers included): {total:.2f} us per tensor")
-    for name, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"    {name:16s} {ns / runs / saved / 1e3:6.2f} us per tensor")
+    report("inside the engine's calls", spent)
+
+    hooks: dict[str, int] = {}
+    names = ("_pack", "_unpack", "_reload_block")
+    for name in names:  # instance attributes: the hooks are bound when a step begins
+        setattr(offload, name, timer(getattr(offload, name), name.lstrip("_"), hooks))
+    try:
+        timed(step, repeats, device)
+    finally:
+        for name in names:
+            delattr(offload, name)
+    report("inside the adapter's hooks", hooks)
 
 
 if __name__ == "__main__":

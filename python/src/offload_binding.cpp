@@ -2,7 +2,7 @@
 // offload_activations): a device (the host backend for CPU tensors, CUDA for GPU ones), the
 // caller's compute stream adopted (Note [Adopted streams]), the engine and its hooks. The
 // adapter calls the hooks in the socket's order (spillway/hooks.hpp) with borrowed memory:
-// a torch tensor's storage, which the adapter keeps alive until the ticket's `copied` event
+// a torch tensor's storage, which the adapter keeps alive until copies_done() says its copy
 // is complete (never record_stream); reloads land in tensors the adapter allocated.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -149,15 +149,9 @@ class OffloadSession {
     order_.push_back(k.id);  // within the capacity reserved: a step's saves <= max_tensors
     return k.id;
   }
-  // Whether the D2H copy of ticket `id` has read its source (the caller may drop it); false
-  // while it waits for its batch (Note [Copies in batches]).
-  bool copied(int id) {
-    (void)ticket(id);
-    return engine_->copied(id);
-  }
   // How many of this step's tickets, in the order saved() handed them out, have been
   // copied, counted from the first: the adapter drops that many of the sources it holds
-  // (one call for a few tensors, where copied() is one each). Grows within a step.
+  // (one call for a few tensors, not one per ticket). Grows within a step.
   int copies_done() {
     while (done_ < order_.size() && engine_->copied(order_[done_])) ++done_;
     return static_cast<int>(done_);
@@ -301,7 +295,6 @@ void bind_offload(nb::module_& m) {
       .def("forward_begin", &OffloadSession::forward_begin, "layer"_a)
       .def("wants", &OffloadSession::wants, "layer"_a, "name"_a)
       .def("saved", &OffloadSession::saved, "layer"_a, "name"_a, "data"_a, "bytes"_a)
-      .def("copied", &OffloadSession::copied, "ticket"_a)
       .def("copies_done", &OffloadSession::copies_done)
       .def("forward_end", &OffloadSession::forward_end, "layer"_a)
       .def("will_need", &OffloadSession::will_need, "ticket"_a, "dst"_a)
