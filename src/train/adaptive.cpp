@@ -19,8 +19,10 @@
 // layer (a faster link, a smaller margin) holds more staging and can run out of the arena
 // the first plan fit. So a re-plan's peak plus its staging stays within the first plan's:
 // when it does not, the plan is made again with the budget lowered by the excess (three
-// times at most); a plan that still does not fit is not taken (the plan in use stays, and
-// the next step tries again).
+// times at most), then for the largest budget between the one that fits and the one that
+// did not (four halvings); when none fits the plan is not taken (the plan in use stays, and
+// the next step tries again). (The staging belongs in the planner's peak itself; until it
+// is there, this rule is adaptive's alone, and auto measures instead.)
 #include "train/adaptive.hpp"
 
 #include <fmt/format.h>
