@@ -16,6 +16,7 @@
 #include "spillway/offload.hpp"
 #include "spillway/plan.hpp"
 #include "test_support.hpp"
+#include "virtual_clock_device.hpp"
 
 namespace spillway {
 namespace {
@@ -60,6 +61,30 @@ void consume(Device& dev, Stream compute, DeviceTensor t, uint32_t tag, std::ato
 void consume(Rig& r, DeviceTensor t, uint32_t tag, std::atomic<int>* bad) {
   consume(*r.dev, r.compute, t, tag, bad);
 }
+
+// The emulated device on a clock the test owns (Note [A virtual clock for windows] in
+// virtual_clock_device.hpp): layer times and copy times are the test's numbers, so whether
+// a copy fits its window is decided here, not by how the machine schedules the copy
+// thread against compute.
+struct VirtualRig {
+  std::unique_ptr<Device> inner;
+  std::unique_ptr<spillway::testing::VirtualClockDevice> clock;
+  Stream compute;
+  VirtualRig(double d2h_gbps, int64_t arena = int64_t{256} << 20) {
+    inner = make_host_device(HostDeviceOptions{arena, 0.0, 0.0});
+    clock = std::make_unique<spillway::testing::VirtualClockDevice>(*inner, d2h_gbps);
+    compute = dev().create_stream(StreamRole::kCompute);
+  }
+  Device& dev() { return *clock; }
+  // A layer's kernel of `ms` virtual ms that produces t (filled from tag when it ends).
+  void produce(DeviceTensor t, uint32_t tag, double ms) {
+    clock->kernel(compute, ms, [t, tag] {
+      std::mt19937 g(tag);
+      auto* p = static_cast<unsigned char*>(t.ptr);
+      for (size_t i = 0; i < t.bytes; ++i) p[i] = static_cast<unsigned char>(g());
+    });
+  }
+};
 
 // One training step over `layers` layers with `per_layer` tensors of random sizes.
 StepTelemetry run_step(Rig& r, OffloadEngine& e, int layers, int per_layer, uint32_t seed,
@@ -390,22 +415,22 @@ TEST(OffloadEngine, OnAnAdoptedComputeStreamCopiesFollowTheCallersWork) {
 }
 
 TEST(OffloadEngine, BackPressureEngagesExactlyAtTheBound) {
-  Rig r(0.25, 0.0);  // 1 MB takes 4 ms
+  VirtualRig r(0.25);  // 1 MB takes 4 ms of the test's clock: nothing lands unless waited for
   OffloadOptions o;
   const size_t mb = 1 << 20;
   o.inflight_bound_bytes = 3 * static_cast<int64_t>(mb);
-  OffloadEngine e(*r.dev, r.compute, MemoryPolicy::uniform(2, {"x"}), o);
+  OffloadEngine e(r.dev(), r.compute, MemoryPolicy::uniform(2, {"x"}), o);
   e.begin_step();
   std::vector<OffloadHandle> hs;
   for (int k = 0; k < 3; ++k) {
     DeviceTensor t = e.allocate(mb);
-    produce(r, t, static_cast<uint32_t>(k));
+    r.produce(t, static_cast<uint32_t>(k), 0.0);
     hs.push_back(e.offload(t, 0, "x"));
   }
   // At the bound, not over it: no waiting yet, all three in flight.
   EXPECT_EQ(e.inflight_bytes(), 3 * static_cast<int64_t>(mb));
   DeviceTensor t = e.allocate(mb);
-  produce(r, t, 3);
+  r.produce(t, 3, 0.0);
   hs.push_back(e.offload(t, 0, "x"));
   // One over: the engine waited until the oldest finished.
   EXPECT_LE(e.inflight_bytes(), 3 * static_cast<int64_t>(mb));
@@ -413,11 +438,11 @@ TEST(OffloadEngine, BackPressureEngagesExactlyAtTheBound) {
   std::atomic<int> bad{0};
   for (size_t k = 0; k < hs.size(); ++k) {
     DeviceTensor back = e.reload(hs[k]);
-    consume(r, back, static_cast<uint32_t>(k), &bad);
+    consume(r.dev(), r.compute, back, static_cast<uint32_t>(k), &bad);
     e.free(back);
   }
   const StepTelemetry tel = e.end_step();
-  EXPECT_GT(tel.backpressure_ms, 1.0);
+  EXPECT_GT(tel.backpressure_ms, 0.0);
   EXPECT_EQ(bad.load(), 0);
 }
 
@@ -426,8 +451,11 @@ TEST(OffloadEngine, TheLinkNeverQueuesMoreThanTheBound) {
   // queue never holds more than the bound (a copy enqueued, then waited for, would
   // overshoot it by one tensor).
   std::mt19937 rng = spillway::testing::make_rng();
-  auto inner = make_host_device(HostDeviceOptions{int64_t{256} << 20, 0.1, 0.0});
-  spillway::testing::D2HMeter dev(*inner);
+  // On the test's clock (Note [A virtual clock for windows]): the bound engages however
+  // the copy thread is scheduled.
+  auto inner = make_host_device(HostDeviceOptions{int64_t{256} << 20, 0.0, 0.0});
+  spillway::testing::VirtualClockDevice clock(*inner, 0.1);
+  spillway::testing::D2HMeter dev(clock);
   const Stream compute = dev.create_stream(StreamRole::kCompute, 0);
   OffloadOptions o;
   o.pinned_bytes = int64_t{64} << 20;
@@ -516,56 +544,77 @@ TEST(OffloadEngine, MisuseIsAnError) {
   e.end_step();
 }
 
-// Layers of `compute_ms` each produce `bytes`; copies at `gbps`. Snowball iff the copy
-// of a layer does not fit the next layer's forward (the no-snowball condition, docs/offload.md: V /
-// B > T_fwd(l + 1)).
-StepTelemetry window_run(double gbps, size_t bytes, double compute_ms, int layers,
+// Layers of `compute_ms` each, layer l producing bytes[l]; copies at `gbps` on the virtual
+// clock. Layer l is late iff its copies do not fit the next layer's forward (the
+// no-snowball condition, docs/offload.md: V / B > T_fwd(l + 1)), the first late layer is
+// the snowball; every reloaded byte is checked.
+StepTelemetry window_run(double gbps, const std::vector<size_t>& bytes, double compute_ms,
                          int64_t inflight_bound = 0) {
-  Rig r(gbps, 0.0);
+  const int layers = static_cast<int>(bytes.size());
+  int64_t total = 0;
+  for (size_t b : bytes) total += static_cast<int64_t>(b);
+  VirtualRig r(gbps, 2 * total + (int64_t{32} << 20));
   OffloadOptions o;
   o.inflight_bound_bytes = inflight_bound;
-  o.pinned_bytes = static_cast<int64_t>(bytes) * layers + (int64_t{8} << 20);
-  o.device_pool_bytes = static_cast<int64_t>(bytes) * layers + (int64_t{8} << 20);
-  OffloadEngine e(*r.dev, r.compute, MemoryPolicy::uniform(layers, {"mlp.act"}), o);
+  o.pinned_bytes = total + (int64_t{8} << 20);
+  o.pinned_slabs = 1;  // room for every tensor, the largest included
+  o.device_pool_bytes = total + (int64_t{8} << 20);
+  OffloadEngine e(r.dev(), r.compute, MemoryPolicy::uniform(layers, {"mlp.act"}), o);
   e.begin_step();
-  std::vector<OffloadHandle> hs;
+  std::vector<std::pair<OffloadHandle, uint32_t>> hs;
   for (int l = 0; l < layers; ++l) {
-    DeviceTensor t = e.allocate(bytes);
-    produce(r, t, static_cast<uint32_t>(l), compute_ms);
+    DeviceTensor t = e.allocate(bytes[static_cast<size_t>(l)]);
+    const auto tag = static_cast<uint32_t>(l);
+    r.produce(t, tag, compute_ms);
     if (e.wants(l, "mlp.act")) {
-      hs.push_back(e.offload(t, l, "mlp.act"));
+      hs.emplace_back(e.offload(t, l, "mlp.act"), tag);
     } else {
       e.free(t);
     }
-    // The host runs ahead of the emulated device by design; pace it like a framework
-    // whose next layer's kernels are issued once this layer's are.
-    r.dev->synchronize(r.compute);
+    // The host runs ahead of the device by design; pace it like a framework whose next
+    // layer's kernels are issued once this layer's are (the clock moves to its end).
+    r.dev().synchronize(r.compute);
     e.end_forward_layer(l);
   }
-  for (OffloadHandle h : hs) e.free(e.reload(h));
-  return e.end_step();
+  std::atomic<int> bad{0};
+  for (auto it = hs.rbegin(); it != hs.rend(); ++it) {
+    DeviceTensor back = e.reload(it->first);
+    consume(r.dev(), r.compute, back, it->second, &bad);
+    e.free(back);
+  }
+  StepTelemetry tel = e.end_step();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(tel.fallback_kept, 0) << "a kept tensor is never late: the window test is moot";
+  return tel;
 }
 
 TEST(OffloadEngine, SnowballReportedAtTheFirstLayerAsThePlannerPredicts) {
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "wall-clock windows: a sanitizer slows copies and compute unevenly";
-#endif
-  const size_t bytes = 1 << 20;   // V = 1 MB
+  const size_t mb = 1000000;      // V = 1 MB
   const double compute_ms = 8.0;  // T_fwd = 8 ms
-  // V / B = 1 ms at 1 GB/s against a 20 ms forward: fits with 20x to spare, so that a
-  // copy thread descheduled for a while on a loaded 2-core machine is not a snowball (it
-  // was at 8x, once, with two builds running beside the suite); 32 ms at 1/32 GB/s
-  // against 8 ms: 4x over.
-  const StepTelemetry fits = window_run(1.0, bytes, 20.0, 60);
+  // V / B = 1 ms at 1 GB/s against an 8 ms forward: fits.
+  const StepTelemetry fits = window_run(1.0, std::vector<size_t>(12, mb), compute_ms);
   EXPECT_FALSE(fits.snowball);
   int64_t worst = 0;
   for (const LayerTelemetry& l : fits.layers) worst = std::max(worst, l.backlog_bytes);
-  EXPECT_LE(worst, static_cast<int64_t>(bytes)) << "bounded: at most one layer in flight";
-  const StepTelemetry over = window_run(1.0 / 32.0, bytes, compute_ms, 12);
+  EXPECT_EQ(worst, static_cast<int64_t>(mb)) << "bounded: the ending layer's copy alone";
+  // 32 ms at 1/32 GB/s against 8 ms: 4x over, from layer 0.
+  const StepTelemetry over = window_run(1.0 / 32.0, std::vector<size_t>(12, mb), compute_ms);
   ASSERT_TRUE(over.snowball);
   EXPECT_EQ(*over.snowball_first_layer, 0);
+  EXPECT_TRUE(over.layers[0].late);
   // The backlog grows layer over layer.
   EXPECT_GT(over.layers[8].backlog_bytes, over.layers[2].backlog_bytes);
+  // Exactly at the window (8 MB at 1 GB/s: 8 ms) still fits; one layer of 9 MB (9 ms) is
+  // the first late one, though its neighbours fit: the snowball names it, not layer 0.
+  std::vector<size_t> one_big(12, mb);
+  one_big[4] = 8 * mb;
+  EXPECT_FALSE(window_run(1.0, one_big, compute_ms).snowball);
+  one_big[4] = 9 * mb;
+  const StepTelemetry big = window_run(1.0, one_big, compute_ms);
+  ASSERT_TRUE(big.snowball);
+  EXPECT_EQ(*big.snowball_first_layer, 4);
+  EXPECT_FALSE(big.layers[3].late);
+  EXPECT_TRUE(big.layers[4].late);
 }
 
 TEST(OffloadEngine, UnderBackPressureTheSnowballIsTheLayerWhereTheBacklogStarts) {
@@ -573,19 +622,23 @@ TEST(OffloadEngine, UnderBackPressureTheSnowballIsTheLayerWhereTheBacklogStarts)
   // link 4x too slow holds the forward back at each offload, so every copy ends before the
   // next layer's forward does; the snowball is still there (the forward runs at the link's
   // pace) and starts at layer 0, as the planner says, not at the last offloading layer.
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "wall-clock windows: a sanitizer slows copies and compute unevenly";
-#endif
-  const size_t bytes = 1 << 20;
-  const StepTelemetry over = window_run(1.0 / 32.0, bytes, 8.0, 8, static_cast<int64_t>(bytes));
+  const size_t mb = 1000000;
+  const auto bound = static_cast<int64_t>(mb);
+  const StepTelemetry over = window_run(1.0 / 32.0, std::vector<size_t>(8, mb), 8.0, bound);
   ASSERT_TRUE(over.snowball);
   EXPECT_EQ(*over.snowball_first_layer, 0);
   EXPECT_GT(over.backpressure_ms, 0.0);
-  // A link with room to spare (1 ms copies in 60 ms windows: a copy thread descheduled for
-  // tens of ms on a loaded 2-core machine still fits) waits only while compute is busy and
-  // reports nothing.
-  const StepTelemetry fits = window_run(1.0, bytes, 60.0, 8, static_cast<int64_t>(bytes));
+  // A link with room to spare (1 ms copies in 8 ms windows) waits only while compute is
+  // busy and reports nothing.
+  const StepTelemetry fits = window_run(1.0, std::vector<size_t>(8, mb), 8.0, bound);
   EXPECT_FALSE(fits.snowball);
+  EXPECT_GT(fits.backpressure_ms, 0.0) << "the bound engaged";
+  // The backlog starts at layer 3 (a 24 ms copy, 3x its window): the snowball names it.
+  std::vector<size_t> one_big(8, mb);
+  one_big[3] = 24 * mb;
+  const StepTelemetry big = window_run(1.0, one_big, 8.0, 24 * bound);
+  ASSERT_TRUE(big.snowball);
+  EXPECT_EQ(*big.snowball_first_layer, 3);
 }
 
 }  // namespace
@@ -619,28 +672,26 @@ Plan tiny_plan(double d2h_gbps, double layer_ms, PlanRequest* out) {
 }
 
 StepTelemetry run_plan_on_engine(const Plan& plan, double d2h_gbps, double layer_ms) {
-  Rig r(d2h_gbps, 0.0);
-  OffloadEngine e(*r.dev, r.compute, memory_policy(plan, "plan", 1), OffloadOptions{});
+  VirtualRig r(d2h_gbps);  // Note [A virtual clock for windows]
+  OffloadEngine e(r.dev(), r.compute, memory_policy(plan, "plan", 1), OffloadOptions{});
   e.begin_step();
   std::vector<std::pair<OffloadHandle, uint32_t>> hs;
   for (size_t l = 0; l < plan.layers.size(); ++l) {
-    r.dev->host_callback(r.compute, [layer_ms] {
-      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(layer_ms));
-    });
+    r.clock->kernel(r.compute, layer_ms);
     for (const TensorPlan& t : plan.layers[l].tensors) {
       if (!e.wants(static_cast<int>(l), t.name)) continue;
       DeviceTensor d = e.allocate(static_cast<size_t>(t.bytes));
       const uint32_t tag = static_cast<uint32_t>(l * 100 + hs.size());
-      produce(r, d, tag);
+      r.produce(d, tag, 0.0);
       hs.emplace_back(e.offload(d, static_cast<int>(l), t.name), tag);
     }
-    r.dev->synchronize(r.compute);  // pace the host like a framework issuing layer by layer
+    r.dev().synchronize(r.compute);  // pace the host like a framework issuing layer by layer
     e.end_forward_layer(static_cast<int>(l));
   }
   std::atomic<int> bad{0};
   for (auto it = hs.rbegin(); it != hs.rend(); ++it) {
     DeviceTensor back = e.reload(it->first);
-    consume(r, back, it->second, &bad);
+    consume(r.dev(), r.compute, back, it->second, &bad);
     e.free(back);
   }
   StepTelemetry t = e.end_step();
@@ -649,9 +700,6 @@ StepTelemetry run_plan_on_engine(const Plan& plan, double d2h_gbps, double layer
 }
 
 TEST(OffloadEngineVsPlanner, SnowballVerdictAndFirstLayerAgree) {
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "wall-clock windows: a sanitizer slows copies and compute unevenly";
-#endif
   const double layer_ms = 8.0;
   for (double gbps : {0.2, 0.006}) {  // V/B = 1 ms (clean) and 32 ms (4x the window)
     SCOPED_TRACE(gbps);
