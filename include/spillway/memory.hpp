@@ -47,6 +47,9 @@ class PinnedPool {
   // A block of `bytes`, or an empty block when no slab has room right now.
   PinnedBlock acquire(size_t bytes);
   void release(const PinnedBlock& block);
+  // Whether `block` is one acquire() handed out and release() has not taken back since
+  // (a caller's check before it queues a release: a second one is caught on its thread).
+  bool acquired(const PinnedBlock& block) const;
 
   int64_t capacity() const { return capacity_; }
   int64_t used() const;

@@ -123,6 +123,16 @@ void PinnedPool::release(const PinnedBlock& b) {
   cache_[size].push_back(b);
 }
 
+bool PinnedPool::acquired(const PinnedBlock& b) const {
+  if (!b) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (b.slab < 0 || static_cast<size_t>(b.slab) >= slabs_.size()) return false;
+  const Slab& s = *slabs_[static_cast<size_t>(b.slab)];
+  return b.offset % Arena::kAlignment == 0 && b.offset / Arena::kAlignment < s.cached.size() &&
+         static_cast<const unsigned char*>(s.base) + b.offset == b.ptr &&
+         s.arena.block_size(b.offset) > 0 && !s.cached[b.offset / Arena::kAlignment];
+}
+
 int64_t PinnedPool::used() const {
   std::lock_guard<std::mutex> lock(mu_);
   return used_;

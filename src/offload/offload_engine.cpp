@@ -63,6 +63,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/arena.hpp"
 #include "core/stats.hpp"
 #include "spillway/error.hpp"
 #include "spillway/memory.hpp"
@@ -162,6 +163,10 @@ struct OffloadEngine::Impl {
   std::vector<Deferred> deferred;
   size_t deferred_head = 0;
   size_t deferred_recorded = 0;
+  // One bit per alignment unit of the device pool: set while free() has queued the block
+  // starting there, so a second free() of it is refused on the caller's thread (the pool
+  // would catch it only when poll() releases it, after the tensor's first life).
+  std::vector<bool> free_queued;
 
   void record_frees() {
     if (deferred_recorded == deferred.size()) return;
@@ -218,6 +223,7 @@ struct OffloadEngine::Impl {
     queued.reserve(static_cast<size_t>(o.copy_batch));
     issuing.reserve(n);
     deferred.reserve(n);
+    free_queued.assign(static_cast<size_t>(o.device_pool_bytes) / Arena::kAlignment + 1, false);
     layer_slots.resize(policy.layers.size());
     times.resize(policy.layers.size());
     marks.resize(policy.layers.size());
@@ -304,6 +310,7 @@ struct OffloadEngine::Impl {
     while (deferred_head < deferred_recorded) {
       Deferred& d = deferred[deferred_head];
       if (!dev.query(d.e)) break;
+      if (!d.t.direct) free_queued[d.t.block_offset / Arena::kAlignment] = false;
       release_device(d.t);
       const bool last_of_event =
           deferred_head + 1 == deferred_recorded || deferred[deferred_head + 1].e.id != d.e.id;
@@ -527,6 +534,15 @@ struct OffloadEngine::Impl {
     s.device_released = true;
   }
 
+  // offload() and offload_borrowed() of a layer the policy has: its telemetry, its window
+  // test and its reloads' order are per layer of the policy.
+  void check_layer(int layer, std::string_view name) const {
+    if (layer < 0 || static_cast<size_t>(layer) >= layer_slots.size()) {
+      SPILLWAY_FIELD_ERROR("layer", layer, "must be in [0, {}), the policy's layers ({})",
+                           layer_slots.size(), name);
+    }
+  }
+
   LayerMarks* layer_marks(int layer) {
     return layer >= 0 && static_cast<size_t>(layer) < marks.size()
                ? &marks[static_cast<size_t>(layer)]
@@ -658,6 +674,23 @@ DeviceTensor OffloadEngine::allocate(size_t bytes) {
 void OffloadEngine::free(DeviceTensor t) {
   if (!t) return;
   Impl& m = *impl_;
+  // A second free() would release the block twice when poll() gets to it, on whichever
+  // engine call (or the destructor) that is: refused here, naming the tensor.
+  bool twice = false;
+  if (t.direct) {
+    for (size_t i = m.deferred_head; i < m.deferred.size() && !twice; ++i)
+      twice = m.deferred[i].t.ptr == t.ptr;
+  } else {
+    const PinnedBlock b{t.ptr, t.bytes, t.block_slab, t.block_offset};
+    twice = !m.device_pool.acquired(b) || m.free_queued[t.block_offset / Arena::kAlignment];
+  }
+  if (twice) {
+    SPILLWAY_FIELD_ERROR("t", t.ptr,
+                         "freed twice: free() already gave this tensor ({} bytes) back, or it "
+                         "is not one of the engine's",
+                         t.bytes);
+  }
+  if (!t.direct) m.free_queued[t.block_offset / Arena::kAlignment] = true;
   m.deferred.push_back({t, Event{-1}});  // Note [Batched frees]
 }
 
@@ -686,6 +719,7 @@ OffloadHandle OffloadEngine::offload(DeviceTensor t, int layer, std::string_view
   Impl& m = *impl_;
   SPILLWAY_CHECK(m.in_step, "offload() outside begin_step()/end_step()");
   SPILLWAY_CHECK(t, "offload() of an empty tensor ({} of layer {})", name, layer);
+  m.check_layer(layer, name);
   m.poll();
   const int id = static_cast<int>(m.slots_used);
   Impl::Slot& s = m.new_slot(layer, name, t.bytes);
@@ -702,6 +736,7 @@ BorrowedOffload OffloadEngine::offload_borrowed(const void* src, size_t bytes, i
   SPILLWAY_CHECK(m.in_step, "offload_borrowed() outside begin_step()/end_step()");
   SPILLWAY_CHECK(src != nullptr, "offload_borrowed() of a null pointer ({} of layer {})", name,
                  layer);
+  m.check_layer(layer, name);
   m.poll();
   const int id = static_cast<int>(m.slots_used);
   Impl::Slot& s = m.new_slot(layer, name, bytes);

@@ -544,6 +544,75 @@ TEST(OffloadEngine, MisuseIsAnError) {
   e.end_step();
 }
 
+// Bad calls of the C++ API are InputErrors on the caller's thread, naming the value.
+TEST(OffloadEngine, ALayerOutsideThePolicyIsAnInputError) {
+  Rig r;
+  OffloadEngine e(*r.dev, r.compute, all_names(2), OffloadOptions{});
+  e.begin_step();
+  for (int layer : {2, 5, -1, 1000000}) {
+    SCOPED_TRACE(layer);
+    DeviceTensor t = e.allocate(64);
+    produce(r, t, 1);
+    try {
+      e.offload(t, layer, "mlp.act");
+      ADD_FAILURE() << "accepted";
+    } catch (const InputError& err) {
+      EXPECT_EQ(err.field(), "layer");
+      EXPECT_EQ(err.value(), std::to_string(layer));
+      EXPECT_NE(std::string(err.what()).find("[0, 2)"), std::string::npos) << err.what();
+    }
+    e.free(t);  // not taken: still the caller's
+    std::vector<unsigned char> src(64);
+    EXPECT_THROW(e.offload_borrowed(src.data(), src.size(), layer, "mlp.act"), InputError);
+  }
+  // Nothing was taken: the layers in the policy still work, and nothing is in flight.
+  EXPECT_EQ(e.inflight_bytes(), 0);
+  DeviceTensor t = e.allocate(64);
+  produce(r, t, 2);
+  const OffloadHandle h = e.offload(t, 1, "mlp.act");
+  e.end_forward_layer(0);
+  e.end_forward_layer(1);
+  std::atomic<int> bad{0};
+  DeviceTensor back = e.reload(h);
+  consume(r, back, 2, &bad);
+  e.free(back);
+  const StepTelemetry tel = e.end_step();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(tel.tensors_offloaded, 1);
+  EXPECT_EQ(tel.layers[1].d2h_bytes, 64);
+}
+
+TEST(OffloadEngine, ASecondFreeIsAnInputError) {
+  Rig r;
+  OffloadEngine e(*r.dev, r.compute, all_names(2), OffloadOptions{});
+  e.begin_step();
+  // Twice before the engine gave the first back (both still queued: Note [Batched
+  // frees]), and twice after it did.
+  DeviceTensor a = e.allocate(4096);
+  e.free(a);
+  testing::expect_error([&] { e.free(a); }, {"t is ", "freed twice"});
+  DeviceTensor b = e.allocate(4096);
+  produce(r, b, 3);
+  const OffloadHandle h = e.offload(b, 0, "mlp.act");
+  e.end_forward_layer(0);
+  DeviceTensor back = e.reload(h);
+  e.free(back);
+  r.dev->synchronize(r.compute);
+  e.prefetch(-1);  // any engine call polls: the block goes back to the pool
+  try {
+    e.free(back);
+    ADD_FAILURE() << "a second free() accepted";
+  } catch (const InputError& err) {
+    EXPECT_EQ(err.field(), "t");
+    EXPECT_NE(std::string(err.what()).find("freed twice"), std::string::npos) << err.what();
+  }
+  e.end_step();
+  // The engine is still usable: a step after the refused calls.
+  std::atomic<int> bad{0};
+  run_step(r, e, 2, 2, 9, &bad);
+  EXPECT_EQ(bad.load(), 0);
+}
+
 // Layers of `compute_ms` each, layer l producing bytes[l]; copies at `gbps` on the virtual
 // clock. Layer l is late iff its copies do not fit the next layer's forward (the
 // no-snowball condition, docs/offload.md: V / B > T_fwd(l + 1)), the first late layer is
