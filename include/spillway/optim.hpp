@@ -153,13 +153,15 @@ struct AdamWArgs {
   float* v = nullptr;       // (n) second moment
   const void* g = nullptr;  // (n) gradient, fp32 or bf16 bits (uint16_t)
   GradType grad_type = GradType::kFp32;
-  float grad_scale = 1.0f;   // the gradient is multiplied by this first (clipping); 1: exact
+  float grad_scale = 1.0f;   // the gradient is multiplied by this first (clipping); 1: exact;
+                             // finite and >= 0 (else an InputError)
   void* copy_out = nullptr;  // (n) elements of copy_type: the updated p, or null
   CopyType copy_type = CopyType::kNone;
   size_t n = 0;
   int64_t step = 1;
   // Out of place (all three or none): the updated p, m, v go here and p, m, v are only
-  // read (STV's double buffer). The arrays must not overlap the inputs partially.
+  // read (STV's double buffer). No output (these, copy_out, or p, m, v in place) may
+  // overlap another array partially (an InputError naming it); the same array is fine.
   float* p_out = nullptr;
   float* m_out = nullptr;
   float* v_out = nullptr;
@@ -199,6 +201,10 @@ const char* adamw_simd_target();
 // no step may run concurrently.
 std::vector<std::string> adamw_simd_targets();
 bool adamw_simd_force_target(const char* name);
+
+// The most threads an AdamW pool takes (more is a mistake: a memory-bound step gains
+// nothing past the cores; it is an InputError, as is a pool the system cannot start).
+inline constexpr int kAdamWMaxThreads = 4096;
 
 // All cores: the SIMD step tiled across a thread pool created once (threads bound to the
 // NUMA node `numa_node` when the machine has several; -1: no binding).

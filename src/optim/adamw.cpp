@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -53,6 +54,54 @@ AdamWStepScalars adamw_step_scalars(const AdamWParams& hp, int64_t step) {
   return s;
 }
 
+namespace {
+
+// The arrays of one call as byte ranges: an output (p, m, v in place, p_out, m_out, v_out
+// out of place, copy_out) overlapping any other array partially would be read after the
+// step wrote it, or write another's elements; only the same range (in place) may alias.
+struct ByteRange {
+  const char* field;
+  uintptr_t begin, end;
+  bool output;
+};
+
+void check_no_partial_overlap(const AdamWArgs& a) {
+  const bool out_of_place = a.p_out != nullptr;
+  const size_t g_bytes = a.grad_type == GradType::kBf16 ? 2 : 4;
+  auto range = [&](const char* field, const void* p, size_t elem_bytes, bool output) {
+    const auto b = reinterpret_cast<uintptr_t>(p);
+    return ByteRange{field, b, b + a.n * elem_bytes, output};
+  };
+  ByteRange r[8];
+  size_t k = 0;
+  r[k++] = range("p", a.p, 4, !out_of_place);
+  r[k++] = range("m", a.m, 4, !out_of_place);
+  r[k++] = range("v", a.v, 4, !out_of_place);
+  r[k++] = range("g", a.g, g_bytes, false);
+  if (out_of_place) {
+    r[k++] = range("p_out", a.p_out, 4, true);
+    r[k++] = range("m_out", a.m_out, 4, true);
+    r[k++] = range("v_out", a.v_out, 4, true);
+  }
+  if (a.copy_out != nullptr)
+    r[k++] = range("copy_out", a.copy_out, copy_type_bytes(a.copy_type), true);
+  for (size_t i = 0; i < k; ++i) {
+    for (size_t j = 0; j < k; ++j) {
+      if (i == j || !r[i].output || (r[j].output && j < i)) continue;  // each pair once
+      const bool overlap = r[i].begin < r[j].end && r[j].begin < r[i].end;
+      const bool same = r[i].begin == r[j].begin && r[i].end == r[j].end;
+      if (overlap && !same) {
+        SPILLWAY_FIELD_ERROR(r[i].field, reinterpret_cast<const void*>(r[i].begin),
+                             "overlaps {} partially ([{:#x}, {:#x}) and [{:#x}, {:#x}), n = {}): "
+                             "an output must be disjoint from every other array or be the same",
+                             r[j].field, r[i].begin, r[i].end, r[j].begin, r[j].end, a.n);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void check_adamw_args(const AdamWArgs& a) {
   if (a.n == 0) return;
   SPILLWAY_CHECK(a.p != nullptr && a.m != nullptr && a.v != nullptr && a.g != nullptr,
@@ -62,6 +111,12 @@ void check_adamw_args(const AdamWArgs& a) {
   SPILLWAY_CHECK(
       (a.p_out == nullptr) == (a.m_out == nullptr) && (a.p_out == nullptr) == (a.v_out == nullptr),
       "adamw: p_out, m_out and v_out must be set together or not at all");
+  // A NaN or infinite scale makes every weight NaN: the caller's bug, not the data's (a
+  // clipping coefficient is in [0, 1]; a loss scale's inverse is finite and > 0).
+  if (!(std::isfinite(a.grad_scale) && a.grad_scale >= 0.0f)) {
+    SPILLWAY_FIELD_ERROR("grad_scale", a.grad_scale, "must be finite and >= 0");
+  }
+  check_no_partial_overlap(a);
 }
 
 // Conversions. bf16 and the normal range of fp16 round to nearest even by adding
@@ -213,6 +268,10 @@ struct AdamW::Impl {
 };
 
 AdamW::AdamW(int threads, int numa_node) : impl_(std::make_unique<Impl>()) {
+  if (threads > kAdamWMaxThreads) {
+    SPILLWAY_FIELD_ERROR("threads", threads, "must be at most {} (0: every core, {} here)",
+                         kAdamWMaxThreads, std::thread::hardware_concurrency());
+  }
   if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   if (numa_node >= 0 && numa_available() >= 0 && numa_num_configured_nodes() > 1) {
     SPILLWAY_CHECK(numa_node < numa_num_configured_nodes(),
@@ -224,14 +283,18 @@ AdamW::AdamW(int threads, int numa_node) : impl_(std::make_unique<Impl>()) {
   impl_->workers.reserve(impl_->num_workers);
   try {
     for (int w = 0; w < threads; ++w) impl_->workers.emplace_back([this, w] { impl_->run(w); });
-  } catch (...) {  // a thread could not start: stop those that did before giving up
+  } catch (const std::system_error& e) {  // a thread could not start: stop those that did
+    const size_t started = impl_->workers.size();
     {
       std::lock_guard lock(impl_->mu);
       impl_->stop = true;
     }
     impl_->wake.notify_all();
     for (std::thread& t : impl_->workers) t.join();
-    throw;
+    SPILLWAY_FIELD_ERROR("threads", threads,
+                         "only {} of the pool's threads could start ({}: the system's limit on "
+                         "threads); ask for fewer, or 0 for one per core",
+                         started, e.what());
   }
 }
 

@@ -602,3 +602,106 @@ TEST(AdamW, RejectsBadArguments) {
 
 }  // namespace
 }  // namespace spillway::optim
+
+namespace spillway::optim {
+namespace {
+
+// Bad arguments of the C++ API are InputErrors naming the field and the value, thrown on
+// the caller's thread by every path (the pool's workers never see them).
+void expect_input_error(const std::function<void()>& f, const std::string& field,
+                        const std::string& value) {
+  try {
+    f();
+    ADD_FAILURE() << field << " = " << value << " accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.field(), field) << e.what();
+    if (!value.empty()) {
+      EXPECT_EQ(e.value(), value) << e.what();
+    }
+  }
+}
+
+TEST(AdamW, ANonFiniteOrNegativeGradScaleIsAnInputError) {
+  const AdamWParams hp = test_params();
+  AdamW pool(2);
+  const size_t n = 3 * 16384 + 5;  // over one tile: the pool splits it
+  for (float scale :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -0.5f}) {
+    SCOPED_TRACE(scale);
+    std::mt19937 rng = make_rng();
+    Tensor t(n, 1);
+    t.randomize_state(rng);
+    t.randomize_grad(rng);
+    const Tensor before = t;
+    const AdamWArgs a = t.args(GradType::kFp32, CopyType::kNone, scale, 1);
+    const std::string value = fmt::format("{}", scale);
+    expect_input_error([&] { adamw_step_scalar(hp, a); }, "grad_scale", value);
+    expect_input_error([&] { adamw_step_simd(hp, a); }, "grad_scale", value);
+    expect_input_error([&] { pool.step(hp, a); }, "grad_scale", value);
+    std::vector<double> lanes(kNormLanes);
+    expect_input_error([&] { pool.step_and_norm_lanes(hp, a, lanes.data()); }, "grad_scale", value);
+    expect_same(t, before);  // nothing written
+  }
+  // 0 (every gradient clipped away) and 1 are fine.
+  Tensor t(16, 0);
+  EXPECT_NO_THROW(adamw_step_simd(hp, t.args(GradType::kFp32, CopyType::kNone, 0.0f, 1)));
+  EXPECT_NO_THROW(adamw_step_simd(hp, t.args(GradType::kFp32, CopyType::kNone, 1.0f, 1)));
+}
+
+TEST(AdamW, OutputsOverlappingAnInputPartiallyAreAnInputError) {
+  const AdamWParams hp = test_params();
+  AdamW pool(2);
+  const size_t n = 64;
+  std::mt19937 rng = make_rng();
+  Tensor src(n, 1);
+  src.randomize_state(rng);
+  src.randomize_grad(rng);
+  Tensor dst(n, 1);
+  auto out_of_place = [&] {
+    AdamWArgs a = src.args(GradType::kFp32, CopyType::kBf16, 1.0f, 1);
+    a.copy_out = dst.out.data() + 1;
+    a.p_out = dst.P();
+    a.m_out = dst.M();
+    a.v_out = dst.V();
+    return a;
+  };
+  // Disjoint, and exactly in place (p_out == p), are fine.
+  EXPECT_NO_THROW(adamw_step_scalar(hp, out_of_place()));
+  AdamWArgs same = out_of_place();
+  same.p_out = same.p;
+  same.m_out = same.m;
+  same.v_out = same.v;
+  EXPECT_NO_THROW(adamw_step_scalar(hp, same));
+  // One element off: the step would read elements it has already written.
+  AdamWArgs a = out_of_place();
+  a.p_out = src.P() + 1;
+  const std::string p_out = fmt::format("{}", static_cast<const void*>(a.p_out));
+  expect_input_error([&] { adamw_step_scalar(hp, a); }, "p_out", p_out);
+  expect_input_error([&] { adamw_step_simd(hp, a); }, "p_out", p_out);
+  expect_input_error([&] { pool.step(hp, a); }, "p_out", p_out);
+  testing::expect_error([&] { pool.step(hp, a); }, {"overlaps p partially"});
+  a = out_of_place();
+  a.v_out = src.M() + n / 2;  // half over m
+  expect_input_error([&] { pool.step(hp, a); }, "v_out", "");
+  a = out_of_place();
+  a.m_out = dst.P() + 3;  // two outputs over each other: the first named, then the other
+  expect_input_error([&] { pool.step(hp, a); }, "p_out", "");
+  testing::expect_error([&] { pool.step(hp, a); }, {"overlaps m_out partially"});
+  a = out_of_place();
+  a.copy_out = reinterpret_cast<unsigned char*>(src.g32.data() + 1) + 2;  // the copy over g
+  expect_input_error([&] { pool.step(hp, a); }, "copy_out", "");
+  // In place, the updated arrays are outputs too.
+  a = src.args(GradType::kFp32, CopyType::kNone, 1.0f, 1);
+  a.m = a.p + 1;
+  expect_input_error([&] { adamw_step_scalar(hp, a); }, "p", "");
+}
+
+TEST(AdamW, MoreThreadsThanItCanStartIsAnInputError) {
+  expect_input_error([] { AdamW opt(100000); }, "threads", "100000");
+  testing::expect_error([] { AdamW opt(100000); }, {"threads is 100000", "4096"});
+  AdamW opt(2);  // still fine
+  EXPECT_EQ(opt.threads(), 2);
+}
+
+}  // namespace
+}  // namespace spillway::optim
