@@ -613,6 +613,42 @@ TEST(OffloadEngine, ASecondFreeIsAnInputError) {
   EXPECT_EQ(bad.load(), 0);
 }
 
+// The test device itself (Note [A virtual clock for windows]): an event completes exactly
+// when the clock reaches it, and the clock moves only when the host waits. The pause
+// gives a wrong device (one that let the copy run on wall time) every chance to show it.
+TEST(VirtualClockDevice, EventsCompleteExactlyWhenTheClockReachesThem) {
+  auto inner = make_host_device(HostDeviceOptions{int64_t{16} << 20, 0.0, 0.0});
+  spillway::testing::VirtualClockDevice clock(*inner, 1.0);
+  Device& dev = clock;
+  const Stream compute = dev.create_stream(StreamRole::kCompute);
+  const Stream d2h = dev.create_stream(StreamRole::kD2H);
+  const Event produced = dev.create_event();
+  const Event copied = dev.create_event();
+  const size_t bytes = 1000000;  // 1 ms at 1 GB/s
+  std::vector<unsigned char> src(bytes, 0x5A), dst(bytes, 0);
+  clock.kernel(compute, 8.0, [&] { std::fill(src.begin(), src.end(), 0xA5); });
+  dev.record(produced, compute);
+  dev.wait(d2h, produced);
+  dev.copy_async(dst.data(), src.data(), bytes, d2h);
+  dev.record(copied, d2h);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(dev.query(produced));
+  EXPECT_FALSE(dev.query(copied));
+  dev.synchronize(produced);  // the host waits 8 ms of the clock
+  EXPECT_EQ(clock.now_ms(), 8.0);
+  EXPECT_TRUE(dev.query(produced));
+  EXPECT_FALSE(dev.query(copied)) << "due at 9 ms";
+  EXPECT_EQ(dst[0], 0);
+  dev.synchronize(d2h);
+  EXPECT_EQ(clock.now_ms(), 9.0);
+  EXPECT_TRUE(dev.query(copied));
+  EXPECT_EQ(dst, std::vector<unsigned char>(bytes, 0xA5));  // after the kernel, in order
+  dev.destroy_event(produced);
+  dev.destroy_event(copied);
+  dev.destroy_stream(d2h);
+  dev.destroy_stream(compute);
+}
+
 // Layers of `compute_ms` each, layer l producing bytes[l]; copies at `gbps` on the virtual
 // clock. Layer l is late iff its copies do not fit the next layer's forward (the
 // no-snowball condition, docs/offload.md: V / B > T_fwd(l + 1)), the first late layer is
