@@ -2,9 +2,10 @@
 // (optim::AdamW) in elements/s and GB/s of state traffic, beside three figures measured in
 // the same run: this machine's memory bandwidth by a STREAM-style triad with the same number
 // of threads (the limit), the scalar reference adamw_step_scalar on one thread (the
-// baseline), and PyTorch's torch.optim.AdamW(foreach=True) in a Python subprocess when
-// `import torch` works (skipped, and said so, otherwise). Targets: >= 0.9 x the triad's
-// bytes/s; >= 5 x torch's elements/s.
+// baseline), and PyTorch's torch.optim.AdamW, foreach=True and fused=True (the stronger
+// baseline, torch >= 2.4), in a Python subprocess when `import torch` works (skipped, and
+// said so, otherwise). Targets: >= 0.9 x the triad's bytes/s; >= 5 x torch foreach's
+// elements/s (fused has no target: it is the figure to quote).
 //
 // Method:
 //   correctness  before anything is timed: the SIMD step (the AdamW class, all threads) and
@@ -20,8 +21,9 @@
 //                partition, the calling thread takes the first part), the widest vectors the
 //                CPU has, ordinary (write-allocate) stores.
 //   torch        one Python process for the whole run: it builds p (n, fp32) with a fixed
-//                gradient, warms the optimizer up (two steps), then times `steps` calls of
-//                .step() each time it is asked, with torch.set_num_threads(threads).
+//                gradient and a copy of both for the fused optimizer, warms each optimizer
+//                up (two steps), then times `steps` calls of .step() of each (foreach,
+//                then fused) each time it is asked, with torch.set_num_threads(threads).
 //   After one untimed round (triad, ours, scalar), each repeat runs triad, ours, scalar, torch
 //   in turn (this machine's bandwidth drifts);
 //   each runs `steps` timed calls, each call one sample. Figures are medians of the samples.
@@ -107,6 +109,13 @@ struct AdamBenchResult {
   double torch_elements_per_s = 0.0;
   double torch_ratio = 0.0;  // elements_per_s / torch_elements_per_s
   std::vector<double> samples_torch_elements_per_s;
+  // torch.optim.AdamW(fused=True) in the same process (torch >= 2.4): the stronger
+  // baseline, the one to quote. ran == false with skip_reason when torch has none.
+  bool torch_fused_ran = false;
+  std::string torch_fused_skip_reason;
+  double torch_fused_elements_per_s = 0.0;
+  double torch_fused_ratio = 0.0;  // elements_per_s / torch_fused_elements_per_s
+  std::vector<double> samples_torch_fused_elements_per_s;
 
   std::vector<AdamPass> passes;  // Note [The step's passes]; empty unless options.passes
 
@@ -125,7 +134,8 @@ AdamBenchResult run_adam_bench(const AdamBenchOptions& options);
 void check_adam_bench_options(const AdamBenchOptions& options);
 
 // spillway.bench.adam/1: elements_per_s, state_gbps, triad_gbps, fraction_of_triad,
-// scalar_ratio, torch_ratio (null when torch did not run), simd_target, threads, samples,
+// scalar_ratio, torch_ratio and torch_fused_ratio (null when that torch optimizer did not
+// run), simd_target, threads, samples,
 // then targets, torch details and the workload.
 std::string adam_bench_json(const AdamBenchResult& result);
 

@@ -132,15 +132,16 @@ void add_bench_adam_command(CLI::App& bench) {
       "B/element: reads p, g, m, v, writes p, m, v; + 2 for the bf16 copy of p, on by default) "
       "beside, measured in the same run: this machine's memory bandwidth by a STREAM triad with "
       "the same threads (the limit, 16 B/element), the scalar reference on one thread, and "
-      "PyTorch's torch.optim.AdamW(foreach=True) in a Python subprocess when `import torch` "
-      "works (skipped, and said so, otherwise). Targets: at least 0.9 x the triad's bytes/s; at "
-      "least 5 x torch's elements/s. The SIMD step and the scalar reference must agree to the "
-      "bit before anything is timed; the methods are interleaved and figures are medians. "
-      "Needs about 36 bytes per element plus 12 per triad element, plus 24 per element for "
-      "torch.\n\n"
+      "PyTorch's torch.optim.AdamW, foreach=True and fused=True (torch's fastest CPU AdamW, "
+      "the baseline to quote), in a Python subprocess when `import torch` works (skipped, and "
+      "said so, otherwise). Targets: at least 0.9 x the triad's bytes/s; at least 5 x torch "
+      "foreach's elements/s. The SIMD step and the scalar reference must agree to the bit "
+      "before anything is timed; the methods are interleaved and figures are medians. Needs "
+      "about 36 bytes per element plus 12 per triad element, plus 40 per element for torch.\n\n"
       "Examples:\n"
       "  spillway bench adam\n"
       "  spillway bench adam --elements 4000000 --repeats 2\n"
+      "  spillway bench adam --python ~/.cache/spillway/venv-*/bin/python   # a torch with fused\n"
       "  spillway bench adam --threads 1 --no-torch --json -\n"
       "  spillway bench adam --no-torch --passes   # what CPUAdamW's passes cost");
   AdamBenchOptions& o = st->options;
@@ -184,7 +185,7 @@ void add_bench_adam_command(CLI::App& bench) {
   cmd->add_option("--json", st->json_path,
                   "Write the results as JSON to FILE ('-' for stdout): elements_per_s, "
                   "state_gbps, triad_gbps, fraction_of_triad, scalar_ratio, torch_ratio, "
-                  "simd_target, threads, samples");
+                  "torch_fused_ratio, simd_target, threads, samples");
   cmd->callback([st]() {
     AdamBenchOptions options = st->options;
     options.torch = !st->no_torch;

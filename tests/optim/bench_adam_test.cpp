@@ -131,6 +131,8 @@ TEST(BenchAdam, OddSizeWithoutCopyAndATorchThatCannotRun) {
       << r.torch_skip_reason;
   expect_positive(r.elements_per_s, "elements_per_s");
   EXPECT_TRUE(nlohmann::json::parse(adam_bench_json(r)).at("torch_ratio").is_null());
+  EXPECT_FALSE(r.torch_fused_ran);
+  EXPECT_TRUE(nlohmann::json::parse(adam_bench_json(r)).at("torch_fused_ratio").is_null());
 }
 
 void expect_error_naming(const AdamBenchOptions& o, std::string_view field) {
