@@ -13,6 +13,7 @@
 #include "core/stats.hpp"
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
+#include "spillway/probe.hpp"
 #include "spillway/stream.hpp"
 
 namespace spillway {
@@ -148,6 +149,7 @@ StreamBenchResult run_stream_bench(const StreamBenchOptions& o) {
     r.achieved_gbps = gbps;
     r.stall_ms = stall;
   }
+  r.memcpy_gbps = measure_host_copy_gbps(o.layer_bytes);  // Note [The machine is the limit]
   for (int n : o.ranks) {
     StreamBenchResult::Sharded s;
     s.ranks = n;
@@ -211,6 +213,13 @@ std::string format_stream_bench(const StreamBenchResult& r) {
       "{}; stalls {:.2f} ms per step\n",
       r.achieved_gbps, r.achieved_gbps / o.link_gbps, o.link_gbps,
       r.achieved_gbps >= 0.9 * o.link_gbps ? "met" : "NOT met", r.stall_ms);
+  if (r.memcpy_gbps > 0.0) {
+    s += fmt::format("  this machine   {:9.2f} GB/s memcpy (the probe, unthrottled, same run)\n",
+                     r.memcpy_gbps);
+  }
+  const std::string limit = machine_limit_note(
+      o.link_gbps, r.memcpy_gbps, "the overhead and the copy stream's bandwidth above");
+  if (!limit.empty()) s += "  " + limit + "\n";
   for (const StreamBenchResult::Sharded& x : r.sharded) {
     s += fmt::format(
         "  {} GPUs on one link: full copy {:8.2f} ms per step, {:.3f} GB per rank; sharded "
@@ -235,6 +244,8 @@ std::string stream_bench_json(const StreamBenchResult& r) {
   j["overhead"] = r.overhead;
   j["achieved_gbps"] = r.achieved_gbps;
   j["stall_ms"] = r.stall_ms;
+  j["memcpy_gbps"] = r.memcpy_gbps;
+  j["machine_is_the_limit"] = !machine_limit_note(r.options.link_gbps, r.memcpy_gbps, "").empty();
   for (const auto& x : r.sharded)
     j["sharded"].push_back({{"ranks", x.ranks},
                             {"full_ms", x.full_ms},

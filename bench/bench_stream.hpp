@@ -8,7 +8,9 @@
 //               layer resident in device memory, same run, interleaved; the link time per
 //               layer (B / link) below the compute time per layer. Target: <= 3% step time.
 //               Also the copy stream's achieved bandwidth against the link's figure (the
-//               probe's, for this emulated link: its throttle). Target: >= 0.9.
+//               probe's, for this emulated link: its throttle). Target: >= 0.9. Both
+//               beside this machine's memcpy, measured in the same run: a link faster than
+//               it cannot be reached, and the report says the machine is the limit.
 //   sharded     N = 2 and 4 emulated GPUs behind one link (Note [Shared host links]), each
 //               rank on its own thread: full copy (every rank pulls every layer) against
 //               sharded (each pulls 1/N, the host group's all-gather assembles it): step
@@ -39,6 +41,10 @@ struct StreamBenchResult {
   double overhead = 0.0;     // streamed / resident - 1
   double achieved_gbps = 0.0;
   double stall_ms = 0.0;  // per step
+  // This machine's memcpy through the host backend's copy engine, measured in the same run
+  // (the probe on an unthrottled device, one layer per copy): the ceiling of any emulated
+  // link (Note [The machine is the limit] in spillway/probe.hpp). 0: not measured.
+  double memcpy_gbps = 0.0;
   struct Sharded {
     int ranks = 0;
     double full_ms = 0.0, sharded_ms = 0.0;            // median step, slowest rank

@@ -65,6 +65,22 @@ std::string format_probe_report(const ProbeResult& result, const HardwareProfile
 // JSON, schema "spillway.probe/1".
 std::string probe_json(const ProbeResult& result);
 
+// Note [The machine is the limit]: an emulated link (the host backend's copy engine, a
+// thread doing memmove then waiting out the throttle's schedule) can never run faster than
+// this machine's memcpy. What the emulated link's runs report (bench stream's bandwidth and
+// overhead, train's stalls and step ratios) therefore measures the machine, not the link,
+// when the link asks for more than the machine copies. This measures that ceiling in the
+// caller's run: the probe on an unthrottled host device of `bytes` per copy, pinned host
+// memory, the lower of the H2D and D2H medians, GB/s (1e9 bytes/s), within about
+// seconds_budget.
+double measure_host_copy_gbps(size_t bytes, double seconds_budget = 0.5);
+
+// The sentence to print when an emulated link of link_gbps asks for more than this
+// machine's memcpy measured (memcpy_gbps, from measure_host_copy_gbps): "" when it does not
+// (link_gbps <= memcpy_gbps, or memcpy unmeasured: <= 0). `what` names the figures the
+// machine limits ("the overhead and the copy stream's bandwidth").
+std::string machine_limit_note(double link_gbps, double memcpy_gbps, const std::string& what);
+
 // Which GPUs share a host link, read from the PCI device tree (Linux sysfs): each NVIDIA
 // display or 3D controller under <sysfs_root>/bus/pci/devices, grouped by the root port
 // it hangs under (the first bridge below its root complex), since the GPUs behind one

@@ -138,6 +138,11 @@ struct TrainReport {
   // (the JSON then writes true or false, else null: nothing was compared).
   bool losses_identical = true;
   int policies_compared = 0;
+  // This machine's memcpy through the host backend's copy engine, measured in the run (the
+  // probe, unthrottled): a throttle above it, or the 20 GB/s an unthrottled link is planned
+  // at, is out of reach, and the report says the machine is the limit (Note [The machine is
+  // the limit] in spillway/probe.hpp). 0: not measured.
+  double memcpy_gbps = 0.0;
 };
 
 // Note [The model's own update] (spillway/nn.hpp): the reference model's optimizer when it

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -314,6 +315,34 @@ std::string probe_json(const ProbeResult& r) {
   j["skipped"] = std::move(skipped);
   j["notes"] = r.notes;
   return j.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+}
+
+// Note [The machine is the limit] (probe.hpp).
+double measure_host_copy_gbps(size_t bytes, double seconds_budget) {
+  HostDeviceOptions hd;
+  hd.device_bytes = static_cast<int64_t>(bytes) + (int64_t{4} << 20);
+  const std::unique_ptr<Device> dev = make_host_device(hd);
+  ProbeOptions po;
+  po.sizes = {bytes};
+  po.repeats = 5;
+  po.pageable = false;
+  po.seconds_budget = seconds_budget;
+  const ProbeResult r = run_probe(*dev, po);
+  double gbps = 0.0;
+  for (const ProbePoint& p : r.points) {
+    if (p.gbps_median > 0.0) gbps = gbps > 0.0 ? std::min(gbps, p.gbps_median) : p.gbps_median;
+  }
+  return gbps;
+}
+
+std::string machine_limit_note(double link_gbps, double memcpy_gbps, const std::string& what) {
+  if (!(memcpy_gbps > 0.0) || !(link_gbps > memcpy_gbps)) return "";
+  return fmt::format(
+      "the machine is the limit: its memcpy measured {:.2f} GB/s in this run, below the emulated "
+      "link's {:.2f} GB/s, so the copies run at the machine's pace and {} reflect this machine, "
+      "not the link (Note [The machine is the limit]); run on an idle machine or with a slower "
+      "link",
+      memcpy_gbps, link_gbps, what);
 }
 
 }  // namespace spillway

@@ -16,6 +16,7 @@
 #include "spillway/device.hpp"
 #include "spillway/error.hpp"
 #include "spillway/offload.hpp"
+#include "spillway/probe.hpp"
 #include "spillway/train.hpp"
 #include "spillway/units.hpp"
 #include "train/adaptive.hpp"
@@ -126,6 +127,18 @@ HardwareProfile host_profile(const TrainOptions& o) {
   hw.gpus_per_host_memory = 1;
   return hw;
 }
+
+namespace {
+
+// The fastest the run asks of the emulated link (GB/s): its throttles, an unthrottled
+// direction at the 20 GB/s host_profile plans it at, and every --link-schedule speed.
+double asked_link_gbps(const TrainOptions& o) {
+  double gbps = std::max(o.d2h_gbps > 0 ? o.d2h_gbps : 20.0, o.h2d_gbps > 0 ? o.h2d_gbps : 20.0);
+  for (const LinkChange& ch : o.link_schedule) gbps = std::max(gbps, ch.gbps);
+  return gbps;
+}
+
+}  // namespace
 
 PlanRequest plan_request(const RefConfig& c, const TrainOptions& o, Policy s,
                          std::optional<double> layer_fwd_ms) {
@@ -567,6 +580,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
   if (rep.corpus_bytes < o.seq_len + 1)
     SPILLWAY_INPUT_ERROR("--corpus: '{}' has {} bytes; --seq-len {} needs at least {}", rep.corpus,
                          corpus.size(), o.seq_len, o.seq_len + 1);
+  rep.memcpy_gbps = measure_host_copy_gbps(size_t{1} << 20, 0.2);  // Note [The machine is ...]
 
   // Calibration (trainer.hpp): the keep run's layer times under --compare, else two
   // calibration steps under the recompute policy (it fits where the others fit; its
@@ -670,6 +684,21 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
       "device: host backend, {} MiB, copies {} / {}\n\n", o.device_memory_mb,
       o.d2h_gbps > 0 ? fmt::format("D2H {} GB/s", o.d2h_gbps) : std::string("D2H unthrottled"),
       o.h2d_gbps > 0 ? fmt::format("H2D {} GB/s", o.h2d_gbps) : std::string("H2D unthrottled"));
+  if (r.memcpy_gbps > 0.0) {  // Note [The machine is the limit] (spillway/probe.hpp)
+    const double link = asked_link_gbps(o);
+    const std::string limit = machine_limit_note(
+        link, r.memcpy_gbps,
+        "the stalls, step times and their ratios below (and the plan's times, made for the "
+        "link)");
+    out = out.substr(0, out.size() - 1);  // the device line's blank line comes after
+    out += fmt::format(
+        "this machine: memcpy {:.2f} GB/s (the probe, unthrottled, in this run); "
+        "the link asked for {:.2f} GB/s{}\n",
+        r.memcpy_gbps, link,
+        o.d2h_gbps > 0 && o.h2d_gbps > 0 ? "" : " (unthrottled: planned at 20)");
+    if (!limit.empty()) out += limit + "\n";
+    out += "\n";
+  }
   const PolicyResult* keep = nullptr;
   const PolicyResult* rec = nullptr;
   for (const PolicyResult& p : r.policies) {
@@ -776,6 +805,8 @@ std::string train_report_json(const TrainReport& r, const TrainOptions& o) {
   j["device_memory_bytes"] = static_cast<int64_t>(o.device_memory_mb * 1048576.0);
   j["d2h_gbps"] = o.d2h_gbps;
   j["h2d_gbps"] = o.h2d_gbps;
+  j["memcpy_gbps"] = r.memcpy_gbps;
+  j["machine_is_the_limit"] = !machine_limit_note(asked_link_gbps(o), r.memcpy_gbps, "").empty();
   j["corpus"] = r.corpus;
   // Nothing is claimed when fewer than two policies ran: null, not true.
   j["bitwise_identical"] =

@@ -255,6 +255,34 @@ TEST(Train, CompareRunsEveryPolicyBitwiseIdentically) {
   }
 }
 
+// Note [The machine is the limit] (spillway/probe.hpp): a run whose link asks for more than
+// this machine's memcpy (forced: the figures given) says so beside its figures, naming both
+// rates; one within it does not. The run measures memcpy itself.
+TEST(Train, ALinkFasterThanMemcpySaysTheMachineIsTheLimit) {
+  TrainOptions o = small("keep");
+  o.d2h_gbps = 8.0;
+  o.h2d_gbps = 8.0;
+  TrainReport r;
+  r.memcpy_gbps = 2.5;
+  std::string text = format_train_report(r, o);
+  EXPECT_NE(text.find("this machine: memcpy 2.50 GB/s"), std::string::npos) << text;
+  EXPECT_NE(text.find("the machine is the limit: its memcpy measured 2.50 GB/s in this run, "
+                      "below the emulated link's 8.00 GB/s"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(train_report_json(r, o).find("\"machine_is_the_limit\": true"), std::string::npos);
+  o.d2h_gbps = 0;  // unthrottled: planned at 20 GB/s
+  EXPECT_NE(format_train_report(r, o).find("below the emulated link's 20.00 GB/s"),
+            std::string::npos);
+  o.d2h_gbps = 2.0;
+  o.h2d_gbps = 2.0;
+  text = format_train_report(r, o);
+  EXPECT_EQ(text.find("the machine is the limit"), std::string::npos) << text;
+  EXPECT_NE(train_report_json(r, o).find("\"machine_is_the_limit\": false"), std::string::npos);
+  o.steps = 1;
+  EXPECT_GT(train::run(o, nullptr).memcpy_gbps, 0.0);
+}
+
 // The hybrid stack (data/nn/tiny-hybrid: Mamba-2 and attention mixers, routed-expert MLPs)
 // under random mixes of keep, offload and recompute, and under the planner's policies:
 // loss, gradients and weights bitwise those of keep (Note [Saved tensors], Note [Mamba
