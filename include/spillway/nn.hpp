@@ -44,11 +44,12 @@ struct RefConfig {
   bool norm_topk = true;
   // Note [Served attention extras]: what a served checkpoint's attention computes beyond the
   // reference model's, which the decoder runs and the training model refuses: biases on the
-  // q, k and v projections (Qwen2; attention_bias), on o (attention_bias), a per-head
-  // RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE), sliding windows (per layer, in the
-  // layers' AttentionSpec). The biases follow the config; the
-  // norms are set by the server for a checkpoint that holds them (the reference model's own
-  // qwen3_moe checkpoints have none).
+  // q, k and v projections (Qwen2; attention_bias), on o (attention_bias), sliding windows
+  // (per layer, in the layers' AttentionSpec). The biases follow the config. A per-head
+  // RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE) follows the config's family and is
+  // trained too (Note [Q/K norms] in attention_block.cpp); the server keeps it only for a
+  // checkpoint that holds the norms (the reference model's qwen3_moe checkpoints written
+  // before it trained them have none).
   bool qkv_bias = false;
   bool o_bias = false;
   bool qk_norm = false;
@@ -110,11 +111,15 @@ MemoryPolicy keep_policy(const RefConfig& c);
 
 // Note [Checkpoint names]: the model's weights by name, in the names of Hugging Face's
 // Llama / Qwen3-MoE / Mamba-2 checkpoints where one exists (the attention's q, k and v
-// projections are one fused tensor, self_attn.qkv_proj, as in Phi-3), every weight fp32 and
-// shaped as torch's (a Linear's weight is (out, in)). The order is the parameters' order in
-// memory (Model::parameters()): the embedding; per layer its input norm, its mixer's
-// weights, its MLP's norm, router, and the experts' gate, up and down projections (each
-// expert its own tensor, all gates first); the final norm; the LM head.
+// projections are one fused tensor, self_attn.qkv_proj, as in Phi-3; a written checkpoint
+// splits it into transformers' q_proj, k_proj and v_proj: Note [Written checkpoints] in
+// src/inference/checkpoints.cpp), every weight fp32 and shaped as torch's (a Linear's weight
+// is (out, in)). The order is the parameters' order in memory (Model::parameters()): the
+// embedding; per layer its input norm, its mixer's weights (q/k norms after the projection),
+// its MLP's norm, router, and the experts' gate, up and down projections (each expert its
+// own tensor, all gates first); the final norm; the LM head, which with tied embeddings is
+// the embedding's matrix (Note [Tied embeddings]: Model::named_weights points it there and
+// counts it once).
 struct WeightSpec {
   std::string name;
   std::vector<int64_t> shape;

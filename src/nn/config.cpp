@@ -216,6 +216,7 @@ RefConfig load_reference_config(const std::string& name_or_path) {
   c.heads = to_int(a.heads, "num_attention_heads");
   c.qkv_bias = a.qkv_bias;  // Note [Served attention extras]
   c.o_bias = a.o_bias;
+  c.qk_norm = a.qk_norm;  // the family's (Qwen3, Qwen3-MoE); a served checkpoint may lack them
   c.kv_heads = to_int(a.kv_heads, "num_key_value_heads");
   c.head_dim = to_int(a.qk_head_dim, "head_dim");
   if (c.head_dim % 2 != 0)

@@ -103,14 +103,13 @@ Model::Model(const RefConfig& config, Device& device, uint64_t seed, bool device
         "model config: {} has sliding-window attention; the reference model trains full "
         "causal attention (spillway serve runs the windows)",
         config.model.name);
-  if (config.qkv_bias || config.o_bias || config.qk_norm)
+  if (config.qkv_bias || config.o_bias)
     SPILLWAY_INPUT_ERROR(
-        "model config: {} has {}; the reference model trains attention without biases or q/k "
-        "norms (spillway serve runs them)",
+        "model config: {} has {}; the reference model trains attention without biases "
+        "(spillway serve runs them)",
         config.model.name,
-        config.qk_norm ? "q/k norms"
-                       : (config.qkv_bias ? "biases on q, k and v (attention_bias, or Qwen2's)"
-                                          : "a bias on o (attention_bias)"));
+        config.qkv_bias ? "biases on q, k and v (attention_bias, or Qwen2's)"
+                        : "a bias on o (attention_bias)");
   // Note [Served Gemma] and Qwen2-MoE's shared expert: served, not trained.
   const char* served_only = config.norm_offset != 0.0     ? "(1 + w) norms (Gemma)"
                             : config.sandwich_norms       ? "sandwich norms (Gemma)"
@@ -303,6 +302,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
   st.loss = cross_entropy(logits, target.data(), dlogits, T, c.vocab);
   m.release(logits);
   float* dfn = m.alloc_n<float>(Td);
+  // Tied (Note [Tied embeddings]): this writes the embedding's gradient first.
   linear_bwd(fn, m.w + m.lm_head, dlogits, dfn, m.g + m.lm_head, T, m.d, c.vocab, false);
   m.release(dlogits);
   float* dy = m.alloc_n<float>(Td);
@@ -321,7 +321,7 @@ StepStats Model::step(const std::vector<int32_t>& tokens, int batch, int seq,
     hand_over(l + 1);
     st.layer_bwd_ms[static_cast<size_t>(l)] = ms_since(tl);
   }
-  embedding_bwd(in.data(), dy, m.g + m.embed, T, m.d);
+  embedding_bwd(in.data(), dy, m.g + m.embed, T, m.d);  // tied: adds to the head's
   hand_over(0);
   m.release(dx);
   m.release(dy);
@@ -396,6 +396,10 @@ std::vector<NamedWeight> Model::named_weights() const {
   std::vector<NamedWeight> out;
   size_t at = 0;
   for (WeightSpec& s : weight_specs(m.c)) {
+    if (m.tied && s.name == "lm_head.weight") {  // Note [Tied embeddings]: the embedding's
+      out.push_back({std::move(s), m.w + m.lm_head});
+      continue;
+    }
     const size_t n = static_cast<size_t>(s.elements());
     out.push_back({std::move(s), m.w + at});
     at += n;

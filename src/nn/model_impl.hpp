@@ -132,6 +132,8 @@ struct Model::Impl : ParameterLayout {
   // attn.input)))); from dmid (the gradient at mlp.input), dnorm = the gradient at
   // attn.norm_out (overwritten).
   void attention_backward(int layer, const float* dmid, float* dnorm, int batch, int seq);
+  // Note [Q/K norms]: the per-head norms of q and k, in place on T rows of the projection.
+  void qk_norm_fwd(const LayerParams& L, float* qkv, int T) const;
 
   // --- mlp_block.cpp: the dense and the MoE MLPs ----------------------------------------
 

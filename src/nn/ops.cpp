@@ -201,9 +201,10 @@ void rmsnorm_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int d
     }
     const double s = 1.0 / std::sqrt(ss / d + eps);
     const double c = s * s * s * dot / d;
-    for (int i = 0; i < d; ++i) {
-      dxr[i] = static_cast<T>(s * w[i] * dyr[i] - c * xr[i]);
-      dw[i] += static_cast<T>(static_cast<double>(dyr[i]) * xr[i] * s);
+    for (int i = 0; i < d; ++i) {  // dy_i read once, before dx_i is written: dx may be dy
+      const double dyi = dyr[i];
+      dw[i] += static_cast<T>(dyi * xr[i] * s);
+      dxr[i] = static_cast<T>(s * w[i] * dyi - c * xr[i]);
     }
   }
 }

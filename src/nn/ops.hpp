@@ -36,7 +36,8 @@ void linear_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int in
 // RMSNorm: y = x / sqrt(mean(x^2) + eps) * w; x, y (n, d), w (d).
 template <class T>
 void rmsnorm_fwd(const T* x, const T* w, T* y, int n, int d, double eps, double offset = 0.0);
-// dx (n, d) overwritten; dw (d) accumulated. Recomputes the rms from x.
+// dx (n, d) overwritten (it may be dy: in place); dw (d) accumulated. Recomputes the rms
+// from x.
 template <class T>
 void rmsnorm_bwd(const T* x, const T* w, const T* dy, T* dx, T* dw, int n, int d, double eps);
 

@@ -51,6 +51,11 @@ ParameterLayout layout_parameters(const RefConfig& c) {
       L.w_out = take(d * static_cast<size_t>(L.inner));
     } else {
       L.wqkv = take(static_cast<size_t>(m.qkv_dim) * d);
+      if (c.qk_norm) {  // Note [Q/K norms]: weight_specs' order, after the projection
+        L.qk_norm = true;
+        L.q_norm = take(static_cast<size_t>(c.head_dim));
+        L.k_norm = take(static_cast<size_t>(c.head_dim));
+      }
       L.wo = take(d * static_cast<size_t>(m.q_dim));
     }
     L.mlp_norm = take(d);
@@ -62,9 +67,11 @@ ParameterLayout layout_parameters(const RefConfig& c) {
     m.lp.push_back(L);
   }
   m.final_norm = take(d);
-  m.lm_head = take(static_cast<size_t>(c.vocab) * d);
+  m.tied = c.model.tied_embeddings;  // Note [Tied embeddings]
+  m.lm_head = m.tied ? m.embed : take(static_cast<size_t>(c.vocab) * d);
   m.n_params = at;
-  // Optimizer buckets: the embedding, each layer, the final norm with the head.
+  // Optimizer buckets: the embedding, each layer, the final norm with the head (tied: the
+  // final norm alone).
   m.buckets.push_back({m.embed, (m.lp.empty() ? m.final_norm : m.lp[0].attn_norm) - m.embed});
   for (size_t l = 0; l < m.lp.size(); ++l) {
     const size_t end = l + 1 < m.lp.size() ? m.lp[l + 1].attn_norm : m.final_norm;
@@ -83,6 +90,9 @@ void init_parameters(const ParameterLayout& p, uint64_t seed, float* w) {
   for (const LayerParams& L : p.lp) {
     ones(L.attn_norm);
     ones(L.mlp_norm);
+    if (L.qk_norm) {
+      std::fill(w + L.q_norm, w + L.k_norm + (L.k_norm - L.q_norm), 1.0f);
+    }
     if (!L.mamba) continue;
     // Mamba-2's usual start: A = -(1 .. 16) over the heads, dt from 0.001 to 0.1
     // (log-spaced; dt_bias its inverse softplus), D = 1, the gated norm's weight 1.

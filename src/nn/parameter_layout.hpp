@@ -18,8 +18,12 @@ namespace spillway::nn {
 // One layer's parameters (offsets) and shapes.
 struct LayerParams {
   size_t attn_norm = 0, wqkv = 0, wo = 0, mlp_norm = 0;  // attn_norm: the mixer's input norm
-  size_t router = 0, w1 = 0, w3 = 0, w2 = 0;             // MoE: experts contiguous; dense: one
-  int experts = 0, top_k = 0, ffn = 0;                   // dense: experts = 1, top_k = 1
+  // Qwen3's per-head RMSNorm of q and k before RoPE (Note [Q/K norms] in attention_block.cpp):
+  // (head_dim) each, when qk_norm.
+  bool qk_norm = false;
+  size_t q_norm = 0, k_norm = 0;
+  size_t router = 0, w1 = 0, w3 = 0, w2 = 0;  // MoE: experts contiguous; dense: one
+  int experts = 0, top_k = 0, ffn = 0;        // dense: experts = 1, top_k = 1
   bool moe = false;
   // A Mamba-2 mixer (Note [Mamba slots]): in_proj (in_width, d) to z, x B C, dt; the
   // conv's weight (conv_dim, conv) and bias; dt_bias, a_log, dskip (heads); the gated
@@ -48,7 +52,14 @@ struct LayerParams {
 struct ParameterLayout {
   int d = 0, qkv_dim = 0, q_dim = 0;  // hidden, the fused q k v width, the q heads' width
   std::vector<LayerParams> lp;
+  // Note [Tied embeddings]: with the config's tie_word_embeddings the LM head reads the
+  // embedding's matrix (lm_head == embed, one parameter, counted once) and its gradient is
+  // the sum of both uses: the head's backward writes it first (the step zeroes the
+  // gradients), the embedding's backward adds its rows after, in this one order, so the sum
+  // is bitwise deterministic. The embedding's optimizer bucket holds it; the last bucket is
+  // the final norm alone.
   size_t embed = 0, final_norm = 0, lm_head = 0;
+  bool tied = false;
   size_t n_params = 0;
   std::vector<Bucket> buckets;  // Model::parameter_buckets
 };

@@ -4,7 +4,9 @@
 // auto avoiding it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -218,6 +220,116 @@ TrainOptions small(const std::string& policy) {
   o.seq_len = kSeq;
   o.device_memory_mb = 64;
   return o;
+}
+
+// A config file of the families the catalog reads (written to `dir`).
+std::string write_config(const std::filesystem::path& dir, const std::string& name,
+                         const std::string& json) {
+  const std::filesystem::path path = dir / (name + ".json");
+  std::ofstream(path) << json;
+  return path.string();
+}
+
+// Qwen3 (dense, per-head q/k norms) with tied embeddings, 2 layers.
+constexpr char kQwen3Tied[] = R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true,
+  "attention_bias": false})";
+
+// Central differences of forward_loss at the parameter of flat index i (h: the step) against
+// the step's gradient: float forward, so a documented tolerance of 3% plus 2e-4.
+void expect_gradient_matches_differences(Model& m, const std::vector<int32_t>& t, int64_t i,
+                                         const char* what) {
+  const std::vector<float> g = m.gradients();
+  auto* w = const_cast<float*>(m.named_weights().front().data) + i;  // NOLINT: the test's probe
+  const float w0 = *w;
+  const float h = 1e-2f;
+  *w = w0 + h;
+  const double up = m.forward_loss(t, kBatch, kSeq);
+  *w = w0 - h;
+  const double down = m.forward_loss(t, kBatch, kSeq);
+  *w = w0;
+  const double fd = (up - down) / (2.0 * static_cast<double>(h));
+  const double grad = g[static_cast<size_t>(i)];
+  EXPECT_NEAR(fd, grad, 0.03 * std::abs(grad) + 2e-4) << what << " (parameter " << i << ")";
+  EXPECT_GT(std::abs(grad), 1e-4) << what << ": a gradient too small to test";
+}
+
+// A config that ties its embeddings trains one matrix for the embedding and the LM head, and
+// Qwen3's q/k norms are trained: the trained model has the parameters `spillway plan` counts
+// for the config (the catalog's count, transformers'), is bitwise the same under every
+// policy, and its gradients (the tied matrix's summed from both uses: Note [Tied
+// embeddings]; the q/k norms': Note [Q/K norms]) are the loss's central differences (on the
+// dense Qwen3, whose loss is smooth).
+TEST(Train, TiedEmbeddingsAndQkNormsTrainTheModelTheConfigSays) {
+  spillway::testing::TempDir dir;
+  std::string moe = R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+    "vocab_size": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "tie_word_embeddings": true, "attention_bias": false})";
+  const std::string qwen3 = write_config(dir.path(), "qwen3-tied", kQwen3Tied);
+  const std::string moe_tied = write_config(dir.path(), "tiny-moe-tied", moe);
+  for (const std::string& model : {std::string("tiny-moe"), moe_tied, qwen3}) {
+    SCOPED_TRACE(model);
+    const RefConfig c = load_reference_config(model);
+    EXPECT_TRUE(c.qk_norm);
+    TrainOptions o = small("keep");
+    o.model = model;
+    o.steps = 1;
+    EXPECT_EQ(train::run(o, nullptr).parameters, parameter_count(c.model));
+  }
+  // tiny-moe tied: one (256, 64) matrix fewer than tiny-moe.
+  EXPECT_EQ(parameter_count(load_reference_config("tiny-moe").model) -
+                parameter_count(load_reference_config(moe_tied).model),
+            256 * 64);
+  for (const std::string& model : {moe_tied, qwen3}) {
+    SCOPED_TRACE(model);
+    const RefConfig c = load_reference_config(model);
+    const PolicyRun keep = run(c, keep_policy(c));
+    for (const MemoryPolicy& p : {uniform(c, Action::kRecompute, "recompute-all"),
+                                  uniform(c, Action::kOffload, "offload-all")}) {
+      const PolicyRun r = run(c, p);
+      EXPECT_EQ(r.losses, keep.losses) << p.name;
+      EXPECT_TRUE(same_bits(r.grads, keep.grads)) << p.name;
+      EXPECT_TRUE(same_bits(r.params, keep.params)) << p.name;
+    }
+    auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
+    Model m(c, *dev, 7);
+    const std::vector<int32_t> t = tokens(5);
+    TrainingHooks none;
+    (void)m.step(t, kBatch, kSeq, keep_policy(c), none, {});
+    const std::vector<NamedWeight> w = m.named_weights();
+    const float* base = w.front().data;
+    const std::vector<float> g = m.gradients();
+    // The largest gradient of a tensor (flat index into the parameters).
+    auto largest = [&](const std::string& name) {
+      for (const NamedWeight& x : w) {
+        if (x.spec.name != name) continue;
+        const int64_t at = x.data - base;
+        int64_t best = at;
+        for (int64_t k = at; k < at + x.spec.elements(); ++k)
+          if (std::abs(g[static_cast<size_t>(k)]) > std::abs(g[static_cast<size_t>(best)]))
+            best = k;
+        return best;
+      }
+      ADD_FAILURE() << "no tensor " << name;
+      return int64_t{0};
+    };
+    EXPECT_EQ(w.back().spec.name, "lm_head.weight");
+    EXPECT_EQ(w.back().data, base);  // the head is the embedding
+    // Central differences through top-k routing jump where a perturbation flips a token's
+    // experts: checked on the dense model.
+    if (model != qwen3) continue;
+    expect_gradient_matches_differences(m, t, largest("model.embed_tokens.weight"), "embedding");
+    expect_gradient_matches_differences(m, t, largest("model.layers.1.self_attn.q_norm.weight"),
+                                        "q_norm");
+    expect_gradient_matches_differences(m, t, largest("model.layers.1.self_attn.k_norm.weight"),
+                                        "k_norm");
+  }
 }
 
 TEST(Train, TheLossFallsOnTheCorpus) {
