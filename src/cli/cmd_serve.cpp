@@ -363,7 +363,8 @@ void add_checkpoint_command(CLI::App& app) {
       "checkpoint",
       "Writes a servable checkpoint of the reference model: OUT/config.json and "
       "OUT/model.safetensors with its weights initialized from --seed (the tensors named as "
-      "Hugging Face names Llama / Qwen3-MoE weights, attention's q, k, v fused). `spillway "
+      "transformers names them for the config's architecture: q, k, v apart, a tied head left "
+      "to the embedding; transformers' from_pretrained loads it). `spillway "
       "serve --models DIR` serves every such directory under DIR. OUT must be new or empty; "
       "one that already holds a model (config.json, model.safetensors) is replaced only with "
       "--force, and a directory holding anything else (or /) never.\n\n"

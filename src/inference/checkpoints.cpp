@@ -359,10 +359,10 @@ void check_servable_config(const std::string& model, const std::string& config_t
   // method's dequantization, which the decoder does not run.
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const nlohmann::json& q = j["quantization_config"];
-    const std::string method = q.is_object() && q.contains("quant_method") &&
-                                       q["quant_method"].is_string()
-                                   ? q["quant_method"].get<std::string>()
-                                   : q.dump();
+    const std::string method =
+        q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
+            ? q["quant_method"].get<std::string>()
+            : q.dump();
     SPILLWAY_INPUT_ERROR(
         "model {}: config.json has a quantization_config (quant_method \"{}\"); the decoder "
         "serves unquantized F32 and BF16 checkpoints only",
@@ -420,24 +420,49 @@ void write_checkpoint(const std::string& config_name_or_path, uint64_t seed, con
     too_large(fmt::format("which this machine could not reserve ({})", e.what()));
   }
   nn::Model m(c, *dev, seed);
+  // Note [Written checkpoints]: the tensors as transformers names and loads them for the
+  // config's architecture, so that its from_pretrained finds no key missing or unexpected:
+  // attention's fused q, k, v written as q_proj, k_proj and v_proj (its rows in that order);
+  // a tied LM head not written (transformers ties it to the embedding; the server reads it
+  // as the embedding); the rest under weight_specs' names (q/k norms where the family has
+  // them, python/tests/test_checkpoint_hf.py).
   std::vector<SafetensorsEntry> entries;
-  for (const nn::NamedWeight& w : m.named_weights()) {
+  const auto add = [&](std::string name, std::vector<int64_t> shape, const float* data) {
     SafetensorsEntry e;
-    e.name = w.spec.name;
+    e.name = std::move(name);
     e.dtype = dtype;
-    e.shape = w.spec.shape;
-    const auto n = static_cast<size_t>(w.spec.elements());
+    e.shape = std::move(shape);
+    size_t n = 1;
+    for (const int64_t x : e.shape) n *= static_cast<size_t>(x);
     if (dtype == DType::kFp32) {
       e.bytes.resize(n * 4);
-      std::memcpy(e.bytes.data(), w.data, n * 4);
+      std::memcpy(e.bytes.data(), data, n * 4);
     } else {
       e.bytes.resize(n * 2);
       for (size_t i = 0; i < n; ++i) {
-        const uint16_t b = float_to_bf16(w.data[i]);
+        const uint16_t b = float_to_bf16(data[i]);
         std::memcpy(e.bytes.data() + i * 2, &b, 2);
       }
     }
     entries.push_back(std::move(e));
+  };
+  static constexpr std::string_view kFused = "self_attn.qkv_proj.weight";
+  for (const nn::NamedWeight& w : m.named_weights()) {
+    if (w.spec.name == "lm_head.weight" && c.model.tied_embeddings) continue;
+    const size_t at = w.spec.name.find(kFused);
+    if (at == std::string::npos) {
+      add(w.spec.name, w.spec.shape, w.data);
+      continue;
+    }
+    const std::string p = w.spec.name.substr(0, at) + "self_attn.";
+    const int64_t d = c.hidden;
+    int64_t row = 0;
+    for (const auto& [proj, heads] :
+         {std::pair{"q_proj", c.heads}, {"k_proj", c.kv_heads}, {"v_proj", c.kv_heads}}) {
+      const int64_t rows = int64_t{heads} * c.head_dim;
+      add(p + proj + ".weight", {rows, d}, w.data + row * d);
+      row += rows;
+    }
   }
   // Both files to temporaries in the directory, then renamed over the old ones: on any
   // failure the temporaries are removed (and the directory, when this call created it and

@@ -42,14 +42,25 @@ TEST(Checkpoints, WrittenFoundAndChecked) {
   EXPECT_EQ(m.files[0].name, "tiny-a");
   const nn::RefConfig c = nn::load_reference_config(m.files[0].config_path);
   EXPECT_NO_THROW(check_checkpoint("tiny-a", c, m.files[0].weights_path));
-  // Its tensors are the reference model's weights, to the bit.
+  // Its tensors are the reference model's weights, to the bit, each weight from the tensors
+  // it resolves to (Note [Written checkpoints]: q, k and v apart, side by side).
   auto dev = make_host_device(HostDeviceOptions{int64_t{64} << 20, 0.0, 0.0});
   nn::Model ref(c, *dev, 1);
   SafetensorsFile st(m.files[0].weights_path);
-  for (const nn::NamedWeight& w : ref.named_weights()) {
-    const SafetensorsTensor* t = st.find(w.spec.name);
-    ASSERT_NE(t, nullptr) << w.spec.name;
-    ASSERT_EQ(0, std::memcmp(st.data(*t), w.data, static_cast<size_t>(t->bytes))) << w.spec.name;
+  const ResolvedWeights parts = resolve_checkpoint("tiny-a", c, st);
+  const std::vector<nn::NamedWeight> named = ref.named_weights();
+  ASSERT_EQ(parts.size(), named.size());
+  for (size_t i = 0; i < named.size(); ++i) {
+    const nn::NamedWeight& w = named[i];
+    std::vector<std::byte> bytes;
+    for (const WeightPart& part : parts[i]) {
+      ASSERT_EQ(part.rows, 0) << w.spec.name;  // whole tensors
+      const SafetensorsTensor* t = st.find(part.tensor);
+      ASSERT_NE(t, nullptr) << part.tensor;
+      bytes.insert(bytes.end(), st.data(*t), st.data(*t) + t->bytes);
+    }
+    ASSERT_EQ(bytes.size(), static_cast<size_t>(w.spec.elements()) * 4) << w.spec.name;
+    ASSERT_EQ(0, std::memcmp(bytes.data(), w.data, bytes.size())) << w.spec.name;
   }
   // A checkpoint of another config: the first missing tensor and the shape named.
   TempDir other;
@@ -252,42 +263,56 @@ std::vector<SafetensorsEntry> entries_of(const std::string& path) {
 }
 
 TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
-  // Note [Checkpoint resolution]: tiny-a rewritten as Hugging Face stores a Llama: q, k, v
-  // apart. Served, it continues as the fused checkpoint does.
+  // Note [Written checkpoints]: tiny-a as spillway checkpoint writes it, q, k, v apart as
+  // Hugging Face stores them, resolved as three parts; and rewritten as spillway wrote them
+  // before, q, k, v fused (self_attn.qkv_proj): read as one tensor, and served as the
+  // reference model continues (both reading paths).
   const Models& m = models();
   const nn::RefConfig c = nn::load_reference_config(m.files[0].config_path);
+  {
+    const SafetensorsFile written(m.files[0].weights_path);
+    EXPECT_EQ(written.find("model.layers.0.self_attn.qkv_proj.weight"), nullptr);
+    EXPECT_EQ(resolve_checkpoint("tiny-a", c, written)[2],
+              (std::vector<WeightPart>{{"model.layers.0.self_attn.q_proj.weight"},
+                                       {"model.layers.0.self_attn.k_proj.weight"},
+                                       {"model.layers.0.self_attn.v_proj.weight"}}));
+  }
   TempDir dir;
-  const fs::path split = dir.path() / "split";
+  const fs::path split = dir.path() / "split";  // the fused (older) form, under its old name
   fs::create_directories(split);
   fs::copy_file(m.files[0].config_path, split / "config.json");
   std::vector<SafetensorsEntry> es;
-  const int64_t d = c.hidden, q = int64_t{c.heads} * c.head_dim,
-                kv = int64_t{c.kv_heads} * c.head_dim;
+  std::vector<SafetensorsEntry> qkv;
   for (SafetensorsEntry& e : entries_of(m.files[0].weights_path)) {
-    const std::string fused = "self_attn.qkv_proj.weight";
-    const size_t at = e.name.find(fused);
-    if (at == std::string::npos) {
+    const bool proj = e.name.find("self_attn.q_proj.") != std::string::npos ||
+                      e.name.find("self_attn.k_proj.") != std::string::npos ||
+                      e.name.find("self_attn.v_proj.") != std::string::npos;
+    if (!proj) {
       es.push_back(std::move(e));
       continue;
     }
-    const std::string p = e.name.substr(0, at) + "self_attn.";
-    int64_t row = 0;
-    for (const auto& [name, rows] : {std::pair{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
-      SafetensorsEntry part;
-      part.name = p + name + ".weight";
-      part.dtype = e.dtype;
-      part.shape = {rows, d};
-      part.bytes.assign(e.bytes.begin() + row * d * 4, e.bytes.begin() + (row + rows) * d * 4);
-      row += rows;
-      es.push_back(std::move(part));
-    }
+    qkv.push_back(std::move(e));
+    if (qkv.size() < 3) continue;
+    // Fused as q, k, v (the rows of the reference model's projection).
+    const auto of = [&](const char* proj) -> const SafetensorsEntry& {
+      for (const SafetensorsEntry& x : qkv)
+        if (x.name.find(proj) != std::string::npos) return x;
+      throw std::runtime_error(std::string("no ") + proj);
+    };
+    qkv = {of(".q_proj."), of(".k_proj."), of(".v_proj.")};
+    SafetensorsEntry fused;
+    fused.name = qkv[0].name.substr(0, qkv[0].name.find("q_proj.")) + "qkv_proj.weight";
+    fused.dtype = qkv[0].dtype;
+    fused.shape = {qkv[0].shape[0] + qkv[1].shape[0] + qkv[2].shape[0], qkv[0].shape[1]};
+    for (const SafetensorsEntry& part : qkv)
+      fused.bytes.insert(fused.bytes.end(), part.bytes.begin(), part.bytes.end());
+    es.push_back(std::move(fused));
+    qkv.clear();
   }
   write_safetensors((split / "model.safetensors").string(), es);
   const SafetensorsFile sf((split / "model.safetensors").string());
   const ResolvedWeights parts = resolve_checkpoint("split", c, sf);
-  EXPECT_EQ(parts[2], (std::vector<WeightPart>{{"model.layers.0.self_attn.q_proj.weight"},
-                                               {"model.layers.0.self_attn.k_proj.weight"},
-                                               {"model.layers.0.self_attn.v_proj.weight"}}));
+  EXPECT_EQ(parts[2], (std::vector<WeightPart>{{"model.layers.0.self_attn.qkv_proj.weight"}}));
   const std::string prompt = "split heads";
   const Greedy ref = reference_greedy(c, 1, bytes(prompt), 12);
   ServingEngine e({{"split", split.string(), (split / "config.json").string(),
@@ -309,9 +334,12 @@ TEST(Checkpoints, HuggingFacesSplitQkvAndTiedHeadAreResolvedAndExtrasRefused) {
       {"model x", "down_proj.bias", "no use"});
   // Note [Served attention extras]: a qwen3_moe file with q norms is served with q/k norms,
   // so a missing k_norm is named.
-  extra.back().name = "model.layers.0.self_attn.q_norm.weight";
-  extra.back().shape = {c.head_dim};
-  extra.back().bytes.assign(static_cast<size_t>(c.head_dim) * 4, std::byte{0});
+  extra.pop_back();
+  extra.erase(std::remove_if(extra.begin(), extra.end(),
+                             [](const SafetensorsEntry& x) {
+                               return x.name == "model.layers.0.self_attn.k_norm.weight";
+                             }),
+              extra.end());
   write_safetensors((dir.path() / "extra.safetensors").string(), extra);
   spillway::testing::expect_error(
       [&] { check_checkpoint("x", c, (dir.path() / "extra.safetensors").string()); },
