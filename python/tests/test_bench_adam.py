@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 BUILD = os.environ.get("SPILLWAY_BUILD", "")
 
