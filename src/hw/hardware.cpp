@@ -7,6 +7,7 @@
 
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
+#include "core/near_names.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
@@ -184,18 +185,26 @@ std::vector<std::string> hardware_names() {
 }
 
 HardwareProfile load_hardware(const std::string& name_or_path) {
-  if (const EmbeddedFile* f = find_embedded("hardware", name_or_path + ".json")) {
-    const std::string label = "data/hardware/" + name_or_path + ".json";
+  // Catalog names ignore case, as model names do.
+  const std::vector<std::string> names = hardware_names();
+  for (const std::string& n : names) {
+    if (lower_ascii(n) != lower_ascii(name_or_path)) continue;
+    const EmbeddedFile* f = find_embedded("hardware", n + ".json");
+    const std::string label = "data/hardware/" + n + ".json";
     return parse_hardware_profile(parse_json_text(f->text, kWhat, label), label);
   }
   std::error_code ec;
+  if (std::filesystem::is_directory(name_or_path, ec)) {
+    SPILLWAY_INPUT_ERROR("hardware: '{}' is a directory; a profile is a JSON file (schema {})",
+                         name_or_path, kSchema);
+  }
   if (!std::filesystem::is_regular_file(name_or_path, ec)) {
-    std::string names;
-    for (const std::string& n : hardware_names()) names += (names.empty() ? "" : ", ") + n;
+    std::string list;
+    for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
     SPILLWAY_INPUT_ERROR(
-        "hardware: '{}' is neither a catalog profile nor an existing file. Catalog: {} (or pass "
-        "the path of a profile JSON, schema {})",
-        name_or_path, names, kSchema);
+        "hardware: '{}' is neither a catalog profile nor an existing file.{} Catalog: {} (or "
+        "pass the path of a profile JSON, schema {})",
+        name_or_path, did_you_mean(name_or_path, names), list, kSchema);
   }
   return parse_hardware_profile(load_json_file(name_or_path, kWhat), name_or_path);
 }

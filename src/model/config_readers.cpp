@@ -118,6 +118,35 @@ std::vector<char> read_full_attention_layers(const JsonObject& c, int64_t layers
   return full;
 }
 
+std::vector<char> read_mlp_layer_types(const JsonObject& c, int64_t layers) {
+  const std::vector<std::string> types = c.str_array_or("mlp_layer_types");
+  if (types.empty()) return {};
+  if (static_cast<int64_t>(types.size()) != layers) {
+    c.fail("mlp_layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
+  }
+  std::vector<char> sparse(types.size(), 0);
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] != "dense" && types[i] != "sparse") {
+      c.fail(fmt::format("mlp_layer_types[{}]", i),
+             fmt::format("is \"{}\"; must be \"dense\" or \"sparse\"", types[i]));
+    }
+    sparse[i] = types[i] == "sparse";
+  }
+  if (c.has("first_k_dense_replace")) {
+    const int64_t first = c.req_int("first_k_dense_replace", 0, kMaxLayers);
+    for (size_t i = 0; i < sparse.size(); ++i) {
+      if ((static_cast<int64_t>(i) >= first) != (sparse[i] != 0)) {
+        c.fail("first_k_dense_replace",
+               fmt::format("is {} but \"mlp_layer_types\"[{}] is \"{}\"; transformers builds "
+                           "the layers from mlp_layer_types, derived from first_k_dense_replace",
+                           first, i, types[i]));
+      }
+    }
+  }
+  return sparse;
+}
+
 void read_mtp(const JsonObject& c, ModelConfig& m) {
   m.mtp_layers =
       c.int_or(alias(c, {"num_nextn_predict_layers", "mtp_num_hidden_layers"}), 0, 0, kMaxLayers);
@@ -152,6 +181,13 @@ AttentionSpec read_mla(const JsonObject& c) {
   if (a.qk_head_dim == 0)
     c.fail("qk_nope_head_dim",
            "and \"qk_rope_head_dim\" are both 0; the query/key head needs a width");
+  // transformers 5 writes what it derives: qk_head_dim = nope + rope.
+  if (c.has("qk_head_dim") && c.req_int("qk_head_dim", 1, kMaxDim) != a.qk_head_dim) {
+    c.fail("qk_head_dim", fmt::format("is {}; transformers derives it as \"qk_nope_head_dim\" + "
+                                      "\"qk_rope_head_dim\" ({} + {} = {})",
+                                      c.req_int("qk_head_dim", 1, kMaxDim), nope,
+                                      a.qk_rope_head_dim, a.qk_head_dim));
+  }
   a.v_head_dim = c.req_int("v_head_dim", 1, kMaxDim);
   (void)c.has("head_dim");  // transformers sets it to qk_rope_head_dim; the widths above rule
   a.qkv_bias = c.bool_or("attention_bias", false);

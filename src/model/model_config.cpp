@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
+#include "core/near_names.hpp"
 #include "model/families/families.hpp"
 #include "spillway/error.hpp"
 #include "spillway/model.hpp"
@@ -27,16 +29,19 @@ std::string lower(std::string s) {
   return s;
 }
 
-[[noreturn]] void unknown_type(const JsonObject& c, const std::string& type) {
+[[noreturn]] void unknown_type(const std::string& type, const std::string& wrapper,
+                               const std::string& file) {
   std::string known;
   for (const std::string& t : supported_model_types()) known += (known.empty() ? "" : ", ") + t;
-  c.fail("model_type",
-         fmt::format("is \"{}\", which spillway cannot plan yet. Known: {}. Relabelling the "
-                     "config as a known type would plan a different model (tied embeddings, "
-                     "sliding windows, dense first layers, shared experts, linear attention and "
-                     "extra norms would be lost or invented); docs/models.md says what each "
-                     "family reads",
-                     type, known));
+  SPILLWAY_INPUT_ERROR(
+      "{}: model_type \"{}\"{} is not supported (supported: {}). Relabelling the config as a "
+      "supported type would plan a different model (tied embeddings, sliding windows, dense "
+      "first layers, shared experts, linear attention and extra norms would be lost or "
+      "invented); docs/models.md says what each family reads{}",
+      kWhat, type,
+      wrapper.empty() || wrapper == type ? ""
+                                         : fmt::format(" (the text_config of \"{}\")", wrapper),
+      known, file.empty() ? "" : fmt::format(" (file: {})", file));
 }
 
 // Note [Reading a config] (docs/models.md):
@@ -45,7 +50,12 @@ std::string lower(std::string s) {
 //   - the family is `model_type` (the text config's, else the wrapper's text family), else
 //     the one of `architectures`; when both are known and name different families, the
 //     architecture wins (it is the class that holds the weights) and a note says so;
-//   - each family reads its keys under their transformers 4 and 5 names (alias());
+//   - a model_type spillway has no family for is refused by name before any key is read;
+//   - a wrapper's own tie_word_embeddings (else its class's default) ties the head, as
+//     transformers' wrapper model reads it, whatever text_config says;
+//   - each family reads its keys under their transformers 4 and 5 names (alias()); keys
+//     transformers 5 derives and writes beside their sources are checked against them;
+//   - the generic PretrainedConfig fields (generic_pretrained_field) are ignored;
 //   - after reading, a key of the language model that looks like a size, a count or a
 //     layer pattern (shape_like) and that the family did not read is an error naming it:
 //     an unread shape key would plan a different model silently.
@@ -75,7 +85,6 @@ constexpr Family kFamilies[] = {
     {"grok-1", "grok", families::parse_grok},
     {"grok-2", "grok", families::parse_grok},
     {"grok", "grok", families::parse_grok},
-    {"git", "grok", families::parse_grok},
     {"gemma2", "gemma", families::parse_gemma},
     {"gemma3_text", "gemma", families::parse_gemma},
     {"glm4_moe", "glm4_moe", families::parse_glm4_moe},
@@ -160,6 +169,14 @@ std::string text_type_of_wrapper(const std::string& type) {
   return type;
 }
 
+// transformers' default of tie_word_embeddings for a wrapper's own config class; none for a
+// wrapper it does not name.
+std::optional<bool> tied_default_of_wrapper(const std::string& type) {
+  if (type == "gemma3" || type == "moss_transcribe_diarize") return true;
+  if (type == "llama4" || type == "qwen3_5_moe") return false;
+  return std::nullopt;
+}
+
 // A key that looks like a size, a count or a layer pattern.
 bool shape_like(std::string_view k) {
   static constexpr std::string_view kNotShape[] = {"max_position_embeddings",
@@ -190,11 +207,74 @@ bool shape_like(std::string_view k) {
   return false;
 }
 
+// The fields every transformers PretrainedConfig has (to_dict() writes them all, a config
+// written with use_diff=False holds them): generation, labels, output switches and
+// bookkeeping of transformers 4 and 5. None shapes the weights (chunk_size_feed_forward
+// chunks the MLP's execution, cross_attention_hidden_size only matters with
+// add_cross_attention, which decoder-only families do not build), so they are ignored.
+bool generic_pretrained_field(std::string_view k) {
+  static constexpr std::string_view kGeneric[] = {"_name_or_path",
+                                                  "transformers_version",
+                                                  "chunk_size_feed_forward",
+                                                  "dtype",
+                                                  "torch_dtype",
+                                                  "id2label",
+                                                  "label2id",
+                                                  "num_labels",
+                                                  "problem_type",
+                                                  "is_encoder_decoder",
+                                                  "is_decoder",
+                                                  "add_cross_attention",
+                                                  "cross_attention_hidden_size",
+                                                  "tie_encoder_decoder",
+                                                  "output_attentions",
+                                                  "output_hidden_states",
+                                                  "return_dict",
+                                                  "torchscript",
+                                                  "use_bfloat16",
+                                                  "tf_legacy_loss",
+                                                  "pruned_heads",
+                                                  "finetuning_task",
+                                                  "tokenizer_class",
+                                                  "prefix",
+                                                  "task_specific_params",
+                                                  "max_length",
+                                                  "min_length",
+                                                  "do_sample",
+                                                  "early_stopping",
+                                                  "num_beams",
+                                                  "num_beam_groups",
+                                                  "diversity_penalty",
+                                                  "temperature",
+                                                  "top_k",
+                                                  "top_p",
+                                                  "typical_p",
+                                                  "repetition_penalty",
+                                                  "length_penalty",
+                                                  "no_repeat_ngram_size",
+                                                  "encoder_no_repeat_ngram_size",
+                                                  "bad_words_ids",
+                                                  "num_return_sequences",
+                                                  "output_scores",
+                                                  "return_dict_in_generate",
+                                                  "forced_bos_token_id",
+                                                  "forced_eos_token_id",
+                                                  "remove_invalid_values",
+                                                  "exponential_decay_length_penalty",
+                                                  "suppress_tokens",
+                                                  "begin_suppress_tokens",
+                                                  "decoder_start_token_id",
+                                                  "sep_token_id"};
+  for (std::string_view g : kGeneric)
+    if (k == g) return true;
+  return false;
+}
+
 void refuse_unread(const JsonObject& c, const std::set<std::string, std::less<>>& reads,
                    const std::string& type) {
   for (const auto& [key, value] : c.raw().items()) {
     if (reads.count(key) != 0 || value.is_null() || value == false) continue;
-    if (!shape_like(key)) continue;
+    if (!shape_like(key) || generic_pretrained_field(key)) continue;
     c.fail(key, fmt::format("is {}: it looks like it shapes the model, but spillway does not read "
                             "it for model_type \"{}\", so the plan would be of another model. "
                             "docs/models.md lists the keys each family reads",
@@ -300,6 +380,12 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
                       "the language model of text_config is",
                       root_type));
     }
+    if (root.has("audio_config")) {
+      m.notes.push_back(
+          fmt::format("the audio encoder (audio_config of \"{}\") is not planned: "
+                      "the language model of text_config is",
+                      root_type));
+    }
   } else {
     type = root_type;
     (void)tracked.has("model_type");
@@ -317,6 +403,13 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
                                                 archs.front()));
     }
     type = arch_type;
+  } else if (type == "git" && !arch_type.empty() &&
+             std::string_view(family_of(arch_type)) == "grok") {
+    // xAI's Grok-2 config.json says "git", which is transformers' GIT (an image-to-text
+    // model, not planned): only a Grok architecture makes it Grok.
+    m.notes.push_back(fmt::format("model_type \"git\" with architectures {}: planned as \"{}\"",
+                                  archs.front(), arch_type));
+    type = arch_type;
   } else if (!arch_type.empty() && family_of(type) != nullptr &&
              std::string_view(family_of(type)) != family_of(arch_type)) {
     m.notes.push_back(
@@ -330,14 +423,23 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
   m.model_type = typed.has("model_type") && lower(typed.req_str("model_type")) == type
                      ? typed.req_str("model_type")
                      : type;
-  m.hidden = tracked.req_int("hidden_size", 1, kMaxDim);
-  if (!tracked.has("vocab_size") && type == "gemma3_text") {
+  // An unknown type is refused before any of its keys is read: a missing "hidden_size" would
+  // say less than the type.
+  if (find_family(type) == nullptr) unknown_type(m.model_type, nested ? root_type : "", file);
+  // From here every message names the family whose rules apply: `model config (glm4_moe):
+  // "num_attention_heads" is 96; ...`.
+  const JsonObject lm(c.raw(), fmt::format("{} ({})", kWhat, m.model_type), file,
+                      nested ? "text_config." : "");
+  JsonObject keys = lm;
+  keys.track_reads(reads);
+  m.hidden = keys.req_int("hidden_size", 1, kMaxDim);
+  if (!keys.has("vocab_size") && type == "gemma3_text") {
     // Gemma 3's wrapper configs leave the text vocabulary at transformers' default.
     m.vocab = 262208;
     m.notes.push_back(
         "vocab_size is not given: transformers' Gemma3TextConfig default, 262,208, is used");
   } else {
-    m.vocab = tracked.req_int("vocab_size", 1, kMaxDim);
+    m.vocab = keys.req_int("vocab_size", 1, kMaxDim);
   }
   const char* fam = family_of(type);
   // transformers' defaults of tie_word_embeddings: true for these families' configs.
@@ -345,13 +447,31 @@ ModelConfig parse_model_config(const nlohmann::json& config, const std::string& 
       fam != nullptr &&
       (std::string_view(fam) == "gemma" || std::string_view(fam) == "recurrent_gemma" ||
        std::string_view(fam) == "mamba" || std::string_view(fam) == "zamba2");
-  m.tied_embeddings = tracked.has("tie_word_embeddings")
-                          ? tracked.bool_or("tie_word_embeddings", tied_default)
-                          : root.bool_or("tie_word_embeddings", tied_default);
+  if (nested) {
+    // transformers' wrapper model (...ForConditionalGeneration) holds the head and ties it by its
+    // own config's tie_word_embeddings (the wrapper class's default when the file leaves it out),
+    // whatever text_config says.
+    const std::optional<bool> wrapper_default = tied_default_of_wrapper(root_type);
+    const bool text_tied = keys.bool_or("tie_word_embeddings", tied_default);
+    m.tied_embeddings = root.has("tie_word_embeddings")
+                            ? root.bool_or("tie_word_embeddings", text_tied)
+                            : wrapper_default.value_or(text_tied);
+    if (m.tied_embeddings != text_tied && c.has("tie_word_embeddings")) {
+      m.notes.push_back(fmt::format(
+          "embeddings {}: the wrapper's tie_word_embeddings ({}) rules, as transformers' \"{}\" "
+          "model reads it; text_config's ({}) is not used",
+          m.tied_embeddings ? "tied" : "untied",
+          root.has("tie_word_embeddings")
+              ? (m.tied_embeddings ? "true" : "false")
+              : (m.tied_embeddings ? "true by default" : "false by default"),
+          root_type, text_tied ? "true" : "false"));
+    }
+  } else {
+    m.tied_embeddings = keys.bool_or("tie_word_embeddings", tied_default);
+  }
   const Family* family = find_family(type);
-  if (family == nullptr) unknown_type(nested ? c : root, nested ? type : m.model_type);
-  m = family->parse(tracked, std::move(m), type);
-  refuse_unread(c, *reads, type);
+  m = family->parse(keys, std::move(m), type);
+  refuse_unread(lm, *reads, type);
   // Validate that the totals fit 64 bits once, here, naming the sizes and the file.
   try {
     (void)parameter_count(m);
@@ -408,17 +528,32 @@ ModelConfig load_model(const std::string& name_or_path) {
   std::error_code ec;
   if (!std::filesystem::exists(name_or_path, ec)) {
     std::string names;
-    for (const ModelCatalogEntry& e : model_catalog())
+    std::vector<std::string> known;
+    std::string hub;  // a Hugging Face repo id whose config.json the catalog holds
+    for (const ModelCatalogEntry& e : model_catalog()) {
       names += (names.empty() ? "" : ", ") + e.name;
+      known.push_back(e.name);
+      if (!e.hf_repo.empty() && lower(e.hf_repo) == key) hub = e.name;
+    }
+    const std::string tail = key.substr(key.rfind('/') + 1);
+    const std::string hint = !hub.empty()
+                                 ? fmt::format(
+                                       " Did you mean {} (the catalog's copy of that Hugging Face "
+                                       "repo's config.json)?",
+                                       hub)
+                                 : did_you_mean(tail, known);
     SPILLWAY_INPUT_ERROR(
-        "model: '{}' is neither a catalog model nor an existing file. Catalog: {}; the reference "
-        "models of `spillway train`: tiny-moe, small-moe, tiny-hybrid (or pass the path of a "
-        "Hugging Face "
-        "config.json)",
-        name_or_path, names);
+        "model: '{}' is neither a catalog model nor an existing file.{} Catalog: {}; the "
+        "reference models of `spillway train`: tiny-moe, small-moe, tiny-hybrid (or pass the path "
+        "of a Hugging Face config.json, or of a directory holding one)",
+        name_or_path, hint, names);
   }
   std::filesystem::path p(name_or_path);
-  if (std::filesystem::is_directory(p, ec)) p /= "config.json";
+  if (std::filesystem::is_directory(p, ec)) {
+    p /= "config.json";
+    if (!std::filesystem::exists(p, ec))
+      SPILLWAY_INPUT_ERROR("model: '{}' is a directory without a config.json", name_or_path);
+  }
   std::string stem = p.stem().string();
   if (stem == "config" && p.has_parent_path()) stem = p.parent_path().filename().string();
   return parse_model_config(load_json_file(p.string(), kWhat), stem, p.string());

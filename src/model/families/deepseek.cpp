@@ -1,5 +1,7 @@
 // DeepSeek V1 (DeepSeekMoE), V2, V3, V3.2 and Kimi-K2: multi-head latent attention (V2 on),
 // dense first layers, routed and shared experts, multi-token-prediction layers counted apart.
+#include <fmt/format.h>
+
 #include "model/families/families.hpp"
 #include "spillway/units.hpp"
 
@@ -47,8 +49,23 @@ ModelConfig parse_deepseek(const JsonObject& c, ModelConfig m, const std::string
     // e_score_correction_bias (V3 routing: sigmoid scores with a bias)
     moe.router_bias = type != "deepseek" && type != "deepseek_v2";
   }
+  const std::vector<char> mlp_types = read_mlp_layer_types(c, layers);
+  // transformers 5's layer_types: every V3.2 layer "indexed_attention" (the sparse attention's
+  // indexer); the attention's weights are those above whatever the name.
+  const std::vector<std::string> kinds = c.str_array_or("layer_types");
+  if (!kinds.empty() && static_cast<int64_t>(kinds.size()) != layers)
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", kinds.size(), layers));
+  const char* kind = type == "deepseek_v32" ? "indexed_attention" : "full_attention";
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    if (kinds[i] != kind)
+      c.fail(fmt::format("layer_types[{}]", i),
+             fmt::format("is \"{}\"; every layer of \"{}\" is \"{}\"", kinds[i], type, kind));
+  }
   for (int64_t i = 0; i < layers; ++i) {
-    const bool sparse = moe.experts > 0 && i >= first_dense && i % freq == 0;
+    const bool sparse =
+        moe.experts > 0 && (mlp_types.empty() ? i >= first_dense && i % freq == 0
+                                              : mlp_types[static_cast<size_t>(i)] != 0);
     m.layers.push_back(LayerSpec{a, sparse ? moe : dense});
   }
   read_mtp(c, m);

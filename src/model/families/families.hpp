@@ -55,6 +55,12 @@ std::vector<char> read_layer_types(const JsonObject& c, int64_t layers, int64_t 
 // or "linear_attention" (0). Empty when absent.
 std::vector<char> read_full_attention_layers(const JsonObject& c, int64_t layers);
 
+// `mlp_layer_types` (transformers 5, DeepSeek-V3.2, Kimi-Linear): one entry a layer, "dense"
+// (0) or "sparse" (1, an MoE), what transformers builds from. It derives the list from
+// first_k_dense_replace, so a `first_k_dense_replace` also given must agree with it.
+// Empty when absent.
+std::vector<char> read_mlp_layer_types(const JsonObject& c, int64_t layers);
+
 // Multi-token-prediction layers (num_nextn_predict_layers): counted, not planned.
 void read_mtp(const JsonObject& c, ModelConfig& m);
 

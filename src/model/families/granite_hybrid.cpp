@@ -7,7 +7,8 @@
 
 namespace spillway::families {
 
-// Granite 4.0-H (granitemoehybrid): layer_types ("mamba" or "attention") pick the mixer;
+// Granite 4.0-H (granitemoehybrid): layer_types ("mamba" or "attention"; transformers 5
+// spells them "linear_attention" and "full_attention") pick the mixer;
 // every layer has an MLP: routed experts (num_local_experts, if any) plus a shared SwiGLU
 // MLP of shared_intermediate_size.
 ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m, const std::string&) {
@@ -18,7 +19,8 @@ ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m, const std::
     c.fail("layer_types",
            fmt::format("has {} entries; must have one per layer ({})", types.size(), layers));
   }
-  const bool any_mamba = std::find(types.begin(), types.end(), "mamba") != types.end();
+  auto is_mamba = [](const std::string& t) { return t == "mamba" || t == "linear_attention"; };
+  const bool any_mamba = std::any_of(types.begin(), types.end(), is_mamba);
   SsmSpec ssm;
   if (any_mamba) ssm = read_mamba2(c, m.hidden);
   MlpSpec mlp;
@@ -40,14 +42,16 @@ ModelConfig parse_granite_hybrid(const JsonObject& c, ModelConfig m, const std::
   for (int64_t i = 0; i < layers; ++i) {
     LayerSpec l;
     const std::string& t = types[static_cast<size_t>(i)];
-    if (t == "mamba") {
+    if (is_mamba(t)) {
       l.mixer = MixerKind::kMamba;
       l.ssm = ssm;
-    } else if (t == "attention") {
+    } else if (t == "attention" || t == "full_attention") {
       l.attn = a;
     } else {
       c.fail(fmt::format("layer_types[{}]", i),
-             fmt::format("is \"{}\"; must be \"mamba\" or \"attention\"", t));
+             fmt::format("is \"{}\"; must be \"linear_attention\" (\"mamba\") or "
+                         "\"full_attention\" (\"attention\")",
+                         t));
     }
     l.mlp = mlp;
     m.layers.push_back(l);

@@ -1,4 +1,6 @@
 // Llama 4 (text): interleaved MoE and dense layers.
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "model/families/families.hpp"
@@ -14,7 +16,21 @@ ModelConfig parse_llama4(const JsonObject& c, ModelConfig m, const std::string&)
   const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
   AttentionSpec a = read_gqa(c, m.hidden);
   (void)c.has("attention_chunk_size");
+  // RoPE or not, chunked or full attention: the same weights. transformers 5 writes
+  // layer_types ("chunked_attention" on the RoPE layers, "full_attention" on the others) and
+  // no_rope_layer_interval, from which it derives no_rope_layers.
   (void)c.has("no_rope_layers");
+  (void)c.int_or("no_rope_layer_interval", 4, 1, kMaxLayers);
+  const std::vector<std::string> kinds = c.str_array_or("layer_types");
+  if (!kinds.empty() && static_cast<int64_t>(kinds.size()) != layers)
+    c.fail("layer_types",
+           fmt::format("has {} entries; must have one per layer ({})", kinds.size(), layers));
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    if (kinds[i] != "chunked_attention" && kinds[i] != "full_attention")
+      c.fail(
+          fmt::format("layer_types[{}]", i),
+          fmt::format("is \"{}\"; must be \"chunked_attention\" or \"full_attention\"", kinds[i]));
+  }
   MlpSpec moe;
   moe.kind = MlpKind::kMoe;
   const char* experts_key = alias(c, {"num_local_experts", "num_experts"});

@@ -13,6 +13,9 @@ ModelConfig parse_mamba2(const JsonObject& c, ModelConfig m, const std::string&)
   l.mixer = MixerKind::kMamba;
   l.ssm = read_mamba2(c, m.hidden);
   l.ssm.gated_norm = c.bool_or("rms_norm", true);
+  // Mamba-1's dt rank: transformers 5 writes it resolved (ceil(hidden / 16)); its Mamba2
+  // mixer keeps it but no weight has that width (dt is one value a head, from in_proj).
+  (void)read_dt_rank(c, "time_step_rank", m.hidden);
   l.mlp.kind = MlpKind::kNone;
   m.layers.assign(static_cast<size_t>(layers), l);
   return m;

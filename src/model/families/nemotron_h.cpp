@@ -6,16 +6,68 @@
 
 namespace spillway::families {
 
+namespace {
+
+// transformers 5 writes the pattern as layers_block_type, one name a layer
+// ("linear_attention" M, "full_attention" *, "mlp" -, "moe" E), and derives
+// num_hidden_layers from its length: when given, both are checked against it.
+std::string read_pattern(const JsonObject& c) {
+  if (!c.has("layers_block_type")) {
+    const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
+    const std::string pattern = c.req_str("hybrid_override_pattern");
+    if (static_cast<int64_t>(pattern.size()) != layers) {
+      c.fail(
+          "hybrid_override_pattern",
+          fmt::format("has {} characters; must have one per layer ({})", pattern.size(), layers));
+    }
+    return pattern;
+  }
+  const std::vector<std::string> types = c.str_array_or("layers_block_type");
+  if (types.empty() || static_cast<int64_t>(types.size()) > kMaxLayers)
+    c.fail("layers_block_type",
+           fmt::format("has {} entries; must have 1 to {}", types.size(), kMaxLayers));
+  std::string pattern;
+  for (size_t i = 0; i < types.size(); ++i) {
+    const std::string& t = types[i];
+    if (t == "linear_attention" || t == "mamba") {
+      pattern += 'M';
+    } else if (t == "full_attention" || t == "attention") {
+      pattern += '*';
+    } else if (t == "mlp") {
+      pattern += '-';
+    } else if (t == "moe") {
+      pattern += 'E';
+    } else {
+      c.fail(fmt::format("layers_block_type[{}]", i),
+             fmt::format("is \"{}\"; must be \"linear_attention\" (Mamba-2), \"full_attention\", "
+                         "\"mlp\" or \"moe\"",
+                         t));
+    }
+  }
+  if (c.has("num_hidden_layers") &&
+      c.req_int("num_hidden_layers", 1, kMaxLayers) != static_cast<int64_t>(types.size())) {
+    c.fail("num_hidden_layers",
+           fmt::format("is {}; transformers derives it from \"layers_block_type\", which has {} "
+                       "entries",
+                       c.req_int("num_hidden_layers", 1, kMaxLayers), types.size()));
+  }
+  if (c.has("hybrid_override_pattern") && c.req_str("hybrid_override_pattern") != pattern) {
+    c.fail("hybrid_override_pattern", fmt::format("is \"{}\"; \"layers_block_type\" says \"{}\"",
+                                                  c.req_str("hybrid_override_pattern"), pattern));
+  }
+  return pattern;
+}
+
+}  // namespace
+
 // Nemotron-H: one block a layer, by hybrid_override_pattern: 'M' a Mamba-2 mixer, '*'
 // attention, '-' a squared-ReLU MLP (up and down), 'E' an MoE (routed experts plus a shared
 // one, squared-ReLU as well).
 ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m, const std::string&) {
-  const int64_t layers = c.req_int("num_hidden_layers", 1, kMaxLayers);
-  const std::string pattern = c.req_str("hybrid_override_pattern");
-  if (static_cast<int64_t>(pattern.size()) != layers) {
-    c.fail("hybrid_override_pattern",
-           fmt::format("has {} characters; must have one per layer ({})", pattern.size(), layers));
-  }
+  const std::string pattern = read_pattern(c);
+  const auto layers = static_cast<int64_t>(pattern.size());
+  // The multi-token-prediction layers' pattern: those layers are not planned.
+  (void)c.has("mtp_layers_block_type");
   AttentionSpec a;
   a.heads = c.req_int("num_attention_heads", 1, kMaxDim);
   a.kv_heads = c.int_or("num_key_value_heads", a.heads, 1, kMaxDim);
@@ -54,7 +106,8 @@ ModelConfig parse_nemotron_h(const JsonObject& c, ModelConfig m, const std::stri
     moe.ffn = c.req_int("moe_intermediate_size", 1, kMaxDim);
     moe.shared_ffn = c.int_or("moe_shared_expert_intermediate_size", 0, 0, kMaxDim) *
                      c.int_or(alias(c, {"n_shared_experts", "num_shared_experts"}), 1, 0, 64);
-    moe.router_bias = true;  // e_score_correction_bias
+    moe.router_bias = true;                    // e_score_correction_bias
+    (void)c.has("moe_shared_expert_overlap");  // overlaps the shared expert's compute: no weight
   }
   for (int64_t i = 0; i < layers; ++i) {
     LayerSpec l;

@@ -26,9 +26,11 @@ ModelConfig parse_zamba2(const JsonObject& c, ModelConfig m, const std::string&)
   }
   std::vector<int64_t> hybrid;
   for (size_t i = 0; i < types.size(); ++i) {
-    if (types[i] != "mamba" && types[i] != "hybrid") {
+    // transformers 5 spells the Mamba-2 layer "linear_attention".
+    if (types[i] != "mamba" && types[i] != "linear_attention" && types[i] != "hybrid") {
       c.fail(fmt::format("layers_block_type[{}]", i),
-             fmt::format("is \"{}\"; must be \"mamba\" or \"hybrid\"", types[i]));
+             fmt::format("is \"{}\"; must be \"linear_attention\" (\"mamba\") or \"hybrid\"",
+                         types[i]));
     }
     if (types[i] == "hybrid") hybrid.push_back(static_cast<int64_t>(i));
   }
