@@ -2,9 +2,13 @@
 #include "core/json_io.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <unordered_map>
+#include <vector>
 
+#include "core/json_keys.hpp"
 #include "spillway/error.hpp"
 
 namespace spillway {
@@ -30,11 +34,82 @@ std::pair<size_t, size_t> line_col(std::string_view text, size_t offset) {
   return {line, col};
 }
 
+// Note [Duplicate keys]: JSON leaves a repeated key undefined; nlohmann keeps the last,
+// Python's json the last, other readers the first. A config with `"hidden_size": 4096,
+// "hidden_size": 8192` would plan whichever this reader picks, so every document is
+// refused with both lines. The scan runs on text the parser has accepted (strings are
+// well-formed, brackets balance).
+struct Scope {
+  bool object = false;
+  bool expect_key = false;
+  size_t index = 0;  // arrays: the element being read
+  std::string path;  // "text_config." for a member object, "layers[2]." for an element
+  std::string key;   // objects: the member being read
+  std::unordered_map<std::string, size_t> lines;  // objects: key -> line
+};
+
+std::string scope_prefix(const std::vector<Scope>& stack) {
+  if (stack.empty()) return {};
+  const Scope& s = stack.back();
+  return s.object ? s.path + s.key + "."
+                  : fmt::format("{}[{}].",
+                                s.path.empty() ? "" : s.path.substr(0, s.path.size() - 1), s.index);
+}
+
 }  // namespace
+
+void refuse_duplicate_keys(std::string_view text, std::string_view what, std::string_view file) {
+  std::vector<Scope> stack;
+  size_t line = 1;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (ch == '\n') {
+      ++line;
+    } else if (ch == '{' || ch == '[') {
+      Scope s;
+      s.object = ch == '{';
+      s.expect_key = s.object;
+      s.path = scope_prefix(stack);
+      stack.push_back(std::move(s));
+    } else if (ch == '}' || ch == ']') {
+      if (!stack.empty()) stack.pop_back();
+    } else if (ch == ',' && !stack.empty()) {
+      if (stack.back().object) {
+        stack.back().expect_key = true;
+      } else {
+        ++stack.back().index;
+      }
+    } else if (ch == '"') {
+      const size_t start = i + 1;
+      bool escaped = false;
+      for (++i; i < text.size() && text[i] != '"'; ++i) {
+        if (text[i] == '\\') {
+          escaped = true;
+          ++i;
+        }
+      }
+      if (stack.empty() || !stack.back().object || !stack.back().expect_key) continue;
+      Scope& s = stack.back();
+      s.expect_key = false;
+      std::string key(text.substr(start, i - start));
+      if (escaped) key = Json::parse("\"" + key + "\"").get<std::string>();
+      const auto [it, fresh] = s.lines.emplace(key, line);
+      if (!fresh) {
+        SPILLWAY_INPUT_ERROR(
+            "{}: duplicate key \"{}{}\" at line {} and line {}: JSON readers disagree on which "
+            "one counts, so neither is used{}",
+            what, s.path, key, it->second, line, file_suffix(file));
+      }
+      s.key = std::move(key);
+    }
+  }
+}
 
 Json parse_json_text(std::string_view text, std::string_view what, std::string_view file) {
   try {
-    return Json::parse(text.begin(), text.end());
+    Json j = Json::parse(text.begin(), text.end());
+    refuse_duplicate_keys(text, what, file);
+    return j;
   } catch (const Json::parse_error& e) {
     const size_t at = e.byte > 0 ? e.byte - 1 : 0;
     auto [line, col] = line_col(text, at);
@@ -70,6 +145,10 @@ Json parse_json_text(std::string_view text, std::string_view what, std::string_v
 }
 
 Json load_json_file(const std::string& path, std::string_view what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    SPILLWAY_INPUT_ERROR("{}: '{}' is a directory, not a JSON file", what, path);
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     SPILLWAY_INPUT_ERROR("{}: cannot open file '{}': {}", what, path, std::strerror(errno));

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/embedded_data.hpp"
+#include "core/json_keys.hpp"
 #include "spillway/device_math.hpp"
 #include "spillway/error.hpp"
 #include "spillway/inference.hpp"
@@ -352,6 +353,7 @@ void check_servable_config(const std::string& model, const std::string& config_t
   } catch (const nlohmann::json::exception& e) {
     SPILLWAY_INPUT_ERROR("model {}: config.json is not JSON ({})", model, e.what());
   }
+  refuse_duplicate_keys(config_text, fmt::format("model {}: config.json", model), "");
   // RoPE's scaling is read (and an unserved type refused) with the config: Note [RoPE
   // scaling] in spillway/nn.hpp.
   // Attention biases are served (Note [Served attention extras] in spillway/nn.hpp).

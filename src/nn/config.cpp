@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/embedded_data.hpp"
+#include "core/json_keys.hpp"
 #include "nn/rope_scaling.hpp"
 #include "nn/slots.hpp"
 #include "spillway/error.hpp"
@@ -133,6 +134,7 @@ RefConfig load_reference_config(const std::string& name_or_path) {
   } catch (const nlohmann::json::exception& e) {
     SPILLWAY_INPUT_ERROR("model config: not valid JSON ({}) (file: {})", e.what(), file);
   }
+  refuse_duplicate_keys(text, "model config", file);
   RefConfig c;
   const std::string stem = embedded != nullptr ? name_or_path : file;
   c.model = parse_model_config(j, stem, file);

@@ -14,6 +14,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "core/json_keys.hpp"
 #include "spillway/error.hpp"
 #include "spillway/serve.hpp"
 
@@ -169,6 +170,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     nlohmann::json h = nlohmann::json::parse(text, nullptr, false);
     if (h.is_discarded() || !h.is_object())
       SPILLWAY_INPUT_ERROR("{}: the {}-byte header at offset 8 is not a JSON object", path, n);
+    refuse_duplicate_keys(text, fmt::format("{}: the header", path), "");
     const int64_t data = file_bytes_ - data_start_;
     for (auto it = h.begin(); it != h.end(); ++it) {
       if (it.key() == "__metadata__") continue;

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <system_error>
 
+#include "core/json_keys.hpp"
 #include "spillway/error.hpp"
 #include "spillway/serve.hpp"
 
@@ -57,6 +58,7 @@ Index read_index(const std::string& path) {
         "{}: is not a JSON object (a safetensors index: {{\"weight_map\": {{tensor: shard "
         "file}}}})",
         path);
+  refuse_duplicate_keys(ss.str(), fmt::format("{}: the index", path), "");
   if (!j.contains("weight_map") || !j["weight_map"].is_object())
     SPILLWAY_INPUT_ERROR("{}: has no \"weight_map\" object (tensor: shard file)", path);
   Index out;

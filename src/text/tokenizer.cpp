@@ -28,6 +28,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "core/json_keys.hpp"
 #include "spillway/error.hpp"
 #include "text/bpe.hpp"
 #include "text/unicode.hpp"
@@ -745,6 +746,7 @@ Tokenizer Tokenizer::from_json(std::string_view text, const std::string& source)
   } catch (const json::exception& e) {
     SPILLWAY_INPUT_ERROR("tokenizer: not valid JSON ({}) (file: {})", e.what(), source);
   }
+  refuse_duplicate_keys(text, "tokenizer", source);
   if (!j.is_object()) refuse(source, "the file", "is not a JSON object");
   auto m = std::make_unique<Impl>();
   m->source = source;

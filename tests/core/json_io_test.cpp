@@ -98,6 +98,26 @@ TEST(JsonText, LoadFile) {
                {"profile: malformed JSON at line 2, column", bad});
 }
 
+TEST(JsonText, DuplicateKeysAreRefusedWithBothLines) {
+  expect_error(
+      [] { parse("{\n  \"hidden_size\": 4096,\n  \"hidden_size\": 8192\n}"); },
+      {"model config: duplicate key \"hidden_size\" at line 2 and line 3", "(file: f.json)"});
+  // Nested objects and arrays name the path; an escaped spelling is the same key.
+  expect_error([] { parse(R"({"text_config": {"a": 1, "b": {}, "a": 2}})"); },
+               {"duplicate key \"text_config.a\" at line 1 and line 1"});
+  expect_error([] { parse(R"({"l": [{"x": 1}, {"x": 1, "\u0078": 2}]})"); },
+               {"duplicate key \"l[1].x\""});
+  // The same key in sibling objects, and key-like strings among values, are not duplicates.
+  const Json ok = parse(R"({"a": {"k": 1}, "b": {"k": "a"}, "c": ["k", "k"], "k": "\"a\""})");
+  EXPECT_EQ(ok["b"]["k"], "a");
+}
+
+TEST(JsonText, ADirectoryIsNotAFile) {
+  TempDir dir;
+  expect_error([&] { (void)load_json_file(dir.path().string(), "profile"); },
+               {"profile: '", "' is a directory, not a JSON file"});
+}
+
 TEST(JsonObject, RangeErrorsHaveTheExactHouseFormat) {
   const Json j = parse(R"({"x": 0, "y": 5, "z": -3, "n": {"k": 0}})");
   JsonObject o(j, "model config", "f.json");

@@ -130,6 +130,13 @@ TEST(Tokenizer, WhatItDoesNotImplementIsRefusedNamingIt) {
       },
       {"pre_tokenizer", "\"BertPreTokenizer\" is not supported"});
   testing::expect_error([&] { (void)Tokenizer::from_json("{", "x.json"); }, {"not valid JSON"});
+  // A repeated key (here the model's type) is refused naming it: Note [Duplicate keys].
+  testing::expect_error(
+      [&] {
+        (void)Tokenizer::from_json(with("\"type\":\"BPE\"", "\"type\":\"BPE\",\"type\":\"BPE\""),
+                                   "x.json");
+      },
+      {"tokenizer: duplicate key \"model.type\"", "(file: x.json)"});
   const Tokenizer t = Tokenizer::from_json(text, "x.json");
   testing::expect_error([&] { (void)t.encode("ab\xFF"); }, {"not valid UTF-8", "byte 2"});
 }
