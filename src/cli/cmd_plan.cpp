@@ -10,6 +10,7 @@
 #include "cli/plan_flags.hpp"
 #include "spillway/plan.hpp"
 #include "spillway/units.hpp"
+#include "tool/output_path.hpp"
 
 namespace spillway::cli {
 
@@ -74,6 +75,7 @@ void add_plan_command(CLI::App& app) {
                    "(`spillway plan --help` lists the flags)\n",
                    kPlanExampleArgs);
     }
+    tool::check_output_path(st->json_path);
     PlanRequest req = make_request(st->flags);
     req.cpu_adam_gbps = st->cpu_adam_gbps;
     const Plan plan = make_plan(req);

@@ -23,7 +23,9 @@
 #include "cli/commands.hpp"
 #include "spillway/error.hpp"
 #include "spillway/live.hpp"
+#include "spillway/model.hpp"
 #include "spillway/replay.hpp"
+#include "tool/output_path.hpp"
 
 namespace spillway::cli {
 
@@ -198,6 +200,10 @@ void add_replay_command(CLI::App& app) {
       return;
     }
     if (st->o.time_scale == 0) st->o.time_scale = 1;
+    // The models and the outputs before the trace is read and the replay announced.
+    for (const std::string& m : st->o.models) (void)load_model(m);
+    tool::check_output_path(st->json_path);
+    tool::check_output_path(st->svg_path);
     const std::string trace_path =
         st->trace.empty() ? default_data_file("lora_request_trace.csv", "--trace") : st->trace;
     const std::string reloads_path =

@@ -20,6 +20,7 @@
 #include <iostream>
 
 #include "spillway/error.hpp"
+#include "tool/output_path.hpp"
 
 namespace spillway::tool {
 
@@ -118,6 +119,22 @@ void write_output(const std::string& path, const std::string& text) {
   char resolved[PATH_MAX];
   if (::realpath(path.c_str(), resolved) == nullptr) fail(path, errno);
   write_atomically(path, resolved, text, static_cast<int>(st.st_mode & 07777));
+}
+
+void check_output_path(const std::string& path) {
+  if (path.empty() || path == "-" || path == "/dev/stdout") return;
+  if (path.back() == '/') fail(path, EISDIR);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) fail(path, EISDIR);
+    return;
+  }
+  if (errno != ENOENT) fail(path, errno);
+  // A new file: its directory must exist.
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  if (::stat(dir.c_str(), &st) != 0) fail(path, errno);
+  if (!S_ISDIR(st.st_mode)) fail(path, ENOTDIR);
 }
 
 void finish_stdout() {

@@ -35,13 +35,24 @@ CLI::Option* in_range(CLI::Option* opt, const FlagRange& r) {
   // The long name even for an option hidden from --help (whose get_name() is empty).
   const std::string name =
       opt->get_lnames().empty() ? opt->get_name() : "--" + opt->get_lnames().front();
+  // CLI11 would say only "Could not convert" for 1e3 or "x" given to an integer flag.
+  const std::string type = opt->get_type_name();
+  const bool integer = type == "INT" || type == "UINT";
   opt->check(CLI::Validator(
-      [r, name](std::string& text) -> std::string {
+      [r, name, integer](std::string& text) -> std::string {
         const char* begin = text.c_str();
         char* end = nullptr;
         const double v = std::strtod(begin, &end);
-        // Not a number: CLI11's conversion to the option's type reports it.
-        if (end == begin || *end != '\0') return {};
+        if (end == begin || *end != '\0') {
+          throw InputError(name, text, integer ? "must be an integer" : "must be a number");
+        }
+        if (integer && text.find_first_not_of("+-0123456789") != std::string::npos) {
+          throw InputError(name, text,
+                           fmt::format("must be an integer written in digits{}",
+                                       std::isfinite(v) && v == std::floor(v)
+                                           ? fmt::format(" ({:.0f}, not {})", v, text)
+                                           : std::string()));
+        }
         if (r.also && v == *r.also) return {};
         const bool below = r.lo_open ? !(v > r.lo) : !(v >= r.lo);
         const bool above = r.hi_text.empty() && !(v <= r.hi);

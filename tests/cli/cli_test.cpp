@@ -643,6 +643,45 @@ TEST(Cli, ModelFromAConfigFile) {
   EXPECT_TRUE(contains(e.out, bad)) << e.out;
 }
 
+TEST(Cli, CatalogLookupsSuggestAndIgnoreCase) {
+  const CliRun typo = run("plan --model Lama-3.1-8B");
+  EXPECT_EQ(typo.code, 1) << typo.out;
+  EXPECT_TRUE(contains(typo.out, "Did you mean Llama-3.1-8B?")) << typo.out;
+  const CliRun hub = run("plan --model Qwen/Qwen3-30B-A3B");
+  EXPECT_EQ(hub.code, 1) << hub.out;
+  EXPECT_TRUE(contains(hub.out, "Did you mean Qwen3-30B-A3B (the catalog's copy")) << hub.out;
+  const CliRun h100 = run("plan --hardware h100");
+  EXPECT_EQ(h100.code, 1) << h100.out;
+  EXPECT_TRUE(contains(h100.out, "Did you mean h100-pcie or h100-sxm?")) << h100.out;
+  const CliRun upper = run("plan --hardware GH200 --json -", "2>/dev/null");
+  ASSERT_TRUE(upper.code == 0 || upper.code == 3) << upper.out;
+  EXPECT_EQ(Json::parse(upper.out)["hardware"]["name"], "gh200");
+}
+
+TEST(Cli, DirectoriesGivenAsFilesSaySo) {
+  TempDir dir;
+  std::filesystem::create_directories(dir.file("empty"));
+  std::filesystem::create_directories(dir.file("hw/config.json"));
+  const CliRun model = run("plan --model '" + dir.file("empty") + "'");
+  EXPECT_EQ(model.code, 1) << model.out;
+  EXPECT_TRUE(contains(model.out, "is a directory without a config.json")) << model.out;
+  const CliRun hw = run("plan --hardware '" + dir.file("hw/config.json") + "'");
+  EXPECT_EQ(hw.code, 1) << hw.out;
+  EXPECT_TRUE(contains(hw.out, "hardware: '" + dir.file("hw/config.json") + "' is a directory"))
+      << hw.out;
+}
+
+TEST(Cli, AnIntegerFlagGivenAnotherNumberSaysWhatItExpects) {
+  const CliRun r = run("plan --micro-batch 1e3");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--micro-batch is 1e3; must be an integer written in digits (1000, "
+                              "not 1e3)"))
+      << r.out;
+  EXPECT_FALSE(contains(r.out, "Could not convert")) << r.out;
+  const CliRun word = run("plan --micro-batch two");
+  EXPECT_TRUE(contains(word.out, "--micro-batch is two; must be an integer")) << word.out;
+}
+
 TEST(Cli, NumberBeyondDoubleRangeIsAnInputError) {
   TempDir dir;
   const std::string cfg = dir.write("big-number.json", R"({

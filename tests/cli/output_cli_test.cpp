@@ -142,6 +142,30 @@ TEST(CliOutput, DirectoryAsOutputPathSaysIsADirectory) {
   }
 }
 
+TEST(CliOutput, ADirectoryForTheJsonFailsBeforeTheReport) {
+  TempDir dir;
+  std::filesystem::create_directory(dir.file("out"));
+  for (const std::string& args :
+       {std::string(kPlan) + " --json '" + dir.file("out") + "'",
+        std::string(kPlan) + " --json '" + dir.file("no/such/dir/p.json") + "'",
+        std::string("replay --max-requests 10 --json '") + dir.file("out") + "'"}) {
+    SCOPED_TRACE(args);
+    const CliRun r = run(args);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_TRUE(contains(r.out, "cannot write '")) << r.out;
+    // Nothing of the report (plan) or of the replay's announcement was printed.
+    EXPECT_FALSE(contains(r.out, "HBM")) << r.out;
+    EXPECT_FALSE(contains(r.out, "replaying")) << r.out;
+  }
+}
+
+TEST(CliOutput, ReplayRefusesAnUnknownModelBeforeItStarts) {
+  const CliRun r = run("replay --max-requests 10 --models nosuch");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "'nosuch' is neither a catalog model")) << r.out;
+  EXPECT_FALSE(contains(r.out, "replaying")) << r.out;
+}
+
 TEST(CliOutput, ClosedPipeExitsNonZeroWithoutASignal) {
   // The trace of a training step (> 128 KiB) is longer than a pipe holds (64 KiB), so spillway
   // writes after `head` has gone: EPIPE, not SIGPIPE (exit 141).
