@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "cli/commands.hpp"
+#include "core/json_keys.hpp"
 #include "spillway/chat_template.hpp"
 #include "spillway/error.hpp"
 #include "spillway/tokenizer.hpp"
@@ -54,6 +55,7 @@ void for_each_json_line(const std::string& path,
     } catch (const nlohmann::ordered_json::exception& e) {
       SPILLWAY_INPUT_ERROR("--jsonl: line {} is not JSON ({})", n, e.what());
     }
+    refuse_duplicate_keys(line, fmt::format("--jsonl: line {}", n), "");
     fn(j, n);
   }
 }
@@ -191,6 +193,7 @@ void add_chat_template_command(CLI::App& app) {
     std::string source = read_text(st->file, "--template");
     if (st->file.size() >= 5 && st->file.compare(st->file.size() - 5, 5, ".json") == 0) {
       const json cfg = json::parse(source, nullptr, false);
+      if (!cfg.is_discarded()) refuse_duplicate_keys(source, "--template", st->file);
       if (!cfg.is_object() || !cfg.contains("chat_template") || !cfg["chat_template"].is_string())
         SPILLWAY_INPUT_ERROR("--template: '{}' has no \"chat_template\" string", st->file);
       source = cfg["chat_template"].get<std::string>();

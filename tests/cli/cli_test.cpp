@@ -674,12 +674,30 @@ TEST(Cli, DirectoriesGivenAsFilesSaySo) {
 TEST(Cli, AnIntegerFlagGivenAnotherNumberSaysWhatItExpects) {
   const CliRun r = run("plan --micro-batch 1e3");
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out, "--micro-batch is 1e3; must be an integer written in digits (1000, "
-                              "not 1e3)"))
+  EXPECT_TRUE(contains(r.out,
+                       "--micro-batch is 1e3; must be an integer written in digits (1000, "
+                       "not 1e3)"))
       << r.out;
   EXPECT_FALSE(contains(r.out, "Could not convert")) << r.out;
   const CliRun word = run("plan --micro-batch two");
   EXPECT_TRUE(contains(word.out, "--micro-batch is two; must be an integer")) << word.out;
+}
+
+TEST(Cli, ChatTemplateInputsRefuseDuplicateKeys) {
+  TempDir dir;
+  const std::string tmpl = dir.write("t.jinja", "{{ messages | length }}");
+  const std::string ctx = dir.write("c.jsonl", R"({"messages": [], "messages": [{}]})");
+  const CliRun line = run("chat-template --template '" + tmpl + "' --jsonl '" + ctx + "'");
+  EXPECT_EQ(line.code, 1) << line.out;
+  EXPECT_TRUE(contains(line.out, "--jsonl: line 1: duplicate key \"messages\"")) << line.out;
+  const std::string cfg =
+      dir.write("tokenizer_config.json", "{\"chat_template\": \"a\",\n \"chat_template\": \"b\"}");
+  const CliRun config = run("chat-template --template '" + cfg + "' --jsonl '" + ctx + "'");
+  EXPECT_EQ(config.code, 1) << config.out;
+  EXPECT_TRUE(contains(config.out,
+                       "--template: duplicate key \"chat_template\" at line 1 and "
+                       "line 2"))
+      << config.out;
 }
 
 TEST(Cli, NumberBeyondDoubleRangeIsAnInputError) {
