@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "core/json_keys.hpp"
 #include "http/http_connection.hpp"
 #include "spillway/error.hpp"
 
@@ -527,6 +528,12 @@ void HttpServer::Impl::completions(httplib::Response& res, const httplib::Conten
     refuse(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "");
     return;
   }
+  try {
+    refuse_duplicate_keys(text, "the request body", "");  // Note [Duplicate keys]
+  } catch (const Error& e) {
+    refuse(400, e.what(), "", "");
+    return;
+  }
   inference::CompletionRequest q;
   bool stream = false, include_usage = false;
   TextMode tm;
@@ -723,6 +730,12 @@ void HttpServer::Impl::chat_completions(httplib::Response& res,
     body = nlohmann::ordered_json::parse(raw);
   } catch (const nlohmann::ordered_json::exception& e) {
     refuse(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "");
+    return;
+  }
+  try {
+    refuse_duplicate_keys(raw, "the request body", "");  // Note [Duplicate keys]
+  } catch (const Error& e) {
+    refuse(400, e.what(), "", "");
     return;
   }
   if (!body.is_object()) {

@@ -124,6 +124,18 @@ TEST(ChatCompletions, BadRequestsAreRefusedNamingTheField) {
     EXPECT_EQ(e.at("param"), param) << r->body;
     EXPECT_NE(e.at("message").get<std::string>().find(says), std::string::npos) << r->body;
   };
+  // A repeated key is refused, not read as its last value: Note [Duplicate keys].
+  for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
+    const httplib::Result dup =
+        cli.Post(path, R"({"model": "chat", "model": "chat", "prompt": "x", "messages": []})",
+                 "application/json");
+    ASSERT_TRUE(dup) << httplib::to_string(dup.error());
+    EXPECT_EQ(dup->status, 400) << path << " " << dup->body;
+    const std::string says = json::parse(dup->body).at("error").at("message");
+    EXPECT_NE(says.find("the request body: duplicate key \"model\" at line 1 and line 1"),
+              std::string::npos)
+        << dup->body;
+  }
   json b = ok;
   b.erase("messages");
   expect(b, 400, "messages", "'messages' is required");
