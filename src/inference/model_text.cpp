@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/json_keys.hpp"
 #include "spillway/error.hpp"
 #include "spillway/inference.hpp"
 
@@ -54,11 +55,16 @@ ModelText read_model_text(const std::string& dir) {
   }
   nlohmann::json cfg = nlohmann::json::object();
   std::string cfg_text;
+  // A key written twice is refused, not read as its last value (Note [Duplicate keys]): it
+  // would pick the template, the special tokens or the EOS ids the model stops at.
   if (read_file(d / "tokenizer_config.json", &cfg_text)) {
     cfg = nlohmann::json::parse(cfg_text, nullptr, false);
     if (cfg.is_discarded() || !cfg.is_object()) {
       t.chat_unavailable = "tokenizer_config.json is not a JSON object";
       cfg = nlohmann::json::object();
+    } else {
+      refuse_duplicate_keys(cfg_text, "tokenizer_config.json",
+                            (d / "tokenizer_config.json").string());
     }
   }
   if (cfg.contains("bos_token")) t.bos_token = token_string(cfg["bos_token"]);
@@ -88,6 +94,9 @@ ModelText read_model_text(const std::string& dir) {
   std::string gen_text;
   if (read_file(d / "generation_config.json", &gen_text)) {
     const nlohmann::json g = nlohmann::json::parse(gen_text, nullptr, false);
+    if (!g.is_discarded())
+      refuse_duplicate_keys(gen_text, "generation_config.json",
+                            (d / "generation_config.json").string());
     if (g.is_object() && g.contains("eos_token_id")) {
       const nlohmann::json& e = g["eos_token_id"];
       for (const nlohmann::json& v : e.is_array() ? e : nlohmann::json::array({e}))

@@ -91,10 +91,15 @@ TEST(ChatCompletions, TheReplyIsTheEnginesCompletionOfTheRenderedPrompt) {
   EXPECT_EQ(json::parse(events[events.size() - 2]).at("choices")[0].at("finish_reason"), "length");
   EXPECT_EQ(events.back(), "[DONE]");
 
-  // A stop string: the text before its first occurrence, "stop".
+  // A stop string: the text before its first occurrence, "stop". Its byte is the reply's
+  // first ASCII one (a whole character) after the start that differs from the first, so
+  // that the stop is not at 0, whatever the seed's model writes.
   size_t at = 1;
-  while (at < want.size() && !(want[at] >= 'a' && want[at] <= 'z')) ++at;
-  ASSERT_LT(at, want.size()) << "the fixed seed's reply has a letter to stop at: " << want;
+  while (at < want.size() && (static_cast<unsigned char>(want[at]) >= 0x80 || want[at] == want[0]))
+    ++at;
+  ASSERT_LT(at, want.size()) << "the fixed seed's reply has a byte to stop at: "
+                             << ::testing::PrintToString(
+                                    std::vector<unsigned char>(want.begin(), want.end()));
   {
     const std::string stop(1, want[at]);
     const httplib::Result sr = chat(cli, {{"model", "chat"},
@@ -161,6 +166,27 @@ TEST(ChatCompletions, BadRequestsAreRefusedNamingTheField) {
   b["max_completion_tokens"] = 0;
   expect(b, 400, "max_completion_tokens", "must be >= 1");
   EXPECT_EQ(s.engine.in_flight(), 0);
+}
+
+// Note [Duplicate keys]: a model directory's tokenizer_config.json or generation_config.json
+// that writes a key twice is refused naming the file, the key and both lines (it would pick
+// the template, the special tokens or the EOS ids by the parser's whim).
+TEST(ModelText, DuplicateKeysInTheTextConfigsAreRefused) {
+  const ChatModels m;
+  const std::filesystem::path chat = m.dir.path() / "chat";
+  EXPECT_NO_THROW(inference::read_model_text(chat.string()));
+  std::ofstream(chat / "tokenizer_config.json", std::ios::trunc)
+      << "{\"chat_template\": \"a\",\n \"chat_template\": \"b\"}";
+  spillway::testing::expect_error(
+      [&] { inference::read_model_text(chat.string()); },
+      {"tokenizer_config.json: duplicate key \"chat_template\"", "line 1 and line 2"});
+  std::ofstream(chat / "tokenizer_config.json", std::ios::trunc)
+      << json{{"chat_template", kTemplate}}.dump();
+  std::ofstream(chat / "generation_config.json")
+      << "{\"eos_token_id\": 1,\n\n \"eos_token_id\": 2}";
+  spillway::testing::expect_error(
+      [&] { inference::read_model_text(chat.string()); },
+      {"generation_config.json: duplicate key \"eos_token_id\"", "line 1 and line 3"});
 }
 
 }  // namespace
