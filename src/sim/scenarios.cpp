@@ -11,7 +11,8 @@
 //   backward  layers in reverse: layer l's reloads (H2D, one per tensor) are issued when
 //             layer l + prefetch_depth starts its backward and never before their D2H
 //             copy ended; the layer's recompute, then its backward, wait for them.
-// Memory (GPU 0): static memory, plus each saved tensor from its production to the end of
+// Memory (GPU 0): static memory and the other micro-batches in flight of a pipeline stage
+// (Note [Micro-batches in flight]), plus each saved tensor from its production to the end of
 // its layer's backward, except: an offloaded tensor leaves HBM when its D2H copy ends and
 // returns when its reload starts; a recomputed tensor leaves when its layer's forward
 // ends and returns when the recompute starts; the logits live while the head runs.
@@ -820,7 +821,15 @@ void TrainingStep::memory(SimResult& r) const {
     ev.emplace_back(end_of(b_.head), -plan_.summary.logits_bytes);
   }
   const MemoryBreakdown& pk = plan_.summary.peak;
-  const int64_t base = pk.weights + pk.gradients + pk.optimizer_states + pk.buffers;
+  // Note [Micro-batches in flight]: the plan is the first 1F1B stage, which holds
+  // pp micro-batches at once (docs/planner.md, Note [Peak memory] in src/plan/timeline.cpp).
+  // In 1F1B's steady state, while GPU 0's micro-batch runs its forward and backward, the
+  // pp - 1 others in flight hold what their forward left on the device: each layer's kept
+  // tensors (fp8 scaling state included); their offloaded tensors are on the host.
+  int64_t kept = 0;
+  for (const LayerPlan& lp : plan_.layers) kept += lp.kept_bytes + lp.fp8_scaling_state_bytes;
+  const int64_t in_flight = (req_.work.pp - 1) * kept;
+  const int64_t base = pk.weights + pk.gradients + pk.optimizer_states + pk.buffers + in_flight;
   r.memory = memory_curve(std::move(ev), base, &r.summary.peak_hbm_bytes);
 }
 

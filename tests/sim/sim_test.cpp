@@ -88,6 +88,47 @@ TEST(SimAgreement, SnowballIffPlannerWindowMissedAndStepTimesAgree) {
   EXPECT_GT(clean, 5);
 }
 
+// Note [Micro-batches in flight]: a pipeline plan is the first 1F1B stage, holding pp
+// micro-batches; the simulator counts the pp - 1 beside GPU 0's as the planner does, so the
+// two agree on the peak and on the memory verdict at every pp (the planner's peak is a sum
+// of maxima at the start of backward, the simulator's the curve's maximum: within 3%).
+TEST(SimAgreement, PipelinePeakAndVerdictAgreeWithThePlanner) {
+  struct Case {
+    std::string model;
+    std::string hw;
+    int64_t seq;
+  };
+  const std::vector<Case> cases = {{"Llama-3.1-8B", "gh200", 8192},
+                                   {"Qwen3-14B", "h100-sxm", 4096},
+                                   {"Qwen3-30B-A3B", "gh200", 4096},
+                                   {"Mixtral-8x7B", "gb200", 4096}};
+  int fits = 0;
+  int over = 0;
+  for (const Case& c : cases) {
+    for (Policy s : {Policy::kKeep, Policy::kRecompute, Policy::kOffload}) {
+      for (int pp : {1, 2, 4}) {
+        PlanRequest r = request(c.model, c.hw, 1, c.seq, s);
+        r.work.pp = pp;
+        r.margin = 0.0;
+        const Plan plan = make_plan(r);
+        const SimResult sim = simulate_training_step(plan, r, exact());
+        SCOPED_TRACE(testing::describe(r) + " pp " + std::to_string(pp));
+        const double planned = static_cast<double>(plan.summary.peak.total());
+        const double simulated = static_cast<double>(sim.summary.peak_hbm_bytes);
+        EXPECT_NEAR(simulated, planned, 0.03 * planned);
+        const double budget = static_cast<double>(plan.summary.hbm_budget_bytes);
+        if (std::abs(planned - budget) < 0.03 * budget) continue;  // within the tolerance
+        const bool planner_fits = planned <= budget;
+        EXPECT_EQ(sim.summary.feasible, planner_fits);
+        ++(planner_fits ? fits : over);
+      }
+    }
+  }
+  // Both verdicts, or the sweep proves nothing.
+  EXPECT_GT(fits, 3);
+  EXPECT_GT(over, 3);
+}
+
 // ---- conservation and ordering ---------------------------------------------------------------
 
 TEST(SimInvariants, ConservationOrderingAndBusyTime) {
