@@ -49,6 +49,12 @@ struct Stage {
   // ring issued as layer l's forward starts, and as its backward starts.
   std::vector<double> host_comm_fwd_ms;
   std::vector<double> host_comm_bwd_ms;
+  // Note [Forward paced by the gathers] (timeline.cpp): per layer, the overlapped forward
+  // weight gathers it waits for (ms; whether on the host link) and its exposed forward
+  // collectives (the op they follow, ms), on the one communication stream.
+  std::vector<double> gather_fwd_ms;
+  std::vector<char> gather_fwd_host;
+  std::vector<std::vector<std::pair<int, double>>> exposed_fwd;
 };
 
 struct OptionSet {

@@ -160,6 +160,29 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
       weave_exposed(st.collectives[l], st.layers[l], st.comm_fwd_ms[l], st.comm_bwd_ms[l]);
     }
     host_link_collectives(r, st);
+    // Note [Forward paced by the gathers]: ZeRO-3's gathers run in every micro-batch;
+    // ZeRO-1/2's only in the first, so with grad_accum > 1 the others (unpaced, the worse
+    // for the windows) are the ones judged.
+    st.gather_fwd_ms.assign(static_cast<size_t>(n), 0.0);
+    st.gather_fwd_host.assign(static_cast<size_t>(n), 0);
+    st.exposed_fwd.assign(static_cast<size_t>(n), {});
+    for (size_t l = 0; l < static_cast<size_t>(n); ++l) {
+      const CostedLayer& cl = st.layers[l];
+      for (const CollectivePlan& c : st.collectives[l]) {
+        if (c.backward) continue;
+        if (c.exposed) {
+          const int after = exposed_forward_position(
+              c, cl.inv.ops.size(), [&](size_t k) { return std::string_view(cl.inv.ops[k].name); });
+          st.exposed_fwd[l].emplace_back(after, c.ms);
+        } else if (c.what == "zero.weight_gather" ||
+                   (c.what == "zero.param_gather" && r.work.grad_accum == 1)) {
+          st.gather_fwd_ms[l] += c.ms;
+          if (c.link == "host") st.gather_fwd_host[l] = 1;
+        }
+      }
+      std::stable_sort(st.exposed_fwd[l].begin(), st.exposed_fwd[l].end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+    }
   }
 
   // Note [Training state].

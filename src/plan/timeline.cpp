@@ -37,6 +37,72 @@ namespace {
 constexpr const char* kBytesWhat =
     "plan: the memory total (micro-batch * seq-len * widths * layers)";
 
+// Note [Forward paced by the gathers]: the overlapped forward weight gathers (ZeRO-3's in
+// every micro-batch, ZeRO-1/2's in the first: Stage::gather_fwd_ms) run on the GPU's one
+// communication stream in issue order, as the simulator runs them (Note [Collectives in the
+// simulator]): layer l + 1's is issued as layer l starts, and layer l + 1 waits for it;
+// layer l's exposed collectives (its all-to-alls) queue behind it. When the gathers take
+// longer than the compute, they pace the forward: the layers start later and the tensors
+// after a delayed all-to-all are produced later, which widens the copies' windows. The
+// copies are judged on this forward (`fstart`, `late`: per tensor, ms later than its
+// unpaced production within the layer); the step's time keeps the unpaced forward, the
+// gathers' share of it being overlapped_step_delay's. A host-link gather beside a layer's
+// copies takes min(ring, copies) longer (Note [The host link is shared]).
+void paced_forward(const Stage& st, const std::vector<const Option*>& choice,
+                   std::vector<double>& fstart, std::vector<std::vector<double>>& late) {
+  const size_t n = st.layers.size();
+  std::vector<double> gf(n, 0.0);
+  bool any = false;
+  for (size_t l = 0; l < n; ++l) {
+    gf[l] = l < st.gather_fwd_ms.size() ? st.gather_fwd_ms[l] : 0.0;
+    any |= gf[l] > 0.0;
+    if (gf[l] > 0.0 && l > 0 && st.gather_fwd_host[l] && st.d2h_bytes_per_ms > 0.0) {
+      const double copies =
+          static_cast<double>(choice[l - 1]->cost.offload_bytes) / st.d2h_bytes_per_ms;
+      gf[l] = shared_link_ms(gf[l], copies);
+    }
+  }
+  fstart[0] = 0.0;
+  if (!any) {
+    for (size_t l = 0; l < n; ++l)
+      fstart[l + 1] = fstart[l] + st.layers[l].fwd_ms + st.comm_fwd_ms[l];
+    return;
+  }
+  double comm = gf[0];
+  double t = comm;  // layer 0 waits for its weights
+  for (size_t l = 0; l < n; ++l) {
+    const CostedLayer& cl = st.layers[l];
+    late[l].assign(cl.inv.tensors.size(), 0.0);
+    fstart[l] = t;
+    double next = 0.0;
+    if (l + 1 < n) {
+      comm = std::max(comm, t) + gf[l + 1];
+      next = comm;
+    }
+    double op_sum = 0.0;
+    for (double ms : cl.op_fwd_ms) op_sum += ms;
+    const double scale = op_sum > 0.0 ? cl.fwd_ms / op_sum : 0.0;
+    double cur = t;
+    double done = 0.0;  // ms of the layer's compute run
+    for (const auto& [after, ms] : st.exposed_fwd[l]) {
+      double offset = 0.0;
+      for (int k = 0; k <= after && k < static_cast<int>(cl.op_fwd_ms.size()); ++k)
+        offset += cl.op_fwd_ms[static_cast<size_t>(k)] * scale;
+      offset = std::min(offset, cl.fwd_ms);
+      cur += offset - done;
+      done = offset;
+      const double wait = std::max(0.0, comm - cur);
+      cur += wait + ms;
+      comm = cur;
+      for (size_t i = 0; i < cl.inv.tensors.size(); ++i) {
+        if (cl.inv.tensors[i].producer > after) late[l][i] += wait;
+      }
+    }
+    t = std::max(cur + cl.fwd_ms - done, next);
+  }
+  fstart[n] = t;
+}
+
 }  // namespace
 
 Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
@@ -47,6 +113,15 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
   std::vector<double> start(n + 1, 0.0);
   for (size_t l = 0; l < n; ++l) start[l + 1] = start[l] + st.layers[l].fwd_ms + st.comm_fwd_ms[l];
   tl.fwd_ms = start[n];
+  // The forward the copies see (Note [Forward paced by the gathers]): `fstart`, and per
+  // tensor how much later than the unpaced timing it is produced within its layer (left
+  // empty without gathers).
+  std::vector<double> fstart(n + 1, 0.0);
+  std::vector<std::vector<double>> produced_late(n);
+  paced_forward(st, choice, fstart, produced_late);
+  // Forward-frame times to the unpaced frame the backward runs in (same offset from the
+  // end of the forward).
+  const double paced_by = fstart[n] - start[n];
 
   // Forward D2H: FIFO across layers, once at the real rate (timeline, backlog) and once
   // derated by the margin (the feasibility judgement). See Note [Forward window].
@@ -71,30 +146,36 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     const double alone = static_cast<double>(o.cost.offload_bytes) / rate_real;
     const double share = alone / shared_link_ms(alone, st.host_comm_fwd_ms[l]);
     const double rate_real_l = rate_real * share;
-    const double fin_margin =
-        copy_finish_ms(c, o.actions, rate_margin * share, free_margin - start[l], nullptr) +
-        start[l];
-    free_margin = fin_margin;
-    // Real-rate copies, recorded for the backlog.
     std::vector<size_t> order;
     for (size_t i = 0; i < o.actions.size(); ++i) {
       if (c.inv.tensors[i].saved && o.actions[i] == Action::kOffload) order.push_back(i);
     }
     std::stable_sort(order.begin(), order.end(),
                      [&](size_t a, size_t b) { return c.produced_at_ms[a] < c.produced_at_ms[b]; });
+    auto produced_at = [&](size_t i) {
+      return fstart[l] + c.produced_at_ms[i] +
+             (produced_late[l].empty() ? 0.0 : produced_late[l][i]);
+    };
+    // At the rate derated by the margin (the judgement), and at the real rate (the
+    // timeline, the backlog).
     for (size_t i : order) {
-      const double produced = start[l] + c.produced_at_ms[i];
+      free_margin = std::max(free_margin, produced_at(i)) +
+                    static_cast<double>(c.inv.tensors[i].bytes) / (rate_margin * share);
+    }
+    const double fin_margin = free_margin;
+    for (size_t i : order) {
+      const double produced = produced_at(i);
       const double b = std::max(free_real, produced);
       const double e = b + static_cast<double>(c.inv.tensors[i].bytes) / rate_real_l;
       copies.push_back({produced, b, e, c.inv.tensors[i].bytes});
       free_real = e;
     }
-    d2h_done[l] = free_real;
-    const double deadline = start[std::min(l + 2, n)];
+    d2h_done[l] = free_real - paced_by;
+    const double deadline = fstart[std::min(l + 2, n)];
     lp.d2h_ms = static_cast<double>(o.cost.offload_bytes) / rate_real_l;
     // The layer's own window: from its first offloaded tensor to the end of the next
     // forward (what it would have with an idle engine); lateness includes the backlog.
-    lp.window_ms = deadline - (start[l] + c.produced_at_ms[order.front()]);
+    lp.window_ms = deadline - produced_at(order.front());
     lp.margin = lp.window_ms / lp.d2h_ms - 1.0;
     lp.late_ms = std::max(0.0, fin_margin - deadline);
     if (fin_margin > deadline + 1e-9) {
@@ -115,7 +196,7 @@ Timeline run_timeline(const Stage& st, const std::vector<const Option*>& choice,
     size_t done = 0;
     size_t produced = 0;
     for (size_t l = 0; l < n; ++l) {
-      const double t = start[l + 1];
+      const double t = fstart[l + 1];
       while (done < copies.size() && copies[done].end <= t) ++done;
       while (produced < copies.size() && copies[produced].produced <= t) ++produced;
       double pending = 0.0;

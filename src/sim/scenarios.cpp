@@ -141,6 +141,9 @@ struct Built {
   std::unordered_map<int, std::string> link_of;  // collective task -> its link's name
   std::vector<int> layer_last_fwd;               // GPU 0 mb 0
   std::vector<std::vector<int>> layer_d2h;       // GPU 0 mb 0
+  // GPU 0, every micro-batch: [mb][layer] (the snowball is judged in each).
+  std::vector<std::vector<int>> mb_last_fwd;
+  std::vector<std::vector<std::vector<int>>> mb_layer_d2h;
   int head = -1;
 };
 
@@ -429,6 +432,8 @@ TrainingStep::TrainingStep(const Plan& plan, const PlanRequest& req, const SimOp
   topo_ = make_topology(e_, gpus_, per_link_, link_d2h_ * 1e6, link_h2d_ * 1e6, hbm);
   b_.layer_last_fwd.assign(n_, -1);
   b_.layer_d2h.assign(n_, {});
+  b_.mb_last_fwd.assign(static_cast<size_t>(ga_), std::vector<int>(n_, -1));
+  b_.mb_layer_d2h.assign(static_cast<size_t>(ga_), std::vector<std::vector<int>>(n_));
   check_collectives(plan);
 }
 
@@ -492,6 +497,7 @@ void TrainingStep::issue_d2h(Pass& p, size_t l, size_t ti, int producer_task) {
   if (producer_task >= 0) e_.add_dep(id, producer_task);
   p.layer_tensor_d2h[l].emplace_back(static_cast<int>(ti), id);
   if (p.track) b_.layer_d2h[l].push_back(id);
+  if (p.g == 0) b_.mb_layer_d2h[static_cast<size_t>(p.mb)][l].push_back(id);
   // Back-pressure: the next compute op waits for the oldest copies until the bytes in
   // flight, this copy included, fit the bound.
   p.d2h_issued.emplace_back(id, tp.bytes);
@@ -546,6 +552,7 @@ void TrainingStep::forward_layer(Pass& p, size_t l) {
         p.pending_comm.push_back(collective(l, c, p, {id}));
     }
   }
+  if (p.g == 0) b_.mb_last_fwd[static_cast<size_t>(p.mb)][l] = p.last_fwd;
   if (!p.track) return;
   b_.layer_last_fwd[l] = p.last_fwd;
   layer_first_tensor_.push_back(b_.tensors.size());
@@ -777,14 +784,21 @@ void TrainingStep::backlog(SimResult& r) const {
     s.backlog_bytes[l] = static_cast<int64_t>(pending);
   }
   // A layer whose copies end after the next layer's forward: the queue carries over and
-  // grows; the first such layer names the snowball.
-  for (size_t l = 0; l + 1 < n_; ++l) {
-    if (b_.layer_d2h[l].empty()) continue;
-    const double last = tk[static_cast<size_t>(b_.layer_d2h[l].back())].end_ms;
-    if (last > r.layer_fwd_end_ms[l + 1] * (1.0 + 1e-9) + 1e-9) {
-      s.snowball = true;
-      s.snowball_first_layer = static_cast<int>(l);
-      break;
+  // grows; the first such layer, in any micro-batch of GPU 0 (ZeRO-1/2's weight gathers
+  // pace the first one's forward only: Note [Forward paced by the gathers] in
+  // src/plan/timeline.cpp), names the snowball.
+  for (size_t mb = 0; mb < b_.mb_layer_d2h.size(); ++mb) {
+    const std::vector<std::vector<int>>& d2h = b_.mb_layer_d2h[mb];
+    for (size_t l = 0; l + 1 < n_; ++l) {
+      if (d2h[l].empty()) continue;
+      const double last = tk[static_cast<size_t>(d2h[l].back())].end_ms;
+      const double next_end = tk[static_cast<size_t>(b_.mb_last_fwd[mb][l + 1])].end_ms;
+      if (last > next_end * (1.0 + 1e-9) + 1e-9) {
+        s.snowball = true;
+        if (!s.snowball_first_layer || static_cast<int>(l) < *s.snowball_first_layer)
+          s.snowball_first_layer = static_cast<int>(l);
+        break;
+      }
     }
   }
 }
