@@ -100,8 +100,11 @@ struct PolicyResult {
   double loss = 0;                // of the last step
   double step_ms = 0;             // median over the steps after the first
   int64_t peak_device_bytes = 0;  // max over the steps
-  int64_t offloaded_bytes = 0;    // per step (the last)
-  double stall_ms = 0;            // median
+  // Note [Auto covers the copies' pace]: the offload engine's bound on D2H bytes in flight;
+  // how much more a step's peak may be when the copies run slower (0 without offload).
+  int64_t inflight_bound_bytes = 0;
+  int64_t offloaded_bytes = 0;  // per step (the last)
+  double stall_ms = 0;          // median
   bool snowball = false;
   std::optional<int> snowball_layer;
   std::vector<double> layer_fwd_ms;  // mean over the steps after the first

@@ -271,8 +271,9 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
     offload_hooks.reset();
     engine.reset();
     if (pol.any_offload()) {
-      engine = std::make_unique<OffloadEngine>(
-          *dev, model.compute_stream(), pol, offload_options(model, pol, o.micro_batch, o.seq_len));
+      const OffloadOptions oo = offload_options(model, pol, o.micro_batch, o.seq_len);
+      r.inflight_bound_bytes = std::max(r.inflight_bound_bytes, oo.inflight_bound_bytes);
+      engine = std::make_unique<OffloadEngine>(*dev, model.compute_stream(), pol, oo);
       offload_hooks = std::make_unique<OffloadHooks>(*engine);
       hooks.add(offload_hooks.get());
     }
@@ -471,7 +472,18 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
   // measures its plan: one step without update on the arena the user asked for (never a
   // larger one: the host reserves the arena), and when the measured peak exceeds it less 2%
   // for fragmentation, it plans again with the budget lowered by the excess; a plan that
-  // runs out of the arena altogether lowers the budget by a tenth of the arena.
+  // runs out of the arena altogether lowers the budget by a tenth of the arena (from the
+  // plan's planned peak, where the budget starts to bind; eight times at most).
+  //
+  // Note [Auto covers the copies' pace]: the measured peak is one run's; what a run can vary
+  // is the offloaded tensors whose D2H copy has not ended (their device memory is released
+  // when it has): the copy engine runs beside compute, so under load it lags and holds them
+  // longer. The engine bounds those bytes (OffloadOptions::inflight_bound_bytes: compute
+  // waits rather than exceed it, Note [Train offload sizing]), and everything else in the
+  // arena is allocated in the same order in every run (compute is in program order; where
+  // the blocks land may differ, which the 2% stands for), so a run's peak is at most the
+  // probe's plus that bound: auto judges the probe's peak plus the bound, whatever the
+  // timing was.
   const int64_t full = static_cast<int64_t>(o.device_memory_mb * 1048576.0);
   const int64_t arena = static_cast<int64_t>(o.device_memory_mb * 1048576.0 * 0.98);
   TrainOptions probe = o;
@@ -480,14 +492,15 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
   // The measured peak, or more than the arena when the plan ran out of it.
   auto measured_peak = [&](const MemoryPolicy& p) -> int64_t {
     try {
-      return run_policy(c, probe, p, corpus, nullptr).peak_device_bytes;
+      const PolicyResult r = run_policy(c, probe, p, corpus, nullptr);
+      return r.peak_device_bytes + r.inflight_bound_bytes;  // Note [Auto covers the copies' pace]
     } catch (const Error&) {
       return full + full / 10;
     }
   };
   auto fits = [&](const MemoryPolicy& p) { return measured_peak(p) <= arena; };
   double budget_gb = *req.hbm_budget_gb;
-  for (int attempt = 0; attempt < 4 && plan->summary.feasible; ++attempt) {
+  for (int attempt = 0; attempt < 8 && plan->summary.feasible; ++attempt) {
     MemoryPolicy p = policy_from_plan(c, *plan, name);
     p.prefetch_depth = o.prefetch_depth;
     const int64_t peak = measured_peak(p);
@@ -495,7 +508,10 @@ MemoryPolicy make_policy(const RefConfig& c, const TrainOptions& o, const std::s
       p.note = fmt::format("the planner's fastest plan for a budget of {:.1f} MB", budget_gb * 1e3);
       return p;
     }
-    budget_gb -= static_cast<double>(peak - arena) * 1.02 / 1e9;
+    // From the plan's own peak: a budget above it does not bind, and lowering that by the
+    // excess would give the same plan again.
+    budget_gb = std::min(budget_gb, static_cast<double>(plan->summary.peak.total()) / 1e9) -
+                static_cast<double>(peak - arena) * 1.02 / 1e9;
     if (budget_gb <= 0) break;
     req.hbm_budget_gb = budget_gb;
     *plan = make_plan(req);
