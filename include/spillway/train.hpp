@@ -45,6 +45,21 @@ struct LinkChange {
   double gbps = 0;
 };
 
+// Note [A run's link time]: every byte a run copies crosses the emulated link, so the run
+// takes at least its link bytes over the link's speed (each direction on its own copy
+// engine: the slower direction bounds it). A run whose bound is over max_link_seconds is
+// refused before its first step, not after hours: spillway stream (the streamed layer
+// weights) and spillway train (the offloaded activations, both ways) share this check.
+struct LinkTime {
+  double bytes = 0;    // over the run
+  double seconds = 0;  // at least: bytes at the link's speed
+  void add(double b, double gbps) {
+    bytes += b;
+    seconds += b / (gbps * 1e9);
+  }
+  bool over(double max_seconds) const { return !(seconds <= max_seconds); }
+};
+
 struct TrainOptions {
   std::string model = "tiny-moe";
   int steps = 20;
@@ -76,6 +91,8 @@ struct TrainOptions {
   int device_buckets = 0;  // offload: buckets (embedding first) stepped on the device
   double undo_mb = -1;     // offload: STV undo memory in MiB (< 0: every CPU bucket)
   double clip = 1.0;       // offload: gradient-norm clipping threshold (0: none)
+  // Note [A run's link time]: a run whose copies alone would take longer is refused.
+  double max_link_seconds = 3600.0;
 };
 
 // The default corpus: the GNU GPL v3 text every Debian system ships (base-files).

@@ -178,18 +178,16 @@ StreamedRunReport run_streamed_reference(const StreamedRunOptions& o,
   int64_t model_bytes = 0;
   for (size_t b : bytes) model_bytes += static_cast<int64_t>(b);
   rep.model_bytes = model_bytes;
-  // The link time alone, at least: every streamed step copies every layer once (forward)
-  // through the link, N times over when each GPU copies whole layers. A run that would
-  // take longer than max_link_seconds is refused now, not after hours.
+  // Note [A run's link time]: every streamed step copies every layer once (forward)
+  // through the link, N times over when each GPU copies whole layers.
   {
     const double copies = o.mode == "full-copy" ? N : 1.0;
-    const double link_bytes =
-        static_cast<double>(o.steps) * copies * static_cast<double>(model_bytes);
-    const double seconds = link_bytes / (o.link_gbps * 1e9);
+    LinkTime need;
+    need.add(static_cast<double>(o.steps) * copies * static_cast<double>(model_bytes), o.link_gbps);
     rep.link_copies = o.mode == "full-copy" ? N : 1;
-    rep.min_link_bytes = link_bytes;
-    rep.min_link_seconds = seconds;
-    if (!(seconds <= o.max_link_seconds)) {
+    rep.min_link_bytes = need.bytes;
+    rep.min_link_seconds = need.seconds;
+    if (need.over(o.max_link_seconds)) {
       rep.refused = true;
       return rep;
     }

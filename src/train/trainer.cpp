@@ -195,6 +195,48 @@ OffloadOptions offload_options(const Model& m, const MemoryPolicy& p, int batch,
   return o;
 }
 
+// Note [A run's link time]: each step copies the policy's offloaded tensors down and
+// reloads them; over the steps, at the throttles (and the --link-schedule's changes), that
+// takes at least so long. A run over o.max_link_seconds is refused before its first step,
+// naming the slower direction's flag. Unthrottled copies (0) run at memcpy speed: no bound.
+void check_link_time(const Model& m, const MemoryPolicy& p, const TrainOptions& o) {
+  const RefConfig& c = m.config();
+  double step_bytes = 0;
+  for (int l = 0; l < c.layers(); ++l) {
+    const std::vector<int64_t> bytes = m.saved_tensor_bytes(l, o.micro_batch, o.seq_len);
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      if (p.layers[static_cast<size_t>(l)].actions[i] == Action::kOffload)
+        step_bytes += static_cast<double>(bytes[i]);
+    }
+  }
+  if (step_bytes <= 0) return;
+  struct Direction {
+    const char* flag;
+    double gbps;
+    LinkTime time;
+  };
+  Direction dirs[] = {{"--d2h-gbps", o.d2h_gbps, {}}, {"--h2d-gbps", o.h2d_gbps, {}}};
+  for (Direction& d : dirs) {
+    if (d.gbps <= 0) continue;
+    double gbps = d.gbps;
+    for (int s = 0; s < o.steps; ++s) {
+      for (const LinkChange& ch : o.link_schedule) {
+        if (ch.step == s + 1) gbps = ch.gbps;
+      }
+      d.time.add(step_bytes, gbps);
+    }
+  }
+  const Direction& slow = dirs[0].time.seconds >= dirs[1].time.seconds ? dirs[0] : dirs[1];
+  if (!slow.time.over(o.max_link_seconds)) return;
+  SPILLWAY_INPUT_ERROR(
+      "{} is {}; the {} policy's {} steps copy at least {:.1f} MB each way ({} steps x {:.3f} MB "
+      "of offloaded activations), {:.3g} s at {} GB/s{}: more than the {:.0f} s a run may take; "
+      "raise {} to {:.3g} or more, or lower --steps",
+      slow.flag, slow.gbps, p.name, o.steps, slow.time.bytes / 1e6, o.steps, step_bytes / 1e6,
+      slow.time.seconds, slow.gbps, o.link_schedule.empty() ? "" : " (and the --link-schedule)",
+      o.max_link_seconds, slow.flag, slow.time.bytes / 1e9 / o.max_link_seconds);
+}
+
 std::vector<int32_t> batch_tokens(const std::vector<int32_t>& corpus, uint64_t seed, int step,
                                   int batch, int seq) {
   std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(step));
@@ -258,6 +300,7 @@ PolicyResult run_policy(const RefConfig& c, const TrainOptions& o, const MemoryP
                                                           w0.size(), model.parameter_buckets(), oo,
                                                           pool.get());
   }
+  check_link_time(model, pol, o);
   std::unique_ptr<OffloadEngine> engine;
   std::unique_ptr<OffloadHooks> offload_hooks;
   std::unique_ptr<optim::OptimizerHooks> optimizer_hooks;

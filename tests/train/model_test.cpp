@@ -517,6 +517,25 @@ TEST(Train, AutoFitsTheArenaWhenTheCopiesLag) {
   EXPECT_GT(offloading, 0);  // the lag is exercised: some arena takes an offloading plan
 }
 
+// Note [A run's link time]: a run whose copies alone would take over an hour is refused
+// before its first step, naming the flag, its value and the speed that would do.
+TEST(Train, ARunWhoseCopiesTakeOverAnHourIsRefusedUpFront) {
+  TrainOptions o;  // tiny-moe, micro-batch 8 x seq 128, 20 steps: about 70 minutes a step
+  o.policy = "offload";
+  o.d2h_gbps = 0.000001;
+  const std::string e = spillway::testing::error_of([&] { train::run(o, nullptr); });
+  EXPECT_NE(e.find("--d2h-gbps is 1e-06"), std::string::npos) << e;
+  EXPECT_NE(e.find("more than the 3600 s a run may take"), std::string::npos) << e;
+  EXPECT_NE(e.find("raise --d2h-gbps to"), std::string::npos) << e;
+  // The reloads are bounded the same way, and the limit counts every step.
+  o = small("offload");
+  o.h2d_gbps = 0.001;
+  o.max_link_seconds = 0.5;
+  const std::string h = spillway::testing::error_of([&] { train::run(o, nullptr); });
+  EXPECT_NE(h.find("--h2d-gbps is 0.001"), std::string::npos) << h;
+  EXPECT_NE(h.find("3 steps"), std::string::npos) << h;
+}
+
 TEST(Train, FusedSwigluSavesOnlyGateAndUpAndChangesNoBit) {
   TrainOptions o = small("keep");
   const TrainReport plain = train::run(o, nullptr);
