@@ -109,14 +109,18 @@ void add_train_command(CLI::App& app) {
                ->capture_default_str(),
            closed(1, L::kMaxDeviceMemoryMb));
   const FlagRange throttle = closed_or(PlanLimits::kMinGbps, PlanLimits::kMaxGbps, 0);
-  in_range(cmd->add_option("--d2h-gbps", o->d2h_gbps,
-                           "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: none)")
-               ->capture_default_str(),
-           throttle);
-  in_range(cmd->add_option("--h2d-gbps", o->h2d_gbps,
-                           "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: none)")
-               ->capture_default_str(),
-           throttle);
+  in_range(
+      cmd->add_option("--d2h-gbps", o->d2h_gbps,
+                      "Throttle of device->host copies in GB/s (1e9 bytes/s; 0: not throttled, "
+                      "the link's own speed: this machine's memcpy)")
+          ->capture_default_str(),
+      throttle);
+  in_range(
+      cmd->add_option("--h2d-gbps", o->h2d_gbps,
+                      "Throttle of host->device copies in GB/s (1e9 bytes/s; 0: not throttled, "
+                      "the link's own speed: this machine's memcpy)")
+          ->capture_default_str(),
+      throttle);
   in_range(cmd->add_option("--seed", o->seed, "Seed of the initial weights and of the batches")
                ->capture_default_str(),
            up_to(0, "2^64 - 1"));

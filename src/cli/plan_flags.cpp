@@ -94,6 +94,11 @@ bool joins_right(char c) {
   return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == '-';
 }
 
+// A link flag as the request takes it: 0 (not throttled) is the profile's figure, as unset.
+std::optional<double> throttle(const std::optional<double>& gbps) {
+  return gbps && *gbps > 0 ? gbps : std::nullopt;
+}
+
 }  // namespace
 
 std::string_view flag_of_field(std::string_view field) {
@@ -239,16 +244,18 @@ void add_plan_flags(CLI::App& cmd, PlanFlags& f) {
                ->capture_default_str()
                ->group("Policy"),
            closed(1, L::kMaxPrefetchDepth));
+  // One meaning per flag: 0 is the link unthrottled, at its own speed, for every command
+  // with the flag (here the profile's figure; spillway train and bench: memcpy speed).
   in_range(cmd.add_option("--d2h-gbps", f.d2h_gbps,
-                          "Device->host GB/s per GPU (1e9 bytes/s; default: the profile's typical "
-                          "measured figure, shared by the GPUs on one link; never the nominal "
-                          "peak)")
+                          "Device->host GB/s per GPU (1e9 bytes/s; default or 0: not throttled, "
+                          "the link's own speed: the profile's typical measured figure, shared "
+                          "by the GPUs on one link; never the nominal peak)")
                ->group("Link"),
-           closed(L::kMinGbps, L::kMaxGbps));
-  in_range(
-      cmd.add_option("--h2d-gbps", f.h2d_gbps, "Host->device GB/s per GPU (default as --d2h-gbps)")
-          ->group("Link"),
-      closed(L::kMinGbps, L::kMaxGbps));
+           closed_or(L::kMinGbps, L::kMaxGbps, 0));
+  in_range(cmd.add_option("--h2d-gbps", f.h2d_gbps,
+                          "Host->device GB/s per GPU (default or 0: as --d2h-gbps)")
+               ->group("Link"),
+           closed_or(L::kMinGbps, L::kMaxGbps, 0));
   auto* fwd = in_range(cmd.add_option("--layer-fwd-ms", f.layer_fwd_ms,
                                       "Calibration: measured forward time of the repeating "
                                       "layer; all modelled times are scaled to it")
@@ -322,8 +329,8 @@ PlanRequest make_request(const PlanFlags& f) {
   r.margin = parse_margin(f.margin);
   r.layer_fwd_ms = f.layer_fwd_ms;
   r.hbm_budget_gb = f.hbm_budget_gb;
-  r.d2h_gbps = f.d2h_gbps;
-  r.h2d_gbps = f.h2d_gbps;
+  r.d2h_gbps = throttle(f.d2h_gbps);
+  r.h2d_gbps = throttle(f.h2d_gbps);
   if (f.gemm_eff) r.efficiency.gemm = *f.gemm_eff;
   if (f.attention_eff) r.efficiency.attention = *f.attention_eff;
   if (f.hbm_eff) r.efficiency.hbm = *f.hbm_eff;
@@ -416,8 +423,8 @@ void refuse_flags_beside_plan(const CLI::App& cmd, const PlanFlags& f, const Pla
           in_plan.empty() ? std::string("the planner's choice")
                           : fmt::format("{}", fmt::join(in_plan, ",")));
   }
-  if (f.d2h_gbps) agree("--d2h-gbps", "d2h_gbps", *f.d2h_gbps, plan.summary.d2h_gbps);
-  if (f.h2d_gbps) agree("--h2d-gbps", "h2d_gbps", *f.h2d_gbps, plan.summary.h2d_gbps);
+  if (throttle(f.d2h_gbps)) agree("--d2h-gbps", "d2h_gbps", *f.d2h_gbps, plan.summary.d2h_gbps);
+  if (throttle(f.h2d_gbps)) agree("--h2d-gbps", "h2d_gbps", *f.h2d_gbps, plan.summary.h2d_gbps);
   if (f.hbm_budget_gb &&
       std::llabs(std::llround(*f.hbm_budget_gb * 1e9) - plan.summary.hbm_budget_bytes) > 1) {
     agree("--hbm-budget-gb", "hbm_budget_gb", *f.hbm_budget_gb,

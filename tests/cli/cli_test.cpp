@@ -96,7 +96,16 @@ TEST(Cli, PolicyAndThrottlesAreOneSpellingAcrossSubcommands) {
     const CliRun both = run(command + args + "--policy keep --strategy offload");
     EXPECT_EQ(both.code, 2) << both.out;
     EXPECT_TRUE(contains(both.out, "excludes")) << both.out;
+    // One meaning per flag: --d2h-gbps 0 is the link unthrottled, at its own speed, as to
+    // spillway train: here the profile's figure, as when the flag is not given.
+    const CliRun zero =
+        run(command + args + "--policy offload --d2h-gbps 0 --h2d-gbps 0", "2>/dev/null");
+    EXPECT_EQ(zero.code, now.code) << zero.out;
+    EXPECT_EQ(zero.out, now.out);
+    const CliRun help = run(std::string(command) + "--help");
+    EXPECT_TRUE(contains(help.out, "default or 0: not throttled")) << help.out;
   }
+  EXPECT_TRUE(contains(run("train --help").out, "0: not throttled, the link's own speed"));
   const CliRun help = run("plan --help");
   EXPECT_TRUE(contains(help.out, "--policy")) << help.out;
   EXPECT_TRUE(contains(help.out, "Deprecated:\n  --strategy")) << help.out;
@@ -376,7 +385,7 @@ TEST(Cli, BadInputExitsNonZeroNamingTheFlagAndWritesNothing) {
       {"--cp 3", {"--cp", "3"}},
       {"--hardware no-such-gpu", {"no-such-gpu"}},
       {"--profile '" + missing_profile + "'", {missing_profile}},
-      {"--d2h-gbps 0", {"--d2h-gbps"}},
+      {"--d2h-gbps -1", {"--d2h-gbps", "-1"}},
       {"--gemm-efficiency 1.5", {"--gemm-efficiency"}},
       {"--keep-last 0", {"--keep-last"}},
   };
@@ -408,7 +417,7 @@ TEST(Cli, InputErrorsNameTheFlagNotTheField) {
       {"plan --keep-last 0", "--keep-last is 0; must be in [1, the model's layers]"},
       {"plan --keep-last 49", "--keep-last is 49; must be <= the model's layers (48)"},
       {"plan --hbm-budget-gb -2", "--hbm-budget-gb is -2; must be in [0.001, 1000000000]"},
-      {"plan --d2h-gbps 1e-300", "--d2h-gbps is 1e-300; must be in [1e-06, 1000000]"},
+      {"plan --d2h-gbps 1e-300", "--d2h-gbps is 1e-300; must be in [1e-06, 1000000] or 0"},
       {"plan --policy tp",
        "--policy is 'tp'; must be one of auto, keep, recompute, offload, selective, hybrid, "
        "checkpoint"},
