@@ -413,6 +413,11 @@ void check_plan_matches(const Plan& plan, const PlanRequest& planned, const Plan
                         std::string_view plan_name);
 // The human report: a table per layer and the summary.
 std::string format_plan_report(const Plan& plan, const PlanRequest& request);
+// Note [Fused-kernel inventory] (docs/planner.md): what the activation inventory assumes
+// the model's kernels save, and how much more an eager Hugging Face model saves, for the
+// kinds of layers `model` has; the report's `inventory` line and the JSON's
+// `workload.inventory_assumes`.
+std::string inventory_assumption(const ModelConfig& model);
 // Every term of one layer's time and memory with the formula it comes from (`spillway plan
 // --explain LAYER`): per op the roofline's compute and memory terms, efficiency and time;
 // recompute, the copies against their window, the stall, each collective's ring formula;

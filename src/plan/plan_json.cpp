@@ -237,7 +237,8 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                    {"dp", r.work.dp},
                    {"grad_accum", r.work.grad_accum},
                    {"fused_swiglu", s.fused_swiglu},
-                   {"tokens_per_gpu", plan.tokens_per_gpu}};
+                   {"tokens_per_gpu", plan.tokens_per_gpu},
+                   {"inventory_assumes", inventory_assumption(r.model)}};
   j["options"] = {{"strategy", to_string(r.strategy)},
                   {"margin", r.margin},
                   {"keep_last_layers", r.keep_last_layers},

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <set>
+#include <tuple>
 
 #include "core/json_io.hpp"
 #include "plan_helpers.hpp"
@@ -558,6 +559,30 @@ TEST(PlanRetimed, AFileWithoutTheOpGraphKeepsItsTimesAndSaysSoWhenEdited) {
   ASSERT_EQ(q.notes.size(), 1u);
   EXPECT_NE(q.notes[0].find("no op graph"), std::string::npos) << q.notes[0];
   EXPECT_EQ(q.layers[2].recompute_ms, p.layers[2].recompute_ms);
+}
+
+// Note [Fused-kernel inventory]: the report and the JSON say that the tensors assume fused
+// kernels, with the eager model's factors for the kinds of layers the model has.
+TEST(PlanJson, TheInventorysFusedKernelAssumptionIsStated) {
+  for (const auto& [name, mamba, attention] :
+       {std::tuple{"Qwen3-30B-A3B", false, true}, std::tuple{"Mamba2-2.7B", true, false},
+        std::tuple{"Jamba-Mini-1.5", true, true}}) {
+    SCOPED_TRACE(name);
+    const PlanRequest r = generous(request(name, "gh200", 1, 4096, Policy::kRecompute));
+    const Plan plan = make_plan(r);
+    const std::string report = format_plan_report(plan, r);
+    const std::string said = inventory_assumption(r.model);
+    EXPECT_NE(report.find("  inventory activations as fused kernels save them"), std::string::npos)
+        << report;
+    EXPECT_NE(report.find(said), std::string::npos);
+    EXPECT_EQ(Json::parse(plan_to_json(plan, r))["workload"]["inventory_assumes"], said);
+    EXPECT_EQ(said.find("6-8x per Mamba layer") != std::string::npos, mamba) << said;
+    EXPECT_EQ(said.find("chunked selective scan") != std::string::npos, mamba) << said;
+    EXPECT_EQ(said.find("flash attention") != std::string::npos, attention) << said;
+    EXPECT_EQ(said.find("1.3-1.5x per attention/MLP layer") != std::string::npos,
+              std::string(name) != "Mamba2-2.7B")
+        << said;
+  }
 }
 
 }  // namespace
