@@ -43,15 +43,16 @@ CLI::Option* in_range(CLI::Option* opt, const FlagRange& r) {
         const char* begin = text.c_str();
         char* end = nullptr;
         const double v = std::strtod(begin, &end);
+        // Not a number of the flag's kind: a usage error (exit 2, CLI11 prefixes the flag);
+        // a number outside the range is an input error (exit 1), as the library's own.
         if (end == begin || *end != '\0') {
-          throw InputError(name, text, integer ? "must be an integer" : "must be a number");
+          return fmt::format("{} is not {}", text, integer ? "an integer" : "a number");
         }
         if (integer && text.find_first_not_of("+-0123456789") != std::string::npos) {
-          throw InputError(name, text,
-                           fmt::format("must be an integer written in digits{}",
-                                       std::isfinite(v) && v == std::floor(v)
-                                           ? fmt::format(" ({:.0f}, not {})", v, text)
-                                           : std::string()));
+          return fmt::format("{} is not an integer written in digits{}", text,
+                             std::isfinite(v) && v == std::floor(v)
+                                 ? fmt::format(" ({:.0f}, not {})", v, text)
+                                 : std::string());
         }
         if (r.also && v == *r.also) return {};
         const bool below = r.lo_open ? !(v > r.lo) : !(v >= r.lo);

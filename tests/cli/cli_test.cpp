@@ -681,15 +681,16 @@ TEST(Cli, DirectoriesGivenAsFilesSaySo) {
 }
 
 TEST(Cli, AnIntegerFlagGivenAnotherNumberSaysWhatItExpects) {
+  // A usage error (exit 2, like an unknown flag), not CLI11's "Could not convert".
   const CliRun r = run("plan --micro-batch 1e3");
-  EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out,
-                       "--micro-batch is 1e3; must be an integer written in digits (1000, "
-                       "not 1e3)"))
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(
+      contains(r.out, "--micro-batch: 1e3 is not an integer written in digits (1000, not 1e3)"))
       << r.out;
   EXPECT_FALSE(contains(r.out, "Could not convert")) << r.out;
   const CliRun word = run("plan --micro-batch two");
-  EXPECT_TRUE(contains(word.out, "--micro-batch is two; must be an integer")) << word.out;
+  EXPECT_EQ(word.code, 2) << word.out;
+  EXPECT_TRUE(contains(word.out, "--micro-batch: two is not an integer")) << word.out;
 }
 
 TEST(Cli, ChatTemplateInputsRefuseDuplicateKeys) {

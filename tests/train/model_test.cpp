@@ -498,8 +498,8 @@ TEST(Train, ASlowLinkSnowballsAndAutoAvoidsIt) {
 // copies with), so every offloaded tensor stays on the device as long as the engine's
 // in-flight bound lets it: the worst a loaded machine can do, here made certain.
 TEST(Train, AutoFitsTheArenaWhenTheCopiesLag) {
-  int offloading = 0;
-  for (double mb : {18.0, 20.0, 22.0}) {
+  bool roomy_offloads = false;
+  for (double mb : {18.0, 20.0, 22.0, 32.0}) {
     SCOPED_TRACE("--device-memory-mb " + std::to_string(mb));
     TrainOptions o;  // tiny-moe, micro-batch 8 x seq 128, as documented
     o.policy = "auto";
@@ -512,9 +512,12 @@ TEST(Train, AutoFitsTheArenaWhenTheCopiesLag) {
     ASSERT_EQ(r.policies.size(), 1u);
     const PolicyResult& p = r.policies[0];
     EXPECT_LE(p.peak_device_bytes, static_cast<int64_t>(mb * 1048576.0)) << p.plan_note;
-    offloading += p.offloaded_bytes > 0 ? 1 : 0;
+    if (mb == 32.0) roomy_offloads = p.offloaded_bytes > 0;
   }
-  EXPECT_GT(offloading, 0);  // the lag is exercised: some arena takes an offloading plan
+  // The lag is exercised: 32 MiB holds auto's own offloading plan (about 19.3 MB) plus
+  // twice the in-flight bound, what auto judges when even its probe's copies lagged, so it
+  // offloads however loaded the machine is (the tighter arenas' choice may depend on it).
+  EXPECT_TRUE(roomy_offloads);
 }
 
 // Note [A run's link time]: a run whose copies alone would take over an hour is refused
