@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ["python", "bench/torch", "bench/text", "examples/torch"]
+PATHS = ["python", "bench/torch", "bench/text", "examples/torch", "scripts/check_docs.py"]
 BIN = Path(sys.executable).parent
 
 
