@@ -84,6 +84,10 @@ struct TrainOptions {
   // Note [A link that changes speed]: needs d2h_gbps and h2d_gbps, the speed before the
   // first change.
   std::vector<LinkChange> link_schedule;
+  // Note [A fixed calibration]: the layer forward time (ms) the planner plans with instead
+  // of a measured one; adaptive then judges each step by the link's emulated speed and the
+  // plan alone, so that its re-plans are the same on every machine. Unset: measured.
+  std::optional<double> layer_fwd_ms;
   // Optimizer offload (docs/optim.md): "device" (the model's AdamW on the device) or
   // "offload" (optim::OptimizerOffload: fp32 master weights and moments in host memory,
   // bf16 weights and gradients on the device, STV, the host cast).

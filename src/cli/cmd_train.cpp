@@ -137,6 +137,13 @@ void add_train_command(CLI::App& app) {
       cmd->add_option("--keep-last", o->keep_last, "Layers at the end that never offload (planner)")
           ->capture_default_str(),
       up_to(1, "the model's layers"));
+  in_range(cmd->add_option_function<double>(
+               "--layer-fwd-ms", [o](double ms) { o->layer_fwd_ms = ms; },
+               "Plan with this layer forward time (ms) instead of measuring it, and let "
+               "--policy adaptive judge each step by the link's scheduled speed instead of a "
+               "probe copy and the step's timing: its re-plans are then the same on every "
+               "machine (the times printed are still measured)"),
+           closed(PlanLimits::kMinLayerMs, PlanLimits::kMaxLayerMs));
   cmd->add_option("--margin", *margin,
                   "Planner headroom a copy must leave in its window: a percentage (10%) or a "
                   "fraction (0.1), as for `spillway plan` [0%, 1000%]")

@@ -156,9 +156,9 @@ std::optional<MemoryPolicy> AdaptivePlanner::after_step(int step, const nn::Step
           ? fmt::format("off by {:.0f}%", drift * 100.0)
           : fmt::format("the layers' forward {:.3f} ms, off by {:.0f}%", mean_fwd, layers * 100.0);
   next.note = fmt::format(
-      "re-planned after step {}: link {:.3f} GB/s measured, the plan assumed {:.3f} ({}; margin "
+      "re-planned after step {}: link {:.3f} GB/s {}, the plan assumed {:.3f} ({}; margin "
       "{:.0f}%); offloaded tensors per layer [{}] -> [{}], {} -> {} recomputed",
-      step + 1, measured, assumed, why, request_.margin * 100.0,
+      step + 1, measured, link_word_, assumed, why, request_.margin * 100.0,
       fmt::join(offloaded_per_layer(current_), ", "), fmt::join(offloaded_per_layer(next), ", "),
       current_.count(Action::kRecompute), next.count(Action::kRecompute));
   current_ = next;

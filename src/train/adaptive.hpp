@@ -49,6 +49,9 @@ class AdaptivePlanner {
   // The same with the link's D2H bandwidth given (GB/s), as the probe copy measured it.
   std::optional<MemoryPolicy> after_step(int step, const nn::StepStats& stats,
                                          const StepTelemetry& telemetry, double measured_gbps);
+  // Its notes say the link is the schedule's, not measured (Note [A fixed calibration],
+  // trainer.cpp: the caller passes the scheduled speed as measured_gbps).
+  void link_as_scheduled() { link_word_ = "as scheduled"; }
   // The plan of the policy in use (the first plan until a re-plan is taken).
   const Plan& plan() const { return plan_; }
 
@@ -58,6 +61,7 @@ class AdaptivePlanner {
   MemoryPolicy current_;
   double planned_gbps_;
   double margin_;  // the margin asked for
+  const char* link_word_ = "measured";
   int prefetch_depth_;
   int64_t budget_bytes_;  // the first plan's peak and staging: what ran within the arena
   Plan plan_;

@@ -73,6 +73,8 @@ void validate(const TrainOptions& o) {
   }
   at_least("keep_last", o.keep_last, 1);
   within("margin", o.margin, 0, 10);
+  if (o.layer_fwd_ms)
+    within("layer_fwd_ms", *o.layer_fwd_ms, PlanLimits::kMinLayerMs, PlanLimits::kMaxLayerMs);
   within("lr", o.lr, 0, L::kMaxLr);
   if (o.seq_len > L::kMaxSeqLen)
     SPILLWAY_FIELD_ERROR("seq_len", o.seq_len, "the reference model takes <= {}", L::kMaxSeqLen);
@@ -135,6 +137,19 @@ namespace {
 double asked_link_gbps(const TrainOptions& o) {
   double gbps = std::max(o.d2h_gbps > 0 ? o.d2h_gbps : 20.0, o.h2d_gbps > 0 ? o.h2d_gbps : 20.0);
   for (const LinkChange& ch : o.link_schedule) gbps = std::max(gbps, ch.gbps);
+  return gbps;
+}
+
+// Note [A fixed calibration]: `--layer-fwd-ms MS` gives the planner the layers' forward time
+// instead of measuring it (no calibration run; under --compare not the keep run's either),
+// and adaptive judges each step by the link's emulated speed, the throttle the schedule
+// set for that step, with the layers at MS and no lateness, instead of by a probe copy and
+// the step's timing: on a loaded machine those vary, so its re-plans did too. The run's
+// times are still measured and printed; its plans and re-plans are the same everywhere.
+double scheduled_d2h_gbps(const TrainOptions& o, int step) {
+  double gbps = o.d2h_gbps > 0 ? o.d2h_gbps : 20.0;
+  for (const LinkChange& ch : o.link_schedule)
+    if (ch.step <= step) gbps = ch.gbps;
   return gbps;
 }
 
@@ -677,6 +692,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
     Plan plan;
     PolicyResult r;
     try {
+      if (o.layer_fwd_ms) fwd_ms = *o.layer_fwd_ms;  // Note [A fixed calibration]
       if (name != "keep" && fwd_ms <= 0) calibrate();  // no keep run (or it failed)
       if (name == "adaptive") {
         // Note [Re-planning while training]: auto's plan first, re-made between steps.
@@ -686,9 +702,16 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
         PlanRequest req = plan_request(c, o, Policy::kAuto, fwd);
         req.hbm_budget_gb = static_cast<double>(plan.summary.peak.total()) / 1e9;
         AdaptivePlanner adaptive(c, std::move(req), pol, plan, o.prefetch_depth);
+        if (o.layer_fwd_ms) adaptive.link_as_scheduled();
         r = run_policy(c, o, pol, corpus, progress,
                        [&](int step, const StepStats& st, const StepTelemetry& tel, Device& d) {
-                         return adaptive.after_step(step, st, tel, d);
+                         if (!o.layer_fwd_ms) return adaptive.after_step(step, st, tel, d);
+                         // Note [A fixed calibration]: the link as the schedule set it for
+                         // this step, the layers as fixed, no lateness.
+                         StepStats fixed = st;
+                         fixed.layer_fwd_ms.assign(st.layer_fwd_ms.size(), *o.layer_fwd_ms);
+                         return adaptive.after_step(step, fixed, StepTelemetry{},
+                                                    scheduled_d2h_gbps(o, step + 1));
                        });
       } else {
         const MemoryPolicy pol = make_policy(c, o, name, fwd_ms > 0 ? fwd_ms : 1.0, corpus, &plan);
@@ -700,7 +723,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
       r.error = e.what();  // --compare goes on with the other policies
       if (progress) progress(fmt::format("{:<10} failed: {}", name, r.error));
     }
-    if (name == "keep" && r.error.empty()) fwd_ms = mean_layer_fwd_ms(r);
+    if (name == "keep" && r.error.empty() && !o.layer_fwd_ms) fwd_ms = mean_layer_fwd_ms(r);
     // keep ran before its own calibration: its prediction is planned now; the others
     // were planned with the calibrated time (auto: with the budget that fits).
     if (name == "keep")
@@ -830,13 +853,16 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
       "activations, backward temporaries, the offload engine's reload staging{}). step ms: the "
       "median step after the first (forward and backward). plan: the planner's prediction for "
       "the same policy, "
-      "calibrated with the measured mean layer forward time ({}); its peak counts weights, "
+      "calibrated with {}; its peak counts weights, "
       "gradients, optimizer states and saved activations, not the backward temporaries.\n",
       o.optimizer == "offload"
           ? "; with --optimizer offload no AdamW moments but the pipeline's bf16 weights and "
             "gradients, the fp32 copy the reference ops compute with, and the split's state"
           : "",
-      o.compare ? "of the keep run" : "of a calibration run");
+      o.layer_fwd_ms ? fmt::format("the layer forward time given ({} ms, --layer-fwd-ms)",
+                                   *o.layer_fwd_ms)
+      : o.compare    ? "the measured mean layer forward time (of the keep run)"
+                     : "the measured mean layer forward time (of a calibration run)");
   for (const PolicyResult& p : r.policies) {
     if (p.prediction_calibrated) continue;
     out +=

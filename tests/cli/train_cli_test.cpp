@@ -604,5 +604,40 @@ TEST(TrainCli, AdaptiveRePlansWhenTheLinkSlowsAndAgainWhenItRecovers) {
   EXPECT_TRUE(contains(junk.err, "'2-1' is not STEP:GBPS")) << shown(junk);
 }
 
+// Note [A fixed calibration]: with --layer-fwd-ms the re-plans follow the schedule alone
+// (the link as scheduled, the layers as fixed, no lateness): two runs on a loaded machine
+// re-plan at the same steps to the same plans, and move the same bytes each step.
+TEST(TrainCli, AdaptiveWithAFixedCalibrationRePlansTheSameOnEveryRun) {
+  TempDir dir;
+  const std::string cmd =
+      "train --policy adaptive --steps 12 --device-memory-mb 24 --d2h-gbps 20 --h2d-gbps 20 "
+      "--link-schedule 5:0.15,9:20 --layer-fwd-ms 5 --quiet --json -";
+  const TrainRun a = run(cmd, dir);
+  ASSERT_EQ(a.code, 0) << shown(a);
+  const TrainRun b = run(cmd, dir);
+  ASSERT_EQ(b.code, 0) << shown(b);
+  const Json ja = parse_or_fail(a.out), jb = parse_or_fail(b.out);
+  const Json& qa = ja["policies"][0];
+  const Json& qb = jb["policies"][0];
+  ASSERT_TRUE(qa.contains("replans")) << shown(a);
+  const std::vector<std::string> replans = qa["replans"].get<std::vector<std::string>>();
+  ASSERT_EQ(replans.size(), 2u) << shown(a);
+  EXPECT_TRUE(contains(replans[0], "re-planned after step 5: link 0.150 GB/s as scheduled, "
+                                   "the plan assumed 20.000"))
+      << replans[0];
+  EXPECT_TRUE(contains(replans[1], "re-planned after step 9: link 20.000 GB/s as scheduled"))
+      << replans[1];
+  EXPECT_EQ(qa["replans"], qb["replans"]);
+  EXPECT_EQ(qa["step_offloaded_bytes"], qb["step_offloaded_bytes"]);
+  const std::vector<int64_t> moved = qa["step_offloaded_bytes"].get<std::vector<int64_t>>();
+  ASSERT_EQ(moved.size(), 12u);
+  EXPECT_LT(moved[5], moved[3]);  // slowed from step 5, re-planned after it
+  EXPECT_EQ(moved[9], moved[3]);  // lifted from step 9, re-planned back after it
+  // Out of the planner's range: refused, naming the flag.
+  const TrainRun bad = run("train --steps 2 --layer-fwd-ms 0", dir);
+  EXPECT_EQ(bad.code, 1) << shown(bad);
+  EXPECT_TRUE(contains(bad.err, "--layer-fwd-ms is 0")) << shown(bad);
+}
+
 }  // namespace
 }  // namespace spillway
