@@ -64,7 +64,7 @@ def main() -> None:
             plan = spillway.plan(f.name, "h100-pcie", micro_batch=4, seq_len=128, policy="hybrid")
 
     offload = spillway.torch.offload_activations(model, plan)  # added line 2 (once)
-    for step in range(args.steps):
+    for step in range(1, args.steps + 1):  # 1-based, as spillway's messages count steps
         ids = torch.randint(0, config.vocab_size, (4, 128))
         with offload:  # around forward and backward
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss

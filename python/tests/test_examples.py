@@ -23,6 +23,8 @@ def test_the_readme_example_trains_and_offloads() -> None:
     lines = run.stdout.splitlines()
     assert len(lines) == 3
     assert "offloading starts at step 2" in run.stderr  # the sizing step says so
+    # One numbering: the log's step 1 is the sizing step, its step 2 the first offloading.
+    assert [ln.split(":")[0] for ln in lines] == ["step 1", "step 2", "step 3"]
     moved = [
         float(m.group(1)) for m in map(re.compile(r"offloaded ([\d.]+) MB").search, lines) if m
     ]
