@@ -284,6 +284,21 @@ def run_block(
     return results
 
 
+PYTHON_COMMAND = re.compile(r"(^|[\s;&|(])python3?\b")
+
+
+def missing_python(block: Block, build: Path) -> str | None:
+    """Why a block that runs `python` cannot run with this build, or None when it can."""
+    if not any(PYTHON_COMMAND.search(c.text) for c in block.commands):
+        return None
+    if any((build / "python" / "spillway").glob("_spillway*")):
+        return None
+    return (
+        f"it runs python, and the build has no Python extension ({build}/python/spillway/"
+        "_spillway*): configure with the Python environment (make configure)"
+    )
+
+
 def default_files(root: Path) -> list[Path]:
     """README.md and docs/*.md, those that exist."""
     files = [root / "README.md"] if (root / "README.md").is_file() else []
@@ -337,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[Block] = []
     started = time.monotonic()
     for b in blocks:
+        b.skip = b.skip or missing_python(b, build)
         if b.skip:
             skipped.append(b)
             continue

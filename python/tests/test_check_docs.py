@@ -135,3 +135,11 @@ def test_commands_run_in_a_copy_and_never_write_the_checkout(tmp_path: Path) -> 
     r = run_checker(tmp_path, page)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (ROOT / "pyproject.toml").read_bytes() == before
+
+
+def test_a_python_example_is_skipped_when_the_build_has_no_extension(tmp_path: Path) -> None:
+    page = "```console\n$ python -c 'print(1)'\n2\n```\n"
+    r = run_checker(tmp_path, page)  # the stand-in build has no build/python/spillway
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the build has no Python extension" in r.stdout
+    assert "0 command(s) run, 0 mismatch(es), 1 block(s) skipped" in r.stdout
