@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -228,6 +229,62 @@ TEST(Cli, NumbersWithoutMeaningAreRefusedNotDefaultedOrPrintedEmpty) {
   const CliRun p = run("probe --device-memory-mb 1 --sizes 64M");
   EXPECT_EQ(p.code, 1) << p.out;
   EXPECT_TRUE(contains(p.out, "no size could be measured")) << p.out;
+}
+
+// The commands `spillway plan-typo` says exist ("the subcommands are plan, models, ...").
+std::vector<std::string> registered_commands() {
+  const CliRun r = run("no-such-command", "2>&1 1>/dev/null");
+  const std::string head = "the subcommands are ";
+  const size_t at = r.out.find(head);
+  EXPECT_NE(at, std::string::npos) << r.out;
+  std::vector<std::string> names;
+  if (at == std::string::npos) return names;
+  std::istringstream in(r.out.substr(at + head.size(), r.out.find(" (", at) - at - head.size()));
+  std::string name;
+  while (std::getline(in, name, ',')) names.push_back(name.substr(name.find_first_not_of(' ')));
+  return names;
+}
+
+TEST(Cli, TheOverviewNamesEveryCommandInOneLine) {
+  // Note [The overview]: `spillway` alone is a question (exit 0, the overview on stdout,
+  // nothing on stderr), not CLI11's "A subcommand is required"; `spillway --help` is the
+  // same page, short: each command in one line, grouped, and where a command's flags are.
+  const CliRun bare = run("", "2>/dev/null");
+  EXPECT_EQ(bare.code, 0) << bare.out;
+  EXPECT_EQ(run("", "2>&1 1>/dev/null").out, "");
+  const CliRun help = run("--help", "2>/dev/null");
+  EXPECT_EQ(help.code, 0) << help.out;
+  EXPECT_EQ(bare.out, help.out);
+  EXPECT_FALSE(contains(bare.out, "A subcommand is required")) << bare.out;
+  EXPECT_TRUE(contains(bare.out, "Run `spillway COMMAND --help` for a command's flags"))
+      << bare.out;
+  EXPECT_LE(std::count(bare.out.begin(), bare.out.end(), '\n'), 40) << bare.out;
+  size_t last_group = 0;
+  for (const char* group : {"\nPlan and simulate:\n", "\nTrain and stream:\n",
+                            "\nServe, replay and load:\n", "\nTools:\n"}) {
+    const size_t at = bare.out.find(group);
+    EXPECT_NE(at, std::string::npos) << group << bare.out;
+    EXPECT_GT(at, last_group) << "groups in order: " << group;
+    last_group = at;
+  }
+  const std::vector<std::string> names = registered_commands();
+  ASSERT_GE(names.size(), 14U);
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    // "  NAME" at the start of a line, its summary on the same line, and only once.
+    const std::string line_start = "\n  " + name + " ";
+    const size_t at = bare.out.find(line_start);
+    ASSERT_NE(at, std::string::npos) << bare.out;
+    EXPECT_EQ(bare.out.find(line_start, at + 1), std::string::npos) << bare.out;
+    const std::string line = bare.out.substr(at + 1, bare.out.find('\n', at + 1) - at - 1);
+    EXPECT_GT(line.size(), name.size() + 20) << "a summary: " << line;
+    EXPECT_LE(line.size(), 100U) << line;
+  }
+  // A subcommand's --help stays its own: its description, flags and examples.
+  const CliRun plan = run("plan --help", "2>/dev/null");
+  EXPECT_TRUE(contains(plan.out, "Decide per layer what to keep")) << plan.out;
+  EXPECT_TRUE(contains(plan.out, "--hbm-budget-gb")) << plan.out;
+  EXPECT_FALSE(contains(plan.out, "Serve, replay and load:")) << plan.out;
 }
 
 TEST(Cli, HelpMentionsTheSubcommands) {
@@ -468,7 +525,8 @@ TEST(Cli, UsageErrorsExitTwo) {
       {"plan --no-such-flag", {"--no-such-flag"}},
       {"plan --layer-fwd-ms 2 --profile x.json", {"--layer-fwd-ms", "--profile"}},
       {"no-such-command", {}},
-      {"", {}},
+      // `spillway` alone is no usage error: it prints the overview, exit 0 (Note [The
+      // overview]; Cli.TheOverviewNamesEveryCommandInOneLine).
   };
   std::string wrong;
   for (const BadCase& c : cases) {

@@ -58,10 +58,13 @@ std::vector<HelpOption> numeric_options(const std::string& help) {
   return out;
 }
 
-// The subcommands of `spillway --help` (or `spillway bench --help`).
+// The subcommands of `spillway --help` (the overview: a line "  NAME  summary" per command,
+// Note [The overview] in src/cli/main.cpp) or of `spillway bench --help` (CLI11's
+// "Subcommands:" section). A command's own --help has neither: no subcommands.
 std::vector<std::string> subcommands(const std::string& help) {
   std::vector<std::string> out;
-  const size_t at = help.find("Subcommands:");
+  size_t at = help.find("Subcommands:");
+  if (at == std::string::npos) at = help.find("Usage: spillway COMMAND");
   if (at == std::string::npos) return out;
   std::istringstream in(help.substr(at));
   std::string line;
