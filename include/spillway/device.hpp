@@ -48,6 +48,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "spillway/device_math.hpp"
 
@@ -463,12 +464,25 @@ std::vector<std::unique_ptr<AllGather>> make_host_all_gather(const std::vector<D
 std::vector<std::unique_ptr<AllGather>> make_nccl_all_gather(const std::vector<Device*>& devices,
                                                              std::string* why);
 
-// Whether the CUDA backend is compiled in and how many devices the runtime sees. The
-// answer is a value: "no GPU" is an expected outcome here, not an error.
+// Whether the CUDA backend is compiled in, what the driver and runtime are and which
+// devices the runtime sees (`spillway doctor`, `spillway hardware`). The answer is a value:
+// "no GPU" and "no driver" are expected outcomes here, not errors.
+struct CudaDeviceInfo {
+  std::string name;         // "NVIDIA H200"
+  std::string pci_bus_id;   // "0000:41:00.0"
+  int64_t bytes_total = 0;  // device memory
+  int compute_major = 0;    // compute capability, e.g. 9.0
+  int compute_minor = 0;
+  bool pageable_access = false;  // the device addresses pageable memory (HMM / ATS: GH200)
+};
 struct CudaInfo {
-  bool compiled = false;  // built with SPILLWAY_CUDA
-  int devices = 0;        // devices the CUDA runtime reports (0 without a GPU or driver)
-  std::string note;       // e.g. "cudaGetDeviceCount: no CUDA-capable device is detected"
+  bool compiled = false;       // built with SPILLWAY_CUDA
+  bool nccl_compiled = false;  // built with NCCL (make_nccl_all_gather can work)
+  int devices = 0;             // devices the CUDA runtime reports (0 without a GPU or driver)
+  int driver_version = 0;      // cudaDriverGetVersion: 12040 is CUDA 12.4; 0: no driver
+  int runtime_version = 0;     // cudaRuntimeGetVersion, the runtime linked in; 0: not compiled
+  std::vector<CudaDeviceInfo> gpus;  // one per device, in ordinal order
+  std::string note;  // e.g. "cudaGetDeviceCount: no CUDA-capable device is detected"
 };
 CudaInfo cuda_info();
 

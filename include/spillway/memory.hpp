@@ -13,12 +13,22 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "spillway/device.hpp"
 
 namespace spillway {
+
+// The NUMA nodes libnuma reports (`spillway doctor`): the pinned pool binds its slabs to
+// a node only when there are several. A value: a machine without NUMA support is an answer.
+struct NumaInfo {
+  bool available = false;  // numa_available() succeeded
+  int nodes = 1;           // configured nodes (1 when not available)
+  std::string note;        // why not available, e.g. "libnuma: numa_available() < 0 (...)"
+};
+NumaInfo numa_info();
 
 struct PinnedBlock {
   void* ptr = nullptr;

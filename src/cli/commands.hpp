@@ -26,6 +26,9 @@ inline constexpr double kMiB = 1048576.0;
 inline constexpr const char* kPlanExampleArgs =
     "--model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 8192 --ep 8 --dp 8";
 
+// `spillway --version` and `spillway doctor` say it.
+inline constexpr const char* kVersion = "0.1.0";
+
 void add_plan_command(CLI::App& app);
 void add_models_command(CLI::App& app);
 void add_hardware_command(CLI::App& app);
@@ -40,5 +43,6 @@ void add_checkpoint_command(CLI::App& app);
 void add_load_command(CLI::App& app);
 void add_tokenize_command(CLI::App& app);
 void add_chat_template_command(CLI::App& app);
+void add_doctor_command(CLI::App& app);
 
 }  // namespace spillway::cli

@@ -39,6 +39,7 @@ constexpr CommandLine kCommandLines[] = {
     {"Serve, replay and load", "replay", "replay a production serving trace, simulated or live"},
     {"Serve, replay and load", "load", "load-test a running `spillway serve`"},
     {"Serve, replay and load", "checkpoint", "write a servable checkpoint of the reference model"},
+    {"Tools", "doctor", "what this machine has, and which of spillway's paths run here"},
     {"Tools", "probe", "host<->device copy bandwidth, pinned and pageable"},
     {"Tools", "bench", "the benchmarks: each checks its results, then times"},
     {"Tools", "tokenize", "a model's tokenizer (tokenizer.json) from the command line"},
@@ -58,7 +59,8 @@ std::string overview() {
     out += fmt::format("  {:<15}{}\n", c.name, c.summary);
   }
   out += fmt::format(
-      "\nStart with:\n  spillway plan {}\n\n"
+      "\nStart with:\n  spillway plan {}\n  spillway doctor      (what this machine has, and which "
+      "paths run here)\n\n"
       "Units: flags ending in -mb are MiB (2^20 bytes), -gb GB (1e9 bytes), -gbps GB/s (1e9 "
       "bytes/s).\nRun `spillway COMMAND --help` for a command's flags and examples.\n",
       spillway::cli::kPlanExampleArgs);
@@ -74,7 +76,7 @@ bool known_subcommand(CLI::App& app, const char* name) {
 int run(int argc, char** argv) {
   CLI::App app{"spillway: move what does not fit in GPU memory into CPU memory."};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "spillway 0.1.0");
+  app.set_version_flag("--version", std::string("spillway ") + spillway::cli::kVersion);
   spillway::cli::add_plan_command(app);
   spillway::cli::add_models_command(app);
   spillway::cli::add_hardware_command(app);
@@ -89,6 +91,7 @@ int run(int argc, char** argv) {
   spillway::cli::add_load_command(app);
   spillway::cli::add_tokenize_command(app);
   spillway::cli::add_chat_template_command(app);
+  spillway::cli::add_doctor_command(app);
   // Set after the subcommands exist, so that only the top level's --help is the overview
   // (a subcommand keeps the formatter it was created with).
   app.formatter_fn(

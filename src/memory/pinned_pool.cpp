@@ -34,6 +34,19 @@ bool bind_to_node(void* p, size_t bytes, int node) {
 
 }  // namespace
 
+NumaInfo numa_info() {
+  NumaInfo info;
+  if (numa_available() < 0) {
+    info.note =
+        "libnuma: numa_available() < 0 (the kernel has no NUMA support, or it is not exposed "
+        "here)";
+    return info;
+  }
+  info.available = true;
+  info.nodes = numa_num_configured_nodes();
+  return info;
+}
+
 PinnedPool::PinnedPool(Device& device, const PinnedPoolOptions& o)
     : device_(device), kind_(o.kind) {
   if (o.bytes <= 0) SPILLWAY_INPUT_ERROR("pinned pool: size is {} bytes; must be > 0", o.bytes);

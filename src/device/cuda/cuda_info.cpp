@@ -9,7 +9,10 @@ namespace spillway {
 CudaInfo cuda_info() {
   CudaInfo info;
   info.compiled = true;
-  info.devices = cuda_runtime_device_count(&info.note);
+#ifdef SPILLWAY_HAVE_NCCL
+  info.nccl_compiled = true;
+#endif
+  cuda_runtime_info(&info);
   if (info.devices == 0 && info.note.empty()) info.note = "the CUDA runtime reports no device";
   return info;
 }
