@@ -1277,6 +1277,37 @@ stage_sanitizer() {  # TOOL MAX_SECONDS CUDA_TESTS_FILTER SERVE_FILTER
   fi
 }
 
+# --- stage: doctor -----------------------------------------------------------------------
+# `spillway doctor --json` on the GPU machine: the report must list a CUDA device, name the
+# card nvidia-smi names and run the CUDA backend (scripts/gpu_check_doctor.py reads it; its
+# reading is tested on recorded reports: tests/scripts/gpu_check_doctor_test.sh).
+stage_doctor() {
+  stage_begin doctor tests 20 5 || return 0
+  local bin=$build_dir/bin/spillway
+  local cmd=("$bin" doctor --json "$work/doctor.json")
+  local why
+  why=$(gpu_stage_guard spillway_cli)
+  if [ -n "$why" ]; then
+    would_run "${cmd[@]}"
+    stage_end skip "$why"
+    return 0
+  fi
+  local rc=0 prc=0 verdict k v
+  run_timed "$(stage_left)" "${cmd[@]}" || rc=$?
+  if [ $rc -ne 0 ] || [ ! -s "$work/doctor.json" ]; then
+    stage_end "$(status_of $rc)" "spillway doctor exited $rc$([ -s "$work/doctor.json" ] || echo ', no JSON written')"
+    return 0
+  fi
+  cat "$work/doctor.json" >>"$S.log"
+  verdict=$(python3 "$here/scripts/gpu_check_doctor.py" "$work/doctor.json" "$gpu_name" 2>&1) || prc=$?
+  while IFS=$'\t' read -r k v; do [ -n "$k" ] && [ -n "$v" ] && fig "$k" "$v"; done <<<"$verdict"
+  if [ $prc -eq 0 ]; then
+    stage_end pass "$(tail -n 1 <<<"$verdict")"
+  else
+    stage_end fail "$(tail -n 1 <<<"$verdict")"
+  fi
+}
+
 # --- the run, in order of what matters most -----------------------------------------------
 stage_env
 stage_deps
@@ -1285,6 +1316,7 @@ main_targets=(spillway_cli spillway_bench_tool)
 mapfile -t -O 2 main_targets < <(cuda_test_targets)
 main_targets+=(_spillway)
 stage_build build 200 30 "${main_targets[@]}"
+stage_doctor
 stage_ctest_cuda
 stage_pytest
 stage_bench

@@ -27,7 +27,7 @@ folder = sys.argv[1]
 report = json.load(open(os.path.join(folder, "gpu-report.json")))
 assert report["schema"] == "spillway.gpu-check/1", report["schema"]
 names = [s["name"] for s in report["stages"]]
-want = ["env", "deps", "configure", "build", "ctest-cuda", "pytest-cuda", "bench",
+want = ["env", "deps", "configure", "build", "doctor", "ctest-cuda", "pytest-cuda", "bench",
         "build-extra", "gpu-paths", "memcheck", "racecheck", "bench-torch"]
 assert names == want, f"stages {names}, want {want}"
 for s in report["stages"]:
@@ -35,7 +35,7 @@ for s in report["stages"]:
     assert s["reason"].strip(), f"{s['name']}: no reason"
     assert s["reason"].startswith("no GPU"), f"{s['name']}: reason {s['reason']!r}"
 # What each stage would have run, where it runs a command.
-for name in ["configure", "build", "ctest-cuda", "pytest-cuda", "bench", "memcheck",
+for name in ["configure", "build", "doctor", "ctest-cuda", "pytest-cuda", "bench", "memcheck",
              "bench-torch"]:
     cmds = next(s for s in report["stages"] if s["name"] == name)["commands"]
     assert cmds.startswith("$ "), f"{name}: no command recorded: {cmds!r}"
