@@ -261,13 +261,17 @@ std::vector<PathLine> paths_here(const Report& r) {
   out.push_back({"device backend", gpu,
                  gpu ? fmt::format("CUDA: {}", r.link.backend)
                      : fmt::format("host emulation ({})", r.link.device_note)});
-  bool pinned_fell_back = false;
+  // The probe's note when the backend served a pinned request with pageable memory.
+  std::string fallback;
   for (const std::string& n : r.link.notes)
-    pinned_fell_back |= n.find("pageable") != std::string::npos;
+    if (fallback.empty() && n.find("could not pin") != std::string::npos) fallback = n;
+  const bool pinned_fell_back = !fallback.empty();
   out.push_back({"pinned host memory", gpu && !pinned_fell_back,
                  !gpu ? std::string("emulated: ordinary host memory, no GPU to pin for")
-                 : pinned_fell_back ? "pageable fallback: " + r.link.notes.front()
-                                    : std::string("page-locked (cudaHostAlloc)")});
+                 : pinned_fell_back ? "pageable fallback: " + fallback
+                 : r.link_probed
+                     ? std::string("page-locked (cudaHostAlloc)")
+                     : std::string("page-locked (cudaHostAlloc; not checked: --no-probe)")});
   const bool nccl = r.cuda.nccl_compiled && r.cuda.devices > 0;
   out.push_back({"NCCL all-gather", nccl,
                  nccl ? fmt::format("sharded weight streaming over NCCL, {} GPU(s)", r.cuda.devices)
