@@ -31,8 +31,12 @@ messages = [{"role": "user", "content": "Say something about the sea."}]
 r = client.chat.completions.create(
     model=args.model, messages=messages, max_tokens=12, temperature=0
 )
-print("reply:", repr(r.choices[0].message.content), f"({r.choices[0].finish_reason},",
-      f"{r.usage.prompt_tokens} prompt tokens, {r.usage.completion_tokens} completion tokens)")
+print(
+    "reply:",
+    repr(r.choices[0].message.content),
+    f"({r.choices[0].finish_reason},",
+    f"{r.usage.prompt_tokens} prompt tokens, {r.usage.completion_tokens} completion tokens)",
+)
 stream = client.chat.completions.create(
     model=args.model, messages=messages, max_tokens=12, temperature=0, stream=True
 )

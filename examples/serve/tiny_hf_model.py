@@ -35,7 +35,10 @@ torch.manual_seed(0)
 model = transformers.Qwen2ForCausalLM(config)
 model.generation_config.eos_token_id = [151645, 151643]  # <|im_end|>, <|endoftext|>
 model.save_pretrained(out, safe_serialization=True)
-(out / "tokenizer.json").write_bytes(lzma.decompress((TOKENIZER / "tokenizer.json.xz").read_bytes()))
+(out / "tokenizer.json").write_bytes(
+    lzma.decompress((TOKENIZER / "tokenizer.json.xz").read_bytes())
+)
 shutil.copy(TOKENIZER / "tokenizer_config.json", out / "tokenizer_config.json")
 n = sum(p.numel() for p in model.parameters())
-print(f"wrote {out}: Qwen2, 2 layers, hidden 64, {n / 1e6:.1f}M parameters (random), Qwen2.5's tokenizer")
+print(f"wrote {out}: Qwen2, 2 layers, hidden 64, {n / 1e6:.1f}M parameters (random),", end=" ")
+print("Qwen2.5's tokenizer")

@@ -1,4 +1,5 @@
-"""examples/torch/train_hf.py runs and offloads (the README's example)."""
+"""examples/torch/train_hf.py runs and offloads (the PyTorch guide's example); quickstart.py
+(the README's PyTorch start) trains, offloads and learns."""
 
 from __future__ import annotations
 
@@ -40,3 +41,19 @@ def test_the_example_with_cpu_adamw() -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("CPUAdamW: ") == 2
+
+
+def test_the_readme_quickstart_trains_offloads_and_learns() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples/torch/quickstart.py")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4, run.stdout
+    losses = [float(re.search(r"loss ([\d.]+)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+    assert losses[-1] < losses[0]  # one batch, learned
+    assert all("offloaded 60.2 MB in 54 tensors, reloaded 60.2 MB" in line for line in lines)
+    assert run.stderr == ""  # pinned_bytes= given: no sizing step, no warning

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ["python", "bench/torch", "bench/text", "examples/torch", "scripts/check_docs.py"]
+PATHS = [
+    "python",
+    "bench/torch",
+    "bench/text",
+    "examples/torch",
+    "examples/serve",
+    "scripts/check_docs.py",
+]
 BIN = Path(sys.executable).parent
 
 

@@ -395,8 +395,8 @@ TEST(DocsCli, TheCheckpointAndServeExamplesWorkTogetherAsWritten) {
   EXPECT_EQ(srv.wait_exit(std::chrono::seconds(20)), 0) << srv.log();
 }
 
-// The README's catalog: its count and its table are what `spillway models` prints.
-TEST(DocsCli, TheReadmeListsTheModelsTheCatalogHas) {
+// The planning guide's catalog: its count and its table are what `spillway models` prints.
+TEST(DocsCli, ThePlanningGuideListsTheModelsTheCatalogHas) {
   const cli_test::CommandResult models = cli_test::run_command(cli() + " models 2>&1");
   ASSERT_EQ(models.code, 0) << models.out;
   int rows = 0;
@@ -404,7 +404,8 @@ TEST(DocsCli, TheReadmeListsTheModelsTheCatalogHas) {
   std::string line;
   std::getline(in, line);  // the header
   while (std::getline(in, line) && !line.empty()) ++rows;
-  const std::string readme = cli_test::read_file(std::string(SPILLWAY_DATA_DIR) + "/../README.md");
+  const std::string readme =
+      cli_test::read_file(std::string(SPILLWAY_DATA_DIR) + "/../docs/guide/planning.md");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(
       readme, m, std::regex(R"(lists the embedded model catalog: (\d+) Hugging Face)")));
