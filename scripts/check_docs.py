@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs the checked examples of README.md and docs/*.md and compares what they print.
+"""Runs the checked examples of README.md and docs/ (and docs/guide/) and compares their output.
 
 The format is docs/writing-docs.md's: a fenced block whose info string is `console` is a
 checked example; a line starting with `$ ` is a command (continued on the next line by a
@@ -300,16 +300,18 @@ def missing_python(block: Block, build: Path) -> str | None:
 
 
 def default_files(root: Path) -> list[Path]:
-    """README.md and docs/*.md, those that exist."""
+    """README.md, docs/*.md and the user guide's docs/guide/*.md, those that exist."""
     files = [root / "README.md"] if (root / "README.md").is_file() else []
-    return files + sorted((root / "docs").glob("*.md"))
+    return files + sorted((root / "docs").glob("*.md")) + sorted((root / "docs/guide").glob("*.md"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: check the files' console blocks, report, and exit 0, 1 or 2."""
     root = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="*", type=Path, help="Markdown files (README.md, docs/*.md)")
+    ap.add_argument(
+        "files", nargs="*", type=Path, help="Markdown files (README.md, docs/*.md, docs/guide/*.md)"
+    )
     ap.add_argument("--build", type=Path, default=root / "build", help="the CMake build folder")
     ap.add_argument("--python", type=Path, help="the Python environment's folder (its bin/python)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per command")
