@@ -32,7 +32,7 @@ optimizer = spillway.torch.CPUAdamW(model.parameters(), lr=1e-3)
 
 offload = spillway.torch.offload_activations(model, pinned_bytes=64 << 20)  # added line 2
 ids = torch.randint(0, config.vocab_size, (4, 256), device=device)  # one batch, learned
-for step in range(4):
+for step in range(1, 5):  # 1-based, as spillway's messages count steps
     with offload:  # around forward and backward
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

@@ -57,3 +57,11 @@ def test_the_readme_quickstart_trains_offloads_and_learns() -> None:
     assert losses[-1] < losses[0]  # one batch, learned
     assert all("offloaded 60.2 MB in 54 tensors, reloaded 60.2 MB" in line for line in lines)
     assert run.stderr == ""  # pinned_bytes= given: no sizing step, no warning
+
+
+def test_the_readme_shows_the_quickstart_as_it_is() -> None:
+    """The README's PyTorch start prints quickstart.py's code whole (after its docstring)."""
+    code = (ROOT / "examples/torch/quickstart.py").read_text()
+    code = code[code.index("import torch\n") :]
+    readme = (ROOT / "README.md").read_text()
+    assert "```python\n" + code + "```\n" in readme
