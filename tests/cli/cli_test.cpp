@@ -649,7 +649,7 @@ TEST(Cli, SimulatePlanRefusesFlagsThatConflictWithThePlan) {
   EXPECT_TRUE(contains(d.out, "layer 3 is missing")) << d.out;
 }
 
-// README's H100 example peaks above the card's 80 GB: simulate says so in numbers and
+// The planning guide's H100 example peaks above the card's 80 GB: simulate says so in numbers and
 // exits 3 as plan does for an infeasible plan, and still writes its JSON.
 TEST(Cli, SimulatePeakOverHbmExitsThreeWithReasons) {
   TempDir dir;

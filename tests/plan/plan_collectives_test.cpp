@@ -142,7 +142,7 @@ TEST(PlanCollectives, PlannerAndSimulatorAgreeOnTheStep) {
                         Case{"Qwen3-14B", "h100-pcie", 1, 1, 2, 3, 1, Policy::kAuto, 4096},
                         Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1, Policy::kAuto, 4096},
                         Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 2, 1, 2, Policy::kAuto, 4096},
-                        // README's worked example: the all-to-alls queue behind the
+                        // The planning guide's worked example (docs/guide/planning.md): the all-to-alls queue behind the
                         // overlapped gathers and reductions on the one comm stream.
                         Case{"Qwen3-30B-A3B", "gh200", 1, 8, 8, 1, 1, Policy::kAuto, 8192, 2}}) {
     PlanRequest r = generous(request(c.model, c.hw, c.micro_batch, c.seq, c.policy));
