@@ -14,6 +14,16 @@ differ, the next step runs it (offload demoted to recompute where the window no 
 holds, promoted back when it does). Each change is logged with its numbers (a warning-free
 ``report()["replans"]``). Where a tensor lives never changes the arithmetic: losses and
 gradients are bitwise those of the plain model.
+
+Note [A fixed calibration] (the PyTorch side of ``spillway train --layer-fwd-ms``,
+src/train/trainer.cpp): what the measured mode measures, the probe copy and the blocks'
+forward times, moves with the machine's load, and so did its re-plans (a loaded 2-core host
+re-planned back and forth while the link stayed slow). ``layer_fwd_ms=MS`` gives the planner
+MS for each block's forward instead of the measured step's times, and judges each step by
+the link as scheduled (``d2h_gbps``, then what ``set_link`` set; 0: the hardware
+profile's), the blocks at MS and no lateness, instead of by the probe and the telemetry: the
+plans and re-plans are then the same on every run and every machine, and their notes say
+"given" and "as scheduled". The step's telemetry is still measured.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ class AutoPlanner:
         keep_last: int,
         prefetch_depth: int,
         d2h_gbps: float,
+        layer_fwd_ms: Optional[float] = None,
     ) -> None:
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "to_json_file"):
@@ -71,6 +82,9 @@ class AutoPlanner:
         self.shape: Optional[tuple[int, int, str]] = None  # micro_batch, seq_len, dtype
         self.plan: Optional[dict[str, Any]] = None
         self.fwd_ms = 0.0  # the layer time the plan was calibrated with
+        # Note [A fixed calibration]: the layer time given, None: measured.
+        self.fixed_ms = layer_fwd_ms
+        self._profile_gbps: Optional[float] = None  # the hardware profile's link, once asked
         self.replans: list[str] = []
 
     def _make(self, layer_fwd_ms: float) -> dict[str, Any]:
@@ -94,16 +108,37 @@ class AutoPlanner:
         )
 
     def first(self, shape: tuple[int, int, str], layer_fwd_ms: float) -> dict[str, Any]:
+        """The first plan, from the measured step's shape and (unless fixed) its layer time."""
         self.shape = shape
+        fixed = self.fixed_ms is not None
+        if self.fixed_ms is not None:
+            layer_fwd_ms = self.fixed_ms  # Note [A fixed calibration]
         self.fwd_ms = layer_fwd_ms
         self.plan = self._make(layer_fwd_ms)
         planned = self.plan["hardware"]["d2h_gbps"]
         self.replans.append(
             f"planned after step 1: micro-batch {shape[0]} x seq {shape[1]} {shape[2]}, layer "
-            f"forward {layer_fwd_ms:.3f} ms measured, link {planned:.3f} GB/s; offloaded "
-            f"tensors per layer {_offloaded(self.plan)}"
+            f"forward {layer_fwd_ms:.3f} ms {'given' if fixed else 'measured'}, link "
+            f"{planned:.3f} GB/s; offloaded tensors per layer {_offloaded(self.plan)}"
         )
         return self.plan
+
+    def _profile_link(self) -> float:
+        """The hardware profile's D2H link (GB/s): what a plan without a link assumes."""
+        if self._profile_gbps is None:
+            saved, self.link_gbps = self.link_gbps, 0.0
+            try:
+                self._profile_gbps = float(self._make(self.fwd_ms)["hardware"]["d2h_gbps"])
+            finally:
+                self.link_gbps = saved
+        return self._profile_gbps
+
+    def after_scheduled(self, step: int, scheduled_gbps: float) -> Optional[dict[str, Any]]:
+        """Note [A fixed calibration]: after step `step`, judged by the link as scheduled for
+        it (0: the profile's), the layers at the time given and no lateness."""
+        assert self.fixed_ms is not None
+        link = scheduled_gbps if scheduled_gbps > 0 else self._profile_link()
+        return self.after(step, {}, link, self.fixed_ms)
 
     def after(
         self, step: int, report: dict[str, Any], probe_gbps: float, layer_fwd_ms: float
@@ -111,6 +146,9 @@ class AutoPlanner:
         """After step `step` (1-based): a new plan when it changes what runs, else None."""
         if self.plan is None or probe_gbps <= 0:
             return None
+        fixed = self.fixed_ms is not None
+        if self.fixed_ms is not None:  # Note [A fixed calibration]: no lateness, no drift
+            report, layer_fwd_ms = {}, self.fixed_ms
         planned = float(self.plan["hardware"]["d2h_gbps"])
         late = bool(report.get("snowball"))
         drift = abs(probe_gbps - planned) / planned
@@ -138,10 +176,13 @@ class AutoPlanner:
             if drift > LINK_DRIFT
             else f"the layers' forward {layer_fwd_ms:.3f} ms, off by {layers * 100:.0f}%"
         )
+        # A fixed calibration's notes say nothing measured (the stall is), so that two runs
+        # give the same notes.
+        stall = "" if fixed else f"; stall {report.get('stall_ms', 0.0):.2f} ms"
         self.replans.append(
-            f"re-planned after step {step}: link {probe_gbps:.3f} GB/s measured, the plan "
-            f"assumed {planned:.3f} ({why}; margin {self.margin * 100:.0f}%; stall "
-            f"{report.get('stall_ms', 0.0):.2f} ms); offloaded tensors per layer "
+            f"re-planned after step {step}: link {probe_gbps:.3f} GB/s "
+            f"{'as scheduled' if fixed else 'measured'}, the plan assumed {planned:.3f} ({why}; "
+            f"margin {self.margin * 100:.0f}%{stall}); offloaded tensors per layer "
             f"{_offloaded(old)} -> {_offloaded(new)}"
         )
         return new

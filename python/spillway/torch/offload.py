@@ -116,6 +116,9 @@ class _Saved:
 
 
 _MiB = 1 << 20
+# The planner's range of a layer forward time (ms), PlanLimits::kMinLayerMs/kMaxLayerMs.
+_MIN_LAYER_MS = 1e-9
+_MAX_LAYER_MS = 1e9
 
 
 class OffloadActivations:
@@ -164,6 +167,7 @@ class OffloadActivations:
         hardware: str = "gh200",
         hbm_budget_gb: Optional[float] = None,
         margin: float = 0.10,
+        layer_fwd_ms: Optional[float] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations: model must be an nn.Module, not {type(model)}")
@@ -186,6 +190,23 @@ class OffloadActivations:
             )
         if not isinstance(max_tensors, int) or max_tensors < 1:
             raise ValueError(f"offload_activations: max_tensors is {max_tensors!r}; must be >= 1")
+        if layer_fwd_ms is not None:  # Note [A fixed calibration] (adaptive.py)
+            if (
+                isinstance(layer_fwd_ms, bool)
+                or not isinstance(layer_fwd_ms, (int, float))
+                or not _MIN_LAYER_MS <= layer_fwd_ms <= _MAX_LAYER_MS  # NaN is neither
+            ):
+                raise ValueError(
+                    f"offload_activations: layer_fwd_ms is {layer_fwd_ms!r}; must be a layer "
+                    f"forward time in ms in [{_MIN_LAYER_MS:g}, {_MAX_LAYER_MS:g}] (or None: "
+                    "measured)"
+                )
+            if plan != "auto":
+                raise ValueError(
+                    f"offload_activations: layer_fwd_ms is {layer_fwd_ms!r}, which calibrates "
+                    'plan="auto"; a given plan was calibrated when it was made (pass it to '
+                    "spillway.plan() instead)"
+                )
         if pinned_bytes is not None and (not isinstance(pinned_bytes, int) or pinned_bytes < 1):
             raise ValueError(
                 f"offload_activations: pinned_bytes is {pinned_bytes!r}; must be an int >= 1 "
@@ -232,6 +253,7 @@ class OffloadActivations:
                 keep_last=max(self.keep_last, 1),
                 prefetch_depth=prefetch_depth,
                 d2h_gbps=d2h_gbps,
+                layer_fwd_ms=None if layer_fwd_ms is None else float(layer_fwd_ms),
             )
             plan = None
         self.plan = plan
@@ -883,11 +905,14 @@ class OffloadActivations:
         measured = [ms for ms in self._fwd_ms if ms > 0]
         fwd_ms = sum(measured) / len(measured) if measured else 0.0
         self._fwd_ms = [0.0] * len(self.layers)
+        rep["layer_fwd_ms"] = fwd_ms  # measured, also with a fixed calibration
         new: Optional[dict[str, Any]] = None
         if auto.plan is None:
             rep["measured_step"] = True
             if self._shape is not None:
                 new = auto.first(self._shape, fwd_ms)
+        elif auto.fixed_ms is not None:  # Note [A fixed calibration]: the link as scheduled
+            new = auto.after_scheduled(self._step, self.d2h_gbps)
         elif self._session is not None:
             new = auto.after(self._step, rep, self._session.probe_d2h_gbps(), fwd_ms)
         else:  # a plan that offloads nothing has no session to probe the link with
@@ -914,7 +939,9 @@ class OffloadActivations:
 
     def set_link(self, d2h_gbps: float, h2d_gbps: float) -> None:
         """Changes the emulated link's speed (CPU tensors, made with both throttles), from
-        the next copy on: a test of what re-planning does when the link drifts."""
+        the next copy on: a test of what re-planning does when the link drifts. With
+        ``layer_fwd_ms`` (Note [A fixed calibration]), plan="auto" judges the steps from then
+        on by this link, as scheduled."""
         self.d2h_gbps, self.h2d_gbps = d2h_gbps, h2d_gbps
         if self._session is not None:
             self._session.set_link_gbps(float(d2h_gbps), float(h2d_gbps))
@@ -961,6 +988,15 @@ def offload_activations(
             ``report()["replans"]`` lists each change with its numbers). Needs
             ``model.config`` (Hugging Face); ``hardware``, ``hbm_budget_gb`` and ``margin``
             are the planner's.
+        layer_fwd_ms: with ``plan="auto"``, the layer forward time (ms) the planner plans
+            with instead of the measured step's, as ``spillway.plan(layer_fwd_ms=...)`` and
+            ``spillway train --layer-fwd-ms``; each step is then judged by the link as
+            scheduled (``d2h_gbps``, then what :meth:`OffloadActivations.set_link` set)
+            with the layers at this time and no lateness, instead of by the probe and the
+            telemetry, so that the re-plans are the same on every run and machine (their
+            notes say "as scheduled"; Note [A fixed calibration]); the first step still
+            offloads nothing (it gives the batch's shape). None (the default): measured.
+            Outside [1e-9, 1e9] (0, negative, NaN), or without ``plan="auto"``: ValueError.
         pinned_bytes: the host pool's size, allocated once; None: sized from the first step
             (which then offloads nothing, and says so).
         min_bytes: smaller saved tensors stay where they are (default 64 KiB).
