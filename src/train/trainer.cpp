@@ -692,7 +692,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
     Plan plan;
     PolicyResult r;
     try {
-      if (o.layer_fwd_ms) fwd_ms = *o.layer_fwd_ms;  // Note [A fixed calibration]
+      if (o.layer_fwd_ms) fwd_ms = *o.layer_fwd_ms;    // Note [A fixed calibration]
       if (name != "keep" && fwd_ms <= 0) calibrate();  // no keep run (or it failed)
       if (name == "adaptive") {
         // Note [Re-planning while training]: auto's plan first, re-made between steps.
@@ -859,10 +859,10 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
           ? "; with --optimizer offload no AdamW moments but the pipeline's bf16 weights and "
             "gradients, the fp32 copy the reference ops compute with, and the split's state"
           : "",
-      o.layer_fwd_ms ? fmt::format("the layer forward time given ({} ms, --layer-fwd-ms)",
-                                   *o.layer_fwd_ms)
-      : o.compare    ? "the measured mean layer forward time (of the keep run)"
-                     : "the measured mean layer forward time (of a calibration run)");
+      o.layer_fwd_ms
+          ? fmt::format("the layer forward time given ({} ms, --layer-fwd-ms)", *o.layer_fwd_ms)
+      : o.compare ? "the measured mean layer forward time (of the keep run)"
+                  : "the measured mean layer forward time (of a calibration run)");
   for (const PolicyResult& p : r.policies) {
     if (p.prediction_calibrated) continue;
     out +=

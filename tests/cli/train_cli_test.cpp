@@ -622,8 +622,9 @@ TEST(TrainCli, AdaptiveWithAFixedCalibrationRePlansTheSameOnEveryRun) {
   ASSERT_TRUE(qa.contains("replans")) << shown(a);
   const std::vector<std::string> replans = qa["replans"].get<std::vector<std::string>>();
   ASSERT_EQ(replans.size(), 2u) << shown(a);
-  EXPECT_TRUE(contains(replans[0], "re-planned after step 5: link 0.150 GB/s as scheduled, "
-                                   "the plan assumed 20.000"))
+  EXPECT_TRUE(contains(replans[0],
+                       "re-planned after step 5: link 0.150 GB/s as scheduled, "
+                       "the plan assumed 20.000"))
       << replans[0];
   EXPECT_TRUE(contains(replans[1], "re-planned after step 9: link 20.000 GB/s as scheduled"))
       << replans[1];

@@ -131,20 +131,21 @@ TEST(PlanCollectives, PlannerAndSimulatorAgreeOnTheStep) {
   };
   // ZeRO-3 on PCIe: the gathers and the reductions share the host link, more than the
   // compute hides; with gradient accumulation the reductions run in the last micro-batch.
-  for (const Case& c : {Case{"Qwen3-30B-A3B", "h100-sxm", 1, 8, 1, 1, 1},
-                        Case{"Llama-3.1-70B", "h100-sxm", 8, 1, 1, 1, 1},
-                        Case{"Llama-3.1-8B", "h100-sxm", 1, 1, 8, 3, 1},
-                        Case{"Llama-3.1-8B", "h100-sxm", 1, 1, 8, 3, 3},
-                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1},
-                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 1},
-                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 2},
-                        // Auto on PCIe: the copies share the host link with the rings.
-                        Case{"Qwen3-14B", "h100-pcie", 1, 1, 2, 3, 1, Policy::kAuto, 4096},
-                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1, Policy::kAuto, 4096},
-                        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 2, 1, 2, Policy::kAuto, 4096},
-                        // The planning guide's worked example (docs/guide/planning.md): the all-to-alls queue behind the
-                        // overlapped gathers and reductions on the one comm stream.
-                        Case{"Qwen3-30B-A3B", "gh200", 1, 8, 8, 1, 1, Policy::kAuto, 8192, 2}}) {
+  for (const Case& c :
+       {Case{"Qwen3-30B-A3B", "h100-sxm", 1, 8, 1, 1, 1},
+        Case{"Llama-3.1-70B", "h100-sxm", 8, 1, 1, 1, 1},
+        Case{"Llama-3.1-8B", "h100-sxm", 1, 1, 8, 3, 1},
+        Case{"Llama-3.1-8B", "h100-sxm", 1, 1, 8, 3, 3},
+        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1},
+        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 1},
+        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 3, 2},
+        // Auto on PCIe: the copies share the host link with the rings.
+        Case{"Qwen3-14B", "h100-pcie", 1, 1, 2, 3, 1, Policy::kAuto, 4096},
+        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 4, 1, 1, Policy::kAuto, 4096},
+        Case{"Llama-3.1-8B", "h100-pcie", 1, 1, 2, 1, 2, Policy::kAuto, 4096},
+        // The planning guide's worked example (docs/guide/planning.md): the all-to-alls queue
+        // behind the overlapped gathers and reductions on the one comm stream.
+        Case{"Qwen3-30B-A3B", "gh200", 1, 8, 8, 1, 1, Policy::kAuto, 8192, 2}}) {
     PlanRequest r = generous(request(c.model, c.hw, c.micro_batch, c.seq, c.policy));
     r.work.shape.tp = c.tp;
     r.work.shape.ep = c.ep;

@@ -379,8 +379,9 @@ TEST(SimHbm, SharingSlowsMemoryBoundWorkNeverSpeedsItUp) {
 
 // ---- the memory verdict ----------------------------------------------------------------------
 
-// The planning guide's H100 example (docs/guide/planning.md): GPU 0 peaks above the 80 GB card and the 76 GB budget; the result
-// says so with a reason per limit, in GB; the same plan under a budget it fits is feasible.
+// The planning guide's H100 example (docs/guide/planning.md): GPU 0 peaks above the 80 GB card and
+// the 76 GB budget; the result says so with a reason per limit, in GB; the same plan under a budget
+// it fits is feasible.
 TEST(SimVerdict, PeakOverHbmAndBudgetIsInfeasibleWithReasonsInGb) {
   PlanRequest r = request("Qwen3-30B-A3B", "h100-sxm", 2, 8192, Policy::kOffload);
   r.work.shape.ep = 8;
