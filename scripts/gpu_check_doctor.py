@@ -9,6 +9,7 @@ GPU nvidia-smi named (GPU_NAME, either name containing the other, case ignored) 
 device backend path runs (CUDA, not the host emulation); else 1, the verdict saying why.
 Tested on recorded reports: tests/scripts/gpu_check_doctor_test.sh.
 """
+
 import json
 import sys
 
@@ -32,12 +33,16 @@ def main(argv):
     print(f"doctor CUDA driver\t{cuda.get('driver_version') or 'none'}")
     for i, g in enumerate(devices):
         gb = (g.get("bytes_total") or 0) / 1e9
-        print(f"doctor cuda:{i}\t{g.get('name')} (compute {g.get('compute_capability')}, "
-              f"{gb:.1f} GB, PCI {g.get('pci_bus_id')})")
+        print(
+            f"doctor cuda:{i}\t{g.get('name')} (compute {g.get('compute_capability')}, "
+            f"{gb:.1f} GB, PCI {g.get('pci_bus_id')})"
+        )
     link = d.get("link") or {}
     if link and not link.get("error"):
-        print(f"doctor link pinned H2D / D2H GB/s\t{link.get('h2d_pinned_gbps', 0):.1f} / "
-              f"{link.get('d2h_pinned_gbps', 0):.1f} ({link.get('backend')})")
+        print(
+            f"doctor link pinned H2D / D2H GB/s\t{link.get('h2d_pinned_gbps', 0):.1f} / "
+            f"{link.get('d2h_pinned_gbps', 0):.1f} ({link.get('backend')})"
+        )
     paths = d.get("paths") or []
     for p in paths:
         print(f"doctor path {p.get('name')}\t{'yes' if p.get('runs') else 'no'}: {p.get('detail')}")
@@ -45,8 +50,9 @@ def main(argv):
         print(f"doctor names no GPU: {cuda.get('note') or 'no reason given'}")
         return 1
     names = [str(g.get("name") or "") for g in devices]
-    if want and not any(want.lower() in n.lower() or (n and n.lower() in want.lower())
-                        for n in names):
+    if want and not any(
+        want.lower() in n.lower() or (n and n.lower() in want.lower()) for n in names
+    ):
         print(f"doctor names {', '.join(names)}, not nvidia-smi's {want}")
         return 1
     backend = next((p for p in paths if p.get("name") == "device backend"), None)
