@@ -554,8 +554,14 @@ ModelConfig load_model(const std::string& name_or_path) {
     if (!std::filesystem::exists(p, ec))
       SPILLWAY_INPUT_ERROR("model: '{}' is a directory without a config.json", name_or_path);
   }
+  // A config.json is named after its directory, also when the path does not spell it
+  // ("./config.json", "config.json": the working directory's name, not "." or "config").
   std::string stem = p.stem().string();
-  if (stem == "config" && p.has_parent_path()) stem = p.parent_path().filename().string();
+  if (stem == "config") {
+    const std::filesystem::path dir =
+        std::filesystem::absolute(p, ec).lexically_normal().parent_path();
+    if (!ec && !dir.filename().empty()) stem = dir.filename().string();
+  }
   return parse_model_config(load_json_file(p.string(), kWhat), stem, p.string());
 }
 

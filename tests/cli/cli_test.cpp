@@ -738,6 +738,25 @@ TEST(Cli, DirectoriesGivenAsFilesSaySo) {
       << hw.out;
 }
 
+// A config.json is named after its directory however the path spells it: "./config.json"
+// and "config.json" from inside it are that directory's name, not "." or "config".
+TEST(Cli, AConfigJsonIsNamedAfterItsDirectory) {
+  TempDir dir;
+  std::filesystem::create_directories(dir.file("my-llama"));
+  dir.write("my-llama/config.json",
+            R"({"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 4,
+                "intermediate_size": 256, "vocab_size": 1000})");
+  for (const std::string path : {"./config.json", "config.json", "../my-llama/config.json"}) {
+    SCOPED_TRACE(path);
+    const cli_test::CommandResult c =
+        cli_test::run_command("cd '" + dir.file("my-llama") + "' && '" + SPILLWAY_CLI_PATH +
+                              "' plan --model '" + path + "' --json - 2>/dev/null");
+    ASSERT_TRUE(c.code == 0 || c.code == 3) << c.out;
+    EXPECT_EQ(Json::parse(c.out)["model"]["name"], "my-llama");
+  }
+}
+
 TEST(Cli, AnIntegerFlagGivenAnotherNumberSaysWhatItExpects) {
   // A usage error (exit 2, like an unknown flag), not CLI11's "Could not convert".
   const CliRun r = run("plan --micro-batch 1e3");
