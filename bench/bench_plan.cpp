@@ -31,7 +31,7 @@ const std::vector<Policy> kStrategies = {Policy::kAuto,    Policy::kKeep,      P
 PlanRequest request_for(const std::string& model) {
   PlanRequest r;
   if (model == "dense-128+all") {
-    // Issue 13's target: a 128-layer model with every option (sharding, optimizer and
+    // The planner's target: a 128-layer model with every option (sharding, optimizer and
     // gradient offload, chunked loss, tp/cp/dp collectives, a per-layer profile), auto.
     const nlohmann::json cfg = {{"model_type", "llama"},     {"hidden_size", 16384},
                                 {"num_hidden_layers", 128},  {"num_attention_heads", 128},

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 30, docs/gpu.md): one command that builds the CUDA backend on a lent
+# The GPU check (docs/gpu.md): one command that builds the CUDA backend on a lent
 # GPU machine, runs every CUDA path spillway has, and writes gpu-report.md and
 # gpu-report.json (plus four logs and the GEMM profile) into one folder.
 #

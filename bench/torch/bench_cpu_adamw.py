@@ -1,6 +1,6 @@
 """CPUAdamW.step against DeepSpeed's DeepSpeedCPUAdam and torch.optim.AdamW (fused and
 foreach, on CPU) on the same parameters, in the same run, runs interleaved, medians, beside
-the memory-bandwidth limit (docs/PERFORMANCE.md). Targets (issue 31): whole CPU work >= 1.15x
+the memory-bandwidth limit (docs/PERFORMANCE.md). Targets: whole CPU work >= 1.15x
 DeepSpeed's, with and without clipping; critical path >= 3x.
 
 Every optimizer steps its own copy of the same fp32 parameters from the same gradients

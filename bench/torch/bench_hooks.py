@@ -9,7 +9,7 @@ hooks' bookkeeping is what is timed) runs forward + backward with:
   - identity hooks (pack and unpack return their argument): the floor of any Python
     saved-tensor hooks, torch's own calls into them.
 Prints the median per-tensor cost of each over the baseline, in microseconds, and the
-ratio of spillway's to each peer's. Goals: 10 us per tensor (issue 15), 5 us (issue 31). With
+ratio of spillway's to each peer's. Goals: 10 us per tensor, then 5 us. With
 --device cuda the model runs on the GPU (each pass ends with torch.cuda.synchronize, the
 peers' copies go to pinned CPU memory): the cost per tensor is then the hooks' host work
 and the copies' waits together, as a training loop sees them.

@@ -1,4 +1,4 @@
-"""CPU cost per block of spillway.torch.stream_weights' hooks (issue 16), against the same
+"""CPU cost per block of spillway.torch.stream_weights' hooks, against the same
 model resident, same run (docs/PERFORMANCE.md); then training steps against the same
 blocks under torch.utils.checkpoint (which recomputes in backward as streamed training does).
 

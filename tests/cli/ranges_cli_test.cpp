@@ -151,7 +151,7 @@ TEST(CliRanges, EveryNumericFlagStatesAndEnforcesItsRange) {
   EXPECT_GE(checked, 100);
 }
 
-// Rates at the edge (issue 27): a rate scale or an emulated link so small that its times
+// Rates at the edge: a rate scale or an emulated link so small that its times
 // run for days, or overflow the clock and wrap to no wait at all, is refused by its range.
 TEST(CliRanges, RatesHaveMinimumsThatKeepEmulatedTimesFinite) {
   struct Case {

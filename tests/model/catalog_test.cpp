@@ -43,7 +43,7 @@ TEST(ModelCatalog, HasTheExpectedModels) {
   }
 }
 
-// Every shipped config counts the published total and active parameters (issue 14): within
+// Every shipped config counts the published total and active parameters: within
 // 1%, or within the tolerance its catalog entry gives with the reason in params_source
 // (a figure rounded to "1T" or "3B", a vision tower the planner does not plan); and each
 // plans.

@@ -1,6 +1,6 @@
 // Note [Reading a config] (src/model/model_config.cpp, docs/models.md): the key names of
 // transformers 4 and 5 (aliases), nested text_config, `architectures` as a fallback and as
-// the judge of a mislabelled model_type, and the families added for issue 14 (Gemma 2/3,
+// the judge of a mislabelled model_type, and the families added with the model families work (Gemma 2/3,
 // Phi-3, GLM-4.5, DeepSeek V1 and V3.2, Kimi-K2, Llama 4), each on a config small enough
 // to count by hand.
 #include <gtest/gtest.h>

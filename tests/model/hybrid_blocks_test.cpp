@@ -1,4 +1,4 @@
-// The hybrid block families (issue 14, item 2): Mamba-1 and Mamba-2 mixers, Gated
+// The hybrid block families: Mamba-1 and Mamba-2 mixers, Gated
 // DeltaNet, MLP-only and mixer-only layers, read from the pattern keys of Nemotron-H,
 // Jamba, Qwen3-Next, Granite 4.0-H and Mamba2; their parameters counted by hand, their
 // inventories (Note [Block inventories]) and their block policy (the scan is never rerun).

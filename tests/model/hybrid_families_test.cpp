@@ -1,4 +1,4 @@
-// The families issue 32 adds (item 5): Falcon-H1's parallel attention + Mamba-2 layer,
+// The hybrid families: Falcon-H1's parallel attention + Mamba-2 layer,
 // Kimi-Linear's Kimi Delta Attention with MLA, MiniMax's lightning attention, Zamba2's shared
 // transformer blocks. Tiny configs whose parameters are counted by hand; the shipped configs
 // counted to the parameter against their checkpoints; inventories and block policies;
