@@ -1,34 +1,24 @@
 // Note [Reading a config] (src/model/model_config.cpp, docs/models.md): the key names of
 // transformers 4 and 5 (aliases), nested text_config, `architectures` as a fallback and as
-// the judge of a mislabelled model_type, and the families added with the model families work (Gemma 2/3,
-// Phi-3, GLM-4.5, DeepSeek V1 and V3.2, Kimi-K2, Llama 4), each on a config small enough
-// to count by hand.
+// the judge of a mislabelled model_type, and the families added with the model families work (Gemma
+// 2/3, Phi-3, GLM-4.5, DeepSeek V1 and V3.2, Kimi-K2, Llama 4), each on a config small enough to
+// count by hand.
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
+#include "model/config_test_support.hpp"
 #include "spillway/error.hpp"
 #include "spillway/model.hpp"
 
 namespace spillway {
 namespace {
 
-Json embedded(const char* file) {
-  const EmbeddedFile* f = find_embedded("models", file);
-  EXPECT_NE(f, nullptr) << file;
-  return Json::parse(f->text);
-}
+using spillway::testing::embedded;
 
-std::string error_of(const Json& j) {
-  try {
-    (void)parse_model_config(j, "m", "m.json");
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using spillway::testing::config_error;
 
 bool has_note(const ModelConfig& m, const std::string& part) {
   for (const std::string& n : m.notes)
@@ -52,7 +42,7 @@ TEST(ConfigAliases, Qwen3MoeWrittenByTransformers5) {
   // Both spellings with different values: refused, both named.
   Json both = t4;
   both["num_local_experts"] = 64;
-  const std::string e = error_of(both);
+  const std::string e = config_error(both);
   EXPECT_NE(e.find("\"num_local_experts\" is 64 but its alias \"num_experts\" is 128"),
             std::string::npos)
       << e;
@@ -73,7 +63,7 @@ TEST(ConfigAliases, DeepSeekV3RoutedExpertsUnderEitherName) {
   // Neither: refused, not planned as a 37B dense model.
   Json none = hf;
   none.erase("n_routed_experts");
-  const std::string e = error_of(none);
+  const std::string e = config_error(none);
   EXPECT_NE(e.find("\"n_routed_experts\" is missing"), std::string::npos) << e;
   // Kimi-K2 is DeepSeek-V3's architecture under its own model_type.
   Json kimi = hf;
@@ -121,12 +111,12 @@ TEST(ConfigNesting, ArchitecturesWhenModelTypeIsMissingOrWrong) {
     "num_attention_heads": 2, "intermediate_size": 16, "vocab_size": 10})");
   EXPECT_EQ(parse_model_config(j, "l", "l.json").model_type, "llama");
   j["architectures"] = {"BertModel"};
-  std::string e = error_of(j);
+  std::string e = config_error(j);
   EXPECT_NE(e.find("\"model_type\" is missing, and \"architectures\" (BertModel)"),
             std::string::npos)
       << e;
   j.erase("architectures");
-  e = error_of(j);
+  e = config_error(j);
   EXPECT_NE(e.find("\"model_type\" is missing, and so is \"architectures\""), std::string::npos)
       << e;
   // model_type mixtral on a Grok-1 checkpoint: planned as Grok (its own sliding-window and
@@ -240,7 +230,7 @@ TEST(ConfigFamilies, DeepSeekV32IndexerParameters) {
   EXPECT_EQ(layer_parameter_count(v32.layers[5], 7168) - layer_parameter_count(v3.layers[5], 7168),
             indexer);
   j.erase("index_head_dim");
-  EXPECT_NE(error_of(j).find("\"index_head_dim\" is missing"), std::string::npos);
+  EXPECT_NE(config_error(j).find("\"index_head_dim\" is missing"), std::string::npos);
 }
 
 TEST(ConfigFamilies, Llama4InterleavedExpertsWithASharedOne) {
@@ -274,7 +264,7 @@ TEST(ConfigFamilies, QwenLayerTypesAndIgnoredWindowKeys) {
   const ModelConfig m = parse_model_config(j, "q", "q.json");
   for (const LayerSpec& l : m.layers) EXPECT_EQ(l.attn.sliding_window, 0);
   j["layer_types"][0] = "local";
-  EXPECT_NE(error_of(j).find("\"layer_types[0]\" is \"local\""), std::string::npos);
+  EXPECT_NE(config_error(j).find("\"layer_types[0]\" is \"local\""), std::string::npos);
 }
 
 // MTP layers: counted apart and left out by default (the notes say so), planned with

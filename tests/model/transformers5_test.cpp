@@ -10,26 +10,16 @@
 
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
+#include "model/config_test_support.hpp"
 #include "spillway/error.hpp"
 #include "spillway/model.hpp"
 
 namespace spillway {
 namespace {
 
-Json embedded(const char* file) {
-  const EmbeddedFile* f = find_embedded("models", file);
-  EXPECT_NE(f, nullptr) << file;
-  return Json::parse(f->text);
-}
+using spillway::testing::embedded;
 
-std::string error_of(const Json& j) {
-  try {
-    (void)parse_model_config(j, "m", "m.json");
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using spillway::testing::config_error;
 
 bool has(const std::string& s, const std::string& part) {
   return s.find(part) != s.npos;
@@ -69,7 +59,7 @@ TEST(Transformers5, MlaQkHeadDimIsCheckedAgainstNopePlusRope) {
   t5["qk_head_dim"] = 192;  // 128 + 64
   expect_same_model(t4, t5);
   t5["qk_head_dim"] = 128;
-  const std::string e = error_of(t5);
+  const std::string e = config_error(t5);
   EXPECT_TRUE(has(e, "\"qk_head_dim\" is 128; transformers derives it as")) << e;
   EXPECT_TRUE(has(e, "(128 + 64 = 192)")) << e;
 }
@@ -84,7 +74,7 @@ TEST(Transformers5, Mamba2TimeStepRankIsNoWeight) {
   t5["time_step_rank"] = "auto";
   expect_same_model(t4, t5);
   t5["time_step_rank"] = "wide";
-  EXPECT_TRUE(has(error_of(t5), "\"time_step_rank\" must be an integer or \"auto\""));
+  EXPECT_TRUE(has(config_error(t5), "\"time_step_rank\" must be an integer or \"auto\""));
 }
 
 TEST(Transformers5, NemotronHLayersBlockTypeGivesTheLayers) {
@@ -105,15 +95,15 @@ TEST(Transformers5, NemotronHLayersBlockTypeGivesTheLayers) {
   expect_same_model(t4, t5);
   Json count = t5;
   count["num_hidden_layers"] = 51;
-  EXPECT_TRUE(has(error_of(count),
+  EXPECT_TRUE(has(config_error(count),
                   "\"num_hidden_layers\" is 51; transformers derives it from "
                   "\"layers_block_type\", which has 52 entries"));
   Json both = t5;
   both["hybrid_override_pattern"] = "M" + pattern.substr(1, pattern.size() - 2) + "M";
-  EXPECT_TRUE(has(error_of(both), "\"hybrid_override_pattern\" is"));
+  EXPECT_TRUE(has(config_error(both), "\"hybrid_override_pattern\" is"));
   Json kind = t5;
   kind["layers_block_type"][3] = "mamba3";
-  EXPECT_TRUE(has(error_of(kind), "\"layers_block_type[3]\" is \"mamba3\""));
+  EXPECT_TRUE(has(config_error(kind), "\"layers_block_type[3]\" is \"mamba3\""));
 }
 
 TEST(Transformers5, LinearAttentionIsTheMambaLayerOfZamba2AndGranite) {
@@ -133,7 +123,7 @@ TEST(Transformers5, LinearAttentionIsTheMambaLayerOfZamba2AndGranite) {
   g5["layer_types"] = Json::array({"linear_attention", "full_attention", "linear_attention"});
   expect_same_model(granite, g5);
   g5["layer_types"][1] = "sliding_attention";
-  EXPECT_TRUE(has(error_of(g5), "\"layer_types[1]\" is \"sliding_attention\""));
+  EXPECT_TRUE(has(config_error(g5), "\"layer_types[1]\" is \"sliding_attention\""));
 }
 
 // A Llama 4 wrapper, its text model small enough to count by hand.
@@ -159,7 +149,7 @@ TEST(Transformers5, Llama4LayerTypesAndNoRopeInterval) {
   text["moe_layers"] = {1, 3};
   expect_same_model(t4, t5);
   text["layer_types"][0] = "sliding_attention";
-  EXPECT_TRUE(has(error_of(t5), "\"text_config.layer_types[0]\" is \"sliding_attention\""));
+  EXPECT_TRUE(has(config_error(t5), "\"text_config.layer_types[0]\" is \"sliding_attention\""));
 }
 
 TEST(Transformers5, DeepSeekV32MlpLayerTypesAgreeWithFirstDenseLayers) {
@@ -178,7 +168,7 @@ TEST(Transformers5, DeepSeekV32MlpLayerTypesAgreeWithFirstDenseLayers) {
   expect_same_model(t4, t5);
   Json off = t5;
   off["first_k_dense_replace"] = 2;
-  EXPECT_TRUE(has(error_of(off),
+  EXPECT_TRUE(has(config_error(off),
                   "\"first_k_dense_replace\" is 2 but \"mlp_layer_types\"[2] is "
                   "\"dense\""));
   Json alone = t5;
@@ -212,11 +202,11 @@ TEST(Transformers5, KimiLinearInTransformersOwnKeys) {
   both["linear_attn_config"] = lin;
   expect_same_model(t4, both);
   both["linear_num_heads"] = lin.at("num_heads").get<int64_t>() + 1;
-  EXPECT_TRUE(has(error_of(both), "\"linear_num_heads\" is"));
+  EXPECT_TRUE(has(config_error(both), "\"linear_num_heads\" is"));
   Json kinds = t5;
   kinds["linear_attn_config"] = lin;
   kinds["layer_types"][0] = "full_attention";
-  EXPECT_TRUE(has(error_of(kinds), "\"layer_types[0]\" is \"full_attention\" but"));
+  EXPECT_TRUE(has(config_error(kinds), "\"layer_types[0]\" is \"full_attention\" but"));
 }
 
 // moss_transcribe_diarize as transformers 5.23 writes its default: the wrapper ties the
@@ -253,13 +243,13 @@ TEST(Transformers5, AWrappersTieWordEmbeddingsRulesItsTextConfigs) {
 TEST(Transformers5, AnUnsupportedTypeIsRefusedByName) {
   const Json gpt2 = Json::parse(R"({"model_type": "gpt2", "n_embd": 768, "n_layer": 12,
                                     "n_head": 12, "vocab_size": 50257})");
-  const std::string e = error_of(gpt2);
+  const std::string e = config_error(gpt2);
   EXPECT_TRUE(has(e, "model_type \"gpt2\" is not supported (supported: llama, ")) << e;
   EXPECT_FALSE(has(e, "hidden_size")) << e;
   // "git" is transformers' GIT, not Grok-2 (whose config says "git" with a Grok class).
   const Json git = Json::parse(R"({"model_type": "git", "hidden_size": 768,
                                    "num_hidden_layers": 6, "vocab_size": 30522})");
-  EXPECT_TRUE(has(error_of(git), "model_type \"git\" is not supported"));
+  EXPECT_TRUE(has(config_error(git), "model_type \"git\" is not supported"));
   const ModelConfig grok = load_model("Grok-2");
   EXPECT_TRUE(has_note(grok, "model_type \"git\" with architectures Grok1ForCausalLM"));
 }
