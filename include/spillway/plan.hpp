@@ -132,6 +132,14 @@ struct LayerTiming {  // a measured layer (calibration profile)
   double bwd_ms = 0.0;
 };
 
+// One saved tensor of a layer as measured where the model runs: its planner name (Note
+// [Names of Hugging Face tensors], docs/python.md) and its bytes, all tensors of that name
+// summed.
+struct SavedTensorBytes {
+  std::string name;
+  int64_t bytes = 0;
+};
+
 struct PlanRequest {
   ModelConfig model;
   HardwareProfile hardware;
@@ -160,6 +168,11 @@ struct PlanRequest {
   // offloaded in every layer that offloads; the rest follows `strategy` (keep: kept; recompute,
   // offload, auto: the block policy's recompute). Empty: the planner chooses the tensors.
   std::vector<std::string> offload_tensors;
+  // Note [A model as PyTorch runs it] (src/plan/saved_as_run.cpp): when not empty, one entry
+  // per layer of the model, the saved tensors as the framework that runs the model saves them
+  // (measured: spillway.torch.measure_saved), which replace the inventory's sizes. Empty:
+  // the inventory (fused kernels, docs/plan-schema.md).
+  std::vector<std::vector<SavedTensorBytes>> saved_as_run;
 };
 
 // The saved tensors `names` stand for in the blocks of `model` under `shape` (Note [Named

@@ -7,7 +7,7 @@ training step. ``import spillway`` does not import torch; ``import spillway.torc
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from . import _spillway
@@ -48,6 +48,7 @@ def plan(
     loss_chunk: int = 0,
     cpu_adam_gbps: Optional[float] = None,
     offload_tensors: Optional[Sequence[str] | str] = None,
+    saved: Optional[Any] = None,
 ) -> dict[str, Any]:
     """Plan what to keep, offload or recompute, as ``spillway plan`` does.
 
@@ -73,6 +74,12 @@ def plan(
             that offloads; the rest follows ``policy`` (``keep`` keeps it; ``recompute``,
             ``offload`` recompute it; ``auto`` chooses per layer). None: the planner
             chooses. ``plan["options"]["offload_tensors"]`` lists the names resolved.
+        saved: the saved tensors as the model really runs (Note [A model as PyTorch runs
+            it], docs/planner.md): what :func:`spillway.torch.measure_saved` returns (scaled
+            here to ``micro_batch`` x ``seq_len``), or one mapping per layer of the model from
+            a tensor's planner name to its bytes. They replace the inventory's sizes, which
+            assume fused kernels; ``plan["options"]["saved_as_run"]`` is then True. Needs
+            ``tp=1`` and ``cp=1``. None: the inventory.
 
     Raises:
         ValueError: a value out of range, naming the field and the value.
@@ -111,9 +118,33 @@ def plan(
         loss_chunk,
         cpu_adam_gbps,
         _names(offload_tensors),
+        _saved(saved, micro_batch, seq_len),
     )
     result: dict[str, Any] = json.loads(text)
     return result
+
+
+def _saved(saved: Optional[Any], micro_batch: int, seq_len: int) -> list[list[tuple[str, int]]]:
+    """Per layer, (name, bytes) of the saved tensors as measured (Note [A model as PyTorch
+    runs it]): a measurement scaled to the job, or the mappings given."""
+    if saved is None:
+        return []
+    at = getattr(saved, "at", None)
+    layers = at(micro_batch, seq_len) if callable(at) else saved
+    if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
+        raise ValueError(
+            f"saved is a {type(saved).__name__}; give spillway.torch.measure_saved(model) or "
+            "one mapping per layer from a tensor's name to its bytes"
+        )
+    out: list[list[tuple[str, int]]] = []
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Mapping):
+            raise ValueError(
+                f"saved[{i}] is a {type(layer).__name__}; each layer is a mapping from a "
+                "tensor's name to its bytes"
+            )
+        out.append([(str(k), int(v)) for k, v in layer.items()])
+    return out
 
 
 def _names(names: Optional[Sequence[str] | str]) -> list[str]:

@@ -3,6 +3,7 @@
 // (PlanRequest), the values the CLI flags' values.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -32,7 +33,8 @@ std::string plan_json(const std::string& model, const std::string& hardware, int
                       std::optional<double> d2h_gbps, std::optional<double> h2d_gbps, int keep_last,
                       int prefetch_depth, int zero, const std::string& optimizer, bool grad_offload,
                       int64_t loss_chunk, std::optional<double> cpu_adam_gbps,
-                      const std::vector<std::string>& offload_tensors) {
+                      const std::vector<std::string>& offload_tensors,
+                      const std::vector<std::vector<std::pair<std::string, int64_t>>>& saved) {
   PlanRequest r;
   r.work.shape.micro_batch = micro_batch;
   r.work.shape.seq_len = seq_len;
@@ -62,6 +64,10 @@ std::string plan_json(const std::string& model, const std::string& hardware, int
   r.loss_chunk = loss_chunk;
   r.cpu_adam_gbps = cpu_adam_gbps;
   r.offload_tensors = offload_tensors;
+  for (const auto& layer : saved) {  // Note [A model as PyTorch runs it]
+    std::vector<SavedTensorBytes>& out = r.saved_as_run.emplace_back();
+    for (const auto& [name, bytes] : layer) out.push_back({name, bytes});
+  }
   r.model = load_model(model);
   if (mtp) r.model = with_mtp_layers(std::move(r.model));
   r.hardware = load_hardware(hardware);
@@ -81,7 +87,7 @@ void bind_plan(nb::module_& m) {
         "policy"_a, "margin"_a, "layer_fwd_ms"_a.none(), "profile"_a, "hbm_budget_gb"_a.none(),
         "d2h_gbps"_a.none(), "h2d_gbps"_a.none(), "keep_last"_a, "prefetch_depth"_a, "zero"_a,
         "optimizer"_a, "grad_offload"_a, "loss_chunk"_a, "cpu_adam_gbps"_a.none(),
-        "offload_tensors"_a,
+        "offload_tensors"_a, "saved"_a,
         "The plan as JSON (schema spillway.plan/1); spillway.plan() is the Python face.");
   m.def("offload_tensor_groups", &offload_tensor_groups,
         "The group names --offload-tensors takes (Note [Named offload tensors]).");

@@ -38,6 +38,9 @@ double op_time_ms(const OpCost& op, bool backward, const HardwareProfile& hw,
 
 CostedLayer cost_layer(const LayerSpec& spec, int64_t hidden, const ShardShape& shape,
                        const HardwareProfile& hw, const Efficiency& eff);
+// Note [A model as PyTorch runs it] (saved_as_run.cpp): the layer's saved tensors replaced by
+// those measured where the model runs (before any calibration of its times).
+void apply_saved_as_run(CostedLayer& c, const std::vector<SavedTensorBytes>& measured);
 
 // Scales every op time of the layer by `factor` (calibration).
 void scale_layer(CostedLayer& layer, double fwd_factor, double bwd_factor);

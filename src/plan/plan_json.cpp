@@ -252,6 +252,11 @@ std::string plan_to_json(const Plan& plan, const PlanRequest& r) {
                   {"loss_chunk", r.loss_chunk}};
   if (r.cpu_adam_gbps) j["options"]["cpu_adam_gbps"] = *r.cpu_adam_gbps;
   if (!plan.offload_tensors.empty()) j["options"]["offload_tensors"] = plan.offload_tensors;
+  // Note [A model as PyTorch runs it]: the tensors are the ones measured, not the inventory's.
+  if (!r.saved_as_run.empty()) {
+    j["options"]["saved_as_run"] = true;
+    j["workload"]["inventory_assumes"] = "the saved tensors as measured where the model runs";
+  }
   Json layers = Json::array();
   for (const LayerPlan& l : plan.layers) {
     Json tensors = Json::array();
@@ -471,6 +476,13 @@ Plan parse_plan_document(const Json& doc, const std::string& path, PlanRequest* 
   if (opts.has("offload_tensors")) {
     r.offload_tensors = opts.str_array_or("offload_tensors");
     plan.offload_tensors = r.offload_tensors;
+  }
+  if (opts.bool_or("saved_as_run", false)) {
+    SPILLWAY_INPUT_ERROR(
+        "{}: the plan was made from the saved tensors measured where its model runs "
+        "(options.saved_as_run, spillway.plan(saved=...)), which this model's inventory does "
+        "not have; give it to spillway.torch.offload_activations, or plan again without saved",
+        path);
   }
   if (opts.has("cpu_adam_gbps"))
     r.cpu_adam_gbps = opts.num_or("cpu_adam_gbps", 0.0, PlanLimits::kMinGbps, PlanLimits::kMaxGbps);

@@ -68,6 +68,9 @@ Stage build_stage(const PlanRequest& r, Plan& plan) {
       it = unique.end() - 1;
     }
     st.layers.push_back(it->second);
+    // Note [A model as PyTorch runs it]: the layer's saved tensors as measured.
+    if (!r.saved_as_run.empty())
+      apply_saved_as_run(st.layers.back(), r.saved_as_run[static_cast<size_t>(i)]);
   }
 
   // Calibration.

@@ -114,6 +114,38 @@ void validate(const PlanRequest& r) {
     }
     (void)resolve_offload_tensors(r.model, s, r.offload_tensors);
   }
+  // Note [A model as PyTorch runs it]: one measured layer per layer of the model, measured
+  // without tensor or context parallelism (the sizes are one GPU's of the whole sequence).
+  if (!r.saved_as_run.empty()) {
+    if (r.saved_as_run.size() != r.model.layers.size()) {
+      SPILLWAY_FIELD_ERROR("saved", fmt::format("{} layers", r.saved_as_run.size()),
+                           "must give one per layer of the model ({} layers)",
+                           r.model.layers.size());
+    }
+    if (s.tp != 1 || s.cp != 1) {
+      SPILLWAY_FIELD_ERROR("saved", fmt::format("tp={} cp={}", s.tp, s.cp),
+                           "is measured on one GPU holding the whole sequence: plan it with tp=1 "
+                           "and cp=1");
+    }
+    for (size_t l = 0; l < r.saved_as_run.size(); ++l) {
+      const std::vector<SavedTensorBytes>& layer = r.saved_as_run[l];
+      for (size_t a = 0; a < layer.size(); ++a) {
+        const SavedTensorBytes& t = layer[a];
+        if (t.name.empty())
+          SPILLWAY_FIELD_ERROR("saved", fmt::format("layer {} tensor {}", l, a), "has no name");
+        if (t.bytes < 0) {
+          SPILLWAY_FIELD_ERROR("saved", fmt::format("layer {} \"{}\" {} bytes", l, t.name, t.bytes),
+                               "must be >= 0");
+        }
+        for (size_t b = 0; b < a; ++b) {
+          if (layer[b].name == t.name) {
+            SPILLWAY_FIELD_ERROR("saved", fmt::format("layer {} \"{}\"", l, t.name),
+                                 "is given twice; give each name once, its tensors summed");
+          }
+        }
+      }
+    }
+  }
   if (r.loss_chunk < 0 || r.loss_chunk > L::kMaxLossChunk) {
     SPILLWAY_FIELD_ERROR("loss_chunk", r.loss_chunk, "must be in [0, {}] (0: the planner's choice)",
                          L::kMaxLossChunk);

@@ -24,6 +24,12 @@ the link as scheduled (``d2h_gbps``, then what ``set_link`` set; 0: the hardware
 profile's), the blocks at MS and no lateness, instead of by the probe and the telemetry: the
 plans and re-plans are then the same on every run and every machine, and their notes say
 "given" and "as scheduled". The step's telemetry is still measured.
+
+Note [A model as PyTorch runs it] (src/plan/saved_as_run.cpp, measure.py): the measured step
+also counts what each block saves for backward, by planner name, at the job's own shape;
+every plan is made from those bytes (``spillway.plan(saved=...)``), not from the inventory's
+fused kernels, which an eager Hugging Face block exceeds 1.3-1.5x (a Mamba block several
+times).
 """
 
 from __future__ import annotations
@@ -85,6 +91,9 @@ class AutoPlanner:
         # Note [A fixed calibration]: the layer time given, None: measured.
         self.fixed_ms = layer_fwd_ms
         self._profile_gbps: Optional[float] = None  # the hardware profile's link, once asked
+        # Note [A model as PyTorch runs it]: per block, the bytes the measured step saved by
+        # name: every plan is made from them, not from the inventory's fused kernels.
+        self.saved: Optional[list[dict[str, int]]] = None
         self.replans: list[str] = []
 
     def _make(self, layer_fwd_ms: float) -> dict[str, Any]:
@@ -105,11 +114,20 @@ class AutoPlanner:
             h2d_gbps=link,
             keep_last=self.keep_last,
             prefetch_depth=self.prefetch_depth,
+            saved=self.saved,
         )
 
-    def first(self, shape: tuple[int, int, str], layer_fwd_ms: float) -> dict[str, Any]:
-        """The first plan, from the measured step's shape and (unless fixed) its layer time."""
+    def first(
+        self,
+        shape: tuple[int, int, str],
+        layer_fwd_ms: float,
+        saved: Optional[list[dict[str, int]]] = None,
+    ) -> dict[str, Any]:
+        """The first plan, from the measured step's shape, its saved tensors (per block, bytes
+        by name) and (unless fixed) its layer time."""
         self.shape = shape
+        if saved is not None:
+            self.saved = saved
         fixed = self.fixed_ms is not None
         if self.fixed_ms is not None:
             layer_fwd_ms = self.fixed_ms  # Note [A fixed calibration]

@@ -53,16 +53,20 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder blocks: the largest ``nn.ModuleList`` of blocks of one class.
 
     Hugging Face models keep them in ``model.model.layers`` (``transformer.h``, ...); any
-    ModuleList whose children share a class qualifies, and the one holding the most
-    parameters wins. Raises ValueError when there is none (pass ``layers=`` then).
+    ModuleList whose children share a class qualifies, and so does one of as many blocks
+    as ``model.config.num_hidden_layers`` (a hybrid's Mamba and attention blocks, Jamba's,
+    are of two classes); the one holding the most parameters wins. Raises ValueError when
+    there is none (pass ``layers=`` then).
     """
+    config = getattr(model, "config", None)
+    n_layers = getattr(config, "num_hidden_layers", None)
     best: Optional[nn.ModuleList] = None
     best_params = -1
     for _, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
             continue
         kinds = {type(m) for m in mod}
-        if len(kinds) != 1:
+        if len(kinds) != 1 and len(mod) != n_layers:
             continue
         n = sum(p.numel() for p in mod.parameters())
         if n > best_params:
@@ -309,6 +313,10 @@ class OffloadActivations:
         self._grad_forwards = 0  # blocks that ran with grad enabled this step
         self._warned: set[str] = set()
         self._traced = False  # Note [Compiled after offload]
+        # Note [A model as PyTorch runs it] (src/plan/saved_as_run.cpp, measure.py): while
+        # not None, what each block saves is counted by name (bytes, each storage once).
+        self._census: Optional[list[dict[str, int]]] = None
+        self._census_seen: set[int] = set()
         self._last: dict[str, Any] = {}
         self._install_module_hooks()
 
@@ -579,7 +587,11 @@ class OffloadActivations:
 
     def _pack(self, t: torch.Tensor) -> Any:
         layer = self._layer
-        if layer is None or self._in_backward or self._stays(t, layer):
+        if layer is None or self._in_backward:
+            return t
+        if self._census is not None:
+            self._count(t, layer)
+        if self._stays(t, layer):
             return t
         name = "saved"
         if self._offload_names is not None:
@@ -588,6 +600,21 @@ class OffloadActivations:
                 self._counts["kept_by_plan" if self._plan_mode else "kept_not_named"] += 1
                 return t
         return self._offload(t, layer, name)
+
+    def _count(self, t: torch.Tensor, layer: int) -> None:
+        """Note [A model as PyTorch runs it]: `t`'s storage counted once, by `t`'s name, in
+        block `layer` (parameters and their views left out: they are the weights')."""
+        assert self._census is not None
+        if t.layout is not torch.strided or (t.is_leaf and t.requires_grad):
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if not ptr or ptr in self._param_storages or ptr in self._census_seen:
+            return
+        self._census_seen.add(ptr)  # alive: autograd holds it until backward
+        counts = self._census[layer]
+        name = self._plan_name(t)
+        counts[name] = counts.get(name, 0) + storage.nbytes()
 
     def _stays(self, t: torch.Tensor, layer: int) -> bool:
         """Whether `t` of block `layer` stays where it is whatever its name (a last block, an
@@ -752,6 +779,9 @@ class OffloadActivations:
             self._make_session(self.pinned_bytes)
         self._param_storages = _parameter_storages(self.model)
         self._offload_below = len(self.layers) - self.keep_last
+        self._census_seen.clear()
+        if self._census is not None or (self._auto is not None and self._auto.plan is None):
+            self._census = [{} for _ in self.layers]  # counted afresh (auto: its measured step)
         self._counts.clear()
         self._dedup.clear()
         self._sizing_bytes = 0
@@ -909,8 +939,11 @@ class OffloadActivations:
         new: Optional[dict[str, Any]] = None
         if auto.plan is None:
             rep["measured_step"] = True
+            saved, self._census = self._census, None
+            if saved is not None:
+                rep["saved_bytes"] = [sum(layer.values()) for layer in saved]
             if self._shape is not None:
-                new = auto.first(self._shape, fwd_ms)
+                new = auto.first(self._shape, fwd_ms, saved)
         elif auto.fixed_ms is not None:  # Note [A fixed calibration]: the link as scheduled
             new = auto.after_scheduled(self._step, self.d2h_gbps)
         elif self._session is not None:
