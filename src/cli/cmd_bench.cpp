@@ -32,6 +32,7 @@ std::string own_folder() {
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
+  overview_line("bench", Group::kTools, "the benchmarks: each checks its results, then times");
   CLI::App* bench = app.add_subcommand(
       "bench",
       "Benchmarks of spillway's engines on this machine (offload, adam, optim-offload, gemm, "

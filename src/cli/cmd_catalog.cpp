@@ -12,6 +12,7 @@
 namespace spillway::cli {
 
 void add_models_command(CLI::App& app) {
+  overview_line("models", Group::kPlan, "the model catalog (any config.json works by path too)");
   CLI::App* cmd = app.add_subcommand(
       "models",
       "List the embedded model catalog (Hugging Face config.json files in data/models/). Any "
@@ -70,6 +71,7 @@ void add_models_command(CLI::App& app) {
 }
 
 void add_hardware_command(CLI::App& app) {
+  overview_line("hardware", Group::kPlan, "the hardware profiles: GPUs, host links, MIG");
   CLI::App* cmd = app.add_subcommand(
       "hardware",
       "List the embedded hardware profiles (data/hardware/). Link figures are per direction for "

@@ -455,6 +455,8 @@ std::string json_report(const Report& r) {
 }  // namespace
 
 void add_doctor_command(CLI::App& app) {
+  overview_line("doctor", Group::kTools,
+                "what this machine has, and which of spillway's paths run here");
   struct State {
     std::string python = "python3";
     double probe_budget_s = 1.0;

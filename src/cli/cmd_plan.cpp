@@ -15,6 +15,8 @@
 namespace spillway::cli {
 
 void add_plan_command(CLI::App& app) {
+  overview_line("plan", Group::kPlan,
+                "what to keep, offload or recompute per layer under the HBM budget");
   struct State {
     PlanFlags flags;
     std::string json_path;

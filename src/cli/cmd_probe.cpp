@@ -64,6 +64,7 @@ size_t parse_size(const std::string& text) {
 }  // namespace
 
 void add_probe_command(CLI::App& app) {
+  overview_line("probe", Group::kTools, "host<->device copy bandwidth, pinned and pageable");
   struct State {
     std::string device = "auto";
     double device_memory_mb = 1024.0;

@@ -100,6 +100,7 @@ void run_live_replay(State& st) {
 }  // namespace
 
 void add_replay_command(CLI::App& app) {
+  overview_line("replay", Group::kServe, "replay a production serving trace, simulated or live");
   struct State {
     ReplayOptions o;
     std::string trace, reloads;  // empty: the installed ones (Note [The replay's default data])
@@ -228,6 +229,7 @@ void add_replay_command(CLI::App& app) {
 }
 
 void add_load_command(CLI::App& app) {
+  overview_line("load", Group::kServe, "load-test a running `spillway serve`");
   struct State {
     std::string url;
     http::LoadOptions o;

@@ -107,6 +107,8 @@ void remove_demo_dir(const fs::path& p) {
 }  // namespace
 
 void add_serve_command(CLI::App& app) {
+  overview_line("serve", Group::kServe,
+                "serve models over HTTP (OpenAI API), weights in host memory");
   struct State {
     inference::EngineOptions o;
     http::HttpOptions http;
@@ -351,6 +353,7 @@ void add_serve_command(CLI::App& app) {
 // `spillway load` (a client of the server, beside `replay --live`): cmd_replay.cpp.
 
 void add_checkpoint_command(CLI::App& app) {
+  overview_line("checkpoint", Group::kServe, "write a servable checkpoint of the reference model");
   struct State {
     std::string config = "tiny-moe";
     uint64_t seed = 1;

@@ -10,6 +10,8 @@
 namespace spillway::cli {
 
 void add_simulate_command(CLI::App& app) {
+  overview_line("simulate", Group::kPlan,
+                "a plan's step as discrete events: stalls, peak HBM, a trace");
   struct State {
     PlanFlags flags;
     std::string plan_path;

@@ -146,6 +146,7 @@ void run_streamed(const train::StreamedRunOptions& o, const std::string& json_pa
 }  // namespace
 
 void add_stream_command(CLI::App& app) {
+  overview_line("stream", Group::kTrain, "layerwise weight streaming from pinned host memory");
   struct State {
     PlanFlags flags;
     train::StreamedRunOptions run;

@@ -98,6 +98,8 @@ json run_line(const text::Tokenizer& t, const nlohmann::ordered_json& in, size_t
 }  // namespace
 
 void add_tokenize_command(CLI::App& app) {
+  overview_line("tokenize", Group::kTools,
+                "a model's tokenizer (tokenizer.json) from the command line");
   struct State {
     std::string tokenizer, text, jsonl, bench;
     bool no_special = false;
@@ -170,6 +172,8 @@ void add_tokenize_command(CLI::App& app) {
 }
 
 void add_chat_template_command(CLI::App& app) {
+  overview_line("chat-template", Group::kTools,
+                "a model's chat template rendered as transformers renders it");
   struct State {
     std::string file, jsonl;
   };

@@ -13,6 +13,7 @@
 namespace spillway::cli {
 
 void add_train_command(CLI::App& app) {
+  overview_line("train", Group::kTrain, "train the reference MoE model under a memory policy");
   auto o = std::make_shared<train::TrainOptions>();
   auto json = std::make_shared<std::string>();
   auto quiet = std::make_shared<bool>(false);

@@ -22,12 +22,22 @@ inline constexpr double kMiB = 1048576.0;
 
 // The plan a newcomer meets first (`spillway plan` with no arguments, the first example of
 // `spillway --help` and of `spillway plan --help`, the README's worked example, `make run`):
-// feasible, and it teaches (selective offload over C2C, 1.2x against recompute).
+// feasible, and it teaches (what offload over C2C buys against recomputing every layer, the
+// collectives on the critical path, the budget by category).
 inline constexpr const char* kPlanExampleArgs =
     "--model Qwen3-30B-A3B --hardware gh200 --micro-batch 2 --seq-len 8192 --ep 8 --dp 8";
 
 // `spillway --version` and `spillway doctor` say it.
 inline constexpr const char* kVersion = "0.1.0";
+
+// Note [The overview] (overview.cpp): each subcommand says, where it is made, its group and
+// its one line of `spillway`'s overview, so that the overview is taken from the commands.
+enum class Group { kPlan, kTrain, kServe, kTools };
+void overview_line(std::string name, Group group, std::string summary);
+// The overview of the subcommands registered on `app`, in their groups and in the order they
+// were registered; a subcommand without a line (or a line without a subcommand) is a defect:
+// spillway::Error.
+std::string overview(const CLI::App& app);
 
 void add_plan_command(CLI::App& app);
 void add_models_command(CLI::App& app);

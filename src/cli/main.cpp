@@ -15,58 +15,6 @@
 
 namespace {
 
-// Note [The overview]: `spillway` with no arguments and `spillway --help` print the same
-// short page: each command in one line, in groups, then where to start and how to get a
-// command's flags (`spillway COMMAND --help`). No arguments is a question, not a mistake:
-// exit 0, as cargo and docker do. Every registered subcommand has a line here
-// (Cli.TheOverviewNamesEveryCommandInOneLine checks it from the outside).
-struct CommandLine {
-  const char* group;
-  const char* name;
-  const char* summary;
-};
-constexpr CommandLine kCommandLines[] = {
-    {"Plan and simulate", "plan",
-     "what to keep, offload or recompute per layer under the HBM budget"},
-    {"Plan and simulate", "models", "the model catalog (any config.json works by path too)"},
-    {"Plan and simulate", "hardware", "the hardware profiles: GPUs, host links, MIG"},
-    {"Plan and simulate", "simulate",
-     "a plan's step as discrete events: stalls, peak HBM, a trace"},
-    {"Train and stream", "train", "train the reference MoE model under a memory policy"},
-    {"Train and stream", "stream", "layerwise weight streaming from pinned host memory"},
-    {"Serve, replay and load", "serve",
-     "serve models over HTTP (OpenAI API), weights in host memory"},
-    {"Serve, replay and load", "replay", "replay a production serving trace, simulated or live"},
-    {"Serve, replay and load", "load", "load-test a running `spillway serve`"},
-    {"Serve, replay and load", "checkpoint", "write a servable checkpoint of the reference model"},
-    {"Tools", "doctor", "what this machine has, and which of spillway's paths run here"},
-    {"Tools", "probe", "host<->device copy bandwidth, pinned and pageable"},
-    {"Tools", "bench", "the benchmarks: each checks its results, then times"},
-    {"Tools", "tokenize", "a model's tokenizer (tokenizer.json) from the command line"},
-    {"Tools", "chat-template", "a model's chat template rendered as transformers renders it"},
-};
-
-std::string overview() {
-  std::string out =
-      "spillway: move what does not fit in GPU memory into CPU memory, and bring it back in "
-      "time.\n\nUsage: spillway COMMAND [FLAGS]\n";
-  std::string group;
-  for (const CommandLine& c : kCommandLines) {
-    if (group != c.group) {
-      group = c.group;
-      out += fmt::format("\n{}:\n", group);
-    }
-    out += fmt::format("  {:<15}{}\n", c.name, c.summary);
-  }
-  out += fmt::format(
-      "\nStart with:\n  spillway plan {}\n  spillway doctor      (what this machine has, and which "
-      "paths run here)\n\n"
-      "Units: flags ending in -mb are MiB (2^20 bytes), -gb GB (1e9 bytes), -gbps GB/s (1e9 "
-      "bytes/s).\nRun `spillway COMMAND --help` for a command's flags and examples.\n",
-      spillway::cli::kPlanExampleArgs);
-  return out;
-}
-
 bool known_subcommand(CLI::App& app, const char* name) {
   for (const CLI::App* sub : app.get_subcommands({}))
     if (sub->check_name(name)) return true;
@@ -77,25 +25,27 @@ int run(int argc, char** argv) {
   CLI::App app{"spillway: move what does not fit in GPU memory into CPU memory."};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("spillway ") + spillway::cli::kVersion);
+  // In the overview's order within each group (Note [The overview]).
   spillway::cli::add_plan_command(app);
   spillway::cli::add_models_command(app);
   spillway::cli::add_hardware_command(app);
   spillway::cli::add_simulate_command(app);
-  spillway::cli::add_probe_command(app);
-  spillway::cli::add_bench_command(app);
   spillway::cli::add_train_command(app);
   spillway::cli::add_stream_command(app);
-  spillway::cli::add_replay_command(app);
   spillway::cli::add_serve_command(app);
-  spillway::cli::add_checkpoint_command(app);
+  spillway::cli::add_replay_command(app);
   spillway::cli::add_load_command(app);
+  spillway::cli::add_checkpoint_command(app);
+  spillway::cli::add_doctor_command(app);
+  spillway::cli::add_probe_command(app);
+  spillway::cli::add_bench_command(app);
   spillway::cli::add_tokenize_command(app);
   spillway::cli::add_chat_template_command(app);
-  spillway::cli::add_doctor_command(app);
   // Set after the subcommands exist, so that only the top level's --help is the overview
   // (a subcommand keeps the formatter it was created with).
-  app.formatter_fn(
-      [](const CLI::App*, const std::string&, CLI::AppFormatMode) { return overview(); });
+  app.formatter_fn([&app](const CLI::App*, const std::string&, CLI::AppFormatMode) {
+    return spillway::cli::overview(app);
+  });
   // A first word that names no subcommand: say which ones exist (CLI11 would only say that
   // one is required).
   if (argc >= 2 && argv[1][0] != '-' && !known_subcommand(app, argv[1])) {
@@ -110,7 +60,7 @@ int run(int argc, char** argv) {
   }
   try {
     if (argc == 1) {
-      spillway::tool::write_output("-", overview());
+      spillway::tool::write_output("-", spillway::cli::overview(app));
       return 0;
     }
     app.parse(argc, argv);
