@@ -35,7 +35,7 @@ class AdaptivePlanner {
 
   // The device bytes a plan's offloads hold beyond its planned peak: the offload engine's
   // reload staging, prefetch_depth + 1 of its layers' offloaded bytes at most (Note [Train
-  // offload sizing], trainer.cpp; Note [Re-plans within the measured budget]).
+  // offload sizing], policy_run.cpp; Note [Re-plans within the measured budget]).
   static int64_t staging_bytes(const Plan& plan, int prefetch_depth);
 
   // `first_plan`: the plan `first` came from (its peak is `request`'s budget).

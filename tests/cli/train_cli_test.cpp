@@ -506,7 +506,8 @@ TEST(TrainCli, CompareGoesOnWhenAPolicyCannotRun) {
     GTEST_SKIP() << "BUG: `spillway train --compare` crashes (exit " << r.code
                  << ") when a policy cannot run: format_train_report and train_report_json "
                     "read steps.front() of the failed policy's empty step list "
-                    "(src/train/trainer.cpp); expected the table and JSON to show the failure";
+                    "(src/train/train_report.cpp); expected the table and JSON to show the "
+                    "failure";
   }
   ASSERT_EQ(r.code, 0) << shown(r);
   EXPECT_TRUE(contains(r.err, "keep       failed: policy keep: device memory exhausted"))
