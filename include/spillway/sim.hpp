@@ -82,8 +82,8 @@ struct SimSummary {
   int64_t h2d_bytes = 0;
   int64_t peak_hbm_bytes = 0;  // GPU 0, static memory included
   double peak_hbm_ms = 0.0;    // when GPU 0 first reaches its peak
-  // The memory verdict (Note [Simulated memory verdict] in src/sim/scenarios.cpp): the
-  // peak must fit the GPU's HBM and the plan's budget; every GPU runs the same plan, so
+  // The memory verdict (Note [Simulated memory verdict] in src/sim/scenario_parts.cpp):
+  // the peak must fit the GPU's HBM and the plan's budget; every GPU runs the same plan, so
   // GPU 0's peak stands for all of them. An infeasible result is a value, not an error.
   bool feasible = true;
   std::vector<std::string> reasons;    // why not, in words and numbers (GB = 1e9 bytes)
