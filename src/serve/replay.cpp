@@ -1,21 +1,18 @@
 // Trace replay of host-resident serving (spillway/replay.hpp, Note [Replay model]), a
-// client of the simulator's engine (Note [Replay on the engine]).
+// client of the simulator's engine (Note [Replay on the engine]): the served models'
+// numbers, an iteration's cost, the replay of one configuration (Sim) and run_replay's
+// configurations side by side. The trace is read by replay_trace.cpp; the results are
+// reported by replay_report.cpp.
 #include "spillway/replay.hpp"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
-#include <ctime>
 #include <deque>
-#include <fstream>
-#include <iomanip>
 #include <map>
-#include <nlohmann/json.hpp>
-#include <random>
-#include <sstream>
 
+#include "serve/replay_impl.hpp"
 #include "spillway/error.hpp"
 #include "spillway/hardware.hpp"
 #include "spillway/hybrid_gemm.hpp"
@@ -25,39 +22,8 @@
 #include "spillway/slices.hpp"
 
 namespace spillway {
-namespace {
 
-std::vector<std::string> split_csv(const std::string& line) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (char ch : line) {
-    if (ch == ',') {
-      out.push_back(cur);
-      cur.clear();
-    } else if (ch != '\r') {
-      cur += ch;
-    }
-  }
-  out.push_back(cur);
-  return out;
-}
-
-int column(const std::vector<std::string>& header, const std::string& name,
-           const std::string& path) {
-  for (size_t i = 0; i < header.size(); ++i)
-    if (header[i] == name) return static_cast<int>(i);
-  SPILLWAY_INPUT_ERROR("{}: no column '{}' in the header", path, name);
-}
-
-// "YYYY-MM-DD HH:MM:SS" as seconds (UTC).
-double parse_time(const std::string& s, const std::string& path, int64_t line) {
-  std::tm tm{};
-  std::istringstream in(s);
-  in >> std::get_time(&tm, "%Y-%m-%d %H:%M:%S");
-  if (in.fail())
-    SPILLWAY_INPUT_ERROR("{}:{}: gmt_create is '{}'; expected YYYY-MM-DD HH:MM:SS", path, line, s);
-  return static_cast<double>(timegm(&tm));
-}
+namespace serve::detail {
 
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0.0;
@@ -67,6 +33,12 @@ double percentile(std::vector<double> v, double q) {
   const size_t hi = std::min(lo + 1, v.size() - 1);
   return v[lo] + (v[hi] - v[lo]) * (at - static_cast<double>(lo));
 }
+
+}  // namespace serve::detail
+
+namespace {
+
+using serve::detail::percentile;
 
 LatencyStats stats_of(const std::vector<double>& v) {
   return {percentile(v, 0.50), percentile(v, 0.95), percentile(v, 0.99)};
@@ -551,97 +523,8 @@ class Sim {
 
 }  // namespace
 
-std::vector<TraceRequest> read_request_trace(const std::string& path, int64_t max_requests,
-                                             int64_t* skipped) {
-  if (skipped != nullptr) *skipped = 0;
-  std::ifstream in(path);
-  if (!in) SPILLWAY_INPUT_ERROR("{}: cannot open the request trace", path);
-  std::string line;
-  if (!std::getline(in, line)) SPILLWAY_INPUT_ERROR("{}: empty (no header)", path);
-  const std::vector<std::string> header = split_csv(line);
-  const int tcol = column(header, "gmt_create", path);
-  const int mcol = column(header, "checkpoint_model_version_id", path);
-  std::vector<std::pair<double, std::string>> rows;
-  int64_t n = 1;
-  while (std::getline(in, line)) {
-    ++n;
-    if (line.empty()) continue;
-    const std::vector<std::string> f = split_csv(line);
-    if (static_cast<int>(f.size()) <= std::max(tcol, mcol))
-      SPILLWAY_INPUT_ERROR("{}:{}: {} fields; the header has {}", path, n, f.size(), header.size());
-    if (f[static_cast<size_t>(mcol)].empty()) {  // a request with no model (PENDING rows)
-      if (skipped != nullptr) ++*skipped;
-      continue;
-    }
-    rows.emplace_back(parse_time(f[static_cast<size_t>(tcol)], path, n),
-                      f[static_cast<size_t>(mcol)]);
-  }
-  std::stable_sort(rows.begin(), rows.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  if (max_requests > 0 && static_cast<int64_t>(rows.size()) > max_requests)
-    rows.resize(static_cast<size_t>(max_requests));
-  std::vector<TraceRequest> out;
-  out.reserve(rows.size());
-  for (const auto& [t, m] : rows) out.push_back({t - rows.front().first, m});
-  return out;
-}
-
-std::vector<double> read_reload_latencies_ms(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) SPILLWAY_INPUT_ERROR("{}: cannot open the reload latencies", path);
-  std::string line;
-  if (!std::getline(in, line)) SPILLWAY_INPUT_ERROR("{}: empty (no header)", path);
-  const int vcol = column(split_csv(line), "value", path);
-  std::vector<double> out;
-  int64_t n = 1;
-  while (std::getline(in, line)) {
-    ++n;
-    if (line.empty()) continue;
-    const std::vector<std::string> f = split_csv(line);
-    try {
-      out.push_back(std::stod(f.at(static_cast<size_t>(vcol))));
-    } catch (const std::exception&) {
-      SPILLWAY_INPUT_ERROR("{}:{}: value is not a number", path, n);
-    }
-  }
-  return out;
-}
-
-std::vector<std::pair<int64_t, int64_t>> draw_token_counts(size_t n, const ReplayOptions& o) {
-  if (o.prompt_min < 1 || o.prompt_max < o.prompt_min)
-    SPILLWAY_FIELD_ERROR("prompt_max", o.prompt_max, "must be >= prompt_min ({}) >= 1",
-                         o.prompt_min);
-  if (o.output_min < 1 || o.output_max < o.output_min)
-    SPILLWAY_FIELD_ERROR("output_max", o.output_max, "must be >= output_min ({}) >= 1",
-                         o.output_min);
-  std::mt19937_64 g(o.seed);
-  std::lognormal_distribution<double> prompt(std::log(o.prompt_median), o.prompt_sigma);
-  std::lognormal_distribution<double> output(std::log(o.output_median), o.output_sigma);
-  std::vector<std::pair<int64_t, int64_t>> out;
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t p = std::clamp<int64_t>(std::llround(prompt(g)), o.prompt_min, o.prompt_max);
-    const int64_t q = std::clamp<int64_t>(std::llround(output(g)), o.output_min, o.output_max);
-    out.emplace_back(p, q);
-  }
-  return out;
-}
-
 LatencyStats latency_stats(const std::vector<double>& v) {
   return stats_of(v);
-}
-
-std::vector<std::string> models_by_popularity(const std::vector<TraceRequest>& trace) {
-  std::map<std::string, int64_t> count;
-  for (const TraceRequest& t : trace) ++count[t.model];
-  std::vector<std::pair<int64_t, std::string>> by;
-  by.reserve(count.size());
-  for (const auto& [m, c] : count) by.emplace_back(-c, m);
-  std::sort(by.begin(), by.end());
-  std::vector<std::string> out;
-  out.reserve(by.size());
-  for (auto& [c, m] : by) out.push_back(std::move(m));
-  return out;
 }
 
 std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
@@ -712,137 +595,6 @@ std::vector<ReplayResult> run_replay(const std::vector<TraceRequest>& trace,
   out.reserve(configs.size());
   for (const Config& c : configs) out.push_back(Sim(c, o, hw, served, reqs).run());
   return out;
-}
-
-namespace {
-std::vector<std::string> model_names(const ReplayOptions& o) {
-  if (o.architectures.empty()) return o.models;
-  std::vector<std::string> n;
-  for (const ModelConfig& m : o.architectures) n.push_back(m.name);
-  return n;
-}
-}  // namespace
-
-std::string format_replay(const std::vector<ReplayResult>& r, const ReplayOptions& o,
-                          int64_t distinct_models) {
-  std::string s = fmt::format(
-      "{} requests of {} trace models on {} ({} slices), models dealt over {}; arrivals x{:g}\n"
-      "token counts are not in the trace: prompts log-normal (median {:g}, sigma {:g}, {}-{}), "
-      "outputs log-normal (median {:g}, sigma {:g}, {}-{}), seed {}\n"
-      "SLO: TTFT <= {:g} ms and TPOT <= max({:g} ms, 1.25 x weights / link)\n",
-      r.empty() ? 0 : r[0].requests, distinct_models, o.hardware, o.profile,
-      fmt::join(model_names(o), ", "), o.time_scale, o.prompt_median, o.prompt_sigma, o.prompt_min,
-      o.prompt_max, o.output_median, o.output_sigma, o.output_min, o.output_max, o.seed, o.ttft_ms,
-      o.tpot_ms);
-  s += fmt::format("{:<24} {:>5} {:>27} {:>22} {:>6} {:>8} {:>12} {:>5} {:>12} {:>6} {:>6}\n", "",
-                   "GPUs", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99", "SLO", "switches",
-                   "switch TTFT", "cold", "cold TTFT", "link", "HBM");
-  for (const ReplayResult& x : r)
-    s += fmt::format(
-        "{:<24} {:>5} {:>9.0f}/{:>8.0f}/{:>8.0f} {:>7.1f}/{:>6.1f}/{:>7.1f} {:>5.1f}% {:>8} "
-        "{:>10.0f}ms {:>5} {:>10.0f}ms {:>5.1f}% {:>5.1f}%\n",
-        x.name, x.gpus, x.ttft_ms.p50, x.ttft_ms.p95, x.ttft_ms.p99, x.tpot_ms.p50, x.tpot_ms.p95,
-        x.tpot_ms.p99, 100.0 * x.slo_attainment, x.switches, x.switch_ttft_ms.p50, x.cold_starts,
-        x.cold_ttft_ms.p50, 100.0 * x.link_utilization, 100.0 * x.hbm_utilization);
-  s += "switch TTFT, cold TTFT: the median TTFT of the requests that gave a slice another "
-       "model, and of those whose model was loaded from disk first\n";
-  return s;
-}
-
-std::string replay_json(const std::vector<ReplayResult>& r, const ReplayOptions& o) {
-  nlohmann::json j;
-  j["schema"] = "spillway.replay/1";
-  j["hardware"] = o.hardware;
-  j["profile"] = o.profile;
-  j["models"] = model_names(o);
-  j["time_scale"] = o.time_scale;
-  j["seed"] = o.seed;
-  j["lengths"] = {{"prompt_median", o.prompt_median},
-                  {"prompt_sigma", o.prompt_sigma},
-                  {"output_median", o.output_median},
-                  {"output_sigma", o.output_sigma},
-                  {"note", "drawn: the trace has no token counts"}};
-  for (const ReplayResult& x : r) {
-    auto st = [](const LatencyStats& l) {
-      return nlohmann::json{{"p50", l.p50}, {"p95", l.p95}, {"p99", l.p99}};
-    };
-    j["configurations"].push_back({{"name", x.name},
-                                   {"gpus", x.gpus},
-                                   {"requests", x.requests},
-                                   {"completed", x.completed},
-                                   {"ttft_ms", st(x.ttft_ms)},
-                                   {"tpot_ms", st(x.tpot_ms)},
-                                   {"slo_attainment", x.slo_attainment},
-                                   {"switches", x.switches},
-                                   {"switch_ttft_ms", st(x.switch_ttft_ms)},
-                                   {"cold_starts", x.cold_starts},
-                                   {"cold_ttft_ms", st(x.cold_ttft_ms)},
-                                   {"link_utilization", x.link_utilization},
-                                   {"hbm_utilization", x.hbm_utilization},
-                                   {"makespan_s", x.makespan_s}});
-  }
-  return j.dump(2) + "\n";
-}
-
-std::string replay_svg(const std::vector<ReplayResult>& r) {
-  // Per configuration, the TTFT's median and 95th percentile over the requests arriving in
-  // each of kBins slices of the replay (log scale): compact whatever the trace's length.
-  constexpr int kBins = 60;
-  const double w = 900, h = 420, left = 70, right = 200, top = 30, bottom = 50;
-  double tmax = 1e-9, ymin = 1e9, ymax = 1.0;
-  for (const ReplayResult& x : r)
-    for (const auto& [t, y] : x.ttft_trace) {
-      tmax = std::max(tmax, t);
-      ymin = std::min(ymin, std::max(y, 1.0));
-      ymax = std::max(ymax, y);
-    }
-  ymin = std::pow(10.0, std::floor(std::log10(std::max(ymin, 1.0))));
-  ymax = std::pow(10.0, std::ceil(std::log10(std::max(ymax, 10.0))));
-  auto X = [&](double t) { return left + (w - left - right) * t / tmax; };
-  auto Y = [&](double y) {
-    return top +
-           (h - top - bottom) * (1.0 - (std::log10(std::max(y, ymin)) - std::log10(ymin)) /
-                                           std::max(1e-9, std::log10(ymax) - std::log10(ymin)));
-  };
-  static const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"};
-  std::string s = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
-      "fill=\"white\"/>\n<text x=\"{}\" y=\"18\">TTFT over the replay: median (solid) and "
-      "95th percentile (dashed) of the requests arriving in each of {} intervals</text>\n",
-      w, h, left, kBins);
-  for (double d = ymin; d <= ymax * 1.001; d *= 10)
-    s += fmt::format(
-        "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" stroke=\"#ddd\"/><text "
-        "x=\"5\" y=\"{3:.1f}\">{4:g} ms</text>\n",
-        left, w - right, Y(d), Y(d) + 4, d);
-  s += fmt::format("<text x=\"{}\" y=\"{}\">arrival (s of the replay, {:.0f} s)</text>\n", left,
-                   h - 15, tmax);
-  for (size_t i = 0; i < r.size(); ++i) {
-    const char* c = colors[i % 6];
-    std::vector<std::vector<double>> bins(kBins);
-    for (const auto& [t, y] : r[i].ttft_trace) {
-      const int b = std::min(kBins - 1, static_cast<int>(t / tmax * kBins));
-      bins[static_cast<size_t>(b)].push_back(y);
-    }
-    for (double q : {0.5, 0.95}) {
-      std::string pts;
-      for (int b = 0; b < kBins; ++b) {
-        const std::vector<double>& v = bins[static_cast<size_t>(b)];
-        if (v.empty()) continue;
-        pts += fmt::format("{:.1f},{:.1f} ", X((b + 0.5) * tmax / kBins), Y(percentile(v, q)));
-      }
-      s += fmt::format(
-          "<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\"{}/>\n", pts, c,
-          q > 0.5 ? " stroke-dasharray=\"4 3\"" : "");
-    }
-    s += fmt::format(
-        "<rect x=\"{}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{}\"/><text x=\"{}\" "
-        "y=\"{}\">{}</text>\n",
-        w - right + 10, top + 20.0 * static_cast<double>(i), c, w - right + 25,
-        top + 20.0 * static_cast<double>(i) + 10, r[i].name);
-  }
-  return s + "</svg>\n";
 }
 
 }  // namespace spillway
