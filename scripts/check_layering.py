@@ -12,37 +12,72 @@ bench/ (a leaf over the library, white-box like the tests) may include any part'
 but never cli/'s; nothing includes cli/. Public headers themselves follow the same arrows
 and include no src/ header (they are installed).
 
+The arrows are cmake/arrows.txt's (Note [The arrows]): CMake links by the same table, and
+docs/architecture.md's list of them must be it.
+
 Usage: check_layering.py ROOT [--stamp FILE]   exit 1 and one line per violation.
 """
 import os
 import re
 import sys
 
-# part -> the parts it may depend on (direct arrows; the closure is taken below).
-ARROWS = {
-    "core": [],
-    "device": ["core"],
-    "memory": ["device"],
-    "offload": ["memory"],
-    "optim": ["memory"],
-    "stream": ["memory"],  # layerwise weight streaming (docs/stream.md)
-    "catalog": ["core"],  # src/hw + src/model: hardware profiles and model configs
-    "probe": ["device", "catalog"],
-    "plan": ["catalog"],
-    "sim": ["plan"],
-    "nn": ["device", "plan"],  # the reference model: the engines only through the socket (hooks.hpp)
-    "train": ["nn", "probe", "offload", "optim", "stream"],  # the reference model trained with the engines
-    # host-resident serving (docs/serve.md); its trace replay runs on the simulator's engine
-    "serve": ["memory", "catalog", "sim"],
-    "text": ["core"],  # a model's tokenizer and chat templates
-    "inference": ["nn", "serve", "text"],  # the inference engine: the decoder over the serving parts
-    "http": ["inference"],  # its front ends: the HTTP endpoint, live replay and load (httplib)
-    "cli": ["train", "sim", "probe", "serve", "inference", "http", "text", "tool"],  # a leaf: nothing depends on it
-    "tool": ["core"],  # what the spillway tools share (the CLI, spillway-bench): outputs, ranges
-    # python/src: the extension module of the Python package, a leaf over the engines'
-    # and the planner's public headers (docs/python.md)
-    "python": ["offload", "optim", "stream", "plan"],
-}
+# Note [The arrows]: part -> the parts it may depend on (direct arrows; the closure is taken
+# below), read from the one table CMake links by (cmake/arrows.txt, beside this script's
+# tree: a fixture tree under check is held to the project's arrows).
+ARROWS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cmake", "arrows.txt")
+# docs/architecture.md shows the table in the fenced block after this line, and must agree.
+DOCS_MARK = "<!-- the arrows: cmake/arrows.txt, checked by scripts/check_layering.py -->"
+
+
+def read_arrows(path):
+    """The table's lines "part: dep dep", comments and blank lines left out."""
+    arrows = {}
+    with open(path, encoding="utf-8") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            part, sep, deps = line.partition(":")
+            if not sep or not part.strip().isidentifier():
+                sys.exit(f"layering: {path}:{n}: {raw.strip()!r} is not 'part: the parts it depends on'")
+            arrows[part.strip()] = deps.split()
+    for part, deps in arrows.items():
+        for d in deps:
+            if d not in arrows:
+                sys.exit(f"layering: {path}: {part} depends on {d}, which is not a part")
+    return arrows
+
+
+ARROWS = read_arrows(ARROWS_FILE)
+
+
+def docs_disagree(root):
+    """Why docs/architecture.md's list of the arrows is not the table (None: it is)."""
+    path = os.path.join(root, "docs", "architecture.md")
+    if not os.path.isfile(path):
+        return None  # a fixture tree without docs
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    if DOCS_MARK not in lines:
+        return f"docs/architecture.md: no list of the arrows (a fenced block after {DOCS_MARK})"
+    i = lines.index(DOCS_MARK) + 1
+    if i >= len(lines) or not lines[i].startswith("```"):
+        return f"docs/architecture.md:{i + 1}: the list of the arrows is not a fenced block"
+    shown = []
+    for line in lines[i + 1:]:
+        if line.startswith("```"):
+            break
+        shown.append(line.strip())
+    want = [f"{p}: {' '.join(d)}".rstrip() for p, d in ARROWS.items()]
+    if shown != want:
+        extra = [x for x in shown if x not in want]
+        missing = [x for x in want if x not in shown]
+        return (f"docs/architecture.md:{i + 2}: the list of the arrows is not cmake/arrows.txt's "
+                f"(shown, not in the table: {extra or 'none'}; in the table, not shown: "
+                f"{missing or 'none'}; or their order differs)")
+    return None
+
+
 # src/ folder -> part
 FOLDERS = {"hw": "catalog", "model": "catalog"}
 # public header (include/spillway/NAME.hpp) -> the part that owns it
@@ -144,7 +179,7 @@ def main():
     for folder in sorted(os.listdir(src)):
         part = part_of_src(folder)
         if part not in ARROWS:
-            violations.append(f"src/{folder}: not a known part (add it to ARROWS)")
+            violations.append(f"src/{folder}: not a known part (add it to cmake/arrows.txt)")
             continue
         for dirpath, _, files in os.walk(os.path.join(src, folder)):
             for fn in sorted(files):
@@ -171,11 +206,14 @@ def main():
             if fn.endswith((".cpp", ".hpp")):
                 check_file(os.path.relpath(os.path.join(bench, fn), ROOT), None, False,
                            violations, white_box=True)
+    why = docs_disagree(ROOT)
+    if why:
+        violations.append(why)
     for v in violations:
         print(f"layering: {v}", file=sys.stderr)
     if violations:
-        print(f"layering: {len(violations)} forbidden include(s); the arrows are in "
-              "scripts/check_layering.py and docs/architecture.md", file=sys.stderr)
+        print(f"layering: {len(violations)} violation(s); the arrows are in cmake/arrows.txt "
+              "(Note [The arrows]), shown in docs/architecture.md", file=sys.stderr)
         return 1
     if stamp:
         with open(stamp, "w") as f:

@@ -52,3 +52,28 @@ printf '#include "spillway/memory.hpp"\n#include "core/arena.hpp"\n#include "off
   > "$fixture/src/offload/ok.cpp"
 python3 "$check" "$fixture" || { echo "FAIL: allowed includes were refused"; exit 1; }
 echo "ok: allowed includes pass"
+# Note [The arrows]: docs/architecture.md's list of the arrows is cmake/arrows.txt's table; a
+# list that differs, or none, fails the check, naming the file and what differs.
+expect_docs() {  # <docs text> <words expected in the message>
+  rm -rf "$fixture"/*
+  mkdir -p "$fixture"/include/spillway "$fixture"/src/core "$fixture"/docs
+  printf '%s\n' "$1" > "$fixture/docs/architecture.md"
+  local out
+  if out=$(python3 "$check" "$fixture" 2>&1); then
+    echo "FAIL: docs/architecture.md ($2) passed the check"; exit 1
+  fi
+  grep -q "$2" <<<"$out" || { echo "FAIL: message lacks '$2': $out"; exit 1; }
+  echo "ok: docs/architecture.md is refused ($2)"
+}
+mark="<!-- the arrows: cmake/arrows.txt, checked by scripts/check_layering.py -->"
+expect_docs "# no list" "no list of the arrows"
+table=$(sed -e 's/#.*//' -e 's/[[:space:]]*$//' -e '/^$/d' "$root/cmake/arrows.txt")
+expect_docs "$mark"$'\n```text\n'"${table/plan: catalog/plan: catalog sim}"$'\n```' \
+  "shown, not in the table: \['plan: catalog sim'\]"
+expect_docs "$mark"$'\n```text\n'"$(grep -v '^http:' <<<"$table")"$'\n```' \
+  "in the table, not shown: \['http: inference'\]"
+rm -rf "$fixture"/*
+mkdir -p "$fixture"/include/spillway "$fixture"/src/core "$fixture"/docs
+printf '%s\n```text\n%s\n```\n' "$mark" "$table" > "$fixture/docs/architecture.md"
+python3 "$check" "$fixture" || { echo "FAIL: the table itself was refused"; exit 1; }
+echo "ok: docs/architecture.md showing the table passes"
