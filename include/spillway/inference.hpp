@@ -180,7 +180,7 @@ struct CompletionRequest {
   double top_p = 1.0;        // Note [Sampling]: (0, 1]; < 1: the nucleus
   uint64_t seed = 0;
   // Up to 4 sequences of 1 to 64 tokens: the request ends when its output would end with
-  // one, which is left out (Note [Stop sequences] in engine.cpp).
+  // one, which is left out (Note [Stop sequences] in src/inference/sampling.cpp).
   std::vector<std::vector<int32_t>> stop;
   // Note [Model text]: end-of-sequence tokens (a checkpoint's generation_config.json): the
   // request ends when it samples one ("stop"), which is left out. At most 16.

@@ -1,9 +1,19 @@
-// /metrics: EngineMetrics in the Prometheus text exposition format (version 0.0.4).
+// The engine's metrics: EngineMetrics gathered from the serving engine (metrics()), and
+// /metrics, EngineMetrics in the Prometheus text exposition format (version 0.0.4).
 #include <fmt/format.h>
 
+#include <algorithm>
+
+#include "inference/engine_impl.hpp"
 #include "spillway/inference.hpp"
 
 namespace spillway::inference {
+
+using detail::Clock;
+using detail::kTpotBounds;
+using detail::kTtftBounds;
+using detail::ms_between;
+
 namespace {
 
 // A label value with \, " and newlines escaped.
@@ -106,6 +116,57 @@ std::string prometheus_text(const EngineMetrics& m) {
             [](const Slice& x) { return x.device_bytes; });
   scalar("spillway_uptime_seconds", "gauge", "Seconds since the engine started.", m.uptime_s);
   return out;
+}
+
+EngineMetrics ServingEngine::metrics() const {
+  const Impl& m = *impl_;
+  EngineMetrics e;
+  const double up = std::max(ms_between(m.start_time, Clock::now()) / 1e3, 1e-9);
+  const ModelPoolStats ps = m.pool->stats();
+  std::lock_guard lk(m.mu);
+  e.uptime_s = up;
+  e.requests = m.outcomes;
+  for (const char* k : {"ok", "invalid", "unknown_model", "overloaded", "draining", "unavailable",
+                        "failed", "cancelled"})
+    e.requests.emplace(k, 0);
+  e.tokens_generated = m.tokens_generated;
+  e.prompt_tokens = m.prompt_tokens;
+  e.ttft_bounds_s = kTtftBounds;
+  e.tpot_bounds_s = kTpotBounds;
+  e.ttft_counts = m.ttft_hist;
+  e.tpot_counts = m.tpot_hist;
+  e.ttft_sum_s = m.ttft_sum;
+  e.tpot_sum_s = m.tpot_sum;
+  e.ttft_n = m.ttft_n;
+  e.tpot_n = m.tpot_n;
+  e.within_slo = m.within_slo;
+  e.switches = m.switches;
+  e.cold_loads = m.cold_loads;
+  e.evictions = ps.evictions;
+  e.waiting = static_cast<int64_t>(m.pending.size());
+  e.link_gbps = m.setup.link_gbps;
+  int64_t link_bytes = 0;
+  for (size_t i = 0; i < m.slices.size(); ++i) {
+    const Impl::Slice& s = *m.slices[i];
+    EngineMetrics::Slice x;
+    x.model = s.model;
+    x.running = static_cast<int>(s.running_count);
+    x.alpha = s.alpha;
+    x.hbm_utilization = static_cast<double>(s.hbm_bytes) / (m.setup.slices[i].hbm_gbps * 1e9 * up);
+    x.link_share = static_cast<double>(s.link_bytes) / (m.setup.link_gbps * 1e9 * up);
+    x.iterations = s.iterations;
+    x.hbm_bytes = s.hbm_bytes;
+    x.hbm_gbps = m.setup.slices[i].hbm_gbps;
+    const MemoryStats ms = s.slice->device().memory_stats();
+    x.device_bytes_in_use = ms.current[0];
+    x.device_bytes = m.setup.slices[i].hbm_bytes;
+    e.waiting += static_cast<int64_t>(s.inbox.size());
+    link_bytes += s.link_bytes;
+    e.slices.push_back(x);
+  }
+  e.link_bytes = link_bytes;
+  e.link_utilization = static_cast<double>(link_bytes) / (m.setup.link_gbps * 1e9 * up);
+  return e;
 }
 
 }  // namespace spillway::inference
