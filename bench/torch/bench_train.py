@@ -189,8 +189,16 @@ def config_path(ctx: Context, layers: int) -> str:
     return ctx.config_paths[layers]
 
 
-def predict(ctx: Context, policy: str, layers: Optional[int] = None) -> Prediction:
-    """The planner's step time and peak for `policy`'s row (a model of `layers` blocks)."""
+def planner_gb(gib: Optional[float]) -> Optional[float]:
+    """--hbm-gb is GiB (the cap of set_per_process_memory_fraction); the planner's GB are 1e9."""
+    return None if gib is None else gib * 2**30 / 1e9
+
+
+def predict(
+    ctx: Context, policy: str, layers: Optional[int] = None, budget_gb: Optional[float] = None
+) -> Prediction:
+    """The planner's step time and peak for `policy`'s row: a model of `layers` blocks (None:
+    the rows' model) under `budget_gb` GiB (None: the hardware profile's HBM)."""
     strategy, tensors = PLANNER_POLICY[policy]
     n = ctx.config.num_hidden_layers if layers is None else layers
     try:
@@ -202,7 +210,7 @@ def predict(ctx: Context, policy: str, layers: Optional[int] = None) -> Predicti
             dtype=ctx.dtype_name,
             policy=strategy,
             profile=ctx.profile,
-            hbm_budget_gb=ctx.args.hbm_gb,
+            hbm_budget_gb=planner_gb(budget_gb),
             d2h_gbps=ctx.d2h_gbps,
             h2d_gbps=ctx.h2d_gbps,
             optimizer="offload" if policy == "cpu-adamw" else "device",
@@ -334,7 +342,7 @@ def make_profile(
     fallback = hardware
     if not cuda and hardware == "host":
         fallback = os.path.join(workdir, "host-defaults.json")
-        host_hardware(fallback, 50.0, 20.0, args.hbm_gb or host_memory_gb())
+        host_hardware(fallback, 50.0, 20.0, planner_gb(args.hbm_gb) or host_memory_gb())
     if binary is None:
         return fallback, hardware, "", None, None, "no profile: no spillway CLI (--spillway)"
     ok, why = run_cli(probe_cmd, 60)
@@ -357,7 +365,7 @@ def make_profile(
         except (OSError, ValueError, KeyError) as e:
             return fallback, hardware, "", d2h, h2d, f"no profile: bench gemm's JSON: {e}"
         hardware = os.path.join(workdir, "host.json")
-        host_hardware(hardware, gflops, d2h or 20.0, args.hbm_gb or host_memory_gb())
+        host_hardware(hardware, gflops, d2h or 20.0, planner_gb(args.hbm_gb) or host_memory_gb())
         label = f"host ({gflops:.0f} GFLOP/s fp32, {d2h or 20.0:.1f} GB/s memcpy: measured)"
     link = f"link {d2h:.1f}/{h2d:.1f} GB/s D2H/H2D (probe)" if d2h and h2d else "link: profile's"
     notes.insert(0, f"profile: bench gemm in this run; {link}")
@@ -521,14 +529,14 @@ def setup_policy(ctx: Context, model: Any, policy: str) -> Setup:
             dtype=ctx.dtype_name,
             policy="selective",
             profile=ctx.profile,
-            hbm_budget_gb=ctx.args.hbm_gb,
+            hbm_budget_gb=planner_gb(ctx.args.hbm_gb),
             d2h_gbps=ctx.d2h_gbps,
             h2d_gbps=ctx.h2d_gbps,
         )
         off = st.offload_activations(model, plan, **kw)
     elif policy == "offload-auto":
         off = st.offload_activations(
-            model, "auto", hardware=ctx.hardware, hbm_budget_gb=ctx.args.hbm_gb, **kw
+            model, "auto", hardware=ctx.hardware, hbm_budget_gb=planner_gb(ctx.args.hbm_gb), **kw
         )
     elif policy == "offload-mlp":
         off = st.offload_activations(model, offload_tensors="mlp", **kw)
@@ -556,7 +564,7 @@ class Row:
     note: str = ""
     layers: int = 0
     parameters: int = 0
-    capped: bool = True
+    cap_gb: Optional[float] = None  # the CUDA cap it ran under (None: the whole GPU)
     step_ms: Optional[float] = None
     steps_ms: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: Optional[float] = None
@@ -625,10 +633,11 @@ def inject_fault(model: Any) -> None:
             return
 
 
-def set_cap(ctx: Context, capped: bool) -> None:
-    if ctx.device.type == "cuda" and ctx.args.hbm_gb is not None:
+def set_cap(ctx: Context, cap: Optional[float]) -> None:
+    """On CUDA, this process may allocate `cap` GiB (None: the whole GPU)."""
+    if ctx.device.type == "cuda":
         total = torch.cuda.get_device_properties(ctx.device).total_memory
-        fraction = min(1.0, ctx.args.hbm_gb * 2**30 / total) if capped else 1.0
+        fraction = 1.0 if cap is None else min(1.0, cap * 2**30 / total)
         torch.cuda.set_per_process_memory_fraction(fraction, ctx.device)
 
 
@@ -693,14 +702,14 @@ def run_row(
     policy: str,
     reference: Optional[FirstStep],
     checks: list[Check],
-    capped: bool = True,
+    cap: Optional[float],
 ) -> Row:
     """One policy: a measuring step where it has one (no optimizer step), the checked first
     step, the rest of the warm-up, the timed steps; then its peak."""
     args = ctx.args
     row = Row(policy, layers=model.config.num_hidden_layers, parameters=parameters_of(model))
-    row.capped = capped
-    set_cap(ctx, capped)
+    row.cap_gb = cap if ctx.device.type == "cuda" else None
+    set_cap(ctx, cap)
     free(ctx)
     opt: Optional[torch.optim.Optimizer] = None
     setup: Optional[Setup] = None
@@ -771,7 +780,7 @@ def run_row(
     except Exception as e:  # a row that fails is recorded, and the run goes on
         if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
             row.status = "OOM"
-            row.note = f"OOM under --hbm-gb {args.hbm_gb:g}" if args.hbm_gb else "OOM"
+            row.note = f"OOM under {cap:g} GiB" if cap is not None else "OOM"
         else:
             row.status = "error"
             row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -825,7 +834,7 @@ def compare(ctx: Context, policy: str, got: FirstStep, want: FirstStep) -> Check
 def reference_step(ctx: Context, model: Any) -> Optional[FirstStep]:
     """keep's first step (uncapped), twice: the gradients every activation policy is checked
     against, and whether the same step gives the same bits on this device."""
-    set_cap(ctx, False)
+    set_cap(ctx, None)
     free(ctx)
     keep = Setup(contextlib.nullcontext, lambda: None)
     try:
@@ -862,9 +871,10 @@ def optimizer_layers(ctx: Context, per_layer: int, fixed: int) -> tuple[int, str
     if args.optimizer_layers != "auto":
         return int(args.optimizer_layers), "given (--optimizer-layers)"
     rows_model = ctx.config.num_hidden_layers
-    if ctx.device.type != "cuda" or args.hbm_gb is None:
+    cap = optimizer_cap(args)
+    if ctx.device.type != "cuda" or cap is None:
         return rows_model, "the activation rows' model"
-    x = args.hbm_gb * 2**30
+    x = cap * 2**30
     acts = 12 * ctx.tokens * ctx.config.vocab_size
     fits = [
         n
@@ -874,9 +884,15 @@ def optimizer_layers(ctx: Context, per_layer: int, fixed: int) -> tuple[int, str
         and 6 * (fixed + n * per_layer) < 0.95 * x
     ]
     if not fits:
-        return rows_model, f"none fits between the two at --hbm-gb {args.hbm_gb:g} (rows' model)"
+        return rows_model, f"none fits between the two at {cap:g} GiB (the rows' model)"
     n = min(fits, key=lambda n: abs(fixed + n * per_layer - x / 7))
-    return n, f"sized to --hbm-gb {args.hbm_gb:g}: torch AdamW needs 8 B/param, CPUAdamW 4"
+    return n, f"sized to {cap:g} GiB: torch AdamW needs 8 B/param, CPUAdamW 4"
+
+
+def optimizer_cap(args: argparse.Namespace) -> Optional[float]:
+    """The optimizer rows' cap (GiB): --optimizer-hbm-gb, else --hbm-gb."""
+    cap = args.optimizer_hbm_gb if args.optimizer_hbm_gb is not None else args.hbm_gb
+    return None if cap is None else float(cap)
 
 
 def optimizer_rows(
@@ -891,23 +907,24 @@ def optimizer_rows(
     per block and outside the blocks."""
     layers = ctx.config.num_hidden_layers
     n, why = optimizer_layers(ctx, *sizes)
+    cap = optimizer_cap(ctx.args)
     state: Optional[dict[str, Any]] = init_state if n == layers else None
     rows: list[Row] = []
     for policy in policies:
         model = build_model(ctx, n, state)
         try:
-            row = run_row(ctx, model, policy, None, checks)
+            row = run_row(ctx, model, policy, None, checks, cap)
             row.note = (row.note + "; " if row.note else "") + f"{n} layers: {why}"
-            row.prediction = predict(ctx, policy, n)
+            row.prediction = predict(ctx, policy, n, cap)
             rows.append(row)
-            if policy == "torch-adamw" and row.status == "OOM" and ctx.args.hbm_gb is not None:
+            if policy == "torch-adamw" and row.status == "OOM" and cap is not None:
                 del model
                 free(ctx)
                 model = build_model(ctx, n, state)
-                un = run_row(ctx, model, policy, None, checks, capped=False)
+                un = run_row(ctx, model, policy, None, checks, None)
                 un.policy = "torch-adamw (uncapped)"
                 un.note = "the whole GPU, for its step time"
-                un.prediction = predict(ctx, policy, n)
+                un.prediction = predict(ctx, policy, n, None)
                 rows.append(un)
         finally:
             del model
@@ -915,9 +932,7 @@ def optimizer_rows(
     by = {r.policy: r for r in rows}
     if "cpu-adamw" in by and "torch-adamw" in by:
         if by["torch-adamw"].status == "OOM" and by["cpu-adamw"].status == "ok":
-            by[
-                "torch-adamw"
-            ].note = f"OOM under --hbm-gb {ctx.args.hbm_gb:g}; CPUAdamW trains it ({n} layers)"
+            by["torch-adamw"].note = f"OOM under {cap:g} GiB; CPUAdamW trains it ({n} layers)"
     return rows
 
 
@@ -973,7 +988,7 @@ def row_json(r: Row, ckpt: Optional[Row]) -> dict[str, Any]:
         "note": r.note,
         "layers": r.layers,
         "parameters": r.parameters,
-        "capped": r.capped,
+        "cap_gb": r.cap_gb,
         "step_ms": r.step_ms,
         "steps_ms": r.steps_ms,
         "tokens_per_s": r.tokens_per_s,
@@ -1025,9 +1040,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help=f"comma list of {', '.join(ALL_POLICIES)} (default: all)",
     )
     ap.add_argument(
+        "--optimizer-hbm-gb",
+        type=float,
+        default=None,
+        help="CUDA: the optimizer rows' cap in GiB (default: --hbm-gb)",
+    )
+    ap.add_argument(
         "--optimizer-layers",
         default="auto",
-        help="blocks of the optimizer rows' model; auto: on CUDA with --hbm-gb, sized so\n"
+        help="blocks of the optimizer rows' model; auto: on CUDA under a cap, sized so\n"
         "that torch AdamW cannot fit and CPUAdamW can; else the rows' model",
     )
     ap.add_argument(
@@ -1126,8 +1147,8 @@ def run(ctx: Context, t_start: float) -> int:
     rows: list[Row] = []
     for policy in activation:
         model.load_state_dict(init_state)
-        row = run_row(ctx, model, policy, reference, checks)
-        row.prediction = predict(ctx, policy)
+        row = run_row(ctx, model, policy, reference, checks, args.hbm_gb)
+        row.prediction = predict(ctx, policy, None, args.hbm_gb)
         rows.append(row)
     optimizers = [p for p in args.policy_list if p in OPTIMIZER_POLICIES]
     per_layer = parameters_of(model.model.layers[0])
