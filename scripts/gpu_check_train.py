@@ -7,7 +7,8 @@ Usage: gpu_check_train.py BENCH_TRAIN_JSON
 Prints the run's figures as NAME<TAB>VALUE lines (per policy: tokens/s, step time and peak
 beside the planner's prediction, the ratios to full checkpointing; the checks), then one
 line without a tab: the verdict. Exits 0 when the file (schema spillway.bench-train/1) has
-rows and every check passed; else 1, the verdict naming the policies whose checks failed.
+rows, is complete (written at the run's end, not after a row of a run cut short) and every
+check passed; else 1, the verdict naming the policies whose checks failed.
 Tested on recorded runs: tests/scripts/gpu_check_train_test.sh.
 """
 
@@ -73,6 +74,9 @@ def main(argv):
         print(f"{tag} FAIL {c.get('policy')}\t{c.get('name')}: {c.get('detail')}")
     if not rows:
         print(f"{tag}: no rows")
+        return 1
+    if d.get("complete") is False:
+        print(f"{tag}: cut short after {len(rows)} rows ({len(failed)} checks failed so far)")
         return 1
     if failed or not d.get("passed"):
         names = sorted({str(c.get("policy")) for c in failed}) or ["(the run says so)"]

@@ -345,7 +345,10 @@ def make_profile(
         host_hardware(fallback, 50.0, 20.0, planner_gb(args.hbm_gb) or host_memory_gb())
     if binary is None:
         return fallback, hardware, "", None, None, "no profile: no spillway CLI (--spillway)"
-    ok, why = run_cli(probe_cmd, 60)
+    if args.probe:
+        ok, why, probe = True, "", args.probe
+    else:
+        ok, why = run_cli(probe_cmd, 60)
     if ok:
         try:
             d2h, h2d = link_of(probe)
@@ -367,7 +370,8 @@ def make_profile(
         hardware = os.path.join(workdir, "host.json")
         host_hardware(hardware, gflops, d2h or 20.0, planner_gb(args.hbm_gb) or host_memory_gb())
         label = f"host ({gflops:.0f} GFLOP/s fp32, {d2h or 20.0:.1f} GB/s memcpy: measured)"
-    link = f"link {d2h:.1f}/{h2d:.1f} GB/s D2H/H2D (probe)" if d2h and h2d else "link: profile's"
+    source = f"probe {os.path.basename(args.probe)}" if args.probe else "probe"
+    link = f"link {d2h:.1f}/{h2d:.1f} GB/s D2H/H2D ({source})" if d2h and h2d else "link: profile's"
     notes.insert(0, f"profile: bench gemm in this run; {link}")
     return hardware, label, gemm, d2h, h2d, "; ".join(notes)
 
@@ -1059,6 +1063,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "copy and CPU AdamW threads: torch's spinning threads otherwise starve them)",
     )
     ap.add_argument("--hardware", default="", help="planner's hardware profile (default: by GPU)")
+    ap.add_argument(
+        "--probe",
+        default="",
+        help="a `spillway probe --json` of this machine to take the link\n"
+        "from, instead of probing it again",
+    )
     ap.add_argument("--spillway", default="", help="the spillway CLI (default: $SPILLWAY_BUILD)")
     ap.add_argument("--json", default="", help="write the table and checks to this file")
     ap.add_argument(
@@ -1135,49 +1145,119 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def where_of(ctx: Context) -> str:
+    if ctx.device.type == "cuda":
+        return torch.cuda.get_device_name(ctx.device)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def peak_measures(ctx: Context) -> str:
+    if ctx.device.type == "cuda":
+        return "torch.cuda.max_memory_allocated over the timed steps"
+    return (
+        "the peak of torch's CPU storages over one step (weights, gradients, torch "
+        "optimizer state and what the step makes; not spillway's own host pools)"
+    )
+
+
+def progress(row: Row, t_start: float) -> None:
+    """One line a row, on stderr, as it ends (a log of a run cut short says how far it got)."""
+    what = f"{row.step_ms:.1f} ms a step" if row.step_ms is not None else row.status
+    print(
+        f"[bench_train] {row.policy}: {what} ({time.perf_counter() - t_start:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def write_json(
+    ctx: Context, rows: list[Row], checks: list[Check], t_start: float, complete: bool
+) -> None:
+    """The run so far (written after every row: a run cut short leaves what it measured)."""
+    args = ctx.args
+    if not args.json:
+        return
+    ckpt = next((r for r in rows if r.policy == "checkpoint" and r.status == "ok"), None)
+    out = {
+        "schema": "spillway.bench-train/1",
+        "complete": complete,
+        "model": args.model,
+        "tiny": bool(args.tiny),
+        "layers": args.layers,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "dtype": ctx.dtype_name,
+        "device": ctx.device.type,
+        "machine": {
+            "where": where_of(ctx),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "spillway": spillway.__version__,
+        },
+        "hbm_gb": args.hbm_gb,
+        "optimizer_hbm_gb": optimizer_cap(args),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "peak_measures": peak_measures(ctx),
+        "hardware": ctx.hardware_label,
+        "profile": ctx.profile_note,
+        "recompute_tolerance": RECOMPUTE_TOLERANCE[ctx.device.type],
+        "rows": [row_json(r, ckpt) for r in rows],
+        "checks": [dataclasses.asdict(c) for c in checks],
+        "passed": all(c.passed for c in checks),
+        "failed": sorted({c.policy for c in checks if not c.passed}),
+        "seconds": time.perf_counter() - t_start,
+    }
+    tmp = args.json + ".part"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, args.json)
+
+
 def run(ctx: Context, t_start: float) -> int:
     args = ctx.args
     checks: list[Check] = []
+    rows: list[Row] = []
     model = build_model(ctx, args.layers)
     init_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     activation = [p for p in args.policy_list if p in ACTIVATION_POLICIES]
     reference = reference_step(ctx, model) if activation else None
     if activation and reference is None:
         checks.append(Check("reference", "keep", False, "keep's first step ran out of memory"))
-    rows: list[Row] = []
     for policy in activation:
         model.load_state_dict(init_state)
         row = run_row(ctx, model, policy, reference, checks, args.hbm_gb)
         row.prediction = predict(ctx, policy, None, args.hbm_gb)
         rows.append(row)
+        progress(row, t_start)
+        write_json(ctx, rows, checks, t_start, False)
     optimizers = [p for p in args.policy_list if p in OPTIMIZER_POLICIES]
     per_layer = parameters_of(model.model.layers[0])
     sizes = (per_layer, parameters_of(model) - args.layers * per_layer)
     del model, reference
     free(ctx)
     if optimizers:
-        rows += optimizer_rows(ctx, optimizers, init_state, sizes, checks)
+        for row in optimizer_rows(ctx, optimizers, init_state, sizes, checks):
+            rows.append(row)
+            progress(row, t_start)
+        write_json(ctx, rows, checks, t_start, False)
     del init_state
 
-    where = (
-        torch.cuda.get_device_name(ctx.device)
-        if ctx.device.type == "cuda"
-        else f"CPU, {torch.get_num_threads()} threads"
-    )
-    peak_what = (
-        "torch.cuda.max_memory_allocated over the timed steps"
-        if ctx.device.type == "cuda"
-        else "the peak of torch's CPU storages over one step (weights, gradients, torch "
-        "optimizer state and what the step makes; not spillway's own host pools)"
-    )
     experts = getattr(ctx.config, "_experts_implementation", None)
+    capped = f"; capped at {args.hbm_gb:g} GiB" if args.hbm_gb and ctx.device.type == "cuda" else ""
     print(
         f"{args.model}{' (tiny)' if args.tiny else ''}: {args.layers} layers, micro-batch "
-        f"{args.micro_batch} x seq {args.seq_len}, {ctx.dtype_name}, {where}"
+        f"{args.micro_batch} x seq {args.seq_len}, {ctx.dtype_name}, {where_of(ctx)}"
         + (f", experts: {experts}" if experts else "")
-        + (f"; capped at {args.hbm_gb:g} GiB" if args.hbm_gb and ctx.device.type == "cuda" else "")
+        + capped
     )
-    print(f"steps: median of {args.steps} timed after {args.warmup} warm-up; peak: {peak_what}")
+    print(
+        f"steps: median of {args.steps} timed after {args.warmup} warm-up; peak: "
+        f"{peak_measures(ctx)}"
+    )
     print(f"planner: hardware {ctx.hardware_label}; {ctx.profile_note}")
     print()
     print(table(ctx, rows))
@@ -1191,41 +1271,7 @@ def run(ctx: Context, t_start: float) -> int:
         "all checks passed" if passed else f"checks FAILED: {', '.join(failed)}",
         f"({time.perf_counter() - t_start:.0f} s)",
     )
-    if args.json:
-        ckpt = next((r for r in rows if r.policy == "checkpoint" and r.status == "ok"), None)
-        out = {
-            "schema": "spillway.bench-train/1",
-            "model": args.model,
-            "tiny": bool(args.tiny),
-            "layers": args.layers,
-            "micro_batch": args.micro_batch,
-            "seq_len": args.seq_len,
-            "dtype": ctx.dtype_name,
-            "device": ctx.device.type,
-            "machine": {
-                "where": where,
-                "cores": os.cpu_count(),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "spillway": spillway.__version__,
-            },
-            "hbm_gb": args.hbm_gb,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "peak_measures": peak_what,
-            "hardware": ctx.hardware_label,
-            "profile": ctx.profile_note,
-            "recompute_tolerance": RECOMPUTE_TOLERANCE[ctx.device.type],
-            "rows": [row_json(r, ckpt) for r in rows],
-            "checks": [dataclasses.asdict(c) for c in checks],
-            "passed": passed,
-            "failed": failed,
-            "seconds": time.perf_counter() - t_start,
-        }
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_json(ctx, rows, checks, t_start, True)
     return 0 if passed else 1
 
 

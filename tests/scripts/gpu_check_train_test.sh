@@ -53,6 +53,18 @@ out=$("$python" "$check" "$tmp/oom.json") || fail "an OOM row failed the run: $o
 grep -q $'^train llama-3.1-8b (tiny) torch-adamw\tOOM: OOM under 16 GiB; CPUAdamW trains it (2 layers)$' <<<"$out" ||
   fail "no OOM figure: $out"
 
+# A run cut short (its JSON written after a row, "complete": false) does not pass.
+"$python" - "$data/bench-train-cpu-tiny-llama.json" "$tmp/cut.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+d.update(complete=False, rows=d["rows"][:3])
+json.dump(d, open(sys.argv[2], "w"))
+PY
+out=$("$python" "$check" "$tmp/cut.json")
+[ $? -eq 1 ] || fail "a run cut short passed"
+[ "$(tail -n 1 <<<"$out")" = "train llama-3.1-8b (tiny): cut short after 3 rows (0 checks failed so far)" ] ||
+  fail "verdict: $(tail -n 1 <<<"$out")"
+
 out=$("$python" "$check" /nonexistent.json)
 [ $? -eq 1 ] || fail "a missing file passed"
 grep -q '^bench_train JSON /nonexistent.json unreadable' <<<"$out" || fail "missing file: $out"
