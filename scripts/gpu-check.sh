@@ -36,7 +36,7 @@ DEPS_PACKAGES=(
 # What the device machine carries: the tree and .gpu-deps together (docs/gpu.md).
 readonly CARRY_LIMIT_MIB=64
 readonly REPORT_RESERVE_S=8   # kept back from every stage for the last report
-readonly DEFAULT_BUDGET_S=330
+readonly DEFAULT_BUDGET_S=450
 deps_dir=$here/.gpu-deps
 deps_tar=$deps_dir/deps.tar.gz
 deps_manifest=$deps_dir/MANIFEST.txt
@@ -69,7 +69,7 @@ Options:
   --build-dir DIR      the build folder (default: build-gpu)
   --arch LIST          CUDA architectures, e.g. 90 or "90;100" (default: the cards' compute
                        capability from nvidia-smi; also SPILLWAY_CUDA_ARCHS)
-  --budget SECONDS     the whole run's budget, build included (default: 330); every
+  --budget SECONDS     the whole run's budget, build included (default: 450); every
                        stage's own budget scales with it
   --jobs N             build jobs (default: all cores)
   --no-gpu             act as if no GPU were present
@@ -1234,6 +1234,70 @@ PY
   fi
 }
 
+# --- stage: train-e2e ---------------------------------------------------------------------
+# A whole training step on the GPU under every policy (bench/torch/bench_train.py): a
+# Hugging Face model of the catalog's real widths (random weights) trains under keep,
+# checkpoint, selective, save_on_cpu, offload-auto and offload-mlp with the process capped at
+# 40 GiB, and torch AdamW against CPUAdamW on a model sized to a 16 GiB cap (torch AdamW runs
+# out of it, CPUAdamW trains it; torch AdamW then uncapped for its time); each row's tokens/s,
+# step time and peak beside the planner's prediction from a profile the bench makes in the
+# same run, and its checks: every policy's first-step gradients against keep's, CPUAdamW
+# against torch AdamW (scripts/gpu_check_train.py reads the JSON; its reading is tested on
+# recorded runs: tests/scripts/gpu_check_train_test.sh). Qwen3-30B-A3B first (4 blocks:
+# 1.2 GB of bf16 experts each), then Llama-3.1-8B's activation rows where time is left.
+stage_train_e2e() {
+  stage_begin train-e2e bench 120 30 || return 0
+  local py=(env "PYTHONPATH=$build_dir/python" "SPILLWAY_BUILD=$build_dir" PYTHONUNBUFFERED=1
+    python3 bench/torch/bench_train.py --device cuda --spillway "$build_dir/bin/spillway")
+  local probe=()
+  [ -s "$work/probe.json" ] && probe=(--probe "$work/probe.json")   # stage bench's link
+  local qwen=("${py[@]}" "${probe[@]}" --model qwen3-30b-a3b --layers 4 --seq-len 4096
+    --micro-batch 1 --steps 3 --warmup 2 --hbm-gb 40 --optimizer-hbm-gb 16
+    --json "$work/bench-train.json")
+  # shellcheck disable=SC2054  # the commas are --policies'
+  local llama=("${py[@]}" "${probe[@]}" --model llama-3.1-8b --layers 8 --seq-len 4096
+    --micro-batch 1 --steps 3 --warmup 2 --hbm-gb 40
+    --policies keep,checkpoint,selective,save_on_cpu,offload-auto,offload-mlp
+    --json "$work/bench-train-llama.json")
+  local why
+  why=$(gpu_stage_guard _spillway spillway_cli spillway_bench_tool)
+  if [ -n "$why" ]; then
+    would_run "${qwen[@]}"
+    would_run "${llama[@]}"
+    stage_end skip "$why"
+    return 0
+  fi
+  local rc1=0 rc2=0 prc failed=() verdicts=() verdict k v f
+  run_timed $(($(stage_left) * 3 / 5)) "${qwen[@]}" || rc1=$?
+  if [ "$(stage_left)" -ge 35 ]; then
+    run_timed "$(stage_left)" "${llama[@]}" || rc2=$?
+  else
+    rc2=-1
+    fig "llama-3.1-8b" "not run: $(stage_left) s left of the stage's $S_BUDGET s"
+  fi
+  # The bench exits 1 when a check failed; the reader says which.
+  for f in "$work/bench-train.json" "$work/bench-train-llama.json"; do
+    [ -s "$f" ] || continue
+    cat "$f" >>"$S.log"
+    prc=0
+    verdict=$(python3 "$here/scripts/gpu_check_train.py" "$f" 2>&1) || prc=$?
+    while IFS=$'\t' read -r k v; do [ -n "$k" ] && [ -n "$v" ] && fig "$k" "$v"; done <<<"$verdict"
+    verdicts+=("$(tail -n 1 <<<"$verdict")")
+    [ $prc -eq 0 ] || failed+=("$(tail -n 1 <<<"$verdict")")
+  done
+  [ -s "$work/bench-train.json" ] || failed+=("bench_train.py (Qwen3-30B-A3B) exit $rc1, no JSON")
+  if [ $rc2 -ge 0 ] && [ ! -s "$work/bench-train-llama.json" ]; then
+    failed+=("bench_train.py (Llama-3.1-8B) exit $rc2, no JSON")
+  fi
+  if [ ${#failed[@]} -eq 0 ]; then
+    stage_end pass "$(printf '%s; ' "${verdicts[@]}" | sed 's/; $//')"
+  elif [[ " $rc1 $rc2 " == *" 124 "* || " $rc1 $rc2 " == *" 137 "* ]]; then
+    stage_end timeout "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
+  else
+    stage_end fail "$(printf '%s; ' "${failed[@]}" | sed 's/; $//')"
+  fi
+}
+
 # --- stages: memcheck, racecheck --------------------------------------------------------
 # compute-sanitizer over spillway's own kernels and copies: memcheck over the CUDA test
 # binary (cuBLAS's GEMM test and NCCL left out: not ours, and slow under it) and HybridGEMM's
@@ -1324,6 +1388,7 @@ stage_build build-extra 60 15 spillway_tests_device spillway_tests_optim spillwa
 stage_gpu_paths
 stage_sanitizer memcheck 60 '-GemmCuda.*:*Nccl*:HybridGemmLimits.*' 'HybridGemmCuda.*'
 stage_sanitizer racecheck 40 'AdamWCuda.*:OptimizerOffloadCuda.*' 'HybridGemmCuda.KernelsMatch*'
+stage_train_e2e
 stage_bench_torch
 
 write_report

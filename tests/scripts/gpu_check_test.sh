@@ -28,7 +28,7 @@ report = json.load(open(os.path.join(folder, "gpu-report.json")))
 assert report["schema"] == "spillway.gpu-check/1", report["schema"]
 names = [s["name"] for s in report["stages"]]
 want = ["env", "deps", "configure", "build", "doctor", "ctest-cuda", "pytest-cuda", "bench",
-        "build-extra", "gpu-paths", "memcheck", "racecheck", "bench-torch"]
+        "build-extra", "gpu-paths", "memcheck", "racecheck", "train-e2e", "bench-torch"]
 assert names == want, f"stages {names}, want {want}"
 for s in report["stages"]:
     assert s["status"] == "skip", f"{s['name']}: {s['status']} ({s['reason']})"
@@ -36,7 +36,7 @@ for s in report["stages"]:
     assert s["reason"].startswith("no GPU"), f"{s['name']}: reason {s['reason']!r}"
 # What each stage would have run, where it runs a command.
 for name in ["configure", "build", "doctor", "ctest-cuda", "pytest-cuda", "bench", "memcheck",
-             "bench-torch"]:
+             "train-e2e", "bench-torch"]:
     cmds = next(s for s in report["stages"] if s["name"] == name)["commands"]
     assert cmds.startswith("$ "), f"{name}: no command recorded: {cmds!r}"
 assert report["summary"] == {"pass": 0, "fail": 0, "timeout": 0, "skip": len(want)}, report["summary"]
