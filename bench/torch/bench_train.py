@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import math
 import os
 import platform
 import shutil
@@ -588,7 +587,24 @@ class Check:
 @dataclasses.dataclass
 class FirstStep:
     loss: float
-    grads: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]  # on the CPU
+    top: float  # the largest |gradient element|
+
+
+@dataclasses.dataclass
+class Diff:
+    """A model's gradients against a FirstStep's."""
+
+    loss: float
+    equal: int  # gradients bitwise equal
+    total: int
+    first_differing: str
+    worst: float  # the largest |difference| of a gradient element
+    where: str
+    missing: list[str]
+
+
+CHUNK = 1 << 24  # elements compared at once on the device (bounds the temporaries)
 
 
 def sync(ctx: Context) -> None:
@@ -619,12 +635,37 @@ def forward_backward(ctx: Context, model: Any, setup: Setup) -> torch.Tensor:
 
 
 def capture(model: Any, loss: torch.Tensor) -> FirstStep:
-    grads = {
-        n: p.grad.detach().to("cpu", copy=True)
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    }
-    return FirstStep(float(loss.float().item()), grads)
+    grads: dict[str, torch.Tensor] = {}
+    top = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            top = max(top, float(p.grad.detach().abs().max()))
+            grads[n] = p.grad.detach().to("cpu", copy=True)
+    return FirstStep(float(loss.float().item()), grads, top)
+
+
+def diff(model: Any, loss: torch.Tensor, want: FirstStep) -> Diff:
+    """The model's gradients (where they are) against `want`'s, CHUNK elements at a time."""
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    d = Diff(float(loss.float().item()), 0, len(want.grads), "", 0.0, "", [])
+    d.missing = sorted(set(want.grads) ^ set(got))
+    for n, ref in want.grads.items():
+        if n not in got:
+            continue
+        a, b = got[n].detach().reshape(-1), ref.reshape(-1)
+        same = True
+        for i in range(0, a.numel(), CHUNK):
+            x, y = a[i : i + CHUNK], b[i : i + CHUNK].to(a.device)
+            if not torch.equal(x, y):
+                same = False
+                worst = float((x.float() - y.float()).abs().max())
+                if worst > d.worst:
+                    d.worst, d.where = worst, n
+        if same:
+            d.equal += 1
+        elif not d.first_differing:
+            d.first_differing = n
+    return d
 
 
 def inject_fault(model: Any) -> None:
@@ -695,9 +736,13 @@ class AdamReference:
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
-    scale = torch.maximum(torch.maximum(a.abs(), b.abs()), torch.full_like(a, floor))
-    spacing = torch.nextafter(scale, torch.full_like(scale, math.inf)) - scale
-    return float(((a.float() - b.float()).abs() / spacing.float()).max())
+    """max |a - b| in ulp of max(|a|, |b|, floor), in a's dtype (an ulp of x: eps * 2^(e-1),
+    x = m * 2^e with m in [0.5, 1))."""
+    a64, b64 = a.double(), b.double()
+    scale = torch.maximum(torch.maximum(a64.abs(), b64.abs()), torch.full_like(a64, floor))
+    _, e = torch.frexp(scale)
+    spacing = torch.finfo(a.dtype).eps * torch.pow(2.0, (e - 1).double())
+    return float(((a64 - b64).abs() / spacing).max())
 
 
 def run_row(
@@ -733,7 +778,7 @@ def run_row(
                 if fault:
                     inject_fault(model)
                 if reference is not None:
-                    checks.append(compare(ctx, policy, capture(model, loss), reference))
+                    checks.append(compare(ctx, policy, diff(model, loss, reference), reference))
             if adam_ref is not None:
                 adam_ref.step(fault)
             opt.step()
@@ -801,33 +846,24 @@ def run_row(
     return row
 
 
-def compare(ctx: Context, policy: str, got: FirstStep, want: FirstStep) -> Check:
+def compare(ctx: Context, policy: str, got: Diff, want: FirstStep) -> Check:
     """The first step's loss and every gradient against keep's."""
-    missing = sorted(set(want.grads) ^ set(got.grads))
-    if missing:
-        return Check("first-step gradients", policy, False, f"gradients missing: {missing[:3]}")
+    if got.missing:
+        return Check("first-step gradients", policy, False, f"gradients missing: {got.missing[:3]}")
+    bitwise = got.equal == got.total and got.loss == want.loss
     if (policy in BITWISE or policy == "keep") and ctx.repeatable:
-        differ = [n for n in want.grads if not torch.equal(want.grads[n], got.grads[n])]
-        same_loss = got.loss == want.loss
         detail = (
-            f"loss {got.loss:.9g} {'==' if same_loss else '!='} keep's {want.loss:.9g}; "
-            f"{len(want.grads) - len(differ)} of {len(want.grads)} gradients bitwise keep's"
+            f"loss {got.loss:.9g} {'==' if got.loss == want.loss else '!='} keep's "
+            f"{want.loss:.9g}; {got.equal} of {got.total} gradients bitwise keep's"
         )
-        if differ:
-            detail += f" (first differing: {differ[0]})"
-        return Check("first step bitwise keep's", policy, same_loss and not differ, detail)
+        if got.first_differing:
+            detail += f" (first differing: {got.first_differing})"
+        return Check("first step bitwise keep's", policy, bitwise, detail)
     tol = RECOMPUTE_TOLERANCE[ctx.device.type]
-    top = max(float(g.float().abs().max()) for g in want.grads.values())
-    worst, where = 0.0, ""
-    for n, g in want.grads.items():
-        d = float((got.grads[n].float() - g.float()).abs().max())
-        if d > worst:
-            worst, where = d, n
-    rel = worst / top if top > 0 else worst
+    rel = got.worst / want.top if want.top > 0 else got.worst
     loss_rel = abs(got.loss - want.loss) / max(abs(want.loss), 1e-30)
-    bitwise = worst == 0 and got.loss == want.loss
     detail = (
-        f"max |dgrad| / max |grad| = {rel:.3g}{f' (at {where})' if where else ''}, "
+        f"max |dgrad| / max |grad| = {rel:.3g}{f' (at {got.where})' if got.where else ''}, "
         f"|dloss| / loss = {loss_rel:.3g}; bound {tol:g}" + ("; bitwise keep's" if bitwise else "")
     )
     if policy not in RECOMPUTE:
@@ -842,17 +878,13 @@ def reference_step(ctx: Context, model: Any) -> Optional[FirstStep]:
     free(ctx)
     keep = Setup(contextlib.nullcontext, lambda: None)
     try:
-        runs = []
-        for _ in range(2):
-            with deterministic(ctx):
-                loss = forward_backward(ctx, model, keep)
-            runs.append(capture(model, loss))
-            model.zero_grad(set_to_none=True)
-        a, b = runs
-        ctx.repeatable = a.loss == b.loss and all(
-            torch.equal(a.grads[n], b.grads[n]) for n in a.grads
-        )
-        return a
+        with deterministic(ctx):
+            first = capture(model, forward_backward(ctx, model, keep))
+        model.zero_grad(set_to_none=True)
+        with deterministic(ctx):
+            again = diff(model, forward_backward(ctx, model, keep), first)
+        ctx.repeatable = again.equal == again.total and again.loss == first.loss
+        return first
     except torch.OutOfMemoryError:
         return None
     finally:
