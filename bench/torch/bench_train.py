@@ -172,6 +172,7 @@ class Context:
     # Whether keep's first step, run twice, gave the same bits: where it does not (a
     # device's kernels that sum in a varying order), "bitwise" cannot hold for anything.
     repeatable: bool = True
+    experts: str = ""  # the MoE experts' implementation transformers chose (grouped_mm, eager)
 
 
 def config_path(ctx: Context, layers: int) -> str:
@@ -347,7 +348,7 @@ def make_profile(
     if args.probe:
         ok, why, probe = True, "", args.probe
     else:
-        ok, why = run_cli(probe_cmd, 60)
+        ok, why = run_cli(probe_cmd, 30)
     if ok:
         try:
             d2h, h2d = link_of(probe)
@@ -355,7 +356,7 @@ def make_profile(
             ok, why = False, f"unreadable: {e}"
     if not ok:
         notes.append(f"probe failed ({why})")
-    gok, gwhy = run_cli(gemm_cmd, 120)
+    gok, gwhy = run_cli(gemm_cmd, 60)
     if not gok:
         notes.append(f"bench gemm failed ({gwhy})")
         return fallback, hardware, "", d2h, h2d, "no profile: " + "; ".join(notes)
@@ -1220,6 +1221,7 @@ def write_json(
         "seq_len": args.seq_len,
         "dtype": ctx.dtype_name,
         "device": ctx.device.type,
+        "experts_implementation": ctx.experts or None,
         "machine": {
             "where": where_of(ctx),
             "cores": os.cpu_count(),
@@ -1254,6 +1256,7 @@ def run(ctx: Context, t_start: float) -> int:
     checks: list[Check] = []
     rows: list[Row] = []
     model = build_model(ctx, args.layers)
+    ctx.experts = str(getattr(model.config, "_experts_implementation", "") or "")
     init_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     activation = [p for p in args.policy_list if p in ACTIVATION_POLICIES]
     reference = reference_step(ctx, model) if activation else None
@@ -1278,7 +1281,7 @@ def run(ctx: Context, t_start: float) -> int:
         write_json(ctx, rows, checks, t_start, False)
     del init_state
 
-    experts = getattr(ctx.config, "_experts_implementation", None)
+    experts = ctx.experts if getattr(ctx.config, "num_experts", 0) else ""
     capped = f"; capped at {args.hbm_gb:g} GiB" if args.hbm_gb and ctx.device.type == "cuda" else ""
     print(
         f"{args.model}{' (tiny)' if args.tiny else ''}: {args.layers} layers, micro-batch "
