@@ -967,6 +967,18 @@ def optimizer_rows(
             del model
             free(ctx)
     by = {r.policy: r for r in rows}
+    if n != layers and "cpu-adamw" in by and cap is not None:
+        ok = by["cpu-adamw"].status == "ok"
+        checks.append(
+            Check(
+                "trains where torch AdamW's state does not fit",
+                "cpu-adamw",
+                ok,
+                f"{n} layers ({by['cpu-adamw'].parameters:,} parameters) under "
+                f"{cap:g} GiB: {'trained' if ok else by['cpu-adamw'].note or 'did not train'}"
+                + (f"; torch AdamW: {by['torch-adamw'].status}" if "torch-adamw" in by else ""),
+            )
+        )
     if "cpu-adamw" in by and "torch-adamw" in by:
         if by["torch-adamw"].status == "OOM" and by["cpu-adamw"].status == "ok":
             by["torch-adamw"].note = f"OOM under {cap:g} GiB; CPUAdamW trains it ({n} layers)"
@@ -982,6 +994,11 @@ def gib(n: Optional[int]) -> str:
     if n >= 2**28:
         return f"{n / 2**30:.2f} GiB"
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def same_model(a: Row, b: Row) -> bool:
+    """Whether two rows trained the same model (the ratios compare only those)."""
+    return a.parameters == b.parameters
 
 
 def table(ctx: Context, rows: list[Row]) -> str:
@@ -1003,7 +1020,7 @@ def table(ctx: Context, rows: list[Row]) -> str:
             continue
         assert r.step_ms is not None and r.tokens_per_s is not None
         tr = pr = "-"
-        if ckpt is not None and ckpt.tokens_per_s and ckpt.peak_bytes:
+        if ckpt is not None and ckpt.tokens_per_s and ckpt.peak_bytes and same_model(r, ckpt):
             tr = f"{r.tokens_per_s / ckpt.tokens_per_s:.2f}x"
             pr = f"{(r.peak_bytes or 0) / ckpt.peak_bytes:.2f}x"
         note = r.note
@@ -1037,6 +1054,7 @@ def row_json(r: Row, ckpt: Optional[Row]) -> dict[str, Any]:
     if (
         r.status == "ok"
         and ckpt is not None
+        and same_model(r, ckpt)
         and ckpt.tokens_per_s
         and ckpt.peak_bytes
         and r.tokens_per_s
