@@ -640,8 +640,10 @@ def capture(model: Any, loss: torch.Tensor) -> FirstStep:
     top = 0.0
     for n, p in model.named_parameters():
         if p.grad is not None:
-            top = max(top, float(p.grad.detach().abs().max()))
-            grads[n] = p.grad.detach().to("cpu", copy=True)
+            g = p.grad.detach()
+            top = max(top, float(g.abs().max()))
+            # Pinned on CUDA: each policy's check reads it back to the device.
+            grads[n] = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda).copy_(g)
     return FirstStep(float(loss.float().item()), grads, top)
 
 
@@ -1113,7 +1115,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="CPU: torch's threads (default: half the cores, the rest left to spillway's\n"
         "copy and CPU AdamW threads: torch's spinning threads otherwise starve them)",
     )
-    ap.add_argument("--hardware", default="", help="planner's hardware profile (default: by GPU)")
+    ap.add_argument(
+        "--hardware",
+        default="",
+        help="the planner's hardware profile (default on CUDA: by the GPU's name, h200-sxm,\n"
+        "h100-sxm, h100-pcie, b200, gb200, else gh200; on the CPU: a profile of this host\n"
+        "written from the probe and bench gemm of the run)",
+    )
     ap.add_argument(
         "--probe",
         default="",
