@@ -4,8 +4,9 @@ this.
 
 Usage: gpu_check_train.py BENCH_TRAIN_JSON
 
-Prints the run's figures as NAME<TAB>VALUE lines (per policy: tokens/s, step time and peak
-beside the planner's prediction, the ratios to full checkpointing; the checks), then one
+Prints the run's figures as NAME<TAB>VALUE lines (per policy: tokens/s, step time, peak and
+the peak above the weights, gradients and optimizer state, each beside the planner's
+prediction, the ratios to full checkpointing; the checks), then one
 line without a tab: the verdict. Exits 0 when the file (schema spillway.bench-train/1) has
 rows, is complete (written at the run's end, not after a row of a run cut short) and every
 check passed; else 1, the verdict naming the policies whose checks failed.
@@ -64,7 +65,9 @@ def main(argv):
         print(
             f"{tag} {r.get('policy')}\t{r.get('tokens_per_s', 0):.0f} tokens/s, "
             f"{ms(r.get('step_ms'))} (predicted {ms(p.get('step_ms'))}), peak "
-            f"{size(r.get('peak_bytes'))} (predicted {size(p.get('peak_bytes'))}){ratio}"
+            f"{size(r.get('peak_bytes'))} (predicted {size(p.get('peak_bytes'))}), above the "
+            f"weights, gradients and optimizer state {size(r.get('above_state_bytes'))} "
+            f"(predicted {size(p.get('above_state_bytes'))}){ratio}"
         )
     checks = d.get("checks") or []
     passed = [c for c in checks if c.get("passed")]

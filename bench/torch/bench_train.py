@@ -149,6 +149,10 @@ class Prediction:
     feasible: Optional[bool]
     policy: str
     note: str = ""
+    # The peak less the weights, gradients and optimizer state the planner counts: what the
+    # activation policy decides (the planner's device optimizer keeps fp32 masters and
+    # moments, 12 bytes a parameter, where torch AdamW over bf16 parameters keeps 4).
+    above_state_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -220,7 +224,16 @@ def predict(
         return Prediction(None, None, None, strategy, f"plan failed: {e}")
     s = plan["summary"]
     label = strategy + (f", offload_tensors={tensors}" if tensors else "")
-    return Prediction(float(s["step_ms"]), int(s["peak_hbm_bytes"]), bool(s["feasible"]), label, "")
+    cat = s.get("peak_hbm_by_category", {})
+    state = sum(int(cat.get(k, 0)) for k in ("weights", "gradients", "optimizer_states"))
+    return Prediction(
+        float(s["step_ms"]),
+        int(s["peak_hbm_bytes"]),
+        bool(s["feasible"]),
+        label,
+        "",
+        int(s["peak_hbm_bytes"]) - state,
+    )
 
 
 # ---- the hardware profile, made in this run ---------------------------------------------
@@ -462,6 +475,16 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
+def state_bytes(model: Any, opt: Optional[torch.optim.Optimizer]) -> int:
+    """The weights, a gradient for each and the optimizer's state where torch holds it (not
+    CPUAdamW's, on the host): what a step's peak holds besides its activations."""
+    n = sum(2 * int(p.nbytes) for p in model.parameters())
+    if opt is not None and not isinstance(opt, st.CPUAdamW):
+        for s in opt.state.values():
+            n += sum(int(v.nbytes) for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+    return n
+
+
 def held_bytes(model: Any, opt: Optional[torch.optim.Optimizer]) -> int:
     """Unique storages of the weights, gradients and (torch) optimizer state."""
     tensors: list[torch.Tensor] = []
@@ -573,6 +596,7 @@ class Row:
     steps_ms: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: Optional[float] = None
     peak_bytes: Optional[int] = None
+    state_bytes: Optional[int] = None  # weights, their gradients, torch optimizer state
     offloaded_bytes: Optional[int] = None
     prediction: Optional[Prediction] = None
 
@@ -817,6 +841,7 @@ def run_row(
             step()
             sync(ctx)
             row.steps_ms.append((time.perf_counter() - t0) * 1e3)
+        row.state_bytes = state_bytes(model, opt)
         if cuda:
             row.peak_bytes = int(torch.cuda.max_memory_allocated(ctx.device))
         else:
@@ -998,6 +1023,13 @@ def gib(n: Optional[int]) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
+def above_state(r: Row) -> Optional[int]:
+    """The measured peak less the weights, gradients and torch optimizer state."""
+    if r.peak_bytes is None or r.state_bytes is None:
+        return None
+    return r.peak_bytes - r.state_bytes
+
+
 def same_model(a: Row, b: Row) -> bool:
     """Whether two rows trained the same model (the ratios compare only those)."""
     return a.parameters == b.parameters
@@ -1007,19 +1039,21 @@ def table(ctx: Context, rows: list[Row]) -> str:
     ckpt = next((r for r in rows if r.policy == "checkpoint" and r.status == "ok"), None)
     head = (
         f"{'policy':<24}{'tokens/s':>11}{'step ms':>10}{'pred ms':>10}{'peak':>12}"
-        f"{'pred peak':>12}{'tok/s÷ckpt':>12}{'peak÷ckpt':>11}  note"
+        f"{'pred peak':>12}{'act':>12}{'pred act':>12}{'tok/s÷ckpt':>12}{'peak÷ckpt':>11}  note"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         p = r.prediction
         pred_ms = f"{p.step_ms:.1f}" if p and p.step_ms is not None else "-"
         pred_peak = gib(p.peak_bytes) if p else "-"
+        pred_act = gib(p.above_state_bytes) if p else "-"
         if r.status != "ok":
             lines.append(
                 f"{r.policy:<24}{r.status:>11}{'':>10}{pred_ms:>10}{'':>12}{pred_peak:>12}"
-                f"{'':>12}{'':>11}  {r.note}"
+                f"{'':>12}{pred_act:>12}{'':>12}{'':>11}  {r.note}"
             )
             continue
+        act = gib(above_state(r))
         assert r.step_ms is not None and r.tokens_per_s is not None
         tr = pr = "-"
         if ckpt is not None and ckpt.tokens_per_s and ckpt.peak_bytes and same_model(r, ckpt):
@@ -1032,7 +1066,8 @@ def table(ctx: Context, rows: list[Row]) -> str:
             note += ("; " if note else "") + p.note
         lines.append(
             f"{r.policy:<24}{r.tokens_per_s:>11.0f}{r.step_ms:>10.1f}{pred_ms:>10}"
-            f"{gib(r.peak_bytes):>12}{pred_peak:>12}{tr:>12}{pr:>11}  {note}"
+            f"{gib(r.peak_bytes):>12}{pred_peak:>12}{act:>12}{pred_act:>12}{tr:>12}{pr:>11}"
+            f"  {note}"
         )
     return "\n".join(lines)
 
@@ -1049,6 +1084,8 @@ def row_json(r: Row, ckpt: Optional[Row]) -> dict[str, Any]:
         "steps_ms": r.steps_ms,
         "tokens_per_s": r.tokens_per_s,
         "peak_bytes": r.peak_bytes,
+        "state_bytes": r.state_bytes,
+        "above_state_bytes": above_state(r),
         "offloaded_bytes": r.offloaded_bytes,
         "vs_checkpoint": None,
         "predicted": dataclasses.asdict(r.prediction) if r.prediction else None,
