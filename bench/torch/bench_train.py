@@ -411,10 +411,13 @@ def build_model(ctx: Context, layers: int, state: Optional[dict[str, Any]] = Non
     cfg.num_hidden_layers = layers
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
+    auto = transformers.AutoModelForCausalLM
     with torch.device(ctx.device):
-        model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            cfg, attn_implementation="sdpa", dtype=ctx.dtype
-        )
+        try:  # transformers 5 names it dtype; 4.x torch_dtype
+            model = auto.from_config(cfg, attn_implementation="sdpa", dtype=ctx.dtype)  # type: ignore[no-untyped-call]
+        except TypeError:
+            model = auto.from_config(cfg, attn_implementation="sdpa", torch_dtype=ctx.dtype)  # type: ignore[no-untyped-call]
+    model.to(ctx.dtype)
     model.config.use_cache = False
     model.train()
     if state is not None:
