@@ -177,6 +177,9 @@ class Context:
     # device's kernels that sum in a varying order), "bitwise" cannot hold for anything.
     repeatable: bool = True
     experts: str = ""  # the MoE experts' implementation transformers chose (grouped_mm, eager)
+    # Note [A model as PyTorch runs it]: what the rows' model saves per block, measured
+    # (spillway.torch.measure_saved); the planner plans from it, not from its inventory.
+    saved: Optional[Any] = None
 
 
 def config_path(ctx: Context, layers: int) -> str:
@@ -191,6 +194,14 @@ def config_path(ctx: Context, layers: int) -> str:
             json.dump(cfg, f, indent=2, default=str)
         ctx.config_paths[layers] = path
     return ctx.config_paths[layers]
+
+
+def saved_for(ctx: Context, layers: int) -> Optional[Any]:
+    """The measured saved tensors for a model of `layers` blocks: the rows' model's (None for
+    another layer count: the planner's inventory then)."""
+    if ctx.saved is None or len(ctx.saved.layers) != layers:
+        return None
+    return ctx.saved
 
 
 def planner_gb(gib: Optional[float]) -> Optional[float]:
@@ -219,6 +230,8 @@ def predict(
             h2d_gbps=ctx.h2d_gbps,
             optimizer="offload" if policy == "cpu-adamw" else "device",
             offload_tensors=tensors,
+            saved=saved_for(ctx, n),
+            loss_chunk=ctx.tokens,  # transformers' loss: the whole batch's logits at once
         )
     except (ValueError, spillway.Error) as e:
         return Prediction(None, None, None, strategy, f"plan failed: {e}")
@@ -562,6 +575,8 @@ def setup_policy(ctx: Context, model: Any, policy: str) -> Setup:
             hbm_budget_gb=planner_gb(ctx.args.hbm_gb),
             d2h_gbps=ctx.d2h_gbps,
             h2d_gbps=ctx.h2d_gbps,
+            saved=saved_for(ctx, ctx.config.num_hidden_layers),
+            loss_chunk=ctx.tokens,
         )
         off = st.offload_activations(model, plan, **kw)
     elif policy == "offload-auto":
@@ -1323,6 +1338,8 @@ def run(ctx: Context, t_start: float) -> int:
     rows: list[Row] = []
     model = build_model(ctx, args.layers)
     ctx.experts = str(getattr(model.config, "_experts_implementation", "") or "")
+    seq = min(64, max(2, args.seq_len // 2))
+    ctx.saved = st.measure_saved(model, seq_lens=(seq, 2 * seq))
     init_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     activation = [p for p in args.policy_list if p in ACTIVATION_POLICIES]
     reference = reference_step(ctx, model) if activation else None
@@ -1359,7 +1376,10 @@ def run(ctx: Context, t_start: float) -> int:
         f"steps: median of {args.steps} timed after {args.warmup} warm-up; peak: "
         f"{peak_measures(ctx)}"
     )
-    print(f"planner: hardware {ctx.hardware_label}; {ctx.profile_note}")
+    print(
+        f"planner: hardware {ctx.hardware_label}; {ctx.profile_note}; saved tensors as run "
+        "(measure_saved: Note [A model as PyTorch runs it]), the loss in one chunk"
+    )
     print()
     print(table(ctx, rows))
     print()

@@ -23,8 +23,14 @@ def tiny_llama(seed: int = 0, layers: int = 3, dtype: torch.dtype = torch.float3
     return transformers.LlamaForCausalLM(cfg).to(dtype)
 
 
-def tiny_qwen3_moe(seed: int = 0, layers: int = 3, dtype: torch.dtype = torch.float32) -> Any:
+def tiny_qwen3_moe(
+    seed: int = 0,
+    layers: int = 3,
+    dtype: torch.dtype = torch.float32,
+    norm_topk_prob: bool = False,
+) -> Any:
     cfg = transformers.Qwen3MoeConfig(
+        norm_topk_prob=norm_topk_prob,
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=64,

@@ -20,6 +20,14 @@ op's outputs wait for their name until the module that ran them ends (or a sibli
 starts): only one module's intermediates are held at once. A module's output that takes the
 same name as its input (Qwen3's ``q_norm`` after ``q_proj``: both ``attn.qkv_out``) replaces
 it: one tensor per name, as the planner counts.
+
+A cached output that a later op of the forward writes in place (Qwen3-MoE's
+``norm_topk_prob``: ``router_top_value /= router_top_value.sum(...)`` after ``topk``) no
+longer holds what its op returned: the replay would hand the written values to the same
+in-place op, which would write them again. An output written in place before its name
+comes is not cached, and a cached one is stale from that write on: its op is recomputed in
+backward (an offloaded one is still reloaded and dropped, so the engine
+sees every ticket used), and the count ``selective_stale:<name>`` says so.
 """
 
 from __future__ import annotations
@@ -51,13 +59,28 @@ def _aliases(func: Any) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def _written(func: Any, args: Any, kwargs: Optional[dict[str, Any]]) -> list[torch.Tensor]:
+    """The tensors `func` writes in place (its schema's mutable arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out: list[torch.Tensor] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else (kwargs or {}).get(a.name)
+        out.extend(x for x in torch.utils._pytree.tree_leaves(value) if isinstance(x, torch.Tensor))
+    return out
+
+
 class _Pending:
-    __slots__ = ("index", "out", "creator", "storages")
+    __slots__ = ("index", "out", "creator", "storages", "written")
 
     def __init__(self, index: int, out: Any, creator: str) -> None:
         self.index = index
         self.out = out
         self.creator = creator
+        self.written = False  # written in place since: never cached
         self.storages = {
             _storage(x) for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)
         }
@@ -79,6 +102,7 @@ class SelectiveLayer:
         self.pending: list[_Pending] = []
         # op index -> its name, its outputs' storages, its outputs (kept, or packed)
         self.cached: dict[int, tuple[str, set[int], Any]] = {}
+        self.stale: set[int] = set()  # cached, then written in place: recomputed
         self.saved_bytes = 0  # cached this step: kept + offloaded
         self.expert_step = 0  # Note [Names inside fused experts]
         self.act_named = False
@@ -155,6 +179,9 @@ class SelectiveLayer:
     def name_op(self, p: _Pending, name: str) -> None:
         if p.index in self.cached or (name not in self.keep and name not in self.offload):
             return
+        if p.written:  # no longer what its op returned: recomputed
+            self.owner._counts[f"selective_stale:{name}"] += 1
+            return
         tensors = [x for x in torch.utils._pytree.tree_leaves(p.out) if isinstance(x, torch.Tensor)]
         self.saved_bytes += sum(x.nbytes for x in tensors)
         if name in self.offload:
@@ -168,6 +195,17 @@ class SelectiveLayer:
         self.owner._counts[
             f"selective_{'offloaded' if name in self.offload else 'kept'}:{name}"
         ] += 1
+
+    def written(self, tensors: list[torch.Tensor]) -> None:
+        """The forward wrote `tensors` in place: a cached output among them is stale."""
+        ptrs = {_storage(t) for t in tensors} - {0}
+        for p in self.pending:
+            if ptrs & p.storages:
+                p.written = True
+        for index, (name, storages, _) in self.cached.items():
+            if index not in self.stale and ptrs & storages:
+                self.stale.add(index)
+                self.owner._counts[f"selective_stale:{name}"] += 1
 
     def _cached_as(self, ptr: int, name: str) -> bool:
         return any(n == name and ptr in storages for n, storages, _ in self.cached.values())
@@ -183,13 +221,18 @@ class SelectiveLayer:
         if hit is None:
             return None
         unpack: Callable[[Any], torch.Tensor] = self.owner._unpack
-        return tree_map(lambda x: unpack(x) if not isinstance(x, torch.Tensor) else x, hit[2])
+        out = tree_map(lambda x: unpack(x) if not isinstance(x, torch.Tensor) else x, hit[2])
+        if index in self.stale:  # written in place after it was cached: recomputed
+            self.stale.discard(index)
+            return None
+        return out
 
     def begin(self) -> None:
         self.recording = True
         self.count = 0
         self.pending.clear()
         self.cached.clear()
+        self.stale.clear()
         self.saved_bytes = 0
 
     def end(self) -> None:
@@ -216,6 +259,10 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if func not in _IGNORED:
             self.sel.produced(func, args, out)
+            if self.sel.cached or self.sel.pending:
+                written = _written(func, args, kwargs)
+                if written:
+                    self.sel.written(written)
         return out
 
 
