@@ -102,7 +102,8 @@ def measure_saved(
 
     Returns a :class:`SavedTensors`; ``spillway.plan(..., saved=measured)`` plans from it.
     """
-    from .offload import OffloadActivations, _model_device
+    from ._common import _model_device
+    from .offload import OffloadActivations
 
     s1, s2 = seq_lens
     if not (isinstance(s1, int) and isinstance(s2, int) and 1 <= s1 < s2):

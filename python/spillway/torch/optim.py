@@ -25,7 +25,7 @@ import torch.distributed
 
 from .. import _spillway
 from . import _clip
-from .offload import _record_report
+from ._common import _record_report
 
 __all__ = ["CPUAdamW"]
 

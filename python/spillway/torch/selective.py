@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map, tree_map_only
 
 if TYPE_CHECKING:
-    from .offload import OffloadActivations
+    from ._offload_state import OffloadState
 
 _IGNORED = torch.utils.checkpoint.SAC_IGNORED_OPS
 _EXPERTS = re.compile(r"(^|\.)experts$")
@@ -91,7 +91,7 @@ class SelectiveLayer:
     what its last forward cached (op index -> outputs, tensors kept or packed)."""
 
     def __init__(
-        self, owner: OffloadActivations, layer: int, keep: frozenset[str], offload: frozenset[str]
+        self, owner: OffloadState, layer: int, keep: frozenset[str], offload: frozenset[str]
     ) -> None:
         self.owner = owner
         self.layer = layer

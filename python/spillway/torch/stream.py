@@ -67,7 +67,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import _spillway
-from .offload import _first_tensor, _record_report, find_decoder_layers
+from ._common import _first_tensor, _record_report, find_decoder_layers
 
 __all__ = ["StreamedWeights", "stream_weights"]
 
