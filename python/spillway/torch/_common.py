@@ -107,3 +107,26 @@ def _hf_checkpointing(model: torch.nn.Module) -> bool:
 def _compiled_in_place(model: torch.nn.Module) -> bool:
     """Whether ``model.compile()`` compiled the model's own call (torch 2.2+)."""
     return getattr(model, "_compiled_call_impl", None) is not None
+
+
+# ---- CPUAdamW's (optim.py and its pieces) -------------------------------------------
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _stamp(p: torch.Tensor) -> tuple[int, int, int]:
+    """What a parameter is now: its storage and its version counters (bumped by every
+    in-place write through torch). A DTensor (FSDP2) has two: an in-place write through it
+    (``load_state_dict``, DCP's ``set_state_dict``) bumps the wrapper's, not its local
+    tensor's, which only writes to the local tensor bump."""
+    lp = _local(p)
+    return (lp.data_ptr(), lp._version, p._version)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    local: torch.Tensor = to_local()
+    return local

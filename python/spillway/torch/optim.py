@@ -6,34 +6,39 @@ Each parameter's gradient is handed over when it is final
 while backward goes on; ``step()`` validates: the global gradient norm clips (replaying the
 speculative buckets with the scaled gradient) or, NaN/Inf, skips the step, bitwise as the
 non-speculative optimizer would (Note [STV exactness]).
+
+CPUAdamW is made of pieces: here its construction, lifetime and ``step()``; the hand-over
+of gradients and shared weights in _optim_handover.py, the device path in
+_optim_device.py, the validation of the speculation in _optim_validate.py, checkpoints in
+_optim_checkpoints.py, the state they share declared in _optim_state.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
-import sys
 import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed
 
 from .. import _spillway
 from . import _clip
-from ._common import _record_report
+from ._common import _DTYPES, _local, _record_report, _stamp
+from ._optim_checkpoints import Checkpoints
+from ._optim_device import DevicePath
+from ._optim_handover import HandOver
+from ._optim_validate import Validation
 
 __all__ = ["CPUAdamW"]
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
-class CPUAdamW(torch.optim.Optimizer):
+class CPUAdamW(HandOver, DevicePath, Validation, Checkpoints):
     """AdamW whose step runs on the CPU, speculatively, while backward goes on.
 
     Same update as ``torch.optim.AdamW`` (decoupled weight decay, bias correction), in
@@ -275,207 +280,6 @@ class CPUAdamW(torch.optim.Optimizer):
         except Exception:  # noqa: BLE001 - interpreter shutdown: torch may be half gone
             pass
 
-    # ---- hand-over --------------------------------------------------------------------
-
-    def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        self._seen[i] += 1
-        if self._seen[i] % self.accumulation_steps != 0 or self._handed[i] is not None:
-            return
-        self._hand_over(i, p)
-
-    def _refresh(self, i: int) -> None:
-        """Note [Parameters changed under the optimizer]: a parameter written since its master
-        weights were last in step with it (``load_state_dict`` into the model, ``p.data =``,
-        an in-place edit) is read again, so that no step starts from a stale copy. A write
-        that left its values as they were (a version bump alone) keeps the fp32 master."""
-        p = self._params[i]
-        if _stamp(p) == self._stamps[i]:
-            return
-        if self._flat_w is not None:
-            at, n = self._offsets[i], _local(p).numel()
-            if self._sharded:
-                # Note [FSDP2 on the device path]: the shard's values into its flat slice.
-                with torch.no_grad():
-                    self._flat_w[at : at + n].copy_(_local(p).detach().reshape(-1))
-            elif _local(p).data_ptr() != self._flat_w.data_ptr() + 2 * at:
-                # p.data was replaced: its values go back into its slice of the flat buffer,
-                # which the pipeline writes (Note [The device path of CPUAdamW]).
-                with torch.no_grad():
-                    view = self._flat_w[at : at + n].view(p.shape)
-                    view.copy_(p.detach())
-                    p.data = view
-        lp = _local(p)
-        master = torch.empty(lp.numel(), dtype=torch.float32)
-        m = torch.empty_like(master)
-        v = torch.empty_like(master)
-        self._core.read_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
-        current = lp.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-        seen = master if p.dtype == torch.float32 else master.to(p.dtype).to(torch.float32)
-        if not torch.equal(seen, current):
-            if self._device is not None:
-                self._core.write_state(
-                    i, current.data_ptr(), m.data_ptr(), v.data_ptr(), self._core.bucket_step(i)
-                )
-            else:
-                self._core.load_weights(i, lp.data_ptr(), _DTYPES[p.dtype])
-        if self._shared is not None:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise ValueError(
-                    f"CPUAdamW: parameter {i} became {p.dtype} on {p.device} under "
-                    "share_weights=True, whose parameters are the optimizer's float32 CPU "
-                    "master weights; close() the optimizer before converting the model, "
-                    "then make a new one"
-                )
-            self._follow(i)  # p.data was replaced: its values are the master's now
-        self._stamps[i] = _stamp(p)
-
-    def _hand_over(self, i: int, p: torch.Tensor, in_step: bool = False) -> None:
-        if self._synced is None:  # the step's first gradient: its hyperparameters are set
-            self._sync_hparams()
-            # Note [Parameters changed under the optimizer]: every parameter written since
-            # the last step is read before any of this step's gradients arrives (the device
-            # path's pipeline takes a bucket's new state only between steps).
-            for j in range(len(self._params)):
-                self._refresh(j)
-        else:
-            self._refresh(i)
-        grad = p.grad
-        if grad is not None and grad.is_sparse:
-            raise RuntimeError(
-                f"CPUAdamW: parameter {i} has a sparse gradient; CPUAdamW does not support "
-                "sparse gradients (as torch.optim.AdamW does not): use a dense layer (e.g. "
-                "nn.Embedding(sparse=False)) or torch.optim.SparseAdam for it"
-            )
-        assert grad is not None
-        seen = grad  # what step() checks for changes: FSDP2's DTensor stays .grad
-        if self._flat_g is not None:
-            grad = self._into_flat_grad(i, p, grad)
-            if not self._sharded:
-                seen = grad
-        g = _local(grad)
-        if g.dtype != p.dtype or not g.is_contiguous() or g.layout != torch.strided:
-            g = g.to(dtype=p.dtype).contiguous()
-        grad = seen
-        self._handed[i] = (g, grad, grad._version)
-        if grad._base is not None:  # Note [Gradients that share a version counter]
-            self._view_versions[id(grad._base)] = grad._version
-        # Note [Early weights]: the step's pass writes the weights into the parameter when
-        # asked to during backward, and always inside step(), where they are due anyway (one
-        # pass instead of a second one reading the master weights back).
-        early = self.early_weights or (in_step and self._device is None)
-        dst = _local(p).data_ptr() if early and self._shared is None else 0
-        self._core.grad_ready(i, g.data_ptr(), _DTYPES[p.dtype], dst)
-
-    # ---- shared weights (Note [Weights shared with the parameters]) --------------------
-
-    def _buffer_views(self, i: int, p: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        first, second = self._core.weight_buffers(i)
-        return (
-            _view_at(first, p.shape, self._core),
-            _view_at(second, p.shape, self._core) if second else None,
-        )
-
-    def _follow(self, only: Optional[int] = None) -> None:
-        """Points each parameter (or parameter ``only``) at its current weight buffer."""
-        assert self._shared is not None
-        current = self._core.current_buffers()
-        for i in range(len(self._params)) if only is None else (only,):
-            view = self._shared[i][current[i]]
-            assert view is not None  # a bucket without a second buffer never switches
-            p = self._params[i]
-            if p.data_ptr() != view.data_ptr():
-                p.data = view
-
-    # ---- the device path (Note [The device path of CPUAdamW]) --------------------------
-
-    def _make_device_path(self, clip: float, speculative: bool, threads: int) -> Any:
-        assert self._device is not None
-        sizes = [_local(p).numel() for p in self._params]
-        n = sum(sizes)
-        dev = self._device
-        with torch.no_grad():
-            self._flat_w = torch.empty(n, dtype=torch.bfloat16, device=dev)
-            self._flat_g = torch.zeros(n, dtype=torch.bfloat16, device=dev)
-            at = 0
-            for p, k in zip(self._params, sizes):
-                self._offsets.append(at)
-                self._flat_w[at : at + k].copy_(_local(p).detach().reshape(-1))
-                at += k
-            # Note [FSDP2 on the device path]: FSDP2 owns its shards' storage (it all-gathers
-            # from it), so a DTensor parameter keeps it: its gradient is copied into the
-            # flat buffer at its hand-over, and the pipeline's weights back into the shard
-            # after step(). Other parameters become views of the flat buffers.
-            for i, p in enumerate(self._params):
-                if self._sharded:
-                    continue
-                old_grad = p.grad
-                p.data = self._flat_w[self._offsets[i] : self._offsets[i] + sizes[i]].view(p.shape)
-                view = self._grad_view(i, p)
-                if old_grad is not None:
-                    view.copy_(old_grad)
-                p.grad = view
-        if dev.type == "cuda":
-            kind, ordinal = "cuda", dev.index if dev.index is not None else 0
-            self._adopted = torch.cuda.current_stream(dev)
-            stream = self._adopted.cuda_stream
-        else:
-            kind, ordinal, stream = "host", 0, 0
-        return _spillway.OffloadAdamW(
-            kind,
-            ordinal,
-            stream,
-            sizes,
-            self._flat_w.data_ptr(),
-            self._flat_g.data_ptr(),
-            clip,
-            speculative,
-            threads,
-            (self._flat_w, self._flat_g),  # alive until the pipeline's copies are done
-        )
-
-    def _grad_ptr(self, i: int) -> int:
-        assert self._flat_g is not None
-        return self._flat_g.data_ptr() + 2 * self._offsets[i]
-
-    def _grad_view(self, i: int, p: torch.Tensor) -> torch.Tensor:
-        assert self._flat_g is not None
-        at = self._offsets[i]
-        local = _local(p)
-        return self._flat_g[at : at + local.numel()].view(local.shape)
-
-    def _into_flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient in its slice of the flat buffer (copied there if torch made a new one,
-        after ``set_to_none``), ordered on the stream the pipeline adopted."""
-        adopted = self._adopted
-        if adopted is None:  # CPU tensors (device emulation)
-            return self._flat_grad(i, p, grad)
-        side = torch.cuda.current_stream(self._device)
-        if side.cuda_stream == adopted.cuda_stream:
-            return self._flat_grad(i, p, grad)
-        # Note [Gradients on a side stream]: FSDP2 reduces gradients and runs the hook on its
-        # own reduce stream (so may a user's code). The adopted stream waits for that stream
-        # (a device-side wait, no host synchronization), the copy into the flat buffer runs
-        # on the adopted stream, where the pipeline's event follows it, and the caching
-        # allocator learns that the gradient is read there, so that its memory is not
-        # handed out again before that read.
-        adopted.wait_stream(side)
-        with torch.cuda.stream(adopted):
-            view = self._flat_grad(i, p, grad)
-        _local(grad).record_stream(adopted)
-        return view
-
-    def _flat_grad(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        if self._sharded:  # Note [FSDP2 on the device path]: .grad stays FSDP2's DTensor
-            view = self._grad_view(i, p)
-            view.copy_(_local(grad))
-            return view
-        if grad.data_ptr() == self._grad_ptr(i) and grad.dtype == torch.bfloat16:
-            return grad
-        view = self._grad_view(i, p)
-        view.copy_(grad)
-        p.grad = view
-        return view
-
     # ---- the step ---------------------------------------------------------------------
 
     @torch.no_grad()
@@ -575,108 +379,6 @@ class CPUAdamW(torch.optim.Optimizer):
         _record_report("optimizer", self._last)
         return loss
 
-    def _unchanged(self, i: int, grad: Optional[torch.Tensor]) -> bool:
-        """Parameter i's gradient is still the one handed over, unwritten since.
-
-        Note [Gradients that share a version counter]: views of one buffer (the device
-        path's flat gradients, DDP's ``gradient_as_bucket_view``) share their base's
-        counter, which every later accumulation into another view bumps: a view is
-        unchanged when the counter is where the buffer's last hand-over left it (backward
-        writes no gradient after the last hand-over of the step; a clip or an edit does)."""
-        h = self._handed[i]
-        if h is None or grad is not h[1]:
-            return False
-        base = grad._base
-        want = h[2] if base is None else self._view_versions.get(id(base), -1)
-        return grad._version == want
-
-    def _discard(self, why: str) -> None:
-        """Drops the speculative work of this step (its reads of the gradients are done
-        when this returns); the step then runs from ``.grad`` as it is."""
-        self._synced = None
-        if all(h is None for h in self._handed):
-            return
-        self._core.abort()
-        self._handed = [None] * len(self._params)
-        if self._discarded is None:
-            self._discarded = why
-        if why == "changed" and not self._warned_changed:
-            self._warned_changed = True
-            _warn_user(
-                "CPUAdamW: gradients changed after they were handed over (edited in place, "
-                "or clipped by something other than torch.nn.utils.clip_grad_norm_); the "
-                "speculative step was dropped and the step ran from .grad as it is. Clip "
-                "with torch.nn.utils.clip_grad_norm_ or CPUAdamW(max_grad_norm=...) to keep "
-                'the overlap (docs/python.md, "Clipping")'
-            )
-
-    def _check_passes(self, passes: int) -> None:
-        """Note [Backward passes per step]: the passes seen since the last step against
-        ``accumulation_steps``: learned when it was not given, said when it was."""
-        if passes > self.accumulation_steps:
-            if self._learn_accumulation:
-                self.accumulation_steps = passes
-            else:
-                _warn_user(
-                    f"CPUAdamW: {passes} backward passes before this step, but "
-                    f"accumulation_steps={self.accumulation_steps}: gradients were handed "
-                    "over before they were final and the speculation was dropped; pass "
-                    f"accumulation_steps={passes} (or None to learn it)"
-                )
-        short = 0 < passes < self.accumulation_steps
-        self._short_steps = self._short_steps + 1 if short else 0
-        if self._short_steps == 2 and not self._learn_accumulation:
-            _warn_user(
-                f"CPUAdamW: {passes} backward passes per step, but accumulation_steps="
-                f"{self.accumulation_steps}: no gradient is handed over during backward, so "
-                f"nothing is speculated; pass accumulation_steps={passes}"
-            )
-
-    def _clip_speculated(
-        self, params: list[torch.Tensor], max_norm: float, norm_type: float, alone: bool
-    ) -> Optional[torch.Tensor]:
-        """Note [Clips the speculation saw]: ``clip_grad_norm_(params, max_norm)`` answered
-        from the speculation's norm when the clip scales nothing, or None: torch's function
-        runs, after the speculation is dropped if it read any of these gradients. ``alone``:
-        no other CPUAdamW owns a parameter of the call."""
-        if self._closed or all(h is None for h in self._handed):
-            return None
-        seen: set[int] = set()
-        foreign = not alone
-        changed = False
-        dtype = None
-        device = None
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            device = g.device if device is None else device
-            i = self._index.get(id(p))
-            if i is None or i in seen:
-                foreign = True  # a gradient the norm adds that the speculation did not sum
-            elif not self._unchanged(i, g):
-                changed = True  # accumulated again, or edited, since it was handed over
-            else:
-                seen.add(i)
-                dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
-        if not seen and not changed:
-            return None  # none of the gradients it speculated on
-        if changed:
-            passes = max(self._seen, default=0)
-            self._discard("accumulation" if passes > self.accumulation_steps else "changed")
-            return None
-        every = len(seen) == sum(h is not None for h in self._handed)
-        if self.recognize_clip and every and not foreign:
-            norm = math.sqrt(self._core.arrived_sum_of_squares()) if norm_type == 2 else math.nan
-            # torch scales by min(max_norm / (norm + 1e-6), 1) from its own norm (float32,
-            # or rounded to bfloat16 for bfloat16 gradients): a clear margin says it is 1.
-            margin = 1 / 64 if dtype == torch.bfloat16 else 1e-3
-            if math.isfinite(norm) and norm + 1e-6 <= max_norm * (1 - margin):
-                self._clip_norm = norm
-                return torch.tensor(norm, dtype=dtype, device=device)  # where torch's would be
-        self._discard("clip")  # it may scale them: the speculation read them unscaled
-        return None
-
     def last_step(self) -> dict[str, Any]:
         """The telemetry of the last ``step()``: outcome, scale, CPU ms, counters."""
         return dict(self._last)
@@ -724,91 +426,6 @@ class CPUAdamW(torch.optim.Optimizer):
                     float(group["weight_decay"]),
                 )
 
-    # ---- checkpoints ------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout: ``state[i] = {step, exp_avg, exp_avg_sq, master_param}``."""
-        self._sync_state_out()
-        out = super().state_dict()
-        self._sync_state_out(full=False)  # the copies live in `out` alone
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the master weights, moments, steps and hyperparameters, bitwise."""
-        if any(h is not None for h in self._handed):  # a step in flight: dropped
-            self._core.abort()
-            self._handed = [None] * len(self._params)
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"CPUAdamW.load_state_dict: {len(groups)} parameter groups, the optimizer "
-                f"has {len(self.param_groups)}"
-            )
-        order = [i for g in groups for i in g["params"]]
-        if len(order) != len(self._params):
-            raise ValueError(
-                f"CPUAdamW.load_state_dict: {len(order)} parameters, the optimizer has "
-                f"{len(self._params)}"
-            )
-        for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
-        for i, key in enumerate(order):
-            st = state_dict["state"].get(key)
-            if st is None:
-                continue
-            p = self._params[i]
-            master = _local(st.get("master_param", p.detach())).to(torch.float32).contiguous()
-            m = _local(st["exp_avg"]).to(torch.float32).contiguous()
-            v = _local(st["exp_avg_sq"]).to(torch.float32).contiguous()
-            for name, t in (("master_param", master), ("exp_avg", m), ("exp_avg_sq", v)):
-                if t.numel() != _local(p).numel():
-                    raise ValueError(
-                        f"CPUAdamW.load_state_dict: parameter {i}: {name} has {t.numel()} "
-                        f"elements, the parameter {_local(p).numel()}"
-                    )
-            if self._device is not None:
-                self._core.write_state(
-                    i, master.data_ptr(), m.data_ptr(), v.data_ptr(), int(st["step"])
-                )
-                continue
-            self._core.write_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
-            self._core.set_bucket_step(i, int(st["step"]))
-            self._core.store_weights(i, _local(p).data_ptr(), _DTYPES[p.dtype])
-        self._synced = None
-
-    def _sync_state_out(self, full: bool = True) -> None:
-        """``self.state`` from the host state: whole (full), or each parameter's step."""
-        for i, p in enumerate(self._params):
-            t = self._core.bucket_step(i)
-            if t == 0:
-                continue
-            if not full:
-                self.state[p] = {"step": torch.tensor(float(t))}
-                continue
-            master = torch.empty(_local(p).shape, dtype=torch.float32)
-            m = torch.empty_like(master)
-            v = torch.empty_like(master)
-            self._core.read_state(i, master.data_ptr(), m.data_ptr(), v.data_ptr())
-            st: dict[str, Union[torch.Tensor, float]] = {
-                "step": torch.tensor(float(t)),
-                "exp_avg": m,
-                "exp_avg_sq": v,
-            }
-            if p.dtype != torch.float32:
-                st["master_param"] = master
-            if hasattr(p, "to_local"):
-                # Note [Optimizer state of sharded parameters]: FSDP2's parameters are
-                # DTensors; so is their state, as torch's AdamW keeps it, so that DCP saves
-                # every process's shard (a plain tensor would be taken as replicated: one
-                # process's copy saved for all).
-                for k in ("exp_avg", "exp_avg_sq", "master_param"):
-                    t = st.get(k)
-                    if isinstance(t, torch.Tensor):
-                        st[k] = _like_dtensor(p, t)
-            self.state[p] = st
-
 
 def _make_hook(ref: weakref.ReferenceType[CPUAdamW], i: int) -> Callable[[torch.Tensor], None]:
     """Parameter i's gradient hook (Note [Hook lifetime]): it holds its optimizer weakly, and
@@ -820,18 +437,6 @@ def _make_hook(ref: weakref.ReferenceType[CPUAdamW], i: int) -> Callable[[torch.
             opt._on_grad(i, p)
 
     return hook
-
-
-_INTERNAL = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
-
-
-def _warn_user(message: str) -> None:
-    """A UserWarning attributed to the first caller outside spillway and torch (the
-    training loop, or the library that runs it)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
 def _norm_groups(params: list[torch.Tensor]) -> tuple[list[Any], torch.device]:
@@ -866,26 +471,6 @@ def _norm_groups(params: list[torch.Tensor]) -> tuple[list[Any], torch.device]:
     return groups, device
 
 
-def _like_dtensor(p: Any, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this process's shard of a state of p) as a DTensor laid out like p."""
-    from torch.distributed.tensor import DTensor
-
-    shard = local.view(_local(p).shape).to(_local(p).device)
-    out: torch.Tensor = DTensor.from_local(
-        shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-    return out
-
-
-def _view_at(address: int, shape: torch.Size, owner: Any) -> torch.Tensor:
-    """A float32 tensor of ``shape`` over ``address`` (the optimizer's memory), which keeps
-    ``owner`` (what owns that memory) alive as long as the tensor or a view of it lives."""
-    n = max(1, math.prod(shape))
-    buffer = (ctypes.c_float * n).from_address(address)
-    buffer._spillway_owner = owner  # type: ignore[attr-defined]
-    return torch.frombuffer(buffer, dtype=torch.float32).view(shape)
-
-
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
 
@@ -915,15 +500,6 @@ def _check_shareable(
             )
 
 
-def _stamp(p: torch.Tensor) -> tuple[int, int, int]:
-    """What a parameter is now: its storage and its version counters (bumped by every
-    in-place write through torch). A DTensor (FSDP2) has two: an in-place write through it
-    (``load_state_dict``, DCP's ``set_state_dict``) bumps the wrapper's, not its local
-    tensor's, which only writes to the local tensor bump."""
-    lp = _local(p)
-    return (lp.data_ptr(), lp._version, p._version)
-
-
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if isinstance(lr, torch.Tensor):
         raise ValueError("CPUAdamW: lr as a tensor is not supported; pass a float")
@@ -938,15 +514,6 @@ def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"CPUAdamW: eps is {eps!r}; must be > 0")
     if not (weight_decay >= 0 and math.isfinite(weight_decay)):
         raise ValueError(f"CPUAdamW: weight_decay is {weight_decay!r}; must be >= 0")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is None:
-        return t
-    local: torch.Tensor = to_local()
-    return local
 
 
 def _device_path(params: list[torch.Tensor], emulate: bool) -> Optional[torch.device]:
