@@ -154,7 +154,7 @@ def main() -> None:
         keep: list[Any] = []
         ours_names = ("spillway CPUAdamW", "spillway share_weights")
         ps = make_params(shapes)
-        ours = st.CPUAdamW(ps, threads=threads, max_grad_norm=a.clip, **kw)
+        ours = st.CPUAdamW(ps, threads=threads, max_grad_norm=a.clip, recognize_clip=True, **kw)
         fns["spillway CPUAdamW"] = ours.step  # .grad stays set: each step() hands it over
         sps = make_params(shapes)
         shared = st.CPUAdamW(sps, threads=threads, max_grad_norm=a.clip, share_weights=True, **kw)

@@ -60,7 +60,7 @@ def worker(rank: int, world: int, port: int, ours: bool, out: str) -> None:
     acc = Accelerator(cpu=True, fsdp_plugin=plugin)
     model = tiny_llama(dtype=torch.float32)
     opt: Any = (
-        st.CPUAdamW(model.parameters(), lr=LR, threads=1)
+        st.CPUAdamW(model.parameters(), lr=LR, threads=1, recognize_clip=True)
         if ours
         else torch.optim.AdamW(model.parameters(), lr=LR)
     )

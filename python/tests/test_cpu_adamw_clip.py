@@ -38,11 +38,13 @@ def run(
     clips: list[Optional[float]],
     scales: list[float],
     passes: int = 1,
+    recognize_clip: bool = True,
     **kw: object,
 ) -> tuple[list[dict[str, object]], list[torch.Tensor]]:
     """Steps with a torch clip of max_norm clips[s] (None: no clip); per step telemetry,
-    and the norms the clips returned."""
-    opt = st.CPUAdamW(model.parameters(), lr=1e-2, **kw)  # type: ignore[arg-type]
+    and the norms the clips returned. The optimizer opts in to the recognition of torch's
+    clip unless told not to."""
+    opt = st.CPUAdamW(model.parameters(), lr=1e-2, recognize_clip=recognize_clip, **kw)  # type: ignore[arg-type]
     telemetry, norms = [], []
     for s, (clip, scale) in enumerate(zip(clips, scales)):
         for k in range(passes):
@@ -76,7 +78,7 @@ def test_a_clip_that_scales_nothing_keeps_the_speculation(path: str) -> None:
     # under its bound answers from the speculation's norm and writes nothing.
     dtype, emulate = PATHS[path]
     model = mlp(1, dtype)
-    opt = st.CPUAdamW(model.parameters(), lr=1e-2, device_emulation=emulate)
+    opt = st.CPUAdamW(model.parameters(), lr=1e-2, device_emulation=emulate, recognize_clip=True)
     loss_of(model, 0).backward()
     want = torch_norm(model)
     versions = [p.grad._version for p in model.parameters()]  # type: ignore[union-attr]
@@ -122,7 +124,7 @@ def test_a_clip_of_other_gradients_too_drops_the_speculation_before_writing() ->
     # bitwise the non-speculative one.
     def go(speculative: bool) -> tuple[nn.Module, nn.Module, dict[str, object]]:
         a, b = mlp(3), mlp(4)
-        opt = st.CPUAdamW(a.parameters(), lr=1e-2, speculative=speculative)
+        opt = st.CPUAdamW(a.parameters(), lr=1e-2, speculative=speculative, recognize_clip=True)
         other = torch.optim.SGD(b.parameters(), lr=0.1)
         (loss_of(a, 0) + loss_of(b, 1)).backward()
         torch.nn.utils.clip_grad_norm_([*a.parameters(), *b.parameters()], 1e6)
@@ -186,6 +188,8 @@ def test_accumulation_steps_given_and_wrong_are_said() -> None:
 
 
 def test_recognize_clip_false_runs_torchs_clip() -> None:
+    # The wrapper installed by another optimizer's opt-in: this one answers no clip.
+    st.CPUAdamW(mlp(9).parameters(), recognize_clip=True).close()
     model = mlp(8)
     got, _ = run(model, [1e6, 1e6], [1.0, 1.0], recognize_clip=False)
     assert [t["discarded_by"] for t in got] == ["clip", "clip"]
@@ -198,7 +202,7 @@ def test_the_wrapper_is_torchs_function_for_everything_else() -> None:
 
     from spillway.torch import _clip
 
-    st.CPUAdamW(mlp(9).parameters())  # installs it
+    st.CPUAdamW(mlp(9).parameters(), recognize_clip=True)  # installs it
     assert torch.nn.utils.clip_grad_norm_ is st.clip_grad_norm_
     assert clip_grad.clip_grad_norm_ is st.clip_grad_norm_
     model = mlp(10)  # no CPUAdamW: torch's function, bitwise
@@ -224,8 +228,43 @@ def test_the_device_path_alone_installs_the_wrapper() -> None:
     code = (
         "import torch, spillway.torch as st\n"
         "p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))\n"
-        "st.CPUAdamW([p], device_emulation=True)\n"
+        "st.CPUAdamW([p], device_emulation=True, recognize_clip=True)\n"
         "assert torch.nn.utils.clip_grad_norm_ is st.clip_grad_norm_\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_without_the_opt_in_torchs_clip_is_left_alone() -> None:
+    # torch's clip_grad_norm_ is never replaced behind the user's back: a CPUAdamW made
+    # without recognize_clip=True (either path) leaves it as it is, and says nothing; a
+    # clip then writes the gradients and the step runs again from them, bitwise.
+    import subprocess
+    import sys
+
+    code = (
+        "import copy, warnings, torch\n"
+        "import torch.nn.utils.clip_grad as clip_grad\n"
+        "torchs = torch.nn.utils.clip_grad_norm_\n"
+        "import spillway.torch as st\n"
+        "warnings.simplefilter('error')\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+        "twin = copy.deepcopy(model)\n"
+        "opt = st.CPUAdamW(model.parameters(), lr=1e-2)\n"
+        "plain = st.CPUAdamW(twin.parameters(), lr=1e-2, speculative=False)\n"
+        "p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))\n"
+        "st.CPUAdamW([p], device_emulation=True)\n"
+        "assert torch.nn.utils.clip_grad_norm_ is torchs\n"
+        "assert clip_grad.clip_grad_norm_ is torchs\n"
+        "warnings.simplefilter('ignore')  # the step says once that it ran again\n"
+        "for m, o in ((model, opt), (twin, plain)):\n"
+        "    m(torch.ones(4, 8)).pow(2).mean().backward()\n"
+        "    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e6)\n"
+        "    o.step()\n"
+        "assert opt.last_step()['discarded_by'] == 'changed', opt.last_step()\n"
+        "for a, b in zip(model.parameters(), twin.parameters()):\n"
+        "    assert torch.equal(a, b)\n"
+        "assert torch.nn.utils.clip_grad_norm_ is torchs\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -80,7 +80,7 @@ def test_cuda_cpu_adamw_keeps_its_speculation_under_the_trainers_clip() -> None:
     runs = []
     for speculative in (True, False):
         model = tiny_llama(seed=25, dtype=torch.bfloat16).cuda()
-        opt = st.CPUAdamW(model.parameters(), lr=3e-3, speculative=speculative)
+        opt = st.CPUAdamW(model.parameters(), lr=3e-3, speculative=speculative, recognize_clip=True)
         why = []
         for s in range(3):
             model(**_cuda_batch(s)).loss.backward()

@@ -41,7 +41,13 @@ def train(
         {"input_ids": ids, "labels": ids.clone()}
         for ids in torch.randint(0, 128, (2 * 2 * STEPS, 16), generator=g)
     ]
-    opt = st.CPUAdamW(model.parameters(), lr=1e-3, speculative=speculative, device_emulation=device)
+    opt = st.CPUAdamW(
+        model.parameters(),
+        lr=1e-3,
+        speculative=speculative,
+        device_emulation=device,
+        recognize_clip=True,  # the Trainer's clip answered from the speculation
+    )
     seen = Telemetry(opt)
     args = transformers.TrainingArguments(
         output_dir=tmp,

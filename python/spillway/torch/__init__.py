@@ -9,8 +9,9 @@
 - :func:`measure_saved`: what the model's blocks save for backward as PyTorch runs them,
   by planner name, for ``spillway.plan(saved=...)`` (Note [A model as PyTorch runs it]).
 - :func:`clip_grad_norm_`: ``torch.nn.utils.clip_grad_norm_``, answered from CPUAdamW's
-  speculation when the clip scales nothing (installed in torch's place while a
-  speculative CPUAdamW is made; this name is for code that imported torch's earlier).
+  speculation when the clip scales nothing (installed in torch's place only when a
+  speculative ``CPUAdamW(recognize_clip=True)`` is made; this name is for code that
+  imported torch's earlier).
 
 This module imports torch; ``import spillway`` alone does not.
 """

@@ -5,16 +5,17 @@ with ``max_grad_norm=0`` (with ``inf``, to log the norm), and most hand-written 
 before ``step()``: torch's function rescales every gradient in place, even by exactly 1,
 after CPUAdamW's speculative step read them, so the step would have to be dropped every
 time. CPUAdamW already knows the norm: its speculative pass summed the squares of the very
-gradients torch would read. So, while a speculative CPUAdamW lives, torch's function is
-wrapped: a call whose gradients are exactly the ones one CPUAdamW speculated on (every one
-it was handed, nothing else, unchanged since) is answered from that sum when the clip
-would scale by 1 (the norm clearly under ``max_norm``): nothing is written, the returned
-norm is the speculation's, and ``step()`` commits. Any other call runs torch's function as
-it is; when it would scale gradients CPUAdamW speculated on, the speculation is dropped
-first (its reads are over before torch writes) and ``step()`` runs from ``.grad`` as it
-is, bitwise what a non-speculative step after the clip computes. The wrapper is
-installed once (``spillway.torch.clip_grad_norm_`` is the same function, for code that
-imported torch's before spillway); ``CPUAdamW(recognize_clip=False)`` opts out.
+gradients torch would read. So, once a speculative CPUAdamW is made with
+``recognize_clip=True`` (the opt-in: torch's function is never replaced otherwise),
+torch's function is wrapped: a call whose gradients are exactly the ones one CPUAdamW
+speculated on (every one it was handed, nothing else, unchanged since) is answered from
+that sum when the clip would scale by 1 (the norm clearly under ``max_norm``): nothing is
+written, the returned norm is the speculation's, and ``step()`` commits. Any other call
+runs torch's function as it is; when it would scale gradients CPUAdamW speculated on, the
+speculation is dropped first (its reads are over before torch writes) and ``step()`` runs
+from ``.grad`` as it is, bitwise what a non-speculative step after the clip computes. The
+wrapper is installed once, by the first such CPUAdamW (``spillway.torch.clip_grad_norm_``
+is the same function, for code that imported torch's before spillway).
 """
 
 from __future__ import annotations

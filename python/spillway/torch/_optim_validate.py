@@ -63,9 +63,10 @@ class Validation(AdamWState):
             self._warned_changed = True
             _warn_user(
                 "CPUAdamW: gradients changed after they were handed over (edited in place, "
-                "or clipped by something other than torch.nn.utils.clip_grad_norm_); the "
-                "speculative step was dropped and the step ran from .grad as it is. Clip "
-                "with torch.nn.utils.clip_grad_norm_ or CPUAdamW(max_grad_norm=...) to keep "
+                "or clipped: torch.nn.utils.clip_grad_norm_ writes them unless the optimizer "
+                "was made with recognize_clip=True); the speculative step was dropped and the "
+                "step ran from .grad as it is. Clip with torch.nn.utils.clip_grad_norm_ and "
+                "CPUAdamW(recognize_clip=True), or with CPUAdamW(max_grad_norm=...), to keep "
                 'the overlap (docs/python.md, "Clipping")'
             )
 

@@ -68,11 +68,14 @@ class CPUAdamW(HandOver, DevicePath, Validation, Checkpoints):
         device_emulation: step CPU bfloat16 parameters through the device path on
             spillway's host backend, which emulates a GPU (copy streams, pinned staging,
             events): the GPU path, run and tested without a GPU.
-        recognize_clip: a ``torch.nn.utils.clip_grad_norm_`` of the gradients this
-            optimizer speculated on is answered from the speculation's own norm (Note
-            [Clips the speculation saw]): a clip that scales nothing keeps the speculative
-            step, as ``transformers.Trainer`` and ``accelerate`` clip every step. False:
-            torch's function runs as it is, and any clip discards the speculation.
+        recognize_clip: opt in to the clip of ``transformers.Trainer`` and ``accelerate``
+            (Note [Clips the speculation saw]): True replaces ``torch.nn.utils.
+            clip_grad_norm_`` process-wide by ``spillway.torch.clip_grad_norm_``, which
+            answers a clip of the gradients this optimizer speculated on from the
+            speculation's own norm: a clip that scales nothing (they clip every step)
+            keeps the speculative step. False (the default): torch's function is left as it
+            is; a clip writes the gradients after the speculation read them, so ``step()``
+            runs again from ``.grad`` (the same weights, without the overlap).
         share_weights: the float32 parameters' storage becomes the optimizer's fp32 master
             weights (Note [Weights shared with the parameters]): no copy of the weights is
             kept or written, and a step that commits its speculation points each parameter
@@ -113,7 +116,7 @@ class CPUAdamW(HandOver, DevicePath, Validation, Checkpoints):
         threads: int = 0,
         early_weights: Optional[bool] = None,
         device_emulation: bool = False,
-        recognize_clip: bool = True,
+        recognize_clip: bool = False,
         share_weights: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
