@@ -159,7 +159,7 @@ class OffloadSession {
   void forward_end(int layer) { hooks_->forward_end(layer); }
   void will_need(int id, uintptr_t dst) { hooks_->will_need(ticket(id), as_ptr(dst)); }
   // will_need of each (ticket, destination) pair in order: one call per block's reloads
-  // (Note [Reloads in slabs], spillway/torch/offload.py).
+  // (Note [Reloads in slabs], spillway/torch/_offload_engine.py).
   void will_need_many(const std::vector<int>& ids, const std::vector<uintptr_t>& dsts) {
     SPILLWAY_CHECK(ids.size() == dsts.size(), "will_need_many: {} tickets, {} destinations",
                    ids.size(), dsts.size());
