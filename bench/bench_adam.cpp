@@ -24,9 +24,9 @@
 
 #include "bench_json.hpp"
 #include "core/stats.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/optim/optim.hpp"
 
 extern char** environ;
 

@@ -15,10 +15,10 @@
 #include "bench_json.hpp"
 #include "cuda/gemm_cuda.hpp"
 #include "nn/ops.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/plan.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

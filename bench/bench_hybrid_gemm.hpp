@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/hybrid_gemm.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
 
 namespace spillway {
 

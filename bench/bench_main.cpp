@@ -24,8 +24,8 @@
 #include "bench_serve_live.hpp"
 #include "bench_stream.hpp"
 #include "bench_stv.hpp"
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 #include "tool/output.hpp"
 #include "tool/ranges.hpp"
 

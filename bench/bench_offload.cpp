@@ -15,10 +15,10 @@
 
 #include "bench_json.hpp"
 #include "core/stats.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/offload/offload.hpp"
 
 namespace spillway {
 

@@ -17,8 +17,8 @@
 
 #include "core/stats.hpp"
 #include "plan/cost_model.hpp"
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace {
 

@@ -11,11 +11,11 @@
 #include <random>
 #include <thread>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/serve.hpp"
-#include "spillway/slices.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/serve/serve.hpp"
+#include "spillway/serve/slices.hpp"
 
 // OpenBLAS's own threads (spillway links OpenBLAS): each emulated slice is one thread.
 extern "C" void openblas_set_num_threads(int num_threads);

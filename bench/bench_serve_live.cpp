@@ -8,10 +8,10 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "spillway/error.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/replay.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/serve/replay.hpp"
+#include "spillway/serve/serve.hpp"
 
 namespace spillway {
 namespace {

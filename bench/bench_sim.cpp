@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "core/stats.hpp"
-#include "spillway/error.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace {
 

@@ -11,10 +11,10 @@
 #include <thread>
 
 #include "core/stats.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/probe.hpp"
-#include "spillway/stream.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/probe/probe.hpp"
+#include "spillway/stream/weight_streamer.hpp"
 
 namespace spillway {
 

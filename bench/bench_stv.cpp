@@ -12,10 +12,10 @@
 
 #include "bench_json.hpp"
 #include "core/stats.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/optim/optim.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

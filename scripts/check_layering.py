@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The layering rule of docs/architecture.md, checked from the includes (the build runs it).
 
-Each part is a folder of src/ (and its public headers under include/spillway/). A file of a
-part may include:
+Each part is a folder of src/ and its public headers are a folder of include/spillway/
+(include/spillway/<part>/x.hpp, included as "spillway/<part>/x.hpp": the folder names the
+owner). A file of a part may include:
   - its own part's headers, public or private;
   - core's private headers (src/core/: the base every part speaks: JSON, embedded data,
     timing, the arena) and the public headers of core;
-  - the PUBLIC headers (include/spillway/*.hpp) of the parts it depends on (the arrows
+  - the public headers (include/spillway/<part>/*.hpp) of the parts it depends on (the arrows
     below, transitively) and nothing else: never another part's src/ header.
 bench/ (a leaf over the library, white-box like the tests) may include any part's headers
 but never cli/'s; nothing includes cli/. Public headers themselves follow the same arrows
@@ -80,28 +81,20 @@ def docs_disagree(root):
 
 # src/ folder -> part
 FOLDERS = {"hw": "catalog", "model": "catalog"}
-# public header (include/spillway/NAME.hpp) -> the part that owns it
-PUBLIC = {
-    "error": "core", "units": "core", "policy": "core",
-    "device": "device", "device_math": "device", "hooks": "device", "device_backend": "device",
-    "memory": "memory",
-    "offload": "offload",
-    "optim": "optim",
-    "stream": "stream",
-    "hardware": "catalog", "model": "catalog", "inventory": "catalog",
-    "probe": "probe",
-    "plan": "plan", "collectives": "plan", "stream_mode": "plan",
-    "sim": "sim",
-    "nn": "nn", "decoder": "nn",
-    "train": "train",
-    "serve": "serve", "hybrid_gemm": "serve", "slices": "serve", "scheduler": "serve", "replay": "serve",
-    "inference": "inference", "http_server": "http", "live": "http",
-    "tokenizer": "text", "chat_template": "text",
-}
-
 # Sockets: public headers that only their part's backends include; every other part uses
-# the face (spillway/device.hpp for spillway/device_backend.hpp). Tests may include them.
-SOCKETS = {"device_backend": "device"}
+# the face (spillway/device/device.hpp for spillway/device/device_backend.hpp). Tests may
+# include them.
+SOCKETS = {"device/device_backend": "device"}
+
+PLACE = "a public header lives in include/spillway/<part>/"
+
+
+def owner_of_public(name):
+    """The part that owns spillway/NAME.hpp: <part> of NAME = <part>/x (None: no part folder)."""
+    part, sep, rest = name.partition("/")
+    if not sep or not rest or "/" in rest or part not in ARROWS:
+        return None
+    return part
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')
 
@@ -132,9 +125,9 @@ def check_file(path, part, is_public, violations, white_box=False):
             where = f"{path}:{n}: {inc}"
             if inc.startswith("spillway/"):
                 name = inc[len("spillway/"):].removesuffix(".hpp")
-                owner = PUBLIC.get(name)
+                owner = owner_of_public(name)
                 if owner is None:
-                    violations.append(f"{where}: unknown public header (add it to PUBLIC)")
+                    violations.append(f"{where}: {PLACE} (one of cmake/arrows.txt's parts)")
                 elif name in SOCKETS and part != SOCKETS[name]:
                     violations.append(f"{where}: the socket a backend fills; only "
                                       f"{SOCKETS[name]} implements it (use its face)")
@@ -162,7 +155,7 @@ def check_file(path, part, is_public, violations, white_box=False):
                 # tool has no public header: its own src/ headers are its face (the tools')
                 violations.append(
                     f"{where}: {part} may include only its own and core's private headers; "
-                    f"{owner}'s is private (use include/spillway/)")
+                    f"{owner}'s is private (use include/spillway/<part>/)")
 
 
 def main():
@@ -187,13 +180,16 @@ def main():
                     check_file(os.path.relpath(os.path.join(dirpath, fn), ROOT), part, False,
                                violations)
     inc = os.path.join(ROOT, "include", "spillway")
-    for fn in sorted(os.listdir(inc)):
-        name = fn.removesuffix(".hpp")
-        if name not in PUBLIC:
-            violations.append(f"include/spillway/{fn}: no owning part (add it to PUBLIC)")
-            continue
-        check_file(os.path.relpath(os.path.join(inc, fn), ROOT), PUBLIC[name], True,
-                   violations)
+    for dirpath, dirs, files in os.walk(inc):
+        dirs.sort()
+        for fn in sorted(files):
+            rel = os.path.relpath(os.path.join(dirpath, fn), inc)
+            owner = owner_of_public(rel.removesuffix(".hpp"))
+            if owner is None or not fn.endswith(".hpp"):
+                violations.append(f"include/spillway/{rel}: {PLACE} (one of cmake/arrows.txt's "
+                                  "parts)")
+                continue
+            check_file(os.path.relpath(os.path.join(dirpath, fn), ROOT), owner, True, violations)
     pysrc = os.path.join(ROOT, "python", "src")
     if os.path.isdir(pysrc):
         for fn in sorted(os.listdir(pysrc)):

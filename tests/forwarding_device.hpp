@@ -7,8 +7,8 @@
 #include <string>
 #include <utility>
 
-#include "spillway/device.hpp"
-#include "spillway/device_backend.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/device_backend.hpp"
 
 namespace spillway::testing {
 

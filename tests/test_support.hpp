@@ -21,7 +21,7 @@
 #include <string_view>
 #include <system_error>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::testing {
 

@@ -9,8 +9,8 @@
 
 #include "cuda/gemm_cuda.hpp"
 #include "device/cuda/cuda_check.hpp"
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway::cuda_bench {
 

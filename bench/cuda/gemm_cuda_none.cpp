@@ -1,6 +1,6 @@
 // bench gemm's CUDA twin in a build without the CUDA backend (gemm_cuda.hpp).
 #include "cuda/gemm_cuda.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::cuda_bench {
 

@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway::python {
 

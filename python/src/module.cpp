@@ -6,7 +6,7 @@
 #include <string>
 
 #include "bindings.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace nb = nanobind;
 

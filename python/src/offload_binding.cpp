@@ -23,11 +23,11 @@
 
 #include "adopted_device.hpp"
 #include "bindings.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
+#include "spillway/offload/offload.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -22,8 +22,8 @@
 
 #include "adopted_device.hpp"
 #include "bindings.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

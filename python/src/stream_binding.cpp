@@ -14,8 +14,8 @@
 
 #include "adopted_device.hpp"
 #include "bindings.hpp"
-#include "spillway/error.hpp"
-#include "spillway/stream.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/stream/weight_streamer.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::cli {
 

@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "cli/commands.hpp"
-#include "spillway/device.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway::cli {
 

@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "cli/commands.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/memory.hpp"
-#include "spillway/optim.hpp"
-#include "spillway/probe.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/memory/memory.hpp"
+#include "spillway/optim/optim.hpp"
+#include "spillway/probe/probe.hpp"
 
 namespace spillway::cli {
 

@@ -8,8 +8,8 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/plan/plan.hpp"
 #include "tool/output_path.hpp"
 
 namespace spillway::cli {

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "cli/commands.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/probe.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/probe/probe.hpp"
 
 namespace spillway::cli {
 

@@ -1,7 +1,7 @@
 // `spillway replay`: the production serving trace through host-resident serving on a
-// GH200's MIG slices and its baselines, simulated (spillway/replay.hpp, Note [Replay model]),
-// or sent live to a running `spillway serve` (spillway/live.hpp, Note [Live replay]); and
-// `spillway load`, the load test of a running server (Note [Load test]). Both clients fail
+// GH200's MIG slices and its baselines, simulated (spillway/serve/replay.hpp, Note [Replay model]),
+// or sent live to a running `spillway serve` (spillway/http/load_clients.hpp, Note [Live replay]);
+// and `spillway load`, the load test of a running server (Note [Load test]). Both clients fail
 // (exit 1, saying how many and why) when a request they sent was not answered.
 //
 // Note [The replay's default data]: the trace CSVs (data/traces, 2.4 MB) are not compiled
@@ -21,10 +21,10 @@
 #include <system_error>
 
 #include "cli/commands.hpp"
-#include "spillway/error.hpp"
-#include "spillway/live.hpp"
-#include "spillway/model.hpp"
-#include "spillway/replay.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/http/load_clients.hpp"
+#include "spillway/serve/replay.hpp"
 #include "tool/output_path.hpp"
 
 namespace spillway::cli {

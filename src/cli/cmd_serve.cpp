@@ -1,6 +1,6 @@
 // `spillway serve`: the live OpenAI-compatible server over emulated MIG slices
-// (spillway/inference.hpp, spillway/http_server.hpp); `spillway checkpoint`: a reference-model
-// checkpoint directory to serve.
+// (spillway/inference/inference.hpp, spillway/http/http_server.hpp); `spillway checkpoint`: a
+// reference-model checkpoint directory to serve.
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
@@ -15,10 +15,10 @@
 #include <thread>
 
 #include "cli/commands.hpp"
-#include "spillway/error.hpp"
-#include "spillway/http_server.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/live.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/http/http_server.hpp"
+#include "spillway/http/load_clients.hpp"
+#include "spillway/inference/inference.hpp"
 
 namespace spillway::cli {
 namespace {
@@ -220,7 +220,7 @@ void add_serve_command(CLI::App& app) {
     // Note [Serve signals]: SIGTERM, SIGINT and SIGHUP drain. A handler (whichever thread the
     // signal lands on: libraries such as OpenBLAS start threads of their own) writes the
     // signal to a pipe; one thread reads it and starts the drain, bounded by
-    // --drain-seconds (Note [Bounded drain] in spillway/http_server.hpp), then reads on: a
+    // --drain-seconds (Note [Bounded drain] in spillway/http/http_server.hpp), then reads on: a
     // second signal before the drain has ended exits at once (128 + the signal), saying
     // how many requests it cut; kDrainDone says the drain ended by itself.
     static int signal_pipe[2] = {-1, -1};

@@ -4,8 +4,8 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "spillway/error.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway::cli {
 

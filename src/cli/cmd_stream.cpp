@@ -12,12 +12,12 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "spillway/error.hpp"
-#include "spillway/probe.hpp"
-#include "spillway/sim.hpp"
-#include "spillway/stream.hpp"
-#include "spillway/stream_mode.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/stream_mode.hpp"
+#include "spillway/probe/probe.hpp"
+#include "spillway/sim/sim.hpp"
+#include "spillway/stream/weight_streamer.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::cli {
 

@@ -17,9 +17,9 @@
 
 #include "cli/commands.hpp"
 #include "core/json_keys.hpp"
-#include "spillway/chat_template.hpp"
-#include "spillway/error.hpp"
-#include "spillway/tokenizer.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/text/chat_template.hpp"
+#include "spillway/text/tokenizer.hpp"
 
 namespace spillway::cli {
 

@@ -1,5 +1,5 @@
 // `spillway train`: the reference MoE model trained end to end under a memory policy, or
-// every policy with --compare (include/spillway/train.hpp).
+// every policy with --compare (include/spillway/train/train.hpp).
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -7,8 +7,8 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "spillway/error.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::cli {
 

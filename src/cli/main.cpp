@@ -10,7 +10,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/plan_flags.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "tool/output.hpp"
 
 namespace {

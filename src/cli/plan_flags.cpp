@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "tool/ranges.hpp"
 
 namespace spillway::cli {

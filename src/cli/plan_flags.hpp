@@ -8,8 +8,8 @@
 #include <string_view>
 #include <vector>
 
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway::cli {
 

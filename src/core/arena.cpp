@@ -1,7 +1,7 @@
 // Best-fit sub-allocation with coalescing (see arena.hpp).
 #include "core/arena.hpp"
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <utility>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

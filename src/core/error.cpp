@@ -1,5 +1,5 @@
 // Out-of-line failure paths of the checking macros (kept cold and out of callers).
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 #include <cstdio>
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/json_keys.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -1,13 +1,13 @@
-// The memory-policy vocabulary (include/spillway/policy.hpp): the names of its enums, from
+// The memory-policy vocabulary (include/spillway/core/policy.hpp): the names of its enums, from
 // one table each, and the lookups.
-#include "spillway/policy.hpp"
+#include "spillway/core/policy.hpp"
 
 #include <algorithm>
 #include <array>
 #include <utility>
 
 #include "core/enum_names.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

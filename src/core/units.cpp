@@ -1,9 +1,9 @@
 // Checked byte arithmetic and the human-readable unit formats of reports.
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 #include <fmt/format.h>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -3,7 +3,7 @@
 #include <memory>
 #include <string>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -1,5 +1,5 @@
-// Device, the face of spillway/device.hpp: each call forwarded to the backend it owns.
-#include "spillway/device.hpp"
+// Device, the face of spillway/device/device.hpp: each call forwarded to the backend it owns.
+#include "spillway/device/device.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -8,8 +8,8 @@
 #include <exception>
 #include <utility>
 
-#include "spillway/device_backend.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_backend.hpp"
 
 namespace spillway {
 

@@ -1,4 +1,4 @@
-// The host backend's all-gather (Note [Device groups], spillway/device.hpp): N emulated
+// The host backend's all-gather (Note [Device groups], spillway/device/device.hpp): N emulated
 // devices of one process gather in place. Each rank's call enqueues, on its stream, one
 // host callback that meets the other ranks' callbacks of the same call (a rendezvous),
 // copies their parts out of their buffers into its own, and meets them again, so that no
@@ -10,8 +10,8 @@
 #include <mutex>
 #include <thread>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 namespace {

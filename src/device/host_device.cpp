@@ -30,10 +30,10 @@
 #include "core/enum_names.hpp"
 #include "device/host_ops.hpp"
 #include "device/host_queue.hpp"
-#include "spillway/device.hpp"
-#include "spillway/device_backend.hpp"
-#include "spillway/error.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/device_backend.hpp"
 
 namespace spillway {
 

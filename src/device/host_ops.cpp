@@ -6,8 +6,8 @@
 // bits either way).
 #include "device/host_ops.hpp"
 
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway::host_ops {
 

@@ -1,10 +1,10 @@
 // The host backend's device operations (Note [Device operations], device.hpp): the
-// arithmetic of spillway/device_math.hpp as plain loops over the emulated device memory,
+// arithmetic of spillway/device/device_math.hpp as plain loops over the emulated device memory,
 // run by a stream's worker in stream order. The CPU twin of src/device/cuda/adamw_kernels.cu,
 // with the same operations and arguments.
 #pragma once
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway::host_ops {
 

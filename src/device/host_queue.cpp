@@ -7,9 +7,9 @@
 #include <unordered_map>
 
 #include "device/host_ops.hpp"
-#include "spillway/device_backend.hpp"
-#include "spillway/error.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/device/device_backend.hpp"
 
 namespace spillway {
 namespace detail {

@@ -15,7 +15,7 @@
 #include <variant>
 #include <vector>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway::detail {
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -1,4 +1,4 @@
-// The HTTP endpoint's protocol (Note [HTTP endpoints] in spillway/http_server.hpp): OpenAI's
+// The HTTP endpoint's protocol (Note [HTTP endpoints] in spillway/http/http_server.hpp): OpenAI's
 // completions request checked field by field (a field it does not know, or one it does not
 // implement set to other than its default, is refused naming it), and the JSON of errors and
 // of responses: choices, logprobs, usage and the "spillway" extension.
@@ -9,7 +9,7 @@
 #include <random>
 
 #include "http/http_server_impl.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::http::detail {
 

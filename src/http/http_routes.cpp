@@ -1,4 +1,4 @@
-// The HTTP endpoint's routes and handlers (Note [HTTP endpoints] in spillway/http_server.hpp):
+// The HTTP endpoint's routes and handlers (Note [HTTP endpoints] in spillway/http/http_server.hpp):
 // /v1/completions and /v1/chat/completions (read, checked, submitted to the engine and
 // answered whole; a stream's events are http_streaming.cpp's), the models, the setup, the
 // metrics and health, and the refusals before a body is read and of unknown paths.
@@ -11,7 +11,7 @@
 
 #include "core/json_keys.hpp"
 #include "http/http_server_impl.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::http {
 

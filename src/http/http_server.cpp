@@ -1,7 +1,7 @@
-// The OpenAI-compatible HTTP endpoint (spillway/http_server.hpp, Note [HTTP endpoints]): the
+// The OpenAI-compatible HTTP endpoint (spillway/http/http_server.hpp, Note [HTTP endpoints]): the
 // server bound, run, drained and stopped. Its protocol is http_protocol.cpp's, its routes and
 // handlers http_routes.cpp's, its streamed answers http_streaming.cpp's.
-#include "spillway/http_server.hpp"
+#include "spillway/http/http_server.hpp"
 
 #include <fmt/format.h>
 #include <httplib.h>
@@ -12,7 +12,7 @@
 #include <mutex>
 
 #include "http/http_server_impl.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::http {
 

@@ -1,4 +1,4 @@
-// The HTTP endpoint's shared pieces (spillway/http_server.hpp, Note [HTTP endpoints]): the
+// The HTTP endpoint's shared pieces (spillway/http/http_server.hpp, Note [HTTP endpoints]): the
 // protocol's field checks and response JSON (http_protocol.cpp), a tokenizer model's text
 // out and the server-sent events (http_streaming.cpp), and the server's state,
 // HttpServer::Impl, whose handlers and routes are http_routes.cpp's and whose start and stop
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "http/http_connection.hpp"
-#include "spillway/http_server.hpp"
+#include "spillway/http/http_server.hpp"
 
 namespace spillway::http {
 namespace detail {

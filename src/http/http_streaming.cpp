@@ -1,4 +1,4 @@
-// The HTTP endpoint's streamed answers (Note [HTTP endpoints] in spillway/http_server.hpp): a
+// The HTTP endpoint's streamed answers (Note [HTTP endpoints] in spillway/http/http_server.hpp): a
 // tokenizer model's output as text while its tokens come (Note [Text out]), and the
 // server-sent events of /v1/completions and /v1/chat/completions, a stream closed early (the
 // client went away) cancelling its completion.

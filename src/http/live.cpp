@@ -1,7 +1,5 @@
-// Clients of a running server: live replay and the load test (spillway/live.hpp, Note [Live
-// replay], Note [Load test]).
-#include "spillway/live.hpp"
-
+// Clients of a running server: live replay and the load test (spillway/http/load_clients.hpp, Note
+// [Live replay], Note [Load test]).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <httplib.h>
@@ -20,8 +18,9 @@
 #include <sstream>
 #include <thread>
 
-#include "spillway/error.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/http/load_clients.hpp"
 
 namespace spillway::http {
 namespace {

@@ -1,5 +1,5 @@
 // Hardware profile loading (schema spillway.hardware/1) with field-by-field validation.
-#include "spillway/hardware.hpp"
+#include "spillway/catalog/hardware.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
 #include "core/near_names.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

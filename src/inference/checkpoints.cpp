@@ -1,4 +1,4 @@
-// Model directories (Note [Model directories] in spillway/inference.hpp): finding them,
+// Model directories (Note [Model directories] in spillway/inference/inference.hpp): finding them,
 // checking a checkpoint against its config, and writing the reference model's.
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -16,10 +16,10 @@
 
 #include "core/embedded_data.hpp"
 #include "core/json_keys.hpp"
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/serve/serve.hpp"
 
 namespace spillway::inference {
 
@@ -64,7 +64,7 @@ ModelScan scan_models(const std::string& dir) {
       refuse(fmt::format("model directory '{}': config.json is {}, not a file", where, what(cs)));
       continue;
     }
-    // Note [Sharded checkpoints] (spillway/serve.hpp): one file, or an index and its shards.
+    // Note [Sharded checkpoints] (spillway/serve/serve.hpp): one file, or an index and its shards.
     const fs::path single = e.path() / "model.safetensors";
     const fs::path index = e.path() / "model.safetensors.index.json";
     fs::file_status ss = fs::status(single, ec);
@@ -355,8 +355,8 @@ void check_servable_config(const std::string& model, const std::string& config_t
   }
   refuse_duplicate_keys(config_text, fmt::format("model {}: config.json", model), "");
   // RoPE's scaling is read (and an unserved type refused) with the config: Note [RoPE
-  // scaling] in spillway/nn.hpp.
-  // Attention biases are served (Note [Served attention extras] in spillway/nn.hpp).
+  // scaling] in spillway/nn/nn.hpp.
+  // Attention biases are served (Note [Served attention extras] in spillway/nn/nn.hpp).
   // Quantized checkpoints (FP8, AWQ, GPTQ, bitsandbytes, ...): their weights need their
   // method's dequantization, which the decoder does not run.
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {

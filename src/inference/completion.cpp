@@ -1,9 +1,9 @@
-// Completion (spillway/inference.hpp): a request's output as the engine publishes it, token
-// by token, and how it ended.
+// Completion (spillway/inference/inference.hpp): a request's output as the engine publishes it,
+// token by token, and how it ended.
 #include <algorithm>
 
 #include "inference/engine_impl.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::inference {
 

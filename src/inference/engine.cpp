@@ -1,4 +1,4 @@
-// The live serving engine (spillway/inference.hpp, Note [Serving engine], Note [Served
+// The live serving engine (spillway/inference/inference.hpp, Note [Serving engine], Note [Served
 // determinism]): its construction from the model directories, submit, drain and cancel. The
 // slices' threads are slice_threads.cpp's, sampling sampling.cpp's (engine_impl.hpp).
 #include <fmt/format.h>
@@ -11,8 +11,8 @@
 
 #include "core/enum_names.hpp"
 #include "inference/engine_impl.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::inference {
 

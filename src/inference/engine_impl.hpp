@@ -1,5 +1,5 @@
-// The serving engine's state (ServingEngine::Impl, include/spillway/inference.hpp), shared
-// by the files that make it up: engine.cpp (construction, submit, drain, cancel),
+// The serving engine's state (ServingEngine::Impl, include/spillway/inference/inference.hpp),
+// shared by the files that make it up: engine.cpp (construction, submit, drain, cancel),
 // slice_threads.cpp (dispatch to the slices and each slice's thread: binding a model, the
 // re-reads of a changed checkpoint, admission, the decoder step), sampling.cpp (a token
 // drawn from the logits, its logprobs, the stop sequences), completion.cpp (Completion) and
@@ -23,10 +23,10 @@
 #include <vector>
 
 #include "inference/pooled_weights.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/scheduler.hpp"
-#include "spillway/serve.hpp"
-#include "spillway/slices.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/serve/scheduler.hpp"
+#include "spillway/serve/serve.hpp"
+#include "spillway/serve/slices.hpp"
 
 namespace spillway::inference {
 namespace detail {

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "inference/engine_impl.hpp"
-#include "spillway/inference.hpp"
+#include "spillway/inference/inference.hpp"
 
 namespace spillway::inference {
 

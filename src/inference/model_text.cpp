@@ -1,13 +1,13 @@
-// Note [Model text] (spillway/inference.hpp): a model directory's tokenizer, chat template
-// and end-of-sequence tokens, read once at start.
+// Note [Model text] (spillway/inference/inference.hpp): a model directory's tokenizer, chat
+// template and end-of-sequence tokens, read once at start.
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/json_keys.hpp"
-#include "spillway/error.hpp"
-#include "spillway/inference.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/inference/inference.hpp"
 
 namespace spillway::inference {
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway::inference {
 

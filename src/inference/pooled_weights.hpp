@@ -7,11 +7,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "spillway/decoder.hpp"
-#include "spillway/hybrid_gemm.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/serve.hpp"
-#include "spillway/slices.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/nn/decoder.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
+#include "spillway/serve/serve.hpp"
+#include "spillway/serve/slices.hpp"
 
 namespace spillway::inference {
 

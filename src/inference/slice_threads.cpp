@@ -10,7 +10,7 @@
 #include <algorithm>
 
 #include "inference/engine_impl.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::inference {
 

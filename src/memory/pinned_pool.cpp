@@ -6,9 +6,9 @@
 #include <algorithm>
 
 #include "core/arena.hpp"
-#include "spillway/error.hpp"
-#include "spillway/memory.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/memory/memory.hpp"
 
 namespace spillway {
 

@@ -4,14 +4,14 @@
 // and weight gradients). Core attention (flash style) is 2 * T * keys * heads * (d_qk +
 // d_v) forward and 2.5x that backward (it recomputes the scores). Memory-bound ops are
 // counted by the bytes they read and write; backward moves twice the forward bytes.
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
 
 #include <algorithm>
 #include <utility>
 
 #include "core/enum_names.hpp"
-#include "spillway/error.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway {
 

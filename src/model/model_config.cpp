@@ -12,9 +12,9 @@
 #include "core/json_io.hpp"
 #include "core/near_names.hpp"
 #include "model/families/families.hpp"
-#include "spillway/error.hpp"
-#include "spillway/model.hpp"
-#include "spillway/units.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway {
 

@@ -2,8 +2,8 @@
 // of a model, and of the part a token uses (the active MLP width and active parameters).
 #include <set>
 
-#include "spillway/model.hpp"
-#include "spillway/units.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway {
 

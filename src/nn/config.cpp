@@ -1,4 +1,4 @@
-// The reference model's configuration (include/spillway/nn.hpp): an embedded reference
+// The reference model's configuration (include/spillway/nn/nn.hpp): an embedded reference
 // config or a config.json, read with the planner's parser and checked against what the
 // reference model runs; errors name the field and the value.
 #include <fmt/format.h>
@@ -14,8 +14,8 @@
 #include "core/json_keys.hpp"
 #include "nn/rope_scaling.hpp"
 #include "nn/slots.hpp"
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

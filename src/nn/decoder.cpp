@@ -1,5 +1,5 @@
-// The reference model in inference mode with a KV cache (spillway/decoder.hpp).
-#include "spillway/decoder.hpp"
+// The reference model in inference mode with a KV cache (spillway/nn/decoder.hpp).
+#include "spillway/nn/decoder.hpp"
 
 #include <fmt/format.h>
 
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "nn/ops.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::nn {
 

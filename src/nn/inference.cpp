@@ -1,10 +1,10 @@
-// The reference model forward only (include/spillway/nn.hpp: forward_loss, forward_logits):
+// The reference model forward only (include/spillway/nn/nn.hpp: forward_loss, forward_logits):
 // every layer under a policy that recomputes everything, with no hooks, so that a layer's
 // tensors are freed as soon as the next layer has its input.
 #include "nn/model_impl.hpp"
 #include "nn/ops.hpp"
 #include "nn/slots.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::nn {
 

@@ -7,7 +7,7 @@
 #include "nn/model_impl.hpp"
 #include "nn/ops.hpp"
 #include "nn/slots.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::nn {
 

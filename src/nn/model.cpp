@@ -1,4 +1,4 @@
-// The reference model's public face (include/spillway/nn.hpp): its construction, the
+// The reference model's public face (include/spillway/nn/nn.hpp): its construction, the
 // training step under a memory policy with the engines reached through the socket
 // (hooks.hpp, Note [Hook sequence]) and the caller's update (Note [The model's own update]),
 // streamed weights (Note [Streamed weights]), and the device memory every part of it
@@ -16,9 +16,9 @@
 #include "core/stats.hpp"
 #include "nn/model_impl.hpp"
 #include "nn/ops.hpp"
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

@@ -1,4 +1,4 @@
-// The reference model's state (Model::Impl, include/spillway/nn.hpp), shared by the files
+// The reference model's state (Model::Impl, include/spillway/nn/nn.hpp), shared by the files
 // that make up its network: model.cpp (the public face, the step, streamed weights,
 // allocation), saved_tensors.cpp (a layer's forward and backward over its saved tensors,
 // Note [Saved tensors]), the blocks' math (attention_block.cpp, mlp_block.cpp,
@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "nn/parameter_layout.hpp"
-#include "spillway/device.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 extern "C" void openblas_set_num_threads(int);
 

@@ -76,7 +76,7 @@ inline constexpr int kAttnBlock = 64;
 // (checked). cos_t, sin_t: rope_angles of at least pos + n positions; scratch:
 // attention_cached_scratch(n, pos + n, ...) elements. Allocates nothing.
 // What a served model's cached attention computes beyond the default (Note [Served Gemma]
-// in spillway/nn.hpp): a sliding `window` > 0 of keys; the softmax `scale` (0:
+// in spillway/nn/nn.hpp): a sliding `window` > 0 of keys; the softmax `scale` (0:
 // 1 / sqrt(head_dim)); a `softcap` > 0 of the scores (cap * tanh(score / cap), before the
 // mask); `rope_first`, the position of cos_t's and sin_t's first row (a table of the step's
 // positions only, dynamic RoPE's).

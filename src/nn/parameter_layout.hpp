@@ -10,8 +10,8 @@
 
 #include "nn/ops.hpp"
 #include "nn/slots.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/device/hooks.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

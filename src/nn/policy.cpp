@@ -1,11 +1,11 @@
-// The reference model's memory policies (include/spillway/nn.hpp): keep, and any policy
+// The reference model's memory policies (include/spillway/nn/nn.hpp): keep, and any policy
 // (a plan's) put in this model's terms, slot by slot.
 #include <algorithm>
 
 #include "nn/slots.hpp"
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway::nn {
 

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::nn {
 

@@ -4,7 +4,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 
-#include "spillway/nn.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

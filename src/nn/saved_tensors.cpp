@@ -1,5 +1,5 @@
 // A layer of the reference model over its saved tensors (Note [Saved tensors] in
-// include/spillway/nn.hpp): their sizes, which op produces each from which, the layer's
+// include/spillway/nn/nn.hpp): their sizes, which op produces each from which, the layer's
 // forward (each tensor kept, handed to the hooks, or dropped as the policy says) and its
 // backward (each materialized again, then the blocks' gradients). The blocks' own math is in
 // attention_block.cpp, mlp_block.cpp and mamba_block.cpp.
@@ -9,7 +9,7 @@
 #include "nn/model_impl.hpp"
 #include "nn/ops.hpp"
 #include "nn/slots.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::nn {
 
@@ -147,7 +147,7 @@ void Model::Impl::forward_layer(int layer, float* x, float** y_out, int batch, i
   // Note [Saved tensors]: an offloaded tensor goes to the hooks as soon as its producer
   // has run (its copy overlaps the rest of this layer's forward and the next one, the
   // window the planner assumes); it is given (Note [Saved tensor ownership] in
-  // spillway/hooks.hpp), held until this layer's forward ends, since the forward still
+  // spillway/device/hooks.hpp), held until this layer's forward ends, since the forward still
   // reads it.
   auto hand_over = [&] {
     for (int s = 0; s < n_slots; ++s) {

@@ -1,11 +1,11 @@
 // The reference model's saved-tensor slots and their planner names (Note [Saved tensors]
-// in include/spillway/nn.hpp), shared by its config, policy and network files.
+// in include/spillway/nn/nn.hpp), shared by its config, policy and network files.
 #pragma once
 
 #include <cstdint>
 
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

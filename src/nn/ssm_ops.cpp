@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "nn/ops.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::nn {
 

@@ -1,4 +1,4 @@
-// Note [Checkpoint names] (spillway/nn.hpp): the reference model's weights by name, in the
+// Note [Checkpoint names] (spillway/nn/nn.hpp): the reference model's weights by name, in the
 // order of its parameters in memory (layout_parameters, parameter_layout.cpp, lays them out
 // in this walk).
 #include <fmt/format.h>
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "spillway/model.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

@@ -1,4 +1,4 @@
-// The activation offload engine (see include/spillway/offload.hpp for its guarantees).
+// The activation offload engine (see include/spillway/offload/offload.hpp for its guarantees).
 // Its first half: the copies out, the pools, the step (begin, layers, end); the reloads are
 // offload_reload.cpp's, the state offload_engine_impl.hpp's.
 //

@@ -1,7 +1,7 @@
-// The activation offload engine's state (OffloadEngine::Impl, include/spillway/offload.hpp),
-// shared by its two halves: offload_engine.cpp (the copies out, the pools, the step) and
-// offload_reload.cpp (the reloads). A slot's place in its life is its state (Note [The
-// life of a slot], slot_state.hpp).
+// The activation offload engine's state (OffloadEngine::Impl,
+// include/spillway/offload/offload.hpp), shared by its two halves: offload_engine.cpp (the copies
+// out, the pools, the step) and offload_reload.cpp (the reloads). A slot's place in its life is its
+// state (Note [The life of a slot], slot_state.hpp).
 #pragma once
 
 #include <atomic>
@@ -14,9 +14,9 @@
 #include "core/arena.hpp"
 #include "core/stats.hpp"
 #include "offload/slot_state.hpp"
-#include "spillway/error.hpp"
-#include "spillway/memory.hpp"
-#include "spillway/offload.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/memory/memory.hpp"
+#include "spillway/offload/offload.hpp"
 
 namespace spillway {
 namespace offload {

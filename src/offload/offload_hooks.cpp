@@ -1,9 +1,10 @@
-// The activation offload engine on the socket (OffloadHooks in include/spillway/offload.hpp):
-// the hook calls of a training loop mapped onto the engine's calls, one to one.
+// The activation offload engine on the socket (OffloadHooks in
+// include/spillway/offload/offload.hpp): the hook calls of a training loop mapped onto the engine's
+// calls, one to one.
 #include <algorithm>
 
-#include "spillway/error.hpp"
-#include "spillway/offload.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/offload/offload.hpp"
 
 namespace spillway {
 

@@ -1,4 +1,4 @@
-// The activation offload engine's reloads (include/spillway/offload.hpp): prefetch,
+// The activation offload engine's reloads (include/spillway/offload/offload.hpp): prefetch,
 // reload, reload_into and the reloads' destinations, and the H2D copies under them.
 //
 // Note [Reload into caller memory]: reload_into(h, dst) has three paths.

@@ -2,7 +2,7 @@
 #include "offload/slot_state.hpp"
 
 #include "core/enum_names.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::offload {
 namespace {

@@ -5,7 +5,7 @@
 // constructor; step() allocates nothing; every element of p, m, v (and copy_out) in
 // [0, n) is written exactly once per step, by exactly one thread.
 //
-// Note [AdamW operation order] is in spillway/device_math.hpp, with the element update
+// Note [AdamW operation order] is in spillway/device/device_math.hpp, with the element update
 // (adamw_element) that the scalar reference here, the host backend and the CUDA kernel
 // share; the SIMD step (arch/adamw_hwy.cpp) follows it lane by lane. Scalar and SIMD must
 // agree to the bit on every Highway target (with or without FMA), so both files are
@@ -23,9 +23,9 @@
 #include <thread>
 #include <vector>
 
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 

@@ -1,5 +1,5 @@
 // The CPU AdamW over a framework's parameters (spillway.torch's CPUAdamW on its CPU path,
-// include/spillway/optim.hpp, Note [Speculative CPU AdamW over parameters]): one bucket per
+// include/spillway/optim/optim.hpp, Note [Speculative CPU AdamW over parameters]): one bucket per
 // parameter; the fp32 master weights and moments are this object's, allocated once; each
 // parameter's gradient is handed over when it is final and stepped speculatively on a
 // worker thread (with the AdamW thread pool) while the caller goes on; finish() validates
@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 

@@ -1,4 +1,4 @@
-// The bucketed optimizer-offload pipeline: see the pipeline section of spillway/optim.hpp.
+// The bucketed optimizer-offload pipeline: see the pipeline section of spillway/optim/optim.hpp.
 // Its device work (the widening of the device cast, a device bucket's norm lanes and AdamW
 // step) is the backend's device operations (Note [Device operations], device.hpp), the
 // same calls on every backend.
@@ -11,8 +11,8 @@
 #include <exception>
 
 #include "core/stats.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 

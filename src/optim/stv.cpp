@@ -4,8 +4,8 @@
 #include <cstring>
 #include <limits>
 
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 
@@ -44,7 +44,7 @@ void check_buckets(const std::vector<Bucket>& buckets, size_t n) {
 
 // Note [Norm lanes]: a few rows of lanes at a time (norm_lane_sums_in, src/optim/adamw.cpp),
 // each lane in index order, with the lane arithmetic of the device layer
-// (spillway/device_math.hpp), which a device's norm_lanes_bf16 runs too.
+// (spillway/device/device_math.hpp), which a device's norm_lanes_bf16 runs too.
 void norm_lane_sums(const float* g, size_t n, double* lanes) {
   norm_lane_sums_in(g, GradType::kFp32, n, 0, kNormLanes, lanes);
 }

@@ -1,6 +1,6 @@
 // Collectives: the names of CollectiveKind, ring times, the link rule (Note [Which link a
-// collective crosses] in spillway/collectives.hpp) and CollectivePlan construction.
-#include "spillway/collectives.hpp"
+// collective crosses] in spillway/plan/collectives.hpp) and CollectivePlan construction.
+#include "spillway/plan/collectives.hpp"
 
 #include <algorithm>
 #include <array>
@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "core/enum_names.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 
@@ -67,7 +67,7 @@ double ring_ms(CollectiveKind kind, int64_t bytes_per_gpu, int64_t group, double
   return transfer_ms + static_cast<double>(ring_steps(kind, group)) * latency_us * 1e-3;
 }
 
-// Note [Which link a collective crosses] (spillway/collectives.hpp).
+// Note [Which link a collective crosses] (spillway/plan/collectives.hpp).
 CollectiveLink collective_link(const HardwareProfile& hw, int64_t group,
                                int64_t gpus_between_members) {
   check_group(group, "group");

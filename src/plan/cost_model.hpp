@@ -5,8 +5,8 @@
 
 #include <vector>
 
-#include "spillway/inventory.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

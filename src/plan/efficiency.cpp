@@ -1,6 +1,6 @@
 // Efficiency curves at plan time: measured kernels (a calibration profile's "ops") merged
 // into the hardware profile's curves, and the efficiency of one op's shape (Note
-// [Efficiency curves], spillway/hardware.hpp).
+// [Efficiency curves], spillway/catalog/hardware.hpp).
 //
 // Invariants: every curve handed to the cost model has at least one point, strictly
 // increasing abscissae and efficiencies in (0, 1]; a constant the caller gives
@@ -12,8 +12,8 @@
 #include "core/enum_names.hpp"
 #include "core/json_io.hpp"
 #include "plan/cost_model.hpp"
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

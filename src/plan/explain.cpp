@@ -5,9 +5,9 @@
 #include <algorithm>
 
 #include "plan/cost_model.hpp"
-#include "spillway/collectives.hpp"
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

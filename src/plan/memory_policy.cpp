@@ -1,6 +1,6 @@
-// A plan's memory policy (include/spillway/plan.hpp): the one converter from the
-// planner's per-tensor actions to the vocabulary the engines read (spillway/policy.hpp).
-#include "spillway/plan.hpp"
+// A plan's memory policy (include/spillway/plan/plan.hpp): the one converter from the
+// planner's per-tensor actions to the vocabulary the engines read (spillway/core/policy.hpp).
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

@@ -18,8 +18,8 @@
 
 #include <algorithm>
 
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

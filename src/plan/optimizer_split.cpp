@@ -1,10 +1,10 @@
-// The planned GPU/CPU split of optimizer offload (include/spillway/plan.hpp): the bucket
+// The planned GPU/CPU split of optimizer offload (include/spillway/plan/plan.hpp): the bucket
 // timings of a plan and the pure arithmetic that chooses the split from them.
 #include <algorithm>
 #include <vector>
 
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

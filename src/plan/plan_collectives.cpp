@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "plan/planner.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway::planner {
 
@@ -27,7 +27,7 @@ namespace spillway::planner {
 //     simulator runs them (overlapped_delay): a layer waits for its gathered weights, and
 //     the step's end for the last gradient reduction; what they do not hide is on the
 //     critical path.
-// Each is ring_ms over collective_link (spillway/collectives.hpp). The exposed ones sit
+// Each is ring_ms over collective_link (spillway/plan/collectives.hpp). The exposed ones sit
 // where the simulator puts them (Note [Collectives in the simulator]): a dispatch after
 // the op moe.dispatch, a combine before moe.combine, the others at the end of the forward,
 // the backward ones before the layer's backward; the timeline waits for them, so they

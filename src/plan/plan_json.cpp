@@ -10,9 +10,9 @@
 
 #include "core/json_io.hpp"
 #include "plan/cost_model.hpp"
-#include "spillway/error.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "spillway/plan.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

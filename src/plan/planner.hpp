@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "plan/cost_model.hpp"
-#include "spillway/collectives.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway::planner {
 

@@ -1,8 +1,8 @@
 // load_profile: measured per-layer forward and backward times (spillway.profile/1) that
 // calibrate the planner's layers (PlanRequest::profile).
 #include "core/json_io.hpp"
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

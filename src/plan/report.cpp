@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "plan/cost_model.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

@@ -23,7 +23,7 @@
 #include <algorithm>
 
 #include "plan/cost_model.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -28,7 +28,7 @@
 #include <algorithm>
 
 #include "plan/planner.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::planner {
 

@@ -1,4 +1,4 @@
-// Stream mode choice: see spillway/stream_mode.hpp.
+// Stream mode choice: see spillway/plan/stream_mode.hpp.
 //
 // Note [Stream mode model]: a step is the visits of the streamer's schedule (forward
 // layers 0..L-1; training adds backward L-1..0, whose first depth + 1 visits find their
@@ -19,14 +19,14 @@
 // ring of depth + 1 slots of the largest layer in HBM (sharded: each slot the whole layer
 // once gathered); a ring larger than the HBM free for weights rules its mode out, and when
 // no mode is left nothing is chosen: the caller reports why, in numbers.
-#include "spillway/stream_mode.hpp"
+#include "spillway/plan/stream_mode.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <numeric>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -7,7 +7,7 @@
 #include <map>
 
 #include "plan/planner.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway::planner {
 

@@ -28,7 +28,7 @@
 #include <bit>
 
 #include "plan/planner.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway::planner {
 

@@ -4,7 +4,7 @@
 #include <numeric>
 
 #include "plan/planner.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::planner {
 

@@ -1,15 +1,15 @@
-// The link probe (see include/spillway/probe.hpp): for each size, one device buffer; for
+// The link probe (see include/spillway/probe/probe.hpp): for each size, one device buffer; for
 // each host memory kind, one host buffer that first carries a pattern host -> device ->
 // host (poisoned in between, compared bit for bit), then is timed in each direction.
 //
 // Note [Probe samples]: each point's samples are those of Note [Copy samples]
-// (spillway/device.hpp: back-to-back copies lasting at least kMinCopySampleS, after a
+// (spillway/device/device.hpp: back-to-back copies lasting at least kMinCopySampleS, after a
 // warm-up), calibrated by calibrate_copy_sample, whose samples are discarded.
 //
 // Note [Probe budget]: each point gets its share of the time left (time left / points
 // left, so what a small size does not use passes to the large ones) and as many samples
 // as fit in it, at least one and at most `repeats`.
-#include "spillway/probe.hpp"
+#include "spillway/probe/probe.hpp"
 
 #include <fmt/format.h>
 
@@ -24,7 +24,7 @@
 #include <optional>
 
 #include "core/stats.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -1,4 +1,4 @@
-// Which GPUs share a host link: see detect_host_topology in spillway/probe.hpp.
+// Which GPUs share a host link: see detect_host_topology in spillway/probe/probe.hpp.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,7 +7,7 @@
 #include <map>
 #include <string>
 
-#include "spillway/probe.hpp"
+#include "spillway/probe/probe.hpp"
 
 namespace spillway {
 

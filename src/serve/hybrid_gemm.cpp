@@ -1,8 +1,8 @@
-// HybridGEMM on the host backend (spillway/hybrid_gemm.hpp, Note [HybridGEMM dataflows],
+// HybridGEMM on the host backend (spillway/serve/hybrid_gemm.hpp, Note [HybridGEMM dataflows],
 // Note [HybridGEMM arithmetic]): the two dataflows run tile by tile as a GPU kernel would,
 // with the tiles packed into scratch buffers (a kernel's registers and shared memory),
 // and every byte a tile load or store moves between HBM, the link and the chip counted.
-#include "spillway/hybrid_gemm.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
 
 #include <cblas.h>
 #include <fmt/format.h>
@@ -12,8 +12,8 @@
 #include <cstring>
 #include <vector>
 
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway {
 namespace {

@@ -1,4 +1,4 @@
-// hybrid_gemm_on_device and hybrid_gemm_counted_on_device (spillway/hybrid_gemm.hpp): the
+// hybrid_gemm_on_device and hybrid_gemm_counted_on_device (spillway/serve/hybrid_gemm.hpp): the
 // problem checked as on the host, then the device's HybridGEMM operation (Note [HybridGEMM
 // as a device operation]), counted or not.
 #include <fmt/format.h>
@@ -7,8 +7,8 @@
 #include <exception>
 #include <string>
 
-#include "spillway/error.hpp"
-#include "spillway/hybrid_gemm.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
 
 namespace spillway {
 namespace {

@@ -1,4 +1,4 @@
-// The model pool (spillway/serve.hpp): models registered by their checkpoints (one
+// The model pool (spillway/serve/serve.hpp): models registered by their checkpoints (one
 // safetensors file, or an index and its shards: Note [Sharded checkpoints]), loaded on first
 // use into one mapped host allocation each, every shard's tensors in it (64-byte aligned),
 // kept up to the host budget, the least recently released idle model evicted first.
@@ -11,8 +11,8 @@
 // A cold load reads the files add() (or refresh()) checked, or nothing: each file's stamp
 // (device, inode, size, mtime; the index's and every shard's) must be the one recorded, else the
 // acquire answers kChanged and the caller decides (Note [Checkpoints that change on disk] in
-// spillway/inference.hpp). Tensors are copied through the file, not the mapping, so a file
-// truncated during the load fails it (kChanged) instead of raising SIGBUS.
+// spillway/inference/inference.hpp). Tensors are copied through the file, not the mapping, so a
+// file truncated during the load fails it (kChanged) instead of raising SIGBUS.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,8 +20,8 @@
 #include <cstring>
 #include <mutex>
 
-#include "spillway/error.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/serve.hpp"
 
 namespace spillway {
 

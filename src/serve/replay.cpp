@@ -1,9 +1,9 @@
-// Trace replay of host-resident serving (spillway/replay.hpp, Note [Replay model]), a
+// Trace replay of host-resident serving (spillway/serve/replay.hpp, Note [Replay model]), a
 // client of the simulator's engine (Note [Replay on the engine]): the served models'
 // numbers, an iteration's cost, the replay of one configuration (Sim) and run_replay's
 // configurations side by side. The trace is read by replay_trace.cpp; the results are
 // reported by replay_report.cpp.
-#include "spillway/replay.hpp"
+#include "spillway/serve/replay.hpp"
 
 #include <fmt/format.h>
 
@@ -13,13 +13,13 @@
 #include <map>
 
 #include "serve/replay_impl.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/hybrid_gemm.hpp"
-#include "spillway/model.hpp"
-#include "spillway/scheduler.hpp"
-#include "spillway/sim.hpp"
-#include "spillway/slices.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
+#include "spillway/serve/scheduler.hpp"
+#include "spillway/serve/slices.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 
@@ -189,7 +189,7 @@ class Sim {
   }
 
   // Note [Replay on the engine]: the replay runs on the simulator's engine as its client
-  // (spillway/sim.hpp, Note [Engine clients]): each event is a fixed task, so the engine
+  // (spillway/sim/sim.hpp, Note [Engine clients]): each event is a fixed task, so the engine
   // keeps the clock and the order of the events, equal times in the order they were
   // scheduled (Note [Fixed tasks]). The trace is a stream of zero-length arrivals in time
   // order (equal times by request), all scheduled first: each waits for its time and for

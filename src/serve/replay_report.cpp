@@ -1,4 +1,4 @@
-// The trace replay's report (spillway/replay.hpp): the table (format_replay), the JSON
+// The trace replay's report (spillway/serve/replay.hpp): the table (format_replay), the JSON
 // (replay_json) and the SVG of TTFT over the replay (replay_svg) of run_replay's results.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "serve/replay_impl.hpp"
-#include "spillway/model.hpp"
-#include "spillway/replay.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/serve/replay.hpp"
 
 namespace spillway {
 

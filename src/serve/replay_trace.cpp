@@ -1,4 +1,4 @@
-// The trace replay's inputs (spillway/replay.hpp): the request trace and the measured
+// The trace replay's inputs (spillway/serve/replay.hpp): the request trace and the measured
 // reload latencies read from their CSV files, the drawn token counts (the trace has
 // none: Note [Replay model]) and the trace's models by popularity.
 #include <algorithm>
@@ -10,8 +10,8 @@
 #include <random>
 #include <sstream>
 
-#include "spillway/error.hpp"
-#include "spillway/replay.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/replay.hpp"
 
 namespace spillway {
 namespace {

@@ -1,4 +1,4 @@
-// The safetensors reader and writer (spillway/serve.hpp, Note [Safetensors checks]): the
+// The safetensors reader and writer (spillway/serve/serve.hpp, Note [Safetensors checks]): the
 // file is memory-mapped read-only; the header is parsed and every tensor checked before the
 // object exists, so a caller never sees a half-checked file.
 #include <fcntl.h>
@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_keys.hpp"
-#include "spillway/error.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/serve.hpp"
 
 namespace spillway {
 namespace {

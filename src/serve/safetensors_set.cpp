@@ -1,4 +1,4 @@
-// A checkpoint as one set of safetensors files (spillway/serve.hpp, Note [Sharded
+// A checkpoint as one set of safetensors files (spillway/serve/serve.hpp, Note [Sharded
 // checkpoints]): a single file, or a Hugging Face index and its shards. Every shard is opened
 // and checked, and the index checked against what the shards hold, before the object exists:
 // a caller never sees a set whose index and shards disagree.
@@ -17,8 +17,8 @@
 #include <system_error>
 
 #include "core/json_keys.hpp"
-#include "spillway/error.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/serve.hpp"
 
 namespace spillway {
 namespace {

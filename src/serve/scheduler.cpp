@@ -1,6 +1,6 @@
-// The serving scheduler and the alpha controller (spillway/scheduler.hpp, Note [Serving
+// The serving scheduler and the alpha controller (spillway/serve/scheduler.hpp, Note [Serving
 // scheduler], Note [Alpha controller]).
-#include "spillway/scheduler.hpp"
+#include "spillway/serve/scheduler.hpp"
 
 #include <fmt/format.h>
 
@@ -9,7 +9,7 @@
 #include <cstdlib>
 
 #include "core/enum_names.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

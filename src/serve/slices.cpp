@@ -1,12 +1,12 @@
-// Emulated MIG slices (spillway/slices.hpp, Note [Emulated MIG slices]).
-#include "spillway/slices.hpp"
+// Emulated MIG slices (spillway/serve/slices.hpp, Note [Emulated MIG slices]).
+#include "spillway/serve/slices.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <thread>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -1,4 +1,4 @@
-// The discrete-event engine (spillway/sim.hpp: the fluid model, Note [Fixed tasks], Note
+// The discrete-event engine (spillway/sim/sim.hpp: the fluid model, Note [Fixed tasks], Note
 // [Engine clients] and the invariants it keeps). Per event it allocates nothing once its
 // vectors have grown: a run whose tasks are all submitted first (a training step) only
 // walks them; a client's run reuses the ids of the tasks it recycles.
@@ -6,8 +6,8 @@
 #include <limits>
 #include <numeric>
 
-#include "spillway/error.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway::sim {
 namespace {

@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "spillway/sim.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 

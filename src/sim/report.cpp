@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "spillway/sim.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 

@@ -15,9 +15,9 @@
 #include <utility>
 
 #include "core/enum_names.hpp"
-#include "spillway/collectives.hpp"
-#include "spillway/error.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 

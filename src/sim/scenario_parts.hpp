@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/collectives.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/policy.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/plan/plan.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway::sim::detail {
 

@@ -53,9 +53,9 @@
 #include <utility>
 
 #include "sim/scenario_parts.hpp"
-#include "spillway/collectives.hpp"
-#include "spillway/error.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 

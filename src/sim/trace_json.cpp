@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "spillway/sim.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "sim/scenario_parts.hpp"
-#include "spillway/error.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/sim/sim.hpp"
 
 namespace spillway {
 

@@ -1,5 +1,7 @@
-// Layerwise weight streaming: see spillway/stream.hpp (Note [Ring ordering], Note
+// Layerwise weight streaming: see spillway/stream/weight_streamer.hpp (Note [Ring ordering], Note
 // [Streaming across steps]).
+#include "spillway/stream/weight_streamer.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,8 +9,7 @@
 #include <cstring>
 
 #include "core/stats.hpp"
-#include "spillway/error.hpp"
-#include "spillway/stream.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <queue>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "text/unicode.hpp"
 
 namespace spillway::text {

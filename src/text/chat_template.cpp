@@ -22,7 +22,7 @@
 // kFilters / kTests / call_method (chat_template_parser.cpp, chat_template_methods.cpp).
 // Anything else is refused at parse (a statement, a filter or test name unknown) or at
 // render (a method).
-#include "spillway/chat_template.hpp"
+#include "spillway/text/chat_template.hpp"
 
 #include <array>
 #include <ctime>

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "text/chat_template_impl.hpp"
 #include "text/unicode.hpp"
 

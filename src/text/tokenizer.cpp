@@ -15,7 +15,7 @@
 // WhitespaceSplit, Sequence; the BPE model (bpe.cpp); post-processors TemplateProcessing,
 // ByteLevel, Sequence; decoders ByteLevel, Metaspace, Replace, ByteFallback, Fuse, Strip, Sequence.
 // Anything else is refused at load, naming its type and where it is in the file.
-#include "spillway/tokenizer.hpp"
+#include "spillway/text/tokenizer.hpp"
 
 #include <fmt/format.h>
 
@@ -28,7 +28,7 @@
 #include <unordered_map>
 
 #include "core/json_keys.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "text/bpe.hpp"
 #include "text/tokenizer_impl.hpp"
 #include "text/unicode.hpp"

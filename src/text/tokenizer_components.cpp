@@ -7,7 +7,7 @@
 #include <optional>
 #include <tuple>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "text/tokenizer_impl.hpp"
 #include "text/unicode.hpp"
 

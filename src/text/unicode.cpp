@@ -8,7 +8,7 @@
 #include <array>
 #include <cstdlib>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::text {
 

@@ -19,7 +19,7 @@
 #include <cstring>
 #include <iostream>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "tool/output_path.hpp"
 
 namespace spillway::tool {

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::tool {
 

@@ -12,7 +12,7 @@ namespace spillway::tool {
 inline constexpr double kMaxHostMiB = 1048576.0;
 inline constexpr int kMaxRepeats = 1000;
 // The emulations' rate factors and links (Note [Checked rate durations] in
-// spillway/device.hpp): below these a run takes days, and far below, its times overflow.
+// spillway/device/device.hpp): below these a run takes days, and far below, its times overflow.
 inline constexpr double kMinRateScale = 1e-6;    // serve, bench serve: every rate times this
 inline constexpr double kMinRunLinkGbps = 1e-3;  // an emulated link a run streams through
 // A run whose emulated transfers alone would take longer is refused before it starts,

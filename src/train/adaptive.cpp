@@ -33,7 +33,7 @@
 #include <tuple>
 #include <utility>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::train {
 

@@ -6,12 +6,12 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/policy.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/offload/offload.hpp"
+#include "spillway/plan/plan.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::train {
 

@@ -8,10 +8,10 @@
 #include <random>
 
 #include "core/stats.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/offload/offload.hpp"
+#include "spillway/train/train.hpp"
 #include "train/trainer_impl.hpp"
 
 namespace spillway::train {

@@ -1,4 +1,4 @@
-// `spillway stream`'s run (include/spillway/train.hpp: run_streamed_reference): the
+// `spillway stream`'s run (include/spillway/train/train.hpp: run_streamed_reference): the
 // reference model streamed from a throttled host link beside the same model resident, on
 // one or more emulated GPUs, and the prediction for the same setup.
 //
@@ -16,12 +16,12 @@
 #include <thread>
 
 #include "core/stats.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/stream.hpp"
-#include "spillway/stream_mode.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/plan/stream_mode.hpp"
+#include "spillway/stream/weight_streamer.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::train {
 

@@ -1,10 +1,10 @@
-// The reference model's own optimizer (Note [The model's own update], spillway/train.hpp).
+// The reference model's own optimizer (Note [The model's own update], spillway/train/train.hpp).
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
-#include "spillway/error.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::train {
 

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
-#include "spillway/probe.hpp"
-#include "spillway/train.hpp"
+#include "spillway/probe/probe.hpp"
+#include "spillway/train/train.hpp"
 #include "train/trainer_impl.hpp"
 
 namespace spillway::train {
@@ -35,7 +35,7 @@ std::string format_train_report(const TrainReport& r, const TrainOptions& o) {
       "device: host backend, {} MiB, copies {} / {}\n\n", o.device_memory_mb,
       o.d2h_gbps > 0 ? fmt::format("D2H {} GB/s", o.d2h_gbps) : std::string("D2H unthrottled"),
       o.h2d_gbps > 0 ? fmt::format("H2D {} GB/s", o.h2d_gbps) : std::string("H2D unthrottled"));
-  if (r.memcpy_gbps > 0.0) {  // Note [The machine is the limit] (spillway/probe.hpp)
+  if (r.memcpy_gbps > 0.0) {  // Note [The machine is the limit] (spillway/probe/probe.hpp)
     const double link = asked_link_gbps(o);
     const std::string limit = machine_limit_note(
         link, r.memcpy_gbps,

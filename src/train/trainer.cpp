@@ -1,4 +1,4 @@
-// `spillway train`: see spillway/train.hpp. The run (run): its options checked, the
+// `spillway train`: see spillway/train/train.hpp. The run (run): its options checked, the
 // calibration, and each policy made (make_policy: a named strategy, auto fitted to the
 // arena by measurement, or a plan file) and run (policy_run.cpp), the losses compared;
 // the report is train_report.cpp's.
@@ -11,12 +11,12 @@
 #include <fstream>
 #include <iterator>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/probe.hpp"
-#include "spillway/train.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/offload/offload.hpp"
+#include "spillway/probe/probe.hpp"
+#include "spillway/train/train.hpp"
 #include "train/adaptive.hpp"
 #include "train/trainer_impl.hpp"
 

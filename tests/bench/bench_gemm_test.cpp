@@ -7,8 +7,8 @@
 #include <string>
 
 #include "cuda/gemm_cuda.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

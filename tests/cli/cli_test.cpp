@@ -14,9 +14,9 @@
 
 #include "cli/run_command.hpp"
 #include "core/json_io.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/plan/plan.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "cli/run_command.hpp"
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -5,7 +5,7 @@
 // answered exits 1 saying how many and why, with no SLO figure when nothing was measured;
 // TTFT includes the wait for a client thread; a base_url ending in /v1 is accepted; the
 // load test says how many triples it compared; numeric flags and the default trace of an
-// installed binary (spillway/live.hpp, Note [Live replay], Note [Load test]).
+// installed binary (spillway/http/load_clients.hpp, Note [Live replay], Note [Load test]).
 #include <gtest/gtest.h>
 #include <httplib.h>
 

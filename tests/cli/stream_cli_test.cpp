@@ -14,7 +14,7 @@
 
 #include "cli/run_command.hpp"
 #include "core/json_io.hpp"
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -1,6 +1,6 @@
 // Units: the cross-unit operators give the physically right figure, units that must not mix
 // do not compile, and checked byte arithmetic throws spillway::Error instead of wrapping.
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// The CUDA backend against the Device contract (include/spillway/device.hpp). The
+// The CUDA backend against the Device contract (include/spillway/device/device.hpp). The
 // CudaCheck and CudaDeviceFactory tests run anywhere; the CudaDeviceTest ones need a GPU:
 // without one they skip and say why. Byte checks are bitwise, on random bytes from a fixed,
 // printed seed, into poisoned destinations.
@@ -20,8 +20,8 @@
 
 #include "device/cuda/cuda_check.hpp"
 #include "device/cuda/hybrid_gemm_kernels.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -1,7 +1,7 @@
-// The socket's hook interface (include/spillway/hooks.hpp): CompositeHooks fans calls out in
+// The socket's hook interface (include/spillway/device/hooks.hpp): CompositeHooks fans calls out in
 // order, gives a saved tensor to the first hook that takes it and routes needed/done to that
 // hook only; the default hooks take nothing.
-#include "spillway/hooks.hpp"
+#include "spillway/device/hooks.hpp"
 
 #include <gtest/gtest.h>
 

@@ -15,8 +15,8 @@
 
 #include "core/arena.hpp"
 #include "forwarding_device.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 namespace {

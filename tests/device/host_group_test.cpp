@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 namespace {

@@ -19,12 +19,12 @@
 
 #include "core/json_io.hpp"
 #include "fuzz_support.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace fuzz_support {
 

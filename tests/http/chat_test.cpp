@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "http/http_served.hpp"
-#include "spillway/tokenizer.hpp"
+#include "spillway/text/tokenizer.hpp"
 #include "test_support.hpp"
 #include "text/unicode.hpp"
 

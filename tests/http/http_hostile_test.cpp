@@ -21,9 +21,9 @@
 
 #include "http/http_served.hpp"
 #include "inference/served_models.hpp"
-#include "spillway/error.hpp"
-#include "spillway/http_server.hpp"
-#include "spillway/inference.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/http/http_server.hpp"
+#include "spillway/inference/inference.hpp"
 
 namespace spillway::http {
 namespace {

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "inference/served_models.hpp"
-#include "spillway/http_server.hpp"
-#include "spillway/inference.hpp"
+#include "spillway/http/http_server.hpp"
+#include "spillway/inference/inference.hpp"
 
 namespace spillway::http::testing {
 

@@ -1,4 +1,4 @@
-// The HTTP face of the serving engine (spillway/http_server.hpp, Note [HTTP endpoints]),
+// The HTTP face of the serving engine (spillway/http/http_server.hpp, Note [HTTP endpoints]),
 // driven by cpp-httplib's client over loopback: completions equal to the engine's own,
 // streamed or not; OpenAI-shaped errors naming the field; models, metrics and health;
 // overload answered 429 with nothing lost; and a shutdown that drains a running stream.
@@ -16,8 +16,8 @@
 
 #include "http/http_served.hpp"
 #include "inference/served_models.hpp"
-#include "spillway/http_server.hpp"
-#include "spillway/inference.hpp"
+#include "spillway/http/http_server.hpp"
+#include "spillway/inference/inference.hpp"
 #include "test_support.hpp"
 
 namespace spillway::http {

@@ -29,7 +29,7 @@
 
 #include "http/http_served.hpp"
 #include "inference/served_models.hpp"
-#include "spillway/inference.hpp"
+#include "spillway/inference/inference.hpp"
 #include "test_support.hpp"
 
 namespace spillway::http {

@@ -1,5 +1,5 @@
-// The serving engine when things go wrong (spillway/inference.hpp): a checkpoint changed on disk
-// under a running engine fails only the requests that need it and the engine goes on (Note
+// The serving engine when things go wrong (spillway/inference/inference.hpp): a checkpoint changed
+// on disk under a running engine fails only the requests that need it and the engine goes on (Note
 // [Checkpoints that change on disk], Note [Slice failures]); cancel_all and drain_for end
 // every request; options that would make the server useless and requests or directories
 // that are wrong are refused naming the right thing.
@@ -10,12 +10,12 @@
 #include <filesystem>
 
 #include "inference/served_models.hpp"
-#include "spillway/decoder.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/nn/decoder.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/serve/serve.hpp"
 #include "test_support.hpp"
 
 namespace spillway::inference {

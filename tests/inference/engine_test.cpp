@@ -1,5 +1,5 @@
-// The live serving engine (spillway/inference.hpp): checkpoints written and checked, served
-// greedy completions equal to the reference model's (Note [Served outputs]), completions
+// The live serving engine (spillway/inference/inference.hpp): checkpoints written and checked,
+// served greedy completions equal to the reference model's (Note [Served outputs]), completions
 // that depend only on their request whatever the slices, alpha or batching (Note [Served
 // determinism]), overload refused loudly with nothing lost, drain, cancel, and the metrics.
 #include <fmt/format.h>
@@ -13,14 +13,14 @@
 
 #include "inference/pooled_weights.hpp"
 #include "inference/served_models.hpp"
-#include "spillway/decoder.hpp"
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/serve.hpp"
-#include "spillway/slices.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/nn/decoder.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/serve/serve.hpp"
+#include "spillway/serve/slices.hpp"
 #include "test_support.hpp"
 
 namespace spillway::inference {

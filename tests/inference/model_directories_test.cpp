@@ -10,9 +10,9 @@
 #include <string>
 
 #include "inference/served_models.hpp"
-#include "spillway/error.hpp"
-#include "spillway/inference.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/inference/inference.hpp"
+#include "spillway/serve/serve.hpp"
 #include "test_support.hpp"
 
 namespace spillway::inference {

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/inference.hpp"
+#include "spillway/inference/inference.hpp"
 #include "test_support.hpp"
 
 namespace spillway::inference::testing {

@@ -1,7 +1,7 @@
 # The `install` test (tests/CMakeLists.txt): spillway consumed as an installed library.
 #   1. cmake --install of this build into a fresh prefix under it (WORK_DIR/prefix);
 #   2. every public header of the source tree is installed, and its quoted includes are
-#      public headers ("spillway/x.hpp"), never src/ ones;
+#      public headers ("spillway/<part>/x.hpp"), never src/ ones;
 #   3. headers/: each installed header compiled alone with only the prefix's include/,
 #      fmt's and nlohmann's on the include path; spillway::spillway linked into a program;
 #   4. examples/cpp/offload_and_adamw configured with find_package(spillway) from that
@@ -51,7 +51,7 @@ file(REMOVE_RECURSE ${WORK_DIR})
 run("cmake --install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 
 # 2. The public headers, all of them, including only what a consumer has.
-file(GLOB source_headers RELATIVE ${SOURCE_DIR}/include/spillway
+file(GLOB_RECURSE source_headers RELATIVE ${SOURCE_DIR}/include/spillway
      ${SOURCE_DIR}/include/spillway/*.hpp)
 set(problems "")
 foreach(h IN LISTS source_headers)
@@ -62,7 +62,7 @@ foreach(h IN LISTS source_headers)
   endif()
   file(STRINGS ${installed} includes REGEX "^[ \t]*#[ \t]*include")
   foreach(line IN LISTS includes)
-    if(line MATCHES "\"" AND NOT line MATCHES "#[ \t]*include[ \t]+\"spillway/[a-z0-9_]+\\.hpp\"")
+    if(line MATCHES "\"" AND NOT line MATCHES "#[ \t]*include[ \t]+\"spillway/[a-z0-9_]+/[a-z0-9_]+\\.hpp\"")
       list(APPEND problems "include/spillway/${h} includes a non-public header: ${line}")
     endif()
   endforeach()

@@ -2,7 +2,7 @@
 # The layering check (scripts/check_layering.py) passes on the tree and fails, naming the
 # file and the rule, on each kind of forbidden include: an engine including another
 # part's src/ header, plan depending on an engine, anything depending on cli, a public
-# header including a src/ header.
+# header including a src/ header, a public header outside include/spillway/<part>/.
 set -euo pipefail
 root="$1"
 check="$root/scripts/check_layering.py"
@@ -26,15 +26,20 @@ expect_violation() {  # <file> <include> <words expected in the message>
   echo "ok: $file including $inc is refused ($words)"
 }
 expect_violation src/offload/x.cpp optim/stv_internal.hpp "optim's is private"
-expect_violation src/plan/x.cpp spillway/offload.hpp "plan may not depend on offload"
-expect_violation src/plan/x.cpp spillway/optim.hpp "plan may not depend on optim"
-expect_violation src/core/x.cpp spillway/device.hpp "core may not depend on device"
+expect_violation src/plan/x.cpp spillway/offload/offload.hpp "plan may not depend on offload"
+expect_violation src/plan/x.cpp spillway/optim/optim.hpp "plan may not depend on optim"
+expect_violation src/core/x.cpp spillway/device/device.hpp "core may not depend on device"
 expect_violation src/offload/x.cpp cli/commands.hpp "nothing depends on cli"
-expect_violation include/spillway/offload.hpp offload/engine_internal.hpp "a public header includes a src/ header"
-expect_violation src/device/x.cpp spillway/memory.hpp "device may not depend on memory"
-expect_violation src/nn/x.cpp spillway/optim.hpp "nn may not depend on optim"
+expect_violation include/spillway/offload/offload.hpp offload/engine_internal.hpp "a public header includes a src/ header"
+expect_violation src/device/x.cpp spillway/memory/memory.hpp "device may not depend on memory"
+expect_violation src/nn/x.cpp spillway/optim/optim.hpp "nn may not depend on optim"
 expect_violation src/offload/x.cpp tool/output.hpp "tool's is private"
-expect_violation src/offload/x.cpp spillway/device_backend.hpp "only device implements it"
+expect_violation src/offload/x.cpp spillway/device/device_backend.hpp "only device implements it"
+# A public header lives in include/spillway/<part>/: a flat one (no part folder), an include
+# of one, and a folder that is no part are refused.
+expect_violation include/spillway/x.hpp spillway/core/error.hpp "include/spillway/x.hpp: a public header lives in include/spillway/<part>/"
+expect_violation src/offload/x.cpp spillway/memory.hpp "a public header lives in include/spillway/<part>/"
+expect_violation src/offload/x.cpp spillway/nopart/x.hpp "a public header lives in include/spillway/<part>/"
 # bench/ is a leaf: a src/ file including a header that lives in bench/ is refused.
 rm -rf "$fixture"/*
 mkdir -p "$fixture"/include/spillway "$fixture"/src/cli "$fixture"/bench
@@ -48,7 +53,7 @@ echo "ok: src/cli including a bench/ header is refused (bench/ is a leaf)"
 # Allowed: an engine on the public headers below it, any part on core's private headers.
 rm -rf "$fixture"/*
 mkdir -p "$fixture"/include/spillway "$fixture"/src/{core,offload}
-printf '#include "spillway/memory.hpp"\n#include "core/arena.hpp"\n#include "offload/own.hpp"\n' \
+printf '#include "spillway/memory/memory.hpp"\n#include "core/arena.hpp"\n#include "offload/own.hpp"\n' \
   > "$fixture/src/offload/ok.cpp"
 python3 "$check" "$fixture" || { echo "FAIL: allowed includes were refused"; exit 1; }
 echo "ok: allowed includes pass"

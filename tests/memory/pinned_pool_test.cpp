@@ -1,4 +1,4 @@
-// The pinned pool (spillway/memory.hpp) on the host backend: slabs sub-allocated once,
+// The pinned pool (spillway/memory/memory.hpp) on the host backend: slabs sub-allocated once,
 // exhaustion reported, thread safety, a double release caught, a pool too large for the
 // device refused clearly.
 #include <gtest/gtest.h>
@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/memory.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/memory/memory.hpp"
 
 namespace spillway {
 namespace {

@@ -16,14 +16,14 @@
 #include <vector>
 
 #include "core/json_io.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/probe.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/plan/plan.hpp"
+#include "spillway/probe/probe.hpp"
+#include "spillway/sim/sim.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -12,9 +12,9 @@
 #include <sstream>
 
 #include "core/embedded_data.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/plan/plan.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

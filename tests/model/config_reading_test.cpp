@@ -10,8 +10,8 @@
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
 #include "model/config_test_support.hpp"
-#include "spillway/error.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "core/embedded_data.hpp"
 #include "core/json_io.hpp"
-#include "spillway/error.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::testing {
 

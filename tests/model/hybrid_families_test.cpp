@@ -9,11 +9,11 @@
 
 #include "core/json_io.hpp"
 #include "plan/cost_model.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

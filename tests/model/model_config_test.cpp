@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "core/json_io.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -1,8 +1,8 @@
-// The decoder (spillway/decoder.hpp): chunked prefill and decode with a KV cache give the
+// The decoder (spillway/nn/decoder.hpp): chunked prefill and decode with a KV cache give the
 // reference model's forward logits (Note [Served outputs]), sequences batched together give
 // what each gives alone, a step allocates nothing, and bad steps are refused naming the
 // field with nothing changed.
-#include "spillway/decoder.hpp"
+#include "spillway/nn/decoder.hpp"
 
 #include <gtest/gtest.h>
 
@@ -14,8 +14,8 @@
 
 #include "allocation_count.hpp"
 #include "nn/ops.hpp"
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/nn/nn.hpp"
 #include "test_support.hpp"
 
 namespace spillway::nn {

@@ -10,8 +10,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "spillway/device.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/nn/nn.hpp"
 #include "test_support.hpp"
 
 namespace spillway::nn {

@@ -17,9 +17,9 @@
 
 #include "d2h_meter.hpp"
 #include "forwarding_device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/offload.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/hooks.hpp"
+#include "spillway/offload/offload.hpp"
 #include "test_support.hpp"
 #include "virtual_clock_device.hpp"
 

@@ -1,4 +1,4 @@
-// The socket's will_need (include/spillway/hooks.hpp): a loop that names, before backward,
+// The socket's will_need (include/spillway/device/hooks.hpp): a loop that names, before backward,
 // the caller memory each saved tensor will be needed in gets its prefetched reloads there
 // directly (no staging copy: StepTelemetry::reloads_staged stays 0); without it, prefetched
 // reloads are staged and copied. Both bitwise, through CompositeHooks.
@@ -8,10 +8,10 @@
 #include <random>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
+#include "spillway/offload/offload.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

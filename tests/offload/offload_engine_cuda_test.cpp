@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "offload/d2h_meter.hpp"
-#include "spillway/device.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/offload/offload.hpp"
 
 namespace spillway {
 namespace {

@@ -12,9 +12,9 @@
 
 #include "d2h_meter.hpp"
 #include "forwarding_device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/offload/offload.hpp"
+#include "spillway/plan/plan.hpp"
 #include "test_support.hpp"
 #include "virtual_clock_device.hpp"
 

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::offload {
 namespace {

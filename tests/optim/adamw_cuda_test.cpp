@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "device/cuda/adamw_kernels.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 namespace {

@@ -1,4 +1,4 @@
-// Tests of the one-pass CPU AdamW (include/spillway/optim.hpp): Note [Streamed stores] and
+// Tests of the one-pass CPU AdamW (include/spillway/optim/optim.hpp): Note [Streamed stores] and
 // Note [Norm lanes in the step's pass] change how the step writes and what it sums on the
 // way, never a bit of what it computes:
 //   (a) out of place with streamed stores, every copy type (fp32 included), on every
@@ -6,7 +6,7 @@
 //       (those that share p_out's alignment stream; the others fall back), nothing written
 //       outside [0, n), the inputs untouched;
 //   (b) step_and_norm_lanes: the lanes bitwise the plain per-lane reference (lane_sums_by_rows of
-//   spillway/device_math.hpp) and the state bitwise
+//   spillway/device/device_math.hpp) and the state bitwise
 //       the scalar step, on every Highway target, for 1-3 workers, shapes below a row,
 //       whole rows and a ragged last row, fp32 and bf16 gradients, every copy type,
 //       outputs aligned, off alignment or in place;
@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device_math.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/device/device_math.hpp"
+#include "spillway/optim/optim.hpp"
 #include "test_support.hpp"
 
 namespace spillway::optim {

@@ -1,4 +1,4 @@
-// Tests of the CPU AdamW (include/spillway/optim.hpp):
+// Tests of the CPU AdamW (include/spillway/optim/optim.hpp):
 //   (a) the SIMD step equals the scalar reference bit for bit, on every Highway target
 //       this CPU runs, for odd sizes and unaligned pointers, fp32 and bf16 gradients, a
 //       grad_scale != 1, every copy type, several steps; the thread pool likewise;
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/optim.hpp"
+#include "spillway/optim/optim.hpp"
 #include "test_support.hpp"
 
 namespace spillway::optim {

@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

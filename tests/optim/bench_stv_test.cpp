@@ -11,8 +11,8 @@
 #include <string>
 #include <string_view>
 
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 namespace {

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "forwarding_device.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway {
 namespace {

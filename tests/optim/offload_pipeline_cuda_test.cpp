@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "spillway/optim.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 namespace {

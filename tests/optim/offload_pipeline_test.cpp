@@ -15,8 +15,8 @@
 
 #include "allocation_count.hpp"
 #include "forwarding_device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 namespace {

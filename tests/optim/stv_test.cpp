@@ -9,8 +9,8 @@
 #include <limits>
 #include <random>
 
-#include "spillway/error.hpp"
-#include "spillway/optim.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/optim/optim.hpp"
 
 namespace spillway::optim {
 namespace {

@@ -1,7 +1,7 @@
-// Collectives (spillway/collectives.hpp, docs/collectives.md): the ring formulas against
+// Collectives (spillway/plan/collectives.hpp, docs/collectives.md): the ring formulas against
 // hand-computed numbers, a group of 1 is free, the link rule on the catalog profiles, the
 // hardware profile's "interconnect" object, and bad input named by field and value.
-#include "spillway/collectives.hpp"
+#include "spillway/plan/collectives.hpp"
 
 #include <gtest/gtest.h>
 

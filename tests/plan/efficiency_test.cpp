@@ -9,9 +9,9 @@
 
 #include "plan/cost_model.hpp"
 #include "plan_helpers.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/plan/plan.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "plan_helpers.hpp"
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -1,14 +1,14 @@
 // The per-layer inventory: the stable tensor names, shapes and bytes, the offload volume
 // formulas (V = 3 T f_act b unfused, 2 T f_act b fused; 6 T d f_act recompute FLOPs), exact
 // linearity in tokens for every catalog model, and a well-formed op graph.
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
 
 #include <gtest/gtest.h>
 
 #include <map>
 #include <set>
 
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "plan_helpers.hpp"
-#include "spillway/error.hpp"
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

@@ -2,8 +2,8 @@
 // on it; a slower one hands the last-arriving layers to the GPU while HBM allows.
 #include <gtest/gtest.h>
 
-#include "spillway/error.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 namespace {

@@ -6,8 +6,8 @@
 #include <map>
 
 #include "plan_helpers.hpp"
-#include "spillway/collectives.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/sim/sim.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -6,9 +6,9 @@
 #include <map>
 #include <string>
 
-#include "spillway/hardware.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway::testing {
 

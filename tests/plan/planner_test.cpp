@@ -7,7 +7,7 @@
 #include <set>
 
 #include "plan_helpers.hpp"
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "plan_helpers.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

@@ -1,9 +1,9 @@
 // The stream mode choice (Note [Stream mode model]): hand-computed cases.
-#include "spillway/stream_mode.hpp"
+#include "spillway/plan/stream_mode.hpp"
 
 #include <gtest/gtest.h>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

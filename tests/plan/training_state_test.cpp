@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "plan_helpers.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

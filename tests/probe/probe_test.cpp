@@ -2,7 +2,7 @@
 // throttle, unthrottled ones faster; sizes that do not fit are skipped, not thrown;
 // corrupted copies are caught before timing; nothing stays allocated; the report and the
 // JSON say what was measured.
-#include "spillway/probe.hpp"
+#include "spillway/probe/probe.hpp"
 
 #include <gtest/gtest.h>
 
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "forwarding_device.hpp"
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 namespace {

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <string>
 
-#include "spillway/probe.hpp"
+#include "spillway/probe/probe.hpp"
 
 namespace spillway {
 namespace {

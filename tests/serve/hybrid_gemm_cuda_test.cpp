@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "forwarding_device.hpp"
-#include "spillway/device.hpp"
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
-#include "spillway/hybrid_gemm.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/device_math.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
 
 namespace spillway {
 namespace {

@@ -4,7 +4,7 @@
 // the same tile calls, and every alpha is within the documented bound of the product in
 // double; the crossover the design predicts shows in the counts: the symmetric path pays
 // link bytes for HBM, the asymmetric path HBM bytes for link.
-#include "spillway/hybrid_gemm.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
 
 #include <gtest/gtest.h>
 
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "allocation_count.hpp"
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway {
 namespace {

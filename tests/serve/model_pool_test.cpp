@@ -1,4 +1,4 @@
-// The model pool (spillway/serve.hpp): models load once from safetensors into mapped host
+// The model pool (spillway/serve/serve.hpp): models load once from safetensors into mapped host
 // memory and are handed out in place; switching between resident models copies nothing to
 // the device (Note [Pool switches copy nothing], counted through a forwarding device); the
 // host budget evicts the least recently used idle model, never one in use, and answers
@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "forwarding_device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/serve.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/serve/serve.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

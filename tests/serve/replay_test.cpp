@@ -3,14 +3,14 @@
 // serves every request in every configuration, deterministically for its seed, with the
 // scheduler's placements (switches, cold starts) counted; the dedicated baseline uses a GPU
 // group per model; the JSON and the SVG are well formed.
-#include "spillway/replay.hpp"
+#include "spillway/serve/replay.hpp"
 
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

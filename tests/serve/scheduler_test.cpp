@@ -4,14 +4,14 @@
 // rather than preempting, the prefill chunk from the profile table; the controller's
 // direction, steps, dead band and its convergence on a plant whose utilizations respond to
 // alpha (no ringing).
-#include "spillway/scheduler.hpp"
+#include "spillway/serve/scheduler.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <utility>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

@@ -2,7 +2,7 @@
 // profiles; the results are HybridGEMM's real ones; co-running slices share the link (a
 // link-bound GEMM on 4 slices at once takes about 4 times as long as alone, and the link
 // never carries more than its bandwidth); a GEMM bound by HBM or compute takes that time.
-#include "spillway/slices.hpp"
+#include "spillway/serve/slices.hpp"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <random>
 #include <thread>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

@@ -14,8 +14,8 @@
 #include <string>
 
 #include "plan/plan_helpers.hpp"
-#include "spillway/collectives.hpp"
-#include "spillway/sim.hpp"
+#include "spillway/plan/collectives.hpp"
+#include "spillway/sim/sim.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

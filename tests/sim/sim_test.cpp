@@ -1,7 +1,7 @@
 // Simulator tests: agreement with the planner, conservation and ordering invariants,
 // link sharing, back-pressure, memory, the trace/summary formats, and the engine's fixed
 // tasks and clients (Note [Fixed tasks], Note [Engine clients]).
-#include "spillway/sim.hpp"
+#include "spillway/sim/sim.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 #include <random>
 
 #include "plan/plan_helpers.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "test_support.hpp"
 
 namespace spillway {

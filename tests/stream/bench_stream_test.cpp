@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/stream.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/stream/weight_streamer.hpp"
 
 namespace spillway {
 namespace {

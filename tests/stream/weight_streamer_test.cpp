@@ -3,6 +3,8 @@
 // training; what is copied and reused; a slow link makes compute wait, a slow reader makes
 // the copy wait, never a half-written or overwritten slot; no allocation, no host
 // synchronize and no stream-wide wait in steady state; bad calls name what is wrong.
+#include "spillway/stream/weight_streamer.hpp"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -15,8 +17,7 @@
 
 #include "allocation_count.hpp"
 #include "forwarding_device.hpp"
-#include "spillway/error.hpp"
-#include "spillway/stream.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway {
 namespace {

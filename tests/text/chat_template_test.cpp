@@ -1,14 +1,14 @@
-// The chat template interpreter (spillway/chat_template.hpp) on small templates whose
+// The chat template interpreter (spillway/text/chat_template.hpp) on small templates whose
 // expected outputs are jinja2's under transformers' environment (trim_blocks, lstrip_blocks,
 // its tojson), computed with transformers 5.23 / jinja2 3.1.6: whitespace control, loops and
 // their variables, namespaces, macros, tojson as json.dumps, Python's printing and
 // arithmetic, undefined values; refusals naming the construct and the line.
 // python/tests/test_chat_template.py compares 28 published templates live.
-#include "spillway/chat_template.hpp"
+#include "spillway/text/chat_template.hpp"
 
 #include <gtest/gtest.h>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "test_support.hpp"
 
 namespace spillway::text {

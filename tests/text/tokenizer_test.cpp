@@ -1,18 +1,18 @@
-// The tokenizer (spillway/tokenizer.hpp) on three tiny tokenizer.json files written by the
+// The tokenizer (spillway/text/tokenizer.hpp) on three tiny tokenizer.json files written by the
 // `tokenizers` package 0.23.3 (tests/text/data/, README there): a byte-level BPE with a
 // special token and a BOS template; a SentencePiece-style BPE with byte fallback in Llama
 // 2's legacy form (Prepend and Replace normalizers) and in the Metaspace form. The expected
 // ids and texts are the package's own for the same inputs (python/tests/test_tokenizer.py
 // compares real tokenizers with the package live). Also: lossy UTF-8 as Rust's, streaming
 // detokenization, refusals naming the component.
-#include "spillway/tokenizer.hpp"
+#include "spillway/text/tokenizer.hpp"
 
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <sstream>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 #include "test_support.hpp"
 #include "text/unicode.hpp"
 

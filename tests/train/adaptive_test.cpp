@@ -9,9 +9,9 @@
 #include <optional>
 #include <string>
 
-#include "spillway/nn.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/train.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/plan/plan.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::train {
 namespace {

@@ -10,10 +10,10 @@
 #include <fstream>
 #include <random>
 
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/offload.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/offload/offload.hpp"
+#include "spillway/train/train.hpp"
 #include "test_support.hpp"
 
 namespace spillway::nn {
@@ -367,7 +367,7 @@ TEST(Train, CompareRunsEveryPolicyBitwiseIdentically) {
   }
 }
 
-// Note [The machine is the limit] (spillway/probe.hpp): a run whose link asks for more than
+// Note [The machine is the limit] (spillway/probe/probe.hpp): a run whose link asks for more than
 // this machine's memcpy (forced: the figures given) says so beside its figures, naming both
 // rates; one within it does not. The run measures memcpy itself.
 TEST(Train, ALinkFasterThanMemcpySaysTheMachineIsTheLimit) {

@@ -13,10 +13,10 @@
 #include <string>
 #include <thread>
 
-#include "spillway/error.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/stream.hpp"
-#include "spillway/train.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/stream/weight_streamer.hpp"
+#include "spillway/train/train.hpp"
 
 namespace spillway::nn {
 namespace {

@@ -11,10 +11,10 @@
 #include <exception>
 #include <memory>
 #include <random>
-#include <spillway/device.hpp>
-#include <spillway/offload.hpp>
-#include <spillway/optim.hpp>
-#include <spillway/policy.hpp>
+#include <spillway/core/policy.hpp>
+#include <spillway/device/device.hpp>
+#include <spillway/offload/offload.hpp>
+#include <spillway/optim/optim.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,7 +56,7 @@ class DeviceBuffer {
 // The engine's part, kept in one place: one training step in which `buf` (its bytes
 // already enqueued on `compute`) is offloaded as layer 0's "mlp.act" and reloaded in
 // backward. The caller owns both buffers (Note [Saved tensor ownership] in
-// spillway/hooks.hpp): offload_borrowed() copies from `buf` and returns the event after
+// spillway/device/hooks.hpp): offload_borrowed() copies from `buf` and returns the event after
 // which `buf` may be reused (overwritten here, to prove it), and reload_into() fills
 // `dst`, which the caller allocated. Returns dst's bytes, read back to the host.
 std::vector<unsigned char> offload_and_reload(spillway::OffloadEngine& engine, Device& dev,
@@ -118,7 +118,7 @@ void offload_round_trip() {
         "telemetry: one tensor, its bytes down and up");
 }
 
-// The update of include/spillway/optim.hpp, written out: the per-step scalars in double
+// The update of include/spillway/optim/optim.hpp, written out: the per-step scalars in double
 // rounded to float, then each line in that order, every operation rounded on its own.
 void reference_adamw(const spillway::optim::AdamWParams& hp, int64_t step, float* p, float* m,
                      float* v, const float* g, size_t n) {

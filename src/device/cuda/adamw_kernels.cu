@@ -1,10 +1,10 @@
 // CUDA kernels of the device operations: see adamw_kernels.hpp and Note [AdamW on the
-// device]. The arithmetic is spillway/device_math.hpp's, nothing of its own.
+// device]. The arithmetic is spillway/device/device_math.hpp's, nothing of its own.
 #include <cuda_runtime.h>
 
 #include "device/cuda/adamw_kernels.hpp"
 #include "device/cuda/cuda_check.hpp"
-#include "spillway/device_math.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway::cuda {
 

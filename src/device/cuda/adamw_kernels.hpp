@@ -1,6 +1,6 @@
 // The CUDA kernels of the device operations (Note [Device operations], device.hpp): the
 // CUDA twin of src/device/host_ops.cpp, with the same operations and arguments. Every
-// kernel evaluates the arithmetic of spillway/device_math.hpp per thread; the backend
+// kernel evaluates the arithmetic of spillway/device/device_math.hpp per thread; the backend
 // (cuda_device.cpp) calls these on its streams.
 //
 // Note [AdamW on the device]: device_math.hpp's operations are round-to-nearest
@@ -12,7 +12,7 @@
 
 #include <cuda_runtime.h>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway::cuda {
 

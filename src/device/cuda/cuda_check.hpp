@@ -15,7 +15,7 @@
 #include <cstdio>
 #include <string>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::detail {
 

@@ -43,10 +43,10 @@
 #include "device/cuda/adamw_kernels.hpp"
 #include "device/cuda/cuda_check.hpp"
 #include "device/cuda/hybrid_gemm_kernels.hpp"
-#include "spillway/device.hpp"
-#include "spillway/device_backend.hpp"
-#include "spillway/error.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/core/units.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/device_backend.hpp"
 
 namespace spillway {
 namespace {

@@ -2,7 +2,7 @@
 #include <string>
 
 #include "device/cuda/cuda_runtime_info.hpp"
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -1,10 +1,10 @@
-// What the CUDA runtime reports, for cuda_info() (include/spillway/device.hpp); built
+// What the CUDA runtime reports, for cuda_info() (include/spillway/device/device.hpp); built
 // only with the CUDA backend.
 #pragma once
 
 #include <string>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

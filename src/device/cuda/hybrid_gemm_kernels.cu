@@ -1,4 +1,4 @@
-// HybridGEMM's CUDA kernels (spillway/hybrid_gemm.hpp, Note [HybridGEMM dataflows]): X and
+// HybridGEMM's CUDA kernels (spillway/serve/hybrid_gemm.hpp, Note [HybridGEMM dataflows]): X and
 // O in device memory, W in mapped host memory that the kernels read in place over the
 // link. The arithmetic of a tile is plain fp32 multiply-adds in K order; the host
 // implementation's tile products go through BLAS, so the two agree within Note [HybridGEMM
@@ -26,8 +26,8 @@
 #include <string>
 
 #include "device/cuda/hybrid_gemm_kernels.hpp"
-#include "spillway/device_math.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway::cuda {
 namespace {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway::cuda {
 

@@ -1,4 +1,4 @@
-// NCCL's all-gather behind spillway::AllGather (Note [Device groups], spillway/device.hpp):
+// NCCL's all-gather behind spillway::AllGather (Note [Device groups], spillway/device/device.hpp):
 // one communicator per CUDA device of this process (ncclCommInitAll), each call an
 // in-place ncclAllGather on the rank's stream. Compiled with the CUDA backend when NCCL is
 // found; it runs only where GPUs are.
@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/json_io.hpp"
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
 
 namespace spillway::families {
 

@@ -1,6 +1,6 @@
 // GLM-4.5 and GLM-4.6 (glm4_moe).
 #include "model/families/families.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway::families {
 

@@ -2,7 +2,7 @@
 #include <fmt/format.h>
 
 #include "model/families/families.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway::families {
 

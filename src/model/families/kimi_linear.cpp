@@ -5,7 +5,7 @@
 #include <set>
 
 #include "model/families/families.hpp"
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway::families {
 

@@ -1,7 +1,7 @@
 // The SIMD AdamW step: Highway, compiled once per target (foreach_target.h re-includes
 // this file) and dispatched at run time to the best target the CPU supports.
 //
-// Invariants: the arithmetic is Note [AdamW operation order] (spillway/device_math.hpp)
+// Invariants: the arithmetic is Note [AdamW operation order] (spillway/device/device_math.hpp)
 // lane by lane, so the result equals adamw_step_scalar (adamw_element) bit for bit on every
 // target; the tail (fewer elements than one vector) goes through the same vector code on
 // zero-padded stack copies, so there is no second scalar formula here; the bf16/fp16/fp32 copy
@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "spillway/optim.hpp"
+#include "spillway/optim/optim.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace spillway::optim::HWY_NAMESPACE {
@@ -337,7 +337,7 @@ HWY_AFTER_NAMESPACE();
 #include <string>
 #include <vector>
 
-#include "spillway/error.hpp"
+#include "spillway/core/error.hpp"
 
 namespace spillway::optim {
 

@@ -17,7 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/slices.hpp"
+#include "spillway/serve/slices.hpp"
 
 namespace spillway {
 

@@ -33,9 +33,9 @@
 #include <string_view>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
 
 namespace spillway {
 
@@ -197,7 +197,7 @@ class OffloadEngine {
   MemoryPolicy policy_;
 };
 
-// The engine on the socket (spillway/hooks.hpp): a training loop's saved tensors go to
+// The engine on the socket (spillway/device/hooks.hpp): a training loop's saved tensors go to
 // the engine when its policy wants them (Note [Saved tensor ownership]): a given tensor
 // with offload() (freed by the engine once copied and, with hold_until_forward_end, not
 // before the layer's forward ends), a borrowed one with offload_borrowed() (the ticket's

@@ -1,8 +1,8 @@
 // The live serving engine (docs/serve.md, `spillway serve`): models from a directory of
 // checkpoints in the host-resident pool, emulated MIG slices behind one shared link, the
 // Scheduler placing every request, and on each slice a thread running the reference model
-// in inference mode (spillway/decoder.hpp) with continuous batching, every weight GEMM
-// through HybridGEMM from the pool. No HTTP here (spillway/http_server.hpp puts it behind
+// in inference mode (spillway/nn/decoder.hpp) with continuous batching, every weight GEMM
+// through HybridGEMM from the pool. No HTTP here (spillway/http/http_server.hpp puts it behind
 // the OpenAI-compatible endpoint).
 //
 // Note [Serving engine]: a request is checked (model, prompt, lengths) and queued; the
@@ -39,23 +39,23 @@
 #include <string>
 #include <vector>
 
-#include "spillway/chat_template.hpp"
-#include "spillway/decoder.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/nn.hpp"
-#include "spillway/serve.hpp"
-#include "spillway/tokenizer.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/nn/decoder.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/serve/serve.hpp"
+#include "spillway/text/chat_template.hpp"
+#include "spillway/text/tokenizer.hpp"
 
 namespace spillway::inference {
 
 // ---- model directories ------------------------------------------------------------------
 
 // Note [Model directories]: a servable model is a directory holding config.json (a
-// reference-model config: qwen3_moe / qwen3 / llama-like, spillway/nn.hpp) and its weights,
+// reference-model config: qwen3_moe / qwen3 / llama-like, spillway/nn/nn.hpp) and its weights,
 // the tensors of weight_specs() (Note [Checkpoint names]), F32 or BF16, shaped as the config
 // says: in model.safetensors, or sharded as Hugging Face saves them (model.safetensors.index.json
-// and the shards it names: Note [Sharded checkpoints] in spillway/serve.hpp). A directory with
-// both is refused as ambiguous, naming both. The model's name is the directory's.
+// and the shards it names: Note [Sharded checkpoints] in spillway/serve/serve.hpp). A directory
+// with both is refused as ambiguous, naming both. The model's name is the directory's.
 struct ModelFiles {
   std::string name;
   std::string dir;
@@ -115,7 +115,7 @@ ModelScan scan_models(const std::string& dir);
 // The strict form: the models of scan_models(); its first refusal, or none found, is an
 // error.
 std::vector<ModelFiles> find_models(const std::string& dir);
-// Note [Served attention extras] (spillway/nn.hpp): whether a checkpoint of config `c` is
+// Note [Served attention extras] (spillway/nn/nn.hpp): whether a checkpoint of config `c` is
 // served with q/k norms: its family has them (Qwen3, Qwen3-MoE) and the file holds the first
 // attention layer's q_norm. A file without them (the reference model's own qwen3_moe
 // checkpoints) is served without, in every layer; one that holds some is then refused by

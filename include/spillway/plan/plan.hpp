@@ -25,17 +25,17 @@
 #include <string_view>
 #include <vector>
 
-#include "spillway/hardware.hpp"
-#include "spillway/inventory.hpp"
-#include "spillway/model.hpp"
-#include "spillway/policy.hpp"
-#include "spillway/units.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway {
 
 // PlanRequest::strategy is what the planner is asked for: one Policy in every layer, or the
 // best per layer (Policy::kAuto); LayerPlan::policy what it chose (never kAuto). One
-// vocabulary with the engines (spillway/policy.hpp).
+// vocabulary with the engines (spillway/core/policy.hpp).
 
 // The physical ranges of a request (make_plan refuses others, naming the field; the CLI
 // states them in --help): bandwidths from 1 KB/s to 1 PB/s, an HBM budget from 1 MB to

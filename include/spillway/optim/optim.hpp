@@ -13,7 +13,7 @@
 //   v  = beta2 * v + (1 - beta2) * g * g
 //   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
 // with the per-step scalars (lr / bc1, 1 / sqrt(bc2), 1 - lr * wd) computed once in double
-// and rounded to float. Note [AdamW operation order] (spillway/device_math.hpp, where the
+// and rounded to float. Note [AdamW operation order] (spillway/device/device_math.hpp, where the
 // scalar element update is written once for the reference, the host backend and the CUDA
 // kernel): scalar and SIMD evaluate each line in the same order, every multiply and add
 // rounded on its own (no fused multiply-add, -ffp-contract=off), so they agree to the bit
@@ -122,8 +122,8 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hooks.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
 
 namespace spillway::optim {
 
@@ -231,7 +231,7 @@ class AdamW {
 };
 
 // bf16 (round to nearest even, NaN kept NaN) and fp16 conversions used by the copies. The
-// bf16 ones are the device layer's (spillway/device_math.hpp), inline: loops over them
+// bf16 ones are the device layer's (spillway/device/device_math.hpp), inline: loops over them
 // vectorize.
 using spillway::bf16_to_float;
 using spillway::float_to_bf16;
@@ -240,7 +240,7 @@ float fp16_to_float(uint16_t h);
 
 // ---- STV ----
 
-using spillway::Bucket;  // spillway/hooks.hpp: an offset and a count into the group's state
+using spillway::Bucket;  // spillway/device/hooks.hpp: an offset and a count into the group's state
 
 enum class StvOutcome { kCommit, kReplay, kSkip };
 
@@ -630,7 +630,7 @@ class SpeculativeCpuAdamW {
   std::unique_ptr<Impl> impl_;
 };
 
-// The pipeline on the socket (spillway/hooks.hpp): grad_ready(b) hands bucket b over
+// The pipeline on the socket (spillway/device/hooks.hpp): grad_ready(b) hands bucket b over
 // (OptimizerOffload::on_bucket_grad), step_end() validates and finishes the step
 // (OptimizerOffload::end_step) and keeps its outcome.
 class OptimizerHooks final : public TrainingHooks {

@@ -1,5 +1,5 @@
 // `spillway serve`'s HTTP face: the OpenAI-compatible completions endpoint over a
-// inference::ServingEngine (spillway/inference.hpp), on cpp-httplib.
+// inference::ServingEngine (spillway/inference/inference.hpp), on cpp-httplib.
 //
 // Note [HTTP endpoints]:
 //   POST /v1/completions  {"model", "prompt" (a string: its bytes are the tokens of a
@@ -40,7 +40,7 @@
 #include <memory>
 #include <string>
 
-#include "spillway/inference.hpp"
+#include "spillway/inference/inference.hpp"
 
 namespace spillway::http {
 

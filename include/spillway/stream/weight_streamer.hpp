@@ -36,8 +36,8 @@
 #include <memory>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hooks.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
 
 namespace spillway {
 

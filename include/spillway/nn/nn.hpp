@@ -24,11 +24,11 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hooks.hpp"
-#include "spillway/model.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/policy.hpp"
+#include "spillway/catalog/model.hpp"
+#include "spillway/core/policy.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/device/hooks.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway::nn {
 
@@ -177,7 +177,7 @@ class Model {
   // backward under `policy` (in this model's terms: reference_policy), then, with a
   // device optimizer, `update` (Note [The model's own update]; empty: none, gradient
   // tests). The engines
-  // are reached through `hooks` only (spillway/hooks.hpp, Note [Hook sequence]): a tensor
+  // are reached through `hooks` only (spillway/device/hooks.hpp, Note [Hook sequence]): a tensor
   // the policy offloads is given to them (running without a hook that takes it is an
   // error), needed() brings it back, grad_ready(b) follows each bucket's gradients, and
   // step_end() ends the step. Running out of device memory throws spillway::Error naming

@@ -1,7 +1,7 @@
 // The socket a device backend fills (as ggml-backend-impl.h is to ggml-backend.h): the host
 // emulation (src/device/host_device.cpp), CUDA (src/device/cuda/cuda_device.cpp) and the
-// tests' wrappers implement DeviceBackend; a Device (spillway/device.hpp) owns one and is
-// what every caller uses. A backend keeps the semantics stated in spillway/device.hpp
+// tests' wrappers implement DeviceBackend; a Device (spillway/device/device.hpp) owns one and is
+// what every caller uses. A backend keeps the semantics stated in spillway/device/device.hpp
 // (stream order, events, allocation failure as a value, Note [Adopted streams], Note
 // [Device operations]); each member is the Device member of the same name. Optional
 // members say so and have a default.
@@ -11,7 +11,7 @@
 #include <functional>
 #include <string>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hardware.hpp"
-#include "spillway/hybrid_gemm.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/serve/hybrid_gemm.hpp"
 
 namespace spillway {
 

@@ -1,6 +1,6 @@
 // Collectives in the planner's vocabulary (docs/collectives.md): the
 // ring time of an all-reduce, all-gather, reduce-scatter or all-to-all, which link a group
-// of GPUs crosses, and the CollectivePlan a layer carries (spillway/plan.hpp).
+// of GPUs crosses, and the CollectivePlan a layer carries (spillway/plan/plan.hpp).
 //
 // Ring time of a message of S bytes per GPU over n GPUs at B bytes/s per GPU per direction,
 // with a latency L per ring step:
@@ -15,8 +15,8 @@
 #include <string>
 #include <string_view>
 
-#include "spillway/hardware.hpp"
-#include "spillway/plan.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 

@@ -30,7 +30,7 @@
 // Note [Device operations]: device work an engine launches (AdamW, norm lanes, widening)
 // is an optional member of this interface, as in ggml's backend interface. Its arguments
 // are plain data (pointers into memory the device addresses, counts, per-step scalars; no
-// engine types); its per-element arithmetic is spillway/device_math.hpp, written once.
+// engine types); its per-element arithmetic is spillway/device/device_math.hpp, written once.
 // The host backend runs it as stream-ordered host work (the host addresses its device
 // memory), the CUDA backend as kernels, every launch checked. A call enqueues the work on
 // s and returns true; a backend without the operation returns false (the default) and
@@ -50,7 +50,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/device_math.hpp"
+#include "spillway/device/device_math.hpp"
 
 namespace spillway {
 
@@ -128,7 +128,7 @@ struct DeviceHybridGemm {
   int64_t* traffic = nullptr;
 };
 
-class DeviceBackend;  // the socket a backend fills: spillway/device_backend.hpp
+class DeviceBackend;  // the socket a backend fills: spillway/device/device_backend.hpp
 
 // A device: the face every engine and caller uses. It forwards each call to its backend
 // (the host emulation, CUDA, or a wrapper such as a test's fault injection); the semantics

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/units.hpp"
+#include "spillway/core/units.hpp"
 
 namespace spillway {
 
@@ -28,7 +28,7 @@ struct Interconnect {
   double nvlink_gbps = 0.0;             // NVLink to the other GPUs of its domain; 0 = none
   int gpus_per_nvlink_domain = 1;       // GPUs one NVLink fabric joins (8 HGX, 72 NVL72); 1 = none
   double network_gbps = 25.0;           // scale-out NIC(s) per GPU (400 Gb/s = 50 GB/s)
-  double collective_latency_us = 10.0;  // per step of a ring (see spillway/collectives.hpp)
+  double collective_latency_us = 10.0;  // per step of a ring (see spillway/plan/collectives.hpp)
 };
 
 // Note [Efficiency curves]: the roofline divides FLOPs by peak x efficiency, and the

@@ -22,8 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 
@@ -39,7 +39,8 @@ struct SafetensorsTensor {
 inline constexpr int64_t kSafetensorsMaxHeaderBytes = int64_t{100} << 20;
 
 // Which file a path named when it was opened: one renamed over it, rewritten or resized
-// since has another stamp (Note [Checkpoints that change on disk] in spillway/inference.hpp).
+// since has another stamp (Note [Checkpoints that change on disk] in
+// spillway/inference/inference.hpp).
 struct FileStamp {
   uint64_t device = 0, inode = 0;
   int64_t bytes = 0;
@@ -199,7 +200,7 @@ enum class PoolStatus {
   kOk,
   kFull,     // every resident model is in use and the model does not fit beside them
   kChanged,  // the file is no longer the one add() checked (Note [Checkpoints that change
-             // on disk] in spillway/inference.hpp), or it cannot be read: nothing loaded
+             // on disk] in spillway/inference/inference.hpp), or it cannot be read: nothing loaded
 };
 
 struct PoolAcquire {

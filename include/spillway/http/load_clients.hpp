@@ -1,4 +1,4 @@
-// Clients of a running `spillway serve` (spillway/http_server.hpp): the trace replayed live
+// Clients of a running `spillway serve` (spillway/http/http_server.hpp): the trace replayed live
 // (`spillway replay --live URL`) and the load test (`spillway load URL`).
 //
 // Note [Live replay]: the trace's requests are sent open loop at their arrival times
@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/replay.hpp"
+#include "spillway/serve/replay.hpp"
 
 namespace spillway::http {
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
 
 namespace spillway {
 

@@ -36,8 +36,8 @@
 #include <cstdint>
 #include <string>
 
-#include "spillway/device.hpp"
-#include "spillway/inventory.hpp"
+#include "spillway/catalog/inventory.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -10,7 +10,7 @@
 // host link; a layerwise weight-streaming pass (prefetch depth d, d + 1 buffers).
 //
 // The engine under them (sim::Engine, at the end) is the project's one discrete-event
-// engine: serving's trace replay (spillway/replay.hpp) runs on it too.
+// engine: serving's trace replay (spillway/serve/replay.hpp) runs on it too.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/plan.hpp"
+#include "spillway/plan/plan.hpp"
 
 namespace spillway {
 
@@ -46,7 +46,7 @@ struct TaskRecord {  // one finished task
   int gpu = 0;
   int layer = -1;
   int micro_batch = 0;
-  int64_t bytes = 0;  // copies; collectives: the ring's byte volume (spillway/collectives.hpp)
+  int64_t bytes = 0;  // copies; collectives: the ring's byte volume (spillway/plan/collectives.hpp)
   std::string link;   // collectives: "nvlink", "network" or "host"
   double start_ms = 0.0;
   double end_ms = 0.0;

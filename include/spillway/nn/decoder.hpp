@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/nn.hpp"
+#include "spillway/device/device.hpp"
+#include "spillway/nn/nn.hpp"
 
 namespace spillway::nn {
 

@@ -1,7 +1,7 @@
 // Trace replay of host-resident serving (docs/serve.md, `spillway replay`): the
 // production trace's arrivals and model ids, open loop, through a discrete-event
 // simulation of MIG slices that compute every model from host memory with HybridGEMM,
-// placed by the Scheduler (spillway/scheduler.hpp: the same code a live server runs),
+// placed by the Scheduler (spillway/serve/scheduler.hpp: the same code a live server runs),
 // against baselines in the same run.
 //
 // Note [Replay model]: each trace model id is a distinct served model (its own weights)
@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/model.hpp"
+#include "spillway/catalog/model.hpp"
 
 namespace spillway {
 

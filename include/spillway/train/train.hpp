@@ -16,11 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "spillway/nn.hpp"
-#include "spillway/optim.hpp"
-#include "spillway/plan.hpp"
-#include "spillway/stream.hpp"
-#include "spillway/stream_mode.hpp"
+#include "spillway/nn/nn.hpp"
+#include "spillway/optim/optim.hpp"
+#include "spillway/plan/plan.hpp"
+#include "spillway/plan/stream_mode.hpp"
+#include "spillway/stream/weight_streamer.hpp"
 
 namespace spillway::train {
 
@@ -165,11 +165,11 @@ struct TrainReport {
   // This machine's memcpy through the host backend's copy engine, measured in the run (the
   // probe, unthrottled): a throttle above it, or the 20 GB/s an unthrottled link is planned
   // at, is out of reach, and the report says the machine is the limit (Note [The machine is
-  // the limit] in spillway/probe.hpp). 0: not measured.
+  // the limit] in spillway/probe/probe.hpp). 0: not measured.
   double memcpy_gbps = 0.0;
 };
 
-// Note [The model's own update] (spillway/nn.hpp): the reference model's optimizer when it
+// Note [The model's own update] (spillway/nn/nn.hpp): the reference model's optimizer when it
 // is not offloaded, AdamW as Loshchilov and Hutter write it: the decay inside the update,
 // the bias corrections on the moments, float throughout (the per-step scalars too):
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;
@@ -202,7 +202,7 @@ TrainReport run(const TrainOptions& o, const std::function<void(const std::strin
 std::string format_train_report(const TrainReport& r, const TrainOptions& o);
 std::string train_report_json(const TrainReport& r, const TrainOptions& o);
 
-// `spillway stream` without --explain (Note [Streamed weights] in spillway/nn.hpp,
+// `spillway stream` without --explain (Note [Streamed weights] in spillway/nn/nn.hpp,
 // docs/stream.md): the reference model on gpus_per_link emulated GPUs behind one throttled
 // host link, each GPU with the model all-resident and the same model with its weights
 // streamed (same seed, same batches), interleaved step by step, their losses compared bit

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "spillway/device.hpp"
-#include "spillway/hardware.hpp"
+#include "spillway/catalog/hardware.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 

@@ -38,7 +38,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/device.hpp"
+#include "spillway/device/device.hpp"
 
 namespace spillway {
 
@@ -170,8 +170,8 @@ class CompositeHooks final : public TrainingHooks {
 };
 
 // Note [Layer weight sources]: where a model's layers read their weights when not from
-// their own copy: a weight streamer's ring of device slots (spillway/stream.hpp), or any
-// source that keeps a layer's packed weights in host slabs and hands out a device copy per
+// their own copy: a weight streamer's ring of device slots (spillway/stream/weight_streamer.hpp),
+// or any source that keeps a layer's packed weights in host slabs and hands out a device copy per
 // visit. The model packs its weights into the slabs and visits its layers in the source's
 // schedule (forward, then backward in reverse in training); the source orders its copies
 // by events on the model's compute stream.
