@@ -384,7 +384,7 @@ struct HostDeviceOptions {
 std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options);
 
 namespace detail {
-class HostQueue;  // the host backend's in-order queue of work (src/device/host_queue.hpp)
+class HostQueue;  // the host backend's in-order queue of work (src/device/host/host_queue.hpp)
 }
 
 // A stream of the host backend made outside any device, the host twin of a cudaStream_t

@@ -1,5 +1,5 @@
 // The socket a device backend fills (as ggml-backend-impl.h is to ggml-backend.h): the host
-// emulation (src/device/host_device.cpp), CUDA (src/device/cuda/cuda_device.cpp) and the
+// emulation (src/device/host/host_device.cpp), CUDA (src/device/cuda/cuda_device.cpp) and the
 // tests' wrappers implement DeviceBackend; a Device (spillway/device/device.hpp) owns one and is
 // what every caller uses. A backend keeps the semantics stated in spillway/device/device.hpp
 // (stream order, events, allocation failure as a value, Note [Adopted streams], Note

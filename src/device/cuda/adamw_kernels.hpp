@@ -1,5 +1,5 @@
 // The CUDA kernels of the device operations (Note [Device operations], device.hpp): the
-// CUDA twin of src/device/host_ops.cpp, with the same operations and arguments. Every
+// CUDA twin of src/device/host/host_ops.cpp, with the same operations and arguments. Every
 // kernel evaluates the arithmetic of spillway/device/device_math.hpp per thread; the backend
 // (cuda_device.cpp) calls these on its streams.
 //

@@ -4,7 +4,7 @@
 // of the norm lane sums vectorize, as in optim's stv.cpp) and -fno-math-errno (sqrt is then
 // the IEEE instruction alone, so that the AdamW loop vectorizes; its results are the same
 // bits either way).
-#include "device/host_ops.hpp"
+#include "device/host/host_ops.hpp"
 
 #include "spillway/core/error.hpp"
 #include "spillway/device/device_math.hpp"

@@ -28,8 +28,8 @@
 
 #include "core/arena.hpp"
 #include "core/enum_names.hpp"
-#include "device/host_ops.hpp"
-#include "device/host_queue.hpp"
+#include "device/host/host_ops.hpp"
+#include "device/host/host_queue.hpp"
 #include "spillway/core/error.hpp"
 #include "spillway/core/units.hpp"
 #include "spillway/device/device.hpp"

@@ -1,12 +1,12 @@
 // The host backend's stream queues (host_queue.hpp): a queue's worker and what it runs
 // (copies throttled to a bandwidth, records, waits, callbacks, device operations), the
 // registry of live queues, and HostStream, a queue made by a caller.
-#include "device/host_queue.hpp"
+#include "device/host/host_queue.hpp"
 
 #include <cstring>
 #include <unordered_map>
 
-#include "device/host_ops.hpp"
+#include "device/host/host_ops.hpp"
 #include "spillway/core/error.hpp"
 #include "spillway/core/units.hpp"
 #include "spillway/device/device_backend.hpp"
