@@ -43,7 +43,7 @@ struct StreamBenchResult {
   double stall_ms = 0.0;  // per step
   // This machine's memcpy through the host backend's copy engine, measured in the same run
   // (the probe on an unthrottled device, one layer per copy): the ceiling of any emulated
-  // link (Note [The machine is the limit] in spillway/probe.hpp). 0: not measured.
+  // link (Note [The machine is the limit] in spillway/probe/probe.hpp). 0: not measured.
   double memcpy_gbps = 0.0;
   struct Sharded {
     int ranks = 0;

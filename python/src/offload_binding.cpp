@@ -1,7 +1,7 @@
 // The activation offload engine on the socket, driven from Python (spillway.torch's
 // offload_activations): a device (the host backend for CPU tensors, CUDA for GPU ones), the
 // caller's compute stream adopted (Note [Adopted streams]), the engine and its hooks. The
-// adapter calls the hooks in the socket's order (spillway/hooks.hpp) with borrowed memory:
+// adapter calls the hooks in the socket's order (spillway/device/hooks.hpp) with borrowed memory:
 // a torch tensor's storage, which the adapter keeps alive until copies_done() says its copy
 // is complete (never record_stream); reloads land in tensors the adapter allocated.
 #include <nanobind/nanobind.h>
@@ -41,7 +41,7 @@ void* as_ptr(uintptr_t p) {
 }
 
 // Per layer, the saved tensors by name and what happens to each: the engine offloads
-// those marked "offload" (MemoryPolicy, spillway/policy.hpp).
+// those marked "offload" (MemoryPolicy, spillway/core/policy.hpp).
 MemoryPolicy make_policy(
     const std::vector<std::vector<std::pair<std::string, std::string>>>& layers,
     int prefetch_depth) {

@@ -1,4 +1,4 @@
-"""spillway's chat templates (`spillway chat-template`, include/spillway/chat_template.hpp)
+"""spillway's chat templates (`spillway chat-template`, include/spillway/text/chat_template.hpp)
 against transformers' apply_chat_template (jinja2, transformers' environment), byte for byte:
 the 28 published templates of data/chat_templates/ over conversations with and without a
 system prompt, multi-turn, with tools and a tool call's round trip, with and without

@@ -1,4 +1,4 @@
-"""spillway's tokenizer (`spillway tokenize`, include/spillway/tokenizer.hpp) against the
+"""spillway's tokenizer (`spillway tokenize`, include/spillway/text/tokenizer.hpp) against the
 `tokenizers` package, byte for byte: the real tokenizer.json files of data/tokenizers/ (GPT-2,
 Phi-2, Qwen2.5, Phi-3 / Llama 2, Falcon) and tokenizers trained here with the package (byte-level
 and SentencePiece-style BPE with the options real files use), over a corpus of multilingual

@@ -8,7 +8,7 @@ reloaded into memory allocated where it is used. Reloads are prefetched one bloc
 (``prefetch_depth``) when backward reaches a block, from a hook on the block's output.
 
 The engine is the one the C++ reference model drives, through the same hooks
-(spillway/hooks.hpp): ``step_begin``, per block ``forward_begin``/``saved``/``forward_end``,
+(spillway/device/hooks.hpp): ``step_begin``, per block ``forward_begin``/``saved``/``forward_end``,
 in backward ``backward_begin``/``needed``, and ``step_end`` when backward has finished.
 
 OffloadActivations is made of pieces: here its construction, the module hooks (which block
