@@ -47,37 +47,24 @@ void apply_saved_as_run(CostedLayer& c, const std::vector<SavedTensorBytes>& mea
   LayerInventory& inv = c.inv;
   std::vector<char> given(inv.tensors.size(), 0);
   for (const SavedTensorBytes& m : measured) {
-    const int k = inv.find(m.name);
-    if (k >= 0 && inv.tensors[static_cast<size_t>(k)].saved) {
-      TensorInfo& t = inv.tensors[static_cast<size_t>(k)];
-      given[static_cast<size_t>(k)] = 1;
-      // The layer's input is kept by a checkpoint even where autograd saved only a copy.
-      if (t.producer < 0 && m.bytes < t.bytes) continue;
-      t.bytes = m.bytes;
-      t.shape = {m.bytes};
-      t.dtype = "uint8";
-      continue;
+    int k = inv.find(m.name);
+    if (k < 0) {  // unknown to the inventory: a saved tensor of its own
+      TensorInfo t;
+      t.name = m.name;
+      t.producer = producer_of(inv, m.name);
+      k = static_cast<int>(inv.tensors.size());
+      if (t.producer >= 0) inv.ops[static_cast<size_t>(t.producer)].outputs.push_back(k);
+      inv.tensors.push_back(std::move(t));
+      given.push_back(0);
     }
-    if (k >= 0) {  // a transient of the inventory that the model saves: now saved
-      TensorInfo& t = inv.tensors[static_cast<size_t>(k)];
-      t.saved = true;
-      t.bytes = m.bytes;
-      t.shape = {m.bytes};
-      t.dtype = "uint8";
-      given[static_cast<size_t>(k)] = 1;
-      continue;
-    }
-    TensorInfo t;
-    t.name = m.name;
+    TensorInfo& t = inv.tensors[static_cast<size_t>(k)];
+    given[static_cast<size_t>(k)] = 1;
+    // The layer's input is kept by a checkpoint even where autograd saved only a copy.
+    if (t.saved && t.producer < 0 && m.bytes < t.bytes) continue;
+    t.saved = true;  // a transient of the inventory that the model saves is saved
+    t.bytes = m.bytes;
     t.shape = {m.bytes};
     t.dtype = "uint8";
-    t.bytes = m.bytes;
-    t.producer = producer_of(inv, m.name);
-    if (t.producer >= 0)
-      inv.ops[static_cast<size_t>(t.producer)].outputs.push_back(
-          static_cast<int>(inv.tensors.size()));
-    inv.tensors.push_back(std::move(t));
-    given.push_back(1);
   }
   for (size_t i = 0; i < given.size(); ++i) {
     TensorInfo& t = inv.tensors[i];
