@@ -204,6 +204,13 @@ def saved_for(ctx: Context, layers: int) -> Optional[Any]:
     return ctx.saved
 
 
+def saved_per_block(ctx: Context) -> Optional[list[int]]:
+    """What each block of the rows' model saves for the run's batch, as measured."""
+    if ctx.saved is None:
+        return None
+    return [int(b) for b in ctx.saved.totals(ctx.args.micro_batch, ctx.args.seq_len)]
+
+
 def planner_gb(gib: Optional[float]) -> Optional[float]:
     """--hbm-gb is GiB (the cap of set_per_process_memory_fraction); the planner's GB are 1e9."""
     return None if gib is None else gib * 2**30 / 1e9
@@ -1311,6 +1318,7 @@ def write_json(
             "transformers": transformers.__version__,
             "spillway": spillway.__version__,
         },
+        "saved_bytes_per_block": saved_per_block(ctx),
         "hbm_gb": args.hbm_gb,
         "optimizer_hbm_gb": optimizer_cap(args),
         "steps": args.steps,
@@ -1378,7 +1386,8 @@ def run(ctx: Context, t_start: float) -> int:
     )
     print(
         f"planner: hardware {ctx.hardware_label}; {ctx.profile_note}; saved tensors as run "
-        "(measure_saved: Note [A model as PyTorch runs it]), the loss in one chunk"
+        f"(measure_saved: Note [A model as PyTorch runs it]; bytes per block "
+        f"{saved_per_block(ctx)}), the loss in one chunk"
     )
     print()
     print(table(ctx, rows))
